@@ -1,0 +1,171 @@
+"""The base federated-recommendation client: one user, FedNCF (``model = "ncf"``) or FedMF (``model = "mf"``).
+
+Sources: FedNCF — Perifanis & Efraimidis, "Federated Neural Collaborative Filtering", Knowledge-Based Systems 2022;
+FedMF — Chai et al., "Secure Federated Matrix Factorization", IEEE Intelligent Systems 2020 (our FedMF is without its
+homomorphic encryption: updates travel in clear, as in the FedRecGEL and PFedRec comparisons).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.client import NumPyClient
+
+from fedrec_flwr.data import sample_train_negatives
+from fedrec_flwr.runtime import Runtime
+from fedrec_flwr.seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
+from fedrec_flwr.training import LocalTrainer, evaluate_user
+
+STATE_PREFIX = "user:"
+"""``context.state`` key prefix of a user's private record: ``"user:<partition id>"``."""
+
+
+@dataclass
+class UserUpdate:
+    """One user's train result, by name.
+
+    Attributes:
+        dense: dense shared key -> updated value (the score function).
+        rows: item-table key -> ``(rows (T,) int64, values (T, d) float32)``: the rows this user updated.
+        num_examples: examples trained on this round (positives + sampled negatives).
+        loss: mean training loss.
+        metrics: extra scalar metrics for the reply.
+    """
+
+    dense: dict[str, np.ndarray]
+    rows: dict[str, tuple[np.ndarray, np.ndarray]]
+    num_examples: int
+    loss: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class FedRecClient(NumPyClient):
+    """A Flower ``NumPyClient`` for one user: private user embedding, shared item embeddings and score function.
+
+    The user's private parameters live in the node's ``context.state`` under ``"user:<id>"`` (an ``ArrayRecord`` of
+    the model's private state); on the first visit they are initialised from the stream ``(seed, TAG_USER_INIT,
+    user)``. :meth:`fit` trains locally and returns only shared parameters; the private ones are written back to the
+    state and never returned.
+
+    Subclasses (SAM, adversarial unlearning) override :meth:`make_trainer` (the local step) and, when they carry more
+    private state, :meth:`load_private` / :meth:`save_private`.
+
+    Args:
+        runtime: the process's config, split and one-user model (:func:`fedrec_flwr.runtime.get_runtime`).
+        user: the user's index (its partition id when ``users-per-node = 1``).
+        state: the node's ``context.state`` (a ``RecordDict``); a ``NumPyClient`` has no context of its own.
+    """
+
+    def __init__(self, runtime: Runtime, user: int, state: RecordDict) -> None:
+        if not 0 <= user < runtime.split.num_users:
+            raise ValueError(f"user {user} out of range [0, {runtime.split.num_users})")
+        self.runtime = runtime
+        self.user = int(user)
+        self.state = state
+        self.model = runtime.model
+
+    # ------------------------------------------------------------------------------------------------ private state
+    @property
+    def state_key(self) -> str:
+        """This user's key in ``context.state``."""
+        return f"{STATE_PREFIX}{self.user}"
+
+    def load_private(self) -> None:
+        """Load the user's private parameters from the state, or initialise them on the first visit."""
+        record = self.state.array_records.get(self.state_key) if hasattr(self.state, "array_records") else None
+        if record is None:
+            generator = torch_generator(self.runtime.config.seed, TAG_USER_INIT, self.user)
+            self.model.reset_private(generator)
+        else:
+            self.model.load_private_state({k: v.numpy() for k, v in record.items()})
+
+    def save_private(self) -> None:
+        """Write the user's private parameters back to the state (only the user's own node ever holds them)."""
+        arrays = {k: Array(v.detach().cpu().numpy().copy()) for k, v in self.model.private_state().items()}
+        self.state[self.state_key] = ArrayRecord(arrays)
+
+    # ------------------------------------------------------------------------------------------------ hooks
+    def make_trainer(self) -> LocalTrainer:
+        """The local training loop (plain SGD/Adam on BCE or BPR); subclasses return their own ``LocalTrainer``."""
+        return LocalTrainer(self.model, self.runtime.train_config)
+
+    # ------------------------------------------------------------------------------------------------ by name
+    def fit_named(self, shared: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> UserUpdate:
+        """Train on this user's data starting from the server's shared parameters.
+
+        Args:
+            shared: shared key -> array, as in :class:`fedrec_flwr.wire.ModelLayout` (``item_embedding*.weight``
+                ``(num_items, d)`` and the score function).
+            config: needs ``"server-round"`` (int, 1-based).
+
+        Returns:
+            The user's :class:`UserUpdate`; its private parameters are saved to the state, not returned.
+        """
+        server_round = int(config["server-round"])
+        cfg, split = self.runtime.config, self.runtime.split
+        self.model.load_shared_state(dict(shared))
+        self.load_private()
+        positives = split.positives(self.user)
+        negatives = sample_train_negatives(split, self.user, server_round, cfg.num_train_negatives, cfg.seed)
+        generator = torch_generator(cfg.seed, TAG_SHUFFLE, self.user, server_round)
+        result = self.make_trainer().train(0, positives, negatives, generator)
+        self.save_private()
+        state = {k: v.detach().cpu().numpy() for k, v in self.model.shared_state().items()}
+        layout = self.runtime.layout
+        touched = np.asarray(result.touched_items, dtype=np.int64)
+        return UserUpdate(
+            dense={k: state[k] for k in layout.dense_keys},
+            rows={k: (touched, state[k][touched]) for k in layout.item_keys},
+            num_examples=int(result.num_examples),
+            loss=float(result.loss),
+        )
+
+    def evaluate_named(self, shared: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> dict[str, float]:
+        """Rank the user's held-out item among its negatives with the current shared and private parameters.
+
+        Args:
+            shared: as in :meth:`fit_named`.
+            config: ``"split"`` = ``"test"`` (default) or ``"val"`` (needs ``holdout-validation``).
+
+        Returns:
+            ``{"HR@K": 0/1, "NDCG@K": ..., ...}`` for the configured ``ks``.
+        """
+        split = self.runtime.split
+        which = str(config.get("split", "test"))
+        self.model.load_shared_state(dict(shared))
+        self.load_private()
+        if which == "val":
+            if split.val_items is None:
+                raise ValueError("evaluation on 'val' needs holdout-validation = true")
+            target, negatives = split.val_items[self.user], split.val_negatives[self.user]
+        else:
+            target, negatives = split.test_items[self.user], split.test_negatives[self.user]
+        with torch.no_grad():
+            return evaluate_user(self.model, 0, int(target), negatives, ks=self.runtime.config.k_values)
+
+    # ------------------------------------------------------------------------------------------------ NumPyClient
+    def get_parameters(self, config: dict[str, Any]) -> list[np.ndarray]:
+        """The model's shared parameters, in :attr:`ModelLayout.shared_shapes` order."""
+        state = self.model.shared_state()
+        return [state[k].detach().cpu().numpy() for k in self.runtime.layout.shared_shapes]
+
+    def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict]:
+        """NumPyClient form of :meth:`fit_named`: ``parameters`` in layout order; returns the dense shared values
+        in layout order followed by, per item table, its updated rows' values (positional, for legacy callers; the
+        ClientApp uses :meth:`fit_named`)."""
+        shared = dict(zip(self.runtime.layout.shared_shapes, parameters, strict=True))
+        update = self.fit_named(shared, config)
+        out = [update.dense[k] for k in self.runtime.layout.dense_keys]
+        out += [update.rows[k][1] for k in self.runtime.layout.item_keys]
+        return out, update.num_examples, {"train-loss": update.loss}
+
+    def evaluate(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict]:
+        """NumPyClient form of :meth:`evaluate_named`; the returned loss is ``1 - HR@10``-style: ``1 - NDCG@10``."""
+        shared = dict(zip(self.runtime.layout.shared_shapes, parameters, strict=True))
+        metrics = self.evaluate_named(shared, config)
+        return 1.0 - metrics.get("NDCG@10", 0.0), 1, metrics

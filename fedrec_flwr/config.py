@@ -1,0 +1,252 @@
+"""The run configuration: one typed, validated object built once from Flower's ``run_config``.
+
+Every key and its default is declared once, in ``[tool.flwr.app.config]`` of ``pyproject.toml`` (kebab-case, one
+comment per key). This module gives each key its Python type and its constraints, and turns a mapping (Flower's
+``context.run_config``) into a frozen :class:`RunConfig`. Unknown keys, missing keys, ill-typed values and values out of
+range raise :class:`~fedrec_flwr.errors.ConfigError` naming the key and the value.
+
+Outside Flower (tests, notebooks, experiment scripts), :func:`default_run_config` reads the defaults from the project's
+``pyproject.toml`` and :func:`make_run_config` overrides some of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "dataset": ("ml-100k", "filmtrust", "lastfm-2k", "amazon-video", "generic"),
+    "tie-rule": ("random", "fedrecgel", "smallest-item", "largest-item"),
+    "model": ("ncf", "mf"),
+    "loss": ("bce", "bpr"),
+    "optimizer": ("sgd", "adam"),
+}
+
+
+def _key(name: str, *, minimum: float | None = None, maximum: float | None = None, positive: bool = False) -> Any:
+    return field(metadata={"key": name, "min": minimum, "max": maximum, "positive": positive})
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A validated run configuration. Attribute names are the kebab-case keys with ``-`` replaced by ``_``.
+
+    See ``[tool.flwr.app.config]`` in ``pyproject.toml`` for the meaning and default of each key.
+    """
+
+    dataset: str = _key("dataset")
+    data_dir: str = _key("data-dir")
+    cache_dir: str = _key("cache-dir")
+    generic_file: str = _key("generic-file")
+    generic_columns: str = _key("generic-columns")
+    generic_attributes_file: str = _key("generic-attributes-file")
+    min_user_interactions: int = _key("min-user-interactions", minimum=1)
+    tie_rule: str = _key("tie-rule")
+    holdout_validation: bool = _key("holdout-validation")
+    num_test_negatives: int = _key("num-test-negatives", minimum=1)
+    ks: str = _key("ks")
+    model: str = _key("model")
+    embedding_dim: int = _key("embedding-dim", minimum=1)
+    mlp_layers: str = _key("mlp-layers")
+    loss: str = _key("loss")
+    client: str = _key("client")
+    local_epochs: int = _key("local-epochs", minimum=1)
+    batch_size: int = _key("batch-size", minimum=1)
+    learning_rate: float = _key("learning-rate", minimum=0.0)
+    optimizer: str = _key("optimizer")
+    num_train_negatives: int = _key("num-train-negatives", minimum=1)
+    device: str = _key("device")
+    strategy: str = _key("strategy")
+    num_server_rounds: int = _key("num-server-rounds", minimum=1)
+    fraction_train: float = _key("fraction-train", positive=True, maximum=1.0)
+    fraction_evaluate: float = _key("fraction-evaluate", minimum=0.0, maximum=1.0)
+    min_train_fraction: float = _key("min-train-fraction", minimum=0.0, maximum=1.0)
+    eval_every: int = _key("eval-every", minimum=1)
+    round_timeout: float = _key("round-timeout", positive=True)
+    users_per_node: int = _key("users-per-node", minimum=1)
+    seed: int = _key("seed", minimum=0)
+    results_dir: str = _key("results-dir")
+    run_name: str = _key("run-name")
+    extra: Mapping[str, Any] = field(default_factory=dict, metadata={"key": None})
+    """Keys declared by plug-in clients or strategies (see :func:`register_extra_keys`), validated by them."""
+
+    # ------------------------------------------------------------------------------------------------ derived values
+    @property
+    def k_values(self) -> tuple[int, ...]:
+        """The cut-offs of ``ks`` as integers, e.g. ``(5, 10, 20)``."""
+        return _int_list("ks", self.ks)
+
+    @property
+    def mlp_layer_sizes(self) -> tuple[int, ...]:
+        """The NCF tower sizes of ``mlp-layers`` as integers, e.g. ``(64, 32, 16)``."""
+        return _int_list("mlp-layers", self.mlp_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as a kebab-case mapping, the form Flower's ``run_config`` has."""
+        out = {f.metadata["key"]: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata["key"]}
+        out.update(self.extra)
+        return out
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A copy with some keys changed (kebab-case or snake_case names), validated again."""
+        values = self.to_dict()
+        for name, value in changes.items():
+            values[name.replace("_", "-")] = value
+        return RunConfig.from_mapping(values)
+
+    # ------------------------------------------------------------------------------------------------ construction
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> RunConfig:
+        """Validate ``mapping`` (kebab-case keys, e.g. Flower's ``context.run_config``) into a :class:`RunConfig`.
+
+        Raises:
+            ConfigError: a key is unknown or missing, a value has the wrong type, is not one of the allowed
+                choices, or is out of range. The message names the key and the value.
+        """
+        fields = {f.metadata["key"]: f for f in dataclasses.fields(cls) if f.metadata["key"]}
+        unknown = sorted(set(mapping) - set(fields) - set(_EXTRA_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"unknown run-config key(s) {unknown}; valid keys: {sorted(set(fields) | set(_EXTRA_KEYS))}"
+            )
+        missing = sorted(set(fields) - set(mapping))
+        if missing:
+            raise ConfigError(f"run-config key(s) {missing} missing (declare them in [tool.flwr.app.config])")
+        values: dict[str, Any] = {}
+        for key, f in fields.items():
+            values[f.name] = _coerce(key, mapping[key], f.type, f.metadata)
+        extra = {key: mapping[key] for key in _EXTRA_KEYS if key in mapping}
+        config = cls(**values, extra=extra)
+        config._check_relations()
+        return config
+
+    def _check_relations(self) -> None:
+        for key in ("dataset", "tie-rule", "model", "loss", "optimizer"):
+            value = getattr(self, key.replace("-", "_"))
+            if value not in _CHOICES[key]:
+                raise ConfigError(f"run-config key '{key}' = {value!r}: must be one of {list(_CHOICES[key])}")
+        ks = self.k_values
+        if not ks:
+            raise ConfigError("run-config key 'ks' = '': give at least one cut-off, e.g. \"5,10,20\"")
+        if max(ks) > self.num_test_negatives + 1:
+            raise ConfigError(
+                f"run-config key 'ks' = {self.ks!r}: K may not exceed the {self.num_test_negatives + 1} ranked candidates"
+            )
+        if self.model == "ncf":
+            self.mlp_layer_sizes  # noqa: B018 - validates
+        if self.dataset == "generic" and not self.generic_file:
+            raise ConfigError("run-config key 'generic-file' is empty but dataset = 'generic' needs it")
+        if not (self.device in ("cpu", "cuda", "auto") or self.device.startswith("cuda:")):
+            raise ConfigError(f"run-config key 'device' = {self.device!r}: must be cpu, cuda, cuda:N or auto")
+        if not self.client or not self.strategy:
+            raise ConfigError("run-config keys 'client' and 'strategy' must name a registered entry or module:Class")
+
+
+# Keys that plug-ins (later client algorithms and strategies) add; each is validated by its owner.
+_EXTRA_KEYS: dict[str, str] = {}
+
+
+def register_extra_keys(owner: str, keys: Mapping[str, str]) -> None:
+    """Let a plug-in (client algorithm or strategy) declare its own run-config keys.
+
+    Args:
+        owner: who owns the keys (for error messages).
+        keys: kebab-case key -> one-line meaning. The plug-in validates the values itself.
+    """
+    for key, meaning in keys.items():
+        _EXTRA_KEYS[key] = f"{owner}: {meaning}"
+
+
+def _int_list(key: str, text: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        raise ConfigError(f"run-config key '{key}' = {text!r}: expected comma-separated integers") from None
+    if any(v <= 0 for v in values):
+        raise ConfigError(f"run-config key '{key}' = {text!r}: every value must be a positive integer")
+    return values
+
+
+def _coerce(key: str, value: Any, annotation: Any, meta: Mapping[str, Any]) -> Any:
+    type_name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    if type_name == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"run-config key '{key}' = {value!r}: expected true or false")
+        return value
+    if type_name == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            else:
+                raise ConfigError(f"run-config key '{key}' = {value!r}: expected an integer")
+    elif type_name == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"run-config key '{key}' = {value!r}: expected a number")
+        value = float(value)
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(f"run-config key '{key}' = {value!r}: expected a finite number")
+    elif type_name == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"run-config key '{key}' = {value!r}: expected a string")
+        return value
+    if meta.get("min") is not None and value < meta["min"]:
+        raise ConfigError(f"run-config key '{key}' = {value!r}: must be >= {meta['min']}")
+    if meta.get("max") is not None and value > meta["max"]:
+        raise ConfigError(f"run-config key '{key}' = {value!r}: must be <= {meta['max']}")
+    if meta.get("positive") and not value > 0:
+        raise ConfigError(f"run-config key '{key}' = {value!r}: must be > 0")
+    return value
+
+
+def find_pyproject() -> Path:
+    """Locate the project's ``pyproject.toml``: ``$FEDREC_FLWR_PYPROJECT``, else the folder above the package.
+
+    Raises:
+        ConfigError: no ``pyproject.toml`` with a ``[tool.flwr.app.config]`` table was found.
+    """
+    env = os.environ.get("FEDREC_FLWR_PYPROJECT")
+    candidates = [Path(env)] if env else []
+    candidates.append(Path(__file__).resolve().parents[1] / "pyproject.toml")
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise ConfigError(
+        f"cannot find pyproject.toml with the run-config defaults (looked at {[str(c) for c in candidates]}); "
+        "set FEDREC_FLWR_PYPROJECT to its path"
+    )
+
+
+def default_mapping(pyproject: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The defaults of ``[tool.flwr.app.config]`` as a kebab-case mapping."""
+    path = Path(pyproject) if pyproject else find_pyproject()
+    with open(path, "rb") as handle:
+        data = tomllib.load(handle)
+    try:
+        return dict(data["tool"]["flwr"]["app"]["config"])
+    except KeyError:
+        raise ConfigError(f"{path}: no [tool.flwr.app.config] table") from None
+
+
+def default_run_config(pyproject: str | os.PathLike | None = None) -> RunConfig:
+    """The validated defaults from ``pyproject.toml``."""
+    return RunConfig.from_mapping(default_mapping(pyproject))
+
+
+def make_run_config(**overrides: Any) -> RunConfig:
+    """The defaults with some keys overridden; keyword names may use ``_`` for ``-``.
+
+    Example:
+        ``make_run_config(dataset="filmtrust", num_server_rounds=5)``
+    """
+    mapping = default_mapping()
+    for name, value in overrides.items():
+        mapping[name.replace("_", "-")] = value
+    return RunConfig.from_mapping(mapping)

@@ -1,0 +1,375 @@
+"""Readers of the raw interaction files: one function per dataset, plus the user's own CSV/TSV.
+
+Every reader returns an :class:`Interactions` whose ``frame`` has one row per (user, item) pair. Files are parsed
+with pandas; every cell is first read as text, so a bad value is reported with its file, 1-based line number,
+column and value (:class:`~fedrec_flwr.errors.DataError`) instead of a pandas traceback.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from fedrec_flwr.data.download import SourceFiles, combine_sha256, locate_files, sha256_file
+from fedrec_flwr.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
+
+#: Dataset names :func:`load_interactions` and :func:`~fedrec_flwr.data.load_split` accept.
+DATASETS: tuple[str, ...] = ("ml-100k", "filmtrust", "lastfm-2k", "amazon-video", "generic")
+
+#: Files each built-in loader reads, in read order (the order of ``source_sha256``).
+DATASET_FILES: dict[str, list[str]] = {
+    "ml-100k": ["u.data", "u.user"],
+    "filmtrust": ["ratings.txt"],
+    "lastfm-2k": ["user_artists.dat"],
+    "amazon-video": ["ratings.dat"],
+}
+
+FRAME_COLUMNS = ("user", "item", "rating", "timestamp", "row")
+
+
+@dataclass(frozen=True)
+class GenericSource:
+    """The user's own interactions file (CSV/TSV/...), for dataset ``"generic"``.
+
+    Attributes:
+        path: interactions file.
+        user_col, item_col: column name (``header=True``) or 0-based column index (``header=False``).
+        rating_col, timestamp_col: optional numeric columns; timestamps in any monotone unit (e.g. unix seconds).
+        sep: field separator; ``None`` sniffs ``,`` ``\\t`` ``;`` ``|`` from the first lines, else whitespace.
+        header: whether the first line holds column names.
+        attributes_path: optional user-attributes file, with a header line; one row per user.
+        attributes_user_col: the column of ``attributes_path`` holding the raw user id.
+    """
+
+    path: str
+    user_col: str | int
+    item_col: str | int
+    rating_col: str | int | None = None
+    timestamp_col: str | int | None = None
+    sep: str | None = None
+    header: bool = True
+    attributes_path: str | None = None
+    attributes_user_col: str = "user"
+
+
+def _empty_pairs() -> np.ndarray:
+    return np.zeros((0, 2), dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Interactions:
+    """Raw interactions of one dataset, before preprocessing.
+
+    Attributes:
+        frame: one row per (user, item) after deduplication, in file order, with columns ``user`` (str raw id),
+            ``item`` (str raw id), ``rating`` (float64, NaN if the file has none), ``timestamp`` (float64, NaN if
+            the file has none) and ``row`` (int64, 0-based index of the data row in the file, header excluded).
+        attributes: user attributes indexed by raw user id (str), or None.
+        source_sha256: sha256 over the files read, in read order (for generic data it also covers the parse
+            options, so two column choices on one file never share a cache entry).
+        name: dataset name.
+        duplicate_rows: (d, 2) int64 ``[dropped_row, kept_row]`` file-row pairs of removed duplicate
+            (user, item) rows; ``len(duplicate_rows)`` is the number of duplicates removed. Kept so that
+            preprocessing can reproduce procedures defined on the raw rows (FedRecGEL's synthetic timestamps).
+    """
+
+    frame: pd.DataFrame
+    attributes: pd.DataFrame | None
+    source_sha256: str
+    name: str
+    duplicate_rows: np.ndarray = field(default_factory=_empty_pairs)
+
+    @property
+    def duplicates_removed(self) -> int:
+        """Number of duplicate (user, item) rows dropped when loading."""
+        return int(len(self.duplicate_rows))
+
+
+def default_cache_dir() -> Path:
+    """Cache folder: ``$FEDREC_FLWR_CACHE`` if set, else ``~/.cache/fedrec-flwr``."""
+    env = os.environ.get("FEDREC_FLWR_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fedrec-flwr"
+
+
+def check_dataset_args(dataset: str, generic: GenericSource | None) -> None:
+    """Raise :class:`ConfigError` for an unknown dataset or a ``generic`` mismatch."""
+    if dataset not in DATASETS:
+        raise ConfigError(f"unknown dataset {dataset!r}; choose one of {list(DATASETS)}")
+    if dataset == "generic" and generic is None:
+        raise ConfigError("dataset 'generic' needs generic=GenericSource(path=..., user_col=..., item_col=...)")
+    if dataset != "generic" and generic is not None:
+        raise ConfigError(f"generic= is only used with dataset 'generic', not {dataset!r}")
+
+
+def locate_source(
+    dataset: str,
+    data_dir: str | os.PathLike | None = None,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    generic: GenericSource | None = None,
+    download: bool = True,
+) -> SourceFiles:
+    """Find (downloading if needed) and hash the files :func:`load_interactions` would read.
+
+    Raises: ConfigError (bad arguments), DataError (missing file, failed or mismatching download).
+    """
+    check_dataset_args(dataset, generic)
+    if dataset == "generic":
+        assert generic is not None
+        paths = {"interactions": Path(generic.path)}
+        if generic.attributes_path is not None:
+            paths["attributes"] = Path(generic.attributes_path)
+        for path in paths.values():
+            if not path.is_file():
+                raise DataError(f"generic dataset: file {str(path)!r} not found")
+        digests = {k: sha256_file(p) for k, p in paths.items()}
+        options = {k: repr(v) for k, v in vars(generic).items() if k not in ("path", "attributes_path")}
+        return SourceFiles(dataset, paths, digests, combine_sha256({**digests, **options}))
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return locate_files(dataset, DATASET_FILES[dataset], data_dir, cache, download=download)
+
+
+def load_interactions(
+    dataset: str,
+    data_dir: str | os.PathLike | None = None,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    generic: GenericSource | None = None,
+    download: bool = True,
+) -> Interactions:
+    """Read the raw interactions of ``dataset`` (one of :data:`DATASETS`).
+
+    Files are taken from ``data_dir`` (the dataset folder or its parent), else from ``cache_dir/raw/<name>/``
+    (downloaded and sha256-verified on first use when ``download``); ``generic`` describes a ``"generic"`` file.
+    Formats: see each dataset's SOURCE.md. Duplicate (user, item) rows keep the row with the latest timestamp,
+    else the first; their number is logged and kept in :attr:`Interactions.duplicates_removed`.
+
+    Raises:
+        ConfigError: unknown dataset, or ``generic`` given/missing wrongly.
+        DataError: missing/empty file, missing column, non-numeric rating or timestamp (file, line, value).
+    """
+    source = locate_source(dataset, data_dir, cache_dir=cache_dir, generic=generic, download=download)
+    return read_interactions(source, generic)
+
+
+def read_interactions(source: SourceFiles, generic: GenericSource | None = None) -> Interactions:
+    """Parse the files of an already located source (see :func:`locate_source`)."""
+    name, paths = source.name, source.paths
+    attributes = None
+    if name == "ml-100k":
+        table = _read_table(paths["u.data"], sep="\t", header=False)
+        frame = _build_frame(table, paths["u.data"], user=0, item=1, rating=2, timestamp=3, expect_cols=4)
+        users = _read_table(paths["u.user"], sep="|", header=False)
+        attributes = _ml100k_attributes(users, paths["u.user"])
+    elif name == "filmtrust":
+        table = _read_table(paths["ratings.txt"], sep=r"\s+", header=False)
+        frame = _build_frame(table, paths["ratings.txt"], user=0, item=1, rating=2, timestamp=None, expect_cols=3)
+    elif name == "lastfm-2k":
+        table = _read_table(paths["user_artists.dat"], sep="\t", header=True)
+        # The listening count is not a rating: every row is a positive; the weight is kept in ``rating``.
+        frame = _build_frame(table, paths["user_artists.dat"], user="userID", item="artistID", rating="weight",
+                             timestamp=None)
+    elif name == "amazon-video":
+        table = _read_table(paths["ratings.dat"], sep=",", header=False)
+        frame = _build_frame(table, paths["ratings.dat"], user=0, item=1, rating=2, timestamp=3, expect_cols=4)
+    elif name == "generic":
+        if generic is None:
+            raise ConfigError("dataset 'generic' needs generic=GenericSource(...)")
+        path = paths["interactions"]
+        sep = generic.sep if generic.sep is not None else sniff_separator(path)
+        table = _read_table(path, sep=sep, header=generic.header)
+        frame = _build_frame(table, path, user=generic.user_col, item=generic.item_col,
+                             rating=generic.rating_col, timestamp=generic.timestamp_col)
+        if "attributes" in paths:
+            apath = paths["attributes"]
+            atable = _read_table(apath, sep=sniff_separator(apath), header=True)
+            attributes = _generic_attributes(atable, apath, generic.attributes_user_col)
+    else:  # pragma: no cover - check_dataset_args guards this
+        raise ConfigError(f"unknown dataset {name!r}")
+    first_file = next(iter(paths.values()))
+    frame, duplicate_rows = _deduplicate(frame, first_file)
+    return Interactions(frame, attributes, source.combined_sha256, name, duplicate_rows)
+
+
+def load_item_titles(
+    data_dir: str | os.PathLike | None = None,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    download: bool = True,
+) -> pd.Series:
+    """MovieLens-100K movie titles from ``u.item`` (ISO-8859-1 text, read with ``encoding="latin-1"``).
+
+    Returns: str Series named ``title``, indexed by raw item id (str), in file order.
+    Raises: DataError if ``u.item`` is missing or malformed.
+    """
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    source = locate_files("ml-100k", ["u.item"], data_dir, cache, download=download)
+    path = source.paths["u.item"]
+    table = _read_table(path, sep="|", header=False, encoding="latin-1")
+    if table.df.shape[1] < 2:
+        raise DataError(f"{path}: expected '|'-separated 'movie_id|title|...' rows, found {table.df.shape[1]} column")
+    ids = _id_column(table, path, 0, "movie_id")
+    return pd.Series(table.df[1].to_numpy(dtype=str), index=pd.Index(ids, name="item"), name="title")
+
+
+# --------------------------------------------------------------------------------------------------- parsing
+
+
+@dataclass(frozen=True)
+class _Table:
+    df: pd.DataFrame  # every cell str, '' when missing
+    lines: np.ndarray  # (len(df),) int64, 1-based line number of each row in the file
+
+
+def sniff_separator(path: str | os.PathLike) -> str:
+    """Guess the separator of a text table from its first lines: one of ``, \\t ; |``, else whitespace."""
+    with open(path, encoding="utf-8", errors="replace", newline="") as handle:
+        sample = "".join(handle.readline() for _ in range(20))
+    try:
+        return csv.Sniffer().sniff(sample, delimiters=",\t;|").delimiter
+    except csv.Error:
+        return r"\s+"
+
+
+def _read_table(path: Path, *, sep: str, header: bool, encoding: str = "utf-8") -> _Table:
+    """Read a text table with every cell as str; blank lines are dropped but counted in ``lines``."""
+    if not Path(path).is_file():
+        raise DataError(f"file {str(path)!r} not found")
+    if Path(path).stat().st_size == 0:
+        raise DataError(f"{path}: file is empty")
+    try:
+        df = pd.read_csv(path, sep=sep, header=0 if header else None, dtype=str, na_filter=False,
+                         skip_blank_lines=False, encoding=encoding, engine="c")
+    except pd.errors.EmptyDataError:
+        raise DataError(f"{path}: file is empty (no rows)") from None
+    except pd.errors.ParserError as exc:
+        raise DataError(f"{path}: cannot parse as a {sep!r}-separated table: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not valid {encoding} text at byte {exc.start}: {exc.reason}") from None
+    if header:
+        df.columns = [str(c).strip() for c in df.columns]
+    lines = np.arange(len(df), dtype=np.int64) + (2 if header else 1)
+    blank = (df == "").all(axis=1).to_numpy() if df.shape[1] else np.ones(len(df), bool)
+    if blank.any():
+        df = df.loc[~blank].reset_index(drop=True)
+        lines = lines[~blank]
+    if len(df) == 0:
+        raise DataError(f"{path}: file has no data rows")
+    return _Table(df, lines)
+
+
+def _column_key(table: _Table, path: Path, col: str | int, role: str) -> str | int:
+    df = table.df
+    if isinstance(col, (int, np.integer)) and not isinstance(col, bool):
+        if 0 <= int(col) < df.shape[1]:
+            return df.columns[int(col)]
+        raise DataError(f"{path}: {role} column index {col} out of range: the file has {df.shape[1]} columns")
+    if col not in df.columns:
+        raise DataError(f"{path}: {role} column {col!r} not found; columns are {[str(c) for c in df.columns]}")
+    return col
+
+
+def _id_column(table: _Table, path: Path, col: str | int, role: str) -> np.ndarray:
+    key = _column_key(table, path, col, role)
+    values = table.df[key].str.strip()
+    empty = (values == "").to_numpy()
+    if empty.any():
+        i = int(np.flatnonzero(empty)[0])
+        raise DataError(f"{path}, line {table.lines[i]}: {role} column {col!r} is empty")
+    return values.to_numpy(dtype=object).astype(str)
+
+
+def _numeric_column(table: _Table, path: Path, col: str | int, role: str) -> np.ndarray:
+    key = _column_key(table, path, col, role)
+    raw = table.df[key].str.strip()
+    values = pd.to_numeric(raw, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+    bad = ~np.isfinite(values)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise DataError(
+            f"{path}, line {table.lines[i]}: {role} column {col!r} has non-numeric value {raw.iloc[i]!r}"
+        )
+    return values
+
+
+def _build_frame(table: _Table, path: Path, *, user, item, rating, timestamp, expect_cols: int | None = None):
+    if expect_cols is not None and table.df.shape[1] != expect_cols:
+        raise DataError(f"{path}: expected {expect_cols} columns per line, found {table.df.shape[1]}")
+    n = len(table.df)
+    frame = pd.DataFrame({
+        "user": pd.array(_id_column(table, path, user, "user"), dtype="str"),
+        "item": pd.array(_id_column(table, path, item, "item"), dtype="str"),
+        "rating": _numeric_column(table, path, rating, "rating") if rating is not None else np.full(n, np.nan),
+        "timestamp": (_numeric_column(table, path, timestamp, "timestamp") if timestamp is not None
+                      else np.full(n, np.nan)),
+        "row": np.arange(n, dtype=np.int64),
+    })
+    return frame
+
+
+def _deduplicate(frame: pd.DataFrame, path: Path) -> tuple[pd.DataFrame, np.ndarray]:
+    """Keep one row per (user, item): the latest timestamp, else the first; return (frame, [dropped, kept])."""
+    order = frame.sort_values(["timestamp", "row"], ascending=[False, True], kind="stable", na_position="last")
+    dup = order.duplicated(["user", "item"], keep="first")
+    if not dup.any():
+        return frame, _empty_pairs()
+    kept_row = order.groupby(["user", "item"], sort=False)["row"].transform("first")
+    pairs = np.stack([order.loc[dup, "row"].to_numpy(np.int64), kept_row[dup].to_numpy(np.int64)], axis=1)
+    pairs = pairs[np.argsort(pairs[:, 0], kind="stable")]
+    logger.info("%s: removed %d duplicate (user, item) rows (kept the latest, else the first)", path, len(pairs))
+    kept = frame.loc[~dup.reindex(frame.index).to_numpy()].reset_index(drop=True)
+    return kept, pairs
+
+
+def _ml100k_attributes(table: _Table, path: Path) -> pd.DataFrame:
+    if table.df.shape[1] != 5:
+        raise DataError(f"{path}: expected 5 '|'-separated fields (id|age|gender|occupation|zip), "
+                        f"found {table.df.shape[1]}")
+    ids = _id_column(table, path, 0, "user id")
+    age = _numeric_column(table, path, 1, "age")
+    if not np.all(age == np.round(age)):
+        i = int(np.flatnonzero(age != np.round(age))[0])
+        raise DataError(f"{path}, line {table.lines[i]}: age {age[i]!r} is not an integer")
+    out = pd.DataFrame({
+        "gender": _id_column(table, path, 2, "gender"),
+        "age": age.astype(np.int64),
+        "occupation": _id_column(table, path, 3, "occupation"),
+    }, index=pd.Index(ids, name="user"))
+    _check_unique_index(out, path, table)
+    return out
+
+
+def _generic_attributes(table: _Table, path: Path, user_col: str) -> pd.DataFrame:
+    ids = _id_column(table, path, user_col, "attributes user")
+    columns = {}
+    for col in table.df.columns:
+        if col == user_col:
+            continue
+        raw = table.df[col].str.strip()
+        empty = (raw == "").to_numpy()
+        if empty.any():
+            i = int(np.flatnonzero(empty)[0])
+            raise DataError(f"{path}, line {table.lines[i]}: attribute column {col!r} is empty")
+        numeric = pd.to_numeric(raw, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+        if np.isfinite(numeric).all():
+            columns[str(col)] = numeric.astype(np.int64) if np.all(numeric == np.round(numeric)) else numeric
+        else:
+            columns[str(col)] = raw.to_numpy(dtype=object).astype(str)
+    out = pd.DataFrame(columns, index=pd.Index(ids, name="user"))
+    _check_unique_index(out, path, table)
+    return out
+
+
+def _check_unique_index(frame: pd.DataFrame, path: Path, table: _Table) -> None:
+    dup = frame.index.duplicated()
+    if dup.any():
+        i = int(np.flatnonzero(dup)[0])
+        raise DataError(f"{path}, line {table.lines[i]}: user {frame.index[i]!r} appears more than once")

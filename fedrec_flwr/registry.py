@@ -1,0 +1,69 @@
+"""Name -> class registries for client algorithms and strategies, plus ``module:Class`` plug-ins.
+
+A run config names its client algorithm (``client``) and server strategy (``strategy``) either by a registered name or
+as any importable ``"package.module:ClassName"``, so a new algorithm plugs in without editing this package::
+
+    flwr run . --run-config "strategy='experiments.example_strategy:ServerLrItemFedAvg'"
+
+Registered names map to ``"module:Class"`` strings, imported on first use (so importing the registry stays cheap).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .errors import ConfigError
+
+CLIENTS: dict[str, str] = {
+    "fedrec": "clients.fedrec:FedRecClient",
+}
+"""Client algorithms (``flwr.client.NumPyClient`` subclasses taking ``(runtime, user, state)``)."""
+
+STRATEGIES: dict[str, str] = {
+    "item-fedavg": "strategies.item_fedavg:ItemEmbeddingFedAvg",
+}
+"""Server strategies (``flwr.serverapp.strategy.Strategy`` subclasses with a ``from_run_config`` class method)."""
+
+
+def register(kind: str, name: str, target: str) -> None:
+    """Register ``target`` (``"module:Class"``) under ``name`` in the ``"client"`` or ``"strategy"`` registry."""
+    _table(kind)[name] = target
+
+
+def resolve(kind: str, spec: str) -> type[Any]:
+    """The class a registry name or ``"module:Class"`` spec denotes.
+
+    Args:
+        kind: ``"client"`` or ``"strategy"`` (names the run-config key in errors).
+        spec: a registered name, or ``"dotted.module:ClassName"``.
+
+    Raises:
+        ConfigError: the name is not registered, the module cannot be imported, or it has no such class.
+    """
+    table = _table(kind)
+    target = table.get(spec, spec)
+    if ":" not in target:
+        raise ConfigError(
+            f"run-config key '{kind}' = {spec!r}: not a registered {kind} ({sorted(table)}) nor 'module:Class'"
+        )
+    module_name, _, class_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(f"run-config key '{kind}' = {spec!r}: cannot import module '{module_name}': {err}") from err
+    try:
+        cls = getattr(module, class_name)
+    except AttributeError:
+        raise ConfigError(f"run-config key '{kind}' = {spec!r}: module '{module_name}' has no '{class_name}'") from None
+    if not isinstance(cls, type):
+        raise ConfigError(f"run-config key '{kind}' = {spec!r}: '{target}' is not a class")
+    return cls
+
+
+def _table(kind: str) -> dict[str, str]:
+    if kind == "client":
+        return CLIENTS
+    if kind == "strategy":
+        return STRATEGIES
+    raise ValueError(f"unknown registry kind {kind!r}; use 'client' or 'strategy'")

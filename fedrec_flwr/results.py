@@ -1,0 +1,118 @@
+"""The results folder of a run: config, per-round metrics (CSV and JSON), final shared arrays, learning-curve PNG.
+
+Every file is written atomically (:mod:`fedrec_flwr.io`), so an interrupted run leaves complete files from its last
+finished round, never half-written ones.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .io import atomic_save_npz, atomic_write_bytes, atomic_write_json, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+PROGRESS = logging.getLogger("fedrec_flwr.progress")
+"""Logger of the one-line-per-round progress report."""
+
+
+class RunRecorder:
+    """Collects one row per round and keeps the results folder up to date.
+
+    Args:
+        folder: the run's results folder (created).
+        run_config: the validated config as a kebab-case mapping (written to ``config.json``).
+        info: extra facts to record (dataset statistics and preprocessing, e.g. the tie rule).
+    """
+
+    def __init__(self, folder: str | Path, run_config: Mapping[str, Any], info: Mapping[str, Any]) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict[str, Any]] = []
+        self._last = time.monotonic()
+        self._start = self._last
+        atomic_write_json(self.folder / "config.json", {"run-config": dict(run_config), **dict(info)})
+
+    def record(self, server_round: int, train: Mapping[str, float], evaluate: Mapping[str, float]) -> dict:
+        """Add the row of one finished round, log its progress line, and rewrite the metrics files."""
+        now = time.monotonic()
+        row: dict[str, Any] = {"round": server_round, "seconds": round(now - self._last, 3)}
+        self._last = now
+        row.update({k: float(v) for k, v in train.items()})
+        row.update({k: float(v) for k, v in evaluate.items()})
+        self.rows.append(row)
+        hr, ndcg = evaluate.get("HR@10"), evaluate.get("NDCG@10")
+        PROGRESS.info(
+            "round %4d | HR@10 %s | NDCG@10 %s | train loss %.4f | %.1f s",
+            server_round,
+            f"{hr:.4f}" if hr is not None else "   -  ",
+            f"{ndcg:.4f}" if ndcg is not None else "   -  ",
+            float(train.get("train-loss", math.nan)),
+            row["seconds"],
+        )
+        self.write_metrics()
+        return row
+
+    def write_metrics(self) -> None:
+        """Write ``metrics.csv`` and ``metrics.json`` (all rounds so far)."""
+        columns: list[str] = []
+        for row in self.rows:
+            columns += [c for c in row if c not in columns]
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(self.rows)
+        atomic_write_text(self.folder / "metrics.csv", buffer.getvalue())
+        atomic_write_json(self.folder / "metrics.json", self.rows)
+
+    def finish(self, arrays: Mapping[str, np.ndarray], summary: Mapping[str, Any]) -> Path:
+        """Write the final shared arrays, the summary and the learning-curve plot; returns the folder."""
+        atomic_save_npz(self.folder / "final_arrays.npz", **{k.replace("/", "_"): v for k, v in arrays.items()})
+        evaluated = [r for r in self.rows if "HR@10" in r]
+        final = dict(evaluated[-1]) if evaluated else {}
+        atomic_write_json(
+            self.folder / "summary.json",
+            {"final": final, "total-seconds": round(time.monotonic() - self._start, 3), **dict(summary)},
+        )
+        plot_learning_curves(self.rows, self.folder / "learning_curves.png")
+        return self.folder
+
+
+def plot_learning_curves(rows: list[Mapping[str, Any]], path: str | Path, title: str = "") -> None:
+    """Plot HR@10 and NDCG@10 (evaluated rounds) and the train loss (every round) against the round, to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    evaluated = [r for r in rows if "HR@10" in r]
+    if evaluated:
+        rounds = [r["round"] for r in evaluated]
+        left.plot(rounds, [r["HR@10"] for r in evaluated], marker="o", label="HR@10")
+        left.plot(rounds, [r["NDCG@10"] for r in evaluated], marker="s", label="NDCG@10")
+    left.set_xlabel("round")
+    left.set_ylabel("metric on held-out items")
+    left.grid(alpha=0.3)
+    left.legend()
+    trained = [r for r in rows if "train-loss" in r]
+    right.plot([r["round"] for r in trained], [r["train-loss"] for r in trained], color="tab:red")
+    right.set_xlabel("round")
+    right.set_ylabel("mean local train loss")
+    right.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())

@@ -1,0 +1,153 @@
+"""Per-process objects both apps need: the validated config, the dataset split, and the model template.
+
+Flower runs many nodes' messages in one worker process (a Ray actor in simulation, a SuperNode's ClientApp process in
+deployment); building the split and the model once per process per configuration keeps a message cheap. Nothing
+here holds per-user state: that lives in each node's ``context.state``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .config import RunConfig
+from .data import GenericSource, Split, load_split
+from .errors import ConfigError
+from .models import RecModel, build_model
+from .seeding import TAG_MODEL_INIT
+from .training import LocalTrainConfig
+from .wire import ModelLayout
+
+log = logging.getLogger(__name__)
+
+_SPLIT_CACHE: dict[tuple, Split] = {}
+_LOCK = threading.Lock()
+
+
+def load_split_for(config: RunConfig) -> Split:
+    """Load (once per process) the split the config describes.
+
+    Raises:
+        DataError: the dataset's files are missing or malformed (see :func:`fedrec_flwr.data.load_split`).
+    """
+    key = (
+        config.dataset, config.data_dir, config.cache_dir, config.generic_file, config.generic_columns,
+        config.generic_attributes_file, config.min_user_interactions, config.tie_rule, config.seed,
+        config.num_test_negatives, config.holdout_validation,
+    )
+    with _LOCK:
+        if key not in _SPLIT_CACHE:
+            _SPLIT_CACHE[key] = load_split(
+                config.dataset,
+                config.data_dir or None,
+                cache_dir=config.cache_dir or None,
+                generic=generic_source(config),
+                min_user_interactions=config.min_user_interactions,
+                tie_rule=config.tie_rule,
+                seed=config.seed,
+                num_test_negatives=config.num_test_negatives,
+                holdout_validation=config.holdout_validation,
+            )
+        return _SPLIT_CACHE[key]
+
+
+def generic_source(config: RunConfig) -> GenericSource | None:
+    """The :class:`GenericSource` of ``dataset = "generic"`` (``None`` for the named datasets)."""
+    if config.dataset != "generic":
+        return None
+    columns = [c.strip() for c in config.generic_columns.split(",")]
+    if len(columns) < 2 or len(columns) > 4 or not all(columns[:2]):
+        raise ConfigError(
+            f"run-config key 'generic-columns' = {config.generic_columns!r}: give user,item[,rating[,timestamp]]"
+        )
+    columns += [""] * (4 - len(columns))
+    return GenericSource(
+        path=config.generic_file,
+        user_col=columns[0],
+        item_col=columns[1],
+        rating_col=columns[2] or None,
+        timestamp_col=columns[3] or None,
+        attributes_path=config.generic_attributes_file or None,
+    )
+
+
+def build_shared_model(config: RunConfig, num_items: int, num_users: int = 1) -> RecModel:
+    """The configured model with ``num_users`` user rows, shared parameters initialised from the run's seed.
+
+    Every process that calls this with the same config gets bit-identical shared parameters.
+    """
+    return build_model(
+        config.model,
+        num_users=num_users,
+        num_items=num_items,
+        embedding_dim=config.embedding_dim,
+        mlp_layers=config.mlp_layer_sizes,
+        seed=config.seed * 1000 + TAG_MODEL_INIT,
+    )
+
+
+def local_train_config(config: RunConfig) -> LocalTrainConfig:
+    """The local-training part of the run config."""
+    return LocalTrainConfig(
+        local_epochs=config.local_epochs,
+        batch_size=config.batch_size,
+        learning_rate=config.learning_rate,
+        num_train_negatives=config.num_train_negatives,
+        loss=config.loss,
+        optimizer=config.optimizer,
+        device=config.device,
+    )
+
+
+@dataclass
+class Runtime:
+    """What a worker process holds for one configuration: config, split, a one-user model and its layout."""
+
+    config: RunConfig
+    split: Split
+    model: RecModel
+    layout: ModelLayout
+    train_config: LocalTrainConfig
+
+
+_RUNTIMES: dict[tuple, Runtime] = {}
+
+
+def get_runtime(run_config: Mapping[str, Any]) -> Runtime:
+    """The process-wide :class:`Runtime` for Flower's ``run_config`` (validated once, cached)."""
+    key = tuple(sorted((k, repr(v)) for k, v in run_config.items()))
+    runtime = _RUNTIMES.get(key)
+    if runtime is None:
+        config = RunConfig.from_mapping(run_config)
+        split = load_split_for(config)
+        model = build_shared_model(config, split.num_items)
+        runtime = Runtime(config, split, model, ModelLayout.from_model(model), local_train_config(config))
+        _RUNTIMES[key] = runtime
+    return runtime
+
+
+def node_users(config: RunConfig, node_config: Mapping[str, Any], num_users: int) -> range:
+    """The contiguous block of users one node serves: ``partition-id * users-per-node`` onwards.
+
+    Raises:
+        ConfigError: ``partition-id`` is missing, not an integer, or out of range for the dataset.
+    """
+    if "partition-id" not in node_config:
+        raise ConfigError(
+            "node config has no 'partition-id' (start the SuperNode with "
+            "--node-config \"partition-id=<i> num-partitions=<N>\")"
+        )
+    pid = node_config["partition-id"]
+    if isinstance(pid, bool) or not isinstance(pid, int):
+        raise ConfigError(f"node config 'partition-id' = {pid!r}: expected an integer")
+    upn = config.users_per_node
+    num_nodes = -(-num_users // upn)
+    if not 0 <= pid < num_nodes:
+        raise ConfigError(
+            f"node config 'partition-id' = {pid} is out of range: {config.dataset} has {num_users} users, "
+            f"users-per-node = {upn}, so partition ids run 0..{num_nodes - 1}"
+        )
+    return range(pid * upn, min((pid + 1) * upn, num_users))

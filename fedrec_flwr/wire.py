@@ -1,0 +1,243 @@
+"""What travels between ServerApp and ClientApp: the named-array key scheme, and the exact sum-and-count algebra.
+
+Key scheme (one ``ArrayRecord`` under the key ``"arrays"`` in every message; arrays travel by name, never by position):
+
+* **Server -> client** (train and evaluate): one array per shared parameter, keyed by the model's shared-state key,
+  e.g. ``"item_embedding_gmf.weight"`` ``(num_items, d)``, ``"mlp.0.weight"``, ``"output.bias"``. Never a private key.
+* **Client -> server** (train reply), for a node that trained users ``S`` this round:
+
+  - dense shared parameters (the score function), key ``"<key>"``: the node's example-weighted mean
+    ``sum_u n_u * theta_u / sum_u n_u``, with ``n = sum_u n_u`` sent as the ``"num-examples"`` metric. Flower's own
+    :func:`flwr.serverapp.strategy.strategy_utils.aggregate_arrayrecords` over such replies therefore gives exactly the
+    example-weighted mean over all users, however users are grouped into nodes.
+  - item-embedding tables (row-sparse), three arrays per table ``"<key>"``:
+    ``"<key>#rows"`` ``(T,)`` int64, the sorted item rows that at least one user of the node updated;
+    ``"<key>#sum"`` ``(T, d)`` float32, the sum over those users of their updated row values;
+    ``"<key>#count"`` ``(T,)`` float32, how many of the node's users updated each row.
+    Sums and counts add across nodes, so the server's per-row mean ``sum / count`` is exact for any grouping.
+
+Private parameters (user embeddings) never appear in a reply; :func:`check_reply_keys` makes a reply that carries one
+fail loudly with :class:`PrivacyViolation`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ARRAYS = "arrays"
+"""Record key of the single ``ArrayRecord`` of every message."""
+CONFIG = "config"
+"""Record key of the ``ConfigRecord`` of server messages."""
+METRICS = "metrics"
+"""Record key of the ``MetricRecord`` of client replies."""
+NUM_EXAMPLES = "num-examples"
+"""Metric key of the example count used as aggregation weight (Flower's default ``weighted_by_key``)."""
+
+ROWS, SUM, COUNT = "#rows", "#sum", "#count"
+"""Suffixes of the three arrays that carry one item table's sparse update."""
+
+
+class ReplyError(ValueError):
+    """A client reply is malformed (unknown key, wrong shape, non-finite value, zero weight); it is rejected."""
+
+
+class PrivacyViolation(RuntimeError):
+    """A client reply carries a private parameter (a user embedding). The round fails."""
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Which parameter keys exist, and which are item tables, dense shared or private.
+
+    Attributes:
+        shared_shapes: shared key -> shape, in the model's order (item tables and score function).
+        item_keys: the shared keys that are item-embedding tables (row-sparse on the wire).
+        private_keys: keys of private parameters (user embeddings); they must never leave a client.
+    """
+
+    shared_shapes: Mapping[str, tuple[int, ...]]
+    item_keys: tuple[str, ...]
+    private_keys: tuple[str, ...]
+
+    @property
+    def dense_keys(self) -> tuple[str, ...]:
+        """Shared keys that are not item tables (the score function)."""
+        return tuple(k for k in self.shared_shapes if k not in self.item_keys)
+
+    def reply_keys(self) -> set[str]:
+        """Every key a valid train reply carries."""
+        keys = set(self.dense_keys)
+        for key in self.item_keys:
+            keys.update({key + ROWS, key + SUM, key + COUNT})
+        return keys
+
+    @classmethod
+    def from_model(cls, model) -> ModelLayout:
+        """Read the layout off a :class:`fedrec_flwr.models.RecModel`."""
+        shared = model.shared_state()
+        item_keys = []
+        for name, module in model.item_embedding_modules().items():
+            for pname, _ in module.named_parameters():
+                item_keys.append(f"{name}.{pname}")
+        return cls(
+            shared_shapes={k: tuple(v.shape) for k, v in shared.items()},
+            item_keys=tuple(item_keys),
+            private_keys=tuple(model.private_state().keys()),
+        )
+
+
+@dataclass
+class Contribution:
+    """One node's train contribution: the sum-and-count form of the reply, before packing.
+
+    ``dense_sum[k]`` is ``sum_u n_u * theta_u[k]``; ``row_sum[k]`` is a full ``(num_items, d)`` table of summed updated
+    rows, ``row_count[k]`` ``(num_items,)`` counts how many users updated each row.
+    """
+
+    layout: ModelLayout
+    num_examples: float = 0.0
+    num_users: int = 0
+    loss_sum: float = 0.0
+    dense_sum: dict[str, np.ndarray] = field(default_factory=dict)
+    row_sum: dict[str, np.ndarray] = field(default_factory=dict)
+    row_count: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def add_user(
+        self,
+        dense: Mapping[str, np.ndarray],
+        rows: Mapping[str, tuple[np.ndarray, np.ndarray]],
+        num_examples: int,
+        loss: float,
+    ) -> None:
+        """Add one user's update.
+
+        Args:
+            dense: dense key -> the user's updated value (shape as in the layout).
+            rows: item key -> ``(row_ids (T,) int64 unique, values (T, d))``: the rows this user updated.
+            num_examples: the user's example count ``n_u`` (> 0): the weight of its dense update.
+            loss: the user's mean training loss (averaged over users with weight ``n_u``).
+        """
+        if num_examples <= 0:
+            raise ReplyError(f"a user's num_examples must be > 0, got {num_examples}")
+        for key in self.layout.dense_keys:
+            value = np.asarray(dense[key], dtype=np.float64) * num_examples
+            self.dense_sum[key] = self.dense_sum[key] + value if key in self.dense_sum else value
+        for key in self.layout.item_keys:
+            ids, values = rows[key]
+            if key not in self.row_sum:
+                shape = self.layout.shared_shapes[key]
+                self.row_sum[key] = np.zeros(shape, dtype=np.float64)
+                self.row_count[key] = np.zeros(shape[0], dtype=np.float64)
+            if len(np.unique(ids)) != len(ids):
+                raise ReplyError(f"rows of '{key}' must be unique")
+            self.row_sum[key][ids] += values
+            self.row_count[key][ids] += 1.0
+        self.num_examples += num_examples
+        self.num_users += 1
+        self.loss_sum += loss * num_examples
+
+    def pack(self) -> dict[str, np.ndarray]:
+        """The reply's arrays under the documented key scheme (float32 values, int64 rows)."""
+        if self.num_users == 0:
+            raise ReplyError("no user contributed: nothing to pack")
+        out: dict[str, np.ndarray] = {}
+        for key in self.layout.dense_keys:
+            out[key] = (self.dense_sum[key] / self.num_examples).astype(np.float32)
+        for key in self.layout.item_keys:
+            touched = np.flatnonzero(self.row_count[key] > 0).astype(np.int64)
+            out[key + ROWS] = touched
+            out[key + SUM] = self.row_sum[key][touched].astype(np.float32)
+            out[key + COUNT] = self.row_count[key][touched].astype(np.float32)
+        return out
+
+    @property
+    def mean_loss(self) -> float:
+        """Example-weighted mean training loss over the node's users."""
+        return self.loss_sum / self.num_examples if self.num_examples else float("nan")
+
+
+def check_reply_keys(arrays: Mapping[str, np.ndarray], layout: ModelLayout) -> None:
+    """Validate one train reply's arrays against the key scheme.
+
+    Raises:
+        PrivacyViolation: a key names a private parameter (a user embedding), bare or with any suffix.
+        ReplyError: a key is missing or unknown, a shape or dtype is wrong, or a value is NaN or Inf.
+    """
+    private = set(layout.private_keys)
+    for key in arrays:
+        if key.split("#", 1)[0] in private:
+            raise PrivacyViolation(f"a client reply carries the private parameter '{key}' (a user embedding)")
+    expected = layout.reply_keys()
+    missing, unknown = expected - set(arrays), set(arrays) - expected
+    if missing or unknown:
+        raise ReplyError(f"reply keys do not match the scheme: missing {sorted(missing)}, unknown {sorted(unknown)}")
+    for key in layout.dense_keys:
+        if tuple(arrays[key].shape) != tuple(layout.shared_shapes[key]):
+            raise ReplyError(f"'{key}' has shape {arrays[key].shape}, expected {layout.shared_shapes[key]}")
+    for key in layout.item_keys:
+        num_rows, dim = layout.shared_shapes[key][0], layout.shared_shapes[key][1:]
+        rows, sums, counts = arrays[key + ROWS], arrays[key + SUM], arrays[key + COUNT]
+        if rows.ndim != 1 or not np.issubdtype(rows.dtype, np.integer):
+            raise ReplyError(f"'{key}{ROWS}' must be a 1-d integer array, got {rows.dtype} {rows.shape}")
+        if tuple(sums.shape) != (len(rows), *dim) or tuple(counts.shape) != (len(rows),):
+            raise ReplyError(f"'{key}' sparse arrays disagree: rows {rows.shape}, sum {sums.shape}, count {counts.shape}")
+        if len(rows) and (rows.min() < 0 or rows.max() >= num_rows or len(np.unique(rows)) != len(rows)):
+            raise ReplyError(f"'{key}{ROWS}' must be unique row ids in [0, {num_rows})")
+        if len(counts) and counts.min() <= 0:
+            raise ReplyError(f"'{key}{COUNT}' has a zero or negative row weight")
+    for key, value in arrays.items():
+        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+            raise ReplyError(f"'{key}' contains NaN or Inf")
+
+
+def merge_rows(
+    current: np.ndarray, updates: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Row-wise average of item-table updates over the users that touched each row.
+
+    ``new[i] = sum_c sum_c[i] / sum_c count_c[i]`` for rows some client touched; ``new[i] = current[i]`` otherwise.
+
+    Args:
+        current: ``(num_items, d)`` the table before the round.
+        updates: per reply ``(rows (T,), sums (T, d), counts (T,))``.
+
+    Returns:
+        ``(new_table (num_items, d) float32, count (num_items,) float64)``: the count is the number of users that
+        updated each row this round.
+    """
+    total = np.zeros(current.shape, dtype=np.float64)
+    count = np.zeros(current.shape[0], dtype=np.float64)
+    for rows, sums, counts in updates:
+        total[rows] += sums
+        count[rows] += counts
+    new = current.astype(np.float32, copy=True)
+    touched = count > 0
+    new[touched] = (total[touched] / count[touched].reshape(-1, *([1] * (current.ndim - 1)))).astype(np.float32)
+    return new, count
+
+
+def sample_users(seed: int, server_round: int, num_users: int, fraction: float, tag: int = 0) -> np.ndarray:
+    """The users (partition ids) that take part in one round, fixed by ``(seed, round, tag)``.
+
+    The same seed samples the same users every run, whatever the number of nodes or Ray workers.
+
+    Args:
+        seed: the run's seed.
+        server_round: 1-based round.
+        num_users: population size ``U``.
+        fraction: in (0, 1]; ``max(1, round(fraction * U))`` users are drawn without replacement.
+        tag: separates independent streams (0 = train, 1 = evaluate).
+
+    Returns:
+        ``(m,)`` int64 sorted user indices.
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    size = max(1, int(round(fraction * num_users)))
+    if size >= num_users:
+        return np.arange(num_users, dtype=np.int64)
+    rng = np.random.default_rng([seed, 0x5A3B, tag, server_round])
+    return np.sort(rng.choice(num_users, size=size, replace=False)).astype(np.int64)

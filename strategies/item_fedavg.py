@@ -1,0 +1,273 @@
+"""Item-embedding FedAvg: Flower's FedAvg with per-user sampling and row-wise averaging of item tables.
+
+* Dense shared parameters (the score function) are averaged weighted by ``num-examples`` with Flower's own
+  ``aggregate_arrayrecords`` (McMahan et al. 2017, FedAvg): replies carry the node's example-weighted mean, so the
+  result is exact however users are grouped into nodes (:mod:`fedrec_flwr.wire`).
+* Each item-embedding row is averaged over the users that updated it this round; rows nobody touched keep their
+  value (:func:`fedrec_flwr.wire.merge_rows`). This is the per-row aggregation of federated recommenders where a user
+  only updates the rows of the items it trained on (e.g. FedNCF, Perifanis & Efraimidis 2022).
+* Users, not nodes, are sampled: :func:`fedrec_flwr.wire.sample_users` draws them from ``(seed, round)``, and each
+  message names the users of that node to train, so the same seed trains the same users whatever the number of nodes,
+  ``users-per-node`` or Ray workers.
+* Replies are checked before they touch the model: one carrying a private parameter raises
+  :class:`~fedrec_flwr.wire.PrivacyViolation` (the round fails); one with unknown keys, wrong shapes, NaN/Inf or zero
+  weight is rejected with a logged reason; failed clients are counted and logged; fewer accepted replies than
+  ``min-train-fraction`` of the sampled nodes raises :class:`RoundFailed`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, aggregate_metricrecords
+
+from fedrec_flwr.config import RunConfig
+from fedrec_flwr.wire import (
+    ARRAYS, CONFIG, COUNT, METRICS, NUM_EXAMPLES, ROWS, SUM, ModelLayout, ReplyError, check_reply_keys,
+    merge_rows, sample_users,
+)
+
+log = logging.getLogger(__name__)
+
+
+class RoundFailed(RuntimeError):
+    """Too few valid replies arrived for a round to count."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which node serves each user: ``user_to_node[u]`` is the node id of user ``u``'s SuperNode."""
+
+    user_to_node: np.ndarray
+
+    @property
+    def num_users(self) -> int:
+        return len(self.user_to_node)
+
+    def group(self, users: Iterable[int]) -> dict[int, list[int]]:
+        """Node id -> the given users it serves, in ascending user order."""
+        out: dict[int, list[int]] = {}
+        for user in sorted(int(u) for u in users):
+            out.setdefault(int(self.user_to_node[user]), []).append(user)
+        return out
+
+
+class ItemEmbeddingFedAvg(FedAvg):
+    """FedAvg for federated recommenders with per-user private embeddings. See the module docstring.
+
+    Args:
+        layout: the model's keys (:class:`fedrec_flwr.wire.ModelLayout`).
+        topology: which node serves each user (set later with :meth:`set_topology` if not known yet).
+        seed: the run's seed (fixes the sampled users).
+        fraction_train / fraction_evaluate: fraction of users sampled for training / evaluation.
+        min_train_fraction: a round with fewer accepted replies than this fraction of the sampled nodes fails.
+        eval_every: federated evaluation every N rounds and after ``num_rounds``.
+        num_rounds: the run's last round (always evaluated).
+        evaluate_split: ``"test"`` or ``"val"``: which held-out item federated evaluation ranks.
+    """
+
+    def __init__(
+        self,
+        layout: ModelLayout,
+        *,
+        topology: Topology | None = None,
+        seed: int = 0,
+        fraction_train: float = 0.1,
+        fraction_evaluate: float = 1.0,
+        min_train_fraction: float = 0.5,
+        eval_every: int = 1,
+        num_rounds: int = 1,
+        evaluate_split: str = "test",
+    ) -> None:
+        super().__init__(
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=1,
+            min_evaluate_nodes=1 if fraction_evaluate > 0 else 0,
+            min_available_nodes=1,
+            arrayrecord_key=ARRAYS,
+            configrecord_key=CONFIG,
+        )
+        self.layout = layout
+        self.topology = topology
+        self.seed = seed
+        self.min_train_fraction = min_train_fraction
+        self.eval_every = eval_every
+        self.num_rounds = num_rounds
+        self.evaluate_split = evaluate_split
+        self._current: ArrayRecord | None = None
+        self._sampled_nodes: dict[int, list[int]] = {}
+        self.last_train: dict[str, float] = {}
+        self.last_evaluate: dict[str, float] = {}
+        self.failures: dict[int, int] = {}
+
+    @classmethod
+    def from_run_config(cls, config: RunConfig, layout: ModelLayout, topology: Topology | None = None):
+        """Build the strategy from the validated run config (the hook every pluggable strategy provides)."""
+        return cls(
+            layout,
+            topology=topology,
+            seed=config.seed,
+            fraction_train=config.fraction_train,
+            fraction_evaluate=config.fraction_evaluate,
+            min_train_fraction=config.min_train_fraction,
+            eval_every=config.eval_every,
+            num_rounds=config.num_server_rounds,
+        )
+
+    def set_topology(self, topology: Topology) -> None:
+        """Set which node serves each user (learned by the ServerApp's identify phase)."""
+        self.topology = topology
+
+    # ------------------------------------------------------------------------------------------------ train
+    def sample_train_users(self, server_round: int) -> np.ndarray:
+        """The users trained in ``server_round`` (``(m,)`` int64, sorted)."""
+        return sample_users(self.seed, server_round, self._topology().num_users, self.fraction_train, tag=0)
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """One train message per node that serves a sampled user, naming those users."""
+        self._current = arrays
+        users = self.sample_train_users(server_round)
+        self._sampled_nodes = self._topology().group(users)
+        return self._messages(server_round, arrays, config, self._sampled_nodes, MessageType.TRAIN)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate replies, then average dense parameters by examples and item rows by the users who touched them.
+
+        Raises:
+            PrivacyViolation: a reply carries a private parameter.
+            RoundFailed: fewer accepted replies than ``min-train-fraction`` of the sampled nodes.
+        """
+        replies = list(replies)
+        accepted: list[RecordDict] = []
+        for message in replies:
+            node = message.metadata.src_node_id
+            if message.has_error():
+                self.failures[node] = self.failures.get(node, 0) + 1
+                log.warning("round %d: node %d failed: %s", server_round, node, message.error.reason)
+                continue
+            try:
+                accepted.append(self.validate_reply(message.content))
+            except ReplyError as err:
+                log.warning("round %d: rejected the reply of node %d: %s", server_round, node, err)
+        expected = len(self._sampled_nodes)
+        needed = max(1, math.ceil(self.min_train_fraction * expected))
+        if len(accepted) < needed:
+            raise RoundFailed(
+                f"round {server_round}: {len(accepted)} valid replies of {expected} sampled nodes "
+                f"(min-train-fraction {self.min_train_fraction} needs {needed}); "
+                f"{len(replies)} replies arrived, {sum(m.has_error() for m in replies)} with errors"
+            )
+        arrays = self.aggregate_arrays(accepted)
+        metrics = aggregate_metricrecords(accepted, NUM_EXAMPLES)
+        self.last_train = {
+            "train-loss": float(metrics.get("train-loss", float("nan"))),
+            "num-users": float(sum(float(r[METRICS]["num-users"]) for r in accepted)),
+            "num-replies": float(len(accepted)),
+            "num-failures": float(len(replies) - len(accepted)),
+        }
+        return arrays, metrics
+
+    def validate_reply(self, content: RecordDict) -> RecordDict:
+        """Check one reply's content; returns it, or raises ``ReplyError`` / ``PrivacyViolation``."""
+        if ARRAYS not in content.array_records or METRICS not in content.metric_records:
+            raise ReplyError(f"reply must hold '{ARRAYS}' and '{METRICS}' records, got {list(content.keys())}")
+        arrays = {k: v.numpy() for k, v in content[ARRAYS].items()}
+        check_reply_keys(arrays, self.layout)
+        weight = content[METRICS].get(NUM_EXAMPLES, 0)
+        if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+            raise ReplyError(f"'{NUM_EXAMPLES}' must be a positive number, got {weight!r}")
+        loss = content[METRICS].get("train-loss", 0.0)
+        if not math.isfinite(float(loss)):
+            raise ReplyError(f"'train-loss' is not finite: {loss!r}")
+        return content
+
+    def aggregate_arrays(self, accepted: list[RecordDict]) -> ArrayRecord:
+        """The new shared arrays from accepted replies (pure math; subclasses may post-process the result)."""
+        assert self._current is not None, "configure_train must run before aggregate_train"
+        dense_keys = self.layout.dense_keys
+        dense_records = [
+            RecordDict({ARRAYS: ArrayRecord({k: r[ARRAYS][k] for k in dense_keys}), METRICS: r[METRICS]})
+            for r in accepted
+        ]
+        dense = aggregate_arrayrecords(dense_records, NUM_EXAMPLES) if dense_keys else ArrayRecord()
+        out: dict[str, np.ndarray] = {}
+        for key in self.layout.shared_shapes:
+            if key in self.layout.item_keys:
+                updates = [
+                    (r[ARRAYS][key + ROWS].numpy(), r[ARRAYS][key + SUM].numpy(), r[ARRAYS][key + COUNT].numpy())
+                    for r in accepted
+                ]
+                out[key], _ = merge_rows(self._current[key].numpy(), updates)
+            else:
+                out[key] = dense[key].numpy().astype(np.float32)
+        return ArrayRecord({k: Array(v) for k, v in out.items()})
+
+    # ------------------------------------------------------------------------------------------------ evaluate
+    def is_evaluation_round(self, server_round: int) -> bool:
+        """Evaluate every ``eval-every`` rounds and after the last round."""
+        return self.fraction_evaluate > 0 and (server_round % self.eval_every == 0 or server_round == self.num_rounds)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Evaluation messages for ``fraction-evaluate`` of users, on evaluation rounds only."""
+        self.last_evaluate = {}
+        if not self.is_evaluation_round(server_round):
+            return []
+        users = sample_users(self.seed, server_round, self._topology().num_users, self.fraction_evaluate, tag=1)
+        config = ConfigRecord(dict(config))
+        config.setdefault("split", self.evaluate_split)
+        return self._messages(server_round, arrays, config, self._topology().group(users), MessageType.EVALUATE)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Mean metrics over evaluated users (each reply is weighted by its number of users)."""
+        replies = list(replies)
+        ok = [m.content for m in replies if not m.has_error()]
+        for message in replies:
+            if message.has_error():
+                log.warning("round %d: evaluation failed on node %d: %s", server_round,
+                            message.metadata.src_node_id, message.error.reason)
+        if not ok:
+            return None
+        metrics = aggregate_metricrecords(ok, NUM_EXAMPLES)
+        self.last_evaluate = {k: float(v) for k, v in metrics.items()}
+        self.last_evaluate["num-users"] = float(sum(float(r[METRICS][NUM_EXAMPLES]) for r in ok))
+        return metrics
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    def _topology(self) -> Topology:
+        if self.topology is None:
+            raise RuntimeError("the strategy has no topology yet: call set_topology() first")
+        return self.topology
+
+    def _messages(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, groups: Mapping[int, list[int]], kind: str
+    ) -> list[Message]:
+        messages = []
+        for node_id, users in groups.items():
+            node_config = ConfigRecord(dict(config))
+            node_config["server-round"] = server_round
+            node_config["users"] = users
+            content = RecordDict({ARRAYS: arrays, CONFIG: node_config})
+            messages.append(Message(content=content, message_type=kind, dst_node_id=node_id))
+        return messages
+
+    def summary(self) -> None:
+        """Log the configuration."""
+        log.info(
+            "%s: fraction-train %.3f, fraction-evaluate %.3f, min-train-fraction %.2f, eval-every %d, %d item tables",
+            type(self).__name__, self.fraction_train, self.fraction_evaluate, self.min_train_fraction,
+            self.eval_every, len(self.layout.item_keys),
+        )
