@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from .registry import resolve
 from .runtime import Runtime, get_runtime, node_users
 from .wire import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, Contribution
 
-app = ClientApp()
 
 
 def split_fingerprint(split) -> str:
@@ -56,10 +59,9 @@ def _shared_arrays(message: Message) -> dict:
     return {key: array.numpy() for key, array in message.content[ARRAYS].items()}
 
 
-@app.train()
-def train(message: Message, context: Context) -> Message:
+def train(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
     """Train the requested users of this node; reply with their summed contribution (no private parameter)."""
-    runtime = get_runtime(context.run_config)
+    runtime = get_runtime(run_config or context.run_config)
     served = node_users(runtime.config, context.node_config, runtime.split.num_users)
     users = _requested_users(message, served)
     shared = _shared_arrays(message)
@@ -72,14 +74,13 @@ def train(message: Message, context: Context) -> Message:
         {NUM_EXAMPLES: float(contribution.num_examples), "num-users": contribution.num_users,
          "train-loss": contribution.mean_loss}
     )
-    content = RecordDict({ARRAYS: ArrayRecord(contribution.pack()), METRICS: metrics})
+    content = RecordDict({ARRAYS: ArrayRecord({k: Array(v) for k, v in contribution.pack().items()}), METRICS: metrics})
     return Message(content=content, reply_to=message)
 
 
-@app.evaluate()
-def evaluate(message: Message, context: Context) -> Message:
+def evaluate(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
     """Evaluate the requested users of this node on their held-out items; reply with mean metrics."""
-    runtime = get_runtime(context.run_config)
+    runtime = get_runtime(run_config or context.run_config)
     served = node_users(runtime.config, context.node_config, runtime.split.num_users)
     users = _requested_users(message, served)
     shared = _shared_arrays(message)
@@ -93,10 +94,9 @@ def evaluate(message: Message, context: Context) -> Message:
     return Message(content=RecordDict({METRICS: MetricRecord(metrics)}), reply_to=message)
 
 
-@app.query(IDENTIFY)
-def identify(message: Message, context: Context) -> Message:
+def identify(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
     """Tell the server which block of users this node serves (derived from ``partition-id``, never ``node_id``)."""
-    runtime = get_runtime(context.run_config)
+    runtime = get_runtime(run_config or context.run_config)
     served = node_users(runtime.config, context.node_config, runtime.split.num_users)
     split = runtime.split
     record = ConfigRecord(
@@ -110,3 +110,35 @@ def identify(message: Message, context: Context) -> Message:
         }
     )
     return Message(content=RecordDict({CONFIG: record}), reply_to=message)
+
+
+def _one_thread_per_worker() -> None:
+    """A client's tensors are tiny: torch's intra-op threads only contend with the other workers (measured: one
+    epoch of centralized NCF took 200 s with 2 threads on a loaded 2-core machine, 4 s with 1). Each simulation
+    actor or SuperNode process is given one CPU, so use one thread."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+def make_client_app(run_config: Mapping[str, Any] | None = None, mods: list | None = None) -> ClientApp:
+    """Build the ClientApp.
+
+    Args:
+        run_config: used when Flower passes an empty ``context.run_config`` (its in-process
+            ``flwr.simulation.run_simulation`` does); ``flwr run`` always passes the full config.
+        mods: Flower client mods wrapped around every handler (e.g. a message recorder in tests).
+    """
+    client_app = ClientApp(mods=mods or [])
+    client_app.train()(partial(_with_config, train, run_config))
+    client_app.evaluate()(partial(_with_config, evaluate, run_config))
+    client_app.query(IDENTIFY)(partial(_with_config, identify, run_config))
+    return client_app
+
+
+def _with_config(handler, run_config, message: Message, context: Context) -> Message:
+    _one_thread_per_worker()
+    return handler(message, context, run_config=None if context.run_config else run_config)
+
+
+app = make_client_app()
+"""The ClientApp ``flwr run`` loads (``[tool.flwr.app.components] clientapp``)."""

@@ -17,7 +17,7 @@ def bce_loss(logits_pos: torch.Tensor, logits_neg: torch.Tensor) -> torch.Tensor
     """Mean binary cross-entropy with logits over positives (label 1) and negatives (label 0).
 
     ``L = -(sum_p log σ(s_p) + sum_n log(1 - σ(s_n))) / (P + N)`` — the pointwise log loss of He et al. (2017),
-    "Neural Collaborative Filtering", Eq. 7, used by FedNCF/FedMF-style training. Computed with ``logsigmoid``
+    "Neural Collaborative Filtering", Sec. 3.1.1 (log loss), used by FedNCF/FedMF-style training. Computed with ``logsigmoid``
     (``log(1-σ(x)) = logσ(-x)``), so large logits never give inf/NaN.
 
     Args:

@@ -59,8 +59,9 @@ def hit_ratio_at_k(rank: int, k: int) -> float:
 def ndcg_at_k(rank: int, k: int) -> float:
     """NDCG@K for one user with one relevant item: ``1 / log2(rank + 2)`` if 0-based ``rank < k`` else 0.
 
-    With a single relevant item the ideal DCG is 1, so NDCG = DCG (Järvelin & Kekäläinen 2002; He et al. 2015,
-    "TriRank", as used by He et al. 2017). 1-based rank 1, 2, 3, 10, 11 at K=10 give 1, 0.6309, 0.5, 0.2891, 0.
+    With a single relevant item the ideal DCG is 1, so NDCG = DCG (Järvelin & Kekäläinen 2002, "Cumulated gain-based
+    evaluation of IR techniques"; protocol of He et al. 2017, Sec. 4.1). 1-based rank 1, 2, 3, 10, 11 at K=10 give
+    1, 0.6309, 0.5, 0.2891, 0.
     """
     return 1.0 / math.log2(rank + 2) if rank < k else 0.0
 

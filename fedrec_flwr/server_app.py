@@ -18,11 +18,14 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from .client_app import IDENTIFY
@@ -33,7 +36,6 @@ from .results import PROGRESS, RunRecorder
 from .runtime import build_shared_model
 from .wire import CONFIG, ModelLayout
 
-app = ServerApp()
 log = logging.getLogger(__name__)
 
 NODE_SETTLE_SECONDS = 20.0
@@ -96,14 +98,15 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float):
             f"{config.users_per_node}, which needs exactly {needed} (set num-supernodes={needed} in simulation, or "
             f"start {needed} SuperNodes with partition-id 0..{needed - 1})"
         )
-    user_to_node = np.full(num_users, -1, dtype=np.int64)
+    user_to_node = np.zeros(num_users, dtype=np.uint64)  # node ids are unsigned 64-bit
+    covered = np.zeros(num_users, dtype=bool)
     for fact in facts:
         block = slice(fact["first-user"], fact["first-user"] + fact["num-users"])
-        if (user_to_node[block] != -1).any():
+        if covered[block].any():
             raise ConfigError(f"two SuperNodes have partition-id {fact['partition-id']}")
-        user_to_node[block] = fact["node"]
-    if (user_to_node == -1).any():
-        raise ConfigError(f"no SuperNode serves user {int(np.flatnonzero(user_to_node == -1)[0])}")
+        user_to_node[block], covered[block] = fact["node"], True
+    if not covered.all():
+        raise ConfigError(f"no SuperNode serves user {int(np.flatnonzero(~covered)[0])}")
     return Topology(user_to_node), int(num_items), {"num-users": int(num_users), "num-items": int(num_items),
                                                       "split-fingerprint": fingerprint}
 
@@ -117,15 +120,14 @@ def default_run_name(config: RunConfig) -> str:
     return f"{config.dataset}-{config.model}-{client}-{stamp}"
 
 
-@app.main()
-def main(grid: Grid, context: Context) -> None:
+def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = None) -> None:
     """Run one federated experiment (see the module docstring)."""
     _setup_logging()
-    config = RunConfig.from_mapping(context.run_config)
+    config = RunConfig.from_mapping(context.run_config or run_config or {})
     topology, num_items, facts = discover_topology(grid, config, timeout=config.round_timeout)
     model = build_shared_model(config, num_items)
     layout = ModelLayout.from_model(model)
-    initial = ArrayRecord({k: v.detach().cpu().numpy() for k, v in model.shared_state().items()})
+    initial = ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in model.shared_state().items()})
 
     strategy_cls = resolve("strategy", config.strategy)
     if not hasattr(strategy_cls, "from_run_config"):
@@ -154,3 +156,19 @@ def main(grid: Grid, context: Context) -> None:
     final = {k: v.numpy() for k, v in result.arrays.items()} if result.arrays is not None else {}
     recorder.finish(final, {"client-failures": {str(k): v for k, v in getattr(strategy, "failures", {}).items()}})
     log.info("results written to %s", folder)
+
+
+def make_server_app(run_config: Mapping[str, Any] | None = None) -> ServerApp:
+    """Build the ServerApp; ``run_config`` is used when Flower passes an empty ``context.run_config``
+    (its in-process ``flwr.simulation.run_simulation`` does)."""
+    server_app = ServerApp()
+    server_app.main()(partial(_main_with_config, run_config))
+    return server_app
+
+
+def _main_with_config(run_config, grid: Grid, context: Context) -> None:
+    main(grid, context, run_config)
+
+
+app = make_server_app()
+"""The ServerApp ``flwr run`` loads (``[tool.flwr.app.components] serverapp``)."""

@@ -248,8 +248,9 @@ class LocalTrainer:
         Raises:
             ValueError: empty positives, BPR with ``N % P != 0`` or ``N == 0``.
             DataError: an index is out of range or not an integer.
-            FloatingPointError: a step gave a non-finite loss or parameters; the parameters are restored to their
-                values before that step (the optimizer is discarded) and the message names epoch and step.
+            FloatingPointError: a step gave a non-finite loss (the message names epoch and step), or the parameters
+                became non-finite (checked after each epoch); the parameters are restored to their values before
+                this call and the optimizer is discarded.
         """
         if isinstance(user_index, bool) or not isinstance(user_index, (int, np.integer)) or not (
             0 <= user_index < self.model.num_users
@@ -330,14 +331,19 @@ class LocalTrainer:
             raise ValueError("no training examples")
         epochs = self.cfg.local_epochs if epochs is None else int(epochs)
         self.model.train()
+        snapshot = self._take_snapshot()  # once per call: restoring to here keeps the model finite
         mean_loss = float("nan")
         for epoch in range(epochs):
             order = torch.randperm(n, generator=generator).to(self.device)
             total = 0.0
             for step_no, start in enumerate(range(0, n, self.cfg.batch_size)):
                 idx = order[start : start + self.cfg.batch_size]
-                value = self._guarded_step(make_batch(idx), epoch, step_no)
+                value = self.step(*make_batch(idx))
+                if not math.isfinite(value):
+                    self._restore(snapshot, f"loss {value} at epoch {epoch + 1}, step {step_no + 1}")
                 total += value * idx.numel()
+            if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
+                self._restore(snapshot, f"parameters after epoch {epoch + 1}")
             mean_loss = total / n
         return mean_loss
 
@@ -350,22 +356,14 @@ class LocalTrainer:
             buf.copy_(p)
         return self._snapshot
 
-    def _guarded_step(self, batch: tuple, epoch: int, step_no: int) -> float:
-        snapshot = self._take_snapshot()
-        value = self.step(*batch)
-        params = list(self.model.parameters())
-        finite_params = bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
-        if math.isfinite(value) and finite_params:
-            return value
-        with torch.no_grad():
-            for buf, p in zip(snapshot, params):
-                p.copy_(buf)
+    @torch.no_grad()
+    def _restore(self, snapshot: list[torch.Tensor], what: str) -> None:
+        for buf, p in zip(snapshot, self.model.parameters()):
+            p.copy_(buf)
         self._optimizer = None  # its state may hold non-finite moments
-        what = f"loss {value}" if not math.isfinite(value) else "parameters"
         raise FloatingPointError(
-            f"non-finite training {what} at epoch {epoch + 1}, step {step_no + 1} "
-            f"(lr={self.cfg.learning_rate}, optimizer={self.cfg.optimizer}); parameters restored to their values "
-            f"before this step"
+            f"non-finite training {what} (lr={self.cfg.learning_rate}, optimizer={self.cfg.optimizer}); "
+            "parameters restored to their values before this local training"
         )
 
 

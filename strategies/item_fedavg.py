@@ -149,7 +149,7 @@ class ItemEmbeddingFedAvg(FedAvg):
             PrivacyViolation: a reply carries a private parameter.
             RoundFailed: fewer accepted replies than ``min-train-fraction`` of the sampled nodes.
         """
-        replies = list(replies)
+        replies = self._canonical_order(replies)
         accepted: list[RecordDict] = []
         for message in replies:
             node = message.metadata.src_node_id
@@ -233,7 +233,7 @@ class ItemEmbeddingFedAvg(FedAvg):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Mean metrics over evaluated users (each reply is weighted by its number of users)."""
-        replies = list(replies)
+        replies = self._canonical_order(replies)
         ok = [m.content for m in replies if not m.has_error()]
         for message in replies:
             if message.has_error():
@@ -251,6 +251,14 @@ class ItemEmbeddingFedAvg(FedAvg):
         if self.topology is None:
             raise RuntimeError("the strategy has no topology yet: call set_topology() first")
         return self.topology
+
+    def _canonical_order(self, replies: Iterable[Message]) -> list[Message]:
+        """Replies sorted by the first user their node serves: float sums then do not depend on arrival order,
+        so runs with any number of workers give bit-identical models."""
+        first_user: dict[int, int] = {}
+        for user, node in enumerate(self._topology().user_to_node.tolist()):
+            first_user.setdefault(int(node), user)
+        return sorted(replies, key=lambda m: first_user.get(int(m.metadata.src_node_id), -1))
 
     def _messages(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, groups: Mapping[int, list[int]], kind: str

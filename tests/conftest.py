@@ -33,3 +33,101 @@ def task_identity():
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     yield TaskIdentity
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+# ------------------------------------------------------------------------------------------ tiny generated data
+def write_tiny_dataset(folder: Path, num_users: int = 24, num_items: int = 60, per_user: int = 12, seed: int = 0) -> Path:
+    """A small interactions CSV with structure (users prefer one of three item groups), for fast simulations."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lines = ["user,item,rating,timestamp"]
+    for user in range(num_users):
+        group = user % 3
+        pool = np.arange(num_items)[np.arange(num_items) % 3 == group]
+        items = rng.choice(pool, size=min(per_user, len(pool)), replace=False)
+        for t, item in enumerate(items):
+            lines.append(f"u{user},i{item},5,{1000 + t}")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "tiny.csv"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def tiny_run_config(folder: Path, **overrides):
+    """Run-config mapping for the tiny generated dataset (fast: small model, few negatives)."""
+    from fedrec_flwr.config import default_mapping
+
+    mapping = default_mapping()
+    mapping.update({
+        "dataset": "generic", "generic-file": str(write_tiny_dataset(folder)), "cache-dir": str(folder / "cache"),
+        "num-test-negatives": 20, "ks": "5,10", "embedding-dim": 8, "mlp-layers": "16,8", "num-server-rounds": 3,
+        "fraction-train": 0.5, "eval-every": 1, "results-dir": str(folder / "results"), "run-name": "run",
+        "round-timeout": 120.0,
+    })
+    mapping.update({k.replace("_", "-"): v for k, v in overrides.items()})
+    return mapping
+
+
+class MessageRecorder:
+    """A Flower client mod that pickles every reply a client sends, with the node's private state after the handler
+    (the state is test-harness evidence only: it never travels)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, message, context, call_next):
+        import pickle
+        import uuid
+
+        reply = call_next(message, context)
+        record = {
+            "type": message.metadata.message_type,
+            "round": (dict(message.content["config"]).get("server-round") if "config" in message.content else None),
+            "users": (list(message.content["config"].get("users", [])) if "config" in message.content else []),
+            "partition-id": context.node_config.get("partition-id"),
+            "reply-arrays": {
+                name: {k: v.numpy() for k, v in rec.items()} for name, rec in reply.content.array_records.items()
+            } if not reply.has_error() else {},
+            "reply-metrics": {
+                name: dict(rec) for name, rec in reply.content.metric_records.items()
+            } if not reply.has_error() else {},
+            "reply-configs": {
+                name: dict(rec) for name, rec in reply.content.config_records.items()
+            } if not reply.has_error() else {},
+            "error": reply.error.reason if reply.has_error() else None,
+            "state": {k: {n: a.numpy() for n, a in rec.items()} for k, rec in context.state.array_records.items()},
+        }
+        (self.folder / f"{uuid.uuid4().hex}.pkl").write_bytes(pickle.dumps(record))
+        return reply
+
+    def records(self) -> list[dict]:
+        import pickle
+
+        return [pickle.loads(p.read_bytes()) for p in sorted(self.folder.glob("*.pkl"))]
+
+
+def simulate(run_config: dict, *, num_supernodes: int | None = None, num_cpus: int = 2, cpus_per_client: float = 1,
+             recorder: MessageRecorder | None = None) -> Path:
+    """Run the ServerApp and ClientApp in-process with Flower's simulation engine; returns the results folder."""
+    import os
+
+    from flwr.simulation import run_simulation
+
+    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.server_app import make_server_app
+
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    if num_supernodes is None:
+        from fedrec_flwr.launch import num_supernodes_for
+
+        num_supernodes = num_supernodes_for(run_config)
+    run_simulation(
+        make_server_app(run_config),
+        make_client_app(run_config, mods=[recorder] if recorder else None),
+        num_supernodes=num_supernodes,
+        backend_config={"client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0},
+                        "init_args": {"num_cpus": num_cpus, "num_gpus": 0, "include_dashboard": False}},
+    )
+    return Path(run_config["results-dir"]) / run_config["run-name"]

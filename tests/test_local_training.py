@@ -104,15 +104,15 @@ class PoisonedTrainer(LocalTrainer):
         return value
 
 
-def test_nan_guard_restores_parameters_from_before_the_step():
+def test_nan_guard_restores_parameters_from_before_local_training():
     model = build_model("mf", 1, ITEMS)
     trainer = PoisonedTrainer(model, LocalTrainConfig(batch_size=5, learning_rate=1.0))
     with pytest.raises(FloatingPointError, match="epoch 1, step 3"):
         trainer.train(0, POS, NEG, gen())
     state = model.state_dict()
     assert all(torch.isfinite(v).all() for v in state.values())
-    assert all(torch.equal(state[k], trainer.before_step[2][k]) for k in state)
-    assert not torch.equal(state["item_embedding.weight"], trainer.before_step[0]["item_embedding.weight"])
+    assert all(torch.equal(state[k], trainer.before_step[0][k]) for k in state)
+    assert not torch.equal(trainer.before_step[2]["item_embedding.weight"], trainer.before_step[0]["item_embedding.weight"])
 
 
 def test_divergence_raises_and_leaves_a_finite_model():

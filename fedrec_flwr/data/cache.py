@@ -65,8 +65,12 @@ def load_split(
             logger.info("loaded cached split %s", path)
             return split
     split = preprocess(read_interactions(source, generic), **params)
-    save_split(path, split)
-    logger.info("saved split to %s", path)
+    try:
+        save_split(path, split)
+    except OSError as exc:  # a read-only or full cache must not stop the run
+        logger.warning("could not write the split cache %s: %s", path, exc)
+    else:
+        logger.info("saved split to %s", path)
     return split
 
 
@@ -115,7 +119,8 @@ def read_split(path: str | os.PathLike, *, expected_key: str | None = None) -> S
             raise DataError("train_indptr is not a valid CSR row pointer")
         _check(arrays, "test_items", (num_users,), "i")
         _check(arrays, "test_negatives", (num_users, k), "i")
-        for name in ("train_items", "test_items", "test_negatives") + (("val_items", "val_negatives") if holdout else ()):
+        checked = ("train_items", "test_items", "test_negatives") + (("val_items", "val_negatives") if holdout else ())
+        for name in checked:
             _check(arrays, name, None, "i")
             values = arrays[name]
             if values.size and (values.min() < 0 or values.max() >= num_items):

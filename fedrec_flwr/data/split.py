@@ -45,7 +45,6 @@ TAG_TRAIN_NEG = _tag("train-negatives")
 #: FedRecGEL hard-codes this seed for the synthetic FilmTrust timestamps (data_process.ipynb).
 FEDRECGEL_TIMESTAMP_SEED = 42
 
-_META_INT_ARRAYS = ("train_indptr", "train_items", "test_items", "test_negatives")
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,8 +144,8 @@ def check_params(min_user_interactions, tie_rule, seed, num_test_negatives, hold
     need = 3 if holdout_validation else 2
     if min_user_interactions < need:
         raise ConfigError(
-            f"min_user_interactions must be >= {need} (one held-out item{' plus one validation item' if need == 3 else ''}"
-            f" and at least one training positive), got {min_user_interactions}"
+            f"min_user_interactions must be >= {need} (held-out item(s) plus at least one training positive), "
+            f"got {min_user_interactions}"
         )
 
 
@@ -230,8 +229,8 @@ def preprocess(
     has_ts = np.isfinite(ts)
     if has_ts.any() and not has_ts.all():
         i = int(np.flatnonzero(~has_ts)[0])
-        raise DataError(f"dataset {name!r}: timestamp missing for user {users_raw[i]!r} item {items_raw[i]!r} "
-                        "(either every row has a timestamp or none)")
+        raise DataError(f"dataset {name!r}: timestamp missing for user {str(users_raw[i])!r} "
+                        f"item {str(items_raw[i])!r} (either every row has a timestamp or none)")
     dup_rows = np.asarray(interactions.duplicate_rows, dtype=np.int64).reshape(-1, 2)
 
     # Step 4 (before filtering, so the order does not depend on min_user_interactions).
@@ -381,7 +380,7 @@ def sample_train_negatives(split: Split, user: int, round: int, num_per_positive
     positives = split.positives(int(user))
     room = split.num_items - len(positives)
     if room <= 0:
-        raise DataError(f"dataset {split.dataset!r}: user {user} ({split.user_ids[user]!r}) has all "
+        raise DataError(f"dataset {split.dataset!r}: user {user} ({str(split.user_ids[user])!r}) has all "
                         f"{split.num_items} items as training positives; no negative exists")
     rng = np.random.default_rng([int(seed), TAG_TRAIN_NEG, int(user), int(round)])
     ranks = rng.integers(0, room, size=len(positives) * int(num_per_positive), dtype=np.int64)
@@ -395,12 +394,12 @@ def _check_room(name: str, user_ids: np.ndarray, counts: np.ndarray, num_items: 
     full = np.flatnonzero(counts >= num_items)
     if len(full):
         u = int(full[0])
-        raise DataError(f"dataset {name!r}: user {user_ids[u]!r} (index {u}) interacted with every one of the "
+        raise DataError(f"dataset {name!r}: user {str(user_ids[u])!r} (index {u}) interacted with every one of the "
                         f"{num_items} items, so no negative item exists ({len(full)} such users)")
     short = np.flatnonzero(num_items - counts < k)
     if len(short):
         u = int(short[0])
-        raise DataError(f"dataset {name!r}: user {user_ids[u]!r} (index {u}) has only {num_items - counts[u]} "
+        raise DataError(f"dataset {name!r}: user {str(user_ids[u])!r} (index {u}) has only {num_items - counts[u]} "
                         f"never-interacted items ({counts[u]} interacted of {num_items}), fewer than the "
                         f"{k} test negatives requested ({len(short)} such users)")
 
@@ -473,7 +472,7 @@ def _attributes(interactions: Interactions, user_ids: np.ndarray) -> dict[str, n
     if (pos < 0).any():
         missing = user_ids[pos < 0]
         raise DataError(f"dataset {interactions.name!r}: user attributes lack {len(missing)} users, "
-                        f"e.g. user {missing[0]!r}")
+                        f"e.g. user {str(missing[0])!r}")
     out = {}
     for col in table.columns:
         values = table[col].to_numpy()[pos]

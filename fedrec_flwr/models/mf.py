@@ -1,7 +1,7 @@
 """Matrix factorisation as used by FedMF.
 
-Chai, Wang, Chen, Yang (2020), "Secure Federated Matrix Factorization", IEEE Intelligent Systems 36(5):
-the rating of user u for item i is the dot product p_u · q_i (their Eq. 1). FedMF protects the item-gradient
+Chai, Wang, Chen, Yang, "Secure Federated Matrix Factorization" (arXiv:1906.05108; IEEE Intelligent Systems 36(5)):
+the score of user u for item i is the dot product p_u · q_i of the user and item latent vectors. FedMF protects the item-gradient
 upload with homomorphic encryption; **this implementation has no encryption** (plain model updates), so it is the
 FedMF model and training schedule, not its privacy mechanism. There is no bias term: a pure dot product.
 """

@@ -1,9 +1,9 @@
 """Neural collaborative filtering (NeuMF), as FedNCF and FedRecGEL use it.
 
-He, Liao, Zhang, Nie, Hu, Chua (2017), "Neural Collaborative Filtering", WWW: NeuMF fuses generalized matrix
-factorization (GMF, Eq. 9: ``phi_GMF = p_u^G ⊙ q_i^G``) and a multi-layer perceptron over the concatenated
-embeddings (Eq. 10: ``phi_MLP = a_L(W_L^T(...a_2(W_2^T [p_u^M; q_i^M] + b_2)...) + b_L)``), then scores
-``y = h^T [phi_GMF; phi_MLP]`` (Eq. 11). We return the pre-sigmoid logit. Federated use as in Perifanis & Efraimidis
+He, Liao, Zhang, Nie, Hu, Chua (2017), "Neural Collaborative Filtering", WWW, Sec. 3.4 (NeuMF): fuses generalized
+matrix factorization (``phi_GMF = p_u^G ⊙ q_i^G``) and a multi-layer perceptron over the concatenated embeddings
+(``phi_MLP = a_L(W_L^T(...a_2(W_2^T [p_u^M; q_i^M] + b_2)...) + b_L)``, ReLU activations), then scores
+``y = σ(h^T [phi_GMF; phi_MLP])``. We return the pre-sigmoid logit. Federated use as in Perifanis & Efraimidis
 (2022), "Federated Neural Collaborative Filtering" (FedNCF): user embeddings stay on the client, everything else is
 aggregated.
 """

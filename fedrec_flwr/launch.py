@@ -1,0 +1,187 @@
+"""Run the app with ``flwr run`` on a managed local SuperLink, and stop that SuperLink afterwards.
+
+``flwr run .`` (flwr 1.42) starts a *detached* local SuperLink that outlives the command (ports 39091/39093 unless
+``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT`` / ``FLWR_LOCAL_CONTROL_API_PORT`` say otherwise), and by default installs the
+app's dependencies with ``uv`` at run time. This module wraps it so a run is self-contained:
+
+* runtime dependency installation is off (``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``): the environment the
+  install command made is the one that runs;
+* ``num-supernodes`` is computed from the dataset's users and ``users-per-node`` unless given;
+* a SuperLink already listening on the local ports is stopped first (it could serve stale code), and the one the run
+  started is stopped at the end, with its process group (the simulation and Ray).
+
+Command line::
+
+    python -m fedrec_flwr.launch run [--num-supernodes N] [--flwr-home DIR] [--] [key=value ...]
+    python -m fedrec_flwr.launch stop [--flwr-home DIR]
+
+``key=value`` pairs are run-config overrides (TOML values: strings in quotes, e.g. ``dataset='filmtrust'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .config import default_mapping
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def flwr_env(flwr_home: str | os.PathLike | None = None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for ``flwr run``: no runtime dependency installation, no Ray accelerator warning."""
+    env = dict(os.environ)
+    # flwr starts `flower-superlink` and `flwr-simulation` by name: they live beside this interpreter.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+    env.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    env.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
+    if flwr_home:
+        env["FLWR_HOME"] = str(flwr_home)
+    env.update(extra or {})
+    return env
+
+
+def superlink_pids(env: Mapping[str, str] | None = None) -> list[int]:
+    """PIDs of local ``flower-superlink`` processes whose control API uses this environment's port."""
+    env = env or os.environ
+    port = env.get("FLWR_LOCAL_CONTROL_API_PORT", "39093")
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "flower-superlink" in cmdline and f"127.0.0.1:{port}" in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+def stop_local_superlink(env: Mapping[str, str] | None = None, timeout: float = 15.0) -> list[int]:
+    """Stop the local SuperLink(s) of this environment's ports, with their process groups. Returns their PIDs."""
+    pids = superlink_pids(env)
+    for pid in pids:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(os.getpgid(pid), sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and _alive(pid):
+                time.sleep(0.2)
+            if not _alive(pid):
+                break
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def num_supernodes_for(overrides: Mapping[str, Any]) -> int:
+    """``ceil(users / users-per-node)`` for the configured dataset (loads the split, cached after the first time)."""
+    from .config import RunConfig
+    from .runtime import load_split_for
+
+    mapping = default_mapping(PROJECT_ROOT / "pyproject.toml")
+    mapping.update(overrides)
+    config = RunConfig.from_mapping(mapping)
+    return -(-load_split_for(config).num_users // config.users_per_node)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return "'" + str(value).replace("'", "") + "'"
+
+
+def run_config_args(overrides: Mapping[str, Any]) -> list[str]:
+    """``--run-config`` arguments for ``flwr run`` from a mapping of overrides."""
+    if not overrides:
+        return []
+    return ["--run-config", " ".join(f"{k}={_toml_value(v)}" for k, v in overrides.items())]
+
+
+def flwr_run(
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    num_supernodes: int | None = None,
+    flwr_home: str | os.PathLike | None = None,
+    env_extra: Mapping[str, str] | None = None,
+    project: str | os.PathLike = PROJECT_ROOT,
+    timeout: float | None = None,
+    capture: bool = False,
+    keep_superlink: bool = False,
+) -> subprocess.CompletedProcess:
+    """``flwr run <project> --stream`` on a fresh local SuperLink, which is stopped afterwards.
+
+    Args:
+        overrides: run-config overrides (kebab-case keys).
+        num_supernodes: simulated SuperNodes; default ``ceil(users / users-per-node)``.
+        flwr_home: ``FLWR_HOME`` for this run (config, installed apps, SuperLink state and log).
+        env_extra: more environment variables (e.g. other local SuperLink ports).
+        capture: capture stdout/stderr (text) instead of passing them through.
+
+    Returns:
+        The finished ``flwr run`` process (its return code says whether the run was submitted and streamed).
+    """
+    overrides = dict(overrides or {})
+    env = flwr_env(flwr_home, env_extra)
+    if num_supernodes is None:
+        num_supernodes = num_supernodes_for(overrides)
+    stop_local_superlink(env)
+    command = [
+        str(Path(sys.executable).with_name("flwr")), "run", str(project),
+        "--federation-config", f"num-supernodes={num_supernodes}",
+        *run_config_args(overrides), "--stream",
+    ]
+    try:
+        return subprocess.run(command, env=env, timeout=timeout, text=True, capture_output=capture, check=False)
+    finally:
+        if not keep_superlink:
+            stop_local_superlink(env)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fedrec_flwr.launch", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="flwr run the app on a fresh local SuperLink, then stop it")
+    run.add_argument("--num-supernodes", type=int, default=None)
+    run.add_argument("--flwr-home", default=None)
+    run.add_argument("overrides", nargs="*", help="run-config overrides key=value (TOML values)")
+    stop = sub.add_parser("stop", help="stop the local SuperLink of this environment's ports")
+    stop.add_argument("--flwr-home", default=None)
+    args = parser.parse_args(argv)
+    if args.command == "stop":
+        pids = stop_local_superlink(flwr_env(args.flwr_home))
+        print(f"stopped local SuperLink {pids}" if pids else "no local SuperLink running")
+        return 0
+    overrides: dict[str, Any] = {}
+    import tomllib
+
+    for pair in args.overrides:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            parser.error(f"override {pair!r} is not key=value")
+        overrides[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+    result = flwr_run(overrides, num_supernodes=args.num_supernodes, flwr_home=args.flwr_home)
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
