@@ -67,26 +67,67 @@ def superlink_pids(env: Mapping[str, str] | None = None) -> list[int]:
 
 
 def stop_local_superlink(env: Mapping[str, str] | None = None, timeout: float = 15.0) -> list[int]:
-    """Stop the local SuperLink(s) of this environment's ports, with their process groups. Returns their PIDs."""
+    """Stop the local SuperLink(s) of this environment's ports with everything they started. Returns their PIDs.
+
+    The SuperLink runs in its own session: its whole process group (the simulation, Ray, client actors) gets SIGTERM,
+    then SIGKILL after ``timeout`` seconds. When ``env`` names a ``FLWR_HOME``, any process still running with that
+    ``FLWR_HOME`` in its environment (Ray daemons that left the group) is ended the same way.
+    """
+    env = env or os.environ
     pids = superlink_pids(env)
+    targets: set[int] = set()
     for pid in pids:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            targets.update(_group_members(os.getpgid(pid)))
+        except ProcessLookupError:
+            continue
+    if env.get("FLWR_HOME"):
+        targets.update(processes_with_env("FLWR_HOME", str(env["FLWR_HOME"])))
+    targets.discard(os.getpid())
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in targets:
             try:
-                os.killpg(os.getpgid(pid), sig)
+                os.kill(pid, sig)
             except ProcessLookupError:
-                break
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and _alive(pid):
-                time.sleep(0.2)
-            if not _alive(pid):
-                break
+                pass
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(_alive(p) for p in targets):
+            time.sleep(0.2)
+        if not any(_alive(p) for p in targets):
+            break
     return pids
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                    members.append(int(proc.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return members
+
+
+def processes_with_env(name: str, value: str) -> list[int]:
+    """PIDs of processes (other than this one) whose environment has ``name=value``."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if needle in (proc / "environ").read_bytes().split(b"\0"):
+                    found.append(int(proc.name))
+            except OSError:
+                continue
+    return found
 
 
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().split(")")[-1].split()[0] != "Z"
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
 
@@ -150,6 +191,8 @@ def flwr_run(
         "--federation-config", f"num-supernodes={num_supernodes}",
         *run_config_args(overrides), "--stream",
     ]
+    print("$ FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 " + " ".join(
+        c if " " not in c else f'"{c}"' for c in ["flwr", *command[1:]]), file=sys.stderr, flush=True)
     try:
         return subprocess.run(command, env=env, timeout=timeout, text=True, capture_output=capture, check=False)
     finally:

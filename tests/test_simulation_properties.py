@@ -109,3 +109,13 @@ def test_same_seed_same_metrics_with_one_and_two_actors(tmp_path):
     a, b = np.load(one / "final_arrays.npz"), np.load(two / "final_arrays.npz")
     for key in a.files:
         np.testing.assert_array_equal(a[key], b[key])
+
+
+@pytest.mark.parametrize(("num_supernodes", "message"), [(20, "needs exactly 24"), (30, "out of range")])
+def test_num_supernodes_that_does_not_match_the_users_fails_at_start(tmp_path, num_supernodes, message):
+    from fedrec_flwr.errors import ConfigError
+
+    config = tiny_run_config(tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        simulate(config, num_supernodes=num_supernodes)
+    assert not (tmp_path / "results" / "run" / "metrics.json").exists()  # stopped before any training

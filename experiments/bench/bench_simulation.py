@@ -1,0 +1,168 @@
+"""Benchmark: seconds per round, milliseconds per sampled user and peak memory of the simulation, next to a bare
+Flower app that does no training (same engine, same number of nodes and messages, empty payloads).
+
+Run by hand (not a test), e.g.::
+
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/bench/bench_simulation.py --data-root ../shared/data \
+        --cases "ml-100k:100:1" "ml-100k:943:1" "ml-100k:943:50" "amazon-video:3000:1" --rounds 3
+
+A case is ``dataset:sampled-users-per-round:users-per-node``. Each case runs Flower's in-process simulation engine
+(``flwr.simulation.run_simulation``, the engine ``flwr run`` uses) with one CPU per client actor, trains for
+``--rounds`` rounds with no evaluation, and reports the median round. Peak memory is the largest resident set of the
+whole process tree (driver, Ray, actors), sampled every 0.2 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def tree_rss_bytes(root: int) -> int:
+    """Resident memory of ``root`` and all its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            statm = (proc / "statm").read_text().split()
+        except OSError:
+            continue
+        pid, ppid = int(proc.name), int(stat[1])
+        children.setdefault(ppid, []).append(pid)
+        rss[pid] = int(statm[1]) * os.sysconf("SC_PAGE_SIZE")
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        total += rss.get(pid, 0)
+        stack.extend(children.get(pid, []))
+    return total
+
+
+class PeakMemory:
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_rss_bytes(os.getpid()))
+            time.sleep(0.2)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def bare_apps(num_users: int, users_per_node: int, sampled: int, rounds: int, times: list[float]):
+    """A ServerApp/ClientApp pair with the same messaging pattern and no payload or training."""
+    import numpy as np
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+
+    server, client = ServerApp(), ClientApp()
+
+    @client.train()
+    def train(message, context):
+        return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1.0})}), reply_to=message)
+
+    @server.main()
+    def main(grid, context):
+        nodes = sorted(grid.get_node_ids())
+        for rnd in range(1, rounds + 1):
+            start = time.monotonic()
+            users = np.random.default_rng([0, rnd]).choice(num_users, size=sampled, replace=False)
+            chosen = sorted({nodes[u // users_per_node] for u in users})
+            messages = [Message(RecordDict({"config": ConfigRecord({"server-round": rnd})}), dst_node_id=n,
+                                message_type="train") for n in chosen]
+            list(grid.send_and_receive(messages, timeout=600))
+            times.append(time.monotonic() - start)
+
+    return server, client
+
+
+def run_case(dataset: str, sampled: int, users_per_node: int, rounds: int, data_root: str, bare: bool) -> dict:
+    from flwr.simulation import run_simulation
+
+    from fedrec_flwr.config import default_mapping
+    from fedrec_flwr.runtime import load_split_for
+    from fedrec_flwr.config import RunConfig
+
+    tmp = tempfile.mkdtemp(prefix="fedrec-bench-")
+    mapping = default_mapping()
+    mapping.update({"dataset": dataset, "data-dir": str(Path(data_root) / dataset), "num-server-rounds": rounds,
+                    "fraction-evaluate": 0.0, "users-per-node": users_per_node, "results-dir": tmp,
+                    "run-name": "bench"})
+    num_users = load_split_for(RunConfig.from_mapping(mapping)).num_users
+    mapping["fraction-train"] = min(1.0, sampled / num_users)
+    num_nodes = -(-num_users // users_per_node)
+    backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"include_dashboard": False}}
+    times: list[float] = []
+    with PeakMemory() as memory:
+        if bare:
+            server, client = bare_apps(num_users, users_per_node, sampled, rounds, times)
+        else:
+            from fedrec_flwr.client_app import make_client_app
+            from fedrec_flwr.server_app import make_server_app
+
+            server, client = make_server_app(mapping), make_client_app(mapping)
+        run_simulation(server, client, num_supernodes=num_nodes, backend_config=backend)
+    if not bare:
+        rows = json.loads((Path(tmp) / "bench" / "metrics.json").read_text())
+        times = [r["seconds"] for r in rows]
+    steady = times[1:] if len(times) > 1 else times  # the first round includes actor start-up
+    per_round = statistics.median(steady)
+    return {"app": "bare" if bare else "fedrec", "dataset": dataset, "users": num_users, "nodes": num_nodes,
+            "sampled-users": sampled, "users-per-node": users_per_node, "rounds": rounds,
+            "seconds-per-round": round(per_round, 2), "ms-per-user": round(1000 * per_round / sampled, 1),
+            "peak-memory-MiB": round(memory.peak / 2**20)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data-root", default=str(Path(__file__).resolve().parents[3] / "shared" / "data"))
+    parser.add_argument("--cases", nargs="+", default=["ml-100k:100:1", "ml-100k:943:1", "ml-100k:943:50",
+                                                        "amazon-video:3000:1"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-bare", action="store_true", help="skip the bare Flower app")
+    parser.add_argument("--out", default=None, help="also write the rows as JSON here")
+    args = parser.parse_args()
+    rows = []
+    for case in args.cases:
+        dataset, sampled, upn = case.split(":")
+        for bare in ([False] if args.no_bare else [True, False]):
+            row = run_case(dataset, int(sampled), int(upn), args.rounds, args.data_root, bare)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print("\n| app | dataset | nodes | sampled users | users/node | s/round | ms/user | peak MiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['app']} | {r['dataset']} | {r['nodes']} | {r['sampled-users']} | {r['users-per-node']} | "
+              f"{r['seconds-per-round']} | {r['ms-per-user']} | {r['peak-memory-MiB']} |")
+    if args.out:
+        from fedrec_flwr.io import atomic_write_json
+
+        atomic_write_json(args.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
