@@ -165,7 +165,8 @@ class FedRecClient(NumPyClient):
         return out, update.num_examples, {"train-loss": update.loss}
 
     def evaluate(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict]:
-        """NumPyClient form of :meth:`evaluate_named`; the returned loss is ``1 - HR@10``-style: ``1 - NDCG@10``."""
+        """NumPyClient form of :meth:`evaluate_named`. Returns ``(1 - NDCG@10, 1, metrics)``: a ranking task has no
+        natural evaluation loss, so the loss slot carries a lower-is-better ranking score."""
         shared = dict(zip(self.runtime.layout.shared_shapes, parameters, strict=True))
         metrics = self.evaluate_named(shared, config)
         return 1.0 - metrics.get("NDCG@10", 0.0), 1, metrics

@@ -8,14 +8,20 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[test]"
+# (Re)install only when pyproject.toml changed since the last install.
+if [ ! -f .venv/.fedrec-installed ] || [ pyproject.toml -nt .venv/.fedrec-installed ]; then
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  .venv/bin/python -m pip install --quiet "torch==2.13.0"
+  .venv/bin/python -m pip install --quiet -e ".[test]"
+  touch .venv/.fedrec-installed
+fi
 
-# Data: $FEDREC_DATA_DIR, else ../shared/data/ml-100k if present, else download (sha256-checked) into the cache.
-DATA_DIR="${FEDREC_DATA_DIR:-}"
-if [ -z "$DATA_DIR" ] && [ -d ../shared/data/ml-100k ]; then
-  DATA_DIR="$(cd ../shared/data/ml-100k && pwd)"
+# Data: $FEDREC_DATA_DIR if set, else ../shared/data if present (a folder holding ml-100k/, filmtrust/, ...),
+# else the files are downloaded (sha256-checked) into the cache ($FEDREC_FLWR_CACHE or ~/.cache/fedrec-flwr).
+if [ -z "${FEDREC_DATA_DIR:-}" ] && [ -d ../shared/data ]; then
+  export FEDREC_DATA_DIR="$(cd ../shared/data && pwd)"
 fi
 export OMP_NUM_THREADS=1
-exec .venv/bin/python -m fedrec_flwr.launch run "data-dir='$DATA_DIR'" "results-dir='$PWD/results'" "$@"
+# Flower's state (config, installed app copies, local SuperLink database and log) stays in this checkout.
+export FLWR_HOME="${FLWR_HOME:-$PWD/.flwr}"
+exec .venv/bin/python -m fedrec_flwr.launch run "results-dir='$PWD/results'" "$@"

@@ -16,6 +16,10 @@ from typing import Any
 import numpy as np
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically, creating parent folders. Returns the path."""
     path = Path(path)
@@ -26,6 +30,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the mode open() would
         os.replace(tmp, path)
     except BaseException:
         try:

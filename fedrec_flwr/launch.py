@@ -66,15 +66,34 @@ def superlink_pids(env: Mapping[str, str] | None = None) -> list[int]:
     return pids
 
 
+def _flwr_home(env: Mapping[str, str]) -> str:
+    return str(Path(env.get("FLWR_HOME") or Path.home() / ".flwr").expanduser().resolve())
+
+
+def _env_of(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
+def foreign_superlinks(env: Mapping[str, str] | None = None) -> list[int]:
+    """Local SuperLinks on this environment's ports that belong to another ``FLWR_HOME`` (another checkout)."""
+    env = env or os.environ
+    return [pid for pid in superlink_pids(env) if _flwr_home(_env_of(pid)) != _flwr_home(env)]
+
+
 def stop_local_superlink(env: Mapping[str, str] | None = None, timeout: float = 15.0) -> list[int]:
     """Stop the local SuperLink(s) of this environment's ports with everything they started. Returns their PIDs.
 
-    The SuperLink runs in its own session: its whole process group (the simulation, Ray, client actors) gets SIGTERM,
+    Only SuperLinks of this environment's ``FLWR_HOME`` are stopped, never another checkout's. The SuperLink runs in
+    its own session: its whole process group (the simulation, Ray, client actors) gets SIGTERM,
     then SIGKILL after ``timeout`` seconds. When ``env`` names a ``FLWR_HOME``, any process still running with that
     ``FLWR_HOME`` in its environment (Ray daemons that left the group) is ended the same way.
     """
     env = env or os.environ
-    pids = superlink_pids(env)
+    pids = [pid for pid in superlink_pids(env) if pid not in foreign_superlinks(env)]
     targets: set[int] = set()
     for pid in pids:
         try:
@@ -185,6 +204,14 @@ def flwr_run(
     env = flwr_env(flwr_home, env_extra)
     if num_supernodes is None:
         num_supernodes = num_supernodes_for(overrides)
+    foreign = foreign_superlinks(env)
+    if foreign:
+        raise RuntimeError(
+            f"a local SuperLink of another FLWR_HOME (pid {foreign}) listens on control port "
+            f"{env.get('FLWR_LOCAL_CONTROL_API_PORT', '39093')}: this run would use it and its stale app code. Stop it "
+            "(FLWR_HOME=<its home> python -m fedrec_flwr.launch stop) or set FLWR_LOCAL_SUPERLINK_HTTP_API_PORT and "
+            "FLWR_LOCAL_CONTROL_API_PORT to free ports"
+        )
     stop_local_superlink(env)
     command = [
         str(Path(sys.executable).with_name("flwr")), "run", str(project),

@@ -83,7 +83,7 @@ class RunRecorder:
             self.folder / "summary.json",
             {"final": final, "total-seconds": round(time.monotonic() - self._start, 3), **dict(summary)},
         )
-        plot_learning_curves(self.rows, self.folder / "learning_curves.png")
+        plot_learning_curves(self.rows, self.folder / "learning_curves.png", title=self.folder.name)
         return self.folder
 
 
@@ -94,12 +94,20 @@ def plot_learning_curves(rows: list[Mapping[str, Any]], path: str | Path, title:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import MaxNLocator
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     evaluated = [r for r in rows if "HR@10" in r]
     if evaluated:
         rounds = [r["round"] for r in evaluated]
-        left.plot(rounds, [r["HR@10"] for r in evaluated], marker="o", label="HR@10")
-        left.plot(rounds, [r["NDCG@10"] for r in evaluated], marker="s", label="NDCG@10")
+        for key, marker in (("HR@10", "o"), ("NDCG@10", "s")):
+            values = [r[key] for r in evaluated]
+            left.plot(rounds, values, marker=marker, label=f"{key} (last {values[-1]:.3f})")
+    last_round = max((r["round"] for r in rows), default=1)
+    for axis in (left, right):
+        axis.set_xlim(0, last_round + 0.5)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    left.set_ylim(bottom=0)
     left.set_xlabel("round")
     left.set_ylabel("metric on held-out items")
     left.grid(alpha=0.3)

@@ -8,6 +8,7 @@ here holds per-user state: that lives in each node's ``context.state``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ def load_split_for(config: RunConfig) -> Split:
         if key not in _SPLIT_CACHE:
             _SPLIT_CACHE[key] = load_split(
                 config.dataset,
-                config.data_dir or None,
+                data_dir_for(config),
                 cache_dir=config.cache_dir or None,
                 generic=generic_source(config),
                 min_user_interactions=config.min_user_interactions,
@@ -52,6 +53,16 @@ def load_split_for(config: RunConfig) -> Split:
                 holdout_validation=config.holdout_validation,
             )
         return _SPLIT_CACHE[key]
+
+
+DATA_DIR_ENV = "FEDREC_DATA_DIR"
+"""Environment variable naming a data folder (the dataset's own folder, or a parent holding ``<dataset>/``), used
+when the run config's ``data-dir`` is empty. Only if neither is set are the files downloaded into the cache."""
+
+
+def data_dir_for(config: RunConfig) -> str | None:
+    """``data-dir`` if set, else ``$FEDREC_DATA_DIR`` if set, else ``None`` (download into the cache)."""
+    return config.data_dir or os.environ.get(DATA_DIR_ENV) or None
 
 
 def generic_source(config: RunConfig) -> GenericSource | None:

@@ -171,9 +171,13 @@ class ItemEmbeddingFedAvg(FedAvg):
             )
         arrays = self.aggregate_arrays(accepted)
         metrics = aggregate_metricrecords(accepted, NUM_EXAMPLES)
+        train_users = sum(float(r[METRICS].get("num-users", 0)) for r in accepted)
+        if "num-users" in metrics:
+            del metrics["num-users"]  # a weighted mean of counts means nothing; the total is below
+        metrics["train-users"] = train_users
         self.last_train = {
             "train-loss": float(metrics.get("train-loss", float("nan"))),
-            "num-users": float(sum(float(r[METRICS]["num-users"]) for r in accepted)),
+            "train-users": train_users,
             "num-replies": float(len(accepted)),
             "num-failures": float(len(replies) - len(accepted)),
         }
@@ -243,7 +247,7 @@ class ItemEmbeddingFedAvg(FedAvg):
             return None
         metrics = aggregate_metricrecords(ok, NUM_EXAMPLES)
         self.last_evaluate = {k: float(v) for k, v in metrics.items()}
-        self.last_evaluate["num-users"] = float(sum(float(r[METRICS][NUM_EXAMPLES]) for r in ok))
+        self.last_evaluate["eval-users"] = float(sum(float(r[METRICS][NUM_EXAMPLES]) for r in ok))
         return metrics
 
     # ------------------------------------------------------------------------------------------------ helpers

@@ -49,7 +49,8 @@ def test_flwr_run_on_movielens_beats_popularity(tmp_path, ml100k_dir):
     rows = json.loads((folder / "metrics.json").read_text())
     assert [r["round"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all(r["num-failures"] == 0 for r in rows)
-    assert rows[-1]["num-users"] == 943  # evaluated on every user
+    assert rows[-1]["eval-users"] == 943  # evaluated on every user
+    assert all(r["train-users"] == 472 for r in rows)  # round(0.5 * 943) sampled users trained each round
     assert "round    6 | HR@10" in output  # the progress line
 
     split = load_split("ml-100k", ml100k_dir, cache_dir=tmp_path / "cache")
