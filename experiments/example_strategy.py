@@ -2,7 +2,7 @@
 
 Run it with::
 
-    python -m fedrec_flwr.launch run "strategy='experiments.example_strategy:ServerLrItemFedAvg'"
+    bash experiments/quickstart.sh "strategy='experiments.example_strategy:ServerLrItemFedAvg'"
 
 ``ServerLrItemFedAvg`` applies a server learning rate ``eta`` to the item-embedding FedAvg step
 (Reddi et al. 2021, "Adaptive Federated Optimization", Alg. 1 with a plain SGD server optimizer):

@@ -71,10 +71,12 @@ class PeakMemory:
         self._thread.join()
 
 
-def bare_apps(num_users: int, users_per_node: int, sampled: int, rounds: int, times: list[float]):
-    """A ServerApp/ClientApp pair with the same messaging pattern and no payload or training."""
+def bare_apps(num_users: int, users_per_node: int, sampled: int, rounds: int, times: list[float],
+              payload: dict | None = None):
+    """A ServerApp/ClientApp pair with the same messaging pattern and no training; with ``payload`` (name -> array)
+    each train message also carries those arrays, as ours carry the shared model."""
     import numpy as np
-    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
 
@@ -86,20 +88,24 @@ def bare_apps(num_users: int, users_per_node: int, sampled: int, rounds: int, ti
 
     @server.main()
     def main(grid, context):
-        nodes = sorted(grid.get_node_ids())
+        num_nodes = -(-num_users // users_per_node)
+        while len(nodes := sorted(grid.get_node_ids())) < num_nodes:
+            time.sleep(0.2)
         for rnd in range(1, rounds + 1):
             start = time.monotonic()
             users = np.random.default_rng([0, rnd]).choice(num_users, size=sampled, replace=False)
             chosen = sorted({nodes[u // users_per_node] for u in users})
-            messages = [Message(RecordDict({"config": ConfigRecord({"server-round": rnd})}), dst_node_id=n,
-                                message_type="train") for n in chosen]
+            content = {"config": ConfigRecord({"server-round": rnd})}
+            if payload:
+                content["arrays"] = ArrayRecord({k: Array(v) for k, v in payload.items()})
+            messages = [Message(RecordDict(content), dst_node_id=n, message_type="train") for n in chosen]
             list(grid.send_and_receive(messages, timeout=600))
             times.append(time.monotonic() - start)
 
     return server, client
 
 
-def run_case(dataset: str, sampled: int, users_per_node: int, rounds: int, data_root: str, bare: bool) -> dict:
+def run_case(dataset: str, sampled: int, users_per_node: int, rounds: int, data_root: str, bare: str | None) -> dict:
     from flwr.simulation import run_simulation
 
     from fedrec_flwr.config import default_mapping
@@ -118,7 +124,14 @@ def run_case(dataset: str, sampled: int, users_per_node: int, rounds: int, data_
     times: list[float] = []
     with PeakMemory() as memory:
         if bare:
-            server, client = bare_apps(num_users, users_per_node, sampled, rounds, times)
+            payload = None
+            if bare == "bare+model":
+                from fedrec_flwr.runtime import build_shared_model
+
+                config = RunConfig.from_mapping(mapping)
+                model = build_shared_model(config, load_split_for(config).num_items)
+                payload = {k: v.detach().numpy() for k, v in model.shared_state().items()}
+            server, client = bare_apps(num_users, users_per_node, sampled, rounds, times, payload)
         else:
             from fedrec_flwr.client_app import make_client_app
             from fedrec_flwr.server_app import make_server_app
@@ -130,7 +143,7 @@ def run_case(dataset: str, sampled: int, users_per_node: int, rounds: int, data_
         times = [r["seconds"] for r in rows]
     steady = times[1:] if len(times) > 1 else times  # the first round includes actor start-up
     per_round = statistics.median(steady)
-    return {"app": "bare" if bare else "fedrec", "dataset": dataset, "users": num_users, "nodes": num_nodes,
+    return {"app": bare or "fedrec", "dataset": dataset, "users": num_users, "nodes": num_nodes,
             "sampled-users": sampled, "users-per-node": users_per_node, "rounds": rounds,
             "seconds-per-round": round(per_round, 2), "ms-per-user": round(1000 * per_round / sampled, 1),
             "peak-memory-MiB": round(memory.peak / 2**20)}
@@ -142,14 +155,16 @@ def main() -> int:
     parser.add_argument("--cases", nargs="+", default=["ml-100k:100:1", "ml-100k:943:1", "ml-100k:943:50",
                                                         "amazon-video:3000:1"])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--no-bare", action="store_true", help="skip the bare Flower app")
+    parser.add_argument("--apps", nargs="+", default=["bare", "bare+model", "fedrec"],
+                        help="bare: no payload; bare+model: the shared model in every message; fedrec: ours")
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = parser.parse_args()
     rows = []
     for case in args.cases:
         dataset, sampled, upn = case.split(":")
-        for bare in ([False] if args.no_bare else [True, False]):
-            row = run_case(dataset, int(sampled), int(upn), args.rounds, args.data_root, bare)
+        for app in args.apps:
+            row = run_case(dataset, int(sampled), int(upn), args.rounds, args.data_root,
+                           None if app == "fedrec" else app)
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("\n| app | dataset | nodes | sampled users | users/node | s/round | ms/user | peak MiB |")
