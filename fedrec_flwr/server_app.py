@@ -34,7 +34,7 @@ from .errors import ConfigError
 from .registry import resolve
 from .results import PROGRESS, RunRecorder
 from .runtime import build_shared_model
-from .wire import CONFIG, ModelLayout
+from .wire import CONFIG, ModelLayout, Topology
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,6 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float):
             missing ``partition-id`` (its message is passed on), two nodes serve the same users, or nodes disagree
             on the dataset.
     """
-    from strategies.item_fedavg import Topology
-
     deadline = time.monotonic() + timeout
     last_count, last_change = -1, time.monotonic()
     while True:

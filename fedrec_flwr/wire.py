@@ -89,6 +89,24 @@ class ModelLayout:
         )
 
 
+@dataclass(frozen=True)
+class Topology:
+    """Which node serves each user: ``user_to_node[u]`` is the node id of user ``u``'s SuperNode."""
+
+    user_to_node: np.ndarray
+
+    @property
+    def num_users(self) -> int:
+        return len(self.user_to_node)
+
+    def group(self, users: Iterable[int]) -> dict[int, list[int]]:
+        """Node id -> the given users it serves, in ascending user order."""
+        out: dict[int, list[int]] = {}
+        for user in sorted(int(u) for u in users):
+            out.setdefault(int(self.user_to_node[user]), []).append(user)
+        return out
+
+
 @dataclass
 class Contribution:
     """One node's train contribution: the sum-and-count form of the reply, before packing.

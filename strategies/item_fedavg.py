@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -30,33 +29,17 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, aggre
 
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.wire import (
-    ARRAYS, CONFIG, COUNT, METRICS, NUM_EXAMPLES, ROWS, SUM, ModelLayout, ReplyError, check_reply_keys,
+    ARRAYS, CONFIG, COUNT, METRICS, NUM_EXAMPLES, ROWS, SUM, ModelLayout, ReplyError, Topology, check_reply_keys,
     merge_rows, sample_users,
 )
+
+__all__ = ["ItemEmbeddingFedAvg", "RoundFailed", "Topology"]
 
 log = logging.getLogger(__name__)
 
 
 class RoundFailed(RuntimeError):
     """Too few valid replies arrived for a round to count."""
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Which node serves each user: ``user_to_node[u]`` is the node id of user ``u``'s SuperNode."""
-
-    user_to_node: np.ndarray
-
-    @property
-    def num_users(self) -> int:
-        return len(self.user_to_node)
-
-    def group(self, users: Iterable[int]) -> dict[int, list[int]]:
-        """Node id -> the given users it serves, in ascending user order."""
-        out: dict[int, list[int]] = {}
-        for user in sorted(int(u) for u in users):
-            out.setdefault(int(self.user_to_node[user]), []).append(user)
-        return out
 
 
 class ItemEmbeddingFedAvg(FedAvg):
