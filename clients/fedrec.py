@@ -34,6 +34,8 @@ class UserUpdate:
         rows: item-table key -> ``(rows (T,) int64, values (T, d) float32)``: the rows this user updated.
         num_examples: examples trained on this round (positives + sampled negatives).
         loss: mean training loss.
+        weight: the user's weight in the server's average of dense values (default: ``num_examples``, FedAvg's
+            example weighting; a gradient-upload client uses 1, so that every user counts once).
         metrics: extra scalar metrics for the reply.
     """
 
@@ -41,7 +43,13 @@ class UserUpdate:
     rows: dict[str, tuple[np.ndarray, np.ndarray]]
     num_examples: int
     loss: float
+    weight: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def aggregation_weight(self) -> float:
+        """``weight`` if set, else ``num_examples``."""
+        return float(self.num_examples if self.weight is None else self.weight)
 
 
 class FedRecClient(NumPyClient):
@@ -52,8 +60,9 @@ class FedRecClient(NumPyClient):
     user)``. :meth:`fit` trains locally and returns only shared parameters; the private ones are written back to the
     state and never returned.
 
-    Subclasses (SAM, adversarial unlearning) override :meth:`make_trainer` (the local step) and, when they carry more
-    private state, :meth:`load_private` / :meth:`save_private`.
+    Subclasses (SAM, PFedRec, adversarial unlearning) override :meth:`make_trainer` (the local step),
+    :meth:`shared_update` (what is uploaded), :meth:`prepare_evaluation` and, when they carry more private state,
+    :meth:`load_private` / :meth:`save_private`.
 
     Args:
         runtime: the process's config, split and one-user model (:func:`fedrec_flwr.runtime.get_runtime`).
@@ -75,9 +84,15 @@ class FedRecClient(NumPyClient):
         """This user's key in ``context.state``."""
         return f"{STATE_PREFIX}{self.user}"
 
+    def state_record(self, key: str) -> ArrayRecord | None:
+        """The ``ArrayRecord`` stored under ``key`` in the node's state, or ``None``. (A direct lookup: the state's
+        ``array_records`` view rebuilds a dict of every record on each access, which costs O(users per node).)"""
+        record = self.state.get(key) if key in self.state else None
+        return record if isinstance(record, ArrayRecord) else None
+
     def load_private(self) -> None:
         """Load the user's private parameters from the state, or initialise them on the first visit."""
-        record = self.state.array_records.get(self.state_key) if hasattr(self.state, "array_records") else None
+        record = self.state_record(self.state_key)
         if record is None:
             generator = torch_generator(self.runtime.config.seed, TAG_USER_INIT, self.user)
             self.model.reset_private(generator)
@@ -89,10 +104,54 @@ class FedRecClient(NumPyClient):
         arrays = {k: Array(v.detach().cpu().numpy().copy()) for k, v in self.model.private_state().items()}
         self.state[self.state_key] = ArrayRecord(arrays)
 
+    def load_shared(self, shared: Mapping[str, np.ndarray], *, will_modify: bool) -> None:
+        """Load the server's shared parameters into the process's model.
+
+        A message's users share one ``shared`` mapping; evaluation does not change the parameters, so consecutive
+        evaluations with the same mapping object load it once (:attr:`Runtime.clean_shared`). Training, or any hook
+        that changes shared parameters (``will_modify=True``, or :meth:`mark_shared_modified`), forces a reload.
+        """
+        runtime = self.runtime
+        if runtime.clean_shared is not shared or will_modify:
+            self.model.load_shared_state(dict(shared))
+        runtime.clean_shared = None if will_modify else shared
+
+    def mark_shared_modified(self) -> None:
+        """Call after changing the model's shared parameters outside :meth:`load_shared` (see there)."""
+        self.runtime.clean_shared = None
+
     # ------------------------------------------------------------------------------------------------ hooks
-    def make_trainer(self) -> LocalTrainer:
-        """The local training loop (plain SGD/Adam on BCE or BPR); subclasses return their own ``LocalTrainer``."""
+    def make_trainer(self, config: Mapping[str, Any]) -> LocalTrainer:
+        """The local training loop (plain SGD/Adam on BCE or BPR); subclasses return their own ``LocalTrainer``.
+
+        Args:
+            config: the server's train config of this round (``"server-round"``, strategy-specific keys).
+        """
         return LocalTrainer(self.model, self.runtime.train_config)
+
+    def shared_update(self, trainer: LocalTrainer, result, config: Mapping[str, Any]) -> UserUpdate:
+        """What the user uploads after training: its updated shared parameters, the item tables only for the rows
+        it trained on (``result.touched_items``)."""
+        return self.update_from(self.model.shared_state(), result)
+
+    def update_from(self, values: Mapping[str, torch.Tensor], result, weight: float | None = None) -> UserUpdate:
+        """A :class:`UserUpdate` of full-shape shared ``values`` (parameters or gradients): dense keys whole, item
+        tables cut to the rows the user trained on (``result.touched_items``)."""
+        arrays = {k: v.detach().cpu().numpy() for k, v in values.items()}
+        layout = self.runtime.layout
+        touched = np.asarray(result.touched_items, dtype=np.int64)
+        return UserUpdate(
+            dense={k: arrays[k] for k in layout.dense_keys},
+            rows={k: (touched, arrays[k][touched]) for k in layout.item_keys},
+            num_examples=int(result.num_examples),
+            loss=float(result.loss),
+            weight=weight,
+        )
+
+    def prepare_evaluation(self) -> None:
+        """Hook run after the shared and private parameters are loaded for evaluation (PFedRec applies the user's
+        personalised item rows here; a hook that changes shared parameters must call :meth:`mark_shared_modified`).
+        The base client does nothing."""
 
     # ------------------------------------------------------------------------------------------------ by name
     def fit_named(self, shared: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> UserUpdate:
@@ -108,45 +167,52 @@ class FedRecClient(NumPyClient):
         """
         server_round = int(config["server-round"])
         cfg, split = self.runtime.config, self.runtime.split
-        self.model.load_shared_state(dict(shared))
+        self.load_shared(shared, will_modify=True)
         self.load_private()
         positives = split.positives(self.user)
         negatives = sample_train_negatives(split, self.user, server_round, cfg.num_train_negatives, cfg.seed)
         generator = torch_generator(cfg.seed, TAG_SHUFFLE, self.user, server_round)
-        result = self.make_trainer().train(0, positives, negatives, generator)
+        self.trainer = self.make_trainer(config)
+        result = self.trainer.train(0, positives, negatives, generator)
         self.save_private()
-        state = {k: v.detach().cpu().numpy() for k, v in self.model.shared_state().items()}
-        layout = self.runtime.layout
-        touched = np.asarray(result.touched_items, dtype=np.int64)
-        return UserUpdate(
-            dense={k: state[k] for k in layout.dense_keys},
-            rows={k: (touched, state[k][touched]) for k in layout.item_keys},
-            num_examples=int(result.num_examples),
-            loss=float(result.loss),
-        )
+        return self.shared_update(self.trainer, result, config)
 
     def evaluate_named(self, shared: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> dict[str, float]:
         """Rank the user's held-out item among its negatives with the current shared and private parameters.
 
         Args:
             shared: as in :meth:`fit_named`.
-            config: ``"split"`` = ``"test"`` (default) or ``"val"`` (needs ``holdout-validation``).
+            config: ``"split"`` = ``"test"`` (default), ``"val"`` (needs ``holdout-validation``) or ``"test+val"``
+                (both; the validation metrics are prefixed ``"val-"``).
 
         Returns:
-            ``{"HR@K": 0/1, "NDCG@K": ..., ...}`` for the configured ``ks``.
+            ``{"HR@K": 0/1, "NDCG@K": ..., ...}`` for the configured ``ks`` (plus ``"val-HR@K"``, ... for
+            ``"test+val"``).
+
+        Raises:
+            ValueError: an unknown split, or ``"val"`` without a validation item.
         """
         split = self.runtime.split
         which = str(config.get("split", "test"))
-        self.model.load_shared_state(dict(shared))
+        if which not in ("test", "val", "test+val"):
+            raise ValueError(f"evaluation split must be 'test', 'val' or 'test+val', got {which!r}")
+        if "val" in which and split.val_items is None:
+            raise ValueError(f"evaluation on {which!r} needs holdout-validation = true")
+        self.load_shared(shared, will_modify=False)
         self.load_private()
-        if which == "val":
-            if split.val_items is None:
-                raise ValueError("evaluation on 'val' needs holdout-validation = true")
-            target, negatives = split.val_items[self.user], split.val_negatives[self.user]
-        else:
-            target, negatives = split.test_items[self.user], split.test_negatives[self.user]
+        self.prepare_evaluation()
+        ks = self.runtime.config.k_values
+        out: dict[str, float] = {}
         with torch.no_grad():
-            return evaluate_user(self.model, 0, int(target), negatives, ks=self.runtime.config.k_values)
+            if which in ("test", "test+val"):
+                out.update(evaluate_user(self.model, 0, int(split.test_items[self.user]),
+                                         split.test_negatives[self.user], ks=ks))
+            if which in ("val", "test+val"):
+                prefix = "val-" if which == "test+val" else ""
+                metrics = evaluate_user(self.model, 0, int(split.val_items[self.user]),
+                                        split.val_negatives[self.user], ks=ks)
+                out.update({prefix + k: v for k, v in metrics.items()})
+        return out
 
     # ------------------------------------------------------------------------------------------------ NumPyClient
     def get_parameters(self, config: dict[str, Any]) -> list[np.ndarray]:

@@ -69,7 +69,7 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
     contribution = Contribution(runtime.layout)
     for user in users:
         update = make_client(runtime, user, context).fit_named(shared, config)
-        contribution.add_user(update.dense, update.rows, update.num_examples, update.loss)
+        contribution.add_user(update.dense, update.rows, update.aggregation_weight, update.loss)
     metrics = MetricRecord(
         {NUM_EXAMPLES: float(contribution.num_examples), "num-users": contribution.num_users,
          "train-loss": contribution.mean_loss}

@@ -24,7 +24,9 @@ from .errors import ConfigError
 _CHOICES: dict[str, tuple[str, ...]] = {
     "dataset": ("ml-100k", "filmtrust", "lastfm-2k", "amazon-video", "generic"),
     "tie-rule": ("random", "fedrecgel", "smallest-item", "largest-item"),
-    "model": ("ncf", "mf"),
+    "model": ("ncf", "mf", "pfedrec"),
+    "item-aggregation": ("auto", "touched", "selected"),
+    "server-optimizer": ("adam", "sgd"),
     "loss": ("bce", "bpr"),
     "optimizer": ("sgd", "adam"),
 }
@@ -63,10 +65,17 @@ class RunConfig:
     optimizer: str = _key("optimizer")
     num_train_negatives: int = _key("num-train-negatives", minimum=1)
     device: str = _key("device")
+    rho_shared: float = _key("rho-shared", minimum=0.0)
+    rho_private: float = _key("rho-private", minimum=0.0)
+    item_learning_rate: float = _key("item-learning-rate", minimum=0.0)
     strategy: str = _key("strategy")
     num_server_rounds: int = _key("num-server-rounds", minimum=1)
     fraction_train: float = _key("fraction-train", positive=True, maximum=1.0)
     fraction_evaluate: float = _key("fraction-evaluate", minimum=0.0, maximum=1.0)
+    item_aggregation: str = _key("item-aggregation")
+    server_optimizer: str = _key("server-optimizer")
+    server_learning_rate: float = _key("server-learning-rate", positive=True)
+    evaluate_validation: bool = _key("evaluate-validation")
     min_train_fraction: float = _key("min-train-fraction", minimum=0.0, maximum=1.0)
     eval_every: int = _key("eval-every", minimum=1)
     round_timeout: float = _key("round-timeout", positive=True)
@@ -128,7 +137,7 @@ class RunConfig:
         return config
 
     def _check_relations(self) -> None:
-        for key in ("dataset", "tie-rule", "model", "loss", "optimizer"):
+        for key in ("dataset", "tie-rule", "model", "loss", "optimizer", "item-aggregation", "server-optimizer"):
             value = getattr(self, key.replace("-", "_"))
             if value not in _CHOICES[key]:
                 raise ConfigError(f"run-config key '{key}' = {value!r}: must be one of {list(_CHOICES[key])}")
@@ -145,6 +154,8 @@ class RunConfig:
             raise ConfigError("run-config key 'generic-file' is empty but dataset = 'generic' needs it")
         if not (self.device in ("cpu", "cuda", "auto") or self.device.startswith("cuda:")):
             raise ConfigError(f"run-config key 'device' = {self.device!r}: must be cpu, cuda, cuda:N or auto")
+        if self.evaluate_validation and not self.holdout_validation:
+            raise ConfigError("run-config key 'evaluate-validation' = true needs 'holdout-validation' = true")
         if not self.client or not self.strategy:
             raise ConfigError("run-config keys 'client' and 'strategy' must name a registered entry or module:Class")
 

@@ -17,11 +17,14 @@ from .errors import ConfigError
 
 CLIENTS: dict[str, str] = {
     "fedrec": "clients.fedrec:FedRecClient",
+    "fedrecgel": "clients.fedrecgel:FedRecGELClient",
+    "pfedrec": "clients.pfedrec:PFedRecClient",
 }
 """Client algorithms (``flwr.client.NumPyClient`` subclasses taking ``(runtime, user, state)``)."""
 
 STRATEGIES: dict[str, str] = {
     "item-fedavg": "strategies.item_fedavg:ItemEmbeddingFedAvg",
+    "server-optimizer": "strategies.server_optimizer:ServerOptimizerStrategy",
 }
 """Server strategies (``flwr.serverapp.strategy.Strategy`` subclasses with a ``from_run_config`` class method)."""
 

@@ -79,12 +79,27 @@ class RunRecorder:
         atomic_save_npz(self.folder / "final_arrays.npz", **{k.replace("/", "_"): v for k, v in arrays.items()})
         evaluated = [r for r in self.rows if "HR@10" in r]
         final = dict(evaluated[-1]) if evaluated else {}
+        selected = select_on_validation(self.rows)
         atomic_write_json(
             self.folder / "summary.json",
-            {"final": final, "total-seconds": round(time.monotonic() - self._start, 3), **dict(summary)},
+            {"final": final, "selected-on-validation": selected,
+             "total-seconds": round(time.monotonic() - self._start, 3), **dict(summary)},
         )
         plot_learning_curves(self.rows, self.folder / "learning_curves.png", title=self.folder.name)
         return self.folder
+
+
+def select_on_validation(rows: list[Mapping[str, Any]], key: str = "val-HR@10") -> dict[str, Any] | None:
+    """The evaluated round with the best validation metric (earliest on ties), or ``None`` without validation.
+
+    The round is chosen on each user's validation item (``holdout-validation``), never on the test item; the row's
+    test metrics are then an honest estimate, unlike picking the round with the best test HR@10.
+    """
+    candidates = [r for r in rows if key in r and "HR@10" in r]
+    if not candidates:
+        return None
+    best = max(candidates, key=lambda r: (r[key], -r["round"]))
+    return dict(best)
 
 
 def plot_learning_curves(rows: list[Mapping[str, Any]], path: str | Path, title: str = "") -> None:

@@ -122,6 +122,9 @@ class Runtime:
     model: RecModel
     layout: ModelLayout
     train_config: LocalTrainConfig
+    clean_shared: Any = None
+    """The shared-parameter mapping the model currently holds unmodified, or ``None`` (see
+    :meth:`clients.fedrec.FedRecClient.load_shared`)."""
 
 
 _RUNTIMES: dict[tuple, Runtime] = {}

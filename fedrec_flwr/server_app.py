@@ -72,7 +72,8 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float):
         nodes = sorted(grid.get_node_ids())
         if len(nodes) != last_count:
             last_count, last_change = len(nodes), time.monotonic()
-        if nodes and (time.monotonic() - last_change > 2.0 or time.monotonic() > deadline):
+        settled = getattr(grid, "nodes_settled", False)  # a SerialGrid has all its nodes from the start
+        if nodes and (settled or time.monotonic() - last_change > 2.0 or time.monotonic() > deadline):
             break
         time.sleep(0.5)
     replies = list(grid.send_and_receive(
@@ -119,8 +120,8 @@ def default_run_name(config: RunConfig) -> str:
     return f"{config.dataset}-{config.model}-{client}-{strategy}-{stamp}"
 
 
-def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = None) -> None:
-    """Run one federated experiment (see the module docstring)."""
+def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = None) -> Path:
+    """Run one federated experiment (see the module docstring); returns the results folder."""
     _setup_logging()
     config = RunConfig.from_mapping(context.run_config or run_config or {})
     topology, num_items, facts = discover_topology(grid, config, timeout=config.round_timeout)
@@ -155,6 +156,7 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     final = {k: v.numpy() for k, v in result.arrays.items()} if result.arrays is not None else {}
     recorder.finish(final, {"client-failures": {str(k): v for k, v in getattr(strategy, "failures", {}).items()}})
     log.info("results written to %s", folder)
+    return folder
 
 
 def make_server_app(run_config: Mapping[str, Any] | None = None) -> ServerApp:

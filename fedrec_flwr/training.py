@@ -65,7 +65,7 @@ class LocalTrainConfig:
     Attributes:
         local_epochs: passes over the user's examples per :meth:`LocalTrainer.train` call (>= 1).
         batch_size: examples (BCE) or (positive, negative) pairs (BPR) per mini-batch (>= 1).
-        learning_rate: optimizer step size (> 0).
+        learning_rate: optimizer step size (>= 0; 0 trains nothing, useful for probes and tests).
         num_train_negatives: negatives sampled per positive by the caller (>= 1; used by the Flower layer and the
             centralized baseline; :meth:`LocalTrainer.train` uses whatever negatives it is given).
         loss: ``"bce"`` or ``"bpr"`` (:data:`fedrec_flwr.losses.LOSSES`).
@@ -93,10 +93,10 @@ class LocalTrainConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ConfigError(f"LocalTrainConfig.{key} must be an int >= 1, got {value!r}")
-        for key, minimum_ok in (("learning_rate", lambda v: v > 0), ("weight_decay", lambda v: v >= 0)):
+        for key, minimum_ok in (("learning_rate", lambda v: v >= 0), ("weight_decay", lambda v: v >= 0)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not minimum_ok(value):
-                raise ConfigError(f"LocalTrainConfig.{key} must be a finite number ({'> 0' if key == 'learning_rate' else '>= 0'}), got {value!r}")
+                raise ConfigError(f"LocalTrainConfig.{key} must be a finite number (>= 0), got {value!r}")
         if self.loss not in LOSSES:
             raise ConfigError(f"LocalTrainConfig.loss: unknown loss {self.loss!r}; valid: {sorted(LOSSES)}")
         if self.optimizer not in OPTIMIZERS:
@@ -218,8 +218,13 @@ class LocalTrainer:
             The batch loss (float). If it is not finite, no backward/step is done and it is returned as is; the
             loop then restores the parameters and raises.
         """
-        optimizer = self.optimizer
-        optimizer.zero_grad(set_to_none=True)
+        return self.optimizer_step(self.optimizer, users, items, labels)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, users: torch.Tensor, items: torch.Tensor,
+                       labels: torch.Tensor) -> float:
+        """Zero every gradient, :meth:`compute_loss`, backward and ``optimizer.step()``; returns the loss value (no
+        backward or step if it is not finite)."""
+        self.model.zero_grad(set_to_none=True)
         loss = self.compute_loss(users, items, labels)
         value = float(loss.detach())
         if not math.isfinite(value):

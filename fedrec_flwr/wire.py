@@ -16,6 +16,12 @@ Key scheme (one ``ArrayRecord`` under the key ``"arrays"`` in every message; arr
     ``"<key>#count"`` ``(T,)`` float32, how many of the node's users updated each row.
     Sums and counts add across nodes, so the server's per-row mean ``sum / count`` is exact for any grouping.
 
+Values are updated parameters by default. A strategy that puts ``"upload" = "gradient"`` in the train config (e.g.
+:class:`strategies.server_optimizer.ServerOptimizerStrategy`) receives gradients of the shared parameters in the same
+scheme instead. The weight ``n_u`` of a user is its example count for parameter uploads and 1 for gradient uploads
+(``UserUpdate.aggregation_weight``); ``"num-examples"`` is the node's total weight and ``"num-users"`` its number of
+trained users.
+
 Private parameters (user embeddings) never appear in a reply; :func:`check_reply_keys` makes a reply that carries one
 fail loudly with :class:`PrivacyViolation`.
 """
@@ -211,21 +217,40 @@ def check_reply_keys(arrays: Mapping[str, np.ndarray], layout: ModelLayout) -> N
             raise ReplyError(f"'{key}' contains NaN or Inf")
 
 
-def merge_rows(
-    current: np.ndarray, updates: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Row-wise average of item-table updates over the users that touched each row.
+ITEM_AGGREGATIONS = ("touched", "selected")
+"""How an item row is averaged: over the users that updated it, or over every user that took part in the round."""
 
-    ``new[i] = sum_c sum_c[i] / sum_c count_c[i]`` for rows some client touched; ``new[i] = current[i]`` otherwise.
+
+def merge_rows(
+    current: np.ndarray,
+    updates: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    mode: str = "touched",
+    num_users: float | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Row-wise average of item-table values (updated parameters, or gradients with ``current`` = zeros).
+
+    * ``"touched"``: ``new[i] = sum_c sum_c[i] / sum_c count_c[i]`` for rows some user updated; ``new[i] =
+      current[i]`` otherwise (per-row FedAvg, e.g. FedNCF).
+    * ``"selected"``: every one of the round's ``m = num_users`` users counts in every row, a user that did not
+      touch row ``i`` contributing ``current[i]``: ``new[i] = current[i] + (sum[i] - count[i] * current[i]) / m``.
+      This is the plain average of the users' full tables (PFedRec's and FedRecGEL's public code), which shrinks
+      rare items' updates by the fraction of users that touched them.
 
     Args:
         current: ``(num_items, d)`` the table before the round.
         updates: per reply ``(rows (T,), sums (T, d), counts (T,))``.
+        mode: ``"touched"`` or ``"selected"``.
+        num_users: ``m``, the number of users whose replies are merged (needed by ``"selected"``; >= every count).
 
     Returns:
         ``(new_table (num_items, d) float32, count (num_items,) float64)``: the count is the number of users that
         updated each row this round.
+
+    Raises:
+        ValueError: unknown mode, or ``"selected"`` without a valid ``num_users``.
     """
+    if mode not in ITEM_AGGREGATIONS:
+        raise ValueError(f"item aggregation must be one of {ITEM_AGGREGATIONS}, got {mode!r}")
     total = np.zeros(current.shape, dtype=np.float64)
     count = np.zeros(current.shape[0], dtype=np.float64)
     for rows, sums, counts in updates:
@@ -233,7 +258,14 @@ def merge_rows(
         count[rows] += counts
     new = current.astype(np.float32, copy=True)
     touched = count > 0
-    new[touched] = (total[touched] / count[touched].reshape(-1, *([1] * (current.ndim - 1)))).astype(np.float32)
+    shape = (-1, *([1] * (current.ndim - 1)))
+    if mode == "touched":
+        new[touched] = (total[touched] / count[touched].reshape(shape)).astype(np.float32)
+    else:
+        if num_users is None or not num_users > 0 or (touched.any() and count.max() > num_users):
+            raise ValueError(f"'selected' aggregation needs num_users >= every row count, got {num_users!r}")
+        base = current[touched].astype(np.float64)
+        new[touched] = (base + (total[touched] - count[touched].reshape(shape) * base) / num_users).astype(np.float32)
     return new, count
 
 

@@ -4,8 +4,10 @@
   ``aggregate_arrayrecords`` (McMahan et al. 2017, FedAvg): replies carry the node's example-weighted mean, so the
   result is exact however users are grouped into nodes (:mod:`fedrec_flwr.wire`).
 * Each item-embedding row is averaged over the users that updated it this round; rows nobody touched keep their
-  value (:func:`fedrec_flwr.wire.merge_rows`). This is the per-row aggregation of federated recommenders where a user
-  only updates the rows of the items it trained on (e.g. FedNCF, Perifanis & Efraimidis 2022).
+  value (:func:`fedrec_flwr.wire.merge_rows`, ``item-aggregation = "touched"``, the default). This is the per-row
+  aggregation of federated recommenders where a user only updates the rows of the items it trained on (e.g. FedNCF,
+  Perifanis & Efraimidis 2022). ``item-aggregation = "selected"`` averages full tables over the round's users instead
+  (PFedRec's server).
 * Users, not nodes, are sampled: :func:`fedrec_flwr.wire.sample_users` draws them from ``(seed, round)``, and each
   message names the users of that node to train, so the same seed trains the same users whatever the number of nodes,
   ``users-per-node`` or Ray workers.
@@ -29,8 +31,8 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, aggre
 
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.wire import (
-    ARRAYS, CONFIG, COUNT, METRICS, NUM_EXAMPLES, ROWS, SUM, ModelLayout, ReplyError, Topology, check_reply_keys,
-    merge_rows, sample_users,
+    ARRAYS, CONFIG, COUNT, ITEM_AGGREGATIONS, METRICS, NUM_EXAMPLES, ROWS, SUM, ModelLayout, ReplyError, Topology,
+    check_reply_keys, merge_rows, sample_users,
 )
 
 __all__ = ["ItemEmbeddingFedAvg", "RoundFailed", "Topology"]
@@ -53,8 +55,13 @@ class ItemEmbeddingFedAvg(FedAvg):
         min_train_fraction: a round with fewer accepted replies than this fraction of the sampled nodes fails.
         eval_every: federated evaluation every N rounds and after ``num_rounds``.
         num_rounds: the run's last round (always evaluated).
-        evaluate_split: ``"test"`` or ``"val"``: which held-out item federated evaluation ranks.
+        evaluate_split: ``"test"``, ``"val"`` or ``"test+val"``: which held-out item federated evaluation ranks.
+        item_aggregation: ``"touched"``, ``"selected"`` (:func:`fedrec_flwr.wire.merge_rows`) or ``"auto"``
+            (:attr:`default_item_aggregation`).
     """
+
+    default_item_aggregation = "touched"
+    """What ``item-aggregation = "auto"`` means for this strategy."""
 
     def __init__(
         self,
@@ -68,6 +75,7 @@ class ItemEmbeddingFedAvg(FedAvg):
         eval_every: int = 1,
         num_rounds: int = 1,
         evaluate_split: str = "test",
+        item_aggregation: str = "auto",
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -85,6 +93,11 @@ class ItemEmbeddingFedAvg(FedAvg):
         self.eval_every = eval_every
         self.num_rounds = num_rounds
         self.evaluate_split = evaluate_split
+        if item_aggregation == "auto":
+            item_aggregation = self.default_item_aggregation
+        if item_aggregation not in ITEM_AGGREGATIONS:
+            raise ValueError(f"item_aggregation must be one of {ITEM_AGGREGATIONS}, got {item_aggregation!r}")
+        self.item_aggregation = item_aggregation
         self._current: ArrayRecord | None = None
         self._sampled_nodes: dict[int, list[int]] = {}
         self.last_train: dict[str, float] = {}
@@ -94,16 +107,21 @@ class ItemEmbeddingFedAvg(FedAvg):
     @classmethod
     def from_run_config(cls, config: RunConfig, layout: ModelLayout, topology: Topology | None = None):
         """Build the strategy from the validated run config (the hook every pluggable strategy provides)."""
-        return cls(
-            layout,
-            topology=topology,
-            seed=config.seed,
-            fraction_train=config.fraction_train,
-            fraction_evaluate=config.fraction_evaluate,
-            min_train_fraction=config.min_train_fraction,
-            eval_every=config.eval_every,
-            num_rounds=config.num_server_rounds,
-        )
+        return cls(layout, topology=topology, **cls.options_from_config(config))
+
+    @classmethod
+    def options_from_config(cls, config: RunConfig) -> dict:
+        """The constructor's keyword arguments that come from the run config (subclasses add theirs)."""
+        return {
+            "seed": config.seed,
+            "fraction_train": config.fraction_train,
+            "fraction_evaluate": config.fraction_evaluate,
+            "min_train_fraction": config.min_train_fraction,
+            "eval_every": config.eval_every,
+            "num_rounds": config.num_server_rounds,
+            "evaluate_split": "test+val" if config.evaluate_validation else "test",
+            "item_aggregation": config.item_aggregation,
+        }
 
     def set_topology(self, topology: Topology) -> None:
         """Set which node serves each user (learned by the ServerApp's identify phase)."""
@@ -154,7 +172,7 @@ class ItemEmbeddingFedAvg(FedAvg):
             )
         arrays = self.aggregate_arrays(accepted)
         metrics = aggregate_metricrecords(accepted, NUM_EXAMPLES)
-        train_users = sum(float(r[METRICS].get("num-users", 0)) for r in accepted)
+        train_users = self.replied_users(accepted)
         if "num-users" in metrics:
             del metrics["num-users"]  # a weighted mean of counts means nothing; the total is below
         metrics["train-users"] = train_users
@@ -189,17 +207,28 @@ class ItemEmbeddingFedAvg(FedAvg):
             for r in accepted
         ]
         dense = aggregate_arrayrecords(dense_records, NUM_EXAMPLES) if dense_keys else ArrayRecord()
+        num_users = self.replied_users(accepted)
         out: dict[str, np.ndarray] = {}
         for key in self.layout.shared_shapes:
             if key in self.layout.item_keys:
-                updates = [
-                    (r[ARRAYS][key + ROWS].numpy(), r[ARRAYS][key + SUM].numpy(), r[ARRAYS][key + COUNT].numpy())
-                    for r in accepted
-                ]
-                out[key], _ = merge_rows(self._current[key].numpy(), updates)
+                out[key], _ = merge_rows(self._current[key].numpy(), self.row_updates(accepted, key),
+                                         self.item_aggregation, num_users)
             else:
                 out[key] = dense[key].numpy().astype(np.float32)
         return ArrayRecord({k: Array(v) for k, v in out.items()})
+
+    @staticmethod
+    def row_updates(accepted: list[RecordDict], key: str) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """The ``(rows, sums, counts)`` of item table ``key`` in each accepted reply."""
+        return [
+            (r[ARRAYS][key + ROWS].numpy(), r[ARRAYS][key + SUM].numpy(), r[ARRAYS][key + COUNT].numpy())
+            for r in accepted
+        ]
+
+    @staticmethod
+    def replied_users(accepted: list[RecordDict]) -> float:
+        """How many users the accepted replies cover (their ``num-users`` metrics)."""
+        return float(sum(float(r[METRICS].get("num-users", 0)) for r in accepted))
 
     # ------------------------------------------------------------------------------------------------ evaluate
     def is_evaluation_round(self, server_round: int) -> bool:
@@ -262,7 +291,7 @@ class ItemEmbeddingFedAvg(FedAvg):
     def summary(self) -> None:
         """Log the configuration."""
         log.info(
-            "%s: fraction-train %.3f, fraction-evaluate %.3f, min-train-fraction %.2f, eval-every %d, %d item tables",
-            type(self).__name__, self.fraction_train, self.fraction_evaluate, self.min_train_fraction,
-            self.eval_every, len(self.layout.item_keys),
+            "%s: fraction-train %.3f, fraction-evaluate %.3f, min-train-fraction %.2f, eval-every %d, %d item tables "
+            "(%s rows)", type(self).__name__, self.fraction_train, self.fraction_evaluate, self.min_train_fraction,
+            self.eval_every, len(self.layout.item_keys), self.item_aggregation,
         )

@@ -13,11 +13,12 @@ from ..errors import ConfigError
 from .base import EMBEDDING_INIT_STD, RecModel
 from .mf import MF
 from .ncf import NCF
+from .pfedrec import PFedRecModel
 
 #: Model name -> class. Names are what run configs use (``model = "ncf"``).
-MODELS: dict[str, type[RecModel]] = {"mf": MF, "ncf": NCF}
+MODELS: dict[str, type[RecModel]] = {"mf": MF, "ncf": NCF, "pfedrec": PFedRecModel}
 
-__all__ = ["EMBEDDING_INIT_STD", "MF", "MODELS", "NCF", "RecModel", "build_model"]
+__all__ = ["EMBEDDING_INIT_STD", "MF", "MODELS", "NCF", "PFedRecModel", "RecModel", "build_model"]
 
 
 def build_model(
@@ -36,7 +37,7 @@ def build_model(
     server's shared state; the server builds it with any ``num_users`` (only the shared state is used).
 
     Args:
-        name: ``"mf"`` or ``"ncf"`` (case-insensitive).
+        name: ``"mf"``, ``"ncf"`` or ``"pfedrec"`` (case-insensitive).
         num_users, num_items: table sizes (positive).
         embedding_dim: width d of every embedding table.
         mlp_layers: NCF only: widths of the MLP tower (ignored by MF).

@@ -1,0 +1,72 @@
+"""PFedRec's client: a private score function and a personalised view of the shared item embedding.
+
+Source: Zhang, Long, Zhou, Luo, Jiang, Yang, Qin (2023), "Dual Personalization on Federated Recommendation", IJCAI,
+Alg. 1, and its code (Zhangcx19/IJCAI-23-PFedRec, ``engine.py``): no user embedding; the score function stays on the
+client; each round the client takes the server's item embedding, and per mini-batch first updates its score function,
+then the item embedding (:class:`fedrec_flwr.sam.PFedRecTrainer`, plain SGD); the server averages the uploaded item
+embeddings over the round's clients (use ``item-aggregation = "selected"`` for its full-table average).
+
+Personalised view: PFedRec evaluates each user with the item table it fine-tuned when it last trained. Keeping a full
+table per user does not scale (Amazon-Video: 8,072 users x 11,830 items), so this client keeps only the rows it
+fine-tuned (the items it trained on) in ``context.state``, and evaluates with the current server table with those
+rows replaced by its own. Rows it never trained on therefore follow the server, where PFedRec's code would keep the
+stale table of the user's last round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord
+
+from clients.fedrec import FedRecClient, UserUpdate
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.sam import PFedRecTrainer
+
+ROWS_PREFIX = "user-rows:"
+"""``context.state`` key prefix of the user's personalised item rows (never sent)."""
+LR_ETA = 80
+"""PFedRec's ``lr_eta``: its item-embedding rate is ``lr * num_items * lr_eta`` (``train.py`` default)."""
+
+
+class PFedRecClient(FedRecClient):
+    """One user's PFedRec client (model ``pfedrec``). See the module docstring.
+
+    Run-config keys: ``learning-rate`` (score function SGD rate; PFedRec: 0.1), ``item-learning-rate`` (item
+    embedding SGD rate; 0 = ``learning-rate * num-items * 80``), ``batch-size`` (PFedRec: 256), ``local-epochs``.
+    """
+
+    def __init__(self, runtime, user, state) -> None:
+        if runtime.config.model != "pfedrec":
+            raise ConfigError(f"client 'pfedrec' needs model = 'pfedrec', got model = {runtime.config.model!r}")
+        super().__init__(runtime, user, state)
+
+    @property
+    def rows_key(self) -> str:
+        return f"{ROWS_PREFIX}{self.user}"
+
+    def make_trainer(self, config: Mapping[str, Any]) -> PFedRecTrainer:
+        cfg = self.runtime.config
+        item_lr = cfg.item_learning_rate or cfg.learning_rate * self.runtime.split.num_items * LR_ETA
+        return PFedRecTrainer(self.model, self.runtime.train_config, item_learning_rate=item_lr)
+
+    def shared_update(self, trainer, result, config: Mapping[str, Any]) -> UserUpdate:
+        update = super().shared_update(trainer, result, config)
+        key = self.runtime.layout.item_keys[0]
+        rows, values = update.rows[key]
+        self.state[self.rows_key] = ArrayRecord({"rows": Array(rows.copy()), "values": Array(values.copy())})
+        return update
+
+    def prepare_evaluation(self) -> None:
+        """Overwrite the server's item rows with the user's fine-tuned ones (if it ever trained)."""
+        record = self.state_record(self.rows_key)
+        if record is None:
+            return
+        table = self.model.item_embedding.weight
+        self.mark_shared_modified()
+        with torch.no_grad():
+            rows = torch.as_tensor(record["rows"].numpy(), device=table.device)
+            table[rows] = torch.as_tensor(record["values"].numpy(), device=table.device)

@@ -1,0 +1,237 @@
+"""Tables and plots of the FedRecGEL experiments, from the finished runs under ``results/runs/``.
+
+Writes to ``experiments/fedrecgel/results/``: ``main.csv`` / ``main.md`` (Table 2), ``datasets.csv`` / ``datasets.md``
+(statistics after cleaning), ``ablation.csv`` / ``ablation.md`` (Table 3), ``sensitivity.csv`` / ``sensitivity.png``
+(RQ2), ``curves-<dataset>.png`` (HR@10 per round). Every file is written atomically.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from experiments.fedrecgel.methods import ABLATIONS, DATASETS, METHODS, RHO_GRID
+from fedrec_flwr.io import atomic_write_bytes, atomic_write_text
+
+METRICS = ("HR@5", "NDCG@5", "HR@10", "NDCG@10", "HR@20", "NDCG@20")
+
+
+def load_runs(folder: Path) -> pd.DataFrame:
+    """One row per finished run under ``folder/<dataset>/<run>/``: final metrics, and the test metrics of the round
+    chosen on the validation item (columns prefixed ``sel-``)."""
+    rows = []
+    for summary_path in sorted(folder.glob("*/*/summary.json")):
+        summary = json.loads(summary_path.read_text())
+        config = json.loads((summary_path.parent / "config.json").read_text())["run-config"]
+        name = summary_path.parent.name
+        row = {"dataset": summary_path.parent.parent.name, "run": name.rsplit("-seed", 1)[0],
+               "seed": config["seed"], "seconds": summary.get("total-seconds")}
+        row.update({m: summary["final"].get(m) for m in METRICS})
+        selected = summary.get("selected-on-validation") or {}
+        row.update({f"sel-{m}": selected.get(m) for m in METRICS})
+        row["sel-round"] = selected.get("round")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def mean_std(frame: pd.DataFrame, keys: list[str], columns) -> pd.DataFrame:
+    """Mean, standard deviation (ddof=1) and count over seeds."""
+    grouped = frame.groupby(keys, sort=False)
+    out = grouped[list(columns)].agg(["mean", "std"])
+    out.columns = [f"{c}-{s}" for c, s in out.columns]
+    out["seeds"] = grouped.size()
+    return out.reset_index()
+
+
+def fmt(mean: float, std: float) -> str:
+    if mean is None or np.isnan(mean):
+        return "-"
+    return f"{mean:.4f} ± {std:.4f}" if std == std else f"{mean:.4f}"
+
+
+def markdown(frame: pd.DataFrame) -> str:
+    """A GitHub Markdown table (no extra dependency)."""
+    cols = list(frame.columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def write_csv(frame: pd.DataFrame, path: Path) -> None:
+    atomic_write_text(path, frame.to_csv(index=False, float_format="%.5f"))
+
+
+def dataset_stats(data_dir: str) -> pd.DataFrame:
+    """Statistics of each dataset after cleaning (the split the experiments use, seed 0)."""
+    from experiments.fedrecgel.methods import PROTOCOL
+    from fedrec_flwr.config import make_run_config
+    from fedrec_flwr.runtime import load_split_for
+
+    rows = []
+    for dataset in DATASETS:
+        overrides = {"dataset": dataset, "holdout-validation": PROTOCOL["holdout-validation"]}
+        if data_dir:
+            overrides["data-dir"] = str(Path(data_dir) / dataset)
+        split = load_split_for(make_run_config(**overrides))
+        stats = split.stats()
+        rows.append({"dataset": dataset, "users": stats["users"], "items": stats["items"],
+                     "interactions": stats["interactions"], "per user": round(stats["avg_interactions_per_user"], 1),
+                     "density": round(stats["density"], 5), "users/items": round(stats["users"] / stats["items"], 3)})
+    return pd.DataFrame(rows)
+
+
+def main_table(results: Path, stats: pd.DataFrame | None) -> pd.DataFrame | None:
+    runs = load_runs(results / "runs" / "main")
+    if runs.empty:
+        return None
+    runs["method"] = runs["run"].map({m.lower(): m for m in METHODS}).fillna(runs["run"])
+    summary = mean_std(runs, ["dataset", "method"], [*METRICS, *(f"sel-{m}" for m in METRICS)])
+    write_csv(summary, results / "main.csv")
+    order = {d: i for i, d in enumerate(DATASETS)}
+    summary = summary.sort_values(by=["dataset", "method"], key=lambda s: s.map(order).fillna(s.map(
+        {m: i for i, m in enumerate(METHODS)})) if s.name == "dataset" else s.map({m: i for i, m in enumerate(METHODS)}))
+    text = ["# FedRecGEL Table 2 design: last round (100), mean ± std over seeds\n"]
+    table = pd.DataFrame({
+        "dataset": summary["dataset"], "method": summary["method"], "seeds": summary["seeds"],
+        **{m: [fmt(a, b) for a, b in zip(summary[f"{m}-mean"], summary[f"{m}-std"])] for m in METRICS},
+    })
+    text.append(markdown(table))
+    text.append("\n# Test metrics at the round chosen on the validation item (best validation HR@10)\n")
+    sel = pd.DataFrame({
+        "dataset": summary["dataset"], "method": summary["method"],
+        **{m: [fmt(a, b) for a, b in zip(summary[f"sel-{m}-mean"], summary[f"sel-{m}-std"])] for m in ("HR@10", "NDCG@10")},
+    })
+    text.append(markdown(sel))
+    gains = []
+    for dataset, part in summary.groupby("dataset"):
+        by = part.set_index("method")
+        if "FedRecGEL" not in by.index:
+            continue
+        others = by.drop(index="FedRecGEL")
+        if others.empty:
+            continue
+        best = others["HR@10-mean"].idxmax()
+        ratio = None
+        if stats is not None and dataset in set(stats["dataset"]):
+            ratio = float(stats.set_index("dataset").loc[dataset, "users/items"])
+        gains.append({"dataset": dataset, "users/items": ratio, "best baseline": best,
+                      "FedRecGEL HR@10": round(by.loc["FedRecGEL", "HR@10-mean"], 4),
+                      "best baseline HR@10": round(others.loc[best, "HR@10-mean"], 4),
+                      "difference": round(by.loc["FedRecGEL", "HR@10-mean"] - others.loc[best, "HR@10-mean"], 4)})
+    if gains:
+        text.append("\n# FedRecGEL minus the best baseline (HR@10, last round), against the user-to-item ratio\n")
+        text.append(markdown(pd.DataFrame(gains).sort_values("users/items")))
+    if stats is not None:
+        text.append("\n# Datasets after cleaning\n")
+        text.append(markdown(stats))
+    atomic_write_text(results / "main.md", "\n".join(text))
+    return runs
+
+
+def ablation_table(results: Path) -> None:
+    runs = load_runs(results / "runs" / "ablation")
+    if runs.empty:
+        return
+    names = {_slug(v): v for v in ABLATIONS}
+    runs["variant"] = runs["run"].map(names).fillna(runs["run"])
+    summary = mean_std(runs, ["dataset", "variant"], [*METRICS, "sel-HR@10", "sel-NDCG@10"])
+    write_csv(summary, results / "ablation.csv")
+    table = pd.DataFrame({
+        "dataset": summary["dataset"], "variant": summary["variant"], "seeds": summary["seeds"],
+        **{m: [fmt(a, b) for a, b in zip(summary[f"{m}-mean"], summary[f"{m}-std"])]
+           for m in ("HR@10", "NDCG@10", "sel-HR@10", "sel-NDCG@10")},
+    })
+    atomic_write_text(results / "ablation.md", "# Ablation (Table 3): last round; sel- = round chosen on validation\n\n"
+                      + markdown(table))
+
+
+def _slug(text: str) -> str:
+    from experiments.fedrecgel.run import slug
+
+    return slug(text)
+
+
+def sensitivity(results: Path) -> None:
+    runs = load_runs(results / "runs" / "sensitivity")
+    if runs.empty:
+        return
+    parsed = runs["run"].str.extract(r"^(rho-shared|rho-private)-([0-9.e-]+)$")
+    runs["parameter"], runs["rho"] = parsed[0], parsed[1].astype(float)
+    summary = mean_std(runs, ["dataset", "parameter", "rho"], ["HR@10", "NDCG@10", "sel-HR@10", "sel-NDCG@10"])
+    summary = summary.sort_values(["dataset", "parameter", "rho"])
+    write_csv(summary, results / "sensitivity.csv")
+    plt = _pyplot()
+    for dataset, part in summary.groupby("dataset"):
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        for axis, metric in zip(axes, ("HR@10", "NDCG@10")):
+            for parameter, marker in (("rho-shared", "o"), ("rho-private", "s")):
+                sub = part[part["parameter"] == parameter]
+                x = np.arange(len(sub))
+                axis.errorbar(x, sub[f"{metric}-mean"], yerr=sub[f"{metric}-std"].fillna(0), marker=marker,
+                              capsize=3, label=f"{parameter} varied")
+                axis.set_xticks(x, [f"{r:g}" for r in sub["rho"]])
+            axis.set_xlabel("rho (the other at 0.05)")
+            axis.set_ylabel(f"{metric} (round 100)")
+            axis.grid(alpha=0.3)
+            axis.legend()
+        fig.suptitle(f"FedRecGEL sensitivity to rho on {dataset}")
+        _save(fig, results / f"sensitivity-{dataset}.png")
+
+
+def learning_curves(results: Path) -> None:
+    plt = _pyplot()
+    base = results / "runs" / "main"
+    for dataset_dir in sorted(p for p in base.glob("*") if p.is_dir()):
+        fig, axis = plt.subplots(figsize=(6.5, 4))
+        for method in METHODS:
+            curves = []
+            for metrics_path in sorted(dataset_dir.glob(f"{method.lower()}-seed*/metrics.json")):
+                if not (metrics_path.parent / "summary.json").is_file():
+                    continue
+                rows = [r for r in json.loads(metrics_path.read_text()) if "HR@10" in r]
+                curves.append(pd.Series({r["round"]: r["HR@10"] for r in rows}))
+            if not curves:
+                continue
+            frame = pd.concat(curves, axis=1)
+            mean, std = frame.mean(axis=1), frame.std(axis=1).fillna(0)
+            axis.plot(mean.index, mean.values, marker="o", label=f"{method} ({len(curves)} seeds)")
+            axis.fill_between(mean.index, mean - std, mean + std, alpha=0.2)
+        axis.set_xlabel("round")
+        axis.set_ylabel("HR@10 (test, all users)")
+        axis.set_title(f"{dataset_dir.name}: HR@10 per round, mean ± std over seeds")
+        axis.grid(alpha=0.3)
+        axis.legend()
+        _save(fig, results / f"curves-{dataset_dir.name}.png")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    _pyplot().close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def write_all(results: Path, data_dir: str) -> None:
+    """Write every table and plot whose runs exist."""
+    stats = dataset_stats(data_dir)
+    write_csv(stats, results / "datasets.csv")
+    atomic_write_text(results / "datasets.md", "# Datasets after cleaning\n\n" + markdown(stats))
+    main_table(results, stats)
+    ablation_table(results)
+    sensitivity(results)
+    learning_curves(results)
+    print(f"tables and plots written to {results}")

@@ -1,0 +1,142 @@
+"""Reproduce FedRecGEL's experiments: one command per table (see ``experiments/fedrecgel/README.md``).
+
+    python -m experiments.fedrecgel.run main         # Table 2: 4 methods x 4 datasets x seeds
+    python -m experiments.fedrecgel.run ablation     # Table 3
+    python -m experiments.fedrecgel.run sensitivity  # RQ2: rho-shared / rho-private sweep (plot)
+    python -m experiments.fedrecgel.run landscape    # RQ4: loss landscape of FedNCF and FedRecGEL
+    python -m experiments.fedrecgel.run report       # tables and plots from the finished runs
+
+Every run goes through the package's ServerApp, strategy and ClientApp (:func:`fedrec_flwr.serial.run_serial`,
+the same code ``flwr run`` executes) and writes its own results folder under ``results/runs/``; a run whose
+``summary.json`` exists is skipped, so an interrupted command resumes. Start the same command in several processes
+to use several cores: each run is claimed by one worker (a ``.running`` marker), or split the jobs with
+``--shard i/n``. Tables (CSV + Markdown) and PNGs go to ``experiments/fedrecgel/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from experiments.fedrecgel.methods import ABLATIONS, DATASETS, METHODS, PROTOCOL, RHO_GRID
+from fedrec_flwr.config import make_run_config
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RUNS = RESULTS / "runs"
+
+
+def slug(text: str) -> str:
+    """A file-name-safe form of a method or variant name."""
+    return "".join(c if c.isalnum() else "-" for c in text).strip("-").lower().replace("--", "-")
+
+
+def run_config(dataset: str, method: str, seed: int, data_dir: str, folder: Path, name: str, **extra):
+    """The validated run config of one job."""
+    overrides = {**PROTOCOL, **METHODS[method], **extra, "dataset": dataset, "seed": seed,
+                 "results-dir": str(folder), "run-name": name}
+    if data_dir:
+        overrides["data-dir"] = str(Path(data_dir) / dataset)
+    return make_run_config(**overrides)
+
+
+CLAIM = ".running"
+"""Marker a worker creates (atomically) in a run's folder while it runs it, so that several workers started with the
+same command share the jobs. A worker killed mid-run leaves it behind: delete such markers before restarting."""
+
+
+def run_job(config) -> Path:
+    """Run one job unless its results exist or another worker has claimed it; returns its results folder."""
+    from fedrec_flwr.serial import run_serial
+
+    folder = Path(config.results_dir) / config.run_name
+    if (folder / "summary.json").is_file():
+        print(f"skip (done): {folder.relative_to(RESULTS)}", flush=True)
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(folder / CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        print(f"skip (another worker runs it): {folder.relative_to(RESULTS)}", flush=True)
+        return folder
+    try:
+        started = time.time()
+        print(f"run: {folder.relative_to(RESULTS)}", flush=True)
+        run_serial(config)
+        print(f"done in {time.time() - started:.0f} s: {folder.relative_to(RESULTS)}", flush=True)
+    finally:
+        (folder / CLAIM).unlink(missing_ok=True)
+    return folder
+
+
+def jobs_main(args) -> list:
+    return [run_config(d, m, s, args.data_dir, RUNS / "main" / d, f"{slug(m)}-seed{s}")
+            for s in args.seeds for d in args.datasets for m in args.methods]
+
+
+def jobs_ablation(args) -> list:
+    return [run_config(d, "FedRecGEL", s, args.data_dir, RUNS / "ablation" / d, f"{slug(v)}-seed{s}", **extra)
+            for s in args.seeds for d in args.datasets for v, extra in ABLATIONS.items()]
+
+
+def jobs_sensitivity(args) -> list:
+    jobs = []
+    for s in args.seeds:
+        for d in args.datasets:
+            for key in ("rho-shared", "rho-private"):
+                for rho in RHO_GRID:
+                    jobs.append(run_config(d, "FedRecGEL", s, args.data_dir, RUNS / "sensitivity" / d,
+                                           f"{key}-{rho:g}-seed{s}", **{key: rho}))
+    return jobs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("main", "ablation", "sensitivity", "landscape", "report"))
+    parser.add_argument("--datasets", nargs="+", default=None, help=f"default: all of {DATASETS} (main), filmtrust otherwise")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""),
+                        help="folder holding <dataset>/ folders (default $FEDREC_DATA_DIR; empty = download)")
+    parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job starting at i")
+    args = parser.parse_args(argv)
+    if args.datasets is None:
+        args.datasets = list(DATASETS) if args.command in ("main", "report") else ["filmtrust"]
+    torch.set_num_threads(1)
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    os.environ.setdefault("FLWR_LOG_LEVEL", "WARNING")
+    if args.command == "report":
+        from experiments.fedrecgel.report import write_all
+
+        write_all(RESULTS, args.data_dir)
+        return
+    if args.command == "landscape":
+        from experiments.fedrecgel.landscape import run_landscape
+
+        for dataset in args.datasets:
+            run_landscape(dataset, args.seeds[0], args.data_dir, RESULTS)
+        return
+    jobs = {"main": jobs_main, "ablation": jobs_ablation, "sensitivity": jobs_sensitivity}[args.command](args)
+    index, count = (int(x) for x in args.shard.split("/"))
+    mine = jobs[index::count]
+    print(f"{args.command}: {len(mine)} of {len(jobs)} jobs in this shard", flush=True)
+    failed = []
+    for number, config in enumerate(mine, 1):
+        print(f"[{number}/{len(mine)}]", end=" ", flush=True)
+        try:
+            run_job(config)
+        except Exception as exc:  # noqa: BLE001 - report, go on with the other jobs
+            print(f"FAILED {config.run_name}: {type(exc).__name__}: {exc}", flush=True)
+            failed.append(config.run_name)
+    if failed:
+        raise SystemExit(f"{len(failed)} job(s) failed: {failed}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

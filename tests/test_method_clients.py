@@ -1,0 +1,134 @@
+"""FedRecGEL and PFedRec clients in whole (serial) federated runs on tiny generated data, and the serial grid's
+equivalence with Flower's Ray simulation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import MessageRecorder, simulate, tiny_run_config
+from fedrec_flwr.client_app import make_client_app
+from fedrec_flwr.models import build_model
+from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.sam import SAMTrainer
+from fedrec_flwr.serial import run_serial
+from fedrec_flwr.training import LocalTrainConfig, LocalTrainer
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+FEDRECGEL = {"client": "fedrecgel", "strategy": "server-optimizer", "learning-rate": 0.1, "batch-size": 16,
+             "server-learning-rate": 0.01, "rho-shared": 0.1, "rho-private": 0.1}
+PFEDREC = {"model": "pfedrec", "client": "pfedrec", "optimizer": "sgd", "learning-rate": 0.1,
+           "item-aggregation": "selected"}
+
+
+def _serial(folder, recorder=None, **overrides):
+    config = tiny_run_config(folder, **overrides)
+    mods = [recorder] if recorder else None
+    return config, run_serial(config, client_app=make_client_app(config, mods=mods))
+
+
+def _private_rows(records):
+    """Every row of every user's private parameters (``user:<id>`` records) ever stored on any node."""
+    return [row for r in records for key, rec in r["state"].items() if key.startswith("user:")
+            for arr in rec.values() for row in np.atleast_2d(arr)]
+
+
+def _assert_no_private_value_in_replies(records, layout):
+    private = _private_rows(records)
+    assert private
+    for record in records:
+        assert not record["error"], record["error"]
+        for arrays in record["reply-arrays"].values():
+            for key, array in arrays.items():
+                assert key.split("#")[0] not in layout.private_keys, key
+                flat = np.atleast_2d(array).astype(np.float64)
+                for row in private:
+                    if flat.shape[-1] == row.shape[-1]:
+                        assert not np.isclose(flat, row, rtol=0, atol=1e-7).all(axis=-1).any(), key
+
+
+@pytest.mark.parametrize(("name", "overrides"), [("fedrecgel", FEDRECGEL), ("pfedrec", PFEDREC)])
+def test_no_reply_carries_private_parameters(tmp_path, name, overrides):
+    recorder = MessageRecorder(tmp_path / "messages")
+    config, results = _serial(tmp_path, recorder, users_per_node=4, **overrides)
+    records = recorder.records()
+    _assert_no_private_value_in_replies(records, get_runtime(config).layout)
+    rows = json.loads((results / "metrics.json").read_text())
+    assert [r["round"] for r in rows] == [1, 2, 3] and all(np.isfinite(r["HR@10"]) for r in rows)
+
+
+def test_fedrecgel_uploads_gradients_with_unit_weight_and_keeps_its_optimizer_state(tmp_path):
+    recorder = MessageRecorder(tmp_path / "messages")
+    _serial(tmp_path, recorder, users_per_node=1, fraction_train=1.0, **FEDRECGEL)
+    train = sorted((r for r in recorder.records() if r["type"] == "train"), key=lambda r: (r["partition-id"], r["round"]))
+    assert train
+    for record in train:
+        assert record["reply-metrics"]["metrics"]["num-examples"] == 1.0  # each user's gradient counts once
+    user0 = [r for r in train if r["partition-id"] == 0]
+    steps = [float(r["state"]["user-opt:0"]["0/step"]) for r in user0]
+    assert steps == [1.0, 2.0, 3.0]  # the private Adam state persists across rounds, on the node only
+
+
+def test_serial_grid_gives_the_same_model_as_the_ray_simulation(tmp_path):
+    overrides = dict(users_per_node=5, **FEDRECGEL)
+    ray_results = simulate(tiny_run_config(tmp_path / "ray", **overrides))
+    _, serial_results = _serial(tmp_path / "serial", **overrides)
+    a, b = np.load(ray_results / "final_arrays.npz"), np.load(serial_results / "final_arrays.npz")
+    assert set(a.files) == set(b.files)
+    for key in a.files:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    assert strip(json.loads((ray_results / "metrics.json").read_text())) == strip(
+        json.loads((serial_results / "metrics.json").read_text()))
+
+
+def test_pfedrec_evaluates_with_its_personalised_rows(tmp_path):
+    from clients.pfedrec import PFedRecClient
+    from flwr.app import RecordDict
+
+    config = tiny_run_config(tmp_path, **PFEDREC)
+    runtime = get_runtime(config)
+    shared = {k: v.numpy() for k, v in runtime.model.shared_state().items()}
+    state = RecordDict()
+    client = PFedRecClient(runtime, 0, state)
+    client.fit_named(shared, {"server-round": 1})
+    personal = state["user-rows:0"]
+    rows, values = personal["rows"].numpy(), personal["values"].numpy()
+    assert not np.allclose(values, shared["item_embedding.weight"][rows])  # fine-tuned
+    client.evaluate_named(shared, {"split": "test"})
+    table = runtime.model.item_embedding.weight.detach().numpy()
+    np.testing.assert_array_equal(table[rows], values)  # evaluated with the personal view
+    others = np.setdiff1d(np.arange(len(table)), rows)
+    np.testing.assert_array_equal(table[others], shared["item_embedding.weight"][others])
+    # the next user is not affected by the previous user's view
+    PFedRecClient(runtime, 1, RecordDict()).evaluate_named(shared, {"split": "test"})
+    np.testing.assert_array_equal(runtime.model.item_embedding.weight.detach().numpy(), shared["item_embedding.weight"])
+
+
+def test_fedrecgel_with_both_rho_zero_is_a_plain_full_batch_step():
+    rng = np.random.default_rng(0)
+    items = rng.choice(40, size=20, replace=False).astype(np.int64)
+    users = np.zeros(20, np.int64)
+    labels = np.r_[np.ones(4, np.float32), np.zeros(16, np.float32)]
+    models = [build_model("ncf", 1, 40, embedding_dim=8, mlp_layers=(16, 8), seed=1) for _ in range(2)]
+    cfg = LocalTrainConfig(learning_rate=0.05, optimizer="sgd", batch_size=20)
+    SAMTrainer(models[0], cfg, rho_shared=0, rho_private=0, update_shared=True).fit_examples(
+        users, items, labels, torch.Generator().manual_seed(0))
+    LocalTrainer(models[1], cfg).fit_examples(users, items, labels, torch.Generator().manual_seed(0))
+    for (key, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_pfedrec_client_needs_the_pfedrec_model(tmp_path):
+    from clients.pfedrec import PFedRecClient
+    from flwr.app import RecordDict
+
+    from fedrec_flwr.errors import ConfigError
+
+    runtime = get_runtime(tiny_run_config(tmp_path, client="pfedrec"))
+    with pytest.raises(ConfigError, match="model = 'pfedrec'"):
+        PFedRecClient(runtime, 0, RecordDict())
