@@ -7,7 +7,7 @@ homomorphic encryption: updates travel in clear, as in the FedRecGEL and PFedRec
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,8 @@ class UserUpdate:
     loss: float
     weight: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    is_gradient: bool = False
+    """True when ``dense`` / ``rows`` hold gradients of the shared parameters rather than updated values."""
 
     @property
     def aggregation_weight(self) -> float:
@@ -104,21 +106,31 @@ class FedRecClient(NumPyClient):
         arrays = {k: Array(v.detach().cpu().numpy().copy()) for k, v in self.model.private_state().items()}
         self.state[self.state_key] = ArrayRecord(arrays)
 
-    def load_shared(self, shared: Mapping[str, np.ndarray], *, will_modify: bool) -> None:
-        """Load the server's shared parameters into the process's model.
+    def load_shared(self, shared: Mapping[str, np.ndarray], *, will_modify: Iterable[str] = ()) -> None:
+        """Load the server's shared parameters into the process's model, cheaply.
 
-        A message's users share one ``shared`` mapping; evaluation does not change the parameters, so consecutive
-        evaluations with the same mapping object load it once (:attr:`Runtime.clean_shared`). Training, or any hook
-        that changes shared parameters (``will_modify=True``, or :meth:`mark_shared_modified`), forces a reload.
+        A message's users share one ``shared`` mapping. The first user loads (and validates) all of it; the next ones
+        reload only the keys changed since (:attr:`Runtime.dirty_shared`): the dense score function after a training
+        (item tables are trained in a compact copy, :meth:`RecModel.item_subset`, so the full tables stay as loaded),
+        nothing after an evaluation.
+
+        Args:
+            shared: shared key -> array (the message's arrays).
+            will_modify: the shared keys the caller is about to change in place (reloaded for the next user). A hook
+                that changes others must call :meth:`mark_shared_modified`.
         """
         runtime = self.runtime
-        if runtime.clean_shared is not shared or will_modify:
+        if runtime.loaded_shared is shared:
+            if runtime.dirty_shared:
+                self.model.load_shared_state({k: shared[k] for k in runtime.dirty_shared}, partial=True)
+        else:
             self.model.load_shared_state(dict(shared))
-        runtime.clean_shared = None if will_modify else shared
+        runtime.loaded_shared = shared
+        runtime.dirty_shared = set(will_modify)
 
-    def mark_shared_modified(self) -> None:
-        """Call after changing the model's shared parameters outside :meth:`load_shared` (see there)."""
-        self.runtime.clean_shared = None
+    def mark_shared_modified(self, keys: Iterable[str] | None = None) -> None:
+        """Record that shared parameters ``keys`` (default: all) were changed outside :meth:`load_shared`."""
+        self.runtime.dirty_shared |= set(self.runtime.layout.shared_shapes if keys is None else keys)
 
     # ------------------------------------------------------------------------------------------------ hooks
     def make_trainer(self, config: Mapping[str, Any]) -> LocalTrainer:
@@ -134,18 +146,23 @@ class FedRecClient(NumPyClient):
         it trained on (``result.touched_items``)."""
         return self.update_from(self.model.shared_state(), result)
 
-    def update_from(self, values: Mapping[str, torch.Tensor], result, weight: float | None = None) -> UserUpdate:
-        """A :class:`UserUpdate` of full-shape shared ``values`` (parameters or gradients): dense keys whole, item
-        tables cut to the rows the user trained on (``result.touched_items``)."""
+    def update_from(self, values: Mapping[str, torch.Tensor], result, weight: float | None = None,
+                    is_gradient: bool = False) -> UserUpdate:
+        """A :class:`UserUpdate` of shared ``values`` (parameters or gradients, shaped as the model's current
+        parameters): dense keys whole, item tables cut to the rows the user trained on (``result.touched_items``,
+        global ids; inside :meth:`RecModel.item_subset` the tables are compact and indexed through the subset)."""
         arrays = {k: v.detach().cpu().numpy() for k, v in values.items()}
         layout = self.runtime.layout
         touched = np.asarray(result.touched_items, dtype=np.int64)
+        subset = self.model.active_item_subset
+        index = touched if subset is None else np.searchsorted(subset, touched)
         return UserUpdate(
             dense={k: arrays[k] for k in layout.dense_keys},
-            rows={k: (touched, arrays[k][touched]) for k in layout.item_keys},
+            rows={k: (touched, arrays[k][index]) for k in layout.item_keys},
             num_examples=int(result.num_examples),
             loss=float(result.loss),
             weight=weight,
+            is_gradient=is_gradient,
         )
 
     def prepare_evaluation(self) -> None:
@@ -167,15 +184,19 @@ class FedRecClient(NumPyClient):
         """
         server_round = int(config["server-round"])
         cfg, split = self.runtime.config, self.runtime.split
-        self.load_shared(shared, will_modify=True)
+        self.load_shared(shared, will_modify=self.runtime.layout.dense_keys)
         self.load_private()
         positives = split.positives(self.user)
         negatives = sample_train_negatives(split, self.user, server_round, cfg.num_train_negatives, cfg.seed)
         generator = torch_generator(cfg.seed, TAG_SHUFFLE, self.user, server_round)
-        self.trainer = self.make_trainer(config)
-        result = self.trainer.train(0, positives, negatives, generator)
-        self.save_private()
-        return self.shared_update(self.trainer, result, config)
+        items = np.union1d(positives, negatives).astype(np.int64)
+        with self.model.item_subset(items):  # train on the user's rows only: O(rows) instead of O(catalogue)
+            self.trainer = self.make_trainer(config)
+            result = self.trainer.train(0, np.searchsorted(items, positives), np.searchsorted(items, negatives),
+                                        generator)
+            result.touched_items = items[result.touched_items]
+            self.save_private()
+            return self.shared_update(self.trainer, result, config)
 
     def evaluate_named(self, shared: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> dict[str, float]:
         """Rank the user's held-out item among its negatives with the current shared and private parameters.
@@ -198,7 +219,7 @@ class FedRecClient(NumPyClient):
             raise ValueError(f"evaluation split must be 'test', 'val' or 'test+val', got {which!r}")
         if "val" in which and split.val_items is None:
             raise ValueError(f"evaluation on {which!r} needs holdout-validation = true")
-        self.load_shared(shared, will_modify=False)
+        self.load_shared(shared)
         self.load_private()
         self.prepare_evaluation()
         ks = self.runtime.config.k_values

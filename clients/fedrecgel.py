@@ -91,4 +91,4 @@ class FedRecGELClient(FedRecClient):
     def shared_update(self, trainer: SAMTrainer, result, config: Mapping[str, Any]) -> UserUpdate:
         if trainer.update_shared:
             return super().shared_update(trainer, result, config)
-        return self.update_from(trainer.shared_grads, result, weight=1.0)
+        return self.update_from(trainer.shared_grads, result, weight=1.0, is_gradient=True)

@@ -66,7 +66,7 @@ class PFedRecClient(FedRecClient):
         if record is None:
             return
         table = self.model.item_embedding.weight
-        self.mark_shared_modified()
+        self.mark_shared_modified(self.runtime.layout.item_keys)
         with torch.no_grad():
             rows = torch.as_tensor(record["rows"].numpy(), device=table.device)
             table[rows] = torch.as_tensor(record["values"].numpy(), device=table.device)

@@ -24,7 +24,7 @@ from flwr.clientapp import ClientApp
 
 from .registry import resolve
 from .runtime import Runtime, get_runtime, node_users
-from .wire import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, Contribution
+from .wire import ARRAYS, CONFIG, GRADIENT_USERS, METRICS, NUM_EXAMPLES, Contribution
 
 
 
@@ -67,12 +67,14 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
     shared = _shared_arrays(message)
     config = dict(message.content[CONFIG])
     contribution = Contribution(runtime.layout)
+    gradients = 0
     for user in users:
         update = make_client(runtime, user, context).fit_named(shared, config)
         contribution.add_user(update.dense, update.rows, update.aggregation_weight, update.loss)
+        gradients += int(update.is_gradient)
     metrics = MetricRecord(
         {NUM_EXAMPLES: float(contribution.num_examples), "num-users": contribution.num_users,
-         "train-loss": contribution.mean_loss}
+         "train-loss": contribution.mean_loss, GRADIENT_USERS: gradients}
     )
     content = RecordDict({ARRAYS: ArrayRecord({k: Array(v) for k, v in contribution.pack().items()}), METRICS: metrics})
     return Message(content=content, reply_to=message)

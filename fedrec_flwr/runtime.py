@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .config import RunConfig
@@ -122,9 +122,11 @@ class Runtime:
     model: RecModel
     layout: ModelLayout
     train_config: LocalTrainConfig
-    clean_shared: Any = None
-    """The shared-parameter mapping the model currently holds unmodified, or ``None`` (see
+    loaded_shared: Any = None
+    """The shared-parameter mapping last loaded into :attr:`model` (see
     :meth:`clients.fedrec.FedRecClient.load_shared`)."""
+    dirty_shared: set = field(default_factory=set)
+    """Shared keys changed in :attr:`model` since :attr:`loaded_shared` was loaded."""
 
 
 _RUNTIMES: dict[tuple, Runtime] = {}

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from .errors import ConfigError
 from .losses import batch_loss
 from .models.base import RecModel
 from .training import LocalTrainConfig, LocalTrainer
@@ -105,7 +106,8 @@ class SAMTrainer(LocalTrainer):
     :attr:`shared_grads`, to be uploaded (the faithful mode: the server applies it).
 
     Args:
-        model: the one-user model. cfg: local training hyper-parameters.
+        model: the one-user model. cfg: local training hyper-parameters (``loss`` must be ``"bce"`` and
+            ``weight_decay`` 0, else :class:`~fedrec_flwr.errors.ConfigError`).
         rho_shared / rho_private: SAM radii (0 switches that part off: "w/o shared" / "w/o non-shared" ablations;
             both 0 = plain gradient steps, i.e. FedNCF).
         update_shared: step the shared parameters locally (True) or only record their SAM gradient (False).
@@ -117,6 +119,11 @@ class SAMTrainer(LocalTrainer):
 
     def __init__(self, model: RecModel, cfg: LocalTrainConfig, *, rho_shared: float, rho_private: float,
                  update_shared: bool) -> None:
+        if cfg.loss != "bce":
+            raise ConfigError(f"FedRecGEL's SAM trainer supports loss = 'bce' only (its paper's loss), got {cfg.loss!r}")
+        if cfg.weight_decay:
+            raise ConfigError(f"FedRecGEL's SAM trainer has no weight decay (its public code has none), got "
+                              f"{cfg.weight_decay!r}")
         super().__init__(model, cfg)
         for name, value in (("rho_shared", rho_shared), ("rho_private", rho_private)):
             if not math.isfinite(value) or value < 0:
@@ -179,12 +186,10 @@ class SAMTrainer(LocalTrainer):
                      epochs: int | None = None) -> tuple[float, int]:
         """``local-epochs`` full-batch SAM steps over the ``(n,)`` examples (shuffled once per step).
 
-        Returns ``(loss at the start of the last step, divided by the number of chunks (a mean per example), n)``.
-        Raises ``FloatingPointError`` (parameters restored) on a non-finite loss or parameters, as
-        :meth:`LocalTrainer.train`.
+        Returns ``(loss at the start of the last step divided by the number of chunks (the mean of the chunk means),
+        n)``. Raises ``FloatingPointError`` (parameters restored) on a non-finite loss, shared SAM gradient or
+        parameters, as :meth:`LocalTrainer.train`.
         """
-        if self.cfg.loss != "bce":
-            raise ValueError("SAMTrainer supports the pointwise BCE loss only (FedRecGEL trains with BCE)")
         n = len(users)
         if n == 0:
             raise ValueError("no training examples")
@@ -203,6 +208,8 @@ class SAMTrainer(LocalTrainer):
             value, grads = self.sam_step(u[order], i[order], y[order], shared_optimizer)
             if not math.isfinite(value):
                 self._restore(snapshot, f"loss {value} at SAM step {epoch + 1}")
+            if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+                self._restore(snapshot, f"shared SAM gradient at SAM step {epoch + 1}")
             sums = [g if s is None else (s if g is None else s + g) for s, g in zip(sums, grads)]
             if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
                 self._restore(snapshot, f"parameters after SAM step {epoch + 1}")

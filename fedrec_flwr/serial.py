@@ -18,6 +18,7 @@ import logging
 import time
 import traceback
 import uuid
+from importlib.metadata import version
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,10 @@ from flwr.supercore.task_identity import TaskIdentity
 from .config import RunConfig
 
 log = logging.getLogger(__name__)
+
+_FLWR = version("flwr")
+if not _FLWR.startswith("1.42."):  # message ids and node ids are set through Metadata's private fields below
+    raise ImportError(f"fedrec_flwr.serial is written against flwr 1.42 (found {_FLWR}); check SerialGrid.push_messages")
 
 SERVER_NODE_ID = 1
 """Node id of the server side (Flower's ``SUPERLINK_NODE_ID``)."""

@@ -42,6 +42,10 @@ METRICS = "metrics"
 NUM_EXAMPLES = "num-examples"
 """Metric key of the example count used as aggregation weight (Flower's default ``weighted_by_key``)."""
 
+GRADIENT_USERS = "gradient-users"
+"""Metric key: how many of the reply's users uploaded gradients (the rest uploaded parameters); a strategy that
+asked for gradients rejects a reply whose users did not all send them."""
+
 ROWS, SUM, COUNT = "#rows", "#sum", "#count"
 """Suffixes of the three arrays that carry one item table's sparse update."""
 

@@ -152,3 +152,41 @@ def test_device_resolution():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA is not available"):
             resolve_device("cuda")
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_training_in_a_compact_item_subset_equals_training_on_the_full_tables(optimizer):
+    """RecModel.item_subset: a user trains a compact copy of the rows it uses; same result, full tables untouched."""
+    from fedrec_flwr.models import build_model
+
+    rng = np.random.default_rng(0)
+    positives = rng.choice(60, size=6, replace=False)
+    negatives = rng.choice(np.setdiff1d(np.arange(60), positives), size=24)
+    cfg = LocalTrainConfig(local_epochs=2, batch_size=7, optimizer=optimizer, learning_rate=0.05)
+    full = build_model("ncf", 1, 60, embedding_dim=8, mlp_layers=(16, 8), seed=2)
+    compact = build_model("ncf", 1, 60, embedding_dim=8, mlp_layers=(16, 8), seed=2)
+    tables_before = {k: v.clone() for k, v in compact.shared_state().items() if k.startswith("item")}
+    LocalTrainer(full, cfg).train(0, positives, negatives, torch.Generator().manual_seed(1))
+    items = np.union1d(positives, negatives)
+    with compact.item_subset(items) as subset:
+        assert compact.num_items == len(items) and compact.item_embedding_gmf.weight.shape[0] == len(items)
+        LocalTrainer(compact, cfg).train(0, np.searchsorted(subset, positives), np.searchsorted(subset, negatives),
+                                         torch.Generator().manual_seed(1))
+        trained = {k: v.clone() for k, v in compact.shared_state().items()}
+    assert compact.num_items == 60 and compact.active_item_subset is None
+    for key, value in full.shared_state().items():
+        if key.startswith("item"):
+            torch.testing.assert_close(trained[key], value[items], rtol=0, atol=0, msg=key)
+            assert torch.equal(compact.shared_state()[key], tables_before[key]), key  # full table restored as it was
+        else:
+            torch.testing.assert_close(trained[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_item_subset_rejects_unsorted_or_out_of_range_items():
+    from fedrec_flwr.models import build_model
+
+    model = build_model("mf", 1, 10, embedding_dim=4)
+    for bad in ([3, 1], [1, 1], [0, 10], []):
+        with pytest.raises(ValueError, match="sorted unique"):
+            with model.item_subset(np.array(bad, dtype=np.int64)):
+                pass

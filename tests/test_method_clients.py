@@ -51,7 +51,11 @@ def _assert_no_private_value_in_replies(records, layout):
                         assert not np.isclose(flat, row, rtol=0, atol=1e-7).all(axis=-1).any(), key
 
 
-@pytest.mark.parametrize(("name", "overrides"), [("fedrecgel", FEDRECGEL), ("pfedrec", PFEDREC)])
+@pytest.mark.parametrize(("name", "overrides"), [
+    ("fedrecgel", FEDRECGEL),
+    ("fedrecgel-fedavg-of-updates", {**FEDRECGEL, "strategy": "item-fedavg"}),
+    ("pfedrec", PFEDREC),
+])
 def test_no_reply_carries_private_parameters(tmp_path, name, overrides):
     recorder = MessageRecorder(tmp_path / "messages")
     config, results = _serial(tmp_path, recorder, users_per_node=4, **overrides)
@@ -132,3 +136,10 @@ def test_pfedrec_client_needs_the_pfedrec_model(tmp_path):
     runtime = get_runtime(tiny_run_config(tmp_path, client="pfedrec"))
     with pytest.raises(ConfigError, match="model = 'pfedrec'"):
         PFedRecClient(runtime, 0, RecordDict())
+
+
+def test_gradient_strategy_rejects_clients_that_upload_parameters(tmp_path):
+    from strategies.item_fedavg import RoundFailed
+
+    with pytest.raises(RoundFailed, match="0 valid replies"):
+        _serial(tmp_path, users_per_node=6, strategy="server-optimizer")  # client = fedrec sends parameters

@@ -118,3 +118,12 @@ def test_non_finite_loss_restores_parameters_and_raises():
         trainer.fit_examples(*_examples(50), torch.Generator().manual_seed(0))
     for key, value in model.shared_state().items():
         assert torch.equal(value, before[key]) or (torch.isinf(value) == torch.isinf(before[key])).all()
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [("loss", "bpr", "bce"), ("weight_decay", 0.1, "weight decay")])
+def test_sam_trainer_rejects_what_fedrecgel_does_not_define(field, value, message):
+    from fedrec_flwr.errors import ConfigError
+
+    model = build_model("ncf", 1, 50, embedding_dim=8, mlp_layers=(16, 8), seed=3)
+    with pytest.raises(ConfigError, match=message):
+        SAMTrainer(model, LocalTrainConfig(**{field: value}), rho_shared=0.05, rho_private=0.05, update_shared=False)

@@ -28,7 +28,8 @@ def _reply(request, rows, sums, dense, users=1):
         "output.weight": np.asarray(dense, np.float32).reshape(1, 2),
     }
     content = RecordDict({ARRAYS: ArrayRecord({k: Array(v) for k, v in arrays.items()}),
-                          METRICS: MetricRecord({"num-examples": float(users), "num-users": users, "train-loss": 0.1})})
+                          METRICS: MetricRecord({"num-examples": float(users), "num-users": users, "train-loss": 0.1,
+                                                 "gradient-users": users})})
     return Message(content=content, reply_to=request)
 
 

@@ -14,6 +14,7 @@ This is a simulation-only analysis: it reads the users' private embeddings from 
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,13 @@ from fedrec_flwr.losses import batch_loss
 from fedrec_flwr.models import build_model
 from fedrec_flwr.runtime import get_runtime
 
-METHODS = ("FedNCF", "FedRecGEL")
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "FedNCF": ("FedNCF", {}),
+    "FedRecGEL w/o SAM": ("FedRecGEL", {"rho-shared": 0.0, "rho-private": 0.0}),
+    "FedRecGEL": ("FedRecGEL", {}),
+}
+"""Landscape variants: name -> (method, overrides). "FedRecGEL w/o SAM" has FedRecGEL's server (gradient upload,
+server Adam) without SAM, so that its comparison with FedRecGEL isolates SAM from the server optimizer."""
 GRID = np.linspace(-1.0, 1.0, 21)
 RADII = (0.05, 0.1, 0.2, 0.5, 1.0)
 NUM_DIRECTIONS = 10
@@ -85,15 +92,22 @@ class LossProbe:
 
 
 def run_landscape(dataset: str, seed: int, data_dir: str, results: Path) -> None:
-    """Train FedNCF and FedRecGEL (serial runs), then write the landscape tables and PNGs to ``results``."""
+    """Train each of :data:`VARIANTS` (serial runs; a variant whose ``landscape.json`` exists is not retrained),
+    then write the landscape tables and PNGs to ``results``."""
     from experiments.fedrecgel.run import RUNS, run_config, slug
     from fedrec_flwr.serial import run_serial
 
     torch.set_num_threads(1)
     grids, radii_rows = {}, []
-    for method in METHODS:
-        config = run_config(dataset, method, seed, data_dir, RUNS / "landscape" / dataset, f"{slug(method)}-seed{seed}")
-        print(f"landscape: training {method} on {dataset}", flush=True)
+    for name, (method, extra) in VARIANTS.items():
+        folder = RUNS / "landscape" / dataset / f"{slug(name)}-seed{seed}"
+        cache = folder / "landscape.json"
+        if cache.is_file():  # computed before: the training run is not repeated
+            cached = json.loads(cache.read_text())
+            grids[name], radii_rows = np.array(cached["surface"]), radii_rows + cached["radii"]
+            continue
+        config = run_config(dataset, method, seed, data_dir, folder.parent, folder.name, **extra)
+        print(f"landscape: training {name} on {dataset}", flush=True)
         folder, grid = run_serial(config, return_grid=True)
         runtime = get_runtime(config.to_dict())
         shared = dict(np.load(folder / "final_arrays.npz"))
@@ -111,16 +125,18 @@ def run_landscape(dataset: str, seed: int, data_dir: str, results: Path) -> None
         d1 = filter_normalised_direction(probe.shared, generator)
         d2 = filter_normalised_direction(probe.shared, generator)
         surface = np.array([[probe.loss({k: a * d1[k] + b * d2[k] for k in d1}) for a in GRID] for b in GRID])
-        grids[method] = surface
         base = probe.loss()
+        rows = []
         for radius in RADII:
             increases = []
             for _ in range(NUM_DIRECTIONS):
                 d = filter_normalised_direction(probe.shared, generator)
                 increases.append(probe.loss({k: radius * v for k, v in d.items()}) - base)
-            radii_rows.append({"dataset": dataset, "method": method, "radius": radius, "loss at theta*": round(base, 5),
-                               "mean loss increase": round(float(np.mean(increases)), 5),
-                               "std": round(float(np.std(increases, ddof=1)), 5), "users": len(private_rows)})
+            rows.append({"dataset": dataset, "method": name, "radius": radius, "loss at theta*": round(base, 5),
+                         "mean loss increase": round(float(np.mean(increases)), 5),
+                         "std": round(float(np.std(increases, ddof=1)), 5), "users": len(private_rows)})
+        atomic_write_text(cache, json.dumps({"surface": surface.tolist(), "radii": rows}))
+        grids[name], radii_rows = surface, radii_rows + rows
     table = pd.DataFrame(radii_rows)
     atomic_write_text(results / f"landscape-{dataset}.csv", table.to_csv(index=False))
     from experiments.fedrecgel.report import markdown
@@ -143,7 +159,7 @@ def _plots(dataset: str, grids: dict[str, np.ndarray], results: Path) -> None:
     low = min(g.min() for g in grids.values())
     high = max(np.percentile(g, 95) for g in grids.values())
     levels = np.linspace(low, high, 15)
-    fig, axes = plt.subplots(1, len(grids), figsize=(5.2 * len(grids), 4.4))
+    fig, axes = plt.subplots(1, len(grids), figsize=(5.0 * len(grids), 4.4))
     for axis, (method, surface) in zip(np.atleast_1d(axes), grids.items()):
         contour = axis.contour(GRID, GRID, surface, levels=levels, cmap="viridis")
         axis.clabel(contour, inline=True, fontsize=7, fmt="%.2f")
@@ -153,7 +169,7 @@ def _plots(dataset: str, grids: dict[str, np.ndarray], results: Path) -> None:
         axis.set_ylabel("beta (direction 2)")
     fig.suptitle(f"{dataset}: loss around the converged shared parameters (filter-normalised directions)")
     _save(fig, results / f"landscape-{dataset}-contour.png")
-    fig = plt.figure(figsize=(5.2 * len(grids), 4.4))
+    fig = plt.figure(figsize=(5.0 * len(grids), 4.4))
     a, b = np.meshgrid(GRID, GRID)
     for index, (method, surface) in enumerate(grids.items(), 1):
         axis = fig.add_subplot(1, len(grids), index, projection="3d")

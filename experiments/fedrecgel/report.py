@@ -68,6 +68,7 @@ def write_csv(frame: pd.DataFrame, path: Path) -> None:
 def dataset_stats(data_dir: str) -> pd.DataFrame:
     """Statistics of each dataset after cleaning (the split the experiments use, seed 0)."""
     from experiments.fedrecgel.methods import PROTOCOL
+    from fedrec_flwr.baselines import evaluate_popularity
     from fedrec_flwr.config import make_run_config
     from fedrec_flwr.runtime import load_split_for
 
@@ -78,9 +79,11 @@ def dataset_stats(data_dir: str) -> pd.DataFrame:
             overrides["data-dir"] = str(Path(data_dir) / dataset)
         split = load_split_for(make_run_config(**overrides))
         stats = split.stats()
+        popularity = evaluate_popularity(split, (10,))
         rows.append({"dataset": dataset, "users": stats["users"], "items": stats["items"],
                      "interactions": stats["interactions"], "per user": round(stats["avg_interactions_per_user"], 1),
-                     "density": round(stats["density"], 5), "users/items": round(stats["users"] / stats["items"], 3)})
+                     "density": round(stats["density"], 5), "users/items": round(stats["users"] / stats["items"], 3),
+                     "popularity HR@10": round(popularity["HR@10"], 4)})
     return pd.DataFrame(rows)
 
 
@@ -161,6 +164,17 @@ def sensitivity(results: Path) -> None:
         return
     parsed = runs["run"].str.extract(r"^(rho-shared|rho-private)-([0-9.e-]+)$")
     runs["parameter"], runs["rho"] = parsed[0], parsed[1].astype(float)
+    # the default rho (both 0.05) is the main table's FedRecGEL run with the same dataset and seed
+    main = load_runs(results / "runs" / "main")
+    if not main.empty:
+        default = main[(main["run"] == "fedrecgel") & main["dataset"].isin(runs["dataset"])
+                       & main["seed"].isin(runs["seed"])]
+        extra = []
+        for parameter in ("rho-shared", "rho-private"):
+            rows = default.copy()
+            rows["parameter"], rows["rho"] = parameter, float(METHODS["FedRecGEL"][parameter])
+            extra.append(rows)
+        runs = pd.concat([runs, *extra], ignore_index=True)
     summary = mean_std(runs, ["dataset", "parameter", "rho"], ["HR@10", "NDCG@10", "sel-HR@10", "sel-NDCG@10"])
     summary = summary.sort_values(["dataset", "parameter", "rho"])
     write_csv(summary, results / "sensitivity.csv")
@@ -182,11 +196,12 @@ def sensitivity(results: Path) -> None:
         _save(fig, results / f"sensitivity-{dataset}.png")
 
 
-def learning_curves(results: Path) -> None:
+def learning_curves(results: Path, stats: pd.DataFrame | None = None) -> None:
     plt = _pyplot()
     base = results / "runs" / "main"
     for dataset_dir in sorted(p for p in base.glob("*") if p.is_dir()):
         fig, axis = plt.subplots(figsize=(6.5, 4))
+        plotted = 0
         for method in METHODS:
             curves = []
             for metrics_path in sorted(dataset_dir.glob(f"{method.lower()}-seed*/metrics.json")):
@@ -200,6 +215,13 @@ def learning_curves(results: Path) -> None:
             mean, std = frame.mean(axis=1), frame.std(axis=1).fillna(0)
             axis.plot(mean.index, mean.values, marker="o", label=f"{method} ({len(curves)} seeds)")
             axis.fill_between(mean.index, mean - std, mean + std, alpha=0.2)
+            plotted += 1
+        if not plotted:
+            _pyplot().close(fig)
+            continue
+        if stats is not None and dataset_dir.name in set(stats["dataset"]):
+            floor = float(stats.set_index("dataset").loc[dataset_dir.name, "popularity HR@10"])
+            axis.axhline(floor, color="grey", linestyle="--", label=f"popularity ({floor:.3f})")
         axis.set_xlabel("round")
         axis.set_ylabel("HR@10 (test, all users)")
         axis.set_title(f"{dataset_dir.name}: HR@10 per round, mean ± std over seeds")
@@ -233,5 +255,5 @@ def write_all(results: Path, data_dir: str) -> None:
     main_table(results, stats)
     ablation_table(results)
     sensitivity(results)
-    learning_curves(results)
+    learning_curves(results, stats)
     print(f"tables and plots written to {results}")

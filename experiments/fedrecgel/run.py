@@ -91,6 +91,8 @@ def jobs_sensitivity(args) -> list:
         for d in args.datasets:
             for key in ("rho-shared", "rho-private"):
                 for rho in RHO_GRID:
+                    if rho == METHODS["FedRecGEL"][key]:
+                        continue  # the default: the main table's FedRecGEL run (report.py takes it from there)
                     jobs.append(run_config(d, "FedRecGEL", s, args.data_dir, RUNS / "sensitivity" / d,
                                            f"{key}-{rho:g}-seed{s}", **{key: rho}))
     return jobs

@@ -11,7 +11,8 @@ State keys are ``"<module>.<param>"``, e.g. ``"user_embedding.weight"``, ``"item
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -80,6 +81,8 @@ class RecModel(nn.Module):
         self.num_users = int(num_users)
         self.num_items = int(num_items)
         self.embedding_dim = int(embedding_dim)
+        self.active_item_subset: np.ndarray | None = None
+        """Inside :meth:`item_subset`: the global item of each local row; ``None`` otherwise."""
 
     # ----------------------------------------------------------------------------------------- module split
     def private_modules(self) -> dict[str, nn.Module]:
@@ -138,9 +141,52 @@ class RecModel(nn.Module):
         """Copy ``state`` into the private parameters (strict; see :meth:`_load`)."""
         self._load(self._named(self.private_modules()), state, "private")
 
-    def load_shared_state(self, state: Mapping[str, torch.Tensor | np.ndarray]) -> None:
-        """Copy ``state`` into the shared parameters (strict; see :meth:`_load`)."""
-        self._load(self._named(self.shared_modules()), state, "shared")
+    def load_shared_state(self, state: Mapping[str, torch.Tensor | np.ndarray], *, partial: bool = False) -> None:
+        """Copy ``state`` into the shared parameters (strict; see :meth:`_load`). With ``partial=True`` only the keys
+        in ``state`` are loaded (each must still be a shared key of the right shape)."""
+        params = self._named(self.shared_modules())
+        if partial:
+            params = {k: v for k, v in params.items() if k in state}
+        self._load(params, state, "shared")
+
+    @contextmanager
+    def item_subset(self, items: np.ndarray) -> Iterator[np.ndarray]:
+        """Temporarily replace every item table by a compact copy of its rows ``items``.
+
+        Inside the block the model has ``num_items = len(items)`` and item index ``j`` means global item
+        ``items[j]``; an optimizer built inside sees only those rows, so local training costs O(rows used) instead of
+        O(catalogue). On exit the original full tables (never modified by the block) are put back. The compact
+        tables' final values are what the block trained; read them before leaving it.
+
+        Args:
+            items: ``(T,)`` sorted unique int64 global item indices.
+        Yields:
+            ``items`` (the local-to-global map).
+        Raises:
+            ValueError: ``items`` is not sorted, unique and within ``[0, num_items)``.
+        """
+        items = np.asarray(items, dtype=np.int64)
+        if items.ndim != 1 or items.size == 0 or (np.diff(items) <= 0).any() or items[0] < 0 or items[-1] >= self.num_items:
+            raise ValueError(f"item_subset: items must be sorted unique indices in [0, {self.num_items})")
+        tables = self.item_embedding_modules()
+        saved = {name: (module.weight, module.num_embeddings) for name, module in tables.items()}
+        full_items = self.num_items
+        index = torch.as_tensor(items, device=next(iter(saved.values()))[0].device)
+        try:
+            for name, module in tables.items():
+                module.weight = nn.Parameter(module.weight.detach().index_select(0, index).clone())
+                module.num_embeddings = int(items.size)
+            self.num_items = int(items.size)
+            self.active_item_subset = items
+            yield items
+        finally:
+            for name, module in tables.items():
+                device = module.weight.device  # a .to(device) inside the block moved the compact copy only
+                module.weight, module.num_embeddings = saved[name]
+                if module.weight.device != device:
+                    module.weight.data = module.weight.data.to(device)
+            self.num_items = full_items
+            self.active_item_subset = None
 
     @torch.no_grad()
     def _load(self, params: dict[str, nn.Parameter], state: Mapping, kind: str) -> None:
