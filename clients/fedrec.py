@@ -72,6 +72,15 @@ class FedRecClient(NumPyClient):
         state: the node's ``context.state`` (a ``RecordDict``); a ``NumPyClient`` has no context of its own.
     """
 
+    uploads_gradients = False
+    """Whether this client can answer a train message with ``"upload" = "gradient"`` (see
+    :class:`strategies.server_optimizer.ServerOptimizerStrategy`)."""
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Raise :class:`~fedrec_flwr.errors.ConfigError` for run-config settings this client cannot serve (called
+        by the ServerApp at start, :func:`fedrec_flwr.registry.check_components`). The base client serves all."""
+
     def __init__(self, runtime: Runtime, user: int, state: RecordDict) -> None:
         if not 0 <= user < runtime.split.num_users:
             raise ValueError(f"user {user} out of range [0, {runtime.split.num_users})")

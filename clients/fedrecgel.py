@@ -28,6 +28,7 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from clients.fedrec import FedRecClient, UserUpdate
+from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.sam import SAMTrainer
 
 UPLOAD_KEY = "upload"
@@ -64,6 +65,15 @@ class FedRecGELClient(FedRecClient):
     optimizer of the user's embeddings; its state is kept in ``context.state["user-opt:<id>"]``), ``batch-size``
     (the loss's chunk size), ``local-epochs`` (SAM steps per round).
     """
+
+    uploads_gradients = True
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        if config.loss != "bce":
+            raise ConfigError(f"client 'fedrecgel' trains with loss = 'bce' (its paper's loss), got {config.loss!r}")
+        if config.model == "pfedrec":
+            raise ConfigError("client 'fedrecgel' needs a model with user embeddings: model = 'ncf' (or 'mf')")
 
     @property
     def optimizer_key(self) -> str:

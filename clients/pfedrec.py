@@ -39,9 +39,13 @@ class PFedRecClient(FedRecClient):
     embedding SGD rate; 0 = ``learning-rate * num-items * 80``), ``batch-size`` (PFedRec: 256), ``local-epochs``.
     """
 
+    @classmethod
+    def check_config(cls, config) -> None:
+        if config.model != "pfedrec":
+            raise ConfigError(f"client 'pfedrec' needs model = 'pfedrec', got model = {config.model!r}")
+
     def __init__(self, runtime, user, state) -> None:
-        if runtime.config.model != "pfedrec":
-            raise ConfigError(f"client 'pfedrec' needs model = 'pfedrec', got model = {runtime.config.model!r}")
+        self.check_config(runtime.config)
         super().__init__(runtime, user, state)
 
     @property

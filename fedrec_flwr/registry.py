@@ -70,3 +70,17 @@ def _table(kind: str) -> dict[str, str]:
     if kind == "strategy":
         return STRATEGIES
     raise ValueError(f"unknown registry kind {kind!r}; use 'client' or 'strategy'")
+
+
+def check_components(config) -> None:
+    """Let the configured client class and strategy class check the run config before anything runs.
+
+    Each may define a class method ``check_config(config)`` raising :class:`ConfigError` for settings it cannot
+    serve (e.g. a strategy that needs gradient uploads and a client that sends parameters). Called by the ServerApp
+    right after the config is validated, so a bad combination fails at start with one clear message instead of as
+    failed replies from every node.
+    """
+    for kind, spec in (("client", config.client), ("strategy", config.strategy)):
+        check = getattr(resolve(kind, spec), "check_config", None)
+        if check is not None:
+            check(config)

@@ -25,6 +25,26 @@ PROGRESS = logging.getLogger("fedrec_flwr.progress")
 """Logger of the one-line-per-round progress report."""
 
 
+RESULT_FILES = ("metrics.csv", "metrics.json", "final_arrays.npz", "summary.json", "learning_curves.png")
+
+
+def check_results_folder(folder: str | Path) -> None:
+    """Refuse to write into a folder that holds a finished run, and clear what an unfinished one left.
+
+    Raises:
+        ConfigError: ``folder/summary.json`` exists (a finished run): choose another ``run-name`` or delete it, so
+            a folder never mixes two runs' files.
+    """
+    from .errors import ConfigError
+
+    folder = Path(folder)
+    if (folder / "summary.json").is_file():
+        raise ConfigError(f"results folder {folder} already holds a finished run (summary.json); set another "
+                          "'run-name' or delete the folder")
+    for name in RESULT_FILES:  # an interrupted run's partial files: this run replaces them
+        (folder / name).unlink(missing_ok=True)
+
+
 class RunRecorder:
     """Collects one row per round and keeps the results folder up to date.
 

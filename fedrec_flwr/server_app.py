@@ -31,8 +31,8 @@ from flwr.serverapp import Grid, ServerApp
 from .client_app import IDENTIFY
 from .config import RunConfig
 from .errors import ConfigError
-from .registry import resolve
-from .results import PROGRESS, RunRecorder
+from .registry import check_components, resolve
+from .results import PROGRESS, RunRecorder, check_results_folder
 from .runtime import build_shared_model
 from .wire import CONFIG, ModelLayout, Topology
 
@@ -124,6 +124,9 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     """Run one federated experiment (see the module docstring); returns the results folder."""
     _setup_logging()
     config = RunConfig.from_mapping(context.run_config or run_config or {})
+    check_components(config)
+    folder = Path(config.results_dir).expanduser().resolve() / default_run_name(config)
+    check_results_folder(folder)
     topology, num_items, facts = discover_topology(grid, config, timeout=config.round_timeout)
     model = build_shared_model(config, num_items)
     layout = ModelLayout.from_model(model)
@@ -134,7 +137,6 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
         raise ConfigError(f"strategy {config.strategy!r} has no from_run_config(config, layout, topology) class method")
     strategy = strategy_cls.from_run_config(config, layout, topology)
 
-    folder = Path(config.results_dir).expanduser().resolve() / default_run_name(config)
     recorder = RunRecorder(folder, config.to_dict(), {"dataset": facts, "tie-rule": config.tie_rule})
     log.info("%s: %d users on %d nodes, %d items; results in %s", config.dataset, facts["num-users"],
              len(set(topology.user_to_node.tolist())), num_items, folder)

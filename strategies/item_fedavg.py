@@ -152,16 +152,19 @@ class ItemEmbeddingFedAvg(FedAvg):
         """
         replies = self._canonical_order(replies)
         accepted: list[RecordDict] = []
+        reasons: list[str] = []
         for message in replies:
             node = message.metadata.src_node_id
             if message.has_error():
                 self.failures[node] = self.failures.get(node, 0) + 1
                 log.warning("round %d: node %d failed: %s", server_round, node, message.error.reason)
+                reasons.append(f"node {node} failed: {message.error.reason}")
                 continue
             try:
                 accepted.append(self.validate_reply(message.content))
             except ReplyError as err:
                 log.warning("round %d: rejected the reply of node %d: %s", server_round, node, err)
+                reasons.append(f"node {node}'s reply rejected: {err}")
         expected = len(self._sampled_nodes)
         needed = max(1, math.ceil(self.min_train_fraction * expected))
         if len(accepted) < needed:
@@ -169,6 +172,7 @@ class ItemEmbeddingFedAvg(FedAvg):
                 f"round {server_round}: {len(accepted)} valid replies of {expected} sampled nodes "
                 f"(min-train-fraction {self.min_train_fraction} needs {needed}); "
                 f"{len(replies)} replies arrived, {sum(m.has_error() for m in replies)} with errors"
+                + (f"; first problem: {reasons[0]}" if reasons else "")
             )
         arrays = self.aggregate_arrays(accepted)
         metrics = aggregate_metricrecords(accepted, NUM_EXAMPLES)

@@ -77,6 +77,18 @@ class ServerOptimizerStrategy(ItemEmbeddingFedAvg):
         return {**super().options_from_config(config), "server_optimizer": config.server_optimizer,
                 "server_learning_rate": config.server_learning_rate}
 
+    @classmethod
+    def check_config(cls, config: RunConfig) -> None:
+        """The configured client must upload gradients (``uploads_gradients``), e.g. ``client = 'fedrecgel'``."""
+        from fedrec_flwr.errors import ConfigError
+        from fedrec_flwr.registry import resolve
+
+        client = resolve("client", config.client)
+        if not getattr(client, "uploads_gradients", False):
+            raise ConfigError(f"strategy {config.strategy!r} steps a server optimizer with client gradients, but "
+                              f"client {config.client!r} uploads parameters; use client = 'fedrecgel' (or "
+                              "strategy = 'item-fedavg')")
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         config = ConfigRecord(dict(config))

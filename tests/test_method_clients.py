@@ -138,8 +138,22 @@ def test_pfedrec_client_needs_the_pfedrec_model(tmp_path):
         PFedRecClient(runtime, 0, RecordDict())
 
 
-def test_gradient_strategy_rejects_clients_that_upload_parameters(tmp_path):
-    from strategies.item_fedavg import RoundFailed
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"strategy": "server-optimizer"}, "uploads parameters"),  # client = fedrec
+    ({"client": "pfedrec"}, "needs model = 'pfedrec'"),
+    ({**FEDRECGEL, "loss": "bpr"}, "loss = 'bce'"),
+])
+def test_incompatible_client_strategy_model_fail_at_start_with_one_message(tmp_path, overrides, message):
+    from fedrec_flwr.errors import ConfigError
 
-    with pytest.raises(RoundFailed, match="0 valid replies"):
-        _serial(tmp_path, users_per_node=6, strategy="server-optimizer")  # client = fedrec sends parameters
+    with pytest.raises(ConfigError, match=message):
+        _serial(tmp_path, users_per_node=6, **overrides)
+    assert not (tmp_path / "results" / "run" / "metrics.json").exists()
+
+
+def test_a_finished_results_folder_is_never_overwritten(tmp_path):
+    from fedrec_flwr.errors import ConfigError
+
+    _serial(tmp_path, users_per_node=6, num_server_rounds=1)
+    with pytest.raises(ConfigError, match="already holds a finished run"):
+        _serial(tmp_path, users_per_node=6, num_server_rounds=1, model="mf")

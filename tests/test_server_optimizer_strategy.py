@@ -110,3 +110,15 @@ def test_item_fedavg_selected_mode(task_identity):
     assert np.allclose(table[0], (np.array([10.0, 10.0]) + [4.0, 4.0] + TABLE[0]) / 3)
     assert np.allclose(table[1], (np.array([2.0, 3.0]) + 2 * TABLE[1]) / 3)
     assert np.array_equal(table[2:], TABLE[2:])
+
+
+def test_a_reply_with_parameters_instead_of_gradients_is_rejected(task_identity):
+    from strategies.item_fedavg import RoundFailed
+
+    strategy = ServerOptimizerStrategy(LAYOUT, topology=TOPOLOGY, fraction_train=1.0)
+    requests = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, _arrays(), ConfigRecord(), None)}
+    replies = [_reply(requests[n], [0], [[1.0, 1.0]], [1.0, 1.0]) for n in (10, 11, 12)]
+    for reply in replies:
+        reply.content[METRICS]["gradient-users"] = 0
+    with pytest.raises(RoundFailed, match="sent gradients"):
+        strategy.aggregate_train(1, replies)

@@ -106,6 +106,7 @@ def run_landscape(dataset: str, seed: int, data_dir: str, results: Path) -> None
             cached = json.loads(cache.read_text())
             grids[name], radii_rows = np.array(cached["surface"]), radii_rows + cached["radii"]
             continue
+        (folder / "summary.json").unlink(missing_ok=True)  # the private states are needed: train again
         config = run_config(dataset, method, seed, data_dir, folder.parent, folder.name, **extra)
         print(f"landscape: training {name} on {dataset}", flush=True)
         folder, grid = run_serial(config, return_grid=True)

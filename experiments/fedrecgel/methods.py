@@ -23,7 +23,7 @@ PROTOCOL = {
     "ks": "5,10,20",
     "embedding-dim": 32,
     "mlp-layers": "64,32,16",
-    "users-per-node": 100,
+    "users-per-node": 100,  # same model as one user per node, up to float summation order (tested)
 }
 
 METHODS: dict[str, dict] = {
@@ -34,7 +34,9 @@ METHODS: dict[str, dict] = {
     "FedNCF": {"model": "ncf", "client": "fedrec", "strategy": "item-fedavg", "optimizer": "adam",
                "learning-rate": 0.01, "batch-size": 256},
     # PFedRec (Zhang et al. 2023): its code's settings (SGD 0.1, item rate 0.1 * items * 80, batch 256, full-table
-    # average of the item embedding over the round's clients).
+    # average of the item embedding over the round's clients), except the protocol's 10% of users per round (its
+    # default is all users) and our initialisation (N(0, 0.01^2) items, Xavier score function; its code keeps
+    # PyTorch's defaults, N(0, 1) items).
     "PFedRec": {"model": "pfedrec", "client": "pfedrec", "strategy": "item-fedavg", "optimizer": "sgd",
                 "learning-rate": 0.1, "batch-size": 256, "item-aggregation": "selected"},
     # FedRecGEL, faithful to its public code: one decoupled SAM step per round, private Adam 0.1, SAM gradient

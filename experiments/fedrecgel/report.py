@@ -97,7 +97,7 @@ def main_table(results: Path, stats: pd.DataFrame | None) -> pd.DataFrame | None
     order = {d: i for i, d in enumerate(DATASETS)}
     summary = summary.sort_values(by=["dataset", "method"], key=lambda s: s.map(order).fillna(s.map(
         {m: i for i, m in enumerate(METHODS)})) if s.name == "dataset" else s.map({m: i for i, m in enumerate(METHODS)}))
-    text = ["# FedRecGEL Table 2 design: last round (100), mean ± std over seeds\n"]
+    text = ["# FedRecGEL Table 2 design: last round (100), mean ± std over seeds (no ± with one seed)\n"]
     table = pd.DataFrame({
         "dataset": summary["dataset"], "method": summary["method"], "seeds": summary["seeds"],
         **{m: [fmt(a, b) for a, b in zip(summary[f"{m}-mean"], summary[f"{m}-std"])] for m in METRICS},
@@ -128,6 +128,11 @@ def main_table(results: Path, stats: pd.DataFrame | None) -> pd.DataFrame | None
     if gains:
         text.append("\n# FedRecGEL minus the best baseline (HR@10, last round), against the user-to-item ratio\n")
         text.append(markdown(pd.DataFrame(gains).sort_values("users/items")))
+    unfinished = sorted(str(p.parent.relative_to(results / "runs" / "main"))
+                        for p in (results / "runs" / "main").glob("*/*/config.json")
+                        if not (p.parent / "summary.json").is_file())
+    if unfinished:
+        text.append("\nNot finished (left out above): " + ", ".join(unfinished) + "\n")
     if stats is not None:
         text.append("\n# Datasets after cleaning\n")
         text.append(markdown(stats))
