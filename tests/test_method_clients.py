@@ -157,3 +157,11 @@ def test_a_finished_results_folder_is_never_overwritten(tmp_path):
     _serial(tmp_path, users_per_node=6, num_server_rounds=1)
     with pytest.raises(ConfigError, match="already holds a finished run"):
         _serial(tmp_path, users_per_node=6, num_server_rounds=1, model="mf")
+
+
+def test_fedrecgel_gradient_average_does_not_depend_on_users_per_node(tmp_path):
+    _, one = _serial(tmp_path / "one", users_per_node=1, **FEDRECGEL)
+    _, six = _serial(tmp_path / "six", users_per_node=6, **FEDRECGEL)
+    a, b = np.load(one / "final_arrays.npz"), np.load(six / "final_arrays.npz")
+    for key in a.files:
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)

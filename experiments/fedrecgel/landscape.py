@@ -157,30 +157,35 @@ def _plots(dataset: str, grids: dict[str, np.ndarray], results: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    low = min(g.min() for g in grids.values())
-    high = max(np.percentile(g, 95) for g in grids.values())
-    levels = np.linspace(low, high, 15)
+    # Plot the loss increase over each model's own centre, on shared logarithmic levels: sharpness is comparable
+    # across models whose losses at the centre differ.
+    centre = len(GRID) // 2
+    increases = {m: g - g[centre, centre] for m, g in grids.items()}
+    levels = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
     fig, axes = plt.subplots(1, len(grids), figsize=(5.0 * len(grids), 4.4))
-    for axis, (method, surface) in zip(np.atleast_1d(axes), grids.items()):
-        contour = axis.contour(GRID, GRID, surface, levels=levels, cmap="viridis")
-        axis.clabel(contour, inline=True, fontsize=7, fmt="%.2f")
+    for axis, (method, surface) in zip(np.atleast_1d(axes), increases.items()):
+        contour = axis.contour(GRID, GRID, np.maximum(surface, 1e-6), levels=levels, cmap="viridis",
+                               norm=matplotlib.colors.LogNorm(levels[0], levels[-1]))
+        axis.clabel(contour, inline=True, fontsize=7, fmt="%g")
         axis.plot(0, 0, "r+", markersize=12)
-        axis.set_title(f"{method}: training loss")
+        axis.set_title(f"{method}: loss increase")
         axis.set_xlabel("alpha (direction 1)")
         axis.set_ylabel("beta (direction 2)")
-    fig.suptitle(f"{dataset}: loss around the converged shared parameters (filter-normalised directions)")
+    fig.suptitle(f"{dataset}: training-loss increase around the converged shared parameters "
+                 "(filter-normalised directions; same levels in every panel)")
     _save(fig, results / f"landscape-{dataset}-contour.png")
+    cap = 1.0
     fig = plt.figure(figsize=(5.0 * len(grids), 4.4))
     a, b = np.meshgrid(GRID, GRID)
-    for index, (method, surface) in enumerate(grids.items(), 1):
+    for index, (method, surface) in enumerate(increases.items(), 1):
         axis = fig.add_subplot(1, len(grids), index, projection="3d")
-        axis.plot_surface(a, b, np.minimum(surface, high), cmap="viridis", linewidth=0)
-        axis.set_zlim(low, high)
+        axis.plot_surface(a, b, np.minimum(surface, cap), cmap="viridis", linewidth=0, vmin=0, vmax=cap)
+        axis.set_zlim(min(0.0, float(surface.min())), cap)
         axis.set_title(method)
         axis.set_xlabel("alpha")
         axis.set_ylabel("beta")
-        axis.set_zlabel("loss")
-    fig.suptitle(f"{dataset}: loss surface")
+        axis.set_zlabel("loss increase")
+    fig.suptitle(f"{dataset}: loss-increase surface (clipped at {cap:g})")
     _save(fig, results / f"landscape-{dataset}-surface.png")
 
 
