@@ -101,7 +101,7 @@ def jobs_sensitivity(args) -> list:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("main", "ablation", "sensitivity", "landscape", "report"))
-    parser.add_argument("--datasets", nargs="+", default=None, help=f"default: all of {DATASETS} (main), filmtrust otherwise")
+    parser.add_argument("--datasets", nargs="+", default=None, help=f"default: all of {DATASETS} (main), ml-100k otherwise")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""),
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job starting at i")
     args = parser.parse_args(argv)
     if args.datasets is None:
-        args.datasets = list(DATASETS) if args.command in ("main", "report") else ["filmtrust"]
+        args.datasets = list(DATASETS) if args.command in ("main", "report") else ["ml-100k"]
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)
     os.environ.setdefault("FLWR_LOG_LEVEL", "WARNING")
