@@ -146,6 +146,10 @@ def ablation_table(results: Path) -> None:
         return
     names = {_slug(v): v for v in ABLATIONS}
     runs["variant"] = runs["run"].map(names).fillna(runs["run"])
+    main = load_runs(results / "runs" / "main")  # the full FedRecGEL variant is the main table's run
+    if not main.empty:
+        full = main[(main["run"] == "fedrecgel") & main["dataset"].isin(runs["dataset"]) & main["seed"].isin(runs["seed"])]
+        runs = pd.concat([full.assign(variant="FedRecGEL"), runs], ignore_index=True)
     summary = mean_std(runs, ["dataset", "variant"], [*METRICS, "sel-HR@10", "sel-NDCG@10"])
     write_csv(summary, results / "ablation.csv")
     table = pd.DataFrame({

@@ -81,18 +81,23 @@ def jobs_main(args) -> list:
 
 
 def jobs_ablation(args) -> list:
+    # the "FedRecGEL" variant is the main table's FedRecGEL run (same config); report.py takes it from there
     return [run_config(d, "FedRecGEL", s, args.data_dir, RUNS / "ablation" / d, f"{slug(v)}-seed{s}", **extra)
-            for s in args.seeds for d in args.datasets for v, extra in ABLATIONS.items()]
+            for s in args.seeds for d in args.datasets for v, extra in ABLATIONS.items() if extra]
 
 
 def jobs_sensitivity(args) -> list:
+    """One rho varied at a time, the other at its default; the default itself is the main table's run. Values are
+    ordered to spread out, alternating the two parameters, so a partial sweep still spans both curves."""
+    spread = (0.0, 1.0, 0.2, 0.02, 0.5, 0.1, 0.05)  # each value as far (in log scale) from those before as possible
+    order = sorted(RHO_GRID, key=lambda r: spread.index(r) if r in spread else len(spread))
     jobs = []
     for s in args.seeds:
         for d in args.datasets:
-            for key in ("rho-shared", "rho-private"):
-                for rho in RHO_GRID:
+            for rho in order:
+                for key in ("rho-shared", "rho-private"):
                     if rho == METHODS["FedRecGEL"][key]:
-                        continue  # the default: the main table's FedRecGEL run (report.py takes it from there)
+                        continue
                     jobs.append(run_config(d, "FedRecGEL", s, args.data_dir, RUNS / "sensitivity" / d,
                                            f"{key}-{rho:g}-seed{s}", **{key: rho}))
     return jobs
