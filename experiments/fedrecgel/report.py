@@ -18,6 +18,7 @@ from experiments.fedrecgel.methods import ABLATIONS, DATASETS, METHODS, RHO_GRID
 from fedrec_flwr.io import atomic_write_bytes, atomic_write_text
 
 METRICS = ("HR@5", "NDCG@5", "HR@10", "NDCG@10", "HR@20", "NDCG@20")
+DATASET_COLUMNS = ["dataset", "users", "items", "interactions", "per user", "density", "users/items", "popularity HR@10"]
 
 
 def load_runs(folder: Path) -> pd.DataFrame:
@@ -79,11 +80,12 @@ def dataset_stats(data_dir: str) -> pd.DataFrame:
             overrides["data-dir"] = str(Path(data_dir) / dataset)
         split = load_split_for(make_run_config(**overrides))
         stats = split.stats()
-        popularity = evaluate_popularity(split, (10,))
+        popularity = evaluate_popularity(split, (5, 10, 20))
         rows.append({"dataset": dataset, "users": stats["users"], "items": stats["items"],
                      "interactions": stats["interactions"], "per user": round(stats["avg_interactions_per_user"], 1),
                      "density": round(stats["density"], 5), "users/items": round(stats["users"] / stats["items"], 3),
-                     "popularity HR@10": round(popularity["HR@10"], 4)})
+                     "popularity HR@10": round(popularity["HR@10"], 4),
+                     **{f"popularity {m}": popularity[m] for m in METRICS if m != "HR@10"}})
     return pd.DataFrame(rows)
 
 
@@ -102,6 +104,16 @@ def main_table(results: Path, stats: pd.DataFrame | None) -> pd.DataFrame | None
         "dataset": summary["dataset"], "method": summary["method"], "seeds": summary["seeds"],
         **{m: [fmt(a, b) for a, b in zip(summary[f"{m}-mean"], summary[f"{m}-std"])] for m in METRICS},
     })
+    if stats is not None:  # the non-federated popularity ranking: the floor every method should beat
+        floor = stats.set_index("dataset")
+        rows = []
+        for dataset in table["dataset"].unique():
+            if dataset in floor.index:
+                rows.append({"dataset": dataset, "method": "(popularity)", "seeds": "-",
+                             **{m: f"{floor.loc[dataset, f'popularity {m}']:.4f}" for m in METRICS}})
+        table = pd.concat([table, pd.DataFrame(rows)], ignore_index=True)
+        order = {d: i for i, d in enumerate(DATASETS)}
+        table = table.sort_values("dataset", key=lambda c: c.map(order), kind="stable")
     text.append(markdown(table))
     text.append("\n# Test metrics at the round chosen on the validation item (best validation HR@10)\n")
     sel = pd.DataFrame({
@@ -135,7 +147,7 @@ def main_table(results: Path, stats: pd.DataFrame | None) -> pd.DataFrame | None
         text.append("\nNot finished (left out above): " + ", ".join(unfinished) + "\n")
     if stats is not None:
         text.append("\n# Datasets after cleaning\n")
-        text.append(markdown(stats))
+        text.append(markdown(stats[DATASET_COLUMNS]))
     atomic_write_text(results / "main.md", "\n".join(text))
     return runs
 
@@ -260,7 +272,7 @@ def write_all(results: Path, data_dir: str) -> None:
     """Write every table and plot whose runs exist."""
     stats = dataset_stats(data_dir)
     write_csv(stats, results / "datasets.csv")
-    atomic_write_text(results / "datasets.md", "# Datasets after cleaning\n\n" + markdown(stats))
+    atomic_write_text(results / "datasets.md", "# Datasets after cleaning\n\n" + markdown(stats[DATASET_COLUMNS]))
     main_table(results, stats)
     ablation_table(results)
     sensitivity(results)
