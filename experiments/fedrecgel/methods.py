@@ -52,10 +52,12 @@ ABLATIONS: dict[str, dict] = {
     "w/o non-shared SAM": {"rho-private": 0.0},
     "w/o both (FedNCF, FedRecGEL server)": {"rho-shared": 0.0, "rho-private": 0.0},
     "FedAvg of SAM updates": {"strategy": "item-fedavg", "item-aggregation": "touched", "learning-rate": 0.01},
+    "server learning rate 0.01": {"server-learning-rate": 0.01},
 }
 """Table 3: FedRecGEL with parts of SAM switched off (all else equal, including the gradient-upload server), and
 FedRecGEL's client under FedNCF's server (local Adam 0.01 on every parameter, updated item rows averaged over the
-users that touched them): SAM with a server that is not limited by a 0.001 server step."""
+users that touched them): SAM with a server that is not limited by a 0.001 server step; and the faithful FedRecGEL
+with a 10x server learning rate (is 100 rounds of Adam at 0.001 the limit?)."""
 
 RHO_GRID = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 """RQ2: values of rho-shared and rho-private (one varied at a time, the other at its default)."""
