@@ -185,17 +185,9 @@ def sensitivity(results: Path) -> None:
         return
     parsed = runs["run"].str.extract(r"^(rho-shared|rho-private)-([0-9.e-]+)$")
     runs["parameter"], runs["rho"] = parsed[0], parsed[1].astype(float)
-    # the default rho (both 0.05) is the main table's FedRecGEL run with the same dataset and seed
-    main = load_runs(results / "runs" / "main")
-    if not main.empty:
-        default = main[(main["run"] == "fedrecgel") & main["dataset"].isin(runs["dataset"])
-                       & main["seed"].isin(runs["seed"])]
-        extra = []
-        for parameter in ("rho-shared", "rho-private"):
-            rows = default.copy()
-            rows["parameter"], rows["rho"] = parameter, float(METHODS["FedRecGEL"][parameter])
-            extra.append(rows)
-        runs = pd.concat([runs, *extra], ignore_index=True)
+    default = runs[runs["run"] == "default"]  # both rho at their defaults: a point of both curves
+    extra = [default.assign(parameter=p, rho=float(METHODS["FedRecGEL"][p])) for p in ("rho-shared", "rho-private")]
+    runs = pd.concat([runs[runs["run"] != "default"], *extra], ignore_index=True)
     summary = mean_std(runs, ["dataset", "parameter", "rho"], ["HR@10", "NDCG@10", "sel-HR@10", "sel-NDCG@10"])
     summary = summary.sort_values(["dataset", "parameter", "rho"])
     write_csv(summary, results / "sensitivity.csv")
@@ -209,7 +201,7 @@ def sensitivity(results: Path) -> None:
                 axis.errorbar(x, sub[f"{metric}-mean"], yerr=sub[f"{metric}-std"].fillna(0), marker=marker,
                               capsize=3, label=f"{parameter} varied")
                 axis.set_xticks(x, [f"{r:g}" for r in sub["rho"]])
-            axis.set_xlabel("rho (the other at 0.05)")
+            axis.set_xlabel("rho (the other at 0.05); server learning rate 0.01")
             axis.set_ylabel(f"{metric} (round 100)")
             axis.grid(alpha=0.3)
             axis.legend()

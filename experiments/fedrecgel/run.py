@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.fedrecgel.methods import ABLATIONS, DATASETS, METHODS, PROTOCOL, RHO_GRID
+from experiments.fedrecgel.methods import ABLATIONS, DATASETS, METHODS, PROTOCOL, RHO_GRID, SENSITIVITY_BASE
 from fedrec_flwr.config import make_run_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -82,24 +82,31 @@ def jobs_main(args) -> list:
 
 def jobs_ablation(args) -> list:
     # the "FedRecGEL" variant is the main table's FedRecGEL run (same config); report.py takes it from there
-    return [run_config(d, "FedRecGEL", s, args.data_dir, RUNS / "ablation" / d, f"{slug(v)}-seed{s}", **extra)
-            for s in args.seeds for d in args.datasets for v, extra in ABLATIONS.items() if extra]
+    variants = args.variants or list(ABLATIONS)
+    unknown = sorted(set(variants) - set(ABLATIONS))
+    if unknown:
+        raise SystemExit(f"unknown --variants {unknown}; known: {list(ABLATIONS)}")
+    return [run_config(d, "FedRecGEL", s, args.data_dir, RUNS / "ablation" / d, f"{slug(v)}-seed{s}", **ABLATIONS[v])
+            for s in args.seeds for d in args.datasets for v in variants if ABLATIONS[v]]
 
 
 def jobs_sensitivity(args) -> list:
-    """One rho varied at a time, the other at its default; the default itself is the main table's run. Values are
-    ordered to spread out, alternating the two parameters, so a partial sweep still spans both curves."""
+    """One rho varied at a time, the other at its default, with :data:`SENSITIVITY_BASE`; the default point is run
+    once (``default-seed<k>``). Values are ordered to spread out, alternating the two parameters, so a partial sweep
+    still spans both curves."""
     spread = (0.0, 1.0, 0.2, 0.02, 0.5, 0.1, 0.05)  # each value as far (in log scale) from those before as possible
     order = sorted(RHO_GRID, key=lambda r: spread.index(r) if r in spread else len(spread))
     jobs = []
     for s in args.seeds:
         for d in args.datasets:
+            jobs.append(run_config(d, "FedRecGEL", s, args.data_dir, RUNS / "sensitivity" / d, f"default-seed{s}",
+                                   **SENSITIVITY_BASE))
             for rho in order:
                 for key in ("rho-shared", "rho-private"):
                     if rho == METHODS["FedRecGEL"][key]:
                         continue
                     jobs.append(run_config(d, "FedRecGEL", s, args.data_dir, RUNS / "sensitivity" / d,
-                                           f"{key}-{rho:g}-seed{s}", **{key: rho}))
+                                           f"{key}-{rho:g}-seed{s}", **SENSITIVITY_BASE, **{key: rho}))
     return jobs
 
 
@@ -108,7 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("command", choices=("main", "ablation", "sensitivity", "landscape", "report"))
     parser.add_argument("--datasets", nargs="+", default=None, help=f"default: all of {DATASETS} (main), ml-100k otherwise")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="default: 0 1 2")
+    parser.add_argument("--variants", nargs="+", default=None, help="ablation: run only these variants (names as in "
+                        "methods.ABLATIONS)")
     parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""),
                         help="folder holding <dataset>/ folders (default $FEDREC_DATA_DIR; empty = download)")
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job starting at i")
