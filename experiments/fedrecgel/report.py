@@ -163,6 +163,8 @@ def ablation_table(results: Path) -> None:
         full = main[(main["run"] == "fedrecgel") & main["dataset"].isin(runs["dataset"]) & main["seed"].isin(runs["seed"])]
         runs = pd.concat([full.assign(variant="FedRecGEL"), runs], ignore_index=True)
     summary = mean_std(runs, ["dataset", "variant"], [*METRICS, "sel-HR@10", "sel-NDCG@10"])
+    rank = {v: i for i, v in enumerate(ABLATIONS)}
+    summary = summary.sort_values(["dataset", "variant"], key=lambda c: c.map(rank) if c.name == "variant" else c)
     write_csv(summary, results / "ablation.csv")
     table = pd.DataFrame({
         "dataset": summary["dataset"], "variant": summary["variant"], "seeds": summary["seeds"],
