@@ -3,7 +3,7 @@
 Source: Zhang, Long, Zhou, Luo, Jiang, Yang, Qin (2023), "Dual Personalization on Federated Recommendation", IJCAI,
 Alg. 1, and its code (Zhangcx19/IJCAI-23-PFedRec, ``engine.py``): no user embedding; the score function stays on the
 client; each round the client takes the server's item embedding, and per mini-batch first updates its score function,
-then the item embedding (:class:`fedrec_flwr.sam.PFedRecTrainer`, plain SGD); the server averages the uploaded item
+then the item embedding (:class:`PFedRecTrainer`, plain SGD); the server averages the uploaded item
 embeddings over the round's clients (use ``item-aggregation = "selected"`` for its full-table average).
 
 Personalised view: PFedRec evaluates each user with the item table it fine-tuned when it last trained. Keeping a full
@@ -18,18 +18,52 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import math
+
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
 from clients.fedrec import FedRecClient, UserUpdate
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.sam import PFedRecTrainer
+from fedrec_flwr.training import LocalTrainConfig, LocalTrainer
 
 ROWS_PREFIX = "user-rows:"
 """``context.state`` key prefix of the user's personalised item rows (never sent)."""
 LR_ETA = 80
 """PFedRec's ``lr_eta``: its item-embedding rate is ``lr * num_items * lr_eta`` (``train.py`` default)."""
+
+
+class PFedRecTrainer(LocalTrainer):
+    """PFedRec's local update (Zhang et al. 2023, Alg. 1; its code's ``fed_train_single_batch``): per mini-batch,
+    first an SGD step of the private score function (rate ``cfg.learning_rate``), then, with the loss recomputed,
+    an SGD step of the item embedding (rate ``item_learning_rate``).
+
+    Args:
+        model: a :class:`~fedrec_flwr.models.PFedRecModel`. cfg: local hyper-parameters (``optimizer`` is ignored:
+            PFedRec uses plain SGD). item_learning_rate: the item embedding's SGD rate (PFedRec: ``lr * num_items *
+            lr_eta`` with ``lr_eta = 80``, because its BCE is a batch mean).
+    """
+
+    def __init__(self, model, cfg: LocalTrainConfig, *, item_learning_rate: float) -> None:
+        super().__init__(model, cfg)
+        if not math.isfinite(item_learning_rate) or item_learning_rate <= 0:
+            raise ValueError(f"PFedRecTrainer: item_learning_rate must be > 0, got {item_learning_rate!r}")
+        self.item_learning_rate = float(item_learning_rate)
+        self._item_optimizer: torch.optim.Optimizer | None = None
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        """SGD over the private score function."""
+        return torch.optim.SGD(self.model.private_parameters(), lr=self.cfg.learning_rate)
+
+    def step(self, users: torch.Tensor, items: torch.Tensor, labels: torch.Tensor) -> float:
+        """Score-function step, then item-embedding step on the same batch; returns the second loss."""
+        if self._item_optimizer is None:
+            self._item_optimizer = torch.optim.SGD(self.model.shared_parameters(), lr=self.item_learning_rate)
+        value = self.optimizer_step(self.optimizer, users, items, labels)
+        if not math.isfinite(value):
+            return value
+        return self.optimizer_step(self._item_optimizer, users, items, labels)
 
 
 class PFedRecClient(FedRecClient):

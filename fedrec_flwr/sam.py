@@ -219,35 +219,3 @@ class SAMTrainer(LocalTrainer):
         }
         chunks = math.ceil(n / self.cfg.batch_size)
         return value / chunks, n
-
-
-class PFedRecTrainer(LocalTrainer):
-    """PFedRec's local update (Zhang et al. 2023, Alg. 1; its code's ``fed_train_single_batch``): per mini-batch,
-    first an SGD step of the private score function (rate ``cfg.learning_rate``), then, with the loss recomputed,
-    an SGD step of the item embedding (rate ``item_learning_rate``).
-
-    Args:
-        model: a :class:`~fedrec_flwr.models.PFedRecModel`. cfg: local hyper-parameters (``optimizer`` is ignored:
-            PFedRec uses plain SGD). item_learning_rate: the item embedding's SGD rate (PFedRec: ``lr * num_items *
-            lr_eta`` with ``lr_eta = 80``, because its BCE is a batch mean).
-    """
-
-    def __init__(self, model: RecModel, cfg: LocalTrainConfig, *, item_learning_rate: float) -> None:
-        super().__init__(model, cfg)
-        if not math.isfinite(item_learning_rate) or item_learning_rate <= 0:
-            raise ValueError(f"PFedRecTrainer: item_learning_rate must be > 0, got {item_learning_rate!r}")
-        self.item_learning_rate = float(item_learning_rate)
-        self._item_optimizer: torch.optim.Optimizer | None = None
-
-    def make_optimizer(self) -> torch.optim.Optimizer:
-        """SGD over the private score function."""
-        return torch.optim.SGD(self.model.private_parameters(), lr=self.cfg.learning_rate)
-
-    def step(self, users: torch.Tensor, items: torch.Tensor, labels: torch.Tensor) -> float:
-        """Score-function step, then item-embedding step on the same batch; returns the second loss."""
-        if self._item_optimizer is None:
-            self._item_optimizer = torch.optim.SGD(self.model.shared_parameters(), lr=self.item_learning_rate)
-        value = self.optimizer_step(self.optimizer, users, items, labels)
-        if not math.isfinite(value):
-            return value
-        return self.optimizer_step(self._item_optimizer, users, items, labels)
