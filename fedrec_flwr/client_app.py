@@ -109,6 +109,7 @@ def identify(message: Message, context: Context, run_config: Mapping[str, Any] |
             "num-users-total": split.num_users,
             "num-items": split.num_items,
             "fingerprint": split_fingerprint(split),
+            "num-attribute-classes": runtime.protected.num_classes if runtime.protected else 0,
         }
     )
     return Message(content=RecordDict({CONFIG: record}), reply_to=message)

@@ -29,6 +29,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "server-optimizer": ("adam", "sgd"),
     "loss": ("bce", "bpr"),
     "optimizer": ("sgd", "adam"),
+    "adversary": ("none", "mlp", "dsvae"),
+    "adversary-trigger": ("sut", "always"),
 }
 
 
@@ -68,6 +70,15 @@ class RunConfig:
     rho_shared: float = _key("rho-shared", minimum=0.0)
     rho_private: float = _key("rho-private", minimum=0.0)
     item_learning_rate: float = _key("item-learning-rate", minimum=0.0)
+    protected_attribute: str = _key("protected-attribute")
+    adversary: str = _key("adversary")
+    adversary_trigger: str = _key("adversary-trigger")
+    adversary_epsilon: float = _key("adversary-epsilon", minimum=0.0)
+    adversary_hidden: int = _key("adversary-hidden", minimum=1)
+    dsvae_latent_dim: int = _key("dsvae-latent-dim", minimum=1)
+    dsvae_kl_weight: float = _key("dsvae-kl-weight", minimum=0.0)
+    dsvae_gradient_noise: float = _key("dsvae-gradient-noise", minimum=0.0)
+    user_embedding_noise: float = _key("user-embedding-noise", minimum=0.0)
     strategy: str = _key("strategy")
     num_server_rounds: int = _key("num-server-rounds", minimum=1)
     fraction_train: float = _key("fraction-train", positive=True, maximum=1.0)
@@ -137,7 +148,8 @@ class RunConfig:
         return config
 
     def _check_relations(self) -> None:
-        for key in ("dataset", "tie-rule", "model", "loss", "optimizer", "item-aggregation", "server-optimizer"):
+        for key in ("dataset", "tie-rule", "model", "loss", "optimizer", "item-aggregation", "server-optimizer",
+                    "adversary", "adversary-trigger"):
             value = getattr(self, key.replace("-", "_"))
             if value not in _CHOICES[key]:
                 raise ConfigError(f"run-config key '{key}' = {value!r}: must be one of {list(_CHOICES[key])}")
@@ -156,6 +168,9 @@ class RunConfig:
             raise ConfigError(f"run-config key 'device' = {self.device!r}: must be cpu, cuda, cuda:N or auto")
         if self.evaluate_validation and not self.holdout_validation:
             raise ConfigError("run-config key 'evaluate-validation' = true needs 'holdout-validation' = true")
+        if self.adversary != "none" and not self.protected_attribute:
+            raise ConfigError(f"run-config key 'adversary' = {self.adversary!r} needs 'protected-attribute' "
+                              "(the user attribute to unlearn, e.g. \"gender\")")
         if not self.client or not self.strategy:
             raise ConfigError("run-config keys 'client' and 'strategy' must name a registered entry or module:Class")
 

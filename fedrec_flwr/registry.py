@@ -19,12 +19,14 @@ CLIENTS: dict[str, str] = {
     "fedrec": "clients.fedrec:FedRecClient",
     "fedrecgel": "clients.fedrecgel:FedRecGELClient",
     "pfedrec": "clients.pfedrec:PFedRecClient",
+    "fedau2": "clients.fedau2:FedAU2Client",
 }
 """Client algorithms (``flwr.client.NumPyClient`` subclasses taking ``(runtime, user, state)``)."""
 
 STRATEGIES: dict[str, str] = {
     "item-fedavg": "strategies.item_fedavg:ItemEmbeddingFedAvg",
     "server-optimizer": "strategies.server_optimizer:ServerOptimizerStrategy",
+    "curious-item-fedavg": "strategies.curious:CuriousItemFedAvg",
 }
 """Server strategies (``flwr.serverapp.strategy.Strategy`` subclasses with a ``from_run_config`` class method)."""
 

@@ -18,7 +18,8 @@ from .config import RunConfig
 from .data import GenericSource, Split, load_split
 from .errors import ConfigError
 from .models import RecModel, build_model
-from .seeding import TAG_MODEL_INIT
+from .attributes import AttributeLabels, encode_attribute
+from .seeding import TAG_MODEL_INIT, torch_generator
 from .training import LocalTrainConfig
 from .wire import ModelLayout
 
@@ -85,12 +86,17 @@ def generic_source(config: RunConfig) -> GenericSource | None:
     )
 
 
-def build_shared_model(config: RunConfig, num_items: int, num_users: int = 1) -> RecModel:
+def build_shared_model(config: RunConfig, num_items: int, num_users: int = 1, num_classes: int = 0) -> RecModel:
     """The configured model with ``num_users`` user rows, shared parameters initialised from the run's seed.
 
-    Every process that calls this with the same config gets bit-identical shared parameters.
+    With ``adversary`` set (FedAU²), an attribute adversary over ``num_classes`` classes is attached as a shared
+    module (:mod:`fedrec_flwr.adversary`), initialised from its own stream so the rest of the model is unchanged.
+    Every process that calls this with the same arguments gets bit-identical shared parameters.
+
+    Raises:
+        ConfigError: ``adversary`` is set but ``num_classes`` < 2, or the model has no user embedding.
     """
-    return build_model(
+    model = build_model(
         config.model,
         num_users=num_users,
         num_items=num_items,
@@ -98,6 +104,33 @@ def build_shared_model(config: RunConfig, num_items: int, num_users: int = 1) ->
         mlp_layers=config.mlp_layer_sizes,
         seed=config.seed * 1000 + TAG_MODEL_INIT,
     )
+    if config.adversary != "none":
+        from .adversary import ADVERSARY_MODULE, build_adversary, user_vector_dim
+
+        if num_classes < 2:
+            raise ConfigError(f"adversary = {config.adversary!r} needs the protected attribute's classes (>= 2), got "
+                              f"{num_classes}")
+        if not model.user_embedding_modules():
+            raise ConfigError(f"adversary = {config.adversary!r} needs a model with user embeddings (mf or ncf), "
+                              f"got model = {config.model!r}")
+        adversary = build_adversary(
+            config.adversary, user_vector_dim(model), num_classes, hidden=config.adversary_hidden,
+            latent=config.dsvae_latent_dim, gradient_noise=config.dsvae_gradient_noise,
+            generator=torch_generator(config.seed, TAG_MODEL_INIT, 1),
+        )
+        model.attach_shared_module(ADVERSARY_MODULE, adversary)
+    return model
+
+
+def protected_labels(config: RunConfig, split: Split) -> AttributeLabels | None:
+    """The split's ``protected-attribute`` as class labels (``None`` when the key is empty).
+
+    Raises:
+        ConfigError: the dataset has no such attribute, or it is unusable (:func:`encode_attribute`).
+    """
+    if not config.protected_attribute:
+        return None
+    return encode_attribute(split.attributes, config.protected_attribute)
 
 
 def local_train_config(config: RunConfig) -> LocalTrainConfig:
@@ -127,6 +160,8 @@ class Runtime:
     :meth:`clients.fedrec.FedRecClient.load_shared`)."""
     dirty_shared: set = field(default_factory=set)
     """Shared keys changed in :attr:`model` since :attr:`loaded_shared` was loaded."""
+    protected: AttributeLabels | None = None
+    """The users' ``protected-attribute`` labels (private data of each client; ``None`` without the key)."""
 
 
 _RUNTIMES: dict[tuple, Runtime] = {}
@@ -139,8 +174,10 @@ def get_runtime(run_config: Mapping[str, Any]) -> Runtime:
     if runtime is None:
         config = RunConfig.from_mapping(run_config)
         split = load_split_for(config)
-        model = build_shared_model(config, split.num_items)
-        runtime = Runtime(config, split, model, ModelLayout.from_model(model), local_train_config(config))
+        protected = protected_labels(config, split)
+        model = build_shared_model(config, split.num_items, num_classes=protected.num_classes if protected else 0)
+        runtime = Runtime(config, split, model, ModelLayout.from_model(model), local_train_config(config),
+                          protected=protected)
         _RUNTIMES[key] = runtime
     return runtime
 

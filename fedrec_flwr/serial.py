@@ -121,7 +121,7 @@ class SerialGrid(Grid):
 
 
 def run_serial(run_config: Mapping[str, Any] | RunConfig, *, client_app: ClientApp | None = None,
-               return_grid: bool = False) -> Path | tuple[Path, SerialGrid]:
+               return_grid: bool = False, on_round=None) -> Path | tuple[Path, SerialGrid]:
     """Run one federated experiment in this process (the ServerApp's :func:`~fedrec_flwr.server_app.main` over a
     :class:`SerialGrid` with as many nodes as ``users-per-node`` implies).
 
@@ -130,6 +130,8 @@ def run_serial(run_config: Mapping[str, Any] | RunConfig, *, client_app: ClientA
         client_app: the ClientApp (default: this package's, built for ``run_config``).
         return_grid: also return the grid, whose node contexts hold every user's private state after the run (for
             simulation-only analyses such as loss landscapes; a deployment never exposes them).
+        on_round: ``callable(server_round, grid)`` run after every round (e.g. an attack on the users' embeddings as
+            training goes; see :func:`fedrec_flwr.server_app.main`).
     Returns:
         The results folder (``results-dir/<run-name>/``), and the grid if ``return_grid``.
     Raises:
@@ -149,7 +151,7 @@ def run_serial(run_config: Mapping[str, Any] | RunConfig, *, client_app: ClientA
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SERVER_NODE_ID, 1
     started = time.perf_counter()
     try:
-        folder = main(grid, context, mapping)
+        folder = main(grid, context, mapping, on_round=on_round)
     finally:
         TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
     log.info("serial run finished in %.1f s (%d messages)", time.perf_counter() - started, grid.messages_delivered)

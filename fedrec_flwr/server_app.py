@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 from datetime import datetime, timezone
@@ -86,10 +86,12 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float):
     facts = [dict(m.content[CONFIG]) | {"node": m.metadata.src_node_id} for m in replies]
     if not facts:
         raise ConfigError("no SuperNode answered the identify query")
-    shapes = {(f["num-users-total"], f["num-items"], f["fingerprint"]) for f in facts}
+    shapes = {(f["num-users-total"], f["num-items"], f["fingerprint"], f.get("num-attribute-classes", 0))
+              for f in facts}
     if len(shapes) != 1:
-        raise ConfigError(f"SuperNodes disagree on the dataset (users, items, fingerprint): {sorted(shapes)}")
-    num_users, num_items, fingerprint = shapes.pop()
+        raise ConfigError(f"SuperNodes disagree on the dataset (users, items, fingerprint, attribute classes): "
+                          f"{sorted(shapes)}")
+    num_users, num_items, fingerprint, num_classes = shapes.pop()
     needed = -(-num_users // config.users_per_node)
     if len(facts) != needed:
         raise ConfigError(
@@ -107,7 +109,8 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float):
     if not covered.all():
         raise ConfigError(f"no SuperNode serves user {int(np.flatnonzero(~covered)[0])}")
     return Topology(user_to_node), int(num_items), {"num-users": int(num_users), "num-items": int(num_items),
-                                                      "split-fingerprint": fingerprint}
+                                                      "split-fingerprint": fingerprint,
+                                                      "num-attribute-classes": int(num_classes)}
 
 
 def default_run_name(config: RunConfig) -> str:
@@ -120,15 +123,20 @@ def default_run_name(config: RunConfig) -> str:
     return f"{config.dataset}-{config.model}-{client}-{strategy}-{stamp}"
 
 
-def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = None) -> Path:
-    """Run one federated experiment (see the module docstring); returns the results folder."""
+def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = None, *,
+         on_round: Callable[[int, Grid], None] | None = None) -> Path:
+    """Run one federated experiment (see the module docstring); returns the results folder.
+
+    ``on_round(server_round, grid)``, if given (in-process callers only, e.g. an experiment's per-round attack on a
+    :class:`~fedrec_flwr.serial.SerialGrid`), is called after every round, once its metrics are recorded.
+    """
     _setup_logging()
     config = RunConfig.from_mapping(context.run_config or run_config or {})
     check_components(config)
     folder = Path(config.results_dir).expanduser().resolve() / default_run_name(config)
     check_results_folder(folder)
     topology, num_items, facts = discover_topology(grid, config, timeout=config.round_timeout)
-    model = build_shared_model(config, num_items)
+    model = build_shared_model(config, num_items, num_classes=facts["num-attribute-classes"])
     layout = ModelLayout.from_model(model)
     initial = ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in model.shared_state().items()})
 
@@ -136,14 +144,18 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     if not hasattr(strategy_cls, "from_run_config"):
         raise ConfigError(f"strategy {config.strategy!r} has no from_run_config(config, layout, topology) class method")
     strategy = strategy_cls.from_run_config(config, layout, topology)
+    if hasattr(strategy, "attach_results"):  # a strategy that writes files of its own (e.g. an attack's log)
+        strategy.attach_results(folder)
 
     recorder = RunRecorder(folder, config.to_dict(), {"dataset": facts, "tie-rule": config.tie_rule})
     log.info("%s: %d users on %d nodes, %d items; results in %s", config.dataset, facts["num-users"],
              len(set(topology.user_to_node.tolist())), num_items, folder)
 
-    def on_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+    def record_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         if server_round > 0:
             recorder.record(server_round, strategy.last_train, strategy.last_evaluate)
+            if on_round is not None:
+                on_round(server_round, grid)
         return None
 
     result = strategy.start(
@@ -153,7 +165,7 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
         timeout=config.round_timeout,
         train_config=ConfigRecord(),
         evaluate_config=ConfigRecord(),
-        evaluate_fn=on_round,
+        evaluate_fn=record_round,
     )
     final = {k: v.numpy() for k, v in result.arrays.items()} if result.arrays is not None else {}
     recorder.finish(final, {"client-failures": {str(k): v for k, v in getattr(strategy, "failures", {}).items()}})

@@ -13,7 +13,6 @@ This is a simulation-only analysis: it reads the users' private embeddings from 
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pandas as pd
 import torch
 
 from fedrec_flwr.data import sample_train_negatives
-from fedrec_flwr.io import atomic_write_bytes, atomic_write_text
+from fedrec_flwr.io import atomic_write_text
 from fedrec_flwr.losses import batch_loss
 from fedrec_flwr.models import build_model
 from fedrec_flwr.runtime import get_runtime
@@ -94,7 +93,8 @@ class LossProbe:
 def run_landscape(dataset: str, seed: int, data_dir: str, results: Path) -> None:
     """Train each of :data:`VARIANTS` (serial runs; a variant whose ``landscape.json`` exists is not retrained),
     then write the landscape tables and PNGs to ``results``."""
-    from experiments.fedrecgel.run import RUNS, run_config, slug
+    from experiments.common import slug
+    from experiments.fedrecgel.run import RUNS, run_config
     from fedrec_flwr.serial import run_serial
 
     torch.set_num_threads(1)
@@ -140,7 +140,7 @@ def run_landscape(dataset: str, seed: int, data_dir: str, results: Path) -> None
         grids[name], radii_rows = surface, radii_rows + rows
     table = pd.DataFrame(radii_rows)
     atomic_write_text(results / f"landscape-{dataset}.csv", table.to_csv(index=False))
-    from experiments.fedrecgel.report import markdown
+    from experiments.common import markdown
 
     atomic_write_text(results / f"landscape-{dataset}.md",
                       f"# Loss increase along random filter-normalised directions ({dataset}, {NUM_DIRECTIONS} "
@@ -173,7 +173,7 @@ def _plots(dataset: str, grids: dict[str, np.ndarray], results: Path) -> None:
         axis.set_ylabel("beta (direction 2)")
     fig.suptitle(f"{dataset}: training-loss increase around the converged shared parameters "
                  "(filter-normalised directions; same levels in every panel)")
-    _save(fig, results / f"landscape-{dataset}-contour.png")
+    save_figure(fig, results / f"landscape-{dataset}-contour.png")
     cap = 1.0
     fig = plt.figure(figsize=(5.0 * len(grids), 4.4))
     a, b = np.meshgrid(GRID, GRID)
@@ -186,14 +186,4 @@ def _plots(dataset: str, grids: dict[str, np.ndarray], results: Path) -> None:
         axis.set_ylabel("beta")
         axis.set_zlabel("loss increase")
     fig.suptitle(f"{dataset}: loss-increase surface (clipped at {cap:g})")
-    _save(fig, results / f"landscape-{dataset}-surface.png")
-
-
-def _save(fig, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buffer.getvalue())
+    save_figure(fig, results / f"landscape-{dataset}-surface.png")

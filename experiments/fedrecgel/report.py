@@ -7,15 +7,15 @@ Writes to ``experiments/fedrecgel/results/``: ``main.csv`` / ``main.md`` (Table 
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from experiments.common import fmt, markdown, mean_std, pyplot, save_figure, slug, write_csv
 from experiments.fedrecgel.methods import ABLATIONS, DATASETS, METHODS, RHO_GRID
-from fedrec_flwr.io import atomic_write_bytes, atomic_write_text
+from fedrec_flwr.io import atomic_write_text
 
 METRICS = ("HR@5", "NDCG@5", "HR@10", "NDCG@10", "HR@20", "NDCG@20")
 DATASET_COLUMNS = ["dataset", "users", "items", "interactions", "per user", "density", "users/items", "popularity HR@10"]
@@ -37,33 +37,6 @@ def load_runs(folder: Path) -> pd.DataFrame:
         row["sel-round"] = selected.get("round")
         rows.append(row)
     return pd.DataFrame(rows)
-
-
-def mean_std(frame: pd.DataFrame, keys: list[str], columns) -> pd.DataFrame:
-    """Mean, standard deviation (ddof=1) and count over seeds."""
-    grouped = frame.groupby(keys, sort=False)
-    out = grouped[list(columns)].agg(["mean", "std"])
-    out.columns = [f"{c}-{s}" for c, s in out.columns]
-    out["seeds"] = grouped.size()
-    return out.reset_index()
-
-
-def fmt(mean: float, std: float) -> str:
-    if mean is None or np.isnan(mean):
-        return "-"
-    return f"{mean:.4f} ± {std:.4f}" if std == std else f"{mean:.4f}"
-
-
-def markdown(frame: pd.DataFrame) -> str:
-    """A GitHub Markdown table (no extra dependency)."""
-    cols = list(frame.columns)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in frame.itertuples(index=False)]
-    return "\n".join(lines) + "\n"
-
-
-def write_csv(frame: pd.DataFrame, path: Path) -> None:
-    atomic_write_text(path, frame.to_csv(index=False, float_format="%.5f"))
 
 
 def dataset_stats(data_dir: str) -> pd.DataFrame:
@@ -156,7 +129,7 @@ def ablation_table(results: Path) -> None:
     runs = load_runs(results / "runs" / "ablation")
     if runs.empty:
         return
-    names = {_slug(v): v for v in ABLATIONS}
+    names = {slug(v): v for v in ABLATIONS}
     runs["variant"] = runs["run"].map(names).fillna(runs["run"])
     main = load_runs(results / "runs" / "main")  # the full FedRecGEL variant is the main table's run
     if not main.empty:
@@ -175,12 +148,6 @@ def ablation_table(results: Path) -> None:
                       + markdown(table))
 
 
-def _slug(text: str) -> str:
-    from experiments.fedrecgel.run import slug
-
-    return slug(text)
-
-
 def sensitivity(results: Path) -> None:
     runs = load_runs(results / "runs" / "sensitivity")
     if runs.empty:
@@ -193,7 +160,7 @@ def sensitivity(results: Path) -> None:
     summary = mean_std(runs, ["dataset", "parameter", "rho"], ["HR@10", "NDCG@10", "sel-HR@10", "sel-NDCG@10"])
     summary = summary.sort_values(["dataset", "parameter", "rho"])
     write_csv(summary, results / "sensitivity.csv")
-    plt = _pyplot()
+    plt = pyplot()
     for dataset, part in summary.groupby("dataset"):
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
         for axis, metric in zip(axes, ("HR@10", "NDCG@10")):
@@ -208,11 +175,11 @@ def sensitivity(results: Path) -> None:
             axis.grid(alpha=0.3)
             axis.legend()
         fig.suptitle(f"FedRecGEL sensitivity to rho on {dataset}")
-        _save(fig, results / f"sensitivity-{dataset}.png")
+        save_figure(fig, results / f"sensitivity-{dataset}.png")
 
 
 def learning_curves(results: Path, stats: pd.DataFrame | None = None) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     base = results / "runs" / "main"
     for dataset_dir in sorted(p for p in base.glob("*") if p.is_dir()):
         fig, axis = plt.subplots(figsize=(6.5, 4))
@@ -232,7 +199,7 @@ def learning_curves(results: Path, stats: pd.DataFrame | None = None) -> None:
             axis.fill_between(mean.index, mean - std, mean + std, alpha=0.2)
             plotted += 1
         if not plotted:
-            _pyplot().close(fig)
+            pyplot().close(fig)
             continue
         if stats is not None and dataset_dir.name in set(stats["dataset"]):
             floor = float(stats.set_index("dataset").loc[dataset_dir.name, "popularity HR@10"])
@@ -242,24 +209,7 @@ def learning_curves(results: Path, stats: pd.DataFrame | None = None) -> None:
         axis.set_title(f"{dataset_dir.name}: HR@10 per round, mean ± std over seeds")
         axis.grid(alpha=0.3)
         axis.legend()
-        _save(fig, results / f"curves-{dataset_dir.name}.png")
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> None:
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    _pyplot().close(fig)
-    atomic_write_bytes(path, buffer.getvalue())
+        save_figure(fig, results / f"curves-{dataset_dir.name}.png")
 
 
 def write_all(results: Path, data_dir: str) -> None:

@@ -16,25 +16,16 @@ to use several cores: each run is claimed by one worker (a ``.running`` marker),
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
 import sys
-import time
 from pathlib import Path
 
-import torch
-
+from experiments.common import claimed, quiet_flower, run_jobs, slug
 from experiments.fedrecgel.methods import ABLATIONS, DATASETS, METHODS, PROTOCOL, RHO_GRID, SENSITIVITY_BASE
 from fedrec_flwr.config import make_run_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = RESULTS / "runs"
-
-
-def slug(text: str) -> str:
-    """A file-name-safe form of a method or variant name."""
-    return "".join(c if c.isalnum() else "-" for c in text).strip("-").lower().replace("--", "-")
 
 
 def run_config(dataset: str, method: str, seed: int, data_dir: str, folder: Path, name: str, **extra):
@@ -46,32 +37,14 @@ def run_config(dataset: str, method: str, seed: int, data_dir: str, folder: Path
     return make_run_config(**overrides)
 
 
-CLAIM = ".running"
-"""Marker a worker creates (atomically) in a run's folder while it runs it, so that several workers started with the
-same command share the jobs. A worker killed mid-run leaves it behind: delete such markers before restarting."""
-
-
 def run_job(config) -> Path:
     """Run one job unless its results exist or another worker has claimed it; returns its results folder."""
     from fedrec_flwr.serial import run_serial
 
     folder = Path(config.results_dir) / config.run_name
-    if (folder / "summary.json").is_file():
-        print(f"skip (done): {folder.relative_to(RESULTS)}", flush=True)
-        return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        os.close(os.open(folder / CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        print(f"skip (another worker runs it): {folder.relative_to(RESULTS)}", flush=True)
-        return folder
-    try:
-        started = time.time()
-        print(f"run: {folder.relative_to(RESULTS)}", flush=True)
-        run_serial(config)
-        print(f"done in {time.time() - started:.0f} s: {folder.relative_to(RESULTS)}", flush=True)
-    finally:
-        (folder / CLAIM).unlink(missing_ok=True)
+    with claimed(folder, RESULTS) as mine:
+        if mine:
+            run_serial(config)
     return folder
 
 
@@ -124,9 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.datasets is None:
         args.datasets = list(DATASETS) if args.command in ("main", "report") else ["ml-100k"]
-    torch.set_num_threads(1)
-    logging.getLogger("flwr").setLevel(logging.WARNING)
-    os.environ.setdefault("FLWR_LOG_LEVEL", "WARNING")
+    quiet_flower()
     if args.command == "report":
         from experiments.fedrecgel.report import write_all
 
@@ -139,20 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             run_landscape(dataset, args.seeds[0], args.data_dir, RESULTS)
         return
     jobs = {"main": jobs_main, "ablation": jobs_ablation, "sensitivity": jobs_sensitivity}[args.command](args)
-    index, count = (int(x) for x in args.shard.split("/"))
-    mine = jobs[index::count]
-    print(f"{args.command}: {len(mine)} of {len(jobs)} jobs in this shard", flush=True)
-    failed = []
-    for number, config in enumerate(mine, 1):
-        print(f"[{number}/{len(mine)}]", end=" ", flush=True)
-        try:
-            run_job(config)
-        except Exception as exc:  # noqa: BLE001 - report, go on with the other jobs
-            print(f"FAILED {config.run_name}: {type(exc).__name__}: {exc}", flush=True)
-            failed.append(config.run_name)
-    if failed:
-        raise SystemExit(f"{len(failed)} job(s) failed: {failed}")
-
+    run_jobs(jobs, run_job, args.shard, args.command)
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -101,6 +101,21 @@ class RecModel(nn.Module):
         """The private modules that are user embedding tables (``(num_users, d)``)."""
         return {name: m for name, m in self.private_modules().items() if isinstance(m, nn.Embedding)}
 
+    def attach_shared_module(self, name: str, module: nn.Module) -> None:
+        """Add ``module`` as one more shared (aggregated, non-item-table) module, e.g. FedAU²'s attribute adversary.
+
+        Its parameters then appear in :meth:`shared_state` under ``"<name>.<param>"`` after the model's own, travel
+        to and from the server like the score function, and are stepped by local optimizers; ``forward`` ignores it.
+
+        Raises:
+            ValueError: ``name`` is already an attribute of the model.
+        """
+        if hasattr(self, name):
+            raise ValueError(f"{type(self).__name__}: cannot attach {name!r}: the name is taken")
+        self.add_module(name, module)
+        self._shared_names = (*self._shared_names, name)
+        self._check_partition()
+
     def _check_partition(self) -> None:
         """Raise ``TypeError`` unless private and shared modules partition all parameters of the model."""
         declared: dict[int, str] = {}

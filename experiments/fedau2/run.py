@@ -1,0 +1,171 @@
+"""Reproduce the FedAU² experiments on MovieLens-100K: one command per table (see ``experiments/fedau2/README.md``).
+
+    python -m experiments.fedau2.run main                     # arms x {FedMF, FedNCF} x seeds, gender
+    python -m experiments.fedau2.run main --attributes age    # the adversarial arms against age
+    python -m experiments.fedau2.run tradeoff                 # FedAU2 on FedMF / gender across eps
+    python -m experiments.fedau2.run report                   # tables and plots from the finished runs
+
+Every run goes through the package's ServerApp, the honest-but-curious strategy and the ClientApp
+(:func:`fedrec_flwr.serial.run_serial`). After the run, the attacks are applied (:mod:`fedrec_flwr.attacks`):
+
+* attribute inference on the users' final embeddings, read from the simulated nodes' private state (evaluation
+  only), for every protected attribute, with logistic regression and an MLP over 5 random halves;
+* every 10 rounds, the same attack (logistic regression, 3 halves) on the run's protected attribute: the training
+  stability curve;
+* the server's label-leakage log (``label-leakage.csv``, iDLG / DLG per upload) scored against the true attributes.
+
+Each run writes ``attack.json`` and ``stability.csv`` next to its metrics; a run with ``attack.json`` is skipped, so
+an interrupted command resumes. Start the same command in several processes to use several cores (jobs are claimed),
+or split them with ``--shard i/n``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from experiments.common import claimed, quiet_flower, run_jobs, slug
+from experiments.fedau2.methods import ARMS, ATTRIBUTES, AUDIT_SEED, EPSILONS, MODELS, PROTOCOL, uses_attribute
+from fedrec_flwr.attacks import attribute_inference, collect_user_embeddings
+from fedrec_flwr.attributes import encode_attribute
+from fedrec_flwr.config import make_run_config
+from fedrec_flwr.io import atomic_write_json, atomic_write_text
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RUNS = RESULTS / "runs"
+STABILITY_EVERY = 10
+
+
+def run_config(model: str, arm: str, attribute: str, seed: int, data_dir: str, folder: Path, name: str, **extra):
+    """The validated run config of one job (``attribute`` is the protected one; ignored by arms without adversary)."""
+    overrides = {**PROTOCOL, **MODELS[model], **ARMS[arm], **extra, "seed": seed,
+                 "users-per-node": 1 if seed == AUDIT_SEED else 100, "results-dir": str(folder), "run-name": name}
+    if uses_attribute(arm):
+        overrides["protected-attribute"] = attribute
+    if data_dir:
+        overrides["data-dir"] = str(Path(data_dir) / PROTOCOL["dataset"])
+    return make_run_config(**overrides)
+
+
+def leakage_rates(folder: Path, labels: np.ndarray, num_classes: int) -> dict[str, float]:
+    """iDLG / DLG label recovery rates of the run's server log against the true labels, with the chance rates."""
+    path = folder / "label-leakage.csv"
+    if not path.is_file():
+        return {}
+    log = pd.read_csv(path)
+    log = log[log["user"] >= 0]
+    if log.empty:
+        return {}
+    truth = labels[log["user"].to_numpy()]
+    dlg = log["dlg-label"].to_numpy() >= 0
+    prior = np.bincount(labels, minlength=num_classes) / len(labels)
+    return {
+        "idlg-recovery": float((log["idlg-label"].to_numpy() == truth).mean()), "idlg-attacks": int(len(log)),
+        "dlg-recovery": float((log["dlg-label"].to_numpy()[dlg] == truth[dlg]).mean()) if dlg.any() else float("nan"),
+        "dlg-attacks": int(dlg.sum()), "chance-uniform": 1.0 / num_classes, "chance-majority": float(prior.max()),
+    }
+
+
+def run_job(job) -> Path:
+    """Train one arm, then attack it (module docstring); returns its folder."""
+    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.serial import run_serial
+
+    config, attribute = job
+    folder = Path(config.results_dir) / config.run_name
+    with claimed(folder, RESULTS, done_file="attack.json") as mine:
+        if not mine:
+            return folder
+        runtime = get_runtime(config.to_dict())
+        split = runtime.split
+        encoded = {name: encode_attribute(split.attributes, name) for name in ATTRIBUTES}
+        tracked = encoded[attribute].labels
+        stability = []
+
+        def embeddings(grid):
+            states = [context.state for context in grid.contexts.values()]
+            return collect_user_embeddings(states, runtime.layout.private_keys, split.num_users)
+
+        def on_round(server_round: int, grid) -> None:
+            if server_round % STABILITY_EVERY:
+                return
+            x, present = embeddings(grid)
+            result = attribute_inference(x[present], tracked[present], splits=3, seed=server_round)
+            stability.append({"round": server_round, "attribute": attribute, "users": int(present.sum()),
+                              "auc": result.auc[0], "balanced-accuracy": result.balanced_accuracy[0]})
+
+        _, grid = run_serial(config, return_grid=True, on_round=on_round)
+        x, present = embeddings(grid)
+        attacks = {}
+        for name, labels in encoded.items():
+            for classifier in ("logreg", "mlp"):
+                result = attribute_inference(x[present], labels.labels[present], classifier=classifier, splits=5,
+                                             seed=config.seed)
+                attacks[f"{name}/{classifier}"] = result.as_row()
+        out = {"attribute": attribute, "users-attacked": int(present.sum()), "attribute-inference": attacks,
+               "label-leakage": leakage_rates(folder, encoded[attribute].labels, encoded[attribute].num_classes),
+               "classes": {name: list(e.classes) for name, e in encoded.items()},
+               "class-counts": {name: e.class_counts().tolist() for name, e in encoded.items()}}
+        atomic_write_text(folder / "stability.csv", pd.DataFrame(stability).to_csv(index=False, float_format="%.5f"))
+        atomic_write_json(folder / "attack.json", out)
+    return folder
+
+
+def jobs_main(args) -> list:
+    jobs = []
+    for seed in args.seeds:
+        for model in args.models:
+            for arm in args.arms:
+                if not uses_attribute(arm):
+                    if "gender" in args.attributes:  # attacked on every attribute; tracked on gender
+                        jobs.append((run_config(model, arm, "gender", seed, args.data_dir, RUNS / "main" / model,
+                                                f"{slug(arm)}-seed{seed}"), "gender"))
+                    continue
+                for attribute in args.attributes:
+                    jobs.append((run_config(model, arm, attribute, seed, args.data_dir, RUNS / "main" / model,
+                                            f"{slug(arm)}-{attribute}-seed{seed}"), attribute))
+    return jobs
+
+
+def jobs_tradeoff(args) -> list:
+    jobs = []
+    for seed in args.seeds:
+        for eps in EPSILONS:
+            if eps == 1.0:
+                continue  # the main table's FedAU2 run
+            config = run_config("FedMF", "FedAU2", "gender", seed, args.data_dir, RUNS / "tradeoff" / "FedMF",
+                                f"fedau2-gender-eps{eps:g}-seed{seed}", **{"adversary-epsilon": eps})
+            jobs.append((config, "gender"))
+    return jobs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("main", "tradeoff", "report"))
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--attributes", nargs="+", default=["gender"], choices=list(ATTRIBUTES))
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="default: 0 1 2 (main), 0 (tradeoff)")
+    parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""),
+                        help="folder holding ml-100k/ (default $FEDREC_DATA_DIR; empty = download)")
+    parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job starting at i")
+    args = parser.parse_args(argv)
+    if args.seeds is None:
+        args.seeds = [0, 1, 2] if args.command == "main" else [0]
+    quiet_flower()
+    if args.command == "report":
+        from experiments.fedau2.report import write_all
+
+        write_all(RESULTS)
+        return
+    jobs = {"main": jobs_main, "tradeoff": jobs_tradeoff}[args.command](args)
+    run_jobs(jobs, run_job, args.shard, args.command)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

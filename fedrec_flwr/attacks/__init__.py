@@ -1,0 +1,12 @@
+"""Attacks that measure what a trained federated recommender reveals (pure functions; reusable on any run).
+
+* :mod:`.attribute_inference`: an attacker who knows some users' attribute predicts the others' from their user
+  embeddings (scikit-learn classifiers; AUC, balanced accuracy, macro-F1).
+* :mod:`.label_leakage`: an honest-but-curious server recovers a client's private label from its uploaded adversary
+  update (iDLG, analytic; DLG, gradient matching).
+"""
+
+from .attribute_inference import AttributeAttackResult, attribute_inference, collect_user_embeddings
+from .label_leakage import dlg_label, idlg_label
+
+__all__ = ["AttributeAttackResult", "attribute_inference", "collect_user_embeddings", "dlg_label", "idlg_label"]

@@ -1,0 +1,158 @@
+"""Attribute inference from user embeddings (the attack FedAU² defends against).
+
+Protocol (FedAU², arXiv:2511.22872, Sec. 5.1, "attribute inference attack"; details ours): after training, an attacker
+who knows the protected attribute of a random half of the users (stratified) fits a classifier on their user
+embeddings and predicts the other half. Repeated over ``splits`` random halves; the mean and standard deviation of
+each metric are reported. Classifiers and metrics are scikit-learn's:
+
+* ``"logreg"``: standardised features + ``LogisticRegression`` (multinomial for > 2 classes);
+* ``"mlp"``: standardised features + ``MLPClassifier`` (one hidden layer of 100, early stopping).
+
+Metrics: ROC AUC (binary: of the positive class; > 2 classes: one-vs-rest, macro-averaged), balanced accuracy and
+macro-F1. An attacker that knows nothing scores AUC 0.5 and balanced accuracy ``1 / C``.
+
+The embeddings come from :func:`collect_user_embeddings`, which reads the simulated nodes' private state after the run:
+an evaluation-only path that no message of the training protocol takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import ArrayRecord
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import balanced_accuracy_score, f1_score, roc_auc_score
+from sklearn.model_selection import StratifiedShuffleSplit
+from sklearn.neural_network import MLPClassifier
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+
+from ..errors import DataError
+
+CLASSIFIERS = ("logreg", "mlp")
+
+
+@dataclass(frozen=True)
+class AttributeAttackResult:
+    """Mean and standard deviation over the random splits of each metric.
+
+    Attributes:
+        classifier: ``"logreg"`` or ``"mlp"``. splits: how many random halves.
+        auc / balanced_accuracy / macro_f1: ``(mean, std)``.
+        per_split: metric name -> ``(splits,)`` values.
+    """
+
+    classifier: str
+    splits: int
+    auc: tuple[float, float]
+    balanced_accuracy: tuple[float, float]
+    macro_f1: tuple[float, float]
+    per_split: Mapping[str, np.ndarray]
+
+    def as_row(self, prefix: str = "") -> dict[str, float]:
+        """Flat ``{"<prefix>auc": mean, "<prefix>auc-std": std, ...}``."""
+        out = {}
+        for name, (mean, std) in (("auc", self.auc), ("balanced-accuracy", self.balanced_accuracy),
+                                  ("macro-f1", self.macro_f1)):
+            out[f"{prefix}{name}"], out[f"{prefix}{name}-std"] = mean, std
+        return out
+
+
+def _classifier(name: str, seed: int):
+    if name == "logreg":
+        return make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000))
+    if name == "mlp":
+        return make_pipeline(StandardScaler(), MLPClassifier(hidden_layer_sizes=(100,), max_iter=500,
+                                                             early_stopping=True, random_state=seed))
+    raise ValueError(f"unknown attack classifier {name!r}; use one of {CLASSIFIERS}")
+
+
+def attribute_inference(embeddings: np.ndarray, labels: np.ndarray, *, classifier: str = "logreg", splits: int = 5,
+                        train_fraction: float = 0.5, seed: int = 0,
+                        test_labels: np.ndarray | None = None) -> AttributeAttackResult:
+    """Train an attribute classifier on a random half of the users and score it on the other half.
+
+    Args:
+        embeddings: ``(U, D)`` float user embeddings (rows of users the attacker targets).
+        labels: ``(U,)`` int class labels in ``[0, C)``.
+        classifier: ``"logreg"`` or ``"mlp"``.
+        splits: number of random stratified splits (>= 1).
+        train_fraction: share of users whose attribute the attacker knows.
+        seed: fixes the splits and the MLP's initialisation.
+        test_labels: ``(U,)`` labels the held-out half is scored against (default ``labels``); for sanity checks,
+            e.g. scoring against swapped classes gives ``1 - AUC``.
+
+    Returns:
+        :class:`AttributeAttackResult`.
+
+    Raises:
+        DataError: shapes disagree, the embeddings hold NaN/Inf, or fewer than 2 classes (or a class with < 2 users).
+        ValueError: unknown classifier.
+    """
+    x = np.asarray(embeddings, dtype=np.float64)
+    y = np.asarray(labels)
+    if x.ndim != 2 or y.ndim != 1 or len(x) != len(y):
+        raise DataError(f"attribute_inference: embeddings {x.shape} and labels {y.shape} do not match")
+    if not np.isfinite(x).all():
+        raise DataError("attribute_inference: embeddings contain NaN or Inf")
+    y_test = y if test_labels is None else np.asarray(test_labels)
+    if y_test.shape != y.shape:
+        raise DataError(f"attribute_inference: test_labels {y_test.shape} and labels {y.shape} do not match")
+    classes, counts = np.unique(y, return_counts=True)
+    if len(classes) < 2 or counts.min() < 2:
+        raise DataError(f"attribute_inference: need >= 2 classes with >= 2 users each, got counts {counts.tolist()}")
+    splitter = StratifiedShuffleSplit(n_splits=splits, train_size=train_fraction, random_state=seed)
+    scores: dict[str, list[float]] = {"auc": [], "balanced-accuracy": [], "macro-f1": []}
+    for index, (train, test) in enumerate(splitter.split(x, y)):
+        model = _classifier(classifier, seed + index).fit(x[train], y[train])
+        proba = model.predict_proba(x[test])
+        predicted = model.classes_[proba.argmax(axis=1)]
+        truth = y_test[test]
+        if len(classes) == 2:
+            auc = roc_auc_score(truth, proba[:, 1])
+        else:
+            auc = roc_auc_score(truth, proba, multi_class="ovr", average="macro", labels=model.classes_)
+        scores["auc"].append(float(auc))
+        scores["balanced-accuracy"].append(float(balanced_accuracy_score(truth, predicted)))
+        scores["macro-f1"].append(float(f1_score(truth, predicted, average="macro")))
+    summary = {k: (float(np.mean(v)), float(np.std(v))) for k, v in scores.items()}
+    return AttributeAttackResult(classifier, splits, summary["auc"], summary["balanced-accuracy"],
+                                 summary["macro-f1"], {k: np.asarray(v) for k, v in scores.items()})
+
+
+def collect_user_embeddings(states: Iterable, private_keys: Iterable[str], num_users: int,
+                            prefix: str = "user:") -> tuple[np.ndarray, np.ndarray]:
+    """Read every user's private embedding from nodes' ``context.state`` (evaluation only: simulation, after a run).
+
+    Args:
+        states: the nodes' state ``RecordDict`` objects (e.g. ``[c.state for c in grid.contexts.values()]`` of a
+            :class:`fedrec_flwr.serial.SerialGrid`).
+        private_keys: the model's private keys in order (``ModelLayout.private_keys``); their row 0 is concatenated,
+            the layout :func:`fedrec_flwr.adversary.user_vector` gives the adversary.
+        num_users: ``U``.
+        prefix: the state key prefix of a user's record (:data:`clients.fedrec.STATE_PREFIX`).
+
+    Returns:
+        ``(embeddings (U, D) float32, present (U,) bool)``: rows of users that never trained (no record) are zero and
+        ``present`` is False for them.
+    """
+    keys = list(private_keys)
+    rows: dict[int, np.ndarray] = {}
+    for state in states:
+        for name in state.keys():
+            if not name.startswith(prefix):
+                continue
+            record = state[name]
+            if not isinstance(record, ArrayRecord):
+                continue
+            rows[int(name[len(prefix):])] = np.concatenate([record[k].numpy().reshape(-1) for k in keys])
+    if not rows:
+        return np.zeros((num_users, 0), dtype=np.float32), np.zeros(num_users, dtype=bool)
+    dim = len(next(iter(rows.values())))
+    out = np.zeros((num_users, dim), dtype=np.float32)
+    present = np.zeros(num_users, dtype=bool)
+    for user, row in rows.items():
+        out[user], present[user] = row, True
+    return out, present

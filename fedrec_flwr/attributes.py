@@ -1,0 +1,86 @@
+"""Protected user attributes as class labels (pure NumPy; no Flower).
+
+A split's raw attributes (:attr:`fedrec_flwr.data.Split.attributes`: MovieLens-100K's ``gender`` and ``age``, or the
+columns of a generic attributes file) become integer class labels here, once, for the adversary of attribute
+unlearning (:mod:`fedrec_flwr.adversary`) and for the attacks that measure it (:mod:`fedrec_flwr.attacks`).
+
+* A numeric column named ``age`` is bucketed with MovieLens-1M's official age groups (``AGE_BUCKETS``: under 18,
+  18-24, 25-34, 35-44, 45-49, 50-55, 56+), the grouping attribute-unlearning papers use for MovieLens ages.
+* Any other column is categorical: its distinct values, sorted, are the classes (at most ``MAX_CLASSES``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ConfigError
+
+AGE_BUCKETS: tuple[tuple[str, float, float], ...] = (
+    ("<18", -np.inf, 18), ("18-24", 18, 25), ("25-34", 25, 35), ("35-44", 35, 45), ("45-49", 45, 50),
+    ("50-55", 50, 56), ("56+", 56, np.inf),
+)
+"""MovieLens-1M's age groups: ``(name, lower bound inclusive, upper bound exclusive)`` in years."""
+
+MAX_CLASSES = 32
+"""A categorical attribute with more distinct values than this is refused (bucket it first)."""
+
+
+@dataclass(frozen=True)
+class AttributeLabels:
+    """One protected attribute as class labels.
+
+    Attributes:
+        name: the attribute (``"gender"``, ``"age"``, ...).
+        labels: ``(num_users,)`` int64 in ``[0, len(classes))``, indexed like the split's users.
+        classes: class names, e.g. ``("F", "M")`` or the age groups that occur.
+    """
+
+    name: str
+    labels: np.ndarray
+    classes: tuple[str, ...]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def class_counts(self) -> np.ndarray:
+        """``(num_classes,)`` users per class."""
+        return np.bincount(self.labels, minlength=self.num_classes)
+
+
+def encode_attribute(attributes: dict[str, np.ndarray], name: str) -> AttributeLabels:
+    """Turn one raw attribute column into class labels (see the module docstring).
+
+    Args:
+        attributes: the split's attributes, name -> ``(num_users,)`` array.
+        name: the attribute to encode (run-config key ``protected-attribute``).
+
+    Raises:
+        ConfigError: the split has no such attribute (the message lists the ones it has), the attribute has fewer
+            than 2 classes, or more than ``MAX_CLASSES``.
+    """
+    if name not in attributes:
+        have = sorted(attributes) or "none"
+        raise ConfigError(f"run-config key 'protected-attribute' = {name!r}: the dataset's user attributes are {have}")
+    values = np.asarray(attributes[name])
+    if name == "age" and values.dtype.kind in "iuf":
+        bucket = np.full(values.shape, -1, dtype=np.int64)
+        for index, (_, low, high) in enumerate(AGE_BUCKETS):
+            bucket[(values >= low) & (values < high)] = index
+        present = np.unique(bucket)
+        labels = np.searchsorted(present, bucket).astype(np.int64)
+        classes = tuple(AGE_BUCKETS[i][0] for i in present)
+    else:
+        text = values.astype(str)
+        names, labels = np.unique(text, return_inverse=True)
+        classes = tuple(str(v) for v in names)
+        labels = labels.astype(np.int64)
+    if len(classes) < 2:
+        raise ConfigError(f"run-config key 'protected-attribute' = {name!r}: every user has the same value "
+                          f"{classes[0]!r}; nothing to protect")
+    if len(classes) > MAX_CLASSES:
+        raise ConfigError(f"run-config key 'protected-attribute' = {name!r} has {len(classes)} distinct values "
+                          f"(at most {MAX_CLASSES}); bucket it in the attributes file first")
+    return AttributeLabels(name, labels, classes)

@@ -1,0 +1,128 @@
+"""An honest-but-curious server: item-embedding FedAvg that also runs label-leakage attacks on every upload.
+
+It aggregates exactly as :class:`strategies.item_fedavg.ItemEmbeddingFedAvg` (the model is unchanged), and before
+aggregating a round it attacks each single-user reply's attribute-adversary update (FedAU², :mod:`fedrec_flwr.
+adversary`) with iDLG on every reply and DLG on up to :attr:`LabelLeakageAudit.dlg_per_round` replies of every
+``eval-every``-th round (:mod:`fedrec_flwr.attacks.label_leakage`). The recovered labels are written, per round, node
+and user, to ``label-leakage.csv`` in the run's results folder; the experiment scores them against the true
+attributes, which the server never has. Replies of nodes serving several users carry the node's mean update and are
+not attacked (use ``users-per-node = 1`` to audit every user).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Message, MetricRecord
+
+from fedrec_flwr.adversary import ADVERSARY_MODULE, build_adversary
+from fedrec_flwr.attacks.label_leakage import dlg_label, idlg_label
+from fedrec_flwr.config import RunConfig
+from fedrec_flwr.io import atomic_write_text
+from fedrec_flwr.wire import ARRAYS, METRICS
+
+from .item_fedavg import ItemEmbeddingFedAvg
+
+log = logging.getLogger(__name__)
+
+LEAKAGE_FILE = "label-leakage.csv"
+LEAKAGE_COLUMNS = ("round", "node", "user", "idlg-label", "dlg-label")
+
+
+class LabelLeakageAudit:
+    """Strategy mixin: attack each single-user reply's adversary update before aggregating (module docstring).
+
+    Attributes:
+        dlg_per_round: DLG runs per audited round (DLG costs ~0.1 s per reply; iDLG is free).
+        dlg_iterations: Adam steps of each DLG run.
+        leakage_records: one dict per attacked reply (also written to ``label-leakage.csv``).
+    """
+
+    dlg_per_round = 20
+    dlg_iterations = 100
+
+    def setup_audit(self, config: RunConfig) -> None:
+        self._audit_config = config
+        self._audit_folder: Path | None = None
+        self._adversary = None
+        self.leakage_records: list[dict] = []
+
+    def attach_results(self, folder: Path) -> None:
+        """Called by the ServerApp with the run's results folder."""
+        self._audit_folder = Path(folder)
+
+    def _adversary_template(self, sent: ArrayRecord):
+        if self._adversary is None:
+            cfg = self._audit_config
+            shapes = self.layout.shared_shapes
+            self._adversary = build_adversary(
+                cfg.adversary, shapes[f"{ADVERSARY_MODULE}.hidden.weight"][1],
+                shapes[f"{ADVERSARY_MODULE}.head.bias"][0], hidden=cfg.adversary_hidden, latent=cfg.dsvae_latent_dim,
+                gradient_noise=0.0, generator=torch.Generator().manual_seed(0))
+        prefix = ADVERSARY_MODULE + "."
+        with torch.no_grad():
+            for name, param in self._adversary.named_parameters():
+                param.copy_(torch.as_tensor(sent[prefix + name].numpy()))
+        return self._adversary
+
+    def audit(self, server_round: int, replies: list[Message]) -> None:
+        """Attack every single-user reply (see the class docstring)."""
+        sent = self._current
+        bias_key = f"{ADVERSARY_MODULE}.head.bias"
+        if sent is None or bias_key not in sent:
+            return
+        run_dlg = server_round % self.eval_every == 0 or server_round == self.num_rounds
+        dlg_done = 0
+        prefix = ADVERSARY_MODULE + "."
+        for message in replies:
+            if message.has_error() or ARRAYS not in message.content.array_records:
+                continue
+            arrays = message.content[ARRAYS]
+            if bias_key not in arrays or float(message.content[METRICS].get("num-users", 0)) != 1:
+                continue
+            node = int(message.metadata.src_node_id)
+            trained = self._sampled_nodes.get(node, [])
+            user = int(trained[0]) if len(trained) == 1 else -1
+            update = {k[len(prefix):]: sent[k].numpy() - arrays[k].numpy() for k in arrays.keys()
+                      if k.startswith(prefix)}
+            if not all(np.isfinite(v).all() for v in update.values()):
+                continue
+            record = {"round": server_round, "node": node, "user": user,
+                      "idlg-label": idlg_label(update["head.bias"]), "dlg-label": -1}
+            if run_dlg and dlg_done < self.dlg_per_round:
+                record["dlg-label"] = dlg_label(self._adversary_template(sent), update,
+                                                iterations=self.dlg_iterations, seed=server_round * 100003 + node % 100003)
+                dlg_done += 1
+            self.leakage_records.append(record)
+        self._write_records()
+
+    def _write_records(self) -> None:
+        if self._audit_folder is None:
+            return
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=LEAKAGE_COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(self.leakage_records)
+        atomic_write_text(self._audit_folder / LEAKAGE_FILE, buffer.getvalue())
+
+
+class CuriousItemFedAvg(LabelLeakageAudit, ItemEmbeddingFedAvg):
+    """:class:`~strategies.item_fedavg.ItemEmbeddingFedAvg` run by an honest-but-curious server (module docstring)."""
+
+    @classmethod
+    def from_run_config(cls, config: RunConfig, layout, topology=None):
+        strategy = super().from_run_config(config, layout, topology)
+        strategy.setup_audit(config)
+        return strategy
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        self.audit(server_round, replies)
+        return super().aggregate_train(server_round, replies)
