@@ -1,14 +1,18 @@
-"""FedAU²'s client: adversarial attribute unlearning on one user's embedding, and the DP-noise baseline.
+"""FedAU²'s clients: adversarial attribute unlearning on one user's embedding, and the DP-noise baseline.
 
 Source: Li et al., "FedAU²: Attribute Unlearning for User-Level Federated Recommender Systems with Adaptive and
-Robust Adversarial Training" (arXiv:2511.22872); the local step is :class:`fedrec_flwr.adversary.AdversarialTrainer`.
+Robust Adversarial Training" (arXiv:2511.22872); the adversarial term is :class:`fedrec_flwr.adversary.AdversarialTerm`.
 
-Run-config keys (``client = "fedau2"``, with ``model = "mf"`` (FedMF) or ``"ncf"`` (FedNCF)):
+:class:`AttributeUnlearning` is a mixin that adds the term to whatever local trainer the client class below it builds,
+so it composes with any client: :class:`FedAU2Client` (``client = "fedau2"``: FedMF with ``model = "mf"``, FedNCF with
+``"ncf"``) and :class:`FedAU2GELClient` (``client = "fedau2-gel"``: FedRecGEL's decoupled SAM, the term added to every
+chunk of every SAM loss evaluation).
+
+Run-config keys:
 
 * ``protected-attribute``: the user attribute to unlearn (``gender``, ``age`` for MovieLens-100K). The user's class
   is private data of the client: it is read from the client's own copy of the dataset, used only in the local loss,
-  and never sent, in any form (tested: no reply carries it, and replies are identical for any attribute value except
-  through the trained parameters).
+  and never sent, in any form (tested: no reply carries it).
 * ``adversary``: ``"mlp"`` (plain adversary), ``"dsvae"`` (FedAU²'s defence against gradient label leakage) or
   ``"none"`` (the original recommender; with ``user-embedding-noise`` the DP baseline).
 * ``adversary-trigger``: ``"sut"`` (FedAU²'s selective unlearning trigger) or ``"always"`` (constant ``eps``).
@@ -19,7 +23,7 @@ Run-config keys (``client = "fedau2"``, with ``model = "mf"`` (FedMF) or ``"ncf"
   the client keeps, recommends with and trains from next time.
 
 The adversary ``h_w`` is a shared module of the model (its parameters travel like the score function's and are
-averaged by the strategy, weighted by examples). Randomness (DSVAE draws, Laplace noise) comes from the stream
+averaged by the strategy). Randomness (DSVAE draws, Laplace noise) comes from the stream
 ``(seed, TAG_CLIENT_EXTRA, user, round)``, so runs are reproducible whatever the number of workers.
 """
 
@@ -31,7 +35,8 @@ from typing import Any
 import torch
 
 from clients.fedrec import FedRecClient
-from fedrec_flwr.adversary import AdversarialTrainer
+from clients.fedrecgel import FedRecGELClient
+from fedrec_flwr.adversary import AdversarialTerm
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.seeding import TAG_CLIENT_EXTRA, torch_generator
 from fedrec_flwr.training import LocalTrainer
@@ -39,17 +44,16 @@ from fedrec_flwr.training import LocalTrainer
 _ADVERSARY_STREAM, _NOISE_STREAM = 0, 1
 
 
-class FedAU2Client(FedRecClient):
-    """One user's FedAU² client (FedMF or FedNCF with an attribute adversary); see the module docstring."""
+class AttributeUnlearning:
+    """Client mixin: FedAU²'s adversarial term on the trainer of the class below it, and the DP-noise baseline
+    (module docstring). Put it first: ``class C(AttributeUnlearning, SomeFedRecClient)``."""
 
     @classmethod
     def check_config(cls, config) -> None:
+        super().check_config(config)  # type: ignore[misc]
         if config.model == "pfedrec":
-            raise ConfigError("client 'fedau2' needs a model with a user embedding: model = 'mf' or 'ncf'")
-        if config.adversary == "none" and config.user_embedding_noise == 0:
-            return
-        if config.adversary != "none" and not config.protected_attribute:
-            raise ConfigError("client 'fedau2' with an adversary needs 'protected-attribute'")
+            raise ConfigError(f"client {cls.__name__}: attribute unlearning needs a model with a user embedding "
+                              "(model = 'mf' or 'ncf')")
 
     def _generator(self, config: Mapping[str, Any], stream: int) -> torch.Generator:
         return torch_generator(self.runtime.config.seed, TAG_CLIENT_EXTRA, self.user, int(config["server-round"]),
@@ -60,23 +64,23 @@ class FedAU2Client(FedRecClient):
         """The user's private attribute class (never sent)."""
         protected = self.runtime.protected
         if protected is None:
-            raise ConfigError("client 'fedau2': no 'protected-attribute' is configured")
+            raise ConfigError("attribute unlearning: no 'protected-attribute' is configured")
         return int(protected.labels[self.user])
 
     def make_trainer(self, config: Mapping[str, Any]) -> LocalTrainer:
+        trainer = super().make_trainer(config)  # type: ignore[misc]
         self._round_config = config
         cfg = self.runtime.config
-        if cfg.adversary == "none":
-            return super().make_trainer(config)
-        return AdversarialTrainer(
-            self.model, self.runtime.train_config, label=self.protected_label, epsilon=cfg.adversary_epsilon,
-            trigger=cfg.adversary_trigger, kl_weight=cfg.dsvae_kl_weight,
-            generator=self._generator(config, _ADVERSARY_STREAM),
-        )
+        if cfg.adversary != "none":
+            trainer.loss_terms.append(AdversarialTerm(
+                trainer.model, label=self.protected_label, epsilon=cfg.adversary_epsilon,
+                trigger=cfg.adversary_trigger, kl_weight=cfg.dsvae_kl_weight,
+                generator=self._generator(config, _ADVERSARY_STREAM)))
+        return trainer
 
     def save_private(self) -> None:
-        """Save the user's embedding; in a training round with ``user-embedding-noise = b > 0``, perturb it first by
-        ``Laplace(0, b)`` per coordinate (the DP baseline)."""
+        """Save the user's private state; in a training round with ``user-embedding-noise = b > 0``, perturb the
+        user embedding first by ``Laplace(0, b)`` per coordinate (the DP baseline)."""
         scale = self.runtime.config.user_embedding_noise
         config = getattr(self, "_round_config", None)
         if scale > 0 and config is not None:
@@ -87,4 +91,13 @@ class FedAU2Client(FedRecClient):
                     uniform = torch.rand(table.weight.shape, generator=generator, dtype=torch.float64) - 0.5
                     noise = -scale * torch.sign(uniform) * torch.log1p(-2.0 * uniform.abs().clamp(max=0.5 - 1e-12))
                     table.weight.add_(noise.to(table.weight.dtype).to(table.weight.device))
-        super().save_private()
+        super().save_private()  # type: ignore[misc]
+
+
+class FedAU2Client(AttributeUnlearning, FedRecClient):
+    """FedAU² on FedMF / FedNCF (``client = "fedau2"``); see the module docstring."""
+
+
+class FedAU2GELClient(AttributeUnlearning, FedRecGELClient):
+    """FedAU² on FedRecGEL's SAM client (``client = "fedau2-gel"``, with ``strategy = "server-optimizer"`` or
+    ``"item-fedavg"``); see the module docstring."""

@@ -20,6 +20,7 @@ CLIENTS: dict[str, str] = {
     "fedrecgel": "clients.fedrecgel:FedRecGELClient",
     "pfedrec": "clients.pfedrec:PFedRecClient",
     "fedau2": "clients.fedau2:FedAU2Client",
+    "fedau2-gel": "clients.fedau2:FedAU2GELClient",
 }
 """Client algorithms (``flwr.client.NumPyClient`` subclasses taking ``(runtime, user, state)``)."""
 

@@ -143,11 +143,12 @@ class SAMTrainer(LocalTrainer):
         return torch.optim.SGD(params, lr=self.cfg.learning_rate)
 
     def chunked_loss(self, users: torch.Tensor, items: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Sum over chunks of ``cfg.batch_size`` examples of the chunk's mean loss (BCE layout)."""
+        """Sum over chunks of ``cfg.batch_size`` examples of the chunk's mean loss (BCE layout), each chunk with the
+        trainer's extra :attr:`loss_terms` (e.g. FedAU²'s adversarial term, once per chunk)."""
         total = None
         for start in range(0, users.numel(), self.cfg.batch_size):
             sl = slice(start, start + self.cfg.batch_size)
-            part = batch_loss(self.cfg.loss, self.model(users[sl], items[sl]), labels[sl])
+            part = self.add_loss_terms(batch_loss(self.cfg.loss, self.model(users[sl], items[sl]), labels[sl]))
             total = part if total is None else total + part
         return total
 

@@ -158,6 +158,10 @@ class LocalTrainer:
         self.model = model.to(self.device)
         self._optimizer: torch.optim.Optimizer | None = None
         self._snapshot: list[torch.Tensor] | None = None
+        self.loss_terms: list[Callable[[], torch.Tensor]] = []
+        """Extra differentiable loss terms, each called once per mini-batch and added to its loss (e.g. FedAU²'s
+        adversarial term, :class:`fedrec_flwr.adversary.AdversarialTerm`); trainers that build their loss
+        differently (SAM) add them too, so a term composes with any trainer."""
 
     # ------------------------------------------------------------------------------------------ optimizer
     @property
@@ -189,7 +193,8 @@ class LocalTrainer:
 
     # ------------------------------------------------------------------------------------------ one batch
     def compute_loss(self, users: torch.Tensor, items: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Differentiable loss of one mini-batch: ``batch_loss(cfg.loss, model(users, items), labels) + R``.
+        """Differentiable loss of one mini-batch: ``batch_loss(cfg.loss, model(users, items), labels) + R`` plus every
+        term of :attr:`loss_terms`.
 
         ``R = (λ/2) Σ_tables Σ_{r ∈ rows used in the batch} ||e_r||²`` (λ = ``cfg.weight_decay``; each distinct row
         counted once, so a row's gradient gets exactly ``λ e_r`` as with dense weight decay, but only for rows the
@@ -198,6 +203,12 @@ class LocalTrainer:
         loss = batch_loss(self.cfg.loss, self.model(users, items), labels)
         if self.cfg.weight_decay > 0:
             loss = loss + self.cfg.weight_decay * 0.5 * self._row_l2(users, items)
+        return self.add_loss_terms(loss)
+
+    def add_loss_terms(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` plus each of :attr:`loss_terms` (called now, once each)."""
+        for term in self.loss_terms:
+            loss = loss + term()
         return loss
 
     def _row_l2(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 Protocol: MovieLens-100K, leave-one-out with 99 sampled negatives, 100 rounds, 10% of users per round, one local epoch
 (Adam 0.01, batch 256, 4 negatives per positive), evaluation of every user at rounds 50 and 100. The honest-but-curious
 server (``curious-item-fedavg``) aggregates exactly like ``item-fedavg`` and attacks every single-user upload of the
-adversary with iDLG (and 20 per audited round with DLG). Seed 0 runs one user per node so that every upload is one
+adversary with iDLG (and 10 per evaluated round with DLG). Seed 0 runs one user per node so that every upload is one
 user's (the label-leakage audit); seeds 1 and 2 run 100 users per node (the same model up to float summation order,
 tested), which is 5x faster and leaves the audit out.
 """

@@ -8,12 +8,19 @@ gradient for SGD; of the same sign pattern for Adam's first steps).
 * **iDLG** (Zhao, Mopuri, Bilen 2020, "iDLG: Improved Deep Leakage from Gradients", Sec. 3): for softmax
   cross-entropy the gradient of the last layer's bias is ``p - onehot(a)``, whose only negative entry is the label;
   so the label is ``argmin delta_bias`` (:func:`idlg_label`).
-* **DLG** (Zhu, Liu, Han 2019, "Deep Leakage from Gradients", Alg. 1): optimise a dummy input and dummy soft label so
-  that the gradient they induce matches the observed update; the recovered label is the dummy label's argmax
-  (:func:`dlg_label`). Ours: the match is the cosine distance over all adversary parameters (Geiping et al. 2020,
-  "Inverting Gradients", Eq. 4), because the update's scale (learning rate, Adam's normalisation, several local
-  steps) is unknown to the attacker; the dummy model uses the adversary's deterministic forward (``predict_logits``:
-  the attacker cannot know a DSVAE client's random draws).
+* **DLG** (Zhu, Liu, Han 2019, "Deep Leakage from Gradients", Alg. 1): optimise a dummy input (and label) so that the
+  gradient they induce matches the observed update (:func:`dlg_label`). Ours:
+
+  - the label is found by enumeration: for each class, the dummy input is optimised with that one-hot label, and the
+    class with the best final match wins. DLG's joint optimisation of a soft dummy label stalls with two classes:
+    the whole gradient is then ``(p0 - q0)`` times a label-free vector, so a scale-free match depends on the label
+    only through a sign and has no gradient with respect to it (measured: 13 of 20 binary labels with the joint
+    optimisation, 20 of 20 with four classes);
+  - the match is the cosine distance (Geiping et al. 2020, "Inverting Gradients", Eq. 4), because the update's scale
+    (learning rate, Adam's normalisation, several local steps) is unknown, summed over the parameter tensors: one
+    cosine over all parameters is dominated by the first layer, whose sign the dummy input can flip;
+  - the dummy model uses the adversary's deterministic forward (``predict_logits``: the attacker cannot know a DSVAE
+    client's random draws).
 """
 
 from __future__ import annotations
@@ -40,15 +47,16 @@ def idlg_label(bias_update: np.ndarray) -> int:
 
 def dlg_label(adversary: nn.Module, update: Mapping[str, np.ndarray], *, iterations: int = 100, lr: float = 0.1,
               seed: int = 0) -> int:
-    """DLG's label: the argmax of a dummy soft label optimised so that its gradient matches ``update``.
+    """DLG's label by enumeration: for each class ``c``, optimise a dummy input so that the gradient of
+    ``CE(h_w(x), c)`` matches ``update``; return the class with the best match (module docstring).
 
     Args:
         adversary: the adversary as the server sent it (``w_sent`` loaded); it is not modified.
         update: parameter name (as in ``adversary.named_parameters()``) -> ``w_sent - w_returned``; names not given
             are left out of the match.
-        iterations: Adam steps on the dummy input and label.
+        iterations: Adam steps on the dummy input, per class.
         lr: Adam's step size.
-        seed: the dummy input's initialisation.
+        seed: the dummy input's initialisation (the same start for every class).
 
     Returns:
         The recovered class index.
@@ -60,21 +68,27 @@ def dlg_label(adversary: nn.Module, update: Mapping[str, np.ndarray], *, iterati
     names = [n for n in params if n in update]
     if not names:
         raise ValueError(f"dlg_label: the update names none of the adversary's parameters {sorted(params)}")
-    target = torch.cat([torch.as_tensor(np.asarray(update[n]), dtype=torch.float32).reshape(-1) for n in names])
+    targets = [torch.as_tensor(np.asarray(update[n]), dtype=torch.float32).reshape(-1) for n in names]
     weights = [params[n] for n in names]
-    generator = torch.Generator().manual_seed(int(seed))
-    dummy_x = torch.randn((1, adversary.in_dim), generator=generator).requires_grad_(True)
-    dummy_y = torch.zeros((1, adversary.num_classes), requires_grad=True)
-    optimizer = torch.optim.Adam([dummy_x, dummy_y], lr=lr)
-    for _ in range(int(iterations)):
-        optimizer.zero_grad()
-        logits = adversary.predict_logits(dummy_x)
-        loss = -(F.softmax(dummy_y, dim=-1) * F.log_softmax(logits, dim=-1)).sum()
+    start = torch.randn((1, adversary.in_dim), generator=torch.Generator().manual_seed(int(seed)))
+
+    def distance(x: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(adversary.predict_logits(x), label)
         grads = torch.autograd.grad(loss, weights, create_graph=True)
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        distance = 1.0 - F.cosine_similarity(flat, target, dim=0)
-        distance.backward()
-        optimizer.step()
+        return sum(1.0 - F.cosine_similarity(g.reshape(-1), t, dim=0, eps=1e-12) for g, t in zip(grads, targets))
+
+    best, best_distance = 0, float("inf")
+    for label in range(adversary.num_classes):
+        target_label = torch.tensor([label])
+        dummy_x = start.clone().requires_grad_(True)
+        optimizer = torch.optim.Adam([dummy_x], lr=lr)
+        for _ in range(int(iterations)):
+            optimizer.zero_grad()
+            distance(dummy_x, target_label).backward()
+            optimizer.step()
+        final = float(distance(dummy_x, target_label).detach())
+        if final < best_distance:
+            best, best_distance = label, final
     for p in weights:
         p.grad = None
-    return int(dummy_y.detach().argmax(dim=-1)[0])
+    return best
