@@ -131,3 +131,20 @@ def simulate(run_config: dict, *, num_supernodes: int | None = None, num_cpus: i
                         "init_args": {"num_cpus": num_cpus, "num_gpus": 0, "include_dashboard": False}},
     )
     return Path(run_config["results-dir"]) / run_config["run-name"]
+
+
+def assert_no_private_value_in_replies(records, layout, private_rows) -> None:
+    """No recorded reply (a :class:`MessageRecorder` record) carries a private key, or any array row equal to one of
+    ``private_rows`` (every private row ever stored on a node), to 1e-7."""
+    import numpy as np
+
+    assert len(private_rows) > 0
+    for record in records:
+        assert not record["error"], record["error"]
+        for arrays in record["reply-arrays"].values():
+            for key, array in arrays.items():
+                assert key.split("#")[0] not in layout.private_keys, key
+                flat = np.atleast_2d(array).astype(np.float64)
+                for row in private_rows:
+                    if flat.shape[-1] == row.shape[-1]:
+                        assert not np.isclose(flat, row, rtol=0, atol=1e-7).all(axis=-1).any(), key

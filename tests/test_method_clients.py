@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MessageRecorder, simulate, tiny_run_config
+from conftest import MessageRecorder, assert_no_private_value_in_replies, simulate, tiny_run_config
 from fedrec_flwr.client_app import make_client_app
 from fedrec_flwr.models import build_model
 from fedrec_flwr.runtime import get_runtime
@@ -38,17 +38,7 @@ def _private_rows(records):
 
 
 def _assert_no_private_value_in_replies(records, layout):
-    private = _private_rows(records)
-    assert private
-    for record in records:
-        assert not record["error"], record["error"]
-        for arrays in record["reply-arrays"].values():
-            for key, array in arrays.items():
-                assert key.split("#")[0] not in layout.private_keys, key
-                flat = np.atleast_2d(array).astype(np.float64)
-                for row in private:
-                    if flat.shape[-1] == row.shape[-1]:
-                        assert not np.isclose(flat, row, rtol=0, atol=1e-7).all(axis=-1).any(), key
+    assert_no_private_value_in_replies(records, layout, _private_rows(records))
 
 
 @pytest.mark.parametrize(("name", "overrides"), [
