@@ -16,6 +16,8 @@ Run-config keys:
 * ``adversary``: ``"mlp"`` (plain adversary), ``"dsvae"`` (FedAU²'s defence against gradient label leakage) or
   ``"none"`` (the original recommender; with ``user-embedding-noise`` the DP baseline).
 * ``adversary-trigger``: ``"sut"`` (FedAU²'s selective unlearning trigger) or ``"always"`` (constant ``eps``).
+* ``adversary-objective``: ``"reverse"`` (FedAU²'s gradient reversal) or ``"entropy"`` (ours, a control: the
+  embedding moves toward the adversary's uniform prediction; :class:`fedrec_flwr.adversary.AdversarialTerm`).
 * ``adversary-epsilon``, ``adversary-hidden``, ``dsvae-latent-dim``, ``dsvae-kl-weight``, ``dsvae-gradient-noise``.
 * ``user-embedding-noise``: the DP baseline (ours in detail: FedAU² compares against DP noise on the user embedding
   without giving its mechanism): after each local training the user embedding is replaced by ``e + Laplace(0, b)``
@@ -75,7 +77,7 @@ class AttributeUnlearning:
             trainer.loss_terms.append(AdversarialTerm(
                 trainer.model, label=self.protected_label, epsilon=cfg.adversary_epsilon,
                 trigger=cfg.adversary_trigger, kl_weight=cfg.dsvae_kl_weight,
-                generator=self._generator(config, _ADVERSARY_STREAM)))
+                generator=self._generator(config, _ADVERSARY_STREAM), objective=cfg.adversary_objective))
         return trainer
 
     def save_private(self) -> None:

@@ -35,6 +35,9 @@ from .models.base import RecModel, init_linear, new_linear
 from .training import LocalTrainConfig, LocalTrainer
 
 ADVERSARY_MODULE = "adversary"
+OBJECTIVES = ("reverse", "entropy")
+"""What the embedding's adversarial gradient does (:class:`AdversarialTerm`): FedAU²'s gradient reversal, or (ours)
+the maximum-entropy control."""
 """Name of the adversary's module in the model (its shared-state keys start with ``"adversary."``)."""
 
 
@@ -254,8 +257,16 @@ class AdversarialTerm:
     """FedAU²'s adversarial loss term for one user, added to every mini-batch of any trainer
     (:attr:`fedrec_flwr.training.LocalTrainer.loss_terms`; with SAM, to every chunk of every loss evaluation).
 
-    Calling it returns ``CE(h_w(GRL_eps_u(e_u)), a) + kl_weight * h_w.regulariser()`` for the user's current
-    embedding (module docstring), ``eps_u`` decided afresh by :func:`sut_strength`.
+    Calling it returns, for the user's current embedding ``e_u`` and ``eps_u`` decided afresh by :func:`sut_strength`:
+
+    * ``objective = "reverse"`` (FedAU², module docstring): ``CE(h_w(GRL_eps_u(e_u)), a) + kl_weight * KL``. The
+      embedding climbs the adversary's loss on its *own* label, so the direction it moves in depends on the label.
+    * ``objective = "entropy"`` (ours, not FedAU²; the maximum-entropy adversarial objective of Roy & Boddeti 2019,
+      "Mitigating Information Leakage in Image Representations: A Maximum Entropy Approach", Eq. 4):
+      ``CE(h_w(e_u.detach()), a) + kl_weight * KL + eps_u * H_x(uniform, softmax(h_w(e_u)))``, where the last term's
+      gradient reaches only ``e_u`` (``h_w`` frozen in it): the embedding moves toward where ``h_w`` predicts every
+      class equally, a target that is the same for every label. Measured on MovieLens-100K (experiments/fedau2), the
+      label-dependent push of ``"reverse"`` writes the attribute into the embeddings; this objective is the control.
 
     Args:
         model: the one-user model with an attached adversary (``model.adversary``).
@@ -263,17 +274,18 @@ class AdversarialTerm:
         epsilon: GRL strength ``eps`` (>= 0). trigger: ``"sut"`` or ``"always"``.
         kl_weight: weight of the adversary's regulariser (DSVAE's KL).
         generator: CPU generator for the adversary's randomness (DSVAE).
+        objective: ``"reverse"`` (default) or ``"entropy"``.
 
     Attributes:
         steps / triggered: how many times the term was evaluated, and how many of those had ``eps_u > 0`` (local
             diagnostics; never sent).
 
     Raises:
-        ValueError: the model has no adversary, ``label`` is outside its classes, or an unknown trigger.
+        ValueError: the model has no adversary, ``label`` is outside its classes, or an unknown trigger or objective.
     """
 
     def __init__(self, model: RecModel, *, label: int, epsilon: float, trigger: str, kl_weight: float,
-                 generator: torch.Generator) -> None:
+                 generator: torch.Generator, objective: str = "reverse") -> None:
         adversary = adversary_of(model)
         if adversary is None:
             raise ValueError("AdversarialTerm: the model has no adversary module")
@@ -281,6 +293,9 @@ class AdversarialTerm:
             raise ValueError(f"AdversarialTerm: label {label} outside [0, {adversary.num_classes})")
         if trigger not in ("sut", "always"):
             raise ValueError(f"adversary trigger must be 'sut' or 'always', got {trigger!r}")
+        if objective not in OBJECTIVES:
+            raise ValueError(f"adversary objective must be one of {OBJECTIVES}, got {objective!r}")
+        self.objective = objective
         self.model = model
         self.adversary = adversary
         self.adversary.generator = generator
@@ -294,9 +309,17 @@ class AdversarialTerm:
         strength = sut_strength(self.adversary, u, self.label, self.epsilon, self.trigger)
         self.steps += 1
         self.triggered += int(strength > 0)
-        logits = self.adversary(grad_reverse(u, strength))
-        target = self._target.to(logits.device)
-        return F.cross_entropy(logits, target) + self.kl_weight * self.adversary.regulariser()
+        if self.objective == "reverse":
+            logits = self.adversary(grad_reverse(u, strength))
+            return F.cross_entropy(logits, self._target) + self.kl_weight * self.adversary.regulariser()
+        logits = self.adversary(u.detach())
+        loss = F.cross_entropy(logits, self._target) + self.kl_weight * self.adversary.regulariser()
+        if strength > 0:
+            u_leaf = u.detach().requires_grad_(True)
+            uniform_ce = -F.log_softmax(self.adversary.predict_logits(u_leaf), dim=-1).mean()
+            (pull,) = torch.autograd.grad(uniform_ce, u_leaf)
+            loss = loss + strength * (u * pull.detach()).sum()  # gradient strength * pull on e_u only
+        return loss
 
 
 class AdversarialTrainer(LocalTrainer):

@@ -31,6 +31,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer": ("sgd", "adam"),
     "adversary": ("none", "mlp", "dsvae"),
     "adversary-trigger": ("sut", "always"),
+    "adversary-objective": ("reverse", "entropy"),
 }
 
 
@@ -73,6 +74,7 @@ class RunConfig:
     protected_attribute: str = _key("protected-attribute")
     adversary: str = _key("adversary")
     adversary_trigger: str = _key("adversary-trigger")
+    adversary_objective: str = _key("adversary-objective")
     adversary_epsilon: float = _key("adversary-epsilon", minimum=0.0)
     adversary_hidden: int = _key("adversary-hidden", minimum=1)
     dsvae_latent_dim: int = _key("dsvae-latent-dim", minimum=1)
@@ -149,7 +151,7 @@ class RunConfig:
 
     def _check_relations(self) -> None:
         for key in ("dataset", "tie-rule", "model", "loss", "optimizer", "item-aggregation", "server-optimizer",
-                    "adversary", "adversary-trigger"):
+                    "adversary", "adversary-trigger", "adversary-objective"):
             value = getattr(self, key.replace("-", "_"))
             if value not in _CHOICES[key]:
                 raise ConfigError(f"run-config key '{key}' = {value!r}: must be one of {list(_CHOICES[key])}")

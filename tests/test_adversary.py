@@ -348,3 +348,27 @@ def test_adversarial_term_composes_with_fedrecgel_sam_client(tmp_path):
     assert np.abs(update.dense["adversary.head.bias"]).sum() > 0
     folder = run_serial(config)
     assert math.isfinite(json.loads((folder / "summary.json").read_text())["final"]["HR@10"])
+
+
+def test_entropy_objective_pulls_the_embedding_the_same_way_for_every_label():
+    """adversary-objective = "entropy" (our control): the embedding's gradient does not depend on the label, and the
+    adversary's parameters get exactly the plain cross-entropy gradient (the pull does not train them)."""
+    from fedrec_flwr.adversary import AdversarialTerm, AttributeAdversary
+
+    def grads(label: int, objective: str):
+        model = build_model("mf", 1, 10, embedding_dim=4, seed=0)
+        model.attach_shared_module("adversary", AttributeAdversary(4, 2, 8, generator=_gen(3)))
+        term = AdversarialTerm(model, label=label, epsilon=0.7, trigger="always", kl_weight=0.0, generator=_gen(0),
+                               objective=objective)
+        term().backward()
+        return model.user_embedding.weight.grad.clone(), [p.grad.clone() for p in model.adversary.parameters()]
+
+    (e0, a0), (e1, a1) = grads(0, "entropy"), (grads(1, "entropy"))
+    assert torch.equal(e0, e1) and e0.abs().sum() > 0
+    (r0, _), (r1, _) = grads(0, "reverse"), grads(1, "reverse")
+    assert not torch.allclose(r0, r1)  # FedAU2's reversal pushes each label its own way
+    model = build_model("mf", 1, 10, embedding_dim=4, seed=0)
+    model.attach_shared_module("adversary", AttributeAdversary(4, 2, 8, generator=_gen(3)))
+    F.cross_entropy(model.adversary(model.user_embedding.weight), torch.tensor([1])).backward()
+    for got, plain in zip(a1, model.adversary.parameters()):
+        assert torch.allclose(got, plain.grad)

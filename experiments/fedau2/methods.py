@@ -47,6 +47,9 @@ ARMS: dict[str, dict] = {
     "FedAU2 w/o SUT": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "always"},
     "FedAU2 w/o DSVAE": {"client": "fedau2", "adversary": "mlp", "adversary-trigger": "sut"},
     "FedAU2": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut"},
+    # ours, not FedAU2: the embedding moves toward the adversary's uniform prediction instead of reversing its loss
+    "FedAU2, entropy objective (ours)": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut",
+                                         "adversary-objective": "entropy"},
 }
 """Table rows. Arms without an adversary do not depend on the protected attribute (attacked on every attribute)."""
 
