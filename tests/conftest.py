@@ -63,7 +63,7 @@ def tiny_run_config(folder: Path, **overrides):
         "dataset": "generic", "generic-file": str(write_tiny_dataset(folder)), "cache-dir": str(folder / "cache"),
         "num-test-negatives": 20, "ks": "5,10", "embedding-dim": 8, "mlp-layers": "16,8", "num-server-rounds": 3,
         "fraction-train": 0.5, "eval-every": 1, "results-dir": str(folder / "results"), "run-name": "run",
-        "round-timeout": 120.0,
+        "round-timeout": 600.0,  # an upper bound only; a loaded 2-core machine can take minutes to start Ray actors
     })
     mapping.update({k.replace("_", "-"): v for k, v in overrides.items()})
     return mapping
