@@ -31,6 +31,7 @@ averaged by the strategy). Randomness (DSVAE draws, Laplace noise) comes from th
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,6 +44,8 @@ from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.seeding import TAG_CLIENT_EXTRA, torch_generator
 from fedrec_flwr.training import LocalTrainer
 
+log = logging.getLogger(__name__)
+
 _ADVERSARY_STREAM, _NOISE_STREAM = 0, 1
 
 
@@ -50,12 +53,17 @@ class AttributeUnlearning:
     """Client mixin: FedAU²'s adversarial term on the trainer of the class below it, and the DP-noise baseline
     (module docstring). Put it first: ``class C(AttributeUnlearning, SomeFedRecClient)``."""
 
+    unlearns_attributes = True
+
     @classmethod
     def check_config(cls, config) -> None:
         super().check_config(config)  # type: ignore[misc]
         if config.model == "pfedrec":
-            raise ConfigError(f"client {cls.__name__}: attribute unlearning needs a model with a user embedding "
-                              "(model = 'mf' or 'ncf')")
+            raise ConfigError(f"run-config key 'client' = {config.client!r}: attribute unlearning needs a model with a "
+                              f"user embedding (model = 'mf' or 'ncf'), got model = 'pfedrec'")
+        if config.adversary == "none" and config.user_embedding_noise == 0:
+            log.warning("client %r with adversary = 'none' and user-embedding-noise = 0 trains the original model",
+                        config.client)
 
     def _generator(self, config: Mapping[str, Any], stream: int) -> torch.Generator:
         return torch_generator(self.runtime.config.seed, TAG_CLIENT_EXTRA, self.user, int(config["server-round"]),

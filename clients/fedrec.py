@@ -17,6 +17,7 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.client import NumPyClient
 
 from fedrec_flwr.data import sample_train_negatives
+from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.runtime import Runtime
 from fedrec_flwr.seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
 from fedrec_flwr.training import LocalTrainer, evaluate_user
@@ -76,10 +77,22 @@ class FedRecClient(NumPyClient):
     """Whether this client can answer a train message with ``"upload" = "gradient"`` (see
     :class:`strategies.server_optimizer.ServerOptimizerStrategy`)."""
 
+    unlearns_attributes = False
+    """Whether this client trains an attribute adversary and applies ``user-embedding-noise``
+    (:class:`clients.fedau2.AttributeUnlearning`)."""
+
     @classmethod
     def check_config(cls, config) -> None:
         """Raise :class:`~fedrec_flwr.errors.ConfigError` for run-config settings this client cannot serve (called
-        by the ServerApp at start, :func:`fedrec_flwr.registry.check_components`). The base client serves all."""
+        by the ServerApp at start, :func:`fedrec_flwr.registry.check_components`). Subclasses that override it call
+        ``super().check_config(config)`` first. The base client refuses only the attribute-unlearning keys
+        (``adversary``, ``user-embedding-noise``) unless :attr:`unlearns_attributes`: they would be silently ignored.
+        """
+        if not cls.unlearns_attributes and (config.adversary != "none" or config.user_embedding_noise > 0):
+            raise ConfigError(
+                f"run-config keys 'adversary' = {config.adversary!r} / 'user-embedding-noise' = "
+                f"{config.user_embedding_noise!r} need an attribute-unlearning client ('fedau2' or 'fedau2-gel'); "
+                f"client {config.client!r} would ignore them")
 
     def __init__(self, runtime: Runtime, user: int, state: RecordDict) -> None:
         if not 0 <= user < runtime.split.num_users:

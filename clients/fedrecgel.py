@@ -70,6 +70,7 @@ class FedRecGELClient(FedRecClient):
 
     @classmethod
     def check_config(cls, config) -> None:
+        super().check_config(config)
         if config.loss != "bce":
             raise ConfigError(f"client 'fedrecgel' trains with loss = 'bce' (its paper's loss), got {config.loss!r}")
         if config.model == "pfedrec":

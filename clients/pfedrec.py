@@ -75,6 +75,7 @@ class PFedRecClient(FedRecClient):
 
     @classmethod
     def check_config(cls, config) -> None:
+        super().check_config(config)
         if config.model != "pfedrec":
             raise ConfigError(f"client 'pfedrec' needs model = 'pfedrec', got model = {config.model!r}")
 

@@ -62,8 +62,11 @@ def encode_attribute(attributes: dict[str, np.ndarray], name: str) -> AttributeL
             than 2 classes, or more than ``MAX_CLASSES``.
     """
     if name not in attributes:
-        have = sorted(attributes) or "none"
-        raise ConfigError(f"run-config key 'protected-attribute' = {name!r}: the dataset's user attributes are {have}")
+        if not attributes:
+            raise ConfigError(f"run-config key 'protected-attribute' = {name!r}: the dataset has no user attributes "
+                              "(for dataset = 'generic', give them in 'generic-attributes-file')")
+        raise ConfigError(f"run-config key 'protected-attribute' = {name!r}: the dataset's user attributes are "
+                          f"{sorted(attributes)}")
     values = np.asarray(attributes[name])
     if name == "age" and values.dtype.kind in "iuf":
         bucket = np.full(values.shape, -1, dtype=np.int64)

@@ -108,11 +108,11 @@ def build_shared_model(config: RunConfig, num_items: int, num_users: int = 1, nu
         from .adversary import ADVERSARY_MODULE, build_adversary, user_vector_dim
 
         if num_classes < 2:
-            raise ConfigError(f"adversary = {config.adversary!r} needs the protected attribute's classes (>= 2), got "
-                              f"{num_classes}")
+            raise ConfigError(f"run-config key 'adversary' = {config.adversary!r} needs the protected attribute's "
+                              f"classes (>= 2), got {num_classes}")
         if not model.user_embedding_modules():
-            raise ConfigError(f"adversary = {config.adversary!r} needs a model with user embeddings (mf or ncf), "
-                              f"got model = {config.model!r}")
+            raise ConfigError(f"run-config key 'adversary' = {config.adversary!r} needs a model with user embeddings "
+                              f"(mf or ncf), got model = {config.model!r}")
         adversary = build_adversary(
             config.adversary, user_vector_dim(model), num_classes, hidden=config.adversary_hidden,
             latent=config.dsvae_latent_dim, gradient_noise=config.dsvae_gradient_noise,

@@ -7,6 +7,11 @@ adversary`) with iDLG on every reply and DLG on up to :attr:`LabelLeakageAudit.d
 and user, to ``label-leakage.csv`` in the run's results folder; the experiment scores them against the true
 attributes, which the server never has. Replies of nodes serving several users carry the node's mean update and are
 not attacked (use ``users-per-node = 1`` to audit every user).
+
+``label-leakage.csv`` columns: ``round``; ``node`` (Flower node id); ``user`` (the user's index in the split, i.e. its
+partition id with one user per node; -1 if unknown); ``idlg-label`` and ``dlg-label``: the guessed class, an index into
+``fedrec_flwr.attributes.encode_attribute(split.attributes, protected_attribute).classes`` (``dlg-label`` is -1 where
+DLG was not run). Score it with ``labels[user] == idlg-label``; compare with the majority-class rate, not only 1/C.
 """
 
 from __future__ import annotations
@@ -49,6 +54,12 @@ class LabelLeakageAudit:
     dlg_iterations = 100
 
     def setup_audit(self, config: RunConfig) -> None:
+        """Remember the config; say at start when the audit will find nothing to attack."""
+        if config.adversary == "none":
+            log.warning("curious server: adversary = 'none', so there is no adversary update to attack")
+        elif config.users_per_node > 1:
+            log.warning("curious server: users-per-node = %d, so each reply mixes several users' updates and is not "
+                        "attacked; set users-per-node = 1 to audit every user", config.users_per_node)
         self._audit_config = config
         self._audit_folder: Path | None = None
         self._adversary = None

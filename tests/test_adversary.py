@@ -320,6 +320,18 @@ def test_fedau2_with_pfedrec_model_is_refused_by_check_components():
                                          protected_attribute="gender"))
 
 
+@pytest.mark.parametrize("client", ["fedrec", "fedrecgel", "pfedrec"])
+@pytest.mark.parametrize("keys", [{"adversary": "mlp", "protected_attribute": "gender"}, {"user_embedding_noise": 0.1}])
+def test_clients_without_attribute_unlearning_refuse_its_keys(client, keys):
+    """A client that would silently ignore the adversary or the DP noise stops the run at start instead."""
+    from fedrec_flwr.config import make_run_config
+    from fedrec_flwr.registry import check_components
+
+    model = "pfedrec" if client == "pfedrec" else "mf"
+    with pytest.raises(ConfigError, match="attribute-unlearning client"):
+        check_components(make_run_config(client=client, model=model, **keys))
+
+
 # ---------------------------------------------------------------------------------------------------- composition
 def test_adversarial_term_composes_with_fedrecgel_sam_client(tmp_path):
     """client = "fedau2-gel": the adversarial term rides on FedRecGEL's SAM trainer (once per chunk of each of the 3

@@ -103,6 +103,19 @@ def test_attribute_inference_refuses_bad_input():
             attribute_inference(bad_x, bad_y, splits=1, **kwargs)
 
 
+def test_attribute_inference_refuses_bad_splits_and_fractions():
+    x, y = np.random.default_rng(0).normal(size=(40, 3)), np.arange(40) % 2
+    for bad in ({"splits": 0}, {"train_fraction": 1.0}, {"train_fraction": 0.0}):
+        with pytest.raises(ValueError, match="attribute_inference"):
+            attribute_inference(x, y, **bad)
+
+
+def test_collect_user_embeddings_names_a_wrong_private_key():
+    state = RecordDict({"user:0": ArrayRecord({"user_embedding.weight": Array(np.ones((1, 2), dtype=np.float32))})})
+    with pytest.raises(DataError, match="user_embedding'"):
+        collect_user_embeddings([state], ["user_embedding"], 1)
+
+
 def test_collect_user_embeddings_reads_each_users_row_and_marks_missing_users():
     def record(a, b):
         return ArrayRecord({"gmf": Array(np.asarray([a], np.float32)), "mlp": Array(np.asarray([b], np.float32))})

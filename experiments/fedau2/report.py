@@ -141,23 +141,30 @@ def stability_plot(results: Path) -> None:
     if not frames:
         return
     data = pd.concat(frames)
-    shown = ("original", "adversarial (constant eps)", "FedAU2 w/o SUT", "FedAU2 w/o DSVAE", "FedAU2")
+    shown = ("original", "adversarial (constant eps)", "FedAU2 w/o SUT", "FedAU2 w/o DSVAE", "FedAU2",
+             "FedAU2, entropy objective (ours)")
+    metrics = (("auc", "attacker AUC"), ("balanced-accuracy", "attacker balanced accuracy"))
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(MODELS), figsize=(11, 4), sharey=True)
-    for axis, model in zip(np.atleast_1d(axes), MODELS):
-        for arm in shown:
-            part = data[(data["model"] == model) & (data["arm"] == arm)]
-            if part.empty:
-                continue
-            curve = part.groupby("round")["auc"].agg(["mean", "std"]).reset_index()
-            axis.plot(curve["round"], curve["mean"], marker=".", label=arm)
-            axis.fill_between(curve["round"], curve["mean"] - curve["std"].fillna(0),
-                              curve["mean"] + curve["std"].fillna(0), alpha=0.15)
-        axis.axhline(0.5, color="grey", linestyle=":")
-        axis.set_title(f"{model}: gender attacker during training")
-        axis.set_xlabel("round")
-    np.atleast_1d(axes)[0].set_ylabel("attacker AUC (logistic regression)")
-    np.atleast_1d(axes)[-1].legend(fontsize=7)
+    fig, axes = plt.subplots(len(metrics), len(MODELS), figsize=(11, 7.5), sharex=True, squeeze=False)
+    for row, (metric, label) in enumerate(metrics):
+        for column, model in enumerate(MODELS):
+            axis = axes[row][column]
+            for arm in shown:
+                part = data[(data["model"] == model) & (data["arm"] == arm)]
+                if part.empty:
+                    continue
+                curve = part.groupby("round")[metric].agg(["mean", "std"]).reset_index()
+                axis.plot(curve["round"], curve["mean"], marker=".", label=arm)
+                axis.fill_between(curve["round"], curve["mean"] - curve["std"].fillna(0),
+                                  curve["mean"] + curve["std"].fillna(0), alpha=0.15)
+            axis.axhline(0.5, color="grey", linestyle=":")
+            axis.set_title(f"{model}: gender attacker during training")
+            axis.set_ylabel(f"{label} (logistic regression)")
+            if row == len(metrics) - 1:
+                axis.set_xlabel("round")
+    for axis in axes[0]:
+        if axis.lines:
+            axis.legend(fontsize=7)
     save_figure(fig, results / "stability.png")
 
 

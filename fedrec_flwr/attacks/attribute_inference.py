@@ -89,8 +89,12 @@ def attribute_inference(embeddings: np.ndarray, labels: np.ndarray, *, classifie
 
     Raises:
         DataError: shapes disagree, the embeddings hold NaN/Inf, or fewer than 2 classes (or a class with < 2 users).
-        ValueError: unknown classifier.
+        ValueError: unknown classifier, ``splits`` < 1 or ``train_fraction`` outside (0, 1).
     """
+    if isinstance(splits, bool) or not isinstance(splits, (int, np.integer)) or splits < 1:
+        raise ValueError(f"attribute_inference: splits must be an int >= 1, got {splits!r}")
+    if not 0.0 < train_fraction < 1.0:
+        raise ValueError(f"attribute_inference: train_fraction must be in (0, 1), got {train_fraction!r}")
     x = np.asarray(embeddings, dtype=np.float64)
     y = np.asarray(labels)
     if x.ndim != 2 or y.ndim != 1 or len(x) != len(y):
@@ -147,6 +151,10 @@ def collect_user_embeddings(states: Iterable, private_keys: Iterable[str], num_u
             record = state[name]
             if not isinstance(record, ArrayRecord):
                 continue
+            missing = [k for k in keys if k not in record]
+            if missing:
+                raise DataError(f"collect_user_embeddings: state record {name!r} has no {missing[0]!r} "
+                                f"(its keys: {sorted(record.keys())}); pass the model's ModelLayout.private_keys")
             rows[int(name[len(prefix):])] = np.concatenate([record[k].numpy().reshape(-1) for k in keys])
     if not rows:
         return np.zeros((num_users, 0), dtype=np.float32), np.zeros(num_users, dtype=bool)
