@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from experiments.common import fmt, markdown, mean_std, pyplot, save_figure, slug, write_csv
-from experiments.fedau2.methods import ARMS, ATTRIBUTES, EPSILONS, MODELS
+from experiments.fedau2.methods import ARMS, ATTRIBUTES, AUDIT_SEED, EPSILONS, MODELS
 from fedrec_flwr.io import atomic_write_text
 
 METRICS = ("HR@10", "NDCG@10")
@@ -60,8 +60,9 @@ def main_tables(results: Path) -> pd.DataFrame:
         return runs
     for attribute, part in runs.groupby("attribute", sort=False):
         summary = mean_std(part, ["model", "arm"], [*METRICS, *ATTACK_COLUMNS])
-        leakage = part.groupby(["model", "arm"], sort=False)[["idlg-recovery", "dlg-recovery", "chance-uniform",
-                                                              "chance-majority"]].mean().reset_index()
+        audited = part[part["seed"] == AUDIT_SEED]  # one user per node: every upload is one user's
+        leakage = audited.groupby(["model", "arm"], sort=False)[["idlg-recovery", "dlg-recovery", "chance-uniform",
+                                                                 "chance-majority"]].mean().reset_index()
         summary = summary.merge(leakage, on=["model", "arm"], how="left")
         order = {a: i for i, a in enumerate(ARMS)}
         summary = summary.sort_values(["model", "arm"], key=lambda c: c.map(order) if c.name == "arm" else c)
