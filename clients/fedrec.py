@@ -18,9 +18,14 @@ from flwr.client import NumPyClient
 
 from fedrec_flwr.data import sample_train_negatives
 from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.krylov import CGResult, conjugate_gradient, flatten, gradient, hessian_vector_product, unflatten
+from fedrec_flwr.influence import influence_objective
 from fedrec_flwr.runtime import Runtime
 from fedrec_flwr.seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
 from fedrec_flwr.training import LocalTrainer, evaluate_user
+
+INFLUENCE_ROUND = 0
+"""Round tag of the fixed negative sample in a user's influence loss (training rounds are 1-based, so never 0)."""
 
 STATE_PREFIX = "user:"
 """``context.state`` key prefix of a user's private record: ``"user:<partition id>"``."""
@@ -256,6 +261,83 @@ class FedRecClient(NumPyClient):
                                         split.val_negatives[self.user], ks=ks)
                 out.update({prefix + k: v for k, v in metrics.items()})
         return out
+
+    # ------------------------------------------------------------------------------------------------ unlearning
+    def influence_examples(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(positives, negatives)`` of this user's influence loss: its training positives and a fixed negative
+        sample (``num-train-negatives`` per positive, drawn from the stream of round 0, which training never uses)."""
+        cfg, split = self.runtime.config, self.runtime.split
+        negatives = sample_train_negatives(split, self.user, INFLUENCE_ROUND, cfg.num_train_negatives, cfg.seed)
+        return split.positives(self.user), negatives
+
+    def influence_items(self) -> np.ndarray:
+        """``(T,)`` sorted item rows of this user's influence loss (:meth:`influence_examples`)."""
+        return np.union1d(*self.influence_examples()).astype(np.int64)
+
+    def influence_objective(self, shared: Mapping[str, np.ndarray], extra_rows: np.ndarray | None = None):
+        """This user's loss ``L_u(theta)`` as a function of the shared parameters, its private ones held fixed: a
+        context manager yielding ``(loss_fn, params, items)`` (:func:`fedrec_flwr.influence.influence_objective`)."""
+        return influence_objective(self.runtime, [self], shared, extra_rows)
+
+    def _compact(self, vector: Mapping[str, np.ndarray], items: np.ndarray, params) -> dict[str, torch.Tensor]:
+        item_keys = self.runtime.layout.item_keys
+        return {k: torch.as_tensor(np.asarray(vector[k])[items] if k in item_keys else np.asarray(vector[k]),
+                                   dtype=p.dtype, device=p.device) for k, p in params.items()}
+
+    def _expand(self, compact: Mapping[str, torch.Tensor], items: np.ndarray) -> tuple[dict, dict]:
+        """Compact tensors -> ``(dense key -> array, item key -> (rows, values))``."""
+        layout = self.runtime.layout
+        arrays = {k: v.detach().cpu().numpy().astype(np.float64) for k, v in compact.items()}
+        return ({k: arrays[k] for k in layout.dense_keys}, {k: (items, arrays[k]) for k in layout.item_keys})
+
+    def influence_gradient(self, shared: Mapping[str, np.ndarray]) -> tuple[dict, dict, float]:
+        """``∇_theta L_u`` at the server's shared parameters: ``(dense, rows, loss)`` (rows: item key ->
+        ``(row ids (T,), values (T, d))``). The gradient of the user's own loss; its data never leaves."""
+        with self.influence_objective(shared) as (loss_fn, params, items):
+            grads = gradient(loss_fn, params)
+            loss = float(loss_fn(params).detach())
+            dense, rows = self._expand(grads, items)
+        return dense, rows, loss
+
+    def influence_hvp(self, shared: Mapping[str, np.ndarray], direction: Mapping[str, np.ndarray],
+                      group: list | None = None) -> tuple[dict, dict]:
+        """``H_u v``: this user's loss Hessian at the shared parameters times ``direction`` (full arrays by shared
+        key); non-zero only on the user's rows and the dense parameters. With ``group`` (clients of this node's users,
+        this one included), the product of their summed losses, in one batched pass."""
+        with influence_objective(self.runtime, group or [self], shared) as (loss_fn, params, items):
+            product = hessian_vector_product(loss_fn, params, self._compact(direction, items, params))
+            return self._expand(product, items)
+
+    def influence_solve(self, shared: Mapping[str, np.ndarray], rhs: Mapping[str, np.ndarray], *, iterations: int,
+                        damping: float, tolerance: float) -> tuple[dict, dict, CGResult]:
+        """Local CG (HF-KCU's Algorithm 1, client side): ``x_u ≈ (H_u + damping I)^{-1} rhs`` on this user's own
+        Hessian. Rows of ``rhs`` outside the user's rows get ``rhs / damping`` (``H_u`` is 0 there), exactly as CG
+        gives them. Returns ``(dense, rows, CGResult)``.
+
+        Raises:
+            ValueError: ``damping`` is 0 and ``rhs`` has rows this user's loss never touches (singular system).
+        """
+        layout = self.runtime.layout
+        support = np.unique(np.concatenate(
+            [np.flatnonzero(np.any(np.asarray(rhs[k]).reshape(len(rhs[k]), -1) != 0, axis=1)) for k in layout.item_keys]
+            or [np.zeros(0, dtype=np.int64)])).astype(np.int64)
+        if damping == 0 and not np.isin(support, self.influence_items()).all():
+            raise ValueError(f"user {self.user}: damping = 0 but the right-hand side has rows this user's loss never "
+                             "touches, where its Hessian is 0 (a singular system); use damping > 0")
+        with self.influence_objective(shared, extra_rows=support) as (loss_fn, params, items):
+            shapes = {k: tuple(p.shape) for k, p in params.items()}
+            b = flatten({k: v.cpu().numpy() for k, v in self._compact(rhs, items, params).items()}, shapes)
+
+            def matvec(flat: np.ndarray) -> np.ndarray:
+                vector = {k: torch.as_tensor(v, dtype=params[k].dtype, device=params[k].device)
+                          for k, v in unflatten(flat, shapes).items()}
+                product = hessian_vector_product(loss_fn, params, vector)
+                return flatten({k: v.detach().cpu().numpy() for k, v in product.items()}, shapes)
+
+            result = conjugate_gradient(matvec, b, iterations=iterations, damping=damping, tolerance=tolerance)
+            solution = {k: torch.as_tensor(v) for k, v in unflatten(result.x, shapes).items()}
+            dense, rows = self._expand(solution, items)
+        return dense, rows, result
 
     # ------------------------------------------------------------------------------------------------ NumPyClient
     def get_parameters(self, config: dict[str, Any]) -> list[np.ndarray]:

@@ -32,6 +32,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "adversary": ("none", "mlp", "dsvae"),
     "adversary-trigger": ("sut", "always"),
     "adversary-objective": ("reverse", "entropy"),
+    "unlearning": ("none", "retrain", "continue", "hfkcu", "gradient-ascent"),
+    "krylov-mode": ("distributed", "local"),
 }
 
 
@@ -81,6 +83,21 @@ class RunConfig:
     dsvae_kl_weight: float = _key("dsvae-kl-weight", minimum=0.0)
     dsvae_gradient_noise: float = _key("dsvae-gradient-noise", minimum=0.0)
     user_embedding_noise: float = _key("user-embedding-noise", minimum=0.0)
+    unlearning: str = _key("unlearning")
+    forget_users: str = _key("forget-users")
+    forget_fraction: float = _key("forget-fraction", minimum=0.0, maximum=1.0)
+    unlearn_round: int = _key("unlearn-round", minimum=0)
+    krylov_mode: str = _key("krylov-mode")
+    cg_iterations: int = _key("cg-iterations", minimum=1)
+    cg_tolerance: float = _key("cg-tolerance", minimum=0.0)
+    damping: float = _key("damping", minimum=0.0)
+    unlearn_scale: float = _key("unlearn-scale", positive=True)
+    adaptive_scale: bool = _key("adaptive-scale")
+    unlearn_max_step: float = _key("unlearn-max-step", positive=True)
+    causal_weighting: bool = _key("causal-weighting")
+    ascent_steps: int = _key("ascent-steps", minimum=1)
+    ascent_learning_rate: float = _key("ascent-learning-rate", positive=True)
+    continue_rounds: int = _key("continue-rounds", minimum=1)
     strategy: str = _key("strategy")
     num_server_rounds: int = _key("num-server-rounds", minimum=1)
     fraction_train: float = _key("fraction-train", positive=True, maximum=1.0)
@@ -109,6 +126,24 @@ class RunConfig:
     def mlp_layer_sizes(self) -> tuple[int, ...]:
         """The NCF tower sizes of ``mlp-layers`` as integers, e.g. ``(64, 32, 16)``."""
         return _int_list("mlp-layers", self.mlp_layers)
+
+    @property
+    def forget_user_ids(self) -> tuple[int, ...]:
+        """The partition ids of ``forget-users`` (sorted, unique), e.g. ``(3, 17)``; ``()`` when empty."""
+        parts = [p.strip() for p in str(self.forget_users).split(",") if p.strip()]
+        try:
+            values = sorted({int(p) for p in parts})
+        except ValueError:
+            raise ConfigError(f"run-config key 'forget-users' = {self.forget_users!r}: expected comma-separated "
+                              "partition ids (integers)") from None
+        if values and values[0] < 0:
+            raise ConfigError(f"run-config key 'forget-users' = {self.forget_users!r}: partition ids are >= 0")
+        return tuple(values)
+
+    @property
+    def effective_unlearn_round(self) -> int:
+        """``unlearn-round``, with 0 meaning the last round."""
+        return self.unlearn_round or self.num_server_rounds
 
     def to_dict(self) -> dict[str, Any]:
         """The configuration as a kebab-case mapping, the form Flower's ``run_config`` has."""
@@ -151,7 +186,7 @@ class RunConfig:
 
     def _check_relations(self) -> None:
         for key in ("dataset", "tie-rule", "model", "loss", "optimizer", "item-aggregation", "server-optimizer",
-                    "adversary", "adversary-trigger", "adversary-objective"):
+                    "adversary", "adversary-trigger", "adversary-objective", "unlearning", "krylov-mode"):
             value = getattr(self, key.replace("-", "_"))
             if value not in _CHOICES[key]:
                 raise ConfigError(f"run-config key '{key}' = {value!r}: must be one of {list(_CHOICES[key])}")
@@ -173,6 +208,16 @@ class RunConfig:
         if self.adversary != "none" and not self.protected_attribute:
             raise ConfigError(f"run-config key 'adversary' = {self.adversary!r} needs 'protected-attribute' "
                               "(the user attribute to unlearn, e.g. \"gender\")")
+        forget = self.forget_user_ids  # validates the list
+        if self.unlearning != "none" and not forget and self.forget_fraction == 0:
+            raise ConfigError(f"run-config key 'unlearning' = {self.unlearning!r} needs users to forget: set "
+                              "'forget-users' (partition ids) or 'forget-fraction'")
+        if self.unlearn_round > self.num_server_rounds:
+            raise ConfigError(f"run-config key 'unlearn-round' = {self.unlearn_round} is after the last round "
+                              f"(num-server-rounds = {self.num_server_rounds})")
+        if self.unlearning == "hfkcu" and self.krylov_mode == "local" and self.damping == 0:
+            raise ConfigError("run-config key 'damping' = 0 with krylov-mode = 'local': one user's Hessian is singular "
+                              "(zero on every row it never touches); set damping > 0")
         if not self.client or not self.strategy:
             raise ConfigError("run-config keys 'client' and 'strategy' must name a registered entry or module:Class")
 

@@ -25,7 +25,8 @@ PROGRESS = logging.getLogger("fedrec_flwr.progress")
 """Logger of the one-line-per-round progress report."""
 
 
-RESULT_FILES = ("metrics.csv", "metrics.json", "final_arrays.npz", "summary.json", "learning_curves.png")
+RESULT_FILES = ("metrics.csv", "metrics.json", "final_arrays.npz", "summary.json", "learning_curves.png",
+                "unlearning.json", "before-unlearning.npz")
 
 
 def check_results_folder(folder: str | Path) -> None:

@@ -130,8 +130,8 @@ def run_serial(run_config: Mapping[str, Any] | RunConfig, *, client_app: ClientA
         client_app: the ClientApp (default: this package's, built for ``run_config``).
         return_grid: also return the grid, whose node contexts hold every user's private state after the run (for
             simulation-only analyses such as loss landscapes; a deployment never exposes them).
-        on_round: ``callable(server_round, grid)`` run after every round (e.g. an attack on the users' embeddings as
-            training goes; see :func:`fedrec_flwr.server_app.main`).
+        on_round: ``callable(view)`` run after every round with a :class:`~fedrec_flwr.server_app.RoundView` (round,
+            grid, strategy, arrays; e.g. an attack on the users' embeddings as training goes).
     Returns:
         The results folder (``results-dir/<run-name>/``), and the grid if ``return_grid``.
     Raises:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -123,12 +124,27 @@ def default_run_name(config: RunConfig) -> str:
     return f"{config.dataset}-{config.model}-{client}-{strategy}-{stamp}"
 
 
+@dataclass
+class RoundView:
+    """What an ``on_round`` hook sees after a round (in-process callers only; see :func:`main`)."""
+
+    server_round: int
+    grid: Grid
+    strategy: Any
+    """The running strategy (e.g. to run an unlearning phase variant, :class:`strategies.unlearning.ClientUnlearning`)."""
+    arrays: ArrayRecord
+    """The shared parameters after the round."""
+    config: RunConfig
+    folder: Path
+
+
 def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = None, *,
-         on_round: Callable[[int, Grid], None] | None = None) -> Path:
+         on_round: Callable[[RoundView], None] | None = None) -> Path:
     """Run one federated experiment (see the module docstring); returns the results folder.
 
-    ``on_round(server_round, grid)``, if given (in-process callers only, e.g. an experiment's per-round attack on a
-    :class:`~fedrec_flwr.serial.SerialGrid`), is called after every round, once its metrics are recorded.
+    ``on_round(view)``, if given (in-process callers only, e.g. an experiment's per-round attack on a
+    :class:`~fedrec_flwr.serial.SerialGrid`), is called after every round, once its metrics are recorded, with a
+    :class:`RoundView`.
     """
     _setup_logging()
     config = RunConfig.from_mapping(context.run_config or run_config or {})
@@ -144,6 +160,9 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     if not hasattr(strategy_cls, "from_run_config"):
         raise ConfigError(f"strategy {config.strategy!r} has no from_run_config(config, layout, topology) class method")
     strategy = strategy_cls.from_run_config(config, layout, topology)
+    if config.unlearning != "none" and not hasattr(strategy, "run_unlearning"):
+        raise ConfigError(f"run-config key 'unlearning' = {config.unlearning!r}: strategy {config.strategy!r} has no "
+                          "unlearning phase (use a strategy derived from ItemEmbeddingFedAvg, e.g. 'item-fedavg')")
     if hasattr(strategy, "attach_results"):  # a strategy that writes files of its own (e.g. an attack's log)
         strategy.attach_results(folder)
 
@@ -155,7 +174,7 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
         if server_round > 0:
             recorder.record(server_round, strategy.last_train, strategy.last_evaluate)
             if on_round is not None:
-                on_round(server_round, grid)
+                on_round(RoundView(server_round, grid, strategy, arrays, config, folder))
         return None
 
     result = strategy.start(
@@ -168,7 +187,10 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
         evaluate_fn=record_round,
     )
     final = {k: v.numpy() for k, v in result.arrays.items()} if result.arrays is not None else {}
-    recorder.finish(final, {"client-failures": {str(k): v for k, v in getattr(strategy, "failures", {}).items()}})
+    extra = {"client-failures": {str(k): v for k, v in getattr(strategy, "failures", {}).items()}}
+    if getattr(strategy, "unlearning_report", None) is not None:
+        extra["unlearning"] = strategy.unlearning_report
+    recorder.finish(final, extra)
     log.info("results written to %s", folder)
     return folder
 

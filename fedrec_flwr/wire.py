@@ -295,3 +295,91 @@ def sample_users(seed: int, server_round: int, num_users: int, fraction: float, 
         return np.arange(num_users, dtype=np.int64)
     rng = np.random.default_rng([seed, 0x5A3B, tag, server_round])
     return np.sort(rng.choice(num_users, size=size, replace=False)).astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------------- unlearning vectors
+def pack_sparse(vector: Mapping[str, np.ndarray], layout: ModelLayout) -> dict[str, np.ndarray]:
+    """A vector over the shared parameters (e.g. a gradient, a CG direction or a Hessian-vector product; full arrays
+    by shared key) in the row-sparse form the unlearning messages carry.
+
+    Dense keys travel whole, as ``"<key>"``; each item table ``"<key>"`` as ``"<key>#rows"`` ``(T,)`` int64 (the rows
+    with a non-zero entry, sorted) and ``"<key>#sum"`` ``(T, d)`` float32 (their values). Missing keys count as zero.
+    """
+    out: dict[str, np.ndarray] = {}
+    for key, shape in layout.shared_shapes.items():
+        value = np.asarray(vector[key]) if key in vector else None
+        if key in layout.item_keys:
+            rows = (np.flatnonzero(np.any(value.reshape(value.shape[0], -1) != 0, axis=1)) if value is not None
+                    else np.zeros(0, dtype=np.int64)).astype(np.int64)
+            out[key + ROWS] = rows
+            out[key + SUM] = (value[rows] if value is not None else np.zeros((0, *shape[1:]))).astype(np.float32)
+        else:
+            out[key] = (value if value is not None else np.zeros(shape)).astype(np.float32)
+    return out
+
+
+def unpack_sparse(arrays: Mapping[str, np.ndarray], layout: ModelLayout) -> dict[str, np.ndarray]:
+    """Inverse of :func:`pack_sparse`: full float64 arrays by shared key.
+
+    Raises:
+        PrivacyViolation: a key names a private parameter.
+        ReplyError: a key is missing or unknown, a shape is wrong, a row id is out of range or repeated, or a value
+            is NaN or Inf.
+    """
+    private = set(layout.private_keys)
+    for key in arrays:
+        if key.split("#", 1)[0] in private:
+            raise PrivacyViolation(f"an unlearning message carries the private parameter '{key}' (a user embedding)")
+    expected = {k for k in layout.dense_keys} | {k + s for k in layout.item_keys for s in (ROWS, SUM)}
+    missing, unknown = expected - set(arrays), set(arrays) - expected
+    if missing or unknown:
+        raise ReplyError(f"sparse vector keys do not match the scheme: missing {sorted(missing)}, "
+                         f"unknown {sorted(unknown)}")
+    out: dict[str, np.ndarray] = {}
+    for key, shape in layout.shared_shapes.items():
+        if key in layout.item_keys:
+            rows, values = np.asarray(arrays[key + ROWS]), np.asarray(arrays[key + SUM])
+            if rows.ndim != 1 or (rows.size and not np.issubdtype(rows.dtype, np.integer)):
+                raise ReplyError(f"'{key}{ROWS}' must be a 1-d integer array, got {rows.dtype} {rows.shape}")
+            if tuple(values.shape) != (rows.size, *shape[1:]):
+                raise ReplyError(f"'{key}{SUM}' has shape {values.shape}, expected {(rows.size, *shape[1:])}")
+            if rows.size and (rows.min() < 0 or rows.max() >= shape[0] or np.unique(rows).size != rows.size):
+                raise ReplyError(f"'{key}{ROWS}' must be unique row ids in [0, {shape[0]})")
+            full = np.zeros(shape, dtype=np.float64)
+            full[rows.astype(np.int64)] = values
+        else:
+            full = np.asarray(arrays[key], dtype=np.float64)
+            if tuple(full.shape) != tuple(shape):
+                raise ReplyError(f"'{key}' has shape {full.shape}, expected {tuple(shape)}")
+        if not np.isfinite(full).all():
+            raise ReplyError(f"'{key}' contains NaN or Inf")
+        out[key] = full
+    return out
+
+
+class SparseSum:
+    """A node's sum of per-user vectors over the shared parameters (gradients, Hessian-vector products, local CG
+    solutions), packed with :func:`pack_sparse` for the reply.
+
+    Args:
+        layout: the model's keys.
+    """
+
+    def __init__(self, layout: ModelLayout) -> None:
+        self.layout = layout
+        self.total = {k: np.zeros(s, dtype=np.float64) for k, s in layout.shared_shapes.items()}
+        self.count = 0
+
+    def add(self, dense: Mapping[str, np.ndarray], rows: Mapping[str, tuple[np.ndarray, np.ndarray]],
+            weight: float = 1.0) -> None:
+        """Add ``weight`` times one user's vector (dense key -> array; item key -> ``(row ids, values)``)."""
+        for key in self.layout.dense_keys:
+            self.total[key] += weight * np.asarray(dense[key], dtype=np.float64)
+        for key in self.layout.item_keys:
+            ids, values = rows[key]
+            np.add.at(self.total[key], np.asarray(ids, dtype=np.int64), weight * np.asarray(values, np.float64))
+        self.count += 1
+
+    def pack(self) -> dict[str, np.ndarray]:
+        """The sum in the row-sparse message form."""
+        return pack_sparse(self.total, self.layout)

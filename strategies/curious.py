@@ -68,6 +68,9 @@ class LabelLeakageAudit:
     def attach_results(self, folder: Path) -> None:
         """Called by the ServerApp with the run's results folder."""
         self._audit_folder = Path(folder)
+        parent = getattr(super(), "attach_results", None)
+        if parent is not None:
+            parent(folder)
 
     def _adversary_template(self, sent: ArrayRecord):
         if self._adversary is None:

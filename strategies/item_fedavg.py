@@ -15,13 +15,19 @@
   :class:`~fedrec_flwr.wire.PrivacyViolation` (the round fails); one with unknown keys, wrong shapes, NaN/Inf or zero
   weight is rejected with a logged reason; failed clients are counted and logged; fewer accepted replies than
   ``min-train-fraction`` of the sampled nodes raises :class:`RoundFailed`.
+* Client unlearning (``unlearning``, :mod:`strategies.unlearning`): after round ``unlearn-round`` the strategy runs the
+  unlearning phase (HF-KCU, gradient ascent or continued training) on the aggregated model, evaluates the model before
+  and after it, and writes ``unlearning.json`` and ``before-unlearning.npz``; the forgotten users train no more
+  (``retrain``: never), and federated evaluation always leaves them out when a forget set is configured.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -30,6 +36,8 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, aggregate_metricrecords
 
 from fedrec_flwr.config import RunConfig
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.io import atomic_save_npz, atomic_write_json
 from fedrec_flwr.wire import (
     ARRAYS, CONFIG, COUNT, ITEM_AGGREGATIONS, METRICS, NUM_EXAMPLES, ROWS, SUM, ModelLayout, ReplyError, Topology,
     check_reply_keys, merge_rows, sample_users,
@@ -76,6 +84,8 @@ class ItemEmbeddingFedAvg(FedAvg):
         num_rounds: int = 1,
         evaluate_split: str = "test",
         item_aggregation: str = "auto",
+        unlearning=None,
+        round_timeout: float = 600.0,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -103,11 +113,41 @@ class ItemEmbeddingFedAvg(FedAvg):
         self.last_train: dict[str, float] = {}
         self.last_evaluate: dict[str, float] = {}
         self.failures: dict[int, int] = {}
+        self.unlearning = unlearning
+        """:class:`strategies.unlearning.UnlearningSettings`, or ``None`` without a forget set."""
+        self.round_timeout = round_timeout
+        self.removed_users: frozenset[int] = frozenset(
+            unlearning.forget if unlearning is not None and unlearning.method == "retrain" else ())
+        """Users no longer sampled for training (the forgotten ones, once forgotten; from the start for ``retrain``)."""
+        self.unlearning_report: dict | None = None
+        self._grid: Grid | None = None
+        self._train_started = 0.0
+        self._results_folder: Path | None = None
 
     @classmethod
     def from_run_config(cls, config: RunConfig, layout: ModelLayout, topology: Topology | None = None):
-        """Build the strategy from the validated run config (the hook every pluggable strategy provides)."""
-        return cls(layout, topology=topology, **cls.options_from_config(config))
+        """Build the strategy from the validated run config (the hook every pluggable strategy provides).
+
+        Raises:
+            ConfigError: a forget set is configured but ``topology`` is unknown, or a forgotten partition id is out of
+                range.
+        """
+        options = cls.options_from_config(config)
+        if config.unlearning != "none" or config.forget_user_ids or config.forget_fraction > 0:
+            from .unlearning import UnlearningSettings
+
+            if topology is None:
+                raise ConfigError("a forget set (forget-users / forget-fraction) needs the federation's topology")
+            options["unlearning"] = UnlearningSettings.from_config(config, topology.num_users)
+        return cls(layout, topology=topology, **options)
+
+    def attach_results(self, folder: Path) -> None:
+        """Called by the ServerApp with the run's results folder (the unlearning phase writes its files there)."""
+        self._results_folder = Path(folder)
+
+    def adopt_arrays(self, arrays: ArrayRecord) -> None:
+        """Take ``arrays`` as the current shared parameters after a change outside a training round (the unlearning
+        phase). Stateless here; a strategy that keeps its own copy of the parameters (server optimizer) overrides it."""
 
     @classmethod
     def options_from_config(cls, config: RunConfig) -> dict:
@@ -121,6 +161,7 @@ class ItemEmbeddingFedAvg(FedAvg):
             "num_rounds": config.num_server_rounds,
             "evaluate_split": "test+val" if config.evaluate_validation else "test",
             "item_aggregation": config.item_aggregation,
+            "round_timeout": config.round_timeout,
         }
 
     def set_topology(self, topology: Topology) -> None:
@@ -129,14 +170,28 @@ class ItemEmbeddingFedAvg(FedAvg):
 
     # ------------------------------------------------------------------------------------------------ train
     def sample_train_users(self, server_round: int) -> np.ndarray:
-        """The users trained in ``server_round`` (``(m,)`` int64, sorted)."""
-        return sample_users(self.seed, server_round, self._topology().num_users, self.fraction_train, tag=0)
+        """The users trained in ``server_round`` (``(m,)`` int64, sorted): the seeded draw, less :attr:`removed_users`
+        (so a run without some users trains every other user in exactly the same rounds)."""
+        users = sample_users(self.seed, server_round, self._topology().num_users, self.fraction_train, tag=0)
+        if self.removed_users:
+            users = users[~np.isin(users, np.fromiter(self.removed_users, dtype=np.int64))]
+        return users
+
+    def evaluation_users(self, server_round: int) -> np.ndarray:
+        """The users evaluated in ``server_round``: the seeded draw, less the forget set when one is configured (so
+        every method is scored on the same remaining users)."""
+        users = sample_users(self.seed, server_round, self._topology().num_users, self.fraction_evaluate, tag=1)
+        if self.unlearning is not None and self.unlearning.forget:
+            users = users[~np.isin(users, np.asarray(self.unlearning.forget, dtype=np.int64))]
+        return users
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """One train message per node that serves a sampled user, naming those users."""
         self._current = arrays
+        self._grid = grid
+        self._train_started = time.perf_counter()
         users = self.sample_train_users(server_round)
         self._sampled_nodes = self._topology().group(users)
         return self._messages(server_round, arrays, config, self._sampled_nodes, MessageType.TRAIN)
@@ -185,8 +240,55 @@ class ItemEmbeddingFedAvg(FedAvg):
             "train-users": train_users,
             "num-replies": float(len(accepted)),
             "num-failures": float(len(replies) - len(accepted)),
+            "train-seconds": time.perf_counter() - self._train_started,
         }
+        if self._phase_due(server_round):
+            arrays = self.run_unlearning(server_round, arrays)
         return arrays, metrics
+
+    # ------------------------------------------------------------------------------------------------ unlearning
+    def _phase_due(self, server_round: int) -> bool:
+        from .unlearning import PHASE_METHODS
+
+        u = self.unlearning
+        return u is not None and u.method in PHASE_METHODS and server_round == u.round and \
+            self.unlearning_report is None
+
+    def run_unlearning(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
+        """The unlearning phase after ``server_round`` (:class:`strategies.unlearning.ClientUnlearning`): evaluate the
+        model, unlearn, write ``unlearning.json`` (report, metrics before) and ``before-unlearning.npz``; from then on
+        the forgotten users are not trained. Returns the new arrays."""
+        from .unlearning import ClientUnlearning
+
+        assert self._grid is not None and self.unlearning is not None
+        before = self.evaluate_arrays(self._grid, arrays, server_round)
+        saved_train = dict(self.last_train)
+        new, report = ClientUnlearning(self, self.unlearning, timeout=self.round_timeout).run(
+            self._grid, arrays, server_round)
+        self.last_train = saved_train
+        self.removed_users = frozenset(self.removed_users) | set(self.unlearning.forget)
+        self.adopt_arrays(new)
+        report["before"] = before
+        self.unlearning_report = report
+        if self._results_folder is not None:
+            atomic_save_npz(self._results_folder / "before-unlearning.npz",
+                            **{k.replace("/", "_"): v.numpy() for k, v in arrays.items()})
+            atomic_write_json(self._results_folder / "unlearning.json", report)
+        return new
+
+    def evaluate_arrays(self, grid: Grid, arrays: ArrayRecord, server_round: int,
+                        users: np.ndarray | None = None) -> dict[str, float]:
+        """Federated evaluation of ``arrays`` now, on ``users`` (default: :meth:`evaluation_users`); mean metrics.
+        Leaves :attr:`last_evaluate` as it was."""
+        users = self.evaluation_users(server_round) if users is None else np.asarray(users, dtype=np.int64)
+        config = ConfigRecord({"split": self.evaluate_split})
+        messages = self._messages(server_round, arrays, config, self._topology().group(users), MessageType.EVALUATE)
+        saved = self.last_evaluate
+        try:
+            self.aggregate_evaluate(server_round, grid.send_and_receive(messages, timeout=self.round_timeout))
+            return dict(self.last_evaluate)
+        finally:
+            self.last_evaluate = saved
 
     def validate_reply(self, content: RecordDict) -> RecordDict:
         """Check one reply's content; returns it, or raises ``ReplyError`` / ``PrivacyViolation``."""
@@ -237,7 +339,9 @@ class ItemEmbeddingFedAvg(FedAvg):
     # ------------------------------------------------------------------------------------------------ evaluate
     def is_evaluation_round(self, server_round: int) -> bool:
         """Evaluate every ``eval-every`` rounds and after the last round."""
-        return self.fraction_evaluate > 0 and (server_round % self.eval_every == 0 or server_round == self.num_rounds)
+        phase = self.unlearning is not None and self.unlearning.method != "none" and server_round == self.unlearning.round
+        return self.fraction_evaluate > 0 and (server_round % self.eval_every == 0 or server_round == self.num_rounds
+                                               or phase)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -246,7 +350,7 @@ class ItemEmbeddingFedAvg(FedAvg):
         self.last_evaluate = {}
         if not self.is_evaluation_round(server_round):
             return []
-        users = sample_users(self.seed, server_round, self._topology().num_users, self.fraction_evaluate, tag=1)
+        users = self.evaluation_users(server_round)
         config = ConfigRecord(dict(config))
         config.setdefault("split", self.evaluate_split)
         return self._messages(server_round, arrays, config, self._topology().group(users), MessageType.EVALUATE)

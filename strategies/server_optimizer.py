@@ -121,6 +121,15 @@ class ServerOptimizerStrategy(ItemEmbeddingFedAvg):
         if sparse:
             self.optimizers.append(torch.optim.SparseAdam(sparse, lr=self.server_learning_rate))
 
+    def adopt_arrays(self, arrays: ArrayRecord) -> None:
+        """Load ``arrays`` into the server parameters (keeping the optimizer's moments), so that the next step starts
+        from them (e.g. after an unlearning phase)."""
+        if not self.parameters:
+            return
+        with torch.no_grad():
+            for key, param in self.parameters.items():
+                param.copy_(torch.as_tensor(arrays[key].numpy(), dtype=param.dtype))
+
     def mean_gradients(self, accepted: list[RecordDict]) -> dict[str, torch.Tensor]:
         """Shared key -> the round's mean gradient: dense keys averaged over users; item tables per
         ``item-aggregation`` (a sparse ``(num_items, d)`` tensor of the touched rows for ``"touched"``)."""

@@ -91,10 +91,11 @@ def run_job(job) -> Path:
             states = [context.state for context in grid.contexts.values()]
             return collect_user_embeddings(states, runtime.layout.private_keys, split.num_users)
 
-        def on_round(server_round: int, grid) -> None:
+        def on_round(view) -> None:
+            server_round = view.server_round
             if server_round % STABILITY_EVERY:
                 return
-            x, present = embeddings(grid)
+            x, present = embeddings(view.grid)
             result = attribute_inference(x[present], tracked[present], splits=3, seed=server_round)
             stability.append({"round": server_round, "attribute": attribute, "users": int(present.sum()),
                               "auc": result.auc[0], "balanced-accuracy": result.balanced_accuracy[0]})

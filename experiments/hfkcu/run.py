@@ -1,0 +1,304 @@
+"""Reproduce the HF-KCU client-unlearning experiments: one command per part (see ``experiments/hfkcu/README.md``).
+
+    python -m experiments.hfkcu.run main       # originals + unlearning variants, and the retrained models
+    python -m experiments.hfkcu.run poison     # the poisoning case study (fake users promoting one item)
+    python -m experiments.hfkcu.run report     # tables and plots from the finished runs
+
+Every run goes through the package's ServerApp, strategy and ClientApp (:func:`fedrec_flwr.serial.run_serial`):
+
+* **original** (per dataset and model): 100 rounds; after round 100 (an ``on_round`` hook) every unlearning variant of
+  :data:`experiments.hfkcu.methods.VARIANTS` (and the ablations, on ML-100K's 1% set) is run as a Flower phase on the
+  trained model for each forget set (:class:`strategies.unlearning.ClientUnlearning`, from the same node states;
+  ``continue`` trains the remaining users, so their states are restored after it). Each variant's model is evaluated
+  federatedly on the remaining users, and its candidate scores are kept for the KL divergence.
+* **retrain** (per dataset, model and forget set): ``unlearning = "retrain"``, the same seed and 100 rounds; the
+  forgotten users are never sampled, every other user trains in the same rounds as in the original.
+
+Timing: a variant's time is its phase's server wall time (``unlearning.json``'s ``seconds``); retraining's is the sum
+of its rounds' training time (``train-seconds``, evaluation excluded), measured the same way on the same machine.
+A finished run (``phase.json`` / ``retrain.json`` present) is skipped, so an interrupted command resumes; start it in
+several processes to use several cores (jobs are claimed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from experiments.common import claimed, quiet_flower, run_jobs, slug
+from experiments.hfkcu.analysis import candidate_scores, exposure, private_records
+from experiments.hfkcu.methods import (
+    ABLATION_SETTING, ABLATIONS, DATASETS, FORGET_SETS, MODELS, POISON, PROTOCOL, ROUNDS, VARIANTS,
+)
+from fedrec_flwr.config import make_run_config
+from fedrec_flwr.io import atomic_save_npz, atomic_write_json, atomic_write_text
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RUNS = RESULTS / "runs"
+CACHE = Path(__file__).resolve().parent / ".cache"
+SEED = 0
+
+
+def base_config(dataset: str, model: str, data_dir: str, folder: Path, name: str, **extra):
+    overrides = {**PROTOCOL, **MODELS[model], "dataset": dataset, "seed": SEED, "results-dir": str(folder),
+                 "run-name": name, **extra}
+    if data_dir and dataset != "generic":
+        overrides["data-dir"] = str(Path(data_dir) / dataset)
+    return make_run_config(**overrides)
+
+
+def forget_sets(num_users: int) -> dict[str, np.ndarray]:
+    """Forget-set name -> users (seeded; :func:`strategies.unlearning.forget_set`)."""
+    from strategies.unlearning import forget_set
+
+    out = {}
+    for name, fraction in FORGET_SETS.items():
+        config = make_run_config(seed=SEED, forget_fraction=(1.0 / num_users) if fraction is None else fraction)
+        out[name] = forget_set(config, num_users)
+    return out
+
+
+def _arrays(record) -> dict[str, np.ndarray]:
+    return {k: v.numpy().copy() for k, v in record.items()}
+
+
+def _settings(config, forget: np.ndarray, changes: dict, num_users: int):
+    from strategies.unlearning import UnlearningSettings
+
+    settings = UnlearningSettings.from_config(
+        config.replace(unlearning="hfkcu", forget_users=",".join(str(int(u)) for u in forget)), num_users)
+    return settings.replace(**changes)
+
+
+def run_phases(view, runtime, forget: dict[str, np.ndarray], variants_for, out: Path, poison_target: int | None = None
+               ) -> list[dict]:
+    """Apply every variant to the trained model in ``view`` (an ``on_round`` hook's RoundView); write each variant's
+    arrays and candidate scores under ``out`` and return one row per (forget set, variant)."""
+    from strategies.unlearning import ClientUnlearning
+
+    strategy, grid, config = view.strategy, view.grid, view.config
+    num_users = runtime.split.num_users
+    records = private_records(grid, range(num_users))
+    atomic_save_npz(out / "private-records.npz",
+                    **{f"{u}/{k}": v.numpy() for u, rec in records.items() for k, v in rec.items()})
+    trained = _arrays(view.arrays)
+    rows = []
+    for set_name, users in forget.items():
+        remaining = np.setdiff1d(np.arange(num_users), users)
+
+        def record(name: str, arrays: dict, metrics: dict, report: dict, user_records) -> None:
+            scores = candidate_scores(runtime, user_records, arrays, remaining)
+            atomic_save_npz(out / "variants" / slug(set_name) / f"{slug(name)}.npz", scores=scores, **arrays)
+            row = {"forget-set": set_name, "forgotten": int(users.size), "variant": name,
+                   "seconds": float(report.get("seconds", 0.0)), **metrics,
+                   **{k: v for k, v in report.items() if k not in ("forget-users", "before", "seconds")}}
+            if poison_target is not None:
+                row["exposure"] = exposure(runtime, user_records, arrays, remaining, poison_target)
+            rows.append(row)
+            atomic_write_json(out / "phase.partial.json", rows)
+            print(f"  {set_name:9s} {name:38s} HR@10 {metrics.get('HR@10', float('nan')):.4f} "
+                  f"{row['seconds']:7.2f} s" + (f" exposure {row['exposure']:.3f}" if "exposure" in row else ""),
+                  flush=True)
+
+        before = strategy.evaluate_arrays(grid, view.arrays, view.server_round, users=remaining)
+        record("original", trained, before, {}, records)
+        for name, changes in variants_for(set_name).items():
+            settings = _settings(config, users, changes, num_users)
+            saved = {n: copy.deepcopy(c.state) for n, c in grid.contexts.items()} if settings.method == "continue" \
+                else None
+            new, report = ClientUnlearning(strategy, settings, timeout=config.round_timeout).run(
+                grid, view.arrays, view.server_round)
+            metrics = strategy.evaluate_arrays(grid, new, view.server_round, users=remaining)
+            user_records = private_records(grid, range(num_users)) if saved is not None else records
+            record(name, _arrays(new), metrics, report, user_records)
+            if saved is not None:
+                for node, context in grid.contexts.items():
+                    context.state = saved[node]
+    return rows
+
+
+def run_original(job) -> None:
+    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.serial import run_serial
+
+    dataset, model, data_dir = job
+    folder = RUNS / dataset / model
+    config = base_config(dataset, model, data_dir, folder, "original")
+    out = folder / "original"
+    with claimed(out, RESULTS, done_file="phase.json") as mine:
+        if not mine:
+            return
+        (out / "summary.json").unlink(missing_ok=True)
+        runtime = get_runtime(config.to_dict())
+        forget = forget_sets(runtime.split.num_users)
+        train_seconds = []
+
+        def variants_for(set_name: str) -> dict:
+            extra = ABLATIONS if (dataset, set_name) == ABLATION_SETTING else {}
+            return {**VARIANTS, **extra}
+
+        def on_round(view) -> None:
+            train_seconds.append(float(view.strategy.last_train.get("train-seconds", 0.0)))
+            if view.server_round == ROUNDS:
+                rows = run_phases(view, runtime, forget, variants_for, out)
+                atomic_write_json(out / "phase.json", {"train-seconds": float(sum(train_seconds)), "rows": rows,
+                                                       "forget-sets": {k: v.tolist() for k, v in forget.items()}})
+                (out / "phase.partial.json").unlink(missing_ok=True)
+
+        run_serial(config, on_round=on_round)
+
+
+def run_retrain(job) -> None:
+    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.serial import run_serial
+
+    dataset, model, set_name, data_dir = job
+    folder = RUNS / dataset / model
+    runtime = get_runtime(base_config(dataset, model, data_dir, folder, "original").to_dict())
+    users = forget_sets(runtime.split.num_users)[set_name]
+    name = f"retrain-{slug(set_name)}"
+    config = base_config(dataset, model, data_dir, folder, name, unlearning="retrain",
+                         forget_users=",".join(str(int(u)) for u in users))
+    out = folder / name
+    with claimed(out, RESULTS, done_file="retrain.json") as mine:
+        if not mine:
+            return
+        (out / "summary.json").unlink(missing_ok=True)
+        train_seconds = []
+
+        def on_round(view) -> None:
+            train_seconds.append(float(view.strategy.last_train.get("train-seconds", 0.0)))
+            if view.server_round != ROUNDS:
+                return
+            remaining = np.setdiff1d(np.arange(runtime.split.num_users), users)
+            metrics = view.strategy.evaluate_arrays(view.grid, view.arrays, ROUNDS, users=remaining)
+            records = private_records(view.grid, remaining)
+            arrays = _arrays(view.arrays)
+            atomic_save_npz(out / "retrained.npz", scores=candidate_scores(runtime, records, arrays, remaining),
+                            **arrays)
+            atomic_write_json(out / "retrain.json", {"forget-set": set_name, "forgotten": int(users.size),
+                                                     "train-seconds": float(sum(train_seconds)), **metrics})
+
+        run_serial(config, on_round=on_round)
+
+
+# ---------------------------------------------------------------------------------------------- poisoning
+def poisoned_data(data_dir: str) -> tuple[Path, int]:
+    """Write MovieLens-100K plus ``fake-users`` fake users to the cache (never committed); returns the file and the
+    target item's raw id. Each fake user rates the target (earliest) and the ``filler-items`` most popular items
+    (later, so leave-one-out holds out a filler and the target stays in training)."""
+    source = Path(data_dir or os.environ.get("FEDREC_DATA_DIR", "")) / "ml-100k" / "u.data"
+    frame = pd.read_csv(source, sep="\t", header=None, names=["user", "item", "rating", "timestamp"])
+    popularity = frame["item"].value_counts()
+    rng = np.random.default_rng([SEED, 0x504F])
+    unpopular = np.sort(popularity[(popularity >= 5) & (popularity <= 10)].index.to_numpy())
+    target = int(rng.choice(unpopular))
+    fillers = [int(i) for i in popularity.index[:POISON["filler-items"]] if int(i) != target][:POISON["filler-items"]]
+    start = int(frame["timestamp"].max()) + 1
+    rows = []
+    for k in range(POISON["fake-users"]):
+        user = 10001 + k
+        rows.append((user, target, 5, start))
+        rows += [(user, item, 5, start + 1 + j) for j, item in enumerate(fillers)]
+    poisoned = pd.concat([frame, pd.DataFrame(rows, columns=frame.columns)], ignore_index=True)
+    path = CACHE / f"ml-100k-poisoned-{POISON['fake-users']}.csv"
+    CACHE.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, poisoned.to_csv(index=False))
+    return path, target
+
+
+def run_poison(job) -> None:
+    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.serial import run_serial
+
+    kind, data_dir = job
+    path, target_raw = poisoned_data(data_dir)
+    folder = RUNS / "poison" / POISON["model"]
+    generic = {"dataset": "generic", "generic-file": str(path), "generic-columns": "user,item,rating,timestamp"}
+    config = base_config("generic", POISON["model"], data_dir, folder, "original", **generic)
+    runtime = get_runtime(config.to_dict())
+    split = runtime.split
+    fakes = np.flatnonzero(np.array([int(u) >= 10001 for u in split.user_ids])).astype(np.int64)
+    target = int(np.flatnonzero(split.item_ids.astype(str) == str(target_raw))[0])
+    genuine = np.setdiff1d(np.arange(split.num_users), fakes)
+    if kind == "original":
+        out = folder / "original"
+        with claimed(out, RESULTS, done_file="phase.json") as mine:
+            if not mine:
+                return
+            (out / "summary.json").unlink(missing_ok=True)
+            train_seconds = []
+            variants = {k: VARIANTS[k] for k in ("HF-KCU distributed CG", "HF-KCU local CG (Alg. 1)",
+                                                 "HF-KCU distributed, eta=1 (Newton)", "gradient ascent",
+                                                 "continued training (5 rounds)")}
+
+            def on_round(view) -> None:
+                train_seconds.append(float(view.strategy.last_train.get("train-seconds", 0.0)))
+                if view.server_round == ROUNDS:
+                    rows = run_phases(view, runtime, {"fake users": fakes}, lambda _: variants, out,
+                                      poison_target=target)
+                    atomic_write_json(out / "phase.json", {"train-seconds": float(sum(train_seconds)), "rows": rows,
+                                                           "target-item": int(target), "target-raw-id": target_raw,
+                                                           "fake-users": fakes.tolist()})
+                    (out / "phase.partial.json").unlink(missing_ok=True)
+
+            run_serial(config, on_round=on_round)
+    else:
+        out = folder / "retrain-fake-users"
+        config = base_config("generic", POISON["model"], data_dir, folder, "retrain-fake-users", **generic,
+                             unlearning="retrain", forget_users=",".join(str(int(u)) for u in fakes))
+        with claimed(out, RESULTS, done_file="retrain.json") as mine:
+            if not mine:
+                return
+            (out / "summary.json").unlink(missing_ok=True)
+            train_seconds = []
+
+            def on_round(view) -> None:
+                train_seconds.append(float(view.strategy.last_train.get("train-seconds", 0.0)))
+                if view.server_round != ROUNDS:
+                    return
+                metrics = view.strategy.evaluate_arrays(view.grid, view.arrays, ROUNDS, users=genuine)
+                records = private_records(view.grid, genuine)
+                arrays = _arrays(view.arrays)
+                atomic_write_json(out / "retrain.json", {
+                    "forget-set": "fake users", "forgotten": int(fakes.size),
+                    "train-seconds": float(sum(train_seconds)), **metrics,
+                    "exposure": exposure(runtime, records, arrays, genuine, target)})
+
+            run_serial(config, on_round=on_round)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", choices=["main", "poison", "report"])
+    parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""),
+                        help="folder holding <dataset>/ (default: $FEDREC_DATA_DIR; empty = download)")
+    parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job from i")
+    parser.add_argument("--datasets", default=",".join(DATASETS))
+    args = parser.parse_args(argv)
+    quiet_flower()
+    if args.part == "report":
+        from experiments.hfkcu.report import report
+
+        report(RESULTS, args.data_dir)
+        return
+    if args.part == "poison":
+        run_jobs([("original", args.data_dir), ("retrain", args.data_dir)], run_poison, args.shard, "poison")
+        return
+    datasets = [d for d in args.datasets.split(",") if d]
+    jobs = []
+    for dataset in datasets:
+        for model in MODELS:
+            jobs.append(("original", (dataset, model, args.data_dir)))
+            jobs += [("retrain", (dataset, model, name, args.data_dir)) for name in FORGET_SETS]
+    run_jobs(jobs, lambda job: (run_original if job[0] == "original" else run_retrain)(job[1]), args.shard, "hfkcu")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The influence objective: one user's (or one node's users') recommendation loss as a function of the shared
+parameters, the private user embeddings held fixed. HF-KCU's gradients and Hessian-vector products are taken of it
+(:mod:`strategies.unlearning`, :mod:`fedrec_flwr.krylov`).
+
+``L_u(theta)`` is the training loss (``loss``: BCE or BPR) averaged over user ``u``'s training positives and a fixed
+negative sample (:meth:`clients.fedrec.FedRecClient.influence_examples`), plus the L2 term of ``weight-decay`` where
+set (on the item rows the user's loss uses and on the dense parameters, as in training). A node's objective is
+``sum_u L_u`` over its users, evaluated in one batched pass when the model's private parameters are user-embedding
+tables (MF, NCF): the node's users become the rows of one user table, so one product costs one forward-backward over
+the node's examples instead of one per user.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .models import RecModel
+
+
+def can_batch(model: RecModel) -> bool:
+    """Whether every private parameter of ``model`` is a user-embedding table (then users can share one model)."""
+    tables = {f"{name}.weight" for name in model.user_embedding_modules()}
+    return set(model.private_state()) == tables
+
+
+def node_model(runtime, num_users: int) -> RecModel:
+    """A model like ``runtime.model`` with ``num_users`` user rows (cached per size on the runtime)."""
+    from .runtime import build_shared_model
+
+    cache = runtime.__dict__.setdefault("_node_models", {})
+    if num_users not in cache:
+        classes = runtime.protected.num_classes if runtime.protected else 0
+        model = build_shared_model(runtime.config, runtime.split.num_items, num_users=num_users, num_classes=classes)
+        cache[num_users] = model.to(next(runtime.model.parameters()).device)
+    return cache[num_users]
+
+
+@contextmanager
+def influence_objective(runtime, clients: Sequence, shared: Mapping[str, np.ndarray],
+                        extra_rows: np.ndarray | None = None):
+    """``sum_u L_u(theta)`` over ``clients`` (module docstring) as a function of the shared parameters.
+
+    Inside the block the item tables are compact copies of rows ``items`` (the users' rows and ``extra_rows``), so
+    every gradient or product costs O(rows used).
+
+    Args:
+        runtime: the process's :class:`~fedrec_flwr.runtime.Runtime`.
+        clients: :class:`clients.fedrec.FedRecClient` objects of this node's users (one, or several when
+            :func:`can_batch` holds for the model).
+        shared: shared key -> full array (the server's parameters).
+        extra_rows: more item rows to include (e.g. a right-hand side's support), or ``None``.
+    Yields:
+        ``(loss_fn, params, items)``: ``loss_fn(params) -> scalar``; ``params`` the compact shared parameters (name
+        -> detached tensor); ``items`` ``(T,)`` the global row of each compact row.
+    Raises:
+        ValueError: no clients, or several for a model whose private parameters are not user tables.
+    """
+    if not clients:
+        raise ValueError("influence_objective: no users")
+    cfg, layout = runtime.config, runtime.layout
+    if len(clients) == 1:
+        model = runtime.model
+        clients[0].load_shared(shared)
+        clients[0].load_private()
+    else:
+        if not can_batch(runtime.model):
+            raise ValueError(f"model {cfg.model!r} has private parameters other than user tables: one user at a time")
+        model = node_model(runtime, len(clients))
+        if getattr(model, "_influence_shared", None) is not shared:
+            model.load_shared_state(dict(shared))
+            model._influence_shared = shared
+        rows: dict[str, list] = {}
+        for client in clients:
+            client.load_private()
+            for key, value in runtime.model.private_state().items():
+                rows.setdefault(key, []).append(value)
+        model.load_private_state({k: torch.cat(v) for k, v in rows.items()})
+    examples = [client.influence_examples() for client in clients]
+    items = np.unique(np.concatenate([np.concatenate(e) for e in examples]
+                                     + ([np.asarray(extra_rows, dtype=np.int64)] if extra_rows is not None else [])))
+    items = items.astype(np.int64)
+    with model.item_subset(items):
+        device = next(model.parameters()).device
+        users, left, right, weights = [], [], [], []
+        for row, (positives, negatives) in enumerate(examples):
+            pos, neg = np.searchsorted(items, positives), np.searchsorted(items, negatives)
+            if cfg.loss == "bpr":
+                k = neg.size // pos.size
+                left.append(np.repeat(pos, k))
+                right.append(neg)
+                count = neg.size
+            else:
+                left.append(np.concatenate([pos, neg]))
+                right.append((pos.size, neg.size))
+                count = pos.size + neg.size
+            users.append(np.full(count, row))
+            weights.append(np.full(count, 1.0 / count))
+        user_t = torch.as_tensor(np.concatenate(users), device=device)
+        weight_t = torch.as_tensor(np.concatenate(weights), dtype=torch.float32, device=device)
+        if cfg.loss == "bpr":
+            pos_t = torch.as_tensor(np.concatenate(left), device=device)
+            neg_t = torch.as_tensor(np.concatenate(right), device=device)
+            used_items = torch.cat([pos_t, neg_t])
+            used_users = torch.cat([user_t, user_t])
+        else:
+            item_t = torch.as_tensor(np.concatenate(left), device=device)
+            label_t = torch.as_tensor(np.concatenate(
+                [np.concatenate([np.ones(p), np.zeros(n)]) for p, n in right]), dtype=torch.float32, device=device)
+            used_items, used_users = item_t, user_t
+        decay = runtime.train_config.weight_decay
+        item_keys = set(layout.item_keys)
+        if decay > 0:  # each user regularises the rows its loss uses once (LocalTrainer.compute_loss)
+            row_users = torch.zeros(items.size, device=device)
+            for row in range(len(clients)):
+                row_users[torch.unique(used_items[used_users == row])] += 1.0
+
+        def loss_fn(params):
+            if cfg.loss == "bpr":
+                scores = torch.func.functional_call(model, params, (used_users, used_items))
+                n = user_t.numel()
+                loss = -(weight_t * F.logsigmoid(scores[:n] - scores[n:])).sum()
+            else:
+                logits = torch.func.functional_call(model, params, (user_t, item_t))
+                loss = (weight_t * F.binary_cross_entropy_with_logits(logits, label_t, reduction="none")).sum()
+            if decay > 0:
+                for key, value in params.items():
+                    if key in item_keys:
+                        loss = loss + 0.5 * decay * (row_users * value.pow(2).sum(dim=tuple(range(1, value.dim())))).sum()
+                    else:
+                        loss = loss + 0.5 * decay * len(clients) * value.pow(2).sum()
+            return loss
+
+        params = {k: p.detach() for k, p in model.named_parameters() if k in layout.shared_shapes}
+        yield loss_fn, params, items
