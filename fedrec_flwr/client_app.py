@@ -32,7 +32,7 @@ from .influence import can_batch
 from .registry import resolve
 from .runtime import Runtime, get_runtime, node_users
 from .wire import (
-    ARRAYS, CONFIG, GRADIENT_USERS, METRICS, NUM_EXAMPLES, Contribution, SparseSum, pack_sparse, unpack_sparse,
+    ARRAYS, CONFIG, GRADIENT_USERS, METRICS, NUM_EXAMPLES, Contribution, SparseSum, unpack_sparse,
 )
 
 
@@ -48,11 +48,11 @@ IDENTIFY = "identify"
 UNLEARN_GRADIENT = "unlearn_gradient"
 """Query: the summed influence-loss gradient of the named (forgotten) users at the sent shared parameters."""
 UNLEARN_AFFECTED = "unlearn_affected"
-"""Query: for each named user, how many of its loss rows are in the sent support rows, and its gradient norm."""
+"""Query: how many of the node's remaining users share a loss row with the sent support rows (node totals)."""
 UNLEARN_HVP = "unlearn_hvp"
-"""Query: the summed Hessian-vector product of the named users' losses with the sent direction (distributed CG)."""
+"""Query: the summed Hessian-vector product of the node's remaining users' losses with the sent direction."""
 UNLEARN_LOCAL_CG = "unlearn_local_cg"
-"""Query: the weighted sum of the named users' local CG solutions for the sent right-hand side (local CG)."""
+"""Query: the weighted sum of the node's remaining users' local CG solutions for the sent right-hand side."""
 VECTOR = "vector"
 """Content key of the row-sparse vector (direction, right-hand side) an unlearning query carries."""
 SUPPORT = "support"
@@ -163,37 +163,39 @@ def unlearn_gradient(message: Message, context: Context, run_config: Mapping[str
     return _sparse_reply(message, total, {"loss-sum": loss})
 
 
+def _remaining_users(message: Message, context: Context, run_config):
+    """The node's served users minus the message's ``exclude`` list (the forgotten users), and, with ``"causal" =
+    true`` and a support, only those whose influence loss shares a row with it: ``(runtime, clients, config)``.
+    The server never chooses individual users here, so every answer is a sum over the node's users."""
+    runtime = get_runtime(run_config or context.run_config)
+    served = node_users(runtime.config, context.node_config, runtime.split.num_users)
+    config = dict(message.content[CONFIG]) if CONFIG in message.content else {}
+    excluded = {int(u) for u in config.get("exclude", [])}
+    clients = [make_client(runtime, u, context) for u in served if u not in excluded]
+    if bool(config.get("causal", False)) and SUPPORT in message.content:
+        support = message.content[SUPPORT]["rows"].numpy().astype(np.int64)
+        clients = [c for c in clients if np.isin(c.influence_items(), support).any()]
+    return runtime, clients, config
+
+
 def unlearn_affected(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
-    """For each requested user: how many of its influence-loss rows are among the sent support rows (``overlap``)
-    and, with ``"norms" = true``, the norm of its loss gradient at the sent shared parameters (``gradient-norm``; for
-    overlapping users, or for all with ``"all-norms" = true``; else 0)."""
-    runtime, users, config = _query_setup(message, context, run_config)
-    shared = _shared_arrays(message)
+    """How many of this node's remaining users share an influence-loss row with the sent support rows
+    (``affected-users``), and the node's total number of such shared rows (``overlap``): node totals only."""
+    _, clients, _ = _remaining_users(message, context, run_config)
     support = message.content[SUPPORT]["rows"].numpy().astype(np.int64)
-    want_norms, all_norms = bool(config.get("norms", False)), bool(config.get("all-norms", False))
-    overlaps, norms = [], []
-    for user in users:
-        client = make_client(runtime, user, context)
-        overlap = int(np.isin(client.influence_items(), support).sum())
-        norm = 0.0
-        if want_norms and (overlap or all_norms):
-            dense, rows, _ = client.influence_gradient(shared)
-            norm = float(np.sqrt(sum(float(np.sum(v ** 2)) for v in dense.values())
-                                 + sum(float(np.sum(v ** 2)) for _, v in rows.values())))
-        overlaps.append(overlap)
-        norms.append(norm)
-    record = ConfigRecord({"users": users, "overlap": overlaps, "gradient-norm": norms})
+    overlaps = [int(np.isin(c.influence_items(), support).sum()) for c in clients]
+    record = ConfigRecord({"affected-users": sum(1 for o in overlaps if o), "overlap": sum(overlaps),
+                           "remaining-users": len(clients)})
     return Message(content=RecordDict({CONFIG: record}), reply_to=message)
 
 
 def unlearn_hvp(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
-    """Sum over the requested users of ``H_u v`` for the sent direction ``v`` (one distributed-CG product), in one
-    batched pass over the node's users where the model allows (:func:`fedrec_flwr.influence.can_batch`)."""
-    runtime, users, _ = _query_setup(message, context, run_config)
+    """Sum over the node's remaining (with ``causal``: affected) users of ``H_u v`` for the sent direction ``v`` (one
+    distributed-CG product), in one batched pass where the model allows (:func:`fedrec_flwr.influence.can_batch`)."""
+    runtime, clients, _ = _remaining_users(message, context, run_config)
     shared = _shared_arrays(message)
     direction = unpack_sparse({k: a.numpy() for k, a in message.content[VECTOR].items()}, runtime.layout)
     total = SparseSum(runtime.layout)
-    clients = [make_client(runtime, user, context) for user in users]
     groups = [clients] if len(clients) > 1 and can_batch(runtime.model) else [[c] for c in clients]
     for group in groups:
         total.add(*group[0].influence_hvp(shared, direction, group=group))
@@ -202,25 +204,38 @@ def unlearn_hvp(message: Message, context: Context, run_config: Mapping[str, Any
 
 
 def unlearn_local_cg(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
-    """Sum over the requested users of ``w_u x_u``, ``x_u`` the user's local CG solution of ``(H_u + damping I) x =
-    rhs`` (HF-KCU's Algorithm 1); config: ``weights`` (one per user), ``iterations``, ``damping``, ``tolerance``."""
-    runtime, users, config = _query_setup(message, context, run_config)
+    """HF-KCU's Algorithm 1 on this node: each remaining (with ``causal``: affected) user ``u`` solves ``(H_u +
+    damping I) x_u = rhs`` by CG on its own Hessian; the reply is ``sum_u w_u x_u`` and ``weight-sum = sum_u w_u``
+    with ``w_u = ||∇L_u||`` (with ``causal``; else 1), so the server can normalise over all nodes. A solve that meets
+    non-positive curvature or ends with a relative residual above 1 (worse than no step) is left out and counted.
+    Config: ``iterations``, ``damping``, ``tolerance``."""
+    runtime, clients, config = _remaining_users(message, context, run_config)
     shared = _shared_arrays(message)
     rhs = unpack_sparse({k: a.numpy() for k, a in message.content[VECTOR].items()}, runtime.layout)
-    weights = [float(w) for w in config["weights"]]
-    if len(weights) != len(users):
-        raise ValueError(f"{len(weights)} weights for {len(users)} users")
+    causal = bool(config.get("causal", False))
     total = SparseSum(runtime.layout)
-    stats = {"max-iterations": 0.0, "max-residual": 0.0, "not-converged": 0.0, "negative-curvature": 0.0}
-    for user, weight in zip(users, weights):
-        dense, rows, result = make_client(runtime, user, context).influence_solve(
+    stats = {"weight-sum": 0.0, "solved": 0.0, "dropped": 0.0, "max-iterations": 0.0, "max-residual": 0.0,
+             "not-converged": 0.0, "negative-curvature": 0.0}
+    for client in clients:
+        weight = 1.0
+        if causal:
+            dense, rows, _ = client.influence_gradient(shared)
+            weight = float(np.sqrt(sum(float(np.sum(v ** 2)) for v in dense.values())
+                                   + sum(float(np.sum(v ** 2)) for _, v in rows.values())))
+        dense, rows, result = client.influence_solve(
             shared, rhs, iterations=int(config["iterations"]), damping=float(config["damping"]),
             tolerance=float(config["tolerance"]))
-        total.add(dense, rows, weight)
-        stats["max-iterations"] = max(stats["max-iterations"], float(result.iterations))
-        stats["max-residual"] = max(stats["max-residual"], float(result.residual))
         stats["not-converged"] += float(not result.converged)
         stats["negative-curvature"] += float(result.negative_curvature)
+        if result.negative_curvature or result.residual > 1.0:
+            stats["dropped"] += 1.0
+            continue
+        total.add(dense, rows, weight)
+        stats["weight-sum"] += weight
+        stats["solved"] += 1.0
+        stats["max-iterations"] = max(stats["max-iterations"], float(result.iterations))
+        stats["max-residual"] = max(stats["max-residual"], float(result.residual))
+    total.count = len(clients)
     return _sparse_reply(message, total, stats)
 
 

@@ -44,13 +44,14 @@ NODE_SETTLE_SECONDS = 20.0
 
 
 def _setup_logging() -> None:
-    root = logging.getLogger("fedrec_flwr")
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
-        root.propagate = False
+    for name in ("fedrec_flwr", "strategies", "clients"):
+        root = logging.getLogger(name)
+        if not root.handlers:
+            handler = logging.StreamHandler(sys.stdout)
+            handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+            root.addHandler(handler)
+            root.setLevel(logging.INFO)
+            root.propagate = False
     if not PROGRESS.handlers:
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(message)s"))
@@ -186,6 +187,10 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
         evaluate_config=ConfigRecord(),
         evaluate_fn=record_round,
     )
+    if config.unlearning in ("continue", "hfkcu", "gradient-ascent") and \
+            getattr(strategy, "unlearning_report", None) is None:
+        raise RuntimeError(f"unlearning = {config.unlearning!r} was configured but strategy {config.strategy!r} never ran "
+                           "its phase (does it override aggregate_train without calling super()?)")
     final = {k: v.numpy() for k, v in result.arrays.items()} if result.arrays is not None else {}
     extra = {"client-failures": {str(k): v for k, v in getattr(strategy, "failures", {}).items()}}
     if getattr(strategy, "unlearning_report", None) is not None:

@@ -139,11 +139,19 @@ class ItemEmbeddingFedAvg(FedAvg):
             if topology is None:
                 raise ConfigError("a forget set (forget-users / forget-fraction) needs the federation's topology")
             options["unlearning"] = UnlearningSettings.from_config(config, topology.num_users)
+            if config.unlearning == "none":
+                log.warning("forget-users / forget-fraction set with unlearning = 'none': those %d users still train "
+                            "and are only left out of evaluation", len(options["unlearning"].forget))
         return cls(layout, topology=topology, **options)
 
     def attach_results(self, folder: Path) -> None:
-        """Called by the ServerApp with the run's results folder (the unlearning phase writes its files there)."""
+        """Called by the ServerApp with the run's results folder (the unlearning phase writes its files there; a
+        ``retrain`` run records its forgotten users in ``unlearning.json`` now)."""
         self._results_folder = Path(folder)
+        if self.unlearning is not None and self.unlearning.method == "retrain":
+            self._results_folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(self._results_folder / "unlearning.json",
+                              {"method": "retrain", "forget-users": list(self.unlearning.forget)})
 
     def adopt_arrays(self, arrays: ArrayRecord) -> None:
         """Take ``arrays`` as the current shared parameters after a change outside a training round (the unlearning
@@ -260,19 +268,29 @@ class ItemEmbeddingFedAvg(FedAvg):
         the forgotten users are not trained. Returns the new arrays."""
         from .unlearning import ClientUnlearning
 
+        from .unlearning import UnlearningFailed
+
         assert self._grid is not None and self.unlearning is not None
+        if self._results_folder is not None:
+            atomic_save_npz(self._results_folder / "before-unlearning.npz",
+                            **{k.replace("/", "_"): v.numpy() for k, v in arrays.items()})
         before = self.evaluate_arrays(self._grid, arrays, server_round)
         saved_train = dict(self.last_train)
-        new, report = ClientUnlearning(self, self.unlearning, timeout=self.round_timeout).run(
-            self._grid, arrays, server_round)
+        try:
+            new, report = ClientUnlearning(self, self.unlearning, timeout=self.round_timeout).run(
+                self._grid, arrays, server_round)
+        except UnlearningFailed as err:
+            if self._results_folder is not None:
+                atomic_write_json(self._results_folder / "unlearning.json",
+                                  {"method": self.unlearning.method, "round": server_round,
+                                   "forget-users": list(self.unlearning.forget), "error": str(err), "before": before})
+            raise
         self.last_train = saved_train
         self.removed_users = frozenset(self.removed_users) | set(self.unlearning.forget)
         self.adopt_arrays(new)
         report["before"] = before
         self.unlearning_report = report
         if self._results_folder is not None:
-            atomic_save_npz(self._results_folder / "before-unlearning.npz",
-                            **{k.replace("/", "_"): v.numpy() for k, v in arrays.items()})
             atomic_write_json(self._results_folder / "unlearning.json", report)
         return new
 
@@ -280,6 +298,8 @@ class ItemEmbeddingFedAvg(FedAvg):
                         users: np.ndarray | None = None) -> dict[str, float]:
         """Federated evaluation of ``arrays`` now, on ``users`` (default: :meth:`evaluation_users`); mean metrics.
         Leaves :attr:`last_evaluate` as it was."""
+        if self.fraction_evaluate <= 0 and users is None:
+            return {}
         users = self.evaluation_users(server_round) if users is None else np.asarray(users, dtype=np.int64)
         config = ConfigRecord({"split": self.evaluate_split})
         messages = self._messages(server_round, arrays, config, self._topology().group(users), MessageType.EVALUATE)

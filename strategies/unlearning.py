@@ -13,16 +13,24 @@ functions):
 
     theta_R ≈ theta* - H_R^{-1} ∇L_R(theta*) = theta* + H_R^{-1} g_F,    H_R = sum_{u in R} ∇² L_u(theta*).
 
-So the unlearning step is ``delta = + s * x`` with ``x`` the CG solution of ``(H_R + damping I) x = g_F``: the model
-moves *along* the forgotten users' gradient (their loss rises), through the remaining users' inverse curvature. For a
-quadratic ``L`` with ``s = 1`` and ``damping = 0`` the step lands exactly on the retrained optimum
-(``tests/test_unlearning.py``). ``s`` is ``unlearn-scale`` (eta, default 0.01 as in the paper); with
+So the unlearning step is ``delta = + s * x`` with ``x`` the CG solution of
+
+    (H_R + damping I) x = g_F.
+
+The model moves *along* the forgotten users' gradient (their loss rises), through the remaining users' inverse
+curvature. For a quadratic ``L`` with ``s = 1`` and ``damping = 0`` the step lands exactly on the retrained optimum
+(``tests/test_unlearning.py``). ``H_R`` is the Hessian of the *summed* loss: an item row's curvature is the sum over
+the users whose loss uses that row (a popular item's row is stiff, a rare one's soft), so ``damping`` is compared
+with per-row sums of user curvatures. (Normalising by the number of users, as influence functions do for a mean
+loss, makes every row's curvature about ``1 / n_R`` of that and lets ``damping`` swamp it: we measured the full
+step then equal to ``g_F / (n_R * damping)`` to 1e-4, a scaled gradient step.) ``s`` is ``unlearn-scale`` (eta, default 0.01 as in the paper); with
 ``adaptive-scale`` (ours: the paper's rule is not in its abstract) the step is also capped so that it changes the
 parameters it touches by at most ``unlearn-max-step`` of their norm: ``s = min(eta, max_step * ||theta_S|| / ||x||)``.
 
 **Causal weighting.** Only users whose loss shares rows with ``g_F`` are *affected*: the server sends ``g_F``'s row
-ids once (``unlearn_affected``), each node answers per user with the overlap and the norm of the user's gradient, and
-users with no overlap get weight 0 and no further query. For MF this isolation is exact: with private embeddings
+ids once to every node (``unlearn_affected``); each node answers how many of its users are affected (a node total,
+never a per-user answer); nodes with none are not queried again, and inside a queried node users with no shared row
+get weight 0. For MF this isolation is exact: with private embeddings
 fixed, MF's Hessian is block-diagonal by item row (``∂²L_u / ∂q_i ∂q_j = 0`` for ``i != j``), so CG's iterates stay
 on ``g_F``'s rows and users without them contribute nothing. NCF's shared MLP couples every user, so there the
 restriction to affected users is an approximation (``causal-weighting = false`` queries everyone).
@@ -32,18 +40,24 @@ restriction to affected users is an approximation (``causal-weighting = false`` 
 * ``distributed``: the server runs CG; each iteration sends the direction to the affected users' nodes
   (``unlearn_hvp``), which return ``sum_u H_u p``; the server sums them. This solves the federated system exactly up
   to CG's tolerance.
-* ``local`` (the paper's Algorithm 1): each affected user ``u`` solves ``(H_u + damping I) x_u = g_F`` on its own
-  Hessian (``unlearn_local_cg``) and the server takes ``x = sum_u w_u x_u`` with ``w_u = ||∇L_u|| / sum ||∇L_v||``
-  (causal weighting by gradient magnitude; uniform weights without it).
+* ``local`` (the paper's Algorithm 1 as the abstract and the issue describe it): each affected user ``u`` solves
+  ``(H_u + damping I) x_u = g_F`` on its own Hessian (``unlearn_local_cg``) and the server takes ``x = sum_u w_u
+  x_u`` with ``w_u = ||∇L_u|| / sum ||∇L_v||`` (causal weighting by gradient magnitude; uniform weights without it).
+  A solve that meets non-positive curvature or ends worse than no step (relative residual > 1) is left out.
 
 **Baselines** (``unlearning``): ``retrain`` (the forgotten users never train: the same seed samples the same other
 users in every round, the gold standard), ``continue`` (drop them and train ``continue-rounds`` more rounds on the
 rest), ``gradient-ascent`` (``ascent-steps`` steps ``theta += ascent-learning-rate * g_F(theta) / |F|``: ascent on
 the forgotten users' mean loss, so the step does not grow with their number).
 
-The forgotten users' gradient is computed by their own clients on request (``unlearn_gradient``); the server never
-sees their data. It does see ``g_F``, and so do the affected nodes, which receive its row ids and (for local CG) its
-values: the rows mix the users' positives with the fixed sampled negatives of their influence loss.
+**Privacy.** The forgotten users' gradient is computed by their own clients on request (``unlearn_gradient``); the
+server never sees their data, but ``g_F`` itself is revealing and HF-KCU must share it: the server receives it, and
+every affected node receives its row ids and (as the right-hand side of local CG, or the first CG direction) its
+values. For MF and BCE a single user's ``g_F`` gives away the user's rated items (the sign of each row's coefficient
+separates positives from the sampled negatives) and the direction of its embedding. A node answers HVP and local-CG
+queries only as sums over all its remaining users, as its training replies are; the server cannot pick a single
+user. Nothing in this protocol lets a client verify that a forget request really came from the user: the operator
+must only send ``unlearn_gradient`` for users who asked to leave (a probe of a user who did not is not prevented).
 
 :class:`ClientUnlearning` runs the phase for a strategy (:class:`strategies.item_fedavg.ItemEmbeddingFedAvg` calls it
 after ``unlearn-round``); experiments call it directly to compare variants on one trained model.
@@ -54,7 +68,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -208,31 +222,26 @@ class ClientUnlearning:
                report: dict) -> dict:
         s = self.settings
         support = _support_rows(g_forget, self.layout)
-        candidates = np.setdiff1d(np.arange(self.strategy._topology().num_users), forget)
-        overlap, norms = self.affected(grid, arrays, candidates, support, norms=s.krylov_mode == "local",
-                                       all_norms=not s.causal_weighting)
-        users = candidates[overlap > 0] if s.causal_weighting else candidates
-        weights = norms[overlap > 0] if s.causal_weighting else np.ones(candidates.size)
+        affected = self.affected(grid, arrays, support, forget)
+        nodes = [n for n, count in affected.items() if count > 0] if s.causal_weighting else list(affected)
         report.update({"krylov-mode": s.krylov_mode, "causal-weighting": s.causal_weighting,
-                       "support-rows": int(support.size), "affected-users": int(users.size),
-                       "affected-nodes": len(self.strategy._topology().group(users)),
+                       "support-rows": int(support.size), "affected-users": int(sum(affected.values())),
+                       "remaining-users": int(self.strategy._topology().num_users - forget.size),
+                       "queried-nodes": len(nodes), "nodes": len(affected),
                        "damping": s.damping, "cg-max-iterations": s.cg_iterations})
-        if users.size == 0:
+        if not nodes:
             log.warning("unlearning: no remaining user shares a row with the forgotten users; the step is g / damping")
         if s.krylov_mode == "distributed":
-            result = self.distributed_cg(grid, arrays, users, g_forget)
-            x = result
-        else:
-            total = float(weights.sum())
-            weights = weights / total if total > 0 else np.full(users.size, 1.0 / max(users.size, 1))
-            x, stats = self.local_cg(grid, arrays, users, weights, g_forget)
-            report.update(stats)
-        if isinstance(x, CGResult):
-            report.update(x.summary())
-            if not x.converged:
+            result = self.distributed_cg(grid, arrays, nodes, forget, support, g_forget)
+            report.update(result.summary())
+            if not result.converged:
                 log.warning("unlearning: CG did not converge in %d iterations (relative residual %.3e%s)",
-                            x.iterations, x.residual, ", non-positive curvature" if x.negative_curvature else "")
-            x = unflatten(x.x, self.layout.shared_shapes)
+                            result.iterations, result.residual,
+                            ", non-positive curvature" if result.negative_curvature else "")
+            x = unflatten(result.x, self.layout.shared_shapes)
+        else:
+            x, stats = self.local_cg(grid, arrays, nodes, forget, support, g_forget)
+            report.update(stats)
         scale = s.scale
         if s.adaptive_scale:
             changed = _norm(_restrict(theta, x, self.layout))
@@ -276,84 +285,93 @@ class ClientUnlearning:
     # ------------------------------------------------------------------------------------------------ queries
     def gradient(self, grid: Grid, arrays: ArrayRecord, users: np.ndarray) -> tuple[dict, float]:
         """``g = sum_{u in users} ∇L_u`` at ``arrays`` (full float64 arrays by key) and the users' mean loss."""
-        replies = self._query(grid, UNLEARN_GRADIENT, users, arrays)
+        groups = self.strategy._topology().group(np.asarray(users, dtype=np.int64))
+        replies = self._query(grid, UNLEARN_GRADIENT, {n: {"users": us} for n, us in groups.items()}, arrays)
         total = self._sum(replies)
         loss = sum(float(r.content[METRICS]["loss-sum"]) for r in replies)
         return total, loss / max(len(users), 1)
 
-    def affected(self, grid: Grid, arrays: ArrayRecord, users: np.ndarray, support: np.ndarray,
-                 norms: bool = True, all_norms: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """Per user of ``users``: how many of its loss rows are in ``support``, and (with ``norms``) its gradient norm
-        (0 where there is no overlap unless ``all_norms``). Both ``(len(users),)``, in ``users``' order."""
-        replies = self._query(grid, UNLEARN_AFFECTED, users, arrays, extra={"norms": norms, "all-norms": all_norms},
+    def affected(self, grid: Grid, arrays: ArrayRecord, support: np.ndarray, forget: np.ndarray) -> dict[int, int]:
+        """Node -> how many of its remaining users share an influence-loss row with ``support`` (every node asked)."""
+        nodes = sorted({int(n) for n in self.strategy._topology().user_to_node.tolist()})
+        exclude = [int(u) for u in forget]
+        replies = self._query(grid, UNLEARN_AFFECTED, {n: {"exclude": exclude} for n in nodes}, arrays,
                               support=support)
-        found: dict[int, tuple[int, float]] = {}
-        for reply in replies:
-            record = reply.content[CONFIG]
-            for user, overlap, norm in zip(record["users"], record["overlap"], record["gradient-norm"]):
-                found[int(user)] = (int(overlap), float(norm))
-        missing = [int(u) for u in users if int(u) not in found]
-        if missing:
-            raise UnlearningFailed(f"no affected-query answer for users {missing[:10]}")
-        overlap = np.array([found[int(u)][0] for u in users], dtype=np.int64)
-        norms = np.array([found[int(u)][1] for u in users], dtype=np.float64)
-        return overlap, norms
+        return {int(r.metadata.src_node_id): int(r.content[CONFIG]["affected-users"]) for r in replies}
 
-    def distributed_cg(self, grid: Grid, arrays: ArrayRecord, users: np.ndarray, rhs: dict) -> CGResult:
-        """CG on ``(sum_{u in users} H_u + damping I) x = rhs``, one ``unlearn_hvp`` query round per product."""
+    def _targets(self, nodes, forget: np.ndarray, extra: Mapping | None = None) -> dict[int, dict]:
+        return {int(n): {"exclude": [int(u) for u in forget], "causal": self.settings.causal_weighting,
+                         **(extra or {})} for n in nodes}
+
+    def distributed_cg(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
+                       rhs: dict) -> CGResult:
+        """CG on ``(sum_u H_u + damping I) x = rhs`` over the remaining (with causal weighting: affected) users of
+        ``nodes``, one ``unlearn_hvp`` query round per product."""
         shapes = self.layout.shared_shapes
+        targets = self._targets(nodes, forget)
 
         def matvec(flat: np.ndarray) -> np.ndarray:
-            if users.size == 0:
+            if not targets:
                 return np.zeros_like(flat)
-            vector = unflatten(flat, shapes)
-            replies = self._query(grid, UNLEARN_HVP, users, arrays, vector=vector)
+            replies = self._query(grid, UNLEARN_HVP, targets, arrays, vector=unflatten(flat, shapes),
+                                  support=support)
             return flatten(self._sum(replies), shapes)
 
         s = self.settings
         return conjugate_gradient(matvec, flatten(rhs, shapes), iterations=s.cg_iterations, damping=s.damping,
                                   tolerance=s.cg_tolerance)
 
-    def local_cg(self, grid: Grid, arrays: ArrayRecord, users: np.ndarray, weights: np.ndarray,
+    def local_cg(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
                  rhs: dict) -> tuple[dict, dict]:
-        """``sum_u w_u x_u`` over ``users`` (each ``x_u`` solved on its own node) and the solves' statistics."""
+        """``sum_u w_u x_u / sum_u w_u`` over the remaining (affected) users of ``nodes``, each ``x_u`` solved on its
+        own node (``w_u`` = gradient norm with causal weighting, else 1), and the solves' statistics."""
         s = self.settings
-        if users.size == 0:
+        if not nodes:
             return {k: v / s.damping for k, v in rhs.items()}, {"local-cg-users": 0}
-        weight_of = dict(zip((int(u) for u in users), (float(w) for w in weights)))
-        replies = self._query(grid, UNLEARN_LOCAL_CG, users, arrays, vector=rhs, per_node=lambda us: {
-            "weights": [weight_of[u] for u in us], "iterations": s.cg_iterations, "damping": s.damping,
-            "tolerance": s.cg_tolerance})
+        targets = self._targets(nodes, forget, {"iterations": s.cg_iterations, "damping": s.damping,
+                                                "tolerance": s.cg_tolerance})
+        replies = self._query(grid, UNLEARN_LOCAL_CG, targets, arrays, vector=rhs, support=support)
         metrics = [r.content[METRICS] for r in replies]
+        weight_sum = sum(float(m["weight-sum"]) for m in metrics)
         stats = {
-            "local-cg-users": int(users.size),
+            "local-cg-users": int(sum(float(m["solved"]) for m in metrics)),
+            "local-cg-dropped": int(sum(float(m["dropped"]) for m in metrics)),
             "cg-iterations": int(max(float(m["max-iterations"]) for m in metrics)),
             "cg-residual": float(max(float(m["max-residual"]) for m in metrics)),
             "local-cg-not-converged": int(sum(float(m["not-converged"]) for m in metrics)),
             "local-cg-negative-curvature": int(sum(float(m["negative-curvature"]) for m in metrics)),
         }
-        if stats["local-cg-not-converged"]:
-            log.warning("unlearning: %d of %d local CG solves did not converge (largest relative residual %.3e)",
-                        stats["local-cg-not-converged"], users.size, stats["cg-residual"])
-        return self._sum(replies), stats
+        if stats["local-cg-not-converged"] or stats["local-cg-dropped"]:
+            log.warning("unlearning: %d local CG solves did not converge, %d were left out (non-positive curvature "
+                        "or residual > 1); %d used", stats["local-cg-not-converged"], stats["local-cg-dropped"],
+                        stats["local-cg-users"])
+        total = self._sum(replies)
+        if weight_sum <= 0:
+            log.warning("unlearning: no local CG solve was usable; the step is 0")
+            return {k: np.zeros_like(v) for k, v in total.items()}, stats
+        return {k: v / weight_sum for k, v in total.items()}, stats
 
     # ------------------------------------------------------------------------------------------------ transport
-    def _query(self, grid: Grid, action: str, users: Iterable[int], arrays: ArrayRecord, *, extra: Mapping | None = None,
-               vector: Mapping[str, np.ndarray] | None = None, support: np.ndarray | None = None,
-               per_node=None) -> list[Message]:
-        groups = self.strategy._topology().group(np.asarray(list(users), dtype=np.int64))
-        if not groups:
+    def _query(self, grid: Grid, action: str, targets: Mapping[int, Mapping], arrays: ArrayRecord, *,
+               vector: Mapping[str, np.ndarray] | None = None, support: np.ndarray | None = None) -> list[Message]:
+        """Send ``action`` to each node of ``targets`` (node -> its config) and return the replies in canonical order.
+
+        Raises:
+            UnlearningFailed: a node failed or did not answer in time.
+        """
+        if not targets:
             return []
         vector_record = None if vector is None else ArrayRecord(
             {k: Array(v) for k, v in pack_sparse(vector, self.layout).items()})
+        support_record = None if support is None else ArrayRecord(
+            {"rows": Array(np.asarray(support, dtype=np.int64))})
         messages = []
-        for node, node_users in groups.items():
-            config = ConfigRecord({"users": node_users, **(extra or {}), **(per_node(node_users) if per_node else {})})
-            content = RecordDict({ARRAYS: arrays, CONFIG: config})
+        for node, config in targets.items():
+            content = RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord(dict(config))})
             if vector_record is not None:
                 content[VECTOR] = vector_record
-            if support is not None:
-                content[SUPPORT] = ArrayRecord({"rows": Array(np.asarray(support, dtype=np.int64))})
+            if support_record is not None:
+                content[SUPPORT] = support_record
             messages.append(Message(content=content, message_type=f"{MessageType.QUERY}.{action}", dst_node_id=node))
         self.messages += len(messages)
         replies = list(grid.send_and_receive(messages, timeout=self.timeout))
