@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from conftest import MessageRecorder, assert_no_private_value_in_replies, tiny_run_config
+from conftest import MessageRecorder, assert_no_private_value_in_replies, tiny_run_config, write_tiny_dataset
 from fedrec_flwr.adversary import AttributeAdversary, DSVAEAdversary
 from fedrec_flwr.attacks import attribute_inference, collect_user_embeddings, dlg_label, idlg_label
 from fedrec_flwr.client_app import make_client_app
@@ -365,3 +365,46 @@ def test_dp_baseline_adds_laplace_noise_of_scale_b_to_the_stored_embedding(tmp_p
     a, c = np.load(runs[0.0][0] / "final_arrays.npz"), np.load(runs[b][0] / "final_arrays.npz")
     for key in a.files:
         np.testing.assert_array_equal(a[key], c[key], err_msg=key)
+
+
+# ================================================================================================ membership inference
+def test_membership_auc_is_chance_for_random_scores_and_exact_for_separated_ones():
+    from fedrec_flwr.attacks import membership_auc
+
+    rng = np.random.default_rng(0)
+    random = membership_auc([rng.normal(size=200) for _ in range(20)], [rng.normal(size=200) for _ in range(20)])
+    assert abs(random["auc"] - 0.5) < 0.03 and abs(random["auc-pooled"] - 0.5) < 0.02 and random["users"] == 20
+    members = [rng.normal(size=30) + 10 for _ in range(5)]
+    others = [rng.normal(size=30) for _ in range(5)]
+    assert membership_auc(members, others)["auc"] == 1.0
+    swapped = membership_auc(others, members)
+    assert swapped["auc"] == 0.0 and swapped["auc-pooled"] == 0.0
+    overlap = membership_auc([rng.normal(size=50) + 0.5 for _ in range(5)], [rng.normal(size=50) for _ in range(5)])
+    assert 0.5 < overlap["auc"] < 1.0
+
+
+def test_membership_auc_refuses_bad_input():
+    from fedrec_flwr.attacks import membership_auc
+
+    with pytest.raises(ValueError, match="member lists"):
+        membership_auc([np.ones(3)], [])
+    with pytest.raises(ValueError, match="at least one"):
+        membership_auc([np.ones(0)], [np.ones(3)])
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        membership_auc([np.array([1.0, np.nan])], [np.ones(3)])
+
+
+def test_nonmember_items_never_holds_an_interacted_item(tmp_path):
+    from fedrec_flwr.attacks import nonmember_items
+    from fedrec_flwr.errors import DataError
+    from fedrec_flwr.runtime import get_runtime
+
+    write_tiny_dataset(tmp_path)
+    split = get_runtime(tiny_run_config(tmp_path)).split
+    rng = np.random.default_rng(1)
+    for user in range(split.num_users):
+        items = nonmember_items(split, user, 5, rng)
+        assert items.size == 5 == np.unique(items).size
+        assert not np.isin(items, split.interacted(user)).any()
+    with pytest.raises(DataError, match="non-interacted"):
+        nonmember_items(split, 0, split.num_items, rng)

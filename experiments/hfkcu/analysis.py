@@ -80,18 +80,21 @@ def membership(runtime, records, arrays, users, seed: int) -> dict[str, float]:
     return membership_auc([got_members[int(u)] for u in users], [got_others[int(u)] for u in users])
 
 
-def exposure(runtime, records, arrays, users, target: int, k: int = 10) -> float:
-    """Share of ``users`` (who never interacted with ``target``) with ``target`` in their top-``k`` among all items
-    they never interacted with."""
+def exposure(runtime, records, arrays, users, target: int, k: int = 10) -> dict[str, float]:
+    """How visible ``target`` is to ``users`` (those who never interacted with it), ranked among all items each user
+    never interacted with: ``exposure`` = share with ``target`` in their top ``k``; ``target-percentile`` = mean
+    share of those items the target outscores (0.5 = a random item; a finer signal than the top-k share)."""
     split = runtime.split
     everything = np.arange(split.num_items)
-    hits, counted = 0, 0
+    hits, percentiles = 0, []
     for user in users:
         if target in split.interacted(int(user)):
             continue
         got = scores(runtime, records, arrays, {int(user): everything})[int(user)]
         got[split.interacted(int(user))] = -np.inf
+        candidates = np.isfinite(got)
         top = np.argpartition(-got, k)[:k]
         hits += int(target in top)
-        counted += 1
-    return hits / max(counted, 1)
+        percentiles.append(float(np.mean(got[candidates] < got[target])))
+    return {"exposure": hits / max(len(percentiles), 1),
+            "target-percentile": float(np.mean(percentiles)) if percentiles else float("nan")}

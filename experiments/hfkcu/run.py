@@ -99,11 +99,11 @@ def run_phases(view, runtime, forget: dict[str, np.ndarray], variants_for, out: 
                    "seconds": float(report.get("seconds", 0.0)), **metrics,
                    **{k: v for k, v in report.items() if k not in ("forget-users", "before", "seconds")}}
             if poison_target is not None:
-                row["exposure"] = exposure(runtime, user_records, arrays, remaining, poison_target)
+                row.update(exposure(runtime, user_records, arrays, remaining, poison_target))
             rows.append(row)
             atomic_write_json(out / "phase.partial.json", rows)
             print(f"  {set_name:9s} {name:38s} HR@10 {metrics.get('HR@10', float('nan')):.4f} "
-                  f"{row['seconds']:7.2f} s" + (f" exposure {row['exposure']:.3f}" if "exposure" in row else ""),
+                  f"{row['seconds']:7.2f} s" + (f" exposure {row['exposure']:.3f} percentile {row['target-percentile']:.3f}" if "exposure" in row else ""),
                   flush=True)
 
         before = strategy.evaluate_arrays(grid, view.arrays, view.server_round, users=remaining)
@@ -220,7 +220,7 @@ def run_poison(job) -> None:
     kind, data_dir = job
     path, target_raw = poisoned_data(data_dir)
     folder = RUNS / "poison" / POISON["model"]
-    generic = {"dataset": "generic", "generic-file": str(path), "generic-columns": "user,item,rating,timestamp"}
+    generic = {"generic-file": str(path), "generic-columns": "user,item,rating,timestamp"}
     config = base_config("generic", POISON["model"], data_dir, folder, "original", **generic)
     runtime = get_runtime(config.to_dict())
     split = runtime.split
@@ -269,7 +269,7 @@ def run_poison(job) -> None:
                 atomic_write_json(out / "retrain.json", {
                     "forget-set": "fake users", "forgotten": int(fakes.size),
                     "train-seconds": float(sum(train_seconds)), **metrics,
-                    "exposure": exposure(runtime, records, arrays, genuine, target)})
+                    **exposure(runtime, records, arrays, genuine, target)})
 
             run_serial(config, on_round=on_round)
 
