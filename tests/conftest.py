@@ -148,3 +148,12 @@ def assert_no_private_value_in_replies(records, layout, private_rows) -> None:
                 for row in private_rows:
                     if flat.shape[-1] == row.shape[-1]:
                         assert not np.isclose(flat, row, rtol=0, atol=1e-7).all(axis=-1).any(), key
+
+
+TIMING_KEYS = ("seconds", "train-seconds")
+"""Metric columns that measure wall time (differ between otherwise identical runs)."""
+
+
+def without_timings(rows):
+    """``metrics.json`` rows without their wall-time columns, to compare two runs' metrics exactly."""
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]

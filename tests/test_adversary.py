@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+
+from conftest import without_timings
 from torch.distributions import Normal, kl_divergence
 
 from fedrec_flwr.adversary import (
@@ -402,6 +404,6 @@ def test_fedau2_dsvae_run_is_the_same_under_ray_as_in_the_serial_grid(tmp_path):
     assert set(a.files) == set(b.files) and any(k.startswith("adversary.") for k in a.files)
     for key in a.files:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    strip = without_timings
     assert strip(json.loads((ray_results / "metrics.json").read_text())) == strip(
         json.loads((serial_results / "metrics.json").read_text()))

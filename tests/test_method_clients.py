@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MessageRecorder, assert_no_private_value_in_replies, simulate, tiny_run_config
+from conftest import MessageRecorder, assert_no_private_value_in_replies, simulate, tiny_run_config, without_timings
 from fedrec_flwr.client_app import make_client_app
 from fedrec_flwr.models import build_model
 from fedrec_flwr.runtime import get_runtime
@@ -75,7 +75,7 @@ def test_serial_grid_gives_the_same_model_as_the_ray_simulation(tmp_path):
     assert set(a.files) == set(b.files)
     for key in a.files:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    strip = without_timings
     assert strip(json.loads((ray_results / "metrics.json").read_text())) == strip(
         json.loads((serial_results / "metrics.json").read_text()))
 

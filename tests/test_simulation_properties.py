@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import MessageRecorder, simulate, tiny_run_config
+from conftest import MessageRecorder, simulate, tiny_run_config, without_timings
 from fedrec_flwr.wire import ModelLayout, sample_users
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -104,7 +104,7 @@ def test_users_per_node_1_and_10_give_the_same_model(tmp_path):
 def test_same_seed_same_metrics_with_one_and_two_actors(tmp_path):
     one = simulate(tiny_run_config(tmp_path / "a"), num_cpus=2, cpus_per_client=2)  # 1 actor
     two = simulate(tiny_run_config(tmp_path / "b"), num_cpus=2, cpus_per_client=1)  # 2 actors
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    strip = without_timings
     assert strip(json.loads((one / "metrics.json").read_text())) == strip(json.loads((two / "metrics.json").read_text()))
     a, b = np.load(one / "final_arrays.npz"), np.load(two / "final_arrays.npz")
     for key in a.files:

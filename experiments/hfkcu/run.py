@@ -123,40 +123,66 @@ def run_phases(view, runtime, forget: dict[str, np.ndarray], variants_for, out: 
     return rows
 
 
+def train_then(config, out: Path, done_file: str, at_end) -> None:
+    """Train ``config`` (serial grid) into ``out`` unless ``done_file`` is there or another worker holds the job, and
+    call ``at_end(view, train_seconds)`` after the last round (``train_seconds``: its rounds' training time)."""
+    from fedrec_flwr.serial import run_serial
+
+    with claimed(out, RESULTS, done_file=done_file) as mine:
+        if not mine:
+            return
+        (out / "summary.json").unlink(missing_ok=True)  # an interrupted job's run is redone
+        train_seconds = []
+
+        def on_round(view) -> None:
+            train_seconds.append(float(view.strategy.last_train.get("train-seconds", 0.0)))
+            if view.server_round == ROUNDS:
+                at_end(view, float(sum(train_seconds)))
+
+        run_serial(config, on_round=on_round)
+
+
 def run_original(job) -> None:
     from fedrec_flwr.runtime import get_runtime
-    from fedrec_flwr.serial import run_serial
 
     dataset, model, data_dir = job
     folder = RUNS / dataset / model
     config = base_config(dataset, model, data_dir, folder, "original")
     out = folder / "original"
-    with claimed(out, RESULTS, done_file="phase.json") as mine:
-        if not mine:
-            return
-        (out / "summary.json").unlink(missing_ok=True)
-        runtime = get_runtime(config.to_dict())
-        forget = forget_sets(runtime.split.num_users)
-        train_seconds = []
+    runtime = get_runtime(config.to_dict())
+    forget = forget_sets(runtime.split.num_users)
 
-        def variants_for(set_name: str) -> dict:
-            extra = ABLATIONS if (dataset, set_name) == ABLATION_SETTING else {}
-            return {**VARIANTS, **extra}
+    def variants_for(set_name: str) -> dict:
+        extra = ABLATIONS if (dataset, set_name) == ABLATION_SETTING else {}
+        return {**VARIANTS, **extra}
 
-        def on_round(view) -> None:
-            train_seconds.append(float(view.strategy.last_train.get("train-seconds", 0.0)))
-            if view.server_round == ROUNDS:
-                rows = run_phases(view, runtime, forget, variants_for, out)
-                atomic_write_json(out / "phase.json", {"train-seconds": float(sum(train_seconds)), "rows": rows,
-                                                       "forget-sets": {k: v.tolist() for k, v in forget.items()}})
-                (out / "phase.partial.json").unlink(missing_ok=True)
+    def at_end(view, train_seconds: float) -> None:
+        rows = run_phases(view, runtime, forget, variants_for, out)
+        atomic_write_json(out / "phase.json", {"train-seconds": train_seconds, "rows": rows,
+                                               "forget-sets": {k: v.tolist() for k, v in forget.items()}})
+        (out / "phase.partial.json").unlink(missing_ok=True)
 
-        run_serial(config, on_round=on_round)
+    train_then(config, out, "phase.json", at_end)
+
+
+def retrain_end(runtime, out: Path, set_name: str, users: np.ndarray, target: int | None = None):
+    """The ``at_end`` of a retraining job: metrics on the remaining users, candidate scores (and the poisoning target's
+    exposure) written to ``retrained.npz`` / ``retrain.json``."""
+    def at_end(view, train_seconds: float) -> None:
+        remaining = np.setdiff1d(np.arange(runtime.split.num_users), users)
+        metrics = view.strategy.evaluate_arrays(view.grid, view.arrays, ROUNDS, users=remaining)
+        records = private_records(view.grid, remaining)
+        arrays = _arrays(view.arrays)
+        atomic_save_npz(out / "retrained.npz", scores=candidate_scores(runtime, records, arrays, remaining), **arrays)
+        extra = exposure(runtime, records, arrays, remaining, target) if target is not None else {}
+        atomic_write_json(out / "retrain.json", {"forget-set": set_name, "forgotten": int(users.size),
+                                                 "train-seconds": train_seconds, **metrics, **extra})
+
+    return at_end
 
 
 def run_retrain(job) -> None:
     from fedrec_flwr.runtime import get_runtime
-    from fedrec_flwr.serial import run_serial
 
     dataset, model, set_name, data_dir = job
     folder = RUNS / dataset / model
@@ -165,27 +191,7 @@ def run_retrain(job) -> None:
     name = f"retrain-{slug(set_name)}"
     config = base_config(dataset, model, data_dir, folder, name, unlearning="retrain",
                          forget_users=",".join(str(int(u)) for u in users))
-    out = folder / name
-    with claimed(out, RESULTS, done_file="retrain.json") as mine:
-        if not mine:
-            return
-        (out / "summary.json").unlink(missing_ok=True)
-        train_seconds = []
-
-        def on_round(view) -> None:
-            train_seconds.append(float(view.strategy.last_train.get("train-seconds", 0.0)))
-            if view.server_round != ROUNDS:
-                return
-            remaining = np.setdiff1d(np.arange(runtime.split.num_users), users)
-            metrics = view.strategy.evaluate_arrays(view.grid, view.arrays, ROUNDS, users=remaining)
-            records = private_records(view.grid, remaining)
-            arrays = _arrays(view.arrays)
-            atomic_save_npz(out / "retrained.npz", scores=candidate_scores(runtime, records, arrays, remaining),
-                            **arrays)
-            atomic_write_json(out / "retrain.json", {"forget-set": set_name, "forgotten": int(users.size),
-                                                     "train-seconds": float(sum(train_seconds)), **metrics})
-
-        run_serial(config, on_round=on_round)
+    train_then(config, folder / name, "retrain.json", retrain_end(runtime, folder / name, set_name, users))
 
 
 # ---------------------------------------------------------------------------------------------- poisoning
@@ -215,7 +221,6 @@ def poisoned_data(data_dir: str) -> tuple[Path, int]:
 
 def run_poison(job) -> None:
     from fedrec_flwr.runtime import get_runtime
-    from fedrec_flwr.serial import run_serial
 
     kind, data_dir = job
     path, target_raw = poisoned_data(data_dir)
@@ -226,52 +231,22 @@ def run_poison(job) -> None:
     split = runtime.split
     fakes = np.flatnonzero(np.array([int(u) >= 10001 for u in split.user_ids])).astype(np.int64)
     target = int(np.flatnonzero(split.item_ids.astype(str) == str(target_raw))[0])
-    genuine = np.setdiff1d(np.arange(split.num_users), fakes)
     if kind == "original":
         out = folder / "original"
-        with claimed(out, RESULTS, done_file="phase.json") as mine:
-            if not mine:
-                return
-            (out / "summary.json").unlink(missing_ok=True)
-            train_seconds = []
-            variants = {k: VARIANTS[k] for k in ("HF-KCU distributed CG", "HF-KCU local CG (Alg. 1)",
-                                                 "HF-KCU distributed, eta=1 (Newton)", "gradient ascent",
-                                                 "continued training (5 rounds)")}
 
-            def on_round(view) -> None:
-                train_seconds.append(float(view.strategy.last_train.get("train-seconds", 0.0)))
-                if view.server_round == ROUNDS:
-                    rows = run_phases(view, runtime, {"fake users": fakes}, lambda _: variants, out,
-                                      poison_target=target)
-                    atomic_write_json(out / "phase.json", {"train-seconds": float(sum(train_seconds)), "rows": rows,
-                                                           "target-item": int(target), "target-raw-id": target_raw,
-                                                           "fake-users": fakes.tolist()})
-                    (out / "phase.partial.json").unlink(missing_ok=True)
+        def at_end(view, train_seconds: float) -> None:
+            rows = run_phases(view, runtime, {"fake users": fakes}, lambda _: VARIANTS, out, poison_target=target)
+            atomic_write_json(out / "phase.json", {"train-seconds": train_seconds, "rows": rows,
+                                                   "target-item": int(target), "target-raw-id": target_raw,
+                                                   "fake-users": fakes.tolist()})
+            (out / "phase.partial.json").unlink(missing_ok=True)
 
-            run_serial(config, on_round=on_round)
+        train_then(config, out, "phase.json", at_end)
     else:
         out = folder / "retrain-fake-users"
         config = base_config("generic", POISON["model"], data_dir, folder, "retrain-fake-users", **generic,
                              unlearning="retrain", forget_users=",".join(str(int(u)) for u in fakes))
-        with claimed(out, RESULTS, done_file="retrain.json") as mine:
-            if not mine:
-                return
-            (out / "summary.json").unlink(missing_ok=True)
-            train_seconds = []
-
-            def on_round(view) -> None:
-                train_seconds.append(float(view.strategy.last_train.get("train-seconds", 0.0)))
-                if view.server_round != ROUNDS:
-                    return
-                metrics = view.strategy.evaluate_arrays(view.grid, view.arrays, ROUNDS, users=genuine)
-                records = private_records(view.grid, genuine)
-                arrays = _arrays(view.arrays)
-                atomic_write_json(out / "retrain.json", {
-                    "forget-set": "fake users", "forgotten": int(fakes.size),
-                    "train-seconds": float(sum(train_seconds)), **metrics,
-                    **exposure(runtime, records, arrays, genuine, target)})
-
-            run_serial(config, on_round=on_round)
+        train_then(config, out, "retrain.json", retrain_end(runtime, out, "fake users", fakes, target))
 
 
 def main(argv=None) -> None:
