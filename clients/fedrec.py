@@ -23,6 +23,7 @@ from fedrec_flwr.influence import influence_objective
 from fedrec_flwr.runtime import Runtime
 from fedrec_flwr.seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
 from fedrec_flwr.training import LocalTrainer, evaluate_user
+from fedrec_flwr.wire import support_rows
 
 INFLUENCE_ROUND = 0
 """Round tag of the fixed negative sample in a user's influence loss (training rounds are 1-based, so never 0)."""
@@ -317,10 +318,7 @@ class FedRecClient(NumPyClient):
         Raises:
             ValueError: ``damping`` is 0 and ``rhs`` has rows this user's loss never touches (singular system).
         """
-        layout = self.runtime.layout
-        support = np.unique(np.concatenate(
-            [np.flatnonzero(np.any(np.asarray(rhs[k]).reshape(len(rhs[k]), -1) != 0, axis=1)) for k in layout.item_keys]
-            or [np.zeros(0, dtype=np.int64)])).astype(np.int64)
+        support = support_rows(rhs, self.runtime.layout)
         if damping == 0 and not np.isin(support, self.influence_items()).all():
             raise ValueError(f"user {self.user}: damping = 0 but the right-hand side has rows this user's loss never "
                              "touches, where its Hessian is 0 (a singular system); use damping > 0")

@@ -298,6 +298,18 @@ def sample_users(seed: int, server_round: int, num_users: int, fraction: float, 
 
 
 # ---------------------------------------------------------------------------------------------- unlearning vectors
+def nonzero_rows(table: np.ndarray) -> np.ndarray:
+    """``(T,)`` int64 sorted indices of the rows of ``table`` (``(n, ...)``) with any non-zero entry."""
+    table = np.asarray(table)
+    return np.flatnonzero(np.any(table.reshape(table.shape[0], -1) != 0, axis=1)).astype(np.int64)
+
+
+def support_rows(vector: Mapping[str, np.ndarray], layout: ModelLayout) -> np.ndarray:
+    """Sorted item rows where any item table of ``vector`` (full arrays by shared key) is non-zero."""
+    rows = [nonzero_rows(vector[k]) for k in layout.item_keys if k in vector]
+    return np.unique(np.concatenate(rows)).astype(np.int64) if rows else np.zeros(0, dtype=np.int64)
+
+
 def pack_sparse(vector: Mapping[str, np.ndarray], layout: ModelLayout) -> dict[str, np.ndarray]:
     """A vector over the shared parameters (e.g. a gradient, a CG direction or a Hessian-vector product; full arrays
     by shared key) in the row-sparse form the unlearning messages carry.
@@ -309,8 +321,7 @@ def pack_sparse(vector: Mapping[str, np.ndarray], layout: ModelLayout) -> dict[s
     for key, shape in layout.shared_shapes.items():
         value = np.asarray(vector[key]) if key in vector else None
         if key in layout.item_keys:
-            rows = (np.flatnonzero(np.any(value.reshape(value.shape[0], -1) != 0, axis=1)) if value is not None
-                    else np.zeros(0, dtype=np.int64)).astype(np.int64)
+            rows = nonzero_rows(value) if value is not None else np.zeros(0, dtype=np.int64)
             out[key + ROWS] = rows
             out[key + SUM] = (value[rows] if value is not None else np.zeros((0, *shape[1:]))).astype(np.float32)
         else:

@@ -82,7 +82,9 @@ from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.krylov import CGResult, conjugate_gradient, flatten, unflatten
 from fedrec_flwr.seeding import numpy_rng
-from fedrec_flwr.wire import ARRAYS, CONFIG, METRICS, ReplyError, pack_sparse, unpack_sparse
+from fedrec_flwr.wire import (
+    ARRAYS, CONFIG, METRICS, ReplyError, nonzero_rows, pack_sparse, support_rows, unpack_sparse,
+)
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +223,7 @@ class ClientUnlearning:
     def _hfkcu(self, grid: Grid, arrays: ArrayRecord, theta: dict, g_forget: dict, forget: np.ndarray,
                report: dict) -> dict:
         s = self.settings
-        support = _support_rows(g_forget, self.layout)
+        support = support_rows(g_forget, self.layout)
         affected = self.affected(grid, arrays, support, forget)
         nodes = [n for n, count in affected.items() if count > 0] if s.causal_weighting else list(affected)
         report.update({"krylov-mode": s.krylov_mode, "causal-weighting": s.causal_weighting,
@@ -400,19 +402,12 @@ def _norm(vector: Mapping[str, np.ndarray]) -> float:
     return float(np.sqrt(sum(float(np.sum(np.asarray(v, dtype=np.float64) ** 2)) for v in vector.values())))
 
 
-def _support_rows(vector: Mapping[str, np.ndarray], layout) -> np.ndarray:
-    """Sorted item rows where any item table of ``vector`` is non-zero."""
-    rows = [np.flatnonzero(np.any(vector[k].reshape(vector[k].shape[0], -1) != 0, axis=1)) for k in layout.item_keys]
-    return np.unique(np.concatenate(rows)).astype(np.int64) if rows else np.zeros(0, dtype=np.int64)
-
-
 def _restrict(theta: Mapping[str, np.ndarray], x: Mapping[str, np.ndarray], layout) -> dict[str, np.ndarray]:
     """The entries of ``theta`` that ``x`` changes: item rows where ``x`` is non-zero, dense keys where ``x`` is."""
     out = {}
     for key in layout.shared_shapes:
         if key in layout.item_keys:
-            rows = np.any(x[key].reshape(x[key].shape[0], -1) != 0, axis=1)
-            out[key] = theta[key][rows]
+            out[key] = theta[key][nonzero_rows(x[key])]
         elif np.any(x[key] != 0):
             out[key] = theta[key]
     return out
