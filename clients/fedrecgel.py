@@ -30,32 +30,12 @@ from flwr.app import Array, ArrayRecord
 from clients.fedrec import FedRecClient, UserUpdate
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.sam import SAMTrainer
+from fedrec_flwr.training import load_optimizer_state_arrays, optimizer_state_arrays
 
 UPLOAD_KEY = "upload"
 """Train-config key by which a strategy asks for ``"gradient"`` or ``"parameters"`` uploads."""
 OPTIMIZER_PREFIX = "user-opt:"
 """``context.state`` key prefix of a user's private optimizer state (never sent)."""
-
-
-def optimizer_state_arrays(optimizer: torch.optim.Optimizer) -> dict[str, np.ndarray]:
-    """An optimizer's per-parameter state as flat arrays: ``"<param index>/<name>"`` -> array (e.g. Adam's
-    ``exp_avg``, ``exp_avg_sq``, ``step``). Hyper-parameters are not saved: they come from the config."""
-    out = {}
-    for index, entry in optimizer.state_dict()["state"].items():
-        for name, value in entry.items():
-            out[f"{index}/{name}"] = torch.as_tensor(value).detach().cpu().numpy().copy()
-    return out
-
-
-def load_optimizer_state_arrays(optimizer: torch.optim.Optimizer, arrays: Mapping[str, np.ndarray]) -> None:
-    """Inverse of :func:`optimizer_state_arrays` (the optimizer must have the same parameters)."""
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in arrays.items():
-        index, name = key.split("/", 1)
-        state.setdefault(int(index), {})[name] = torch.as_tensor(np.array(value))
-    full = optimizer.state_dict()
-    full["state"] = state
-    optimizer.load_state_dict(full)
 
 
 class FedRecGELClient(FedRecClient):

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from .client_state import DURABLE_ROUND_KEY, ClientStateStore, state_folder, user_record_keys
 from .influence import can_batch
 from .registry import resolve
 from .runtime import Runtime, get_runtime, node_users
@@ -77,6 +79,39 @@ def _requested_users(message: Message, served: range) -> list[int]:
     return users
 
 
+@contextmanager
+def private_state(context: Context, runtime: Runtime, config: Mapping[str, Any], users, *,
+                  save: bool = False) -> Iterator[None]:
+    """Make ``users``' private records available in ``context.state`` for one message.
+
+    Without ``client-state-dir`` (node config, else run config) this does nothing: the records stay in the node's
+    memory. With it (:mod:`fedrec_flwr.client_state`), each user's records are loaded from its file (the version of
+    the message's round: before round ``t`` for training, ``<= t`` otherwise; the newest when the message names no
+    round), written back as round ``t``'s version after a training message (``save``), and removed from
+    ``context.state`` afterwards, so the node's memory and the state Flower ships with each message stay small.
+    """
+    folder = state_folder(context.node_config, runtime.config.client_state_dir, config)
+    if folder is None:
+        yield
+        return
+    store = ClientStateStore(folder)
+    server_round = config.get("server-round")
+    as_of = None if server_round is None else int(server_round) - (1 if save else 0)
+    users = [int(u) for u in users]
+    try:
+        for user in users:
+            store.load(user, context.state, as_of)
+        yield
+        if save:
+            durable = int(config.get(DURABLE_ROUND_KEY, -1))
+            for user in users:
+                store.save(user, context.state, int(server_round), durable)
+    finally:
+        for user in users:
+            for key in user_record_keys(context.state, user):
+                del context.state[key]
+
+
 def _shared_arrays(message: Message) -> dict:
     return {key: array.numpy() for key, array in message.content[ARRAYS].items()}
 
@@ -90,10 +125,11 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
     config = dict(message.content[CONFIG])
     contribution = Contribution(runtime.layout)
     gradients = 0
-    for user in users:
-        update = make_client(runtime, user, context).fit_named(shared, config)
-        contribution.add_user(update.dense, update.rows, update.aggregation_weight, update.loss)
-        gradients += int(update.is_gradient)
+    with private_state(context, runtime, config, users, save=True):
+        for user in users:
+            update = make_client(runtime, user, context).fit_named(shared, config)
+            contribution.add_user(update.dense, update.rows, update.aggregation_weight, update.loss)
+            gradients += int(update.is_gradient)
     metrics = MetricRecord(
         {NUM_EXAMPLES: float(contribution.num_examples), "num-users": contribution.num_users,
          "train-loss": contribution.mean_loss, GRADIENT_USERS: gradients}
@@ -110,9 +146,10 @@ def evaluate(message: Message, context: Context, run_config: Mapping[str, Any] |
     shared = _shared_arrays(message)
     config = dict(message.content[CONFIG]) if CONFIG in message.content else {}
     totals: dict[str, float] = {}
-    for user in users:
-        for key, value in make_client(runtime, user, context).evaluate_named(shared, config).items():
-            totals[key] = totals.get(key, 0.0) + float(value)
+    with private_state(context, runtime, config, users):
+        for user in users:
+            for key, value in make_client(runtime, user, context).evaluate_named(shared, config).items():
+                totals[key] = totals.get(key, 0.0) + float(value)
     metrics = {key: value / len(users) for key, value in totals.items()} if users else {}
     metrics[NUM_EXAMPLES] = float(len(users))
     return Message(content=RecordDict({METRICS: MetricRecord(metrics)}), reply_to=message)
@@ -153,13 +190,14 @@ def _sparse_reply(message: Message, total: SparseSum, metrics: dict) -> Message:
 def unlearn_gradient(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
     """Sum of the requested users' influence-loss gradients (:meth:`FedRecClient.influence_gradient`); the users are
     the ones being forgotten, and only their gradient, never their data, leaves the node."""
-    runtime, users, _ = _query_setup(message, context, run_config)
+    runtime, users, config = _query_setup(message, context, run_config)
     shared = _shared_arrays(message)
     total, loss = SparseSum(runtime.layout), 0.0
-    for user in users:
-        dense, rows, value = make_client(runtime, user, context).influence_gradient(shared)
-        total.add(dense, rows)
-        loss += value
+    with private_state(context, runtime, config, users):
+        for user in users:
+            dense, rows, value = make_client(runtime, user, context).influence_gradient(shared)
+            total.add(dense, rows)
+            loss += value
     return _sparse_reply(message, total, {"loss-sum": loss})
 
 
@@ -192,13 +230,14 @@ def unlearn_affected(message: Message, context: Context, run_config: Mapping[str
 def unlearn_hvp(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
     """Sum over the node's remaining (with ``causal``: affected) users of ``H_u v`` for the sent direction ``v`` (one
     distributed-CG product), in one batched pass where the model allows (:func:`fedrec_flwr.influence.can_batch`)."""
-    runtime, clients, _ = _remaining_users(message, context, run_config)
+    runtime, clients, config = _remaining_users(message, context, run_config)
     shared = _shared_arrays(message)
     direction = unpack_sparse({k: a.numpy() for k, a in message.content[VECTOR].items()}, runtime.layout)
     total = SparseSum(runtime.layout)
     groups = [clients] if len(clients) > 1 and can_batch(runtime.model) else [[c] for c in clients]
-    for group in groups:
-        total.add(*group[0].influence_hvp(shared, direction, group=group))
+    with private_state(context, runtime, config, [c.user for c in clients]):
+        for group in groups:
+            total.add(*group[0].influence_hvp(shared, direction, group=group))
     total.count = len(clients)
     return _sparse_reply(message, total, {})
 
@@ -216,25 +255,26 @@ def unlearn_local_cg(message: Message, context: Context, run_config: Mapping[str
     total = SparseSum(runtime.layout)
     stats = {"weight-sum": 0.0, "solved": 0.0, "dropped": 0.0, "max-iterations": 0.0, "max-residual": 0.0,
              "not-converged": 0.0, "negative-curvature": 0.0}
-    for client in clients:
-        weight = 1.0
-        if causal:
-            dense, rows, _ = client.influence_gradient(shared)
-            weight = float(np.sqrt(sum(float(np.sum(v ** 2)) for v in dense.values())
-                                   + sum(float(np.sum(v ** 2)) for _, v in rows.values())))
-        dense, rows, result = client.influence_solve(
-            shared, rhs, iterations=int(config["iterations"]), damping=float(config["damping"]),
-            tolerance=float(config["tolerance"]))
-        stats["not-converged"] += float(not result.converged)
-        stats["negative-curvature"] += float(result.negative_curvature)
-        if result.negative_curvature or result.residual > 1.0:
-            stats["dropped"] += 1.0
-            continue
-        total.add(dense, rows, weight)
-        stats["weight-sum"] += weight
-        stats["solved"] += 1.0
-        stats["max-iterations"] = max(stats["max-iterations"], float(result.iterations))
-        stats["max-residual"] = max(stats["max-residual"], float(result.residual))
+    with private_state(context, runtime, config, [c.user for c in clients]):
+        for client in clients:
+            weight = 1.0
+            if causal:
+                dense, rows, _ = client.influence_gradient(shared)
+                weight = float(np.sqrt(sum(float(np.sum(v ** 2)) for v in dense.values())
+                                       + sum(float(np.sum(v ** 2)) for _, v in rows.values())))
+            dense, rows, result = client.influence_solve(
+                shared, rhs, iterations=int(config["iterations"]), damping=float(config["damping"]),
+                tolerance=float(config["tolerance"]))
+            stats["not-converged"] += float(not result.converged)
+            stats["negative-curvature"] += float(result.negative_curvature)
+            if result.negative_curvature or result.residual > 1.0:
+                stats["dropped"] += 1.0
+                continue
+            total.add(dense, rows, weight)
+            stats["weight-sum"] += weight
+            stats["solved"] += 1.0
+            stats["max-iterations"] = max(stats["max-iterations"], float(result.iterations))
+            stats["max-residual"] = max(stats["max-residual"], float(result.residual))
     total.count = len(clients)
     return _sparse_reply(message, total, stats)
 

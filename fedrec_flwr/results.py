@@ -11,7 +11,7 @@ import io
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ PROGRESS = logging.getLogger("fedrec_flwr.progress")
 
 
 RESULT_FILES = ("metrics.csv", "metrics.json", "final_arrays.npz", "summary.json", "learning_curves.png",
-                "unlearning.json", "before-unlearning.npz")
+                "unlearning.json", "before-unlearning.npz", "checkpoint.npz")
 
 
 def check_results_folder(folder: str | Path) -> None:
@@ -53,12 +53,14 @@ class RunRecorder:
         folder: the run's results folder (created).
         run_config: the validated config as a kebab-case mapping (written to ``config.json``).
         info: extra facts to record (dataset statistics and preprocessing, e.g. the tie rule).
+        rows: the rows of rounds already run (a resumed run's, from its checkpoint).
     """
 
-    def __init__(self, folder: str | Path, run_config: Mapping[str, Any], info: Mapping[str, Any]) -> None:
+    def __init__(self, folder: str | Path, run_config: Mapping[str, Any], info: Mapping[str, Any],
+                 rows: Iterable[Mapping[str, Any]] = ()) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[dict[str, Any]] = [dict(r) for r in rows]
         self._last = time.monotonic()
         self._start = self._last
         atomic_write_json(self.folder / "config.json", {"run-config": dict(run_config), **dict(info)})

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run, RunStatus
@@ -69,6 +70,27 @@ class SerialGrid(Grid):
         self._replies: dict[str, Message] = {}
         self.nodes_settled = True  # every node exists from the start (the identify phase need not wait)
         self.messages_delivered = 0
+        self.stopped: set[int] = set()
+        self._next_node_id = 1000 + num_nodes
+
+    # ------------------------------------------------------------------------------------------------ faults
+    def stop_node(self, node_id: int) -> Context:
+        """Emulate a SuperNode that died: it leaves :meth:`get_node_ids`, its in-memory ``context.state`` is gone,
+        and every later message to it gets the error reply Flower's SuperLink sends for a node that stopped sending
+        heartbeats (``ErrorCode.NODE_UNAVAILABLE``). Returns its last context."""
+        self.stopped.add(int(node_id))
+        return self.contexts.pop(int(node_id))
+
+    def start_node(self, partition_id: int) -> int:
+        """Emulate a SuperNode (re)started with ``partition-id``: a new node id, as the SuperLink gives, and an empty
+        ``context.state`` (only a ``client-state-dir`` brings its users' private state back). Returns its id."""
+        node_id = self._next_node_id
+        self._next_node_id += 1
+        self.contexts[node_id] = Context(
+            run_id=self._run.run_id, node_id=node_id,
+            node_config={"partition-id": int(partition_id), "num-partitions": len(self.contexts) + 1},
+            state=RecordDict(), run_config=dict(self._run.override_config))
+        return node_id
 
     # ------------------------------------------------------------------------------------------------ Grid API
     def set_run(self, run: Run) -> None:
@@ -94,10 +116,15 @@ class SerialGrid(Grid):
             message.metadata.__dict__["_src_node_id"] = SERVER_NODE_ID
             message.metadata.__dict__["_run_id"] = self._run.run_id
             context = self.contexts.get(message.metadata.dst_node_id)
-            if context is None:
+            if context is not None:
+                self._replies[message_id] = self._deliver(message, context)
+                self.messages_delivered += 1
+            elif message.metadata.dst_node_id in self.stopped:
+                self._replies[message_id] = Message(
+                    Error(code=ErrorCode.NODE_UNAVAILABLE, reason="Error: Node Unavailable (the node was stopped)"),
+                    reply_to=message)
+            else:
                 raise ValueError(f"no node with id {message.metadata.dst_node_id}")
-            self._replies[message_id] = self._deliver(message, context)
-            self.messages_delivered += 1
             ids.append(message_id)
         return ids
 

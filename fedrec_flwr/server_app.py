@@ -28,8 +28,11 @@ from pathlib import Path
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Strategy
 
+from .checkpoint import CHECKPOINT_FILE, Checkpoint, check_resumable, load_checkpoint, save_checkpoint
 from .client_app import IDENTIFY
+from .client_state import DURABLE_ROUND_KEY, RUN_KEY
 from .config import RunConfig
 from .errors import ConfigError
 from .registry import check_components, resolve
@@ -60,6 +63,19 @@ def _setup_logging() -> None:
         PROGRESS.setLevel(logging.INFO)
 
 
+def identify_nodes(grid: Grid, nodes, timeout: float) -> tuple[list[dict], list[tuple[int, str]]]:
+    """Send the ``identify`` query to ``nodes``; returns ``(facts, errors)``: each answering node's reported facts
+    (its ``partition-id``, ``first-user``, ``num-users``, the dataset's shape and fingerprint) with ``"node"`` added,
+    and ``(node, reason)`` for each node that answered with an error (e.g. a bad ``partition-id``)."""
+    replies = list(grid.send_and_receive(
+        [Message(RecordDict(), dst_node_id=n, message_type=f"{MessageType.QUERY}.{IDENTIFY}") for n in nodes],
+        timeout=timeout,
+    ))
+    errors = [(int(m.metadata.src_node_id), m.error.reason) for m in replies if m.has_error()]
+    facts = [dict(m.content[CONFIG]) | {"node": m.metadata.src_node_id} for m in replies if not m.has_error()]
+    return facts, errors
+
+
 def discover_topology(grid: Grid, config: RunConfig, timeout: float):
     """Ask every node which users it serves; returns ``(Topology, num_items, dataset facts)``.
 
@@ -78,14 +94,9 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float):
         if nodes and (settled or time.monotonic() - last_change > 2.0 or time.monotonic() > deadline):
             break
         time.sleep(0.5)
-    replies = list(grid.send_and_receive(
-        [Message(RecordDict(), dst_node_id=n, message_type=f"{MessageType.QUERY}.{IDENTIFY}") for n in nodes],
-        timeout=timeout,
-    ))
-    errors = [m for m in replies if m.has_error()]
+    facts, errors = identify_nodes(grid, nodes, timeout)
     if errors:
-        raise ConfigError(f"node {errors[0].metadata.src_node_id} cannot serve this run: {errors[0].error.reason}")
-    facts = [dict(m.content[CONFIG]) | {"node": m.metadata.src_node_id} for m in replies]
+        raise ConfigError(f"node {errors[0][0]} cannot serve this run: {errors[0][1]}")
     if not facts:
         raise ConfigError("no SuperNode answered the identify query")
     shapes = {(f["num-users-total"], f["num-items"], f["fingerprint"], f.get("num-attribute-classes", 0))
@@ -110,7 +121,7 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float):
         user_to_node[block], covered[block] = fact["node"], True
     if not covered.all():
         raise ConfigError(f"no SuperNode serves user {int(np.flatnonzero(~covered)[0])}")
-    return Topology(user_to_node), int(num_items), {"num-users": int(num_users), "num-items": int(num_items),
+    return Topology(user_to_node, fingerprint), int(num_items), {"num-users": int(num_users), "num-items": int(num_items),
                                                       "split-fingerprint": fingerprint,
                                                       "num-attribute-classes": int(num_classes)}
 
@@ -150,12 +161,19 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     _setup_logging()
     config = RunConfig.from_mapping(context.run_config or run_config or {})
     check_components(config)
-    folder = Path(config.results_dir).expanduser().resolve() / default_run_name(config)
-    check_results_folder(folder)
+    resume = load_checkpoint(config.resume_from) if config.resume_from else None
+    if resume is not None:
+        check_resumable(resume, config.to_dict())
+        folder = resume.folder
+    else:
+        folder = Path(config.results_dir).expanduser().resolve() / default_run_name(config)
+        check_results_folder(folder)
     topology, num_items, facts = discover_topology(grid, config, timeout=config.round_timeout)
     model = build_shared_model(config, num_items, num_classes=facts["num-attribute-classes"])
     layout = ModelLayout.from_model(model)
     initial = ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in model.shared_state().items()})
+    if resume is not None:
+        initial = _checkpoint_arrays(resume, layout)
 
     strategy_cls = resolve("strategy", config.strategy)
     if not hasattr(strategy_cls, "from_run_config"):
@@ -166,27 +184,46 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
                           "unlearning phase (use a strategy derived from ItemEmbeddingFedAvg, e.g. 'item-fedavg')")
     if hasattr(strategy, "attach_results"):  # a strategy that writes files of its own (e.g. an attack's log)
         strategy.attach_results(folder)
+    first_round = 1
+    if resume is not None:
+        if hasattr(strategy, "restore_checkpoint_state"):
+            strategy.restore_checkpoint_state(resume.strategy_state, resume.strategy_arrays, initial)
+        first_round = resume.server_round + 1
+        log.info("resuming %s after round %d (checkpoint %s)", folder.name, resume.server_round, resume.folder)
+    # Sent with every message: the run's name (clients' state files) and the last checkpoint's round (which of their
+    # saved versions clients may drop; -1 = no checkpoints, keep the newest only).
+    message_config = {RUN_KEY: folder.name,
+                      DURABLE_ROUND_KEY: (first_round - 1) if config.checkpoint_every or resume else -1}
+    if hasattr(strategy, "message_config"):
+        strategy.message_config = message_config
 
-    recorder = RunRecorder(folder, config.to_dict(), {"dataset": facts, "tie-rule": config.tie_rule})
+    recorder = RunRecorder(folder, config.to_dict(), {"dataset": facts, "tie-rule": config.tie_rule},
+                           rows=resume.rows if resume is not None else ())
     log.info("%s: %d users on %d nodes, %d items; results in %s", config.dataset, facts["num-users"],
              len(set(topology.user_to_node.tolist())), num_items, folder)
 
     def record_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        if server_round > 0:
+        if server_round >= first_round:
             recorder.record(server_round, strategy.last_train, strategy.last_evaluate)
+            if config.checkpoint_every and server_round % config.checkpoint_every == 0:
+                _write_checkpoint(folder, server_round, config, arrays, strategy, recorder.rows)
+                message_config[DURABLE_ROUND_KEY] = server_round
             if on_round is not None:
                 on_round(RoundView(server_round, grid, strategy, arrays, config, folder))
         return None
 
-    result = strategy.start(
+    runner = strategy if first_round == 1 else ShiftedRounds(strategy, first_round - 1)
+    result = runner.start(
         grid=grid,
         initial_arrays=initial,
-        num_rounds=config.num_server_rounds,
+        num_rounds=config.num_server_rounds - first_round + 1,
         timeout=config.round_timeout,
-        train_config=ConfigRecord(),
-        evaluate_config=ConfigRecord(),
-        evaluate_fn=record_round,
+        train_config=ConfigRecord(message_config),
+        evaluate_config=ConfigRecord(message_config),
+        evaluate_fn=runner.shift_evaluate_fn(record_round) if runner is not strategy else record_round,
     )
+    if result.arrays is None:  # no round ran (resumed after the last round): the checkpoint's arrays are final
+        result.arrays = initial
     if config.unlearning in ("continue", "hfkcu", "gradient-ascent") and \
             getattr(strategy, "unlearning_report", None) is None:
         raise RuntimeError(f"unlearning = {config.unlearning!r} was configured but strategy {config.strategy!r} never ran "
@@ -198,6 +235,62 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     recorder.finish(final, extra)
     log.info("results written to %s", folder)
     return folder
+
+
+class ShiftedRounds:
+    """Flower's ``Strategy.start`` loop over rounds ``offset + 1 ..`` of ``strategy`` (a resumed run).
+
+    ``Strategy.start`` always counts rounds from 1; this view adds ``offset`` to the round of every call the loop makes
+    (configure / aggregate train and evaluate) and delegates everything else, so any ``flwr.serverapp.strategy``
+    strategy resumes unchanged, and its own internal calls (e.g. the unlearning phase's) keep their true rounds.
+    """
+
+    def __init__(self, strategy, offset: int) -> None:
+        self.strategy = strategy
+        self.offset = int(offset)
+
+    def configure_train(self, server_round, *args, **kwargs):
+        return self.strategy.configure_train(server_round + self.offset, *args, **kwargs)
+
+    def aggregate_train(self, server_round, *args, **kwargs):
+        return self.strategy.aggregate_train(server_round + self.offset, *args, **kwargs)
+
+    def configure_evaluate(self, server_round, *args, **kwargs):
+        return self.strategy.configure_evaluate(server_round + self.offset, *args, **kwargs)
+
+    def aggregate_evaluate(self, server_round, *args, **kwargs):
+        return self.strategy.aggregate_evaluate(server_round + self.offset, *args, **kwargs)
+
+    def summary(self) -> None:
+        self.strategy.summary()
+
+    def start(self, **kwargs):
+        """Flower's own ``Strategy.start`` loop, run on this view."""
+        return Strategy.start(self, **kwargs)
+
+    def shift_evaluate_fn(self, evaluate_fn):
+        """``evaluate_fn`` called with the true round (Flower's initial call, round 0, stays 0)."""
+        return lambda server_round, arrays: evaluate_fn(server_round + self.offset if server_round else 0, arrays)
+
+
+def _checkpoint_arrays(checkpoint: Checkpoint, layout: ModelLayout) -> ArrayRecord:
+    """The checkpoint's shared parameters, checked against the model (a checkpoint of another model is refused)."""
+    expected = {k: tuple(v) for k, v in layout.shared_shapes.items()}
+    found = {k: tuple(v.shape) for k, v in checkpoint.arrays.items()}
+    if found != expected:
+        raise ConfigError(f"checkpoint {checkpoint.folder}: its shared parameters {found} do not match this run's "
+                          f"model {expected}")
+    return ArrayRecord({k: Array(np.asarray(checkpoint.arrays[k], dtype=np.float32)) for k in expected})
+
+
+def _write_checkpoint(folder: Path, server_round: int, config: RunConfig, arrays: ArrayRecord, strategy,
+                      rows: list) -> None:
+    state, extra = strategy.checkpoint_state() if hasattr(strategy, "checkpoint_state") else ({}, {})
+    save_checkpoint(folder, Checkpoint(
+        server_round=server_round, run_name=folder.name, run_config=config.to_dict(),
+        arrays={k: v.numpy() for k, v in arrays.items()}, strategy_state=state, strategy_arrays=extra,
+        rows=list(rows), sampler={"seed": config.seed, "next-round": server_round + 1}))
+    log.info("checkpoint of round %d written to %s", server_round, folder / CHECKPOINT_FILE)
 
 
 def make_server_app(run_config: Mapping[str, Any] | None = None) -> ServerApp:

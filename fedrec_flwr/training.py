@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -452,3 +452,24 @@ def evaluate_users(
         raise DataError(f"negatives: expected shape ({targets.shape[0]}, C-1), got {negatives.shape}")
     scores = score_candidates(model, users, np.concatenate([targets, negatives], axis=1))
     return ranking_metrics_batch(scores, 0, ks)
+
+
+def optimizer_state_arrays(optimizer: torch.optim.Optimizer) -> dict[str, np.ndarray]:
+    """An optimizer's per-parameter state as flat arrays: ``"<param index>/<name>"`` -> array (e.g. Adam's
+    ``exp_avg``, ``exp_avg_sq``, ``step``). Hyper-parameters are not saved: they come from the config."""
+    out = {}
+    for index, entry in optimizer.state_dict()["state"].items():
+        for name, value in entry.items():
+            out[f"{index}/{name}"] = torch.as_tensor(value).detach().cpu().numpy().copy()
+    return out
+
+
+def load_optimizer_state_arrays(optimizer: torch.optim.Optimizer, arrays: Mapping[str, np.ndarray]) -> None:
+    """Inverse of :func:`optimizer_state_arrays` (the optimizer must have the same parameters)."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in arrays.items():
+        index, name = key.split("/", 1)
+        state.setdefault(int(index), {})[name] = torch.as_tensor(np.array(value))
+    full = optimizer.state_dict()
+    full["state"] = state
+    optimizer.load_state_dict(full)

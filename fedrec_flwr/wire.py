@@ -104,6 +104,8 @@ class Topology:
     """Which node serves each user: ``user_to_node[u]`` is the node id of user ``u``'s SuperNode."""
 
     user_to_node: np.ndarray
+    fingerprint: str = ""
+    """The dataset fingerprint the nodes reported (a node that joins later must report the same)."""
 
     @property
     def num_users(self) -> int:

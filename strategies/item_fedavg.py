@@ -71,6 +71,10 @@ class ItemEmbeddingFedAvg(FedAvg):
     default_item_aggregation = "touched"
     """What ``item-aggregation = "auto"`` means for this strategy."""
 
+    replies_carry_gradients = False
+    """Whether train replies hold gradients of the shared parameters rather than updated values (for
+    :meth:`update_norm`)."""
+
     def __init__(
         self,
         layout: ModelLayout,
@@ -86,6 +90,7 @@ class ItemEmbeddingFedAvg(FedAvg):
         item_aggregation: str = "auto",
         unlearning=None,
         round_timeout: float = 600.0,
+        max_update_norm: float = 0.0,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -116,6 +121,9 @@ class ItemEmbeddingFedAvg(FedAvg):
         self.unlearning = unlearning
         """:class:`strategies.unlearning.UnlearningSettings`, or ``None`` without a forget set."""
         self.round_timeout = round_timeout
+        if not max_update_norm >= 0:
+            raise ValueError(f"max_update_norm must be >= 0, got {max_update_norm!r}")
+        self.max_update_norm = float(max_update_norm)
         self.removed_users: frozenset[int] = frozenset(
             unlearning.forget if unlearning is not None and unlearning.method == "retrain" else ())
         """Users no longer sampled for training (the forgotten ones, once forgotten; from the start for ``retrain``)."""
@@ -123,6 +131,10 @@ class ItemEmbeddingFedAvg(FedAvg):
         self._grid: Grid | None = None
         self._train_started = 0.0
         self._results_folder: Path | None = None
+        self._rejected_nodes: set[int] = set()
+        self.message_config: dict = {}
+        """Keys sent in the config of every message of the run (the ServerApp sets the run's name, ``run``, and the
+        round of its last checkpoint, ``durable-round``, which clients with ``client-state-dir`` need)."""
 
     @classmethod
     def from_run_config(cls, config: RunConfig, layout: ModelLayout, topology: Topology | None = None):
@@ -157,6 +169,22 @@ class ItemEmbeddingFedAvg(FedAvg):
         """Take ``arrays`` as the current shared parameters after a change outside a training round (the unlearning
         phase). Stateless here; a strategy that keeps its own copy of the parameters (server optimizer) overrides it."""
 
+    def checkpoint_state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """The strategy's state for a server checkpoint (:mod:`fedrec_flwr.checkpoint`): JSON-able facts (failure
+        counts per node, users no longer trained, the unlearning report) and arrays (none here; subclasses with an
+        optimizer add its moments). Subclasses extend what ``super()`` returns."""
+        state = {"failures": {str(k): v for k, v in self.failures.items()},
+                 "removed-users": sorted(int(u) for u in self.removed_users),
+                 "unlearning-report": self.unlearning_report}
+        return state, {}
+
+    def restore_checkpoint_state(self, state: Mapping, arrays: Mapping[str, np.ndarray], shared: ArrayRecord) -> None:
+        """Inverse of :meth:`checkpoint_state`; ``shared`` holds the checkpoint's shared parameters."""
+        self.failures = {int(k): int(v) for k, v in state.get("failures", {}).items()}
+        self.removed_users = frozenset(int(u) for u in state.get("removed-users", []))
+        self.unlearning_report = state.get("unlearning-report")
+        self.adopt_arrays(shared)
+
     @classmethod
     def options_from_config(cls, config: RunConfig) -> dict:
         """The constructor's keyword arguments that come from the run config (subclasses add theirs)."""
@@ -170,11 +198,51 @@ class ItemEmbeddingFedAvg(FedAvg):
             "evaluate_split": "test+val" if config.evaluate_validation else "test",
             "item_aggregation": config.item_aggregation,
             "round_timeout": config.round_timeout,
+            "max_update_norm": config.max_update_norm,
         }
 
     def set_topology(self, topology: Topology) -> None:
         """Set which node serves each user (learned by the ServerApp's identify phase)."""
         self.topology = topology
+
+    def refresh_topology(self, grid: Grid) -> list[int]:
+        """Let SuperNodes that joined since the identify phase take over their users (a restarted SuperNode gets a
+        new node id from the SuperLink, so without this its users would stay mapped to the dead id). Called at the
+        start of every training and evaluation round; costs one ``get_node_ids`` call when nothing changed.
+
+        A new node is sent the ``identify`` query; if it reports the run's dataset (same fingerprint and users), the
+        block of users it serves is mapped to it and logged. A node that fails to identify, or reports another
+        dataset, is logged and not asked again. Returns the node ids that joined."""
+        topology = self._topology()
+        if grid is None:  # called outside a running federation (unit tests of message building)
+            return []
+        known = {int(n) for n in np.unique(topology.user_to_node)} | self._rejected_nodes
+        new = sorted(int(n) for n in grid.get_node_ids() if int(n) not in known)
+        if not new:
+            return []
+        from fedrec_flwr.server_app import identify_nodes
+
+        facts, errors = identify_nodes(grid, new, timeout=min(self.round_timeout, 60.0))
+        for node, reason in errors:
+            log.warning("node %d joined but cannot serve this run: %s", node, reason)
+            self._rejected_nodes.add(node)
+        joined = []
+        user_to_node = topology.user_to_node.copy()
+        for fact in facts:
+            node = int(fact["node"])
+            if fact.get("fingerprint") != topology.fingerprint or fact.get("num-users-total") != topology.num_users:
+                log.warning("node %d joined with another dataset (%s users, fingerprint %s); ignored", node,
+                            fact.get("num-users-total"), fact.get("fingerprint"))
+                self._rejected_nodes.add(node)
+                continue
+            block = slice(int(fact["first-user"]), int(fact["first-user"]) + int(fact["num-users"]))
+            replaced = sorted({int(n) for n in user_to_node[block]})
+            user_to_node[block] = node
+            joined.append(node)
+            log.info("node %d joined: partition-id %s, users %d..%d (before: node %s)", node,
+                     fact.get("partition-id"), block.start, block.stop - 1, ", ".join(map(str, replaced)))
+        self.topology = Topology(user_to_node, topology.fingerprint)
+        return joined
 
     # ------------------------------------------------------------------------------------------------ train
     def sample_train_users(self, server_round: int) -> np.ndarray:
@@ -200,6 +268,7 @@ class ItemEmbeddingFedAvg(FedAvg):
         self._current = arrays
         self._grid = grid
         self._train_started = time.perf_counter()
+        self.refresh_topology(grid)
         users = self.sample_train_users(server_round)
         self._sampled_nodes = self._topology().group(users)
         return self._messages(server_round, arrays, config, self._sampled_nodes, MessageType.TRAIN)
@@ -322,7 +391,31 @@ class ItemEmbeddingFedAvg(FedAvg):
         loss = content[METRICS].get("train-loss", 0.0)
         if not math.isfinite(float(loss)):
             raise ReplyError(f"'train-loss' is not finite: {loss!r}")
+        if self.max_update_norm > 0:
+            norm = self.update_norm(content)
+            if not norm <= self.max_update_norm:
+                raise ReplyError(f"update norm {norm:.4g} exceeds max-update-norm {self.max_update_norm:g}")
         return content
+
+    def update_norm(self, content: RecordDict) -> float:
+        """L2 norm of a (validated) reply's update: the node's example-weighted mean of its dense parameters minus
+        the sent ones, and each returned item row's mean over its users (``sum / count``) minus the sent row; for a
+        strategy whose clients upload gradients (:attr:`replies_carry_gradients`), the norm of those mean gradients.
+        With one user per node this is that user's update; with more, the node's mean (bounding each user's update
+        would need per-user values, which the sum-and-count scheme deliberately does not send)."""
+        assert self._current is not None, "configure_train must run before replies are validated"
+        arrays, total = content[ARRAYS], 0.0
+        for key in self.layout.shared_shapes:
+            if key in self.layout.item_keys:
+                rows = arrays[key + ROWS].numpy()
+                sums = arrays[key + SUM].numpy().astype(np.float64)
+                counts = arrays[key + COUNT].numpy().astype(np.float64)
+                value, reference = sums / counts.reshape(-1, *[1] * (sums.ndim - 1)), self._current[key].numpy()[rows]
+            else:
+                value, reference = arrays[key].numpy().astype(np.float64), self._current[key].numpy()
+            delta = value if self.replies_carry_gradients else value - reference
+            total += float(np.sum(delta ** 2))
+        return math.sqrt(total)
 
     def aggregate_arrays(self, accepted: list[RecordDict]) -> ArrayRecord:
         """The new shared arrays from accepted replies (pure math; subclasses may post-process the result)."""
@@ -370,6 +463,7 @@ class ItemEmbeddingFedAvg(FedAvg):
         self.last_evaluate = {}
         if not self.is_evaluation_round(server_round):
             return []
+        self.refresh_topology(grid)
         users = self.evaluation_users(server_round)
         config = ConfigRecord(dict(config))
         config.setdefault("split", self.evaluate_split)
@@ -409,7 +503,7 @@ class ItemEmbeddingFedAvg(FedAvg):
     ) -> list[Message]:
         messages = []
         for node_id, users in groups.items():
-            node_config = ConfigRecord(dict(config))
+            node_config = ConfigRecord({**self.message_config, **dict(config)})
             node_config["server-round"] = server_round
             node_config["users"] = users
             content = RecordDict({ARRAYS: arrays, CONFIG: node_config})

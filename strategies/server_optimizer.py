@@ -39,6 +39,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fedrec_flwr.config import RunConfig
+from fedrec_flwr.training import load_optimizer_state_arrays, optimizer_state_arrays
 from fedrec_flwr.wire import ARRAYS, GRADIENT_USERS, METRICS, NUM_EXAMPLES, ModelLayout, ReplyError, merge_rows
 from strategies.item_fedavg import ItemEmbeddingFedAvg
 
@@ -59,6 +60,7 @@ class ServerOptimizerStrategy(ItemEmbeddingFedAvg):
     """
 
     default_item_aggregation = "selected"
+    replies_carry_gradients = True
 
     def __init__(self, layout: ModelLayout, *, server_optimizer: str = "adam", server_learning_rate: float = 0.001,
                  **kwargs) -> None:
@@ -129,6 +131,26 @@ class ServerOptimizerStrategy(ItemEmbeddingFedAvg):
         with torch.no_grad():
             for key, param in self.parameters.items():
                 param.copy_(torch.as_tensor(arrays[key].numpy(), dtype=param.dtype))
+
+    def checkpoint_state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """As :meth:`ItemEmbeddingFedAvg.checkpoint_state`, plus each server optimizer's per-parameter state
+        (Adam's moments and step counts) as ``"optimizer-<i>/<param>/<name>"`` arrays."""
+        state, arrays = super().checkpoint_state()
+        state["server-optimizer-started"] = bool(self.parameters)
+        for i, optimizer in enumerate(self.optimizers):
+            arrays.update({f"optimizer-{i}/{k}": v for k, v in optimizer_state_arrays(optimizer).items()})
+        return state, arrays
+
+    def restore_checkpoint_state(self, state, arrays, shared: ArrayRecord) -> None:
+        """Rebuild the server parameters from ``shared`` and load the optimizers' saved state."""
+        super().restore_checkpoint_state(state, arrays, shared)
+        if not state.get("server-optimizer-started"):
+            return
+        self._ensure_optimizers(shared)
+        for i, optimizer in enumerate(self.optimizers):
+            prefix = f"optimizer-{i}/"
+            load_optimizer_state_arrays(optimizer, {k[len(prefix):]: v for k, v in arrays.items()
+                                                    if k.startswith(prefix)})
 
     def mean_gradients(self, accepted: list[RecordDict]) -> dict[str, torch.Tensor]:
         """Shared key -> the round's mean gradient: dense keys averaged over users; item tables per

@@ -176,6 +176,8 @@ class ClientUnlearning:
         self.timeout = timeout
         self.layout = strategy.layout
         self.messages = 0
+        self.server_round = 0
+        """The round after which the phase runs (sent with every query: clients use that round's private state)."""
 
     # ------------------------------------------------------------------------------------------------ phase
     def run(self, grid: Grid, arrays: ArrayRecord, server_round: int) -> tuple[ArrayRecord, dict]:
@@ -191,6 +193,7 @@ class ClientUnlearning:
         s = self.settings
         started = time.perf_counter()
         self.messages = 0
+        self.server_round = int(server_round)
         forget = np.asarray(s.forget, dtype=np.int64)
         report: dict = {"method": s.method, "round": int(server_round), "forget-users": [int(u) for u in forget]}
         if s.method == "continue":
@@ -369,7 +372,9 @@ class ClientUnlearning:
             {"rows": Array(np.asarray(support, dtype=np.int64))})
         messages = []
         for node, config in targets.items():
-            content = RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord(dict(config))})
+            # the run's message context (run name, durable round) and the round whose private state to use
+            common = {**getattr(self.strategy, "message_config", {}), "server-round": self.server_round}
+            content = RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({**common, **dict(config)})})
             if vector_record is not None:
                 content[VECTOR] = vector_record
             if support_record is not None:

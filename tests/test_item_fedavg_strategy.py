@@ -97,6 +97,39 @@ def test_bad_replies_are_rejected_and_never_change_the_model(task_identity, bad)
     assert strategy.last_train["num-replies"] == 1
 
 
+def test_update_norm_is_the_mean_change_of_the_sent_parameters(task_identity):
+    strategy = _strategy()
+    requests = {m.metadata.dst_node_id: m for m in _configure(strategy)}
+    # row 2 was (4, 5): two users summing to (10, 12) -> mean (5, 6), change (1, 1); dense (1, 1) -> (1, 3): (0, 2)
+    reply = _reply(requests[10], [2], [[10.0, 12.0]], [2], [[1.0, 3.0]], n=4)
+    assert strategy.update_norm(reply.content) == pytest.approx(np.sqrt(1 + 1 + 0 + 4))
+
+
+def test_max_update_norm_rejects_long_updates_with_a_logged_reason(task_identity, caplog):
+    strategy = _strategy(min_train_fraction=0.0, max_update_norm=3.0)
+    requests = {m.metadata.dst_node_id: m for m in _configure(strategy)}
+    small = _reply(requests[10], [0], [[0.5, 1.5]], [1], [[1.0, 2.0]], n=5)  # change sqrt(0.25 + 0.25 + 1) < 3
+    large = _reply(requests[11], [1], [[100.0, 3.0]], [1], [[1.0, 1.0]], n=5)  # row 1 moves by 98
+    with caplog.at_level("WARNING", logger="strategies.item_fedavg"):
+        arrays, _ = strategy.aggregate_train(1, [small, large])
+    np.testing.assert_allclose(arrays["item_embedding.weight"].numpy()[1], TABLE[1])  # never reached the model
+    np.testing.assert_allclose(arrays["item_embedding.weight"].numpy()[0], [0.5, 1.5])
+    assert strategy.last_train["num-replies"] == 1 and strategy.last_train["num-failures"] == 1
+    assert "node 11" in caplog.text and "exceeds max-update-norm 3" in caplog.text
+    off = _strategy(min_train_fraction=0.0)  # 0 = off: the same reply is accepted
+    requests = {m.metadata.dst_node_id: m for m in _configure(off)}
+    large = _reply(requests[11], [1], [[100.0, 3.0]], [1], [[1.0, 1.0]], n=5)
+    assert off.aggregate_train(1, [large])[0]["item_embedding.weight"].numpy()[1, 0] == 100.0
+
+
+def test_a_round_whose_replies_are_all_too_long_fails_loudly(task_identity):
+    strategy = _strategy(max_update_norm=1.0)
+    requests = {m.metadata.dst_node_id: m for m in _configure(strategy)}
+    replies = [_reply(requests[n], [0], [[50.0, 50.0]], [1], [[1.0, 1.0]], n=5) for n in (10, 11, 12)]
+    with pytest.raises(RoundFailed, match="0 valid replies of 3.*exceeds max-update-norm"):
+        strategy.aggregate_train(1, replies)
+
+
 def test_reply_carrying_a_user_embedding_fails_the_round(task_identity):
     strategy = _strategy()
     requests = {m.metadata.dst_node_id: m for m in _configure(strategy)}

@@ -1,0 +1,147 @@
+"""Server checkpoints: what the ServerApp needs to continue an interrupted run exactly (``checkpoint-every``,
+``resume-from``).
+
+Every ``checkpoint-every`` rounds the ServerApp writes ``results-dir/<run-name>/checkpoint.npz`` atomically
+(:func:`fedrec_flwr.io.atomic_save_npz`), replacing the previous one. It holds:
+
+* the shared parameters after the round (never a user's private parameter: the server has none);
+* the strategy's own state (:meth:`strategies.item_fedavg.ItemEmbeddingFedAvg.checkpoint_state`: failure counts,
+  users no longer trained, the unlearning report; the server optimizer's moments for
+  :class:`strategies.server_optimizer.ServerOptimizerStrategy`);
+* the round, the run's name and validated config, and the metrics rows so far;
+* the sampler's state. Users are drawn from the counter-based stream ``(seed, round)``
+  (:func:`fedrec_flwr.wire.sample_users`), so the seed and the next round *are* its state; they are recorded so a
+  resume can check them.
+
+``resume-from`` (the interrupted run's results folder or its ``checkpoint.npz``) continues in that folder from the
+round after the checkpoint. Every key of the run config other than :data:`MAY_DIFFER` must equal the checkpoint's;
+the clients' private state comes from their own files (``client-state-dir``, :mod:`fedrec_flwr.client_state`), never
+from the server. With both, an interrupted and resumed run gives the same model as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError
+from .io import atomic_save_npz
+
+CHECKPOINT_FILE = "checkpoint.npz"
+"""The checkpoint's file name in the results folder."""
+
+MAY_DIFFER = ("resume-from", "checkpoint-every", "round-timeout", "client-state-dir")
+"""Run-config keys a resumed run may set differently from the interrupted one (they change no result)."""
+
+FORMAT = 1
+_MANIFEST = "__manifest__"
+
+
+@dataclass
+class Checkpoint:
+    """One server checkpoint (see the module docstring).
+
+    Attributes:
+        server_round: the last finished round (the resumed run starts at ``server_round + 1``).
+        run_name: the run's name (its results folder's name, and the clients' state sub-folder).
+        run_config: the validated run config, kebab-case.
+        arrays: shared key -> array (the shared parameters after ``server_round``).
+        strategy_state: the strategy's JSON-able state.
+        strategy_arrays: the strategy's array state (e.g. server optimizer moments), name -> array.
+        rows: the metrics rows of rounds ``1..server_round`` (as in ``metrics.json``).
+        sampler: ``{"seed", "next-round"}`` of the counter-based user sampler.
+        folder: where the checkpoint was read from (set by :func:`load_checkpoint`).
+    """
+
+    server_round: int
+    run_name: str
+    run_config: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    strategy_state: dict[str, Any] = field(default_factory=dict)
+    strategy_arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    sampler: dict[str, Any] = field(default_factory=dict)
+    folder: Path | None = None
+
+
+def save_checkpoint(folder: str | Path, checkpoint: Checkpoint) -> Path:
+    """Write ``checkpoint`` to ``folder/checkpoint.npz`` atomically (a crash leaves the previous one intact)."""
+    arrays: dict[str, np.ndarray] = {}
+    index: dict[str, list[str]] = {}
+    for group, values in (("arrays", checkpoint.arrays), ("strategy", checkpoint.strategy_arrays)):
+        for key, value in values.items():
+            name = f"a{len(index)}"
+            index[name] = [group, key]
+            arrays[name] = np.asarray(value)
+    manifest = {
+        "format": FORMAT, "round": int(checkpoint.server_round), "run-name": checkpoint.run_name,
+        "run-config": checkpoint.run_config, "strategy": checkpoint.strategy_state, "rows": checkpoint.rows,
+        "sampler": checkpoint.sampler, "arrays": index,
+    }
+    text = json.dumps(manifest, sort_keys=True, default=_json_default)
+    return atomic_save_npz(Path(folder) / CHECKPOINT_FILE, **arrays, **{_MANIFEST: np.array(text)})
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Read a checkpoint: ``path`` is a results folder holding ``checkpoint.npz``, or the file itself.
+
+    Raises:
+        ConfigError: no checkpoint there, or the file is unreadable (the message names it).
+    """
+    path = Path(path).expanduser()
+    file = path / CHECKPOINT_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"run-config key 'resume-from' = {str(path)!r}: no checkpoint at {file} (a run writes one "
+                          "every 'checkpoint-every' rounds)")
+    try:
+        with np.load(file, allow_pickle=False) as data:
+            manifest = json.loads(str(data[_MANIFEST]))
+            groups: dict[str, dict[str, np.ndarray]] = {"arrays": {}, "strategy": {}}
+            for name, (group, key) in manifest["arrays"].items():
+                groups[group][key] = np.array(data[name])
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"format {manifest.get('format')!r}, expected {FORMAT}")
+        return Checkpoint(
+            server_round=int(manifest["round"]), run_name=str(manifest["run-name"]),
+            run_config=dict(manifest["run-config"]), arrays=groups["arrays"], strategy_state=manifest["strategy"],
+            strategy_arrays=groups["strategy"], rows=list(manifest["rows"]), sampler=dict(manifest["sampler"]),
+            folder=file.parent,
+        )
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, json.JSONDecodeError) as err:
+        raise ConfigError(f"checkpoint {file} is unreadable ({type(err).__name__}: {err})") from err
+
+
+def check_resumable(checkpoint: Checkpoint, run_config: dict[str, Any]) -> None:
+    """Refuse to resume with a config that would not continue the same run.
+
+    Raises:
+        ConfigError: a key outside :data:`MAY_DIFFER` differs (all such keys are listed with both values), or the
+            checkpoint's round is not before ``num-server-rounds``.
+    """
+    keys = (set(checkpoint.run_config) | set(run_config)) - set(MAY_DIFFER)
+    differ = sorted(k for k in keys if checkpoint.run_config.get(k) != run_config.get(k))
+    if differ:
+        detail = ", ".join(f"{k}: {checkpoint.run_config.get(k)!r} -> {run_config.get(k)!r}" for k in differ[:8])
+        raise ConfigError(f"run-config key 'resume-from': the checkpoint of {checkpoint.folder} was written by a run "
+                          f"with other settings ({detail}); resume with the same config (only {list(MAY_DIFFER)} "
+                          "may differ)")
+    if checkpoint.server_round > int(run_config["num-server-rounds"]):
+        raise ConfigError(f"checkpoint of round {checkpoint.server_round} is past num-server-rounds = "
+                          f"{run_config['num-server-rounds']}")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")

@@ -1,0 +1,160 @@
+"""Private client state in files on the client's own side (``client-state-dir``), so a device restart loses nothing.
+
+Without ``client-state-dir`` a user's private records (its embedding, FedRecGEL's optimizer moments, PFedRec's
+personalised rows, ...) live only in the node's ``context.state``, which dies with the SuperNode process (or with
+the simulation). With it, the ClientApp adapter (:mod:`fedrec_flwr.client_app`) loads each user's records from
+``<client-state-dir>/<run>/user-<id>.npz`` before the user's client runs and writes them back, atomically
+(:func:`fedrec_flwr.io.atomic_save_npz`), after the user trained. The folder is the device's: a SuperNode's
+``--node-config "client-state-dir=..."`` overrides the run config's key. ``<run>`` is the run's name, which the
+server sends with every message (a resumed run keeps its name, so it finds its clients' files).
+
+**Versions.** A file keeps the user's state after each training round it took part in that the server may still
+need to replay: when the server resumes from a checkpoint of round ``c`` (:mod:`fedrec_flwr.checkpoint`), rounds
+``c+1..`` run again, and each must start from the state as it was then, not from a state trained further before the
+crash. So a message of round ``t`` reads the newest version of round ``< t`` (training) or ``<= t`` (evaluation and
+queries), and a save drops every version the server can no longer return to: all but the newest at or before the
+last checkpoint (``durable-round``, sent by the server; ``-1`` without checkpoints keeps the newest version only).
+
+**What a record is.** By convention every private record of user ``u`` is stored in ``context.state`` under a key
+ending in ``":<u>"`` (``"user:<u>"``, ``"user-opt:<u>"``, ``"user-rows:<u>"``; see :class:`clients.fedrec.FedRecClient`);
+only such records are written, and nothing here ever leaves the node.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zipfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, RecordDict
+
+from .errors import ConfigError
+from .io import atomic_save_npz
+
+STATE_DIR_KEY = "client-state-dir"
+"""Node-config (and run-config) key of the folder holding the clients' private state files."""
+
+RUN_KEY = "run"
+"""Message-config key: the run's name (the state files' sub-folder)."""
+
+DURABLE_ROUND_KEY = "durable-round"
+"""Message-config key: the round of the server's last checkpoint (``-1``: the server keeps none)."""
+
+_MANIFEST = "__manifest__"
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+
+class ClientStateError(RuntimeError):
+    """A state file is unreadable or belongs to another user or run (the message names the file)."""
+
+
+def user_record_keys(state: RecordDict, user: int) -> list[str]:
+    """The keys of user ``user``'s private records in a node's ``context.state`` (those ending in ``":<user>"``)."""
+    suffix = f":{int(user)}"
+    return [key for key in state.keys() if key.endswith(suffix)]
+
+
+def state_folder(node_config: Mapping[str, Any], run_config_dir: str, message_config: Mapping[str, Any]) -> Path | None:
+    """The folder of this run's state files on this node, or ``None`` when the clients keep state in memory only.
+
+    Raises:
+        ConfigError: a folder is set but the message names no run, or the run name is not a safe file name.
+    """
+    folder = str(node_config.get(STATE_DIR_KEY, "") or run_config_dir or "")
+    if not folder:
+        return None
+    run = message_config.get(RUN_KEY)
+    if not isinstance(run, str) or not _SAFE_NAME.match(run):
+        raise ConfigError(f"'{STATE_DIR_KEY}' is set but the server's message names no usable run "
+                          f"({RUN_KEY!r} = {run!r}); use this package's ServerApp, which sends it")
+    return Path(folder).expanduser() / run
+
+
+class ClientStateStore:
+    """The versioned private-state files of one run on one node (see the module docstring).
+
+    Args:
+        folder: ``<client-state-dir>/<run>``, created on the first save.
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+
+    def path(self, user: int) -> Path:
+        """``folder/user-<user>.npz``."""
+        return self.folder / f"user-{int(user)}.npz"
+
+    def read_versions(self, user: int) -> dict[int, dict[str, dict[str, np.ndarray]]]:
+        """Round -> record key -> array key -> array, for every version in the user's file (``{}`` if none).
+
+        Raises:
+            ClientStateError: the file exists but cannot be read, or it is another user's.
+        """
+        path = self.path(user)
+        if not path.is_file():
+            return {}
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                manifest = json.loads(str(data[_MANIFEST]))
+                if int(manifest["user"]) != int(user):
+                    raise ClientStateError(f"{path}: holds user {manifest['user']}'s state, not user {user}'s")
+                versions: dict[int, dict[str, dict[str, np.ndarray]]] = {}
+                for name, (round_, record, key) in manifest["arrays"].items():
+                    versions.setdefault(int(round_), {}).setdefault(record, {})[key] = np.array(data[name])
+                for round_ in manifest.get("rounds", []):
+                    versions.setdefault(int(round_), {})
+                return versions
+        except ClientStateError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, json.JSONDecodeError) as err:
+            raise ClientStateError(f"{path}: unreadable client state file ({type(err).__name__}: {err}); it was "
+                                   "written atomically, so something else changed it — restore or delete it") from err
+
+    def load(self, user: int, state: RecordDict, as_of: int | None) -> int | None:
+        """Replace user ``user``'s records in ``state`` by its newest saved version of round ``<= as_of`` (``None``:
+        the newest of all). With no such version the user's records are removed, so the client starts from its
+        seeded initial state, as on a first visit. Returns the round of the version loaded, or ``None``."""
+        versions = self.read_versions(user)
+        eligible = [r for r in versions if as_of is None or r <= as_of]
+        for key in user_record_keys(state, user):
+            del state[key]
+        if not eligible:
+            return None
+        chosen = max(eligible)
+        for record, arrays in versions[chosen].items():
+            state[record] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
+        return chosen
+
+    def save(self, user: int, state: RecordDict, server_round: int, durable_round: int) -> Path:
+        """Write the user's records in ``state`` as the version of ``server_round`` (atomically), keeping only the
+        versions the server may still return to (see the module docstring). Returns the file's path."""
+        versions = {r: v for r, v in self.read_versions(user).items() if r != server_round}
+        versions[int(server_round)] = {
+            key: {name: np.asarray(array.numpy()) for name, array in state[key].items()}
+            for key in user_record_keys(state, user)
+        }
+        keep = _versions_to_keep(versions, int(durable_round), int(server_round))
+        arrays: dict[str, np.ndarray] = {}
+        index: dict[str, list] = {}
+        for round_ in sorted(keep):
+            for record, values in versions[round_].items():
+                for key, value in values.items():
+                    name = f"a{len(index)}"
+                    index[name] = [round_, record, key]
+                    arrays[name] = value
+        manifest = {"user": int(user), "rounds": sorted(keep), "arrays": index}
+        return atomic_save_npz(self.path(user), **arrays, **{_MANIFEST: np.array(json.dumps(manifest))})
+
+
+def _versions_to_keep(versions: Iterable[int], durable_round: int, newest: int) -> set[int]:
+    """The newest version at or before ``durable_round`` and every later one; only ``newest`` when ``durable_round``
+    is negative (no checkpoints)."""
+    rounds = set(versions)
+    if durable_round < 0:
+        return {newest}
+    settled = [r for r in rounds if r <= durable_round]
+    return {r for r in rounds if r > durable_round} | ({max(settled)} if settled else set())

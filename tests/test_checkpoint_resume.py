@@ -1,0 +1,111 @@
+"""Server checkpoints and ``resume-from``: a run killed mid-round (SIGKILL, in another process) and resumed from its
+last checkpoint ends with the same model and metrics as an uninterrupted run; bad resumes are refused clearly."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fedrec_flwr.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.serial import run_serial
+from tests.conftest import PROJECT_ROOT, tiny_run_config, without_timings
+
+# Runs the config in argv[1] serially and SIGKILLs its own process after the second train message of round argv[2]:
+# some users have trained (and saved their state) in that round, the others not, and nothing gets to clean up.
+KILLED_RUN = """
+import json, os, signal, sys
+from fedrec_flwr.client_app import make_client_app
+from fedrec_flwr.serial import run_serial
+
+config, kill_round, seen = json.loads(sys.argv[1]), int(sys.argv[2]), []
+
+def kill_mid_round(message, context, call_next):
+    reply = call_next(message, context)
+    if message.metadata.message_type == "train" and message.content["config"]["server-round"] == kill_round:
+        seen.append(1)
+        if len(seen) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return reply
+
+run_serial(config, client_app=make_client_app(config, mods=[kill_mid_round]))
+"""
+
+CASES = {
+    "fedmf": {"model": "mf"},
+    # the server's Adam moments must survive the restart too
+    "fedrecgel-server-adam": {"client": "fedrecgel", "strategy": "server-optimizer", "learning_rate": 0.1,
+                              "server_learning_rate": 0.01},
+}
+
+
+def _config(folder, run_name, **extra):
+    return tiny_run_config(folder, users_per_node=4, num_server_rounds=6, eval_every=2, fraction_train=0.5,
+                           checkpoint_every=2, client_state_dir=str(folder / "device"), run_name=run_name, **extra)
+
+
+def _final(result):
+    with np.load(result / "final_arrays.npz") as data:
+        return {k: data[k].copy() for k in data.files}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_run_killed_mid_round_resumes_to_the_same_result(tmp_path, case):
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    uninterrupted = run_serial(_config(tmp_path, "whole", **CASES[case]))
+
+    config = _config(tmp_path, "killed", **CASES[case])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
+    done = subprocess.run([sys.executable, "-c", KILLED_RUN, json.dumps(config), "4"], cwd=PROJECT_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    folder = tmp_path / "results" / "killed"
+    assert not (folder / "summary.json").exists()
+    checkpoint = load_checkpoint(folder)
+    assert checkpoint.server_round == 2 and [r["round"] for r in checkpoint.rows] == [1, 2]
+    assert checkpoint.sampler == {"seed": 0, "next-round": 3}
+    assert [r["round"] for r in json.loads((folder / "metrics.json").read_text())] == [1, 2, 3]
+    assert not any(k.startswith("user") for k in checkpoint.arrays), "the server never stores a user's parameters"
+    if case.startswith("fedrecgel"):
+        assert any(k.startswith("optimizer-0/") for k in checkpoint.strategy_arrays)
+
+    resumed = run_serial({**config, "resume-from": str(folder)})
+    assert resumed == folder
+    rows = json.loads((folder / "metrics.json").read_text())
+    assert [r["round"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert without_timings(rows) == without_timings(json.loads((uninterrupted / "metrics.json").read_text()))
+    whole, again = _final(uninterrupted), _final(folder)
+    assert whole.keys() == again.keys()
+    for key in whole:
+        np.testing.assert_array_equal(whole[key], again[key], err_msg=key)
+
+
+def test_resume_refuses_a_different_config_a_missing_and_a_damaged_checkpoint(tmp_path):
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    config = _config(tmp_path, "base", model="mf")
+    folder = run_serial({**config, "num-server-rounds": 2})
+    changed = {**config, "num-server-rounds": 2, "learning-rate": 0.5, "resume-from": str(folder)}
+    with pytest.raises(ConfigError, match=r"learning-rate: 0.01 -> 0.5"):
+        run_serial(changed)
+    with pytest.raises(ConfigError, match="no checkpoint at"):
+        run_serial({**config, "resume-from": str(tmp_path / "nowhere")})
+    (folder / CHECKPOINT_FILE).write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(ConfigError, match=f"checkpoint {folder / CHECKPOINT_FILE} is unreadable"):
+        run_serial({**config, "num-server-rounds": 2, "resume-from": str(folder)})
+
+
+def test_checkpoints_are_off_by_default_and_a_new_run_clears_a_stale_one(tmp_path):
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    config = tiny_run_config(tmp_path, num_server_rounds=2, run_name="plain")
+    folder = tmp_path / "results" / "plain"
+    folder.mkdir(parents=True)
+    (folder / CHECKPOINT_FILE).write_bytes(b"stale")
+    run_serial(config)
+    assert not (folder / CHECKPOINT_FILE).exists()
