@@ -13,6 +13,11 @@ private parameter.
 One node serves the users ``partition-id * users-per-node ..`` (:func:`fedrec_flwr.runtime.node_users`); each user is
 its own client object with its own private record in ``context.state``. A train reply is the exact sum-and-count
 :class:`~fedrec_flwr.wire.Contribution` of the node's trained users.
+
+With ``client-state-dir`` (node config, else run config) the users' private records live in files on the node's own
+disk instead, loaded before and saved after each message (:func:`private_state`, :mod:`fedrec_flwr.client_state`), so
+a SuperNode that is killed and restarted loses no user's embedding, and a resumed run finds every user's state as of
+the round it resumes from.
 """
 
 from __future__ import annotations

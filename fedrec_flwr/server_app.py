@@ -11,6 +11,11 @@ Phases of :func:`main`:
    every ``eval-every`` rounds and after the last; one progress line per round.
 4. The results folder (``results-dir/<run-name>/``) holds ``config.json``, ``metrics.csv``, ``metrics.json``,
    ``final_arrays.npz``, ``summary.json`` and ``learning_curves.png``, each written atomically.
+
+Every ``checkpoint-every`` rounds a server checkpoint (``checkpoint.npz``, :mod:`fedrec_flwr.checkpoint`) is written
+there too; ``resume-from`` continues an interrupted run from it (Flower's round loop over the later rounds,
+:class:`ShiftedRounds`). Every message carries the run's name and the last checkpoint's round, which clients keeping
+their private state in files (``client-state-dir``, :mod:`fedrec_flwr.client_state`) need.
 """
 
 from __future__ import annotations

@@ -13,8 +13,12 @@
   ``users-per-node`` or Ray workers.
 * Replies are checked before they touch the model: one carrying a private parameter raises
   :class:`~fedrec_flwr.wire.PrivacyViolation` (the round fails); one with unknown keys, wrong shapes, NaN/Inf or zero
-  weight is rejected with a logged reason; failed clients are counted and logged; fewer accepted replies than
+  weight, or (with ``max-update-norm`` > 0) an update longer than that (:meth:`ItemEmbeddingFedAvg.update_norm`) is
+  rejected with a logged reason; failed clients are counted and logged; fewer accepted replies than
   ``min-train-fraction`` of the sampled nodes raises :class:`RoundFailed`.
+* Faults: a node that dies costs its replies (the round goes on with the others, within ``round-timeout``); a node
+  that (re)joins later with a new node id takes over its users (:meth:`ItemEmbeddingFedAvg.refresh_topology`). The
+  strategy's state goes into server checkpoints (:meth:`ItemEmbeddingFedAvg.checkpoint_state`).
 * Client unlearning (``unlearning``, :mod:`strategies.unlearning`): after round ``unlearn-round`` the strategy runs the
   unlearning phase (HF-KCU, gradient ascent or continued training) on the aggregated model, evaluates the model before
   and after it, and writes ``unlearning.json`` and ``before-unlearning.npz``; the forgotten users train no more

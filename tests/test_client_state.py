@@ -122,3 +122,20 @@ def test_state_files_hold_exactly_what_the_memory_run_holds(tmp_path):
     a, b = np.load(memory_folder / "final_arrays.npz"), np.load(file_folder / "final_arrays.npz")
     assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
     assert not any(name.startswith("user_embedding") for name in b.files)
+
+
+def test_the_unlearning_phase_reads_the_users_state_from_their_files(tmp_path):
+    """HF-KCU's queries (gradient, Hessian-vector products) use the users' embeddings: from files, the same ones."""
+    import json
+
+    from fedrec_flwr.serial import run_serial
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    settings = {"model": "mf", "users_per_node": 6, "unlearning": "hfkcu", "forget_users": "0,7", "unlearn_scale": 1.0}
+    memory = run_serial(tiny_run_config(tmp_path / "a", **settings))
+    files = run_serial(tiny_run_config(tmp_path / "b", client_state_dir=str(tmp_path / "device"), **settings))
+    reports = [json.loads((f / "unlearning.json").read_text()) for f in (memory, files)]
+    assert reports[0]["update-norm"] > 0
+    assert reports[0]["update-norm"] == reports[1]["update-norm"]
+    a, b = np.load(memory / "final_arrays.npz"), np.load(files / "final_arrays.npz")
+    assert all(np.array_equal(a[k], b[k]) for k in a.files)

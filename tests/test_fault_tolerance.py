@@ -88,3 +88,22 @@ def test_a_round_with_too_few_live_nodes_fails_loudly(tmp_path):
 
     with pytest.raises(RoundFailed, match="round 2: 1 valid replies of 4 sampled nodes"):
         _run(tmp_path / "fail", on_round=kill_three, fraction_train=1.0)
+
+
+def test_a_node_without_its_data_stops_the_run_at_start_naming_node_and_file(tmp_path, task_identity):
+    """A SuperNode whose data folder lacks the dataset's files answers the identify query with the loader's error,
+    and the ServerApp stops before any training with a message naming the node and the missing file."""
+    from flwr.app import Context, RecordDict
+
+    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.errors import ConfigError
+    from fedrec_flwr.serial import SerialGrid
+    from fedrec_flwr.server_app import main
+
+    good = tiny_run_config(tmp_path, users_per_node=24)
+    broken = {**good, "generic-file": str(tmp_path / "missing" / "tiny.csv")}  # what the node sees
+    grid = SerialGrid(make_client_app(broken), 1, broken)
+    server = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=good)
+    with pytest.raises(ConfigError, match=r"node 1000 cannot serve this run: .*missing/tiny.csv"):
+        main(grid, server)
+    assert not (tmp_path / "results" / "run" / "metrics.csv").exists()
