@@ -47,8 +47,9 @@ from .wire import CONFIG, ModelLayout, Topology
 
 log = logging.getLogger(__name__)
 
-NODE_SETTLE_SECONDS = 20.0
-"""How long the node count may stay unchanged, below the needed count, before the identify phase gives up."""
+IDENTIFY_TIMEOUT = 300.0
+"""The least time the identify phase waits for replies (seconds): a SuperNode's first message includes installing the
+app and loading the dataset, which can take longer than ``round-timeout`` allows a training round."""
 
 
 def _setup_logging() -> None:
@@ -103,7 +104,7 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float):
     if errors:
         raise ConfigError(f"node {errors[0][0]} cannot serve this run: {errors[0][1]}")
     if not facts:
-        raise ConfigError("no SuperNode answered the identify query")
+        raise ConfigError(f"no SuperNode answered the identify query within {timeout:.0f} s ({len(nodes)} connected)")
     shapes = {(f["num-users-total"], f["num-items"], f["fingerprint"], f.get("num-attribute-classes", 0))
               for f in facts}
     if len(shapes) != 1:
@@ -173,7 +174,7 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     else:
         folder = Path(config.results_dir).expanduser().resolve() / default_run_name(config)
         check_results_folder(folder)
-    topology, num_items, facts = discover_topology(grid, config, timeout=config.round_timeout)
+    topology, num_items, facts = discover_topology(grid, config, timeout=max(config.round_timeout, IDENTIFY_TIMEOUT))
     model = build_shared_model(config, num_items, num_classes=facts["num-attribute-classes"])
     layout = ModelLayout.from_model(model)
     initial = ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in model.shared_state().items()})

@@ -289,25 +289,33 @@ class ItemEmbeddingFedAvg(FedAvg):
         replies = self._canonical_order(replies)
         accepted: list[RecordDict] = []
         reasons: list[str] = []
+        answered: set[int] = set()
+        unattributed: list[str] = []
         for message in replies:
-            node = message.metadata.src_node_id
+            node = int(message.metadata.src_node_id)
+            if message.has_error() and node not in self._sampled_nodes:
+                # the SuperLink answers for a node that stopped sending heartbeats (src: the SuperLink itself)
+                unattributed.append(message.error.reason)
+                continue
+            answered.add(node)
             if message.has_error():
-                self.failures[node] = self.failures.get(node, 0) + 1
-                log.warning("round %d: node %d failed: %s", server_round, node, message.error.reason)
-                reasons.append(f"node {node} failed: {message.error.reason}")
+                self._count_failure(server_round, node, message.error.reason, reasons)
                 continue
             try:
                 accepted.append(self.validate_reply(message.content))
             except ReplyError as err:
                 log.warning("round %d: rejected the reply of node %d: %s", server_round, node, err)
                 reasons.append(f"node {node}'s reply rejected: {err}")
+        for node in sorted(set(self._sampled_nodes) - answered):
+            reason = unattributed.pop(0) if unattributed else f"no reply within round-timeout ({self.round_timeout:g} s)"
+            self._count_failure(server_round, node, reason, reasons)
         expected = len(self._sampled_nodes)
         needed = max(1, math.ceil(self.min_train_fraction * expected))
         if len(accepted) < needed:
             raise RoundFailed(
                 f"round {server_round}: {len(accepted)} valid replies of {expected} sampled nodes "
                 f"(min-train-fraction {self.min_train_fraction} needs {needed}); "
-                f"{len(replies)} replies arrived, {sum(m.has_error() for m in replies)} with errors"
+                f"{len(answered)} nodes answered, {len(reasons)} failed or were rejected"
                 + (f"; first problem: {reasons[0]}" if reasons else "")
             )
         arrays = self.aggregate_arrays(accepted)
@@ -320,12 +328,17 @@ class ItemEmbeddingFedAvg(FedAvg):
             "train-loss": float(metrics.get("train-loss", float("nan"))),
             "train-users": train_users,
             "num-replies": float(len(accepted)),
-            "num-failures": float(len(replies) - len(accepted)),
+            "num-failures": float(expected - len(accepted)),
             "train-seconds": time.perf_counter() - self._train_started,
         }
         if self._phase_due(server_round):
             arrays = self.run_unlearning(server_round, arrays)
         return arrays, metrics
+
+    def _count_failure(self, server_round: int, node: int, reason: str, reasons: list[str]) -> None:
+        self.failures[node] = self.failures.get(node, 0) + 1
+        log.warning("round %d: node %d failed: %s", server_round, node, reason)
+        reasons.append(f"node {node} failed: {reason}")
 
     # ------------------------------------------------------------------------------------------------ unlearning
     def _phase_due(self, server_round: int) -> bool:

@@ -114,8 +114,10 @@ def test_max_update_norm_rejects_long_updates_with_a_logged_reason(task_identity
         arrays, _ = strategy.aggregate_train(1, [small, large])
     np.testing.assert_allclose(arrays["item_embedding.weight"].numpy()[1], TABLE[1])  # never reached the model
     np.testing.assert_allclose(arrays["item_embedding.weight"].numpy()[0], [0.5, 1.5])
-    assert strategy.last_train["num-replies"] == 1 and strategy.last_train["num-failures"] == 1
+    # node 11 rejected, node 12 sampled but silent: both count as failures
+    assert strategy.last_train["num-replies"] == 1 and strategy.last_train["num-failures"] == 2
     assert "node 11" in caplog.text and "exceeds max-update-norm 3" in caplog.text
+    assert "node 12 failed: no reply within round-timeout" in caplog.text
     off = _strategy(min_train_fraction=0.0)  # 0 = off: the same reply is accepted
     requests = {m.metadata.dst_node_id: m for m in _configure(off)}
     large = _reply(requests[11], [1], [[100.0, 3.0]], [1], [[1.0, 1.0]], n=5)
@@ -136,6 +138,21 @@ def test_reply_carrying_a_user_embedding_fails_the_round(task_identity):
     leak = {"user_embedding.weight": np.ones((1, 2), dtype=np.float32)}
     with pytest.raises(PrivacyViolation, match="user_embedding"):
         strategy.aggregate_train(1, [_reply(requests[10], [0], [[1.0, 1.0]], [1], [[0.0, 0.0]], 3, extra=leak)])
+
+
+def test_a_node_the_superlink_reports_unavailable_is_named_as_the_failed_node(task_identity, caplog):
+    """Flower's SuperLink answers for a node that stopped sending heartbeats with an error reply from itself (node
+    1): the failure is logged and counted against the sampled node that did not answer."""
+    strategy = _strategy(min_train_fraction=0.0)
+    requests = {m.metadata.dst_node_id: m for m in _configure(strategy)}
+    good = [_reply(requests[n], [0], [[1.0, 1.0]], [1], [[2.0, 2.0]], n=5) for n in (10, 12)]
+    unavailable = Message(Error(code=5, reason="Error: Node Unavailable"), reply_to=requests[11])
+    unavailable.metadata.__dict__["_src_node_id"] = 1  # what the SuperLink sends
+    with caplog.at_level("WARNING", logger="strategies.item_fedavg"):
+        strategy.aggregate_train(1, [*good, unavailable])
+    assert strategy.failures == {11: 1}
+    assert "round 1: node 11 failed: Error: Node Unavailable" in caplog.text
+    assert strategy.last_train["num-failures"] == 1
 
 
 def test_too_few_valid_replies_fail_the_round_and_failures_are_counted(task_identity):
