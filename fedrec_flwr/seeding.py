@@ -1,7 +1,8 @@
 """Explicit random streams derived from ``(seed, purpose, user, round)``: never global RNG state.
 
-Every random choice of a run comes from a generator built here, so results do not depend on scheduling, the number of
-Ray workers, or how users are grouped into nodes.
+Every random choice of a run comes from a generator built here, so no random choice depends on scheduling, the number
+of Ray workers, or how users are grouped into nodes (the model is then bit-identical for a given grouping; another
+grouping changes the order of float32 sums in aggregation, so results agree only up to rounding).
 """
 
 from __future__ import annotations

@@ -9,12 +9,14 @@ Key scheme (one ``ArrayRecord`` under the key ``"arrays"`` in every message; arr
   - dense shared parameters (the score function), key ``"<key>"``: the node's example-weighted mean
     ``sum_u n_u * theta_u / sum_u n_u``, with ``n = sum_u n_u`` sent as the ``"num-examples"`` metric. Flower's own
     :func:`flwr.serverapp.strategy.strategy_utils.aggregate_arrayrecords` over such replies therefore gives exactly the
-    example-weighted mean over all users, however users are grouped into nodes.
+    example-weighted mean over all users, however users are grouped into nodes (up to float32 rounding: a different
+    grouping adds the same terms in another order).
   - item-embedding tables (row-sparse), three arrays per table ``"<key>"``:
     ``"<key>#rows"`` ``(T,)`` int64, the sorted item rows that at least one user of the node updated;
     ``"<key>#sum"`` ``(T, d)`` float32, the sum over those users of their updated row values;
     ``"<key>#count"`` ``(T,)`` float32, how many of the node's users updated each row.
-    Sums and counts add across nodes, so the server's per-row mean ``sum / count`` is exact for any grouping.
+    Sums and counts add across nodes, so the server's per-row mean ``sum / count`` is the same for any grouping (up
+    to float32 rounding of the sums' order).
 
 Values are updated parameters by default. A strategy that puts ``"upload" = "gradient"`` in the train config (e.g.
 :class:`strategies.server_optimizer.ServerOptimizerStrategy`) receives gradients of the shared parameters in the same
