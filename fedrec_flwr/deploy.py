@@ -310,28 +310,30 @@ def _write_private(path: Path, data: bytes) -> None:
 
 # ------------------------------------------------------------------------------------------------- the app
 def app_snapshot(dest: str | os.PathLike, source: str | os.PathLike = PROJECT_ROOT) -> Path:
-    """Copy the Flower app (``pyproject.toml``, ``README.md`` and the packages named in
-    ``[tool.setuptools.packages.find] include``) into ``dest``, for ``flwr run <dest>``; returns ``dest``.
+    """Copy the files of the Flower app that ``flwr run`` would ship (``pyproject.toml`` and what its
+    ``fab-include`` selects, by Flower's own filter) into ``dest``, for ``flwr run <dest>``; returns ``dest``.
 
-    ``flwr run .`` (flwr 1.42) reads every file under the project folder before it applies ``.gitignore`` and the
-    FAB patterns: with the virtual environment in ``.venv/`` that is ~48,000 files (7.5-9 s here), and the FAB
-    (4 MB, ~590 files, ``experiments/`` results included) is downloaded and installed by every SuperNode. The
-    snapshot holds only what the ServerApp and ClientApp import (0.5 MB, built in 0.03 s). The code is the same.
+    ``flwr run .`` (flwr 1.42) reads every file under the project folder before it filters them: with the virtual
+    environment in ``.venv/`` that is ~48,000 files (7.5-13 s here). The snapshot walks only non-hidden folders and
+    holds exactly the same app (0.7 MB), so its FAB builds at once.
     """
     import shutil
 
+    from flwr.cli.build import get_filtered_fab_paths
+
     source, dest = Path(source), Path(dest)
     with open(source / "pyproject.toml", "rb") as handle:
-        patterns = tomllib.load(handle).get("tool", {}).get("setuptools", {}).get("packages", {}).get("find", {})
-    packages = sorted({p.split(".")[0].rstrip("*") for p in patterns.get("include", [])} or {"fedrec_flwr"})
+        config = tomllib.load(handle)
+    files: dict[str, Path] = {}
+    for folder, dirs, names in os.walk(source):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("__pycache__", "results")]
+        for name in names:
+            path = Path(folder) / name
+            files[path.relative_to(source).as_posix()] = path
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("pyproject.toml", "README.md"):
-        if (source / name).is_file():
-            shutil.copy2(source / name, dest / name)
-    for package in packages:
-        if (source / package).is_dir():
-            shutil.copytree(source / package, dest / package, dirs_exist_ok=True,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for relative in ["pyproject.toml", *get_filtered_fab_paths(files, config)]:
+        (dest / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source / relative, dest / relative)
     return dest
 
 

@@ -12,7 +12,8 @@ app's dependencies with ``uv`` at run time. This module wraps it so a run is sel
 
 Command line::
 
-    python -m fedrec_flwr.launch run [--num-supernodes N] [--flwr-home DIR] [--] [key=value ...]
+    python -m fedrec_flwr.launch run [--num-supernodes N] [--flwr-home DIR] [--ray-address HOST:PORT]
+                                     [--federation-config KEY=VALUE ...] [--] [key=value ...]
     python -m fedrec_flwr.launch stop [--flwr-home DIR]
 
 ``key=value`` pairs are run-config overrides (TOML values: strings in quotes, e.g. ``dataset='filmtrust'``).
@@ -187,6 +188,8 @@ def flwr_run(
     timeout: float | None = None,
     capture: bool = False,
     keep_superlink: bool = False,
+    federation_config: Mapping[str, Any] | None = None,
+    ray_address: str | None = None,
 ) -> subprocess.CompletedProcess:
     """``flwr run <project> --stream`` on a fresh local SuperLink, which is stopped afterwards.
 
@@ -196,12 +199,19 @@ def flwr_run(
         flwr_home: ``FLWR_HOME`` for this run (config, installed apps, SuperLink state and log).
         env_extra: more environment variables (e.g. other local SuperLink ports).
         capture: capture stdout/stderr (text) instead of passing them through.
+        federation_config: more ``--federation-config`` keys of flwr 1.42's simulation config, e.g.
+            ``{"client-resources-num-cpus": 1}`` (CPUs per client actor; Flower's default is 2) or
+            ``{"init-args-num-cpus": 4}`` (CPUs of a new local Ray instance; not allowed with ``ray_address``).
+        ray_address: run the simulation's client actors on this existing Ray cluster (``host:port`` of its head's
+            GCS, as ``ray start --head --port`` printed) instead of a new local Ray instance: sets ``RAY_ADDRESS``
+            for the SuperLink, whose simulation process calls ``ray.init()``. Stopping the SuperLink afterwards
+            never stops that cluster.
 
     Returns:
         The finished ``flwr run`` process (its return code says whether the run was submitted and streamed).
     """
     overrides = dict(overrides or {})
-    env = flwr_env(flwr_home, env_extra)
+    env = flwr_env(flwr_home, {**({"RAY_ADDRESS": ray_address} if ray_address else {}), **(env_extra or {})})
     if num_supernodes is None:
         num_supernodes = num_supernodes_for(overrides)
     foreign = foreign_superlinks(env)
@@ -215,10 +225,13 @@ def flwr_run(
     stop_local_superlink(env)
     command = [
         str(Path(sys.executable).with_name("flwr")), "run", str(project),
-        "--federation-config", f"num-supernodes={num_supernodes}",
+        "--federation-config", " ".join([f"num-supernodes={num_supernodes}", *(
+            f"{k}={_toml_value(v)}" for k, v in (federation_config or {}).items())]),
         *run_config_args(overrides), "--stream",
     ]
-    print("$ FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 " + " ".join(
+    shown_env = f"RAY_ADDRESS={ray_address} " if ray_address else ""
+    shown_env += "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1"
+    print(f"$ {shown_env} " + " ".join(
         c if " " not in c else f'"{c}"' for c in ["flwr", *command[1:]]), file=sys.stderr, flush=True)
     try:
         return subprocess.run(command, env=env, timeout=timeout, text=True, capture_output=capture, check=False)
@@ -233,6 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = sub.add_parser("run", help="flwr run the app on a fresh local SuperLink, then stop it")
     run.add_argument("--num-supernodes", type=int, default=None)
     run.add_argument("--flwr-home", default=None)
+    run.add_argument("--ray-address", default=None,
+                     help="host:port of an existing Ray cluster's head (ray start --head) to run the client actors on")
+    run.add_argument("--federation-config", action="append", default=[], metavar="KEY=VALUE",
+                     help="another flwr simulation-config key, e.g. client-resources-num-cpus=1 (repeatable)")
     run.add_argument("overrides", nargs="*", help="run-config overrides key=value (TOML values)")
     stop = sub.add_parser("stop", help="stop the local SuperLink of this environment's ports")
     stop.add_argument("--flwr-home", default=None)
@@ -249,7 +266,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not sep:
             parser.error(f"override {pair!r} is not key=value")
         overrides[key.strip()] = tomllib.loads(f"v = {value}")["v"]
-    result = flwr_run(overrides, num_supernodes=args.num_supernodes, flwr_home=args.flwr_home)
+    federation: dict[str, Any] = {}
+    for pair in args.federation_config:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            parser.error(f"--federation-config {pair!r} is not key=value")
+        federation[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+    result = flwr_run(overrides, num_supernodes=args.num_supernodes, flwr_home=args.flwr_home,
+                      federation_config=federation, ray_address=args.ray_address)
     return result.returncode
 
 

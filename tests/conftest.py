@@ -19,6 +19,20 @@ def dataset_dir(name: str) -> Path:
     return path
 
 
+SLOW_TESTS_ENV = "FEDREC_SLOW_TESTS"
+"""Set to 1 to also run the tests marked ``slow`` (real-process deployments with faults and TLS, a Ray cluster:
+about 15 more minutes on 2 cores), which CI's 30-minute budget leaves out."""
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get(SLOW_TESTS_ENV) == "1":
+        return
+    skip = pytest.mark.skip(reason=f"real-process test of several minutes: run with {SLOW_TESTS_ENV}=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def ml100k_dir() -> Path:
     return dataset_dir("ml-100k")
