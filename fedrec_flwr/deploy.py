@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, FedRecError
-from .launch import PROJECT_ROOT, _alive, _group_members, flwr_env, processes_with_env, run_config_args
+from .launch import PROJECT_ROOT, _alive, _group_members, flwr_env, processes_with_env, run_config_args, terminate
 
 CONNECTION = "fedrec-deploy"
 """Name of the SuperLink connection written into the deployment's ``$FLWR_HOME/config.toml``."""
@@ -360,21 +360,7 @@ def end_processes(pids: Sequence[int], marker: tuple[str, str] | None = None, ti
     targets = _session_members(pids)
     if marker:
         targets.update(processes_with_env(*marker))
-    targets.discard(os.getpid())
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in targets:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(_alive(p) for p in targets):
-            time.sleep(0.2)
-        if not any(_alive(p) for p in targets):
-            break
-        if marker:  # children started while we waited
-            targets.update(processes_with_env(*marker))
-    return sorted(targets)
+    return sorted(terminate(targets, timeout, (lambda: processes_with_env(*marker)) if marker else None))
 
 
 @dataclass

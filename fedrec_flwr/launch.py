@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +103,15 @@ def stop_local_superlink(env: Mapping[str, str] | None = None, timeout: float = 
             continue
     if env.get("FLWR_HOME"):
         targets.update(processes_with_env("FLWR_HOME", str(env["FLWR_HOME"])))
-    targets.discard(os.getpid())
+    terminate(targets, timeout)
+    return pids
+
+
+def terminate(targets: set[int], timeout: float, more: Callable[[], Iterable[int]] | None = None) -> set[int]:
+    """SIGTERM ``targets`` (never this process), wait up to ``timeout`` s, then SIGKILL what is left; ``more()``, if
+    given, names processes that appeared meanwhile (children started while we waited), added before the SIGKILL.
+    Returns every PID signalled."""
+    targets = set(targets) - {os.getpid()}
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in targets:
             try:
@@ -115,7 +123,9 @@ def stop_local_superlink(env: Mapping[str, str] | None = None, timeout: float = 
             time.sleep(0.2)
         if not any(_alive(p) for p in targets):
             break
-    return pids
+        if more is not None:
+            targets |= set(more()) - {os.getpid()}
+    return targets
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -258,20 +268,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         pids = stop_local_superlink(flwr_env(args.flwr_home))
         print(f"stopped local SuperLink {pids}" if pids else "no local SuperLink running")
         return 0
-    overrides: dict[str, Any] = {}
     import tomllib
 
-    for pair in args.overrides:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            parser.error(f"override {pair!r} is not key=value")
-        overrides[key.strip()] = tomllib.loads(f"v = {value}")["v"]
-    federation: dict[str, Any] = {}
-    for pair in args.federation_config:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            parser.error(f"--federation-config {pair!r} is not key=value")
-        federation[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+    def pairs(items: Sequence[str], what: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for pair in items:
+            key, sep, value = pair.partition("=")
+            if not sep:
+                parser.error(f"{what} {pair!r} is not key=value")
+            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        return out
+
+    overrides = pairs(args.overrides, "override")
+    federation = pairs(args.federation_config, "--federation-config")
     result = flwr_run(overrides, num_supernodes=args.num_supernodes, flwr_home=args.flwr_home,
                       federation_config=federation, ray_address=args.ray_address)
     return result.returncode
