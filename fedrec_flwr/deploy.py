@@ -46,7 +46,6 @@ import ipaddress
 import json
 import os
 import shlex
-import signal
 import socket
 import ssl
 import subprocess
