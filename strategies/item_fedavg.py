@@ -490,10 +490,12 @@ class ItemEmbeddingFedAvg(FedAvg):
         """Mean metrics over evaluated users (each reply is weighted by its number of users)."""
         replies = self._canonical_order(replies)
         ok = [m.content for m in replies if not m.has_error()]
+        known = set(self._topology().user_to_node.tolist())
         for message in replies:
             if message.has_error():
-                log.warning("round %d: evaluation failed on node %d: %s", server_round,
-                            message.metadata.src_node_id, message.error.reason)
+                node = int(message.metadata.src_node_id)
+                where = f"on node {node}" if node in known else "on a node the SuperLink reports unavailable"
+                log.warning("round %d: evaluation failed %s: %s", server_round, where, message.error.reason)
         if not ok:
             return None
         metrics = aggregate_metricrecords(ok, NUM_EXAMPLES)
