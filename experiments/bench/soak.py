@@ -16,8 +16,9 @@ results folder: ``config.json`` appears when training starts (after the SuperNod
 identify query) and ``metrics.json`` gains one row at the end of each round, whose ``seconds`` is the round's wall
 time measured by the ServerApp.
 
-It prints and writes (``--out-dir``, default ``experiments/bench/results/``, ``soak-<dataset>-upn<k>.json`` / ``.csv``)
-one row per round: wall seconds, replies (and the number expected from the seeded user sampling), failures, users
+It prints and writes (``--out-dir``, default ``experiments/bench/results/``: ``soak-<dataset>-upn<k>.json`` and
+``.csv``, rewritten atomically after every round, so a run killed midway leaves the rounds it finished) one row per
+round: wall seconds, replies (and the number expected from the seeded user sampling), failures, users
 trained / evaluated, peak and lowest summed RSS (GiB) during the round and the peak summed PSS (RSS with shared
 pages split between the processes that map them; sampled every ``--pss-every`` seconds only, as reading it costs
 about a second of CPU). Then: the overall peak, a least-squares slope of the per-round peak and lowest RSS over
@@ -262,17 +263,96 @@ def main() -> int:
             print(f"soak: flwr run failed before training (attempt {attempt}); trying again", flush=True)
             time.sleep(5)
 
-    started = time.monotonic()
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    out = Path(args.out_dir)
+    stem = args.name or f"soak-{args.dataset}-upn{args.users_per_node}"
     samples: list[tuple[float, int, int]] = []  # (seconds since start, summed RSS, processes)
     pss_samples: list[tuple[float, int]] = []  # (seconds since start, summed PSS), every --pss-every seconds
     round_end: dict[int, float] = {}
     round_load: dict[int, float] = {}  # the machine's 1-minute load average when the round ended
     round_programs: dict[int, dict[str, float]] = {}  # RSS MiB per program when the round ended
-    train_start: float | None = None
+    state: dict = {"train-start": None, "cost": 0.0, "leftover": None}
+
+    def report(now: float, complete: bool) -> tuple[list[dict], dict]:
+        """The per-round table and the summary from what was sampled until ``now`` (seconds since the start)."""
+        rows = _read_rows(folder) or []
+        table = []
+        for row in rows:
+            rnd = int(row["round"])
+            end = round_end.get(rnd, now)
+            begin = end - float(row["seconds"]) - args.interval
+            window = [s for s in samples if begin <= s[0] <= end]
+            pss_window = [s for s in pss_samples if begin <= s[0] <= end]
+            want = expected.get(rnd, {})
+            table.append({
+                "round": rnd, "seconds": float(row["seconds"]),
+                "replies": int(row.get("num-replies", 0)), "expected-replies": want.get("replies"),
+                "failures": int(row.get("num-failures", 0)),
+                "train-users": int(row.get("train-users", 0)), "expected-train-users": want.get("train-users"),
+                "eval-users": int(row["eval-users"]) if "eval-users" in row else None,
+                "expected-eval-users": want.get("eval-users"),
+                "peak-rss-GiB": round(max((s[1] for s in window), default=0) / GIB, 3),
+                "low-rss-GiB": round(min((s[1] for s in window), default=0) / GIB, 3),
+                "peak-pss-GiB": round(max(s[1] for s in pss_window) / GIB, 3) if pss_window else None,
+                "processes": max((s[2] for s in window), default=0),
+                "visited-users": want.get("visited-users"), "visited-nodes": want.get("visited-nodes"),
+                "HR@10": row.get("HR@10"), "load-1min": round_load.get(rnd),
+                "rss-MiB-by-program": round_programs.get(rnd),
+            })
+        train_start = state["train-start"]
+        startup = [s for s in samples if train_start is None or s[0] <= train_start]
+        steady = [r for r in table if r["round"] >= 5 and r["eval-users"] is None]
+        peak_slope = _slope([(r["round"], r["peak-rss-GiB"] * 1024) for r in steady])
+        low_slope = _slope([(r["round"], r["low-rss-GiB"] * 1024) for r in steady])
+        lost = [r["round"] for r in table if r["failures"] or r["replies"] != r["expected-replies"]
+                or r["train-users"] != r["expected-train-users"] or r["eval-users"] != r["expected-eval-users"]]
+        # "grows": the fitted slope is at least 1 MiB a round. The per-node slope and the growth per program say
+        # where it goes: growth that follows the nodes visited so far is state kept per node (bounded by the
+        # number of nodes); growth at a steady rate after every node was visited is not.
+        grows = None if peak_slope is None else bool(peak_slope >= 1.0)
+        per_node = _slope([(r["visited-nodes"], r["low-rss-GiB"] * 2**30 / 1024) for r in steady
+                           if r["visited-nodes"] is not None])
+        first, last = (table[0], table[-1]) if table else ({}, {})
+        growth_by_program = {k: round(v - (first.get("rss-MiB-by-program") or {}).get(k, 0.0), 1)
+                             for k, v in (last.get("rss-MiB-by-program") or {}).items()}
+        summary = {
+            "complete": complete,
+            "dataset": args.dataset, "users": num_users, "supernodes": num_nodes,
+            "users-per-node": args.users_per_node, "rounds": args.rounds, "completed-rounds": len(rows),
+            "fraction-train": args.fraction_train, "fraction-evaluate": args.fraction_evaluate,
+            "eval-every": args.eval_every, "seed": args.seed, "client-cpus": args.client_cpus,
+            "returncode": outcome.get("returncode"), "error": outcome.get("error"), "attempts": outcome.get("attempts"),
+            "total-seconds": round(now, 1), "startup-seconds": round(train_start, 1) if train_start else None,
+            "startup-peak-rss-GiB": round(max((s[1] for s in startup), default=0) / GIB, 3),
+            "peak-rss-GiB": round(max((s[1] for s in samples), default=0) / GIB, 3),
+            "peak-pss-GiB": round(max((s[1] for s in pss_samples), default=0) / GIB, 3),
+            "peak-rss-slope-MiB-per-round": round(peak_slope, 2) if peak_slope is not None else None,
+            "low-rss-slope-MiB-per-round": round(low_slope, 2) if low_slope is not None else None,
+            "slope-rounds": [r["round"] for r in steady], "memory-grows": grows,
+            "low-rss-KiB-per-visited-node": round(per_node, 2) if per_node is not None else None,
+            "rss-MiB-growth-by-program-round1-to-last": growth_by_program,
+            "rounds-with-lost-or-failed-replies": lost, "samples": len(samples), "pss-samples": len(pss_samples),
+            "sampler-busy-share": round(state["cost"] / now, 3) if now else None,
+            "leftover-processes-killed": state["leftover"],
+            "final": json.loads((folder / "summary.json").read_text())["final"]
+            if (folder / "summary.json").is_file() else None,
+        }
+        return table, summary
+
+    def write(table: list[dict], summary: dict) -> None:
+        """``<stem>.json`` (summary and rounds) and ``<stem>.csv`` (rounds), atomically: a run killed midway leaves
+        the rounds it finished."""
+        atomic_write_json(out / f"{stem}.json", {"summary": summary, "rounds": table})
+        columns = [c for c in (table[0] if table else {"round": 0}) if c != "rss-MiB-by-program"]
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(table)
+        atomic_write_text(out / f"{stem}.csv", buffer.getvalue())
+
+    started = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
     find = RunProcesses(flwr_home)
-    cost = 0.0
     while thread.is_alive():
         tick = time.monotonic()
         now = tick - started
@@ -281,86 +361,30 @@ def main() -> int:
         samples.append((now, rss, count))
         if args.pss_every > 0 and (not pss_samples or now - pss_samples[-1][0] >= args.pss_every):
             pss_samples.append((now, pss_bytes(pids)))
-        if train_start is None and (folder / "config.json").is_file():
-            train_start = now
+        if state["train-start"] is None and (folder / "config.json").is_file():
+            state["train-start"] = now
+        new_round = False
         for row in _read_rows(folder) or []:
             if int(row["round"]) not in round_end:
                 round_end[int(row["round"])] = now
                 round_load[int(row["round"])] = round(os.getloadavg()[0], 2)
                 round_programs[int(row["round"])] = rss_by_process(pids)
-        cost += time.monotonic() - tick
+                new_round = True
+        if new_round:
+            write(*report(now, complete=False))
+        state["cost"] += time.monotonic() - tick
         thread.join(timeout=max(0.05, args.interval - (time.monotonic() - tick)))
     total = time.monotonic() - started
     time.sleep(2.0)
     # the launcher should have ended them all (never PIDs merely seen earlier: they may belong to someone else now)
-    leftover = sorted(pid for pid in find(superlink_pids(env)) if _alive(pid))
-    for pid in leftover:
+    state["leftover"] = sorted(pid for pid in find(superlink_pids(env)) if _alive(pid))
+    for pid in state["leftover"]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
-    rows = _read_rows(folder) or []
-    table = []
-    for row in rows:
-        rnd = int(row["round"])
-        end = round_end.get(rnd, total)
-        begin = end - float(row["seconds"]) - args.interval
-        window = [s for s in samples if begin <= s[0] <= end]
-        pss_window = [s for s in pss_samples if begin <= s[0] <= end]
-        want = expected.get(rnd, {})
-        table.append({
-            "round": rnd, "seconds": float(row["seconds"]),
-            "replies": int(row.get("num-replies", 0)), "expected-replies": want.get("replies"),
-            "failures": int(row.get("num-failures", 0)),
-            "train-users": int(row.get("train-users", 0)), "expected-train-users": want.get("train-users"),
-            "eval-users": int(row["eval-users"]) if "eval-users" in row else None,
-            "expected-eval-users": want.get("eval-users"),
-            "peak-rss-GiB": round(max((s[1] for s in window), default=0) / GIB, 3),
-            "low-rss-GiB": round(min((s[1] for s in window), default=0) / GIB, 3),
-            "peak-pss-GiB": round(max(s[1] for s in pss_window) / GIB, 3) if pss_window else None,
-            "processes": max((s[2] for s in window), default=0),
-            "visited-users": want.get("visited-users"), "visited-nodes": want.get("visited-nodes"),
-            "HR@10": row.get("HR@10"), "load-1min": round_load.get(rnd),
-            "rss-MiB-by-program": round_programs.get(rnd),
-        })
-    startup = [s for s in samples if train_start is None or s[0] <= train_start]
-    steady = [r for r in table if r["round"] >= 5 and r["eval-users"] is None]
-    peak_slope = _slope([(r["round"], r["peak-rss-GiB"] * 1024) for r in steady])
-    low_slope = _slope([(r["round"], r["low-rss-GiB"] * 1024) for r in steady])
-    lost = [r["round"] for r in table if r["failures"] or r["replies"] != r["expected-replies"]
-            or r["train-users"] != r["expected-train-users"] or r["eval-users"] != r["expected-eval-users"]]
-    # "grows": the fitted slope is at least 1 MiB a round. Growth that follows the nodes visited so far is Flower's
-    # simulation replacing each visited node's Context (its state and its own copy of the run config) by the one the
-    # actor sent back: bounded by the number of nodes, not a leak. The per-node slope tells which.
-    grows = None if peak_slope is None else bool(peak_slope >= 1.0)
-    per_node = _slope([(r["visited-nodes"], r["low-rss-GiB"] * 2**30 / 1024) for r in steady
-                       if r["visited-nodes"] is not None])
-    first, last = (table[0], table[-1]) if table else ({}, {})
-    growth_by_program = {k: round(v - (first.get("rss-MiB-by-program") or {}).get(k, 0.0), 1)
-                         for k, v in (last.get("rss-MiB-by-program") or {}).items()}
-    summary = {
-        "dataset": args.dataset, "users": num_users, "supernodes": num_nodes, "users-per-node": args.users_per_node,
-        "rounds": args.rounds, "completed-rounds": len(rows), "fraction-train": args.fraction_train,
-        "fraction-evaluate": args.fraction_evaluate, "eval-every": args.eval_every, "seed": args.seed,
-        "client-cpus": args.client_cpus, "returncode": outcome.get("returncode"), "error": outcome.get("error"),
-        "attempts": outcome.get("attempts"),
-        "total-seconds": round(total, 1), "startup-seconds": round(train_start, 1) if train_start else None,
-        "startup-peak-rss-GiB": round(max((s[1] for s in startup), default=0) / GIB, 3),
-        "peak-rss-GiB": round(max((s[1] for s in samples), default=0) / GIB, 3),
-        "peak-pss-GiB": round(max((s[1] for s in pss_samples), default=0) / GIB, 3),
-        "peak-rss-slope-MiB-per-round": round(peak_slope, 2) if peak_slope is not None else None,
-        "low-rss-slope-MiB-per-round": round(low_slope, 2) if low_slope is not None else None,
-        "slope-rounds": [r["round"] for r in steady], "memory-grows": grows,
-        "low-rss-KiB-per-visited-node": round(per_node, 2) if per_node is not None else None,
-        "rss-MiB-growth-by-program-round1-to-last": growth_by_program,
-        "rounds-with-lost-or-failed-replies": lost, "samples": len(samples), "pss-samples": len(pss_samples),
-        "sampler-busy-share": round(cost / total, 3) if total else None,
-        "leftover-processes-killed": leftover,
-        "final": json.loads((folder / "summary.json").read_text())["final"] if (folder / "summary.json").is_file()
-        else None,
-    }
-
+    table, summary = report(total, complete=True)
     print("\n| round | wall s | replies (expected) | failures | users trained | users evaluated | nodes visited | "
           "peak RSS GiB | low RSS GiB | peak PSS GiB | load |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -373,19 +397,11 @@ def main() -> int:
               f"{r['low-rss-GiB']:.2f} | {r['peak-pss-GiB'] if r['peak-pss-GiB'] is not None else '-'} | "
               f"{r['load-1min']} |")
     print(json.dumps({k: v for k, v in summary.items() if k not in ("final", "slope-rounds")}, indent=1))
-
-    out = Path(args.out_dir)
-    stem = args.name or f"soak-{args.dataset}-upn{args.users_per_node}"
-    atomic_write_json(out / f"{stem}.json", {"summary": summary, "rounds": table})
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(table[0]) if table else ["round"], lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(table)
-    atomic_write_text(out / f"{stem}.csv", buffer.getvalue())
+    write(table, summary)
     print(f"wrote {out / stem}.json and .csv", flush=True)
     shutil.rmtree(work, ignore_errors=True)
-    return 0 if outcome.get("returncode") == 0 and len(rows) == args.rounds and not lost else 1
-
+    lost = summary["rounds-with-lost-or-failed-replies"]
+    return 0 if outcome.get("returncode") == 0 and summary["completed-rounds"] == args.rounds and not lost else 1
 
 if __name__ == "__main__":
     sys.exit(main())
