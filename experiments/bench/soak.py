@@ -305,12 +305,9 @@ def main() -> int:
         low_slope = _slope([(r["round"], r["low-rss-GiB"] * 1024) for r in steady])
         lost = [r["round"] for r in table if r["failures"] or r["replies"] != r["expected-replies"]
                 or r["train-users"] != r["expected-train-users"] or r["eval-users"] != r["expected-eval-users"]]
-        # "grows": the fitted slope is at least 1 MiB a round. The per-node slope and the growth per program say
-        # where it goes: growth that follows the nodes visited so far is state kept per node (bounded by the
-        # number of nodes); growth at a steady rate after every node was visited is not.
+        # "grows": the fitted slope is at least 1 MiB a round. Where it goes: the growth per program, and the nodes
+        # visited so far (state kept per node grows until every node was visited, then stops).
         grows = None if peak_slope is None else bool(peak_slope >= 1.0)
-        per_node = _slope([(r["visited-nodes"], r["low-rss-GiB"] * 2**30 / 1024) for r in steady
-                           if r["visited-nodes"] is not None])
         first, last = (table[0], table[-1]) if table else ({}, {})
         growth_by_program = {k: round(v - (first.get("rss-MiB-by-program") or {}).get(k, 0.0), 1)
                              for k, v in (last.get("rss-MiB-by-program") or {}).items()}
@@ -328,7 +325,6 @@ def main() -> int:
             "peak-rss-slope-MiB-per-round": round(peak_slope, 2) if peak_slope is not None else None,
             "low-rss-slope-MiB-per-round": round(low_slope, 2) if low_slope is not None else None,
             "slope-rounds": [r["round"] for r in steady], "memory-grows": grows,
-            "low-rss-KiB-per-visited-node": round(per_node, 2) if per_node is not None else None,
             "rss-MiB-growth-by-program-round1-to-last": growth_by_program,
             "rounds-with-lost-or-failed-replies": lost, "samples": len(samples), "pss-samples": len(pss_samples),
             "sampler-busy-share": round(state["cost"] / now, 3) if now else None,
