@@ -124,8 +124,10 @@ def mean_metrics(per_user: dict[str, np.ndarray]) -> dict[str, float]:
     """Mean over users of each per-user metric array (as returned by :func:`ranking_metrics_batch`).
 
     Raises:
-        ValueError: an array is empty (there would be no users to average).
+        ValueError: no metrics at all, or an array is empty (there would be no users to average).
     """
+    if not per_user:
+        raise ValueError("mean_metrics: no metrics to average (empty mapping)")
     out = {}
     for key, values in per_user.items():
         if len(values) == 0:

@@ -7,15 +7,23 @@ from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(os.environ.get("FEDREC_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+SHARED_DATA_ENV = "FEDREC_SHARED_DATA"
+SHARED_DATA = Path(os.environ.get(SHARED_DATA_ENV) or Path(__file__).resolve().parents[2] / "shared" / "data")
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 def dataset_dir(name: str) -> Path:
-    """The real dataset folder ``../shared/data/<name>``, or skip the test with the reason."""
+    """The real dataset folder ``$FEDREC_SHARED_DATA/<name>`` (default ``../shared/data/<name>``).
+
+    A missing folder FAILS the test when ``FEDREC_SHARED_DATA`` is set (the machine claims to have the data: a wrong
+    path must not turn the end-to-end, split and deployment tests into silent skips); only with the variable unset
+    is the test skipped, with the reason. ``.ci/run`` sets it."""
     path = SHARED_DATA / name
     if not path.is_dir():
-        pytest.skip(f"real dataset folder {path} not found (set FEDREC_SHARED_DATA)")
+        if os.environ.get(SHARED_DATA_ENV):
+            pytest.fail(f"{SHARED_DATA_ENV}={os.environ[SHARED_DATA_ENV]} is set, but the dataset folder {path} does "
+                        "not exist (fix the variable or unset it to skip the real-data tests)", pytrace=False)
+        pytest.skip(f"real dataset folder {path} not found ({SHARED_DATA_ENV} unset)")
     return path
 
 

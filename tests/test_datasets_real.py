@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 from pathlib import Path
@@ -12,16 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from conftest import dataset_dir as _need
 from fedrec_flwr.data import load_interactions, load_split
-
-SHARED_DATA = Path(os.environ.get("FEDREC_SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
-
-
-def _need(name: str) -> Path:
-    folder = SHARED_DATA / name
-    if not folder.is_dir():
-        pytest.skip(f"real dataset folder {folder} absent (set FEDREC_SHARED_DATA)")
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +107,17 @@ def test_amazon_video_loads_and_second_load_reads_cache(cache, caplog):
     assert first.equals(second)
     # Benchmark only (not asserted): the second load should take well under a second.
     print(f"amazon-video: first load {first_s:.3f} s, cached load {second_s:.3f} s")
+
+
+def test_a_set_data_variable_that_points_nowhere_fails_and_only_an_unset_one_skips(monkeypatch, tmp_path):
+    import conftest
+
+    monkeypatch.setattr(conftest, "SHARED_DATA", tmp_path / "nowhere")
+    monkeypatch.setenv("FEDREC_SHARED_DATA", str(tmp_path / "nowhere"))
+    with pytest.raises(pytest.fail.Exception, match="is set, but the dataset folder .*ml-100k does not exist"):
+        conftest.dataset_dir("ml-100k")
+    monkeypatch.delenv("FEDREC_SHARED_DATA")
+    with pytest.raises(pytest.skip.Exception, match="FEDREC_SHARED_DATA unset"):
+        conftest.dataset_dir("ml-100k")
+    (tmp_path / "nowhere" / "ml-100k").mkdir(parents=True)
+    assert conftest.dataset_dir("ml-100k") == tmp_path / "nowhere" / "ml-100k"

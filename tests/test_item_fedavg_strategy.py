@@ -178,3 +178,20 @@ def test_sampling_is_by_user_and_fixed_by_seed():
 def test_evaluation_rounds():
     strategy = ItemEmbeddingFedAvg(LAYOUT, eval_every=5, num_rounds=12)
     assert [r for r in range(1, 13) if strategy.is_evaluation_round(r)] == [5, 10, 12]
+
+
+def test_evaluation_metrics_are_the_mean_over_users_weighting_each_reply_by_its_users(task_identity):
+    """A node's evaluate reply carries its users' mean metrics and ``num-examples`` = its number of users: the
+    round's metric is the mean over all evaluated users (weights 1 and 3), not the mean of the two replies."""
+    strategy = _strategy()
+    requests = {m.metadata.dst_node_id: m for m in _configure(strategy)}
+
+    def evaluate_reply(node, users, hr, ndcg):
+        content = RecordDict({METRICS: MetricRecord({"num-examples": float(users), "HR@10": hr, "NDCG@10": ndcg})})
+        return Message(content=content, reply_to=requests[node])
+
+    failed = Message(Error(code=1, reason="crash"), reply_to=requests[12])
+    metrics = strategy.aggregate_evaluate(1, [evaluate_reply(11, 3, 0.0, 0.25), failed, evaluate_reply(10, 1, 1.0, 0.5)])
+    assert metrics["HR@10"] == (1 * 1.0 + 3 * 0.0) / 4 == 0.25
+    assert metrics["NDCG@10"] == (1 * 0.5 + 3 * 0.25) / 4 == 0.3125
+    assert strategy.last_evaluate == {"HR@10": 0.25, "NDCG@10": 0.3125, "eval-users": 4.0}

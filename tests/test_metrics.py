@@ -8,6 +8,7 @@ import torch
 
 from fedrec_flwr.metrics import (
     hit_ratio_at_k,
+    mean_metrics,
     ndcg_at_k,
     rank_of_target,
     ranking_metrics,
@@ -91,3 +92,67 @@ def test_metric_keys_and_values():
     assert set(metrics) == {"HR@5", "NDCG@5", "HR@10", "NDCG@10"}
     assert metrics["HR@5"] == 0.0 and metrics["HR@10"] == 1.0
     assert metrics["NDCG@10"] == pytest.approx(1 / math.log2(9))
+
+
+# ------------------------------------------------------------------ edge cases (as recommender libraries pin them)
+@pytest.mark.parametrize(("scores", "target", "rank"), [
+    ([np.inf, 1.0, 2.0], 0, 0),  # +inf target beats every finite score
+    ([1.0, np.inf, 2.0], 0, 2),  # a +inf competitor beats it
+    ([-np.inf, 1.0, -5.0], 0, 2),  # -inf target: worst
+    ([np.inf, np.inf, 0.0], 0, 1),  # tie at +inf: counted against the target
+    ([-np.inf, -np.inf, -np.inf], 2, 2),  # all -inf: a tie, worst rank
+    ([0.5, -np.inf, -np.inf], 0, 0),
+])
+def test_infinite_scores_are_ordered_and_ties_at_infinity_count_against(scores, target, rank):
+    assert rank_of_target(np.array(scores), target) == rank
+    assert ranks_batch(np.array([scores]), target).tolist() == [rank]
+    assert rank_of_target(torch.tensor(scores, dtype=torch.float32), target) == rank
+
+
+def test_k_at_least_the_number_of_candidates_always_hits():
+    scores = np.array([0.1, 0.9, 0.5])  # target (index 0) is last: 0-based rank 2
+    for k in (3, 4, 100):
+        metrics = ranking_metrics(scores, 0, ks=(k,))
+        assert metrics == {f"HR@{k}": 1.0, f"NDCG@{k}": 0.5}  # 1 / log2(2 + 2)
+        batch = ranking_metrics_batch(scores[None, :], 0, ks=(k,))
+        assert batch[f"HR@{k}"].tolist() == [1.0] and batch[f"NDCG@{k}"].tolist() == [0.5]
+    assert ranking_metrics(scores, 0, ks=(2,)) == {"HR@2": 0.0, "NDCG@2": 0.0}
+    assert ranking_metrics(np.array([7.0]), 0, ks=(1,)) == {"HR@1": 1.0, "NDCG@1": 1.0}  # one candidate: rank 0
+
+
+@pytest.mark.parametrize("ks", [(), (0,), (-1, 10), (2.5,), (True,), ("10",), (np.float64(10),), "10"])
+def test_invalid_ks_are_rejected_naming_them(ks):
+    with pytest.raises(ValueError, match="ks must be a non-empty sequence of positive ints"):
+        ranking_metrics(np.zeros(5), 0, ks=ks)
+    with pytest.raises(ValueError, match="ks must be a non-empty sequence of positive ints"):
+        ranking_metrics_batch(np.zeros((2, 5)), 0, ks=ks)
+
+
+def test_numpy_integer_ks_are_accepted_as_ints():
+    assert ranking_metrics(np.array([1.0, 0.0]), 0, ks=(np.int64(1),)) == {"HR@1": 1.0, "NDCG@1": 1.0}
+
+
+def test_mean_over_users_is_exact_and_empty_input_raises():
+    per_user = ranking_metrics_batch(np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 2.0], [0.0, 1.0, -1.0]]), 0, ks=(1, 2))
+    # ranks 0, 2, 1
+    assert mean_metrics(per_user) == {"HR@1": 1 / 3, "NDCG@1": 1 / 3, "HR@2": 2 / 3,
+                                      "NDCG@2": (1.0 + 0.0 + 1 / math.log2(3)) / 3}
+    with pytest.raises(ValueError, match="no users for HR@5"):
+        mean_metrics(ranking_metrics_batch(np.zeros((0, 4)), 0, ks=(5,)))
+    with pytest.raises(ValueError, match="no metrics to average"):
+        mean_metrics({})
+
+
+@pytest.mark.parametrize("scores", [np.zeros(0), np.zeros((2, 2))])
+def test_empty_or_non_vector_scores_raise(scores):
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        rank_of_target(scores, 0)
+
+
+def test_batch_rejects_no_candidates_and_out_of_range_targets():
+    with pytest.raises(ValueError, match=r"shape \(U, C\) with C >= 1"):
+        ranks_batch(np.zeros((3, 0)), 0)
+    with pytest.raises(ValueError, match="out of range"):
+        ranks_batch(np.zeros((2, 3)), np.array([0, 3]))
+    with pytest.raises(ValueError, match="out of range"):
+        ranks_batch(np.zeros((2, 3)), -1)

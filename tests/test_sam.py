@@ -127,3 +127,111 @@ def test_sam_trainer_rejects_what_fedrecgel_does_not_define(field, value, messag
     model = build_model("ncf", 1, 50, embedding_dim=8, mlp_layers=(16, 8), seed=3)
     with pytest.raises(ConfigError, match=message):
         SAMTrainer(model, LocalTrainConfig(**{field: value}), rho_shared=0.05, rho_private=0.05, update_shared=False)
+
+
+# ------------------------------------------------------------------ decoupled SAM against a float64 hand computation
+# A one-user MF model (logit = <p, q_i>) with hand-set values; the mean BCE and its gradients are written out in
+# numpy below (dL/dz_j = (sigmoid(z_j) - y_j) / n; dL/dp = sum_j dz_j q_{i_j}; dL/dq_{i_j} += dz_j p), independent
+# of torch's autograd and of fedrec_flwr.sam.
+P0 = np.array([0.5, -0.2, 0.1])
+Q0 = np.array([[0.3, 0.1, -0.4], [-0.2, 0.6, 0.2], [0.1, -0.3, 0.5], [0.4, 0.4, -0.1], [-0.5, 0.2, 0.3]])
+ITEMS = np.array([0, 2, 4, 1, 3])
+LABELS = np.array([1.0, 1.0, 0.0, 0.0, 0.0])
+
+
+def _hand_gradients(p: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    z = q[ITEMS] @ p
+    dz = (1.0 / (1.0 + np.exp(-z)) - LABELS) / len(ITEMS)
+    grad_q = np.zeros_like(q)
+    np.add.at(grad_q, ITEMS, dz[:, None] * p[None, :])
+    return dz @ q[ITEMS], grad_q
+
+
+def _hand_sam(rho_shared: float, rho_private: float) -> tuple[np.ndarray, np.ndarray]:
+    """(private SAM gradient, shared SAM gradient): each group perturbed alone by rho * g / ||g|| (its own radius)."""
+    g_p, g_q = _hand_gradients(P0, Q0)
+    eps_q = rho_shared * g_q / np.linalg.norm(g_q)
+    eps_p = rho_private * g_p / np.linalg.norm(g_p)
+    return _hand_gradients(P0 + eps_p, Q0)[0], _hand_gradients(P0, Q0 + eps_q)[1]
+
+
+def _mf64() -> torch.nn.Module:
+    model = build_model("mf", 1, len(Q0), embedding_dim=3, seed=0).double()
+    with torch.no_grad():
+        model.user_embedding.weight.copy_(torch.from_numpy(P0[None, :]))
+        model.item_embedding.weight.copy_(torch.from_numpy(Q0))
+    return model
+
+
+@pytest.mark.parametrize(("rho_shared", "rho_private"), [(0.3, 0.0), (0.0, 0.3), (0.3, 0.1), (0.1, 0.3)])
+def test_decoupled_sam_gradients_equal_the_float64_hand_computation(rho_shared, rho_private):
+    """FedRecGEL Sec. 4.2: the shared group's SAM gradient is taken with only the shared group perturbed (radius
+    rho-shared), the private one with only the private group perturbed (rho-private). Unequal radii tell a swap of
+    the two radii, or one joint perturbation of both groups (plain SAM), from the decoupled rule."""
+    model = _mf64()
+    lr = 0.5
+    trainer = SAMTrainer(model, LocalTrainConfig(learning_rate=lr, optimizer="sgd", batch_size=64),
+                         rho_shared=rho_shared, rho_private=rho_private, update_shared=False)
+    trainer.fit_examples(np.zeros(len(ITEMS), np.int64), ITEMS, LABELS, torch.Generator().manual_seed(0), epochs=1)
+    sam_p, sam_q = _hand_sam(rho_shared, rho_private)
+    np.testing.assert_allclose(trainer.shared_grads["item_embedding.weight"].numpy(), sam_q, rtol=0, atol=1e-13)
+    # the private group took one SGD step with its SAM gradient; the shared group is only uploaded (not stepped)
+    np.testing.assert_allclose(model.user_embedding.weight.detach().numpy()[0], P0 - lr * sam_p, rtol=0, atol=1e-13)
+    np.testing.assert_array_equal(model.item_embedding.weight.detach().numpy(), Q0)
+    # and the hand computation is sensitive to what it checks: perturbing a group changes its gradient
+    plain_p, plain_q = _hand_gradients(P0, Q0)
+    assert (np.abs(sam_q - plain_q).max() > 1e-5) == (rho_shared > 0)
+    assert (np.abs(sam_p - plain_p).max() > 1e-5) == (rho_private > 0)
+
+
+def test_decoupled_sam_updates_the_shared_group_with_its_own_sam_gradient_in_fedavg_of_updates_mode():
+    model = _mf64()
+    lr = 0.5
+    trainer = SAMTrainer(model, LocalTrainConfig(learning_rate=lr, optimizer="sgd", batch_size=64),
+                         rho_shared=0.3, rho_private=0.1, update_shared=True)
+    trainer.fit_examples(np.zeros(len(ITEMS), np.int64), ITEMS, LABELS, torch.Generator().manual_seed(0), epochs=1)
+    sam_p, sam_q = _hand_sam(0.3, 0.1)
+    np.testing.assert_allclose(model.item_embedding.weight.detach().numpy(), Q0 - lr * sam_q, rtol=0, atol=1e-13)
+    np.testing.assert_allclose(model.user_embedding.weight.detach().numpy()[0], P0 - lr * sam_p, rtol=0, atol=1e-13)
+
+
+class _NaNAtCall:
+    """A loss term that is 0 until its ``at``-th call (1-based), where it poisons the loss: a NaN constant, or NaN
+    times the sum of the given parameters (so that their gradients are NaN)."""
+
+    def __init__(self, at: int, params=()) -> None:
+        self.at, self.params, self.calls = at, list(params), 0
+
+    def __call__(self) -> torch.Tensor:
+        self.calls += 1
+        if self.calls != self.at:
+            return torch.zeros((), dtype=torch.float64)
+        if not self.params:
+            return torch.tensor(float("nan"), dtype=torch.float64)
+        return float("nan") * sum(p.sum() for p in self.params)
+
+
+@pytest.mark.parametrize(("at", "poisoned", "message"), [
+    # one chunk, both radii > 0: each SAM step evaluates the loss 3 times (current point, shared-perturbed,
+    # private-perturbed); calls 4-6 are the second step, after the first step moved both groups
+    (4, None, "loss nan at SAM step 2"),
+    (5, "shared", "shared SAM gradient at SAM step 2"),
+    (6, "private", "parameters after SAM step 2"),
+])
+def test_a_non_finite_step_after_the_parameters_moved_restores_them_exactly(at, poisoned, message):
+    """A NaN in the second SAM step (its loss, its shared SAM gradient, or the parameters after it) raises and puts
+    back the values from before the whole local training, not just before that step."""
+    model = _mf64()
+    groups = {None: (), "shared": model.shared_parameters(), "private": model.private_parameters()}
+    trainer = SAMTrainer(model, LocalTrainConfig(learning_rate=0.5, optimizer="sgd", batch_size=64, local_epochs=3),
+                         rho_shared=0.3, rho_private=0.1, update_shared=True)
+    term = _NaNAtCall(at, groups[poisoned])
+    trainer.loss_terms.append(term)
+    with pytest.raises(FloatingPointError, match=message):
+        trainer.fit_examples(np.zeros(len(ITEMS), np.int64), ITEMS, LABELS, torch.Generator().manual_seed(0))
+    assert term.calls == (4 if at == 4 else 6)  # the failure was seen in step 2, after one whole step
+    np.testing.assert_array_equal(model.user_embedding.weight.detach().numpy()[0], P0)
+    np.testing.assert_array_equal(model.item_embedding.weight.detach().numpy(), Q0)
+    # the first step did move both groups (what the restore undid)
+    sam_p, sam_q = _hand_sam(0.3, 0.1)
+    assert np.abs(sam_p).max() > 1e-3 and np.abs(sam_q).max() > 1e-3
