@@ -1,41 +1,91 @@
-"""Run the app with ``flwr run`` on a managed local SuperLink, and stop that SuperLink afterwards.
+"""Run the app with ``flwr run`` on a local SuperLink that this launcher starts, owns and stops.
 
-``flwr run .`` (flwr 1.42) starts a *detached* local SuperLink that outlives the command (ports 39091/39093 unless
-``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT`` / ``FLWR_LOCAL_CONTROL_API_PORT`` say otherwise), and by default installs the
-app's dependencies with ``uv`` at run time. This module wraps it so a run is self-contained:
+``flwr run .`` (flwr 1.42) starts a *detached* local SuperLink that outlives the command, on fixed ports (39091 unless
+``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT`` says otherwise), and by default installs the app's dependencies with ``uv`` at
+run time. This module wraps it so a run is self-contained and never touches what it did not start:
 
-* runtime dependency installation is off (``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``): the environment the
-  install command made is the one that runs;
-* ``num-supernodes`` is computed from the dataset's users and ``users-per-node`` unless given;
-* a SuperLink already listening on the local ports is stopped first (it could serve stale code), and the one the run
-  started is stopped at the end, with its process group (the simulation and Ray).
+* the launcher starts the local SuperLink itself, in its own session, on free ports (or the ports the two
+  ``FLWR_LOCAL_*`` variables name), with an in-memory database; ``flwr run`` finds it there and uses it;
+* every process the run starts carries a fresh per-run token in its environment (:data:`TOKEN_ENV`), so the
+  SuperLink's process group, the simulation, and Ray daemons that left the group are found and ended afterwards --
+  and nothing else: never a process that merely shares ``FLWR_HOME``, never an ancestor of the launcher;
+* two runs in one checkout run side by side: a launcher holds a lock on its Flower home, and a second launcher
+  takes the next free home ``<FLWR_HOME>/concurrent-<i>`` (Flower installs apps there without a lock, so two runs
+  must not share one) and its own ports, and says so;
+* a SuperLink left behind by a launcher that was killed (``kill -9``) is recorded in its home
+  (``local-superlink/fedrec-launch.json``: PID, start time, token) and stopped by the next run or by ``stop``;
+* runtime dependency installation is off (``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``);
+* ``num-supernodes`` is computed from the dataset's users and ``users-per-node`` unless given, and a given number
+  that does not match is refused before anything starts;
+* the exit status is 0 only when Flower reports the run ``finished:completed``; otherwise the run's own error is
+  the last line printed;
+* Ctrl-C (or SIGTERM / SIGHUP) stops the run, its SuperLink and Ray, and exits 130.
 
 Command line::
 
     python -m fedrec_flwr.launch run [--num-supernodes N] [--flwr-home DIR] [--ray-address HOST:PORT]
-                                     [--federation-config KEY=VALUE ...] [--] [key=value ...]
+                                     [--federation-config KEY=VALUE ...] [--verbose] [--debug] [key=value ...]
     python -m fedrec_flwr.launch stop [--flwr-home DIR]
 
-``key=value`` pairs are run-config overrides (TOML values: strings in quotes, e.g. ``dataset='filmtrust'``).
+``key=value`` pairs are run-config overrides; flags may come before, between or after them. Values are TOML
+(``num-server-rounds=20``, ``fraction-train=0.5``, ``dataset='filmtrust'``); a key whose default is a string also
+takes the bare text (``dataset=filmtrust``, ``data-dir=/data/o'brien/ml-100k``), passed on exactly.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+import traceback
+import urllib.error
+import urllib.request
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, TextIO
 
 from .config import default_mapping
+from .errors import ConfigError, FedRecError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
+TOKEN_ENV = "FEDREC_LAUNCH_TOKEN"
+"""Environment variable holding a fresh random token per run; every process the run starts inherits it. The
+launcher ends processes by this token only (a value it made, which no user sets), never by ``FLWR_HOME``."""
 
+LOCK_FILE = "fedrec-launch.lock"
+"""In a Flower home: locked (``flock``) by the launcher using that home; holds its PID and command line."""
+
+RECORD_FILE = Path("local-superlink") / "fedrec-launch.json"
+"""In a Flower home: the SuperLink a launcher started there (PID, start time, token, ports)."""
+
+MAX_CONCURRENT = 16
+"""Flower homes a checkout offers to concurrent runs: the home itself and ``concurrent-1`` .. ``concurrent-15``."""
+
+FEDERATION_KEYS = {
+    "num-supernodes": "--num-supernodes N",
+    "client-resources-num-cpus": "--federation-config client-resources-num-cpus=N",
+    "client-resources-num-gpus": "--federation-config client-resources-num-gpus=N",
+    "init-args-num-cpus": "--federation-config init-args-num-cpus=N",
+    "init-args-num-gpus": "--federation-config init-args-num-gpus=N",
+}
+"""Federation (simulation) settings users give as run-config keys by mistake -> the flag that sets them."""
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+# --------------------------------------------------------------------------------------------- environment
 def flwr_env(flwr_home: str | os.PathLike | None = None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment for ``flwr run``: no runtime dependency installation, no Ray accelerator warning."""
     env = dict(os.environ)
@@ -50,6 +100,13 @@ def flwr_env(flwr_home: str | os.PathLike | None = None, extra: Mapping[str, str
     return env
 
 
+def default_home(env: Mapping[str, str] | None = None) -> Path:
+    """``$FLWR_HOME``, else ``~/.flwr`` (Flower's default), as an absolute path."""
+    env = os.environ if env is None else env
+    return Path(env.get("FLWR_HOME") or Path.home() / ".flwr").expanduser().resolve()
+
+
+# ----------------------------------------------------------------------------------------------- processes
 def superlink_pids(env: Mapping[str, str] | None = None) -> list[int]:
     """PIDs of local ``flower-superlink`` processes whose control API uses this environment's port."""
     env = env or os.environ
@@ -67,51 +124,51 @@ def superlink_pids(env: Mapping[str, str] | None = None) -> list[int]:
     return pids
 
 
-def _flwr_home(env: Mapping[str, str]) -> str:
-    return str(Path(env.get("FLWR_HOME") or Path.home() / ".flwr").expanduser().resolve())
+def processes_with_env(name: str, value: str) -> list[int]:
+    """PIDs of processes (other than this one) whose environment has ``name=value``.
+
+    Only for finding processes by a value this program made (a per-run token); a variable a user may also set
+    (``FLWR_HOME``) finds processes that are not ours."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if needle in (proc / "environ").read_bytes().split(b"\0"):
+                    found.append(int(proc.name))
+            except OSError:
+                continue
+    return found
 
 
-def _env_of(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return {}
-    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
-
-
-def foreign_superlinks(env: Mapping[str, str] | None = None) -> list[int]:
-    """Local SuperLinks on this environment's ports that belong to another ``FLWR_HOME`` (another checkout)."""
-    env = env or os.environ
-    return [pid for pid in superlink_pids(env) if _flwr_home(_env_of(pid)) != _flwr_home(env)]
-
-
-def stop_local_superlink(env: Mapping[str, str] | None = None, timeout: float = 15.0) -> list[int]:
-    """Stop the local SuperLink(s) of this environment's ports with everything they started. Returns their PIDs.
-
-    Only SuperLinks of this environment's ``FLWR_HOME`` are stopped, never another checkout's. The SuperLink runs in
-    its own session: its whole process group (the simulation, Ray, client actors) gets SIGTERM,
-    then SIGKILL after ``timeout`` seconds. When ``env`` names a ``FLWR_HOME``, any process still running with that
-    ``FLWR_HOME`` in its environment (Ray daemons that left the group) is ended the same way.
-    """
-    env = env or os.environ
-    pids = [pid for pid in superlink_pids(env) if pid not in foreign_superlinks(env)]
-    targets: set[int] = set()
-    for pid in pids:
+def ancestors(pid: int | None = None) -> set[int]:
+    """``pid`` (default: this process) and every process above it up to PID 1."""
+    pid = os.getpid() if pid is None else pid
+    found = set()
+    while pid > 1 and pid not in found:
+        found.add(pid)
         try:
-            targets.update(_group_members(os.getpgid(pid)))
-        except ProcessLookupError:
-            continue
-    if env.get("FLWR_HOME"):
-        targets.update(processes_with_env("FLWR_HOME", str(env["FLWR_HOME"])))
-    terminate(targets, timeout)
-    return pids
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return found
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot, ``/proc/<pid>/stat`` field 22), or ``None`` if gone: with
+    the PID it names one process, even after the PID is reused."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def terminate(targets: set[int], timeout: float, more: Callable[[], Iterable[int]] | None = None) -> set[int]:
-    """SIGTERM ``targets`` (never this process), wait up to ``timeout`` s, then SIGKILL what is left; ``more()``, if
-    given, names processes that appeared meanwhile (children started while we waited), added before the SIGKILL.
-    Returns every PID signalled."""
-    targets = set(targets) - {os.getpid()}
+    """SIGTERM ``targets``, wait up to ``timeout`` s, then SIGKILL what is left; ``more()``, if given, names
+    processes that appeared meanwhile (children started while we waited), added before the SIGKILL. This process
+    and its ancestors are never signalled, whatever ``targets`` holds. Returns every PID signalled."""
+    spared = ancestors()
+    targets = set(targets) - spared
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in targets:
             try:
@@ -124,7 +181,7 @@ def terminate(targets: set[int], timeout: float, more: Callable[[], Iterable[int
         if not any(_alive(p) for p in targets):
             break
         if more is not None:
-            targets |= set(more()) - {os.getpid()}
+            targets |= set(more()) - spared
     return targets
 
 
@@ -140,26 +197,300 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
-def processes_with_env(name: str, value: str) -> list[int]:
-    """PIDs of processes (other than this one) whose environment has ``name=value``."""
-    needle = f"{name}={value}".encode()
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and int(proc.name) != os.getpid():
-            try:
-                if needle in (proc / "environ").read_bytes().split(b"\0"):
-                    found.append(int(proc.name))
-            except OSError:
-                continue
-    return found
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as handle:
             return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------- Flower home slots
+class HomeBusy(FedRecError):
+    """Every Flower home of this checkout is in use by a running launcher."""
+
+
+@contextmanager
+def claim_home(base: str | os.PathLike, max_slots: int = MAX_CONCURRENT) -> Iterator[tuple[Path, list[str]]]:
+    """Hold a Flower home for one run: ``base`` if no other launcher holds it, else the first free
+    ``base/concurrent-<i>``. Yields ``(home, others)``: ``others`` describes the launchers holding the homes passed
+    over. The lock is an ``flock`` on ``<home>/fedrec-launch.lock``, released when this process ends however it ends.
+
+    Raises:
+        HomeBusy: all ``max_slots`` homes are held; the message names the running launchers.
+    """
+    base = Path(base).expanduser().resolve()
+    others: list[str] = []
+    for slot in range(max_slots):
+        home = base if slot == 0 else base / f"concurrent-{slot}"
+        home.mkdir(parents=True, exist_ok=True)
+        handle = open(home / LOCK_FILE, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            others.append(f"{home}: {handle.read().strip() or 'a running launcher'}")
+            handle.close()
+            continue
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"launcher pid {os.getpid()} since {datetime.now().strftime('%H:%M:%S')}: "
+                         f"{' '.join(sys.argv)[:300]}\n")
+            handle.flush()
+            yield home, others
+        finally:
+            handle.close()
+        return
+    raise HomeBusy(f"{max_slots} runs already use this checkout's Flower homes; wait for one to finish:\n  "
+                   + "\n  ".join(others))
+
+
+def _home_held(home: Path) -> str | None:
+    """The description a running launcher left in ``home``'s lock, or ``None`` when no launcher holds it."""
+    path = home / LOCK_FILE
+    if not path.is_file():
+        return None
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            return handle.read().strip() or "a running launcher"
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return None
+
+
+def stop_recorded_superlink(home: str | os.PathLike, timeout: float = 15.0) -> list[int]:
+    """Stop the SuperLink an earlier launcher recorded in ``home`` (and every process carrying that run's token), if
+    it is still the same process (PID and start time match, and it is a ``flower-superlink``); then forget the
+    record. Call only while holding ``home`` (:func:`claim_home`) or after checking no launcher holds it. Returns
+    the PIDs signalled."""
+    path = Path(home) / RECORD_FILE
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    targets: set[int] = set()
+    pid, token = int(record.get("pid", 0)), str(record.get("token", ""))
+    if pid > 1 and start_time(pid) == record.get("start-time") and "flower-superlink" in _cmdline(pid):
+        targets.add(pid)
+        targets.update(p for p in _group_members(pid) if _alive(p))
+    if token:
+        targets.update(processes_with_env(TOKEN_ENV, token))
+    signalled = sorted(terminate(targets, timeout)) if targets else []
+    path.unlink(missing_ok=True)
+    return signalled
+
+
+class LocalSuperLink:
+    """A ``flower-superlink --simulation`` this launcher starts in ``home``, marked with a per-run token.
+
+    Args:
+        home: the run's Flower home (held through :func:`claim_home`).
+        env: the environment for the SuperLink and ``flwr run`` (from :func:`flwr_env`); its
+            ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT`` / ``FLWR_LOCAL_CONTROL_API_PORT`` are used if set, else free ports
+            are chosen and written into :attr:`env`.
+    """
+
+    def __init__(self, home: Path, env: Mapping[str, str], startup_timeout: float = 60.0) -> None:
+        self.home = Path(home)
+        self.token = uuid.uuid4().hex
+        self.env = dict(env)
+        self.env["FLWR_HOME"] = str(self.home)
+        self.env[TOKEN_ENV] = self.token
+        self.env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
+        self.fixed_ports = "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT" in env
+        self.startup_timeout = startup_timeout
+        self.process: subprocess.Popen | None = None
+        self.log = self.home / "local-superlink" / "fedrec-launch-superlink.log"
+
+    @property
+    def port(self) -> str:
+        return self.env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]
+
+    def start(self, attempts: int = 3) -> LocalSuperLink:
+        """Start it and wait for ``/health``; a chosen port taken meanwhile is replaced (up to ``attempts`` times).
+
+        Raises:
+            FedRecError: it exited or did not answer; the message holds the end of its log.
+        """
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        for attempt in range(attempts):
+            if not self.fixed_ports:
+                self.env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(_free_port())
+                self.env["FLWR_LOCAL_CONTROL_API_PORT"] = str(_free_port())
+            self.env.setdefault("FLWR_LOCAL_CONTROL_API_PORT", "39093")
+            self.log.write_text("")
+            command = [str(Path(sys.executable).with_name("flower-superlink")), "--insecure", "--simulation",
+                       "--isolation", "subprocess",
+                       "--control-api-address", f"127.0.0.1:{self.env['FLWR_LOCAL_CONTROL_API_PORT']}",
+                       "--host", "127.0.0.1", "--port", self.port, "--log-file", str(self.log)]
+            self.process = subprocess.Popen(command, env=self.env, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                                            start_new_session=True, cwd=self.home)
+            (self.home / RECORD_FILE).write_text(json.dumps({
+                "pid": self.process.pid, "start-time": start_time(self.process.pid), "token": self.token,
+                "port": self.port, "launcher-pid": os.getpid()}) + "\n")
+            deadline = time.monotonic() + self.startup_timeout
+            while time.monotonic() < deadline and self.process.poll() is None and not self.healthy():
+                time.sleep(0.2)
+            if self.process.poll() is None and self.healthy():
+                return self
+            tail = self.log.read_text(errors="replace")[-1500:] if self.log.is_file() else ""
+            self.stop()
+            if "already in use" in tail.lower() and not self.fixed_ports and attempt + 1 < attempts:
+                continue
+            if "already in use" in tail.lower():
+                raise FedRecError(f"the local SuperLink cannot bind port {self.port} "
+                                  f"(FLWR_LOCAL_SUPERLINK_HTTP_API_PORT): another process uses it; unset the "
+                                  "variable to let the launcher choose free ports")
+            raise FedRecError(f"the local SuperLink did not start within {self.startup_timeout:.0f} s "
+                              f"(log {self.log}):\n{tail}")
+        raise AssertionError("not reached")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1.0) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def leftover(self) -> list[int]:
+        """Processes of this run still alive: the SuperLink's process group and everything carrying the token."""
+        found = set(processes_with_env(TOKEN_ENV, self.token))
+        if self.process is not None:
+            found.update(p for p in _group_members(self.process.pid) if _alive(p))
+        return sorted(p for p in found - ancestors() if _alive(p))
+
+    def stop(self, timeout: float = 15.0) -> list[int]:
+        """End the SuperLink, its process group and every process carrying this run's token (SIGTERM, then SIGKILL
+        after ``timeout`` s). Returns the PIDs signalled."""
+        targets = set(self.leftover())
+        signalled = terminate(targets, timeout, lambda: processes_with_env(TOKEN_ENV, self.token)) if targets else set()
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        (self.home / RECORD_FILE).unlink(missing_ok=True)
+        return sorted(signalled)
+
+
+# -------------------------------------------------------------------------------------------- run config
+def _toml_string(text: str) -> str:
+    """``text`` as a TOML basic string that Flower's ``--run-config`` parser (a regex that ends a double-quoted value
+    at the next ``"``) hands to TOML unchanged: ``"`` and control characters become ``\\uXXXX``, ``\\`` becomes
+    ``\\\\``; everything else (apostrophes, spaces, non-ASCII) stays literal."""
+    out = []
+    for char in text:
+        if char == "\\":
+            out.append("\\\\")
+        elif char == '"' or ord(char) < 0x20 or ord(char) == 0x7F:
+            out.append(f"\\u{ord(char):04X}")
+        else:
+            out.append(char)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return _toml_string(value)
+    raise ConfigError(f"run-config value {value!r}: only strings, numbers and booleans can be passed to flwr run")
+
+
+def run_config_args(overrides: Mapping[str, Any]) -> list[str]:
+    """``--run-config`` arguments for ``flwr run`` from a mapping of overrides; Flower parses each value back exactly
+    (``flwr.common.config.parse_config_args``)."""
+    if not overrides:
+        return []
+    for key in overrides:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(key)):
+            raise ConfigError(f"run-config key {key!r}: keys are letters, digits, '-', '_' and '.'")
+    return ["--run-config", " ".join(f"{k}={_toml_value(v)}" for k, v in overrides.items())]
+
+
+def parse_override(pair: str, defaults: Mapping[str, Any] | None = None, what: str = "run-config") -> tuple[str, Any]:
+    """``"key=value"`` -> ``(key, value)``.
+
+    A value starting with a quote is a TOML string and must be one. Otherwise a key whose default (in ``defaults``)
+    is a string takes the text as it is (``dataset=filmtrust``, ``run-name=2024``, ``data-dir=/a/o'b``); other
+    values are TOML (``20``, ``0.5``, ``true``), and text that is not TOML stays a string, which the run config's
+    validation then refuses by key if the key needs a number.
+
+    Raises:
+        ConfigError: no ``=``, an empty key, a federation setting given as a run-config key (with the flag to use),
+            or a quoted value that is not a TOML string (with the fix).
+    """
+    import tomllib
+
+    key, sep, text = pair.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"{what} override {pair!r} is not key=value")
+    if what == "run-config" and key in FEDERATION_KEYS:
+        raise ConfigError(f"'{key}' is a federation setting, not a run-config key: use "
+                          f"{FEDERATION_KEYS[key].replace('N', text or 'N', 1) if text else FEDERATION_KEYS[key]}")
+    defaults = defaults or {}
+    if text[:1] in ("'", '"'):
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            raise ConfigError(
+                f"{what} key '{key}': {text} is not a quoted string (an unbalanced quote?); write it without quotes "
+                f"({key}={text.strip(chr(39) + chr(34))}) or as TOML ({key}={_toml_string(text.strip(chr(39) + chr(34)))})"
+            ) from None
+        return key, value
+    if isinstance(defaults.get(key), str):
+        return key, text
+    try:
+        return key, tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return key, text
+
+
+def check_run(overrides: Mapping[str, Any], num_supernodes: int | None = None) -> int:
+    """Validate the run config (defaults + ``overrides``) and the plug-ins it names, and return the SuperNodes it
+    needs, ``ceil(users / users-per-node)`` (loads the dataset's split, cached after the first time).
+
+    Raises:
+        ConfigError: a bad key or value, an unimportable plug-in, or ``num_supernodes`` given and different from
+            the number needed (the message gives the right number).
+        DataError: the dataset cannot be loaded.
+    """
+    from .config import RunConfig
+    from .registry import check_components
+    from .runtime import load_split_for
+
+    mapping = default_mapping(PROJECT_ROOT / "pyproject.toml")
+    mapping.update(overrides)
+    config = RunConfig.from_mapping(mapping)
+    check_components(config)
+    num_users = load_split_for(config).num_users
+    needed = -(-num_users // config.users_per_node)
+    if num_supernodes is not None and num_supernodes != needed:
+        raise ConfigError(
+            f"--num-supernodes {num_supernodes}: {config.dataset} has {num_users} users and users-per-node = "
+            f"{config.users_per_node}, which needs exactly {needed} SuperNodes (partition-id 0..{needed - 1}); "
+            f"leave --num-supernodes out to get {needed}")
+    return needed
 
 
 def num_supernodes_for(overrides: Mapping[str, Any]) -> int:
@@ -173,21 +504,72 @@ def num_supernodes_for(overrides: Mapping[str, Any]) -> int:
     return -(-load_split_for(config).num_users // config.users_per_node)
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return "'" + str(value).replace("'", "") + "'"
+# -------------------------------------------------------------------------------------------------- output
+QUIET_HIDDEN = (
+    "Since flwr 1.32",  # the default federation size changed: we always pass num-supernodes
+    "flwr federation simulation-config",
+    "Manually terminating ClientAppActor",
+)
 
 
-def run_config_args(overrides: Mapping[str, Any]) -> list[str]:
-    """``--run-config`` arguments for ``flwr run`` from a mapping of overrides."""
-    if not overrides:
-        return []
-    return ["--run-config", " ".join(f"{k}={_toml_value(v)}" for k, v in overrides.items())]
+def shown_quietly(line: str) -> bool:
+    """Whether the default (quiet) output shows this line of the run's log (ANSI codes already removed): our
+    progress line, our own log lines, and warnings and errors; not Flower's INFO lines."""
+    text = line.strip()
+    if not text:
+        return False
+    if any(hidden in text for hidden in QUIET_HIDDEN):
+        return False
+    if re.match(r"round\s+\d+ \|", text):
+        return True
+    if re.match(r"(INFO|WARNING|ERROR|CRITICAL) (fedrec_flwr|strategies|clients|experiments|plugins)\b", text):
+        return True
+    return bool(re.match(r"(WARNING|ERROR|CRITICAL)\s*:", text))
 
 
+ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit)\b: .+")
+
+
+def run_error(log: str) -> str | None:
+    """The run's own error in its log: the last ``SomeError: message`` line (the end of the last traceback), else
+    the last ``ERROR`` line."""
+    lines = [ANSI.sub("", line).strip() for line in log.splitlines()]
+    for line in reversed(lines):
+        if ERROR_LINE.match(line):
+            return line
+    for line in reversed(lines):
+        if line.startswith("ERROR"):
+            return line
+    return None
+
+
+def run_status(env: Mapping[str, str], timeout: float = 60.0) -> tuple[str | None, str]:
+    """``(status, details)`` of the last run on the SuperLink of ``env`` (``flwr ls --format json``), e.g.
+    ``("finished:completed", "")``; ``(None, why)`` if it cannot be read."""
+    try:
+        done = subprocess.run([str(Path(sys.executable).with_name("flwr")), "ls", "--format", "json"], env=dict(env),
+                              capture_output=True, text=True, timeout=timeout, check=False, cwd=PROJECT_ROOT)
+        runs = json.loads(done.stdout[done.stdout.index("{"):])["runs"]
+    except (subprocess.TimeoutExpired, ValueError, KeyError, OSError) as err:
+        return None, f"flwr ls failed: {err}"
+    if not runs:
+        return None, "the SuperLink knows no run"
+    last = max(runs, key=lambda r: int(r.get("run-id", 0)))
+    return str(last.get("status")), str(last.get("status-details") or "")
+
+
+def _pump(stream: TextIO, log: TextIO, sink: list[str], echo: TextIO | None, verbose: bool) -> None:
+    for raw in stream:
+        line = ANSI.sub("", raw)
+        log.write(line)
+        log.flush()
+        sink.append(line)
+        if echo is not None and (verbose or shown_quietly(line)):
+            echo.write(line if verbose else line.strip() + "\n")
+            echo.flush()
+
+
+# ----------------------------------------------------------------------------------------------------- run
 def flwr_run(
     overrides: Mapping[str, Any] | None = None,
     *,
@@ -200,90 +582,219 @@ def flwr_run(
     keep_superlink: bool = False,
     federation_config: Mapping[str, Any] | None = None,
     ray_address: str | None = None,
+    verbose: bool = False,
+    check: bool = True,
 ) -> subprocess.CompletedProcess:
-    """``flwr run <project> --stream`` on a fresh local SuperLink, which is stopped afterwards.
+    """``flwr run <project> --stream`` on a fresh local SuperLink of its own, which is stopped afterwards.
 
     Args:
         overrides: run-config overrides (kebab-case keys).
-        num_supernodes: simulated SuperNodes; default ``ceil(users / users-per-node)``.
-        flwr_home: ``FLWR_HOME`` for this run (config, installed apps, SuperLink state and log).
-        env_extra: more environment variables (e.g. other local SuperLink ports).
-        capture: capture stdout/stderr (text) instead of passing them through.
+        num_supernodes: simulated SuperNodes; default ``ceil(users / users-per-node)``; another number is refused.
+        flwr_home: base Flower home (default ``$FLWR_HOME``, else ``~/.flwr``); a run uses it, or, while another
+            launcher holds it, ``<flwr_home>/concurrent-<i>``.
+        env_extra: more environment variables (e.g. fixed local SuperLink ports
+            ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT`` / ``FLWR_LOCAL_CONTROL_API_PORT``; default: free ports).
+        timeout: seconds before the run is stopped and ``subprocess.TimeoutExpired`` raised.
+        capture: return the whole log in ``stdout`` instead of printing it.
+        keep_superlink: leave the SuperLink running (for inspection; stop it with ``launch stop``).
         federation_config: more ``--federation-config`` keys of flwr 1.42's simulation config, e.g.
             ``{"client-resources-num-cpus": 1}`` (CPUs per client actor; Flower's default is 2) or
             ``{"init-args-num-cpus": 4}`` (CPUs of a new local Ray instance; not allowed with ``ray_address``).
         ray_address: run the simulation's client actors on this existing Ray cluster (``host:port`` of its head's
             GCS, as ``ray start --head --port`` printed) instead of a new local Ray instance: sets ``RAY_ADDRESS``
-            for the SuperLink, whose simulation process calls ``ray.init()``. Stopping the SuperLink afterwards
-            never stops that cluster.
+            for the SuperLink, whose simulation process calls ``ray.init()``. Stopping the run never stops that
+            cluster (its processes do not carry the run's token).
+        verbose: print Flower's whole log (default: our progress line, our log lines, warnings and errors).
+        check: validate the run config and the plug-ins it names first (:func:`check_run`).
 
     Returns:
-        The finished ``flwr run`` process (its return code says whether the run was submitted and streamed).
+        The finished run: ``returncode`` 0 only if Flower reports it ``finished:completed``; ``stdout`` the whole
+        log (ANSI codes removed) when ``capture``, else ``""``. A failed run's error is printed last.
+
+    Raises:
+        ConfigError, DataError: bad run config, plug-in, number of SuperNodes or data (before anything starts).
+        HomeBusy: every Flower home of ``flwr_home`` is in use.
+        subprocess.TimeoutExpired: ``timeout`` passed (the run was stopped).
     """
     overrides = dict(overrides or {})
-    env = flwr_env(flwr_home, {**({"RAY_ADDRESS": ray_address} if ray_address else {}), **(env_extra or {})})
-    if num_supernodes is None:
+    extra = {**({"RAY_ADDRESS": ray_address} if ray_address else {}), **(env_extra or {})}
+    if check:
+        num_supernodes = check_run(overrides, num_supernodes)
+    elif num_supernodes is None:
         num_supernodes = num_supernodes_for(overrides)
-    foreign = foreign_superlinks(env)
-    if foreign:
-        raise RuntimeError(
-            f"a local SuperLink of another FLWR_HOME (pid {foreign}) listens on control port "
-            f"{env.get('FLWR_LOCAL_CONTROL_API_PORT', '39093')}: this run would use it and its stale app code. Stop it "
-            "(FLWR_HOME=<its home> python -m fedrec_flwr.launch stop) or set FLWR_LOCAL_SUPERLINK_HTTP_API_PORT and "
-            "FLWR_LOCAL_CONTROL_API_PORT to free ports"
-        )
-    stop_local_superlink(env)
     command = [
         str(Path(sys.executable).with_name("flwr")), "run", str(project),
         "--federation-config", " ".join([f"num-supernodes={num_supernodes}", *(
             f"{k}={_toml_value(v)}" for k, v in (federation_config or {}).items())]),
         *run_config_args(overrides), "--stream",
     ]
-    shown_env = f"RAY_ADDRESS={ray_address} " if ray_address else ""
-    shown_env += "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1"
-    print(f"$ {shown_env} " + " ".join(
-        c if " " not in c else f'"{c}"' for c in ["flwr", *command[1:]]), file=sys.stderr, flush=True)
-    try:
-        return subprocess.run(command, env=env, timeout=timeout, text=True, capture_output=capture, check=False)
-    finally:
-        if not keep_superlink:
-            stop_local_superlink(env)
+    out = sys.stderr
+    with claim_home(flwr_home or default_home(extra if "FLWR_HOME" in extra else None)) as (home, others):
+        stop_recorded_superlink(home)  # left by a launcher of this home that was killed
+        link = LocalSuperLink(home, flwr_env(home, extra))
+        if others and not capture:
+            print(f"note: another run holds {others[0]}\n      this run uses FLWR_HOME={home} and its own ports",
+                  file=out, flush=True)
+        link.start()
+        logs = home / "logs"
+        logs.mkdir(exist_ok=True)
+        log_path = logs / f"run-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S')}-{link.token[:6]}.log"
+        shown = " ".join(c if re.fullmatch(r"[\w@%+=:,./-]+", c) else "'" + c.replace("'", "'\\''") + "'"
+                         for c in ["flwr", *command[1:]])
+        env_shown = f"FLWR_HOME={home} FLWR_LOCAL_SUPERLINK_HTTP_API_PORT={link.port} "
+        if ray_address:
+            env_shown += f"RAY_ADDRESS={ray_address} "
+        if not capture:
+            print(f"$ {env_shown}FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 {shown}", file=out, flush=True)
+        lines: list[str] = []
+        process = None
+        try:
+            with open(log_path, "w") as log:
+                log.write(f"$ {env_shown}{shown}\n")
+                process = subprocess.Popen(command, env=link.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL, text=True, errors="replace", cwd=PROJECT_ROOT)
+                pump = threading.Thread(target=_pump, daemon=True,
+                                        args=(process.stdout, log, lines, None if capture else sys.stdout, verbose))
+                pump.start()
+                process.wait(timeout=timeout)
+                pump.join(timeout=30)
+            returncode = process.returncode
+            status, details = run_status(link.env)
+            text = "".join(lines)
+            if returncode == 0 and status != "finished:completed":
+                returncode = 1
+            if returncode != 0:
+                error = run_error(text) or details or "no error message in the log"
+                message = (f"error: the run did not finish ({status or 'status unknown'}"
+                           f"{'; flwr run exited ' + str(process.returncode) if process.returncode else ''}): "
+                           f"{error}\n       full log: {log_path}")
+                if capture:
+                    lines.append(message + "\n")
+                else:
+                    print(message, file=out, flush=True)
+            return subprocess.CompletedProcess(command, returncode, "".join(lines) if capture else "", "")
+        finally:
+            if process is not None and process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+            if not keep_superlink:
+                previous = _ignore_interrupts()
+                try:
+                    link.stop()
+                finally:
+                    _restore_interrupts(previous)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedrec_flwr.launch", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="flwr run the app on a fresh local SuperLink, then stop it")
-    run.add_argument("--num-supernodes", type=int, default=None)
-    run.add_argument("--flwr-home", default=None)
+def _ignore_interrupts() -> dict:
+    """Ignore SIGINT while the run's processes are ended (a second Ctrl-C must not leave them behind)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
+
+
+def _restore_interrupts(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived: end the run like Ctrl-C does."""
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise _Stopped(signal.Signals(signum).name)
+
+
+# ------------------------------------------------------------------------------------------ command line
+def stop_main(flwr_home: str | None) -> int:
+    """``stop``: stop SuperLinks (and their runs' processes) recorded by launchers of this home that are gone."""
+    base = Path(flwr_home).expanduser().resolve() if flwr_home else default_home()
+    homes = [base, *sorted(base.glob("concurrent-*"))] if base.is_dir() else []
+    stopped, running = [], []
+    for home in homes:
+        holder = _home_held(home)
+        if holder:
+            running.append(f"{home}: {holder}")
+            continue
+        stopped += stop_recorded_superlink(home)
+    if stopped:
+        print(f"stopped {len(stopped)} process(es) of earlier runs: {stopped}")
+    else:
+        print("no SuperLink of an earlier run is left")
+    for line in running:
+        print(f"a run is in progress (not touched; stop it with Ctrl-C or by ending its launcher): {line}")
+    return 0
+
+
+def build_parser(command: str) -> argparse.ArgumentParser:
+    """The parser of ``run`` or ``stop``."""
+    prog = f"python -m fedrec_flwr.launch {command}"
+    if command == "stop":
+        stop = argparse.ArgumentParser(prog=prog, description="stop SuperLinks left by launchers that were killed "
+                                                              "(never a running run)")
+        stop.add_argument("--flwr-home", default=None, help="Flower home (default $FLWR_HOME, else ~/.flwr)")
+        return stop
+    run = argparse.ArgumentParser(prog=prog, description="flwr run the app on a fresh local SuperLink, then stop it. "
+                                                         "Flags may come anywhere among the key=value overrides.")
+    run.add_argument("--num-supernodes", type=int, default=None,
+                     help="simulated SuperNodes (default: ceil(users / users-per-node); another number is refused)")
+    run.add_argument("--flwr-home", default=None, help="Flower home (default $FLWR_HOME, else ~/.flwr)")
     run.add_argument("--ray-address", default=None,
                      help="host:port of an existing Ray cluster's head (ray start --head) to run the client actors on")
     run.add_argument("--federation-config", action="append", default=[], metavar="KEY=VALUE",
                      help="another flwr simulation-config key, e.g. client-resources-num-cpus=1 (repeatable)")
-    run.add_argument("overrides", nargs="*", help="run-config overrides key=value (TOML values)")
-    stop = sub.add_parser("stop", help="stop the local SuperLink of this environment's ports")
-    stop.add_argument("--flwr-home", default=None)
-    args = parser.parse_args(argv)
-    if args.command == "stop":
-        pids = stop_local_superlink(flwr_env(args.flwr_home))
-        print(f"stopped local SuperLink {pids}" if pids else "no local SuperLink running")
-        return 0
-    import tomllib
+    run.add_argument("--verbose", action="store_true", help="print Flower's whole log (default: progress, warnings, "
+                                                            "errors; the whole log is always in <FLWR_HOME>/logs/)")
+    run.add_argument("--debug", action="store_true", help="print tracebacks of errors caught before the run starts")
+    run.add_argument("overrides", nargs="*", metavar="key=value", help="run-config overrides")
+    return run
 
-    def pairs(items: Sequence[str], what: str) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for pair in items:
-            key, sep, value = pair.partition("=")
-            if not sep:
-                parser.error(f"{what} {pair!r} is not key=value")
-            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
-        return out
 
-    overrides = pairs(args.overrides, "override")
-    federation = pairs(args.federation_config, "--federation-config")
-    result = flwr_run(overrides, num_supernodes=args.num_supernodes, flwr_home=args.flwr_home,
-                      federation_config=federation, ray_address=args.ray_address)
-    return result.returncode
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any], dict[str, Any]]:
+    """The parsed command line, the run-config overrides and the federation config (flags anywhere).
+
+    Raises:
+        ConfigError: a malformed override (see :func:`parse_override`).
+        SystemExit: no or an unknown command, ``--help``, or a bad flag (argparse's message, status 2).
+    """
+    argv = list(argv)
+    if not argv or argv[0] not in ("run", "stop"):
+        print(__doc__.split("Command line::")[1].split("``key=value``")[0].strip("\n"), file=sys.stderr)
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    args = build_parser(argv[0]).parse_intermixed_args(argv[1:])
+    args.command = argv[0]
+    if args.command != "run":
+        return args, {}, {}
+    defaults = default_mapping(PROJECT_ROOT / "pyproject.toml")
+    overrides = dict(parse_override(pair, defaults) for pair in args.overrides)
+    federation = dict(parse_override(pair, {}, "--federation-config") for pair in args.federation_config)
+    return args, overrides, federation
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_stopped)
+    try:
+        args, overrides, federation = parse_args(argv)
+        if args.command == "stop":
+            return stop_main(args.flwr_home)
+        result = flwr_run(overrides, num_supernodes=args.num_supernodes, flwr_home=args.flwr_home,
+                          federation_config=federation, ray_address=args.ray_address, verbose=args.verbose)
+        return result.returncode
+    except KeyboardInterrupt as stop:
+        print(f"\nstopped ({stop.args[0] if stop.args else 'Ctrl-C'}): the run, its SuperLink and Ray were ended",
+              file=sys.stderr)
+        return 130
+    except FedRecError as err:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,144 @@
+"""The launcher's command line without a real run: parsing, exact values into Flower's own `--run-config` parser,
+refusals before anything starts (one line, non-zero exit), the quiet log filter, and the run's error line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from flwr.common.config import parse_config_args
+
+from fedrec_flwr.config import default_mapping
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.launch import (
+    PROJECT_ROOT,
+    parse_args,
+    parse_override,
+    run_config_args,
+    run_error,
+    shown_quietly,
+)
+
+TRICKY = {
+    "data-dir": "/data/o'brien/ml-100k",
+    "run-name": "bob's-run",
+    "results-dir": 'C:\\results\\"quoted" dir with  spaces',
+    "generic-file": "/données/日本語/ünïcødé.csv",
+    "generic-columns": "a=b c\td\nnew line 'single' \"double\" \\n literal",
+    "protected-attribute": "",
+    "num-server-rounds": 3,
+    "learning-rate": 1e-05,
+    "holdout-validation": True,
+}
+
+
+def test_values_reach_flower_exactly():
+    """Flower's own parser (what `flwr run --run-config` calls) gives back every value unchanged."""
+    args = run_config_args(TRICKY)
+    assert args[0] == "--run-config"
+    assert parse_config_args([args[1]]) == TRICKY
+
+
+def test_command_line_values_round_trip(tmp_path):
+    """From the shell words a user types to what Flower parses: apostrophes, backslashes, quotes, non-ASCII."""
+    argv = ["run", "data-dir=/data/o'brien/ml-100k", "run-name=bob's-run", "results-dir=C:\\r\\\"q\"",
+            "generic-file='/x/ü日.csv'", 'generic-columns="user,item"', "num-server-rounds=2"]
+    _, overrides, _ = parse_args(argv)
+    assert overrides == {"data-dir": "/data/o'brien/ml-100k", "run-name": "bob's-run", "results-dir": 'C:\\r\\"q"',
+                         "generic-file": "/x/ü日.csv", "generic-columns": "user,item", "num-server-rounds": 2}
+    assert parse_config_args([run_config_args(overrides)[1]]) == overrides
+
+
+def test_bare_strings_are_accepted_for_string_keys():
+    defaults = default_mapping()
+    assert parse_override("dataset=filmtrust", defaults) == ("dataset", "filmtrust")
+    assert parse_override("run-name=2024", defaults) == ("run-name", "2024")  # a string key keeps the text
+    assert parse_override("ks=5,10", defaults) == ("ks", "5,10")
+    assert parse_override("num-server-rounds=20", defaults) == ("num-server-rounds", 20)
+    assert parse_override("fraction-train=0.5", defaults) == ("fraction-train", 0.5)
+    assert parse_override("holdout-validation=true", defaults) == ("holdout-validation", True)
+
+
+def test_bad_values_name_the_key_and_the_fix():
+    defaults = default_mapping()
+    with pytest.raises(ConfigError, match=r"'dataset'.*dataset=film"):
+        parse_override('dataset="film', defaults)
+    with pytest.raises(ConfigError, match=r"federation setting.*--num-supernodes 1000"):
+        parse_override("num-supernodes=1000", defaults)
+    with pytest.raises(ConfigError, match="not key=value"):
+        parse_override("dataset", defaults)
+
+
+def test_flags_anywhere():
+    args, overrides, federation = parse_args(["run", "--num-supernodes", "7", "num-server-rounds=2", "--verbose",
+                                              "dataset=filmtrust", "--federation-config", "client-resources-num-cpus=1"])
+    assert args.num_supernodes == 7 and args.verbose
+    assert overrides == {"num-server-rounds": 2, "dataset": "filmtrust"}
+    assert federation == {"client-resources-num-cpus": 1}
+
+
+def _launch(*argv, env=None):
+    return subprocess.run([sys.executable, "-m", "fedrec_flwr.launch", *argv], capture_output=True, text=True,
+                          cwd=PROJECT_ROOT, timeout=300, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["num-server-rounds=abc"], "run-config key 'num-server-rounds' = 'abc': expected an integer"),
+    (["strategy=my_module:MyStrategy"], "cannot import module 'my_module'"),
+    (["num-supernodes=1000"], "use --num-supernodes 1000"),
+    (["server-lr=0.3"], "unknown run-config key(s) ['server-lr']"),
+])
+def test_errors_before_the_run_are_one_line_and_exit_non_zero(tmp_path, argv, expected):
+    done = _launch("run", "--flwr-home", str(tmp_path / "home"), *argv)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    done = _launch("run", "--debug", "--flwr-home", str(tmp_path / "home"), "num-server-rounds=abc")
+    assert done.returncode == 2 and "Traceback" in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_too_many_supernodes_is_one_short_message(tmp_path, ml100k_dir):
+    """`--num-supernodes 1000` on ML-100K (943 users): refused before anything starts, with the right number."""
+    done = _launch("run", "--num-supernodes", "1000", "num-server-rounds=2", f"data-dir={ml100k_dir}",
+                   f"cache-dir={tmp_path / 'cache'}", "--flwr-home", str(tmp_path / "home"))
+    output = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode == 2
+    assert len(output) < 20
+    assert "needs exactly 943 SuperNodes" in output[-1]
+
+
+def test_quiet_log_keeps_progress_warnings_and_errors():
+    shown = [
+        "round   10 | HR@10 0.3796 | NDCG@10 0.1967 | train loss 0.3764 | 74.3 s",
+        "INFO fedrec_flwr.server_app: results written to /r/a",
+        "WARNING strategies.item_fedavg: 3 replies rejected",
+        "WARNING :   Round 3: 2 failures",
+        "ERROR :     ServerApp raised an exception",
+    ]
+    hidden = [
+        "INFO :      [ROUND 1]",
+        "INFO :      configure_train: Sampled 94 nodes (out of 943)",
+        "INFO :      Initial global evaluation results: None",
+        "WARNING :   Since flwr 1.32, default simulated SuperNodes changed from 10 to 2",
+        "INFO :      Manually terminating ClientAppActor",
+        "",
+    ]
+    assert all(shown_quietly(line) for line in shown)
+    assert not any(shown_quietly(line) for line in hidden)
+
+
+def test_run_error_is_the_end_of_the_last_traceback():
+    log = ("INFO :      starting\nERROR :     ServerApp raised an exception\nTraceback (most recent call last):\n"
+           '  File "x.py", line 1, in <module>\n'
+           "fedrec_flwr.errors.ConfigError: run-config key 'resume-from' = '/x': no checkpoint at /x\n"
+           "INFO :      done\n")
+    assert run_error(log) == "fedrec_flwr.errors.ConfigError: run-config key 'resume-from' = '/x': no checkpoint at /x"
+    assert run_error("ERROR :     something\nINFO : x\n") == "ERROR :     something"
+    assert run_error("all fine\n") is None
