@@ -18,7 +18,7 @@ from flwr.client import NumPyClient
 
 from fedrec_flwr.data import sample_train_negatives
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.krylov import CGResult, conjugate_gradient, flatten, gradient, hessian_vector_product, unflatten
+from fedrec_flwr.krylov import CGResult, curvature_vector_product, flatten, gradient, krylov_solve, unflatten
 from fedrec_flwr.influence import influence_objective
 from fedrec_flwr.runtime import Runtime
 from fedrec_flwr.seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
@@ -301,19 +301,22 @@ class FedRecClient(NumPyClient):
         return dense, rows, loss
 
     def influence_hvp(self, shared: Mapping[str, np.ndarray], direction: Mapping[str, np.ndarray],
-                      group: list | None = None) -> tuple[dict, dict]:
-        """``H_u v``: this user's loss Hessian at the shared parameters times ``direction`` (full arrays by shared
-        key); non-zero only on the user's rows and the dense parameters. With ``group`` (clients of this node's users,
-        this one included), the product of their summed losses, in one batched pass."""
+                      group: list | None = None, curvature: str = "hessian") -> tuple[dict, dict]:
+        """``H_u v``: this user's loss Hessian (``curvature = "hessian"``) or Gauss-Newton matrix (``"gauss-newton"``,
+        :func:`fedrec_flwr.krylov.gauss_newton_vector_product`) at the shared parameters times ``direction`` (full
+        arrays by shared key); non-zero only on the user's rows and the dense parameters. With ``group`` (clients of
+        this node's users, this one included), the product of their summed losses, in one batched pass."""
         with influence_objective(self.runtime, group or [self], shared) as (loss_fn, params, items):
-            product = hessian_vector_product(loss_fn, params, self._compact(direction, items, params))
+            product = curvature_vector_product(loss_fn, params, self._compact(direction, items, params), curvature)
             return self._expand(product, items)
 
     def influence_solve(self, shared: Mapping[str, np.ndarray], rhs: Mapping[str, np.ndarray], *, iterations: int,
-                        damping: float, tolerance: float) -> tuple[dict, dict, CGResult]:
+                        damping: float, tolerance: float, curvature: str = "hessian", solver: str = "cg",
+                        radius: float | None = None) -> tuple[dict, dict, CGResult]:
         """Local CG (HF-KCU's Algorithm 1, client side): ``x_u ≈ (H_u + damping I)^{-1} rhs`` on this user's own
-        Hessian. Rows of ``rhs`` outside the user's rows get ``rhs / damping`` (``H_u`` is 0 there), exactly as CG
-        gives them. Returns ``(dense, rows, CGResult)``.
+        Hessian (or Gauss-Newton matrix: ``curvature``), by plain CG or trust-region CG within ``radius``
+        (``solver``, :func:`fedrec_flwr.krylov.krylov_solve`). Rows of ``rhs`` outside the user's rows get ``rhs /
+        damping`` (``H_u`` is 0 there), exactly as CG gives them. Returns ``(dense, rows, CGResult)``.
 
         Raises:
             ValueError: ``damping`` is 0 and ``rhs`` has rows this user's loss never touches (singular system).
@@ -329,10 +332,11 @@ class FedRecClient(NumPyClient):
             def matvec(flat: np.ndarray) -> np.ndarray:
                 vector = {k: torch.as_tensor(v, dtype=params[k].dtype, device=params[k].device)
                           for k, v in unflatten(flat, shapes).items()}
-                product = hessian_vector_product(loss_fn, params, vector)
+                product = curvature_vector_product(loss_fn, params, vector, curvature)
                 return flatten({k: v.detach().cpu().numpy() for k, v in product.items()}, shapes)
 
-            result = conjugate_gradient(matvec, b, iterations=iterations, damping=damping, tolerance=tolerance)
+            result = krylov_solve(matvec, b, solver=solver, iterations=iterations, damping=damping,
+                                  tolerance=tolerance, radius=radius)
             solution = {k: torch.as_tensor(v) for k, v in unflatten(result.x, shapes).items()}
             dense, rows = self._expand(solution, items)
         return dense, rows, result

@@ -242,7 +242,8 @@ def unlearn_hvp(message: Message, context: Context, run_config: Mapping[str, Any
     groups = [clients] if len(clients) > 1 and can_batch(runtime.model) else [[c] for c in clients]
     with private_state(context, runtime, config, [c.user for c in clients]):
         for group in groups:
-            total.add(*group[0].influence_hvp(shared, direction, group=group))
+            total.add(*group[0].influence_hvp(shared, direction, group=group,
+                                              curvature=str(config.get("curvature", "hessian"))))
     total.count = len(clients)
     return _sparse_reply(message, total, {})
 
@@ -251,15 +252,16 @@ def unlearn_local_cg(message: Message, context: Context, run_config: Mapping[str
     """HF-KCU's Algorithm 1 on this node: each remaining (with ``causal``: affected) user ``u`` solves ``(H_u +
     damping I) x_u = rhs`` by CG on its own Hessian; the reply is ``sum_u w_u x_u`` and ``weight-sum = sum_u w_u``
     with ``w_u = ||∇L_u||`` (with ``causal``; else 1), so the server can normalise over all nodes. A solve that meets
-    non-positive curvature or ends with a relative residual above 1 (worse than no step) is left out and counted.
-    Config: ``iterations``, ``damping``, ``tolerance``."""
+    non-positive curvature (plain CG) or ends with a relative residual above 1 (worse than no step) is left out and
+    counted. Config: ``iterations``, ``damping``, ``tolerance``, and optionally ``curvature`` (default
+    ``"hessian"``), ``solver`` (``"cg"``) and ``radius`` (each user's trust radius, for ``"steihaug"``)."""
     runtime, clients, config = _remaining_users(message, context, run_config)
     shared = _shared_arrays(message)
     rhs = unpack_sparse({k: a.numpy() for k, a in message.content[VECTOR].items()}, runtime.layout)
     causal = bool(config.get("causal", False))
     total = SparseSum(runtime.layout)
     stats = {"weight-sum": 0.0, "solved": 0.0, "dropped": 0.0, "max-iterations": 0.0, "max-residual": 0.0,
-             "not-converged": 0.0, "negative-curvature": 0.0}
+             "not-converged": 0.0, "negative-curvature": 0.0, "boundary": 0.0}
     with private_state(context, runtime, config, [c.user for c in clients]):
         for client in clients:
             weight = 1.0
@@ -269,10 +271,15 @@ def unlearn_local_cg(message: Message, context: Context, run_config: Mapping[str
                                        + sum(float(np.sum(v ** 2)) for _, v in rows.values())))
             dense, rows, result = client.influence_solve(
                 shared, rhs, iterations=int(config["iterations"]), damping=float(config["damping"]),
-                tolerance=float(config["tolerance"]))
+                tolerance=float(config["tolerance"]), curvature=str(config.get("curvature", "hessian")),
+                solver=str(config.get("solver", "cg")),
+                radius=float(config["radius"]) if "radius" in config else None)
             stats["not-converged"] += float(not result.converged)
             stats["negative-curvature"] += float(result.negative_curvature)
-            if result.negative_curvature or result.residual > 1.0:
+            stats["boundary"] += float(result.boundary)
+            # plain CG's truncated iterate on non-positive curvature, or a step worse than none, is left out; a
+            # trust-region step is a descent step of the local model (also along negative curvature) and is kept
+            if not result.boundary and (result.negative_curvature or result.residual > 1.0):
                 stats["dropped"] += 1.0
                 continue
             total.add(dense, rows, weight)

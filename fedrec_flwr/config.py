@@ -34,6 +34,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "adversary-objective": ("reverse", "entropy"),
     "unlearning": ("none", "retrain", "continue", "hfkcu", "gradient-ascent"),
     "krylov-mode": ("distributed", "local"),
+    "krylov-solver": ("steihaug", "cg"),
+    "curvature": ("gauss-newton", "hessian"),
 }
 
 
@@ -88,6 +90,9 @@ class RunConfig:
     forget_fraction: float = _key("forget-fraction", minimum=0.0, maximum=1.0)
     unlearn_round: int = _key("unlearn-round", minimum=0)
     krylov_mode: str = _key("krylov-mode")
+    krylov_solver: str = _key("krylov-solver")
+    curvature: str = _key("curvature")
+    trust_radius: float = _key("trust-radius", positive=True)
     cg_iterations: int = _key("cg-iterations", minimum=1)
     cg_tolerance: float = _key("cg-tolerance", minimum=0.0)
     damping: float = _key("damping", minimum=0.0)
@@ -190,7 +195,8 @@ class RunConfig:
 
     def _check_relations(self) -> None:
         for key in ("dataset", "tie-rule", "model", "loss", "optimizer", "item-aggregation", "server-optimizer",
-                    "adversary", "adversary-trigger", "adversary-objective", "unlearning", "krylov-mode"):
+                    "adversary", "adversary-trigger", "adversary-objective", "unlearning", "krylov-mode",
+                    "krylov-solver", "curvature"):
             value = getattr(self, key.replace("-", "_"))
             if value not in _CHOICES[key]:
                 raise ConfigError(f"run-config key '{key}' = {value!r}: must be one of {list(_CHOICES[key])}")

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .krylov import CompositeLoss
 from .models import RecModel
 
 
@@ -55,7 +56,9 @@ def influence_objective(runtime, clients: Sequence, shared: Mapping[str, np.ndar
         shared: shared key -> full array (the server's parameters).
         extra_rows: more item rows to include (e.g. a right-hand side's support), or ``None``.
     Yields:
-        ``(loss_fn, params, items)``: ``loss_fn(params) -> scalar``; ``params`` the compact shared parameters (name
+        ``(loss_fn, params, items)``: ``loss_fn(params) -> scalar``, a :class:`~fedrec_flwr.krylov.CompositeLoss`
+        (model outputs, a loss convex in them, the weight-decay term) so that its Gauss-Newton product is defined;
+        ``params`` the compact shared parameters (name
         -> detached tensor); ``items`` ``(T,)`` the global row of each compact row.
     Raises:
         ValueError: no clients, or several for a model whose private parameters are not user tables.
@@ -119,21 +122,30 @@ def influence_objective(runtime, clients: Sequence, shared: Mapping[str, np.ndar
             for row in range(len(clients)):
                 row_users[torch.unique(used_items[used_users == row])] += 1.0
 
-        def loss_fn(params):
-            if cfg.loss == "bpr":
-                scores = torch.func.functional_call(model, params, (used_users, used_items))
-                n = user_t.numel()
-                loss = -(weight_t * F.logsigmoid(scores[:n] - scores[n:])).sum()
-            else:
-                logits = torch.func.functional_call(model, params, (user_t, item_t))
-                loss = (weight_t * F.binary_cross_entropy_with_logits(logits, label_t, reduction="none")).sum()
-            if decay > 0:
-                for key, value in params.items():
-                    if key in item_keys:
-                        loss = loss + 0.5 * decay * (row_users * value.pow(2).sum(dim=tuple(range(1, value.dim())))).sum()
-                    else:
-                        loss = loss + 0.5 * decay * len(clients) * value.pow(2).sum()
+        if cfg.loss == "bpr":
+            n = user_t.numel()
+
+            def outputs(params):  # (2n,) scores: positives then their sampled negatives
+                return torch.func.functional_call(model, params, (used_users, used_items))
+
+            def output_loss(scores):
+                return -(weight_t * F.logsigmoid(scores[:n] - scores[n:])).sum()
+        else:
+            def outputs(params):  # (n,) logits
+                return torch.func.functional_call(model, params, (user_t, item_t))
+
+            def output_loss(logits):
+                return (weight_t * F.binary_cross_entropy_with_logits(logits, label_t, reduction="none")).sum()
+
+        def regulariser(params):
+            loss = 0.0
+            for key, value in params.items():
+                if key in item_keys:
+                    loss = loss + 0.5 * decay * (row_users * value.pow(2).sum(dim=tuple(range(1, value.dim())))).sum()
+                else:
+                    loss = loss + 0.5 * decay * len(clients) * value.pow(2).sum()
             return loss
 
+        loss_fn = CompositeLoss(outputs, output_loss, regulariser if decay > 0 else None)
         params = {k: p.detach() for k, p in model.named_parameters() if k in layout.shared_shapes}
         yield loss_fn, params, items

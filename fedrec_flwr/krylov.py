@@ -5,6 +5,12 @@ Used by HF-KCU (Mahdavi, Zamanifar, Farhadi, Kashefi, "Causal Unlearning in Coll
 Approximate Influence Reversal under Adversarial Contributions", arXiv:2605.20341): the unlearning step solves
 ``(H + damping * I) x = g`` with conjugate gradient, touching the Hessian ``H`` only through products ``H v``
 (Pearlmutter 1994; forward-over-reverse differentiation), so ``H`` is never formed. Pure numpy / PyTorch, no Flower.
+
+Two solvers (``krylov-solver``): plain CG (:func:`conjugate_gradient`, stops on non-positive curvature) and the
+trust-region CG of Steihaug (1983) and Toint (1981) (:func:`steihaug_cg`), which returns a step inside a radius and
+follows a direction of negative curvature to the boundary instead of stopping. Two curvatures (``curvature``): the
+exact Hessian (:func:`hessian_vector_product`) and the generalised Gauss-Newton matrix
+(:func:`gauss_newton_vector_product`), positive semi-definite by construction.
 """
 
 from __future__ import annotations
@@ -45,11 +51,43 @@ class CGResult:
     residual: float
     converged: bool
     negative_curvature: bool
+    boundary: bool = False
+    """(Steihaug only) the step ends on the trust-region boundary ``||x|| = radius``."""
+    termination: str = ""
+    """What ended the solve: ``"tolerance"`` (converged), ``"boundary"`` (Steihaug: the next iterate would leave the
+    radius), ``"negative-curvature"`` (plain CG: stopped, ``x`` the iterate before; Steihaug: stepped to the
+    boundary along that direction), ``"iterations"`` (the budget ran out), or ``"zero-rhs"`` (``b`` = 0)."""
 
     def summary(self) -> dict:
         """The scalar facts, for logs and ``unlearning.json``."""
         return {"cg-iterations": self.iterations, "cg-residual": self.residual, "cg-converged": self.converged,
-                "cg-negative-curvature": self.negative_curvature}
+                "cg-negative-curvature": self.negative_curvature, "cg-boundary": self.boundary,
+                "cg-termination": self.termination}
+
+
+SOLVERS = ("cg", "steihaug")
+"""Values of ``krylov-solver``: plain CG (:func:`conjugate_gradient`) and trust-region CG (:func:`steihaug_cg`)."""
+
+
+def _check_solver_args(name: str, iterations, damping: float, tolerance: float, b) -> np.ndarray:
+    if isinstance(iterations, bool) or int(iterations) != iterations or iterations < 1:
+        raise ValueError(f"{name}: iterations must be an int >= 1, got {iterations!r}")
+    for key, value in (("damping", damping), ("tolerance", tolerance)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name}: {key} must be a finite number >= 0, got {value!r}")
+    b = np.asarray(b, dtype=np.float64)
+    if not np.isfinite(b).all():
+        raise ValueError(f"{name}: the right-hand side b contains NaN or Inf")
+    return b
+
+
+def _apply(name: str, matvec, p: np.ndarray, damping: float) -> np.ndarray:
+    ap = np.asarray(matvec(p), dtype=np.float64)
+    if ap.shape != p.shape:
+        raise ValueError(f"{name}: matvec returned shape {ap.shape}, expected {p.shape}")
+    if not np.isfinite(ap).all():
+        raise ValueError(f"{name}: matvec returned NaN or Inf")
+    return ap + damping * p
 
 
 def conjugate_gradient(matvec: Callable[[np.ndarray], np.ndarray], b: np.ndarray, *, iterations: int = 10,
@@ -75,18 +113,11 @@ def conjugate_gradient(matvec: Callable[[np.ndarray], np.ndarray], b: np.ndarray
         ValueError: ``iterations < 1``, a negative or non-finite ``damping`` / ``tolerance``, a non-finite ``b``, or
             ``matvec`` returning a wrong shape or a non-finite value.
     """
-    if isinstance(iterations, bool) or int(iterations) != iterations or iterations < 1:
-        raise ValueError(f"conjugate_gradient: iterations must be an int >= 1, got {iterations!r}")
-    for name, value in (("damping", damping), ("tolerance", tolerance)):
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"conjugate_gradient: {name} must be a finite number >= 0, got {value!r}")
-    b = np.asarray(b, dtype=np.float64)
-    if not np.isfinite(b).all():
-        raise ValueError("conjugate_gradient: the right-hand side b contains NaN or Inf")
+    b = _check_solver_args("conjugate_gradient", iterations, damping, tolerance, b)
     x = np.zeros_like(b)
     b_norm = float(np.linalg.norm(b))
     if b_norm == 0.0:
-        return CGResult(x, 0, 0.0, True, False)
+        return CGResult(x, 0, 0.0, True, False, termination="zero-rhs")
     r = b.copy()
     p = r.copy()
     rs = float(np.vdot(r, r))
@@ -94,12 +125,7 @@ def conjugate_gradient(matvec: Callable[[np.ndarray], np.ndarray], b: np.ndarray
     negative = False
     largest = 0.0  # the largest Rayleigh quotient p^T A p / p^T p seen: the operator's scale
     for _ in range(int(iterations)):
-        ap = np.asarray(matvec(p), dtype=np.float64)
-        if ap.shape != b.shape:
-            raise ValueError(f"conjugate_gradient: matvec returned shape {ap.shape}, expected {b.shape}")
-        if not np.isfinite(ap).all():
-            raise ValueError("conjugate_gradient: matvec returned NaN or Inf")
-        ap = ap + damping * p
+        ap = _apply("conjugate_gradient", matvec, p, damping)
         done += 1
         p_norm2 = float(np.vdot(p, p))
         curvature = float(np.vdot(p, ap))
@@ -117,7 +143,101 @@ def conjugate_gradient(matvec: Callable[[np.ndarray], np.ndarray], b: np.ndarray
         p = r + (rs_new / rs) * p
         rs = rs_new
     residual = math.sqrt(rs) / b_norm
-    return CGResult(x, done, residual, residual <= tolerance, negative)
+    converged = residual <= tolerance
+    termination = "negative-curvature" if negative else "tolerance" if converged else "iterations"
+    return CGResult(x, done, residual, converged, negative, termination=termination)
+
+
+def steihaug_cg(matvec: Callable[[np.ndarray], np.ndarray], b: np.ndarray, *, radius: float, iterations: int = 10,
+                damping: float = 0.0, tolerance: float = 1e-6) -> CGResult:
+    """Approximately minimise the quadratic model ``m(x) = -b^T x + 1/2 x^T (A + damping I) x`` subject to
+    ``||x|| <= radius``, for a symmetric (possibly indefinite) operator ``A`` given only as ``matvec``.
+
+    Steihaug (1983) / Toint (1981) truncated CG; Nocedal & Wright, *Numerical Optimization* (2nd ed.), Algorithm 7.2,
+    started at ``x0 = 0``. While the curvature of each direction is positive and the iterates stay inside the radius
+    it is plain CG (so on a positive definite system whose solution lies inside the radius it returns CG's answer).
+    When a direction ``p`` has ``p^T (A + damping I) p <= 0`` (tested as in :func:`conjugate_gradient`), or the next
+    iterate would leave the radius, it returns ``x + tau p`` with ``tau >= 0`` such that ``||x + tau p|| = radius``:
+    along a descent direction of ``m``, so ``m`` decreases monotonically over the iterates (N&W Theorem 7.3) and the
+    step is never dropped.
+
+    Args:
+        matvec: ``v -> A v`` on float64 arrays shaped like ``b``.
+        b: the right-hand side (any shape; float64 inside).
+        radius: the trust-region radius ``> 0`` (Euclidean norm of the step, in ``b``'s units divided by ``A``'s).
+        iterations: at most this many products (>= 1).
+        damping: ``lambda >= 0`` added to the diagonal.
+        tolerance: stop when the relative residual ``||b - (A + damping I) x|| / ||b||`` is at most this.
+
+    Returns:
+        :class:`CGResult` with ``boundary`` set when the step ends on the radius and ``negative_curvature`` when a
+        direction of non-positive curvature was met (then ``boundary`` is also set). ``residual`` is the relative
+        residual of the returned ``x``, computed from the recursion (exact in exact arithmetic, also for a boundary
+        step: ``r - tau A p``).
+
+    Raises:
+        ValueError: ``radius`` not finite and > 0, or as :func:`conjugate_gradient`.
+    """
+    if not (isinstance(radius, (int, float)) and math.isfinite(radius) and radius > 0):
+        raise ValueError(f"steihaug_cg: radius must be a finite number > 0, got {radius!r}")
+    b = _check_solver_args("steihaug_cg", iterations, damping, tolerance, b)
+    x = np.zeros_like(b)
+    b_norm = float(np.linalg.norm(b))
+    if b_norm == 0.0:
+        return CGResult(x, 0, 0.0, True, False, termination="zero-rhs")
+    r = b.copy()  # residual b - A x (the negative gradient of m)
+    p = r.copy()
+    rs = float(np.vdot(r, r))
+    largest, done = 0.0, 0
+    for _ in range(int(iterations)):
+        ap = _apply("steihaug_cg", matvec, p, damping)
+        done += 1
+        p_norm2 = float(np.vdot(p, p))
+        curvature = float(np.vdot(p, ap))
+        largest = max(largest, curvature / p_norm2)
+        if curvature <= CURVATURE_EPS * largest * p_norm2:
+            tau = _to_boundary(x, p, radius)
+            x, r = x + tau * p, r - tau * ap
+            return CGResult(x, done, float(np.linalg.norm(r)) / b_norm, False, True, True, "negative-curvature")
+        alpha = rs / curvature
+        if float(np.linalg.norm(x + alpha * p)) >= radius:
+            tau = _to_boundary(x, p, radius)
+            x, r = x + tau * p, r - tau * ap
+            residual = float(np.linalg.norm(r)) / b_norm
+            return CGResult(x, done, residual, residual <= tolerance, False, True, "boundary")
+        x = x + alpha * p
+        r = r - alpha * ap
+        rs_new = float(np.vdot(r, r))
+        if math.sqrt(rs_new) <= tolerance * b_norm:
+            return CGResult(x, done, math.sqrt(rs_new) / b_norm, True, False, False, "tolerance")
+        p = r + (rs_new / rs) * p
+        rs = rs_new
+    residual = math.sqrt(rs) / b_norm
+    return CGResult(x, done, residual, residual <= tolerance, False, False, "iterations")
+
+
+def _to_boundary(x: np.ndarray, p: np.ndarray, radius: float) -> float:
+    """The ``tau >= 0`` with ``||x + tau p|| = radius`` (``||x|| <= radius``): the positive root of
+    ``||p||^2 tau^2 + 2 x.p tau + ||x||^2 - radius^2 = 0``."""
+    a, half_b = float(np.vdot(p, p)), float(np.vdot(x, p))
+    c = float(np.vdot(x, x)) - radius * radius
+    disc = max(half_b * half_b - a * c, 0.0)
+    return (-half_b + math.sqrt(disc)) / a if a > 0 else 0.0
+
+
+def krylov_solve(matvec: Callable[[np.ndarray], np.ndarray], b: np.ndarray, *, solver: str, iterations: int,
+                 damping: float, tolerance: float, radius: float | None = None) -> CGResult:
+    """Dispatch to :func:`conjugate_gradient` (``solver = "cg"``; ``radius`` ignored) or :func:`steihaug_cg`
+    (``"steihaug"``; needs ``radius``).
+
+    Raises:
+        ValueError: an unknown solver, or as the solver does.
+    """
+    if solver == "cg":
+        return conjugate_gradient(matvec, b, iterations=iterations, damping=damping, tolerance=tolerance)
+    if solver == "steihaug":
+        return steihaug_cg(matvec, b, radius=radius, iterations=iterations, damping=damping, tolerance=tolerance)
+    raise ValueError(f"krylov_solve: solver must be one of {SOLVERS}, got {solver!r}")
 
 
 # ---------------------------------------------------------------------------------------------- products
@@ -147,16 +267,102 @@ def hessian_vector_product(loss_fn: Callable[[Params], torch.Tensor], params: Ma
     Raises:
         ValueError: ``vector``'s keys or shapes differ from ``params``'.
     """
-    if set(vector) != set(params):
-        raise ValueError(f"hessian_vector_product: vector keys {sorted(vector)} differ from params {sorted(params)}")
-    for key, value in params.items():
-        if tuple(vector[key].shape) != tuple(value.shape):
-            raise ValueError(f"hessian_vector_product: vector[{key!r}] has shape {tuple(vector[key].shape)}, "
-                             f"expected {tuple(value.shape)}")
+    _check_vector("hessian_vector_product", params, vector)
     primals = dict(params)
     tangents = {k: vector[k].to(dtype=v.dtype, device=v.device) for k, v in primals.items()}
     _, product = torch.func.jvp(torch.func.grad(loss_fn), (primals,), (tangents,))
     return {k: v.detach() for k, v in product.items()}
+
+
+CURVATURES = ("gauss-newton", "hessian")
+"""Values of ``curvature``: the generalised Gauss-Newton matrix (:func:`gauss_newton_vector_product`) and the exact
+Hessian (:func:`hessian_vector_product`)."""
+
+
+@dataclass(frozen=True)
+class CompositeLoss:
+    """A loss written as ``output_loss(outputs(params)) + regulariser(params)``, so that its generalised Gauss-Newton
+    matrix is defined (Schraudolph 2002; Martens 2010, "Deep learning via Hessian-free optimization").
+
+    Attributes:
+        outputs: ``params -> z``, the model's outputs (logits / scores), a tensor of any shape.
+        output_loss: ``z -> scalar``, convex in ``z`` (then the Gauss-Newton matrix is positive semi-definite).
+        regulariser: ``params -> scalar`` (e.g. L2 weight decay) whose exact Hessian is added, or ``None``.
+    """
+
+    outputs: Callable[[Params], torch.Tensor]
+    output_loss: Callable[[torch.Tensor], torch.Tensor]
+    regulariser: Callable[[Params], torch.Tensor] | None = None
+
+    def __call__(self, params: Params) -> torch.Tensor:
+        loss = self.output_loss(self.outputs(params))
+        return loss if self.regulariser is None else loss + self.regulariser(params)
+
+
+def gauss_newton_vector_product(loss: CompositeLoss, params: Mapping[str, torch.Tensor],
+                                vector: Mapping[str, torch.Tensor]) -> Params:
+    """``G v = J^T H_z J v + ∇²R v``: the generalised Gauss-Newton (GGN) matrix of ``loss`` times ``vector``.
+
+    ``J = ∂z/∂params`` is the Jacobian of ``loss.outputs``, ``H_z = ∇²_z output_loss`` the loss Hessian with respect
+    to the outputs and ``R`` the regulariser (Schraudolph 2002; Martens 2010, Sec. 4.2). It drops the Hessian's term
+    ``sum_j (∂ℓ/∂z_j) ∇² z_j`` (the outputs' own curvature, what makes NCF's Hessian indefinite away from a minimum),
+    so for a convex ``output_loss`` and a convex ``R`` the matrix is positive semi-definite whatever ``params`` are.
+    For BCE on logits ``H_z`` is diagonal, ``w_j sigma(z_j) (1 - sigma(z_j))``; for BPR on pairs ``d = z_+ - z_-``
+    it is ``w sigma(d) (1 - sigma(d)) [[1, -1], [-1, 1]]`` per pair (both computed here by differentiation, not by
+    hand). For a model linear in ``params`` given the private embeddings (MF's score ``p_u . q_i`` in ``q_i``) the
+    GGN equals the Hessian.
+
+    Computed matrix-free with ``torch.func``: ``J v`` by ``jvp`` of ``outputs``, ``H_z (J v)`` by ``jvp`` of
+    ``grad(output_loss)``, ``J^T (.)`` by ``vjp`` of ``outputs``; no graph is kept afterwards.
+
+    Args:
+        loss: the loss in its composite form.
+        params: name -> tensor at which the matrix is taken.
+        vector: name -> tensor, same keys and shapes as ``params``.
+    Returns:
+        name -> ``(G v)[name]``.
+    Raises:
+        ValueError: ``vector``'s keys or shapes differ from ``params'``.
+    """
+    _check_vector("gauss_newton_vector_product", params, vector)
+    primals = dict(params)
+    tangents = {k: vector[k].to(dtype=v.dtype, device=v.device) for k, v in primals.items()}
+    z, jv = torch.func.jvp(loss.outputs, (primals,), (tangents,))
+    z = z.detach()
+    _, hjv = torch.func.jvp(torch.func.grad(loss.output_loss), (z,), (jv.detach(),))
+    _, pullback = torch.func.vjp(loss.outputs, primals)
+    (product,) = pullback(hjv.detach())
+    product = {k: v.detach() for k, v in product.items()}
+    if loss.regulariser is not None:
+        extra = hessian_vector_product(loss.regulariser, params, vector)
+        product = {k: product[k] + extra[k] for k in product}
+    return product
+
+
+def curvature_vector_product(loss_fn: Callable[[Params], torch.Tensor], params: Mapping[str, torch.Tensor],
+                             vector: Mapping[str, torch.Tensor], curvature: str) -> Params:
+    """``C v`` for ``curvature`` in :data:`CURVATURES`: the GGN (``loss_fn`` must be a :class:`CompositeLoss`) or the
+    exact Hessian.
+
+    Raises:
+        ValueError: an unknown curvature, or ``"gauss-newton"`` for a loss that is not a :class:`CompositeLoss`.
+    """
+    if curvature == "hessian":
+        return hessian_vector_product(loss_fn, params, vector)
+    if curvature == "gauss-newton":
+        if not isinstance(loss_fn, CompositeLoss):
+            raise ValueError("curvature 'gauss-newton' needs the loss as a CompositeLoss (outputs, output_loss)")
+        return gauss_newton_vector_product(loss_fn, params, vector)
+    raise ValueError(f"curvature must be one of {CURVATURES}, got {curvature!r}")
+
+
+def _check_vector(name: str, params: Mapping[str, torch.Tensor], vector: Mapping[str, torch.Tensor]) -> None:
+    if set(vector) != set(params):
+        raise ValueError(f"{name}: vector keys {sorted(vector)} differ from params {sorted(params)}")
+    for key, value in params.items():
+        if tuple(vector[key].shape) != tuple(value.shape):
+            raise ValueError(f"{name}: vector[{key!r}] has shape {tuple(vector[key].shape)}, "
+                             f"expected {tuple(value.shape)}")
 
 
 # ---------------------------------------------------------------------------------------------- vectors

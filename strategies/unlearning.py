@@ -80,7 +80,7 @@ from fedrec_flwr.client_app import (
 )
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.krylov import CGResult, conjugate_gradient, flatten, unflatten
+from fedrec_flwr.krylov import CGResult, flatten, krylov_solve, unflatten
 from fedrec_flwr.seeding import numpy_rng
 from fedrec_flwr.wire import (
     ARRAYS, CONFIG, METRICS, ReplyError, nonzero_rows, pack_sparse, support_rows, unpack_sparse,
@@ -129,11 +129,14 @@ class UnlearningSettings:
     forget: tuple[int, ...]
     round: int
     krylov_mode: str = "distributed"
+    krylov_solver: str = "steihaug"
+    curvature: str = "gauss-newton"
+    trust_radius: float = 0.1
     cg_iterations: int = 10
     cg_tolerance: float = 1e-6
     damping: float = 0.01
-    scale: float = 0.01
-    adaptive_scale: bool = True
+    scale: float = 1.0
+    adaptive_scale: bool = False
     max_step: float = 0.1
     causal_weighting: bool = True
     ascent_steps: int = 5
@@ -146,6 +149,7 @@ class UnlearningSettings:
         return cls(
             method=config.unlearning, forget=tuple(int(u) for u in forget_set(config, num_users)),
             round=config.effective_unlearn_round, krylov_mode=config.krylov_mode,
+            krylov_solver=config.krylov_solver, curvature=config.curvature, trust_radius=config.trust_radius,
             cg_iterations=config.cg_iterations, cg_tolerance=config.cg_tolerance, damping=config.damping,
             scale=config.unlearn_scale, adaptive_scale=config.adaptive_scale, max_step=config.unlearn_max_step,
             causal_weighting=config.causal_weighting, ascent_steps=config.ascent_steps,
@@ -176,6 +180,8 @@ class ClientUnlearning:
         self.timeout = timeout
         self.layout = strategy.layout
         self.messages = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
         self.server_round = 0
         """The round after which the phase runs (sent with every query: clients use that round's private state)."""
 
@@ -193,6 +199,7 @@ class ClientUnlearning:
         s = self.settings
         started = time.perf_counter()
         self.messages = 0
+        self.bytes_sent = self.bytes_received = 0
         self.server_round = int(server_round)
         forget = np.asarray(s.forget, dtype=np.int64)
         report: dict = {"method": s.method, "round": int(server_round), "forget-users": [int(u) for u in forget]}
@@ -216,6 +223,8 @@ class ClientUnlearning:
             if not np.isfinite(value.numpy()).all():
                 raise UnlearningFailed(f"unlearning produced NaN or Inf in '{key}'; the model is left unchanged")
         report["messages"] = self.messages
+        report["bytes-sent"] = self.bytes_sent
+        report["bytes-received"] = self.bytes_received
         report["seconds"] = time.perf_counter() - started
         log.info("unlearning (%s) of %d users: %.2f s, %d messages%s", s.method, forget.size, report["seconds"],
                  self.messages, f", CG {report['cg-iterations']} it, residual {report['cg-residual']:.2e}"
@@ -233,19 +242,26 @@ class ClientUnlearning:
                        "support-rows": int(support.size), "affected-users": int(sum(affected.values())),
                        "remaining-users": int(self.strategy._topology().num_users - forget.size),
                        "queried-nodes": len(nodes), "nodes": len(affected),
-                       "damping": s.damping, "cg-max-iterations": s.cg_iterations})
+                       "damping": s.damping, "cg-max-iterations": s.cg_iterations,
+                       "krylov-solver": s.krylov_solver, "curvature": s.curvature})
+        radius = None
+        if s.krylov_solver == "steihaug":
+            radius = s.trust_radius * _norm(_restrict(theta, g_forget, self.layout))
+            report["trust-radius"] = radius
+            if radius <= 0:  # the forgotten users touch only all-zero parameters: any finite radius (ours)
+                radius = s.trust_radius
         if not nodes:
             log.warning("unlearning: no remaining user shares a row with the forgotten users; the step is g / damping")
         if s.krylov_mode == "distributed":
-            result = self.distributed_cg(grid, arrays, nodes, forget, support, g_forget)
+            result = self.distributed_cg(grid, arrays, nodes, forget, support, g_forget, radius=radius)
             report.update(result.summary())
-            if not result.converged:
+            if not result.converged and not result.boundary:
                 log.warning("unlearning: CG did not converge in %d iterations (relative residual %.3e%s)",
                             result.iterations, result.residual,
-                            ", non-positive curvature" if result.negative_curvature else "")
+                            ", non-positive curvature: step dropped" if result.negative_curvature else "")
             x = unflatten(result.x, self.layout.shared_shapes)
         else:
-            x, stats = self.local_cg(grid, arrays, nodes, forget, support, g_forget)
+            x, stats = self.local_cg(grid, arrays, nodes, forget, support, g_forget, radius=radius)
             report.update(stats)
         scale = s.scale
         if s.adaptive_scale:
@@ -279,7 +295,9 @@ class ClientUnlearning:
                 server_round = strategy.num_rounds + step
                 messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
                 self.messages += len(messages)
-                replies = grid.send_and_receive(messages, timeout=self.timeout)
+                self.bytes_sent += sum(_payload_bytes(m.content) for m in messages)
+                replies = list(grid.send_and_receive(messages, timeout=self.timeout))
+                self.bytes_received += sum(_payload_bytes(m.content) for m in replies if not m.has_error())
                 new, _ = strategy.aggregate_train(server_round, replies)
                 if new is not None:
                     arrays = new
@@ -309,11 +327,12 @@ class ClientUnlearning:
                          **(extra or {})} for n in nodes}
 
     def distributed_cg(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
-                       rhs: dict) -> CGResult:
-        """CG on ``(sum_u H_u + damping I) x = rhs`` over the remaining (with causal weighting: affected) users of
-        ``nodes``, one ``unlearn_hvp`` query round per product."""
+                       rhs: dict, radius: float | None = None) -> CGResult:
+        """CG (``krylov-solver``: plain, or trust-region within ``radius``) on ``(sum_u C_u + damping I) x = rhs``
+        over the remaining (with causal weighting: affected) users of ``nodes``, ``C_u`` the curvature of
+        ``curvature`` (Hessian or Gauss-Newton), one ``unlearn_hvp`` query round per product."""
         shapes = self.layout.shared_shapes
-        targets = self._targets(nodes, forget)
+        targets = self._targets(nodes, forget, {"curvature": self.settings.curvature})
 
         def matvec(flat: np.ndarray) -> np.ndarray:
             if not targets:
@@ -323,18 +342,20 @@ class ClientUnlearning:
             return flatten(self._sum(replies), shapes)
 
         s = self.settings
-        return conjugate_gradient(matvec, flatten(rhs, shapes), iterations=s.cg_iterations, damping=s.damping,
-                                  tolerance=s.cg_tolerance)
+        return krylov_solve(matvec, flatten(rhs, shapes), solver=s.krylov_solver, iterations=s.cg_iterations,
+                            damping=s.damping, tolerance=s.cg_tolerance, radius=radius)
 
     def local_cg(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
-                 rhs: dict) -> tuple[dict, dict]:
+                 rhs: dict, radius: float | None = None) -> tuple[dict, dict]:
         """``sum_u w_u x_u / sum_u w_u`` over the remaining (affected) users of ``nodes``, each ``x_u`` solved on its
         own node (``w_u`` = gradient norm with causal weighting, else 1), and the solves' statistics."""
         s = self.settings
         if not nodes:
             return {k: v / s.damping for k, v in rhs.items()}, {"local-cg-users": 0}
         targets = self._targets(nodes, forget, {"iterations": s.cg_iterations, "damping": s.damping,
-                                                "tolerance": s.cg_tolerance})
+                                                "tolerance": s.cg_tolerance, "curvature": s.curvature,
+                                                "solver": s.krylov_solver,
+                                                **({"radius": float(radius)} if radius is not None else {})})
         replies = self._query(grid, UNLEARN_LOCAL_CG, targets, arrays, vector=rhs, support=support)
         metrics = [r.content[METRICS] for r in replies]
         weight_sum = sum(float(m["weight-sum"]) for m in metrics)
@@ -345,6 +366,7 @@ class ClientUnlearning:
             "cg-residual": float(max(float(m["max-residual"]) for m in metrics)),
             "local-cg-not-converged": int(sum(float(m["not-converged"]) for m in metrics)),
             "local-cg-negative-curvature": int(sum(float(m["negative-curvature"]) for m in metrics)),
+            "local-cg-boundary": int(sum(float(m.get("boundary", 0.0)) for m in metrics)),
         }
         if stats["local-cg-not-converged"] or stats["local-cg-dropped"]:
             log.warning("unlearning: %d local CG solves did not converge, %d were left out (non-positive curvature "
@@ -381,7 +403,9 @@ class ClientUnlearning:
                 content[SUPPORT] = support_record
             messages.append(Message(content=content, message_type=f"{MessageType.QUERY}.{action}", dst_node_id=node))
         self.messages += len(messages)
+        self.bytes_sent += sum(_payload_bytes(m.content) for m in messages)
         replies = list(grid.send_and_receive(messages, timeout=self.timeout))
+        self.bytes_received += sum(_payload_bytes(m.content) for m in replies if not m.has_error())
         failed = [m for m in replies if m.has_error()]
         if failed:
             raise UnlearningFailed(f"{action}: node {failed[0].metadata.src_node_id} failed: {failed[0].error.reason}")
@@ -403,6 +427,11 @@ class ClientUnlearning:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _payload_bytes(content: RecordDict) -> int:
+    """Bytes of the arrays a message carries (every query re-sends the model; config records are not counted)."""
+    return sum(len(array.data) for record in content.array_records.values() for array in record.values())
+
+
 def _norm(vector: Mapping[str, np.ndarray]) -> float:
     return float(np.sqrt(sum(float(np.sum(np.asarray(v, dtype=np.float64) ** 2)) for v in vector.values())))
 

@@ -55,7 +55,8 @@ def test_cg_solves_a_diagonal_spd_system_in_at_most_n_iterations():
     np.testing.assert_allclose(result.x, b / diagonal, rtol=1e-9, atol=0)
     assert _true_residual(np.diag(diagonal), 0.0, result.x, b) <= 1e-9
     assert result.summary() == {"cg-iterations": result.iterations, "cg-residual": result.residual,
-                                "cg-converged": True, "cg-negative-curvature": False}
+                                "cg-converged": True, "cg-negative-curvature": False, "cg-boundary": False,
+                                "cg-termination": "tolerance"}
 
 
 def test_cg_takes_as_many_iterations_as_distinct_eigenvalues():

@@ -595,12 +595,18 @@ def test_serial_run_unlearns_and_leaves_the_forgotten_users_out(tmp_path, refere
         assert 1 <= report["cg-iterations"] <= report["cg-max-iterations"] == 10
         assert np.isfinite(report["cg-residual"]) and report["cg-residual"] >= 0
         assert 0 < report["affected-users"] <= 24 - len(FORGET) and report["support-rows"] > 0
-        assert 0 < report["scale"] <= 0.01
-        assert report["relative-update"] <= 0.1  # adaptive scale caps the change of the rows it touches
+        # the defaults: the full step (scale 1) of a trust-region solve on the Gauss-Newton matrix, whose norm is
+        # at most trust-radius (0.1) times the norm of the parameters the forgotten users' gradient touches
+        assert report["scale"] == 1.0
+        assert (report["krylov-solver"], report["curvature"]) == ("steihaug", "gauss-newton")
+        assert 0 < report["update-norm"] <= report["trust-radius"] * (1 + 1e-5)
+        assert report["relative-update"] <= 0.1
+        assert report["bytes-sent"] > 0 and report["bytes-received"] > 0
         hvp_or_cg = "query.unlearn_hvp" if extra["krylov_mode"] == "distributed" else "query.unlearn_local_cg"
         assert any(r["type"] == hvp_or_cg for r in queries)
         if extra["krylov_mode"] == "distributed":
             assert isinstance(report["cg-converged"], bool) and isinstance(report["cg-negative-curvature"], bool)
+            assert report["cg-termination"] in ("tolerance", "boundary", "negative-curvature", "iterations")
         else:
             assert report["local-cg-users"] == report["affected-users"]
 
@@ -680,12 +686,18 @@ def mf_phase(tmp_path_factory):
     write_tiny_dataset(folder, num_items=300, per_user=6)  # sparse: many users share no row with user 0
     config = RunConfig.from_mapping(mapping).to_dict()
     base = UnlearningSettings(method="hfkcu", forget=MF_FORGET, round=MF_ROUNDS, cg_iterations=200,
-                              cg_tolerance=1e-9, damping=MF_DAMPING, scale=1.0, adaptive_scale=False)
+                              cg_tolerance=1e-9, damping=MF_DAMPING, scale=1.0, adaptive_scale=False,
+                              krylov_solver="cg", curvature="hessian")
     variants = {
         "causal": base,
+        # MF's Gauss-Newton matrix is its Hessian; a radius no step reaches leaves Steihaug equal to plain CG
+        "gauss-newton-steihaug": base.replace(krylov_solver="steihaug", curvature="gauss-newton", trust_radius=1e6),
+        "trust-region": base.replace(krylov_solver="steihaug", curvature="gauss-newton", trust_radius=0.01),
         "all-users": base.replace(causal_weighting=False),
         "adaptive": base.replace(adaptive_scale=True, max_step=0.05),
         "local": base.replace(krylov_mode="local", damping=MF_LOCAL_DAMPING, cg_iterations=100),
+        "local-trust-region": base.replace(krylov_mode="local", damping=MF_LOCAL_DAMPING, cg_iterations=100,
+                                           krylov_solver="steihaug", curvature="gauss-newton", trust_radius=0.01),
         "ascent": base.replace(method="gradient-ascent", ascent_steps=2, ascent_learning_rate=3.0),
     }
     out = {"results": {}}
@@ -754,6 +766,28 @@ def test_mf_distributed_cg_step_is_the_explicit_damped_newton_step(mf_phase):
     assert float(np.sum(g_forget * step)) > 0
 
 
+def test_mf_gauss_newton_steihaug_equals_the_newton_step_inside_the_radius_and_stops_on_a_small_one(mf_phase):
+    """The default solver and curvature on the live federation: with a radius no step reaches, the Steihaug step on
+    the Gauss-Newton matrix is the explicit damped Newton step (MF's GGN is its Hessian); with a small radius the step
+    ends on the boundary (radius = trust-radius x the norm of the rows the forgotten users' gradient touches) and
+    still raises the forgotten users' loss to first order."""
+    mf = mf_phase
+    g_forget, remaining = _forget_and_remaining(mf)
+    expected = _explicit_solve(sum(mf["users"][u]["terms"][2] for u in remaining), g_forget, MF_DAMPING)
+    new, report = mf["results"]["gauss-newton-steihaug"]
+    assert report["cg-termination"] == "tolerance" and not report["cg-boundary"]
+    assert _rel(new["item_embedding.weight"] - mf["table"], expected) < 1e-5
+
+    new, report = mf["results"]["trust-region"]
+    step = new["item_embedding.weight"] - mf["table"]
+    touched = mf["table"][np.flatnonzero(np.any(g_forget != 0, axis=1))]
+    assert report["trust-radius"] == pytest.approx(0.01 * np.linalg.norm(touched), rel=1e-6)
+    assert report["trust-radius"] < np.linalg.norm(expected)  # the Newton step would leave the radius
+    assert report["cg-boundary"] and report["cg-termination"] == "boundary" and not report["cg-negative-curvature"]
+    assert np.linalg.norm(step) == pytest.approx(report["trust-radius"], rel=1e-4)
+    assert float(np.sum(g_forget * step)) > 0
+
+
 def test_mf_causal_weighting_is_exact_and_queries_only_users_sharing_rows(mf_phase):
     mf = mf_phase
     causal, causal_report = mf["results"]["causal"]
@@ -797,6 +831,18 @@ def test_mf_local_cg_is_the_gradient_norm_weighted_sum_of_per_user_solves(mf_pha
     uniform = sum(_explicit_solve(mf["users"][u]["terms"][2], g_forget, MF_LOCAL_DAMPING)
                   for u in sharing) / len(sharing)
     assert _rel(uniform, expected) > 1e-3  # far above the 1e-5 agreement above
+
+
+def test_mf_local_trust_region_solves_are_kept_and_stay_inside_the_radius(mf_phase):
+    """Algorithm 1 with the trust region: every affected user's solve is used (none dropped), the ones whose Newton
+    step leaves the radius end on it, and the weighted average stays inside the radius."""
+    mf = mf_phase
+    new, report = mf["results"]["local-trust-region"]
+    _, plain = mf["results"]["local"]
+    assert report["local-cg-dropped"] == 0 and report["local-cg-users"] == plain["local-cg-users"] > 0
+    assert report["local-cg-boundary"] > 0
+    step = new["item_embedding.weight"] - mf["table"]
+    assert 0 < np.linalg.norm(step) <= report["trust-radius"] * (1 + 1e-5)
 
 
 def test_mf_adaptive_scale_caps_the_relative_change_of_the_rows_it_touches(mf_phase):

@@ -61,8 +61,3 @@ ABLATIONS = {
 """Ablations (ML-100K, the 1% forget set; distributed CG unless named)."""
 
 ABLATION_SETTING = ("ml-100k", "1%")
-
-POISON = {"dataset": "ml-100k", "model": "FedMF", "fake-users": 100, "filler-items": 10}
-"""Poisoning case study: fake users (about 10% of the users) who all rate one unpopular target item and the most
-popular filler items. (A first try with 50 fake users and 20 fillers never put the target in a genuine user's top 10,
-so it could not show unlearning.)"""

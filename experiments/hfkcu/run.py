@@ -1,7 +1,8 @@
 """Reproduce the HF-KCU client-unlearning experiments: one command per part (see ``experiments/hfkcu/README.md``).
 
     python -m experiments.hfkcu.run main       # originals + unlearning variants, and the retrained models
-    python -m experiments.hfkcu.run poison     # the poisoning case study (fake users promoting one item)
+    python -m experiments.hfkcu.run poison     # poisoning removal (experiments/hfkcu/poison.py; issue 18)
+    python -m experiments.hfkcu.run poison-dev # the development setting the HF-KCU defaults were chosen on
     python -m experiments.hfkcu.run report     # tables and plots from the finished runs
 
 Every run goes through the package's ServerApp, strategy and ClientApp (:func:`fedrec_flwr.serial.run_serial`):
@@ -29,15 +30,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from experiments.common import claimed, quiet_flower, run_jobs, slug
 from experiments.hfkcu.analysis import candidate_scores, exposure, private_records
 from experiments.hfkcu.methods import (
-    ABLATION_SETTING, ABLATIONS, DATASETS, FORGET_SETS, MODELS, POISON, PROTOCOL, ROUNDS, VARIANTS,
+    ABLATION_SETTING, ABLATIONS, DATASETS, FORGET_SETS, MODELS, PROTOCOL, ROUNDS, VARIANTS,
 )
 from fedrec_flwr.config import make_run_config
-from fedrec_flwr.io import atomic_save_npz, atomic_write_json, atomic_write_text
+from fedrec_flwr.io import atomic_save_npz, atomic_write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = RESULTS / "runs"
@@ -194,68 +194,16 @@ def run_retrain(job) -> None:
     train_then(config, folder / name, "retrain.json", retrain_end(runtime, folder / name, set_name, users))
 
 
-# ---------------------------------------------------------------------------------------------- poisoning
-def poisoned_data(data_dir: str) -> tuple[Path, int]:
-    """Write MovieLens-100K plus ``fake-users`` fake users to the cache (never committed); returns the file and the
-    target item's raw id. Each fake user rates the target (earliest) and the ``filler-items`` most popular items
-    (later, so leave-one-out holds out a filler and the target stays in training)."""
-    source = Path(data_dir or os.environ.get("FEDREC_DATA_DIR", "")) / "ml-100k" / "u.data"
-    frame = pd.read_csv(source, sep="\t", header=None, names=["user", "item", "rating", "timestamp"])
-    popularity = frame["item"].value_counts()
-    rng = np.random.default_rng([SEED, 0x504F])
-    unpopular = np.sort(popularity[(popularity >= 5) & (popularity <= 10)].index.to_numpy())
-    target = int(rng.choice(unpopular))
-    fillers = [int(i) for i in popularity.index[:POISON["filler-items"]] if int(i) != target][:POISON["filler-items"]]
-    start = int(frame["timestamp"].max()) + 1
-    rows = []
-    for k in range(POISON["fake-users"]):
-        user = 10001 + k
-        rows.append((user, target, 5, start))
-        rows += [(user, item, 5, start + 1 + j) for j, item in enumerate(fillers)]
-    poisoned = pd.concat([frame, pd.DataFrame(rows, columns=frame.columns)], ignore_index=True)
-    path = CACHE / f"ml-100k-poisoned-{POISON['fake-users']}.csv"
-    CACHE.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, poisoned.to_csv(index=False))
-    return path, target
-
-
-def run_poison(job) -> None:
-    from fedrec_flwr.runtime import get_runtime
-
-    kind, data_dir = job
-    path, target_raw = poisoned_data(data_dir)
-    folder = RUNS / "poison" / POISON["model"]
-    generic = {"generic-file": str(path), "generic-columns": "user,item,rating,timestamp"}
-    config = base_config("generic", POISON["model"], data_dir, folder, "original", **generic)
-    runtime = get_runtime(config.to_dict())
-    split = runtime.split
-    fakes = np.flatnonzero(np.array([int(u) >= 10001 for u in split.user_ids])).astype(np.int64)
-    target = int(np.flatnonzero(split.item_ids.astype(str) == str(target_raw))[0])
-    if kind == "original":
-        out = folder / "original"
-
-        def at_end(view, train_seconds: float) -> None:
-            rows = run_phases(view, runtime, {"fake users": fakes}, lambda _: VARIANTS, out, poison_target=target)
-            atomic_write_json(out / "phase.json", {"train-seconds": train_seconds, "rows": rows,
-                                                   "target-item": int(target), "target-raw-id": target_raw,
-                                                   "fake-users": fakes.tolist()})
-            (out / "phase.partial.json").unlink(missing_ok=True)
-
-        train_then(config, out, "phase.json", at_end)
-    else:
-        out = folder / "retrain-fake-users"
-        config = base_config("generic", POISON["model"], data_dir, folder, "retrain-fake-users", **generic,
-                             unlearning="retrain", forget_users=",".join(str(int(u)) for u in fakes))
-        train_then(config, out, "retrain.json", retrain_end(runtime, out, "fake users", fakes, target))
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["main", "poison", "report"])
+    parser.add_argument("part", choices=["main", "poison", "poison-dev", "report"])
     parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""),
                         help="folder holding <dataset>/ (default: $FEDREC_DATA_DIR; empty = download)")
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job from i")
     parser.add_argument("--datasets", default=",".join(DATASETS))
+    parser.add_argument("--models", default=",".join(MODELS), help="poison: FedMF,FedNCF")
+    parser.add_argument("--fakes", default="100,20", help="poison: numbers of fake users")
+    parser.add_argument("--seeds", default="0,1,2", help="poison: training seeds")
     args = parser.parse_args(argv)
     quiet_flower()
     if args.part == "report":
@@ -263,8 +211,18 @@ def main(argv=None) -> None:
 
         report(RESULTS, args.data_dir)
         return
-    if args.part == "poison":
-        run_jobs([("original", args.data_dir), ("retrain", args.data_dir)], run_poison, args.shard, "poison")
+    if args.part in ("poison", "poison-dev"):
+        from experiments.hfkcu.poison import DEV, DEV_VARIANTS, run_setting
+
+        if args.part == "poison-dev":
+            jobs = [(DEV["dataset"], DEV["model"], DEV["fakes"], DEV["seed"], kind) for kind in ("original", "retrain")]
+            extra = {"target_seed": DEV["target-seed"], "variants": DEV_VARIANTS, "runs": RESULTS / "runs" / "poison-dev"}
+        else:  # one setting at a time: every seed of the first setting before the next one
+            jobs = [(d, m, int(f), int(seed), kind) for d in args.datasets.split(",") for m in args.models.split(",")
+                    for f in args.fakes.split(",") for seed in args.seeds.split(",") for kind in ("original", "retrain")]
+            extra = {"runs": RUNS / "poison"}
+        run_jobs(jobs, lambda job: run_setting(*job, data_dir=args.data_dir, cache=CACHE, **extra), args.shard,
+                 args.part)
         return
     datasets = [d for d in args.datasets.split(",") if d]
     jobs = []

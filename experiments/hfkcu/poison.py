@@ -1,0 +1,145 @@
+"""The poisoning-removal benchmark of HF-KCU (issue 18): fake users promote one unpopular item; unlearning them should
+move the genuine users' ranking of that item back to where retraining without them puts it.
+
+    python -m experiments.hfkcu.run poison [--datasets ml-100k,filmtrust] [--models FedMF,FedNCF]
+                                           [--fakes 100,20] [--seeds 0,1,2]
+    python -m experiments.hfkcu.run poison-dev        # the development setting the defaults were chosen on
+
+Settings: dataset x model x number of fake users x seed. Each setting trains the poisoned federation once
+(``original``, 100 rounds), applies every variant of :data:`VARIANTS` as a Flower phase to the trained model after
+round 100, and trains ``retrain-fake-users`` (the fakes never sampled, same seed). Measured per variant: the target's
+mean percentile among the genuine users' never-rated items, its top-10 exposure, HR@10 / NDCG@10 of the genuine users,
+and the phase's wall time, messages and bytes.
+
+**Development setting (where the defaults were chosen, never the reported ones):** ML-100K, FedMF, 100 fake users,
+training seed 100 and a *different target item* (drawn with seed 100), with the sweep :data:`DEV_VARIANTS`. The
+reported settings use the target drawn with seed 0 and training seeds 0-2.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from experiments.hfkcu.methods import ROUNDS
+from fedrec_flwr.io import atomic_write_json, atomic_write_text
+
+FILLER_ITEMS = 10
+"""Each fake user rates the target and the most popular ``FILLER_ITEMS`` items (all 5 stars)."""
+
+FAKE_USER_BASE = 10_000_001
+"""Raw ids of fake users start here (above every genuine id of both datasets)."""
+
+VARIANTS = {
+    "HF-KCU distributed (default)": {"method": "hfkcu", "krylov_mode": "distributed"},
+    "HF-KCU local (Alg. 1)": {"method": "hfkcu", "krylov_mode": "local"},
+    "HF-KCU distributed, issue-6 arm (CG, Hessian, eta 0.01)": {
+        "method": "hfkcu", "krylov_solver": "cg", "curvature": "hessian", "scale": 0.01, "adaptive_scale": True},
+    "HF-KCU Newton (CG, Hessian, eta 1, no cap)": {
+        "method": "hfkcu", "krylov_solver": "cg", "curvature": "hessian", "scale": 1.0, "adaptive_scale": False},
+    "gradient ascent": {"method": "gradient-ascent"},
+    "continued training (5 rounds)": {"method": "continue"},
+}
+"""Unlearning phases of the reported settings (:class:`strategies.unlearning.UnlearningSettings` fields over the run
+config's defaults)."""
+
+
+def _sweep() -> dict:
+    out = {}
+    for radius in (0.02, 0.05, 0.1, 0.2, 0.5, 1.0):
+        out[f"steihaug GN radius {radius}"] = {"method": "hfkcu", "trust_radius": radius, "scale": 1.0,
+                                               "adaptive_scale": False}
+    for radius in (0.05, 0.1, 0.2):
+        out[f"steihaug GN radius {radius}, local"] = {"method": "hfkcu", "krylov_mode": "local",
+                                                      "trust_radius": radius, "scale": 1.0, "adaptive_scale": False}
+    for radius in (0.1, 0.2):
+        out[f"steihaug GN radius {radius}, k=3"] = {"method": "hfkcu", "trust_radius": radius, "scale": 1.0,
+                                                    "adaptive_scale": False, "cg_iterations": 3}
+        out[f"steihaug GN radius {radius}, damping 1"] = {"method": "hfkcu", "trust_radius": radius, "scale": 1.0,
+                                                          "adaptive_scale": False, "damping": 1.0}
+    for scale in (0.05, 0.1, 0.2, 0.5):
+        out[f"CG GN eta {scale}"] = {"method": "hfkcu", "krylov_solver": "cg", "scale": scale,
+                                     "adaptive_scale": False}
+    out["CG Hessian eta 1"] = {"method": "hfkcu", "krylov_solver": "cg", "curvature": "hessian", "scale": 1.0,
+                               "adaptive_scale": False}
+    return out
+
+
+DEV_VARIANTS = _sweep()
+"""The development sweep: trust radius, solver, curvature, scale, k, damping (ML-100K FedMF, seed 100)."""
+
+DEV = {"dataset": "ml-100k", "model": "FedMF", "fakes": 100, "seed": 100, "target-seed": 100}
+
+
+def poisoned_data(dataset: str, data_dir: str, fakes: int, target_seed: int, cache: Path) -> tuple[Path, str]:
+    """Write ``dataset`` plus ``fakes`` fake users as a generic CSV (user,item,rating,timestamp) in ``cache`` (never
+    committed); return the file and the target item's raw id.
+
+    The target is drawn (seed ``target_seed``) among items with 5-10 ratings. Each fake user rates the target first
+    and the ``FILLER_ITEMS`` most popular items later, so leave-one-out holds out a filler and the target stays in
+    training. FilmTrust has no timestamps: its rows get their file order as time (ours; the poisoned copies of both
+    datasets are generic files, so FilmTrust's split differs from the package's FilmTrust split).
+    """
+    root = Path(data_dir or os.environ.get("FEDREC_DATA_DIR", ""))
+    if dataset == "ml-100k":
+        frame = pd.read_csv(root / "ml-100k" / "u.data", sep="\t", header=None,
+                            names=["user", "item", "rating", "timestamp"])
+    elif dataset == "filmtrust":
+        frame = pd.read_csv(root / "filmtrust" / "ratings.txt", sep=r"\s+", header=None,
+                            names=["user", "item", "rating"])
+        frame["timestamp"] = np.arange(len(frame), dtype=np.int64)
+    else:
+        raise ValueError(f"poisoned_data: dataset must be ml-100k or filmtrust, got {dataset!r}")
+    popularity = frame["item"].value_counts()
+    rng = np.random.default_rng([target_seed, 0x504F])
+    unpopular = np.sort(popularity[(popularity >= 5) & (popularity <= 10)].index.to_numpy())
+    target = unpopular[int(rng.integers(unpopular.size))]
+    fillers = [i for i in popularity.index[:FILLER_ITEMS + 1] if i != target][:FILLER_ITEMS]
+    start = int(frame["timestamp"].max()) + 1
+    rows = []
+    for k in range(fakes):
+        user = FAKE_USER_BASE + k
+        rows.append((user, target, 5, start))
+        rows += [(user, item, 5, start + 1 + j) for j, item in enumerate(fillers)]
+    poisoned = pd.concat([frame, pd.DataFrame(rows, columns=frame.columns)], ignore_index=True)
+    path = cache / f"{dataset}-poisoned-{fakes}-target{target_seed}.csv"
+    cache.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, poisoned.to_csv(index=False))
+    return path, str(target)
+
+
+def run_setting(dataset: str, model: str, fakes: int, seed: int, kind: str, *, data_dir: str, runs: Path,
+                cache: Path, target_seed: int = 0, variants: dict | None = None) -> None:
+    """Train one poisoned setting's ``kind`` (``"original"`` with its phases, or ``"retrain"``) unless done."""
+    from experiments.hfkcu.run import base_config, retrain_end, run_phases, train_then
+    from fedrec_flwr.runtime import get_runtime
+
+    path, target_raw = poisoned_data(dataset, data_dir, fakes, target_seed, cache)
+    folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
+    generic = {"generic-file": str(path), "generic-columns": "user,item,rating,timestamp"}
+    config = base_config("generic", model, data_dir, folder, "original", seed=seed, **generic)
+    runtime = get_runtime(config.to_dict())
+    split = runtime.split
+    fake_users = np.flatnonzero(np.array([int(u) >= FAKE_USER_BASE for u in split.user_ids])).astype(np.int64)
+    target = int(np.flatnonzero(split.item_ids.astype(str) == target_raw)[0])
+    if kind == "original":
+        out = folder / "original"
+
+        def at_end(view, train_seconds: float) -> None:
+            rows = run_phases(view, runtime, {"fake users": fake_users}, lambda _: variants or VARIANTS, out,
+                              poison_target=target)
+            atomic_write_json(out / "phase.json", {
+                "train-seconds": train_seconds, "rows": rows, "target-item": target, "target-raw-id": target_raw,
+                "fake-users": fake_users.tolist(), "dataset": dataset, "model": model, "fakes": fakes, "seed": seed,
+                "target-seed": target_seed, "rounds": ROUNDS})
+            (out / "phase.partial.json").unlink(missing_ok=True)
+
+        train_then(config, out, "phase.json", at_end)
+    else:
+        out = folder / "retrain-fake-users"
+        config = base_config("generic", model, data_dir, folder, "retrain-fake-users", seed=seed, **generic,
+                             unlearning="retrain", forget_users=",".join(str(int(u)) for u in fake_users))
+        train_then(config, out, "retrain.json", retrain_end(runtime, out, "fake users", fake_users, target))
