@@ -92,8 +92,8 @@ def tiny_run_config(folder: Path, **overrides):
 
 
 class MessageRecorder:
-    """A Flower client mod that pickles every reply a client sends, with the node's private state after the handler
-    (the state is test-harness evidence only: it never travels)."""
+    """A Flower client mod that pickles every reply a client sends, with the node's state before (``state-before``)
+    and after (``state``) the handler (the state is test-harness evidence only: it never travels)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
@@ -103,6 +103,7 @@ class MessageRecorder:
         import pickle
         import uuid
 
+        before = _state_arrays(context)
         reply = call_next(message, context)
         record = {
             "type": message.metadata.message_type,
@@ -119,7 +120,8 @@ class MessageRecorder:
                 name: dict(rec) for name, rec in reply.content.config_records.items()
             } if not reply.has_error() else {},
             "error": reply.error.reason if reply.has_error() else None,
-            "state": {k: {n: a.numpy() for n, a in rec.items()} for k, rec in context.state.array_records.items()},
+            "state-before": before,
+            "state": _state_arrays(context),
         }
         (self.folder / f"{uuid.uuid4().hex}.pkl").write_bytes(pickle.dumps(record))
         return reply
@@ -155,21 +157,116 @@ def simulate(run_config: dict, *, num_supernodes: int | None = None, num_cpus: i
     return Path(run_config["results-dir"]) / run_config["run-name"]
 
 
-def assert_no_private_value_in_replies(records, layout, private_rows) -> None:
-    """No recorded reply (a :class:`MessageRecorder` record) carries a private key, or any array row equal to one of
-    ``private_rows`` (every private row ever stored on a node), to 1e-7."""
+def _state_arrays(context) -> dict:
+    return {k: {n: a.numpy() for n, a in rec.items()} for k, rec in context.state.array_records.items()}
+
+
+PRIVATE_RECORD = r"^[A-Za-z][A-Za-z-]*:\d+$"
+"""``context.state`` keys of a user's private records (``user:<u>``, ``user-opt:<u>``, ...; fedrec_flwr.client_state)."""
+UPLOADED_BY_PROTOCOL = ("user-rows:",)
+"""Per-user records whose values the method uploads by design: PFedRec's fine-tuned item rows ARE its item upload
+(Zhang et al. 2023, Alg. 1), so they are not secrets from the server. Its private score function (``user:``) is."""
+
+
+def private_vectors(records, extra=()) -> list:
+    """Every private vector a node ever held: each row (last axis, length >= 2, not all zero) of each floating array of
+    each per-user record (:data:`PRIVATE_RECORD`, except :data:`UPLOADED_BY_PROTOCOL`) in the state before and after
+    every recorded handler, plus ``extra`` vectors (e.g. :func:`seeded_private_vectors`). Deduplicated; float64."""
+    import re
+
     import numpy as np
 
-    assert len(private_rows) > 0
+    out = [np.asarray(v, np.float64).ravel() for v in extra]
+    for record in records:
+        for state in (record.get("state-before", {}), record["state"]):
+            for key, arrays in state.items():
+                if not re.match(PRIVATE_RECORD, key) or key.startswith(UPLOADED_BY_PROTOCOL):
+                    continue
+                for array in arrays.values():
+                    array = np.asarray(array)
+                    if array.dtype.kind == "f" and array.ndim >= 1 and array.shape[-1] >= 2:
+                        out.extend(array.reshape(-1, array.shape[-1]).astype(np.float64))
+    unique = {(len(v), v.tobytes()): v for v in out if len(v) >= 2 and np.abs(v).max() > 0}
+    return list(unique.values())
+
+
+def seeded_private_vectors(run_config) -> list:
+    """Each user's private vectors as its client initialises them on its first visit (from the run seed), before any
+    training stores them in ``context.state``."""
+    import numpy as np
+    from flwr.app import RecordDict
+
+    from fedrec_flwr.registry import resolve
+    from fedrec_flwr.runtime import get_runtime
+
+    runtime = get_runtime(run_config)
+    cls = resolve("client", runtime.config.client)
+    out = []
+    for user in range(runtime.split.num_users):
+        cls(runtime, user, RecordDict()).load_private()
+        for value in runtime.model.private_state().values():
+            value = value.detach().cpu().numpy().astype(np.float64)
+            out.extend(value.reshape(-1, value.shape[-1]))
+    return out
+
+
+def find_vector(haystack, needles, rel: float = 1e-3):
+    """Index of the first of ``needles`` (1-D float vectors) found in ``haystack`` as a contiguous slice of its
+    flattening or of its transpose's (a row, a column, part of a concatenation), each element within ``rel`` times
+    the needle's largest magnitude; ``None`` if none is."""
+    import numpy as np
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    array = np.asarray(haystack)
+    if array.dtype.kind not in "fiu" or array.size == 0:
+        return None
+    array = array.astype(np.float64)
+    flats = [array.ravel()] + ([np.swapaxes(array, -1, -2).ravel()] if array.ndim >= 2 else [])
+    by_length: dict[int, list[int]] = {}
+    for index, needle in enumerate(needles):
+        by_length.setdefault(len(needle), []).append(index)
+    for length, indices in by_length.items():
+        for start in range(0, len(indices), 256):
+            chunk = indices[start:start + 256]
+            group = np.stack([needles[i] for i in chunk])
+            tol = rel * np.abs(group).max(axis=1)
+            for flat in flats:
+                if flat.size < length:
+                    continue
+                windows = sliding_window_view(flat, length)
+                # candidates by the first element, then the whole vector
+                w, n = np.nonzero(np.abs(windows[:, :1] - group[None, :, 0]) <= tol[None, :])
+                hit = np.abs(windows[w] - group[n]).max(axis=1) <= tol[n]
+                if hit.any():
+                    return chunk[int(n[np.argmax(hit)])]
+    return None
+
+
+def assert_no_private_value_in_replies(records, layout, private_rows=None, *, extra=()) -> None:
+    """No recorded reply (a :class:`MessageRecorder` record) carries a private key, or, in any array or list-valued
+    metric/config entry, a private vector as a row, a column or any contiguous slice, exactly or within 0.1 % of its
+    scale (:func:`find_vector`). Private vectors: ``private_rows`` if given, else :func:`private_vectors` of the
+    records (state before and after every handler); plus ``extra`` (e.g. :func:`seeded_private_vectors`)."""
+    import numpy as np
+
+    rows = [np.asarray(r, np.float64).ravel() for r in (private_rows if private_rows is not None else
+                                                       private_vectors(records))] + [
+        np.asarray(v, np.float64).ravel() for v in extra]
+    rows = [r for r in rows if len(r) >= 2 and np.abs(r).max() > 0]  # scalars and zero vectors carry nothing
+    assert len(rows) > 0
     for record in records:
         assert not record["error"], record["error"]
+        values = {f"array {key}": array for arrays in record["reply-arrays"].values() for key, array in arrays.items()}
+        for kind in ("reply-metrics", "reply-configs"):
+            values.update({f"{kind} {key}": value for rec in record[kind].values() for key, value in rec.items()
+                           if isinstance(value, (list, tuple, np.ndarray))})
         for arrays in record["reply-arrays"].values():
-            for key, array in arrays.items():
+            for key in arrays:
                 assert key.split("#")[0] not in layout.private_keys, key
-                flat = np.atleast_2d(array).astype(np.float64)
-                for row in private_rows:
-                    if flat.shape[-1] == row.shape[-1]:
-                        assert not np.isclose(flat, row, rtol=0, atol=1e-7).all(axis=-1).any(), key
+        for name, value in values.items():
+            found = find_vector(value, rows)
+            assert found is None, (f"{record['type']} reply of partition {record['partition-id']} (round "
+                                   f"{record['round']}): {name} contains private vector {rows[found]}")
 
 
 TIMING_KEYS = ("seconds", "train-seconds")

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from conftest import simulate, tiny_run_config
+from conftest import tiny_run_config
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.registry import resolve
+from fedrec_flwr.serial import run_serial
 from fedrec_flwr.wire import ModelLayout
 from strategies.item_fedavg import ItemEmbeddingFedAvg, Topology
 
@@ -49,8 +50,9 @@ def test_example_strategy_applies_its_server_learning_rate(task_identity):
 
 
 def test_a_run_with_the_plugged_in_strategy_completes(tmp_path):
+    """In-process (the serial grid runs the same ServerApp and ClientApp as Flower's simulation)."""
     config = tiny_run_config(tmp_path, strategy="experiments.example_strategy:ServerLrItemFedAvg", num_server_rounds=2,
                              users_per_node=6)
-    results = simulate(config)
+    results = run_serial(config)
     rows = json.loads((results / "metrics.json").read_text())
     assert [r["round"] for r in rows] == [1, 2]
