@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install fedrec-flwr into .venv (CPU build of torch first) and run the default experiment with `flwr run`:
 # MovieLens-100K, 943 per-user clients, FedNCF, fraction-train 0.1, 100 rounds. Extra arguments are run-config
-# overrides, e.g.  bash experiments/quickstart.sh "num-server-rounds=20" "model='mf'"
+# overrides and launcher flags in any order, e.g.  bash experiments/quickstart.sh num-server-rounds=20 model=mf --verbose
+# (python -m fedrec_flwr.launch run --help lists the flags). The exit status is 0 only when the run finished.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,4 +25,4 @@ fi
 export OMP_NUM_THREADS=1
 # Flower's state (config, installed app copies, local SuperLink database and log) stays in this checkout.
 export FLWR_HOME="${FLWR_HOME:-$PWD/.flwr}"
-exec .venv/bin/python -m fedrec_flwr.launch run "results-dir='$PWD/results'" "$@"
+exec .venv/bin/python -m fedrec_flwr.launch run "results-dir=$PWD/results" "$@"

@@ -505,6 +505,9 @@ def num_supernodes_for(overrides: Mapping[str, Any]) -> int:
 
 
 # -------------------------------------------------------------------------------------------------- output
+ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit)\b: .+")
+"""The last line of a Python traceback: ``package.module.SomeError: message``."""
+
 QUIET_HIDDEN = (
     "Since flwr 1.32",  # the default federation size changed: we always pass num-supernodes
     "flwr federation simulation-config",
@@ -514,20 +517,18 @@ QUIET_HIDDEN = (
 
 def shown_quietly(line: str) -> bool:
     """Whether the default (quiet) output shows this line of the run's log (ANSI codes already removed): our
-    progress line, our own log lines, and warnings and errors; not Flower's INFO lines."""
+    progress line, our own log lines, warnings and errors (with the last line of a traceback); not Flower's INFO
+    lines, nor the Flower notices in :data:`QUIET_HIDDEN`."""
     text = line.strip()
     if not text:
         return False
     if any(hidden in text for hidden in QUIET_HIDDEN):
         return False
-    if re.match(r"round\s+\d+ \|", text):
+    if re.match(r"round\s+\d+ \|", text) or ERROR_LINE.match(text):
         return True
     if re.match(r"(INFO|WARNING|ERROR|CRITICAL) (fedrec_flwr|strategies|clients|experiments|plugins)\b", text):
         return True
     return bool(re.match(r"(WARNING|ERROR|CRITICAL)\s*:", text))
-
-
-ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit)\b: .+")
 
 
 def run_error(log: str) -> str | None:

@@ -11,7 +11,8 @@ Usage::
     python scripts/deploy_local.py --supernodes 3 [--tls] [--auth] [--snapshot] [--workdir DIR] [--json FILE] \\
         [key=value ...]
 
-``key=value`` pairs are run-config overrides (TOML values: strings in quotes, e.g. ``model='mf'``). Without
+``key=value`` pairs are run-config overrides, read as ``python -m fedrec_flwr.launch run`` reads them (TOML values;
+a key whose default is a string also takes bare text, e.g. ``model=mf``), in any order with the flags. Without
 ``users-per-node``, it is ``ceil(users / supernodes)``; with it, ``--supernodes`` may be left out. Relative
 ``data-dir`` / ``cache-dir`` / ``results-dir`` are made absolute (the ServerApp and ClientApps run elsewhere);
 ``results-dir`` defaults to ``<workdir>/results``. Logs of every process stay in ``<workdir>/logs``.
@@ -19,7 +20,11 @@ Usage::
 Example (MovieLens-100K, 10 SuperNodes of 95 users, 5 rounds, TLS and authentication)::
 
     FEDREC_DATA_DIR=/path/to/data python scripts/deploy_local.py --supernodes 10 --tls --auth \\
-        num-server-rounds=5 eval-every=5 model="'mf'"
+        num-server-rounds=5 eval-every=5 model=mf
+
+Run outside the checkout's virtual environment (``python scripts/deploy_local.py``), it runs itself again with
+``.venv/bin/python``. The exit status is 0 only when the run wrote its results; otherwise the run's own error is the
+last line printed (``--debug`` also prints the traceback of an error caught before the run).
 """
 
 from __future__ import annotations
@@ -27,32 +32,43 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import sys
 import tempfile
 import time
-import tomllib
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
+try:
+    import pandas  # noqa: F401 - a dependency only the package's environment has
+except ImportError:
+    if VENV_PYTHON.is_file() and Path(sys.prefix).resolve() != (ROOT / ".venv").resolve():
+        os.execv(str(VENV_PYTHON), [str(VENV_PYTHON), *sys.argv])
+    raise SystemExit("error: fedrec-flwr is not installed here: run `bash experiments/quickstart.sh` once (it makes "
+                     ".venv), or call this script with the Python that has it")
+sys.path.insert(0, str(ROOT))
 
 from fedrec_flwr.deploy import Deployment, DeploymentError, app_snapshot  # noqa: E402
 from fedrec_flwr.errors import FedRecError  # noqa: E402
+from fedrec_flwr.launch import parse_override, run_error  # noqa: E402
 
 PATH_KEYS = ("data-dir", "cache-dir", "results-dir", "generic-file", "generic-attributes-file")
 
 
-def parse_overrides(pairs: list[str], parser: argparse.ArgumentParser) -> dict[str, Any]:
-    overrides: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            parser.error(f"override {pair!r} is not key=value")
-        try:
-            overrides[key.strip()] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            overrides[key.strip()] = value  # a bare string
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``key=value`` words -> overrides (:func:`fedrec_flwr.launch.parse_override`), path keys made absolute.
+
+    Raises:
+        ConfigError: a malformed pair (the message names the key and the fix).
+    """
+    from fedrec_flwr.config import default_mapping
+
+    defaults = default_mapping()
+    overrides = dict(parse_override(pair, defaults) for pair in pairs)
     for key in PATH_KEYS:
         if overrides.get(key):
             overrides[key] = str(Path(str(overrides[key])).expanduser().resolve())
@@ -126,17 +142,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the results")
     parser.add_argument("--json", default=None, help="also write the timings and final metrics to this file")
     parser.add_argument("--quiet", action="store_true", help="do not echo the run's log")
-    parser.add_argument("overrides", nargs="*", help="run-config overrides key=value (TOML values)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--debug", action="store_true", help="print tracebacks of errors caught before the run")
+    parser.add_argument("overrides", nargs="*", help="run-config overrides key=value (TOML values; bare strings)")
+    args = parser.parse_intermixed_args(argv)
 
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fedrec-deploy-")).resolve()
-    overrides = parse_overrides(args.overrides, parser)
     tls = args.tls or args.auth
     try:
+        overrides = parse_overrides(args.overrides)
         supernodes = plan_nodes(overrides, args.supernodes)
     except FedRecError as err:
+        if args.debug:
+            traceback.print_exc()
         print(f"error: {err}", file=sys.stderr)
         return 2
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fedrec-deploy-")).resolve()
     overrides.setdefault("results-dir", str(workdir / "results"))
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     overrides.setdefault("run-name", f"deploy-{supernodes}nodes{'-tls' if tls else ''}{'-auth' if args.auth else ''}"
@@ -156,7 +175,13 @@ def main(argv: list[str] | None = None) -> int:
             outcome = deployment.run(overrides, timeout=args.timeout, echo=not args.quiet)
     except (DeploymentError, FedRecError) as err:
         print(f"error: {err}", file=sys.stderr)
+        own = run_error(str(err))
+        if own:
+            print(f"error: the run did not finish: {own}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\nstopped (Ctrl-C): every process of this deployment was ended", file=sys.stderr)
+        return 130
     finally:
         left = deployment.leftover()
         if left:

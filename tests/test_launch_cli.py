@@ -121,6 +121,7 @@ def test_quiet_log_keeps_progress_warnings_and_errors():
         "WARNING strategies.item_fedavg: 3 replies rejected",
         "WARNING :   Round 3: 2 failures",
         "ERROR :     ServerApp raised an exception",
+        "fedrec_flwr.errors.ConfigError: run-config key 'resume-from' = '/x': no checkpoint at /x",
     ]
     hidden = [
         "INFO :      [ROUND 1]",
@@ -128,6 +129,7 @@ def test_quiet_log_keeps_progress_warnings_and_errors():
         "INFO :      Initial global evaluation results: None",
         "WARNING :   Since flwr 1.32, default simulated SuperNodes changed from 10 to 2",
         "INFO :      Manually terminating ClientAppActor",
+        '  File "/x/server_app.py", line 195, in main',
         "",
     ]
     assert all(shown_quietly(line) for line in shown)
