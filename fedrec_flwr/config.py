@@ -13,13 +13,26 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flwr.app import DEFAULT_TTL
+
 from .errors import ConfigError
+
+INT_MAX = 2**31 - 1
+"""The largest value of any integer key (and of each entry of ``ks``, ``mlp-layers`` and ``forget-users``) unless
+the key has a smaller maximum: every integer the run uses then fits numpy's and torch's int32/int64 and C ``long``
+(an unchecked ``forget-users = "10000000000000000000"`` ended in a raw ``OverflowError``)."""
+
+MESSAGE_TTL = float(DEFAULT_TTL)
+"""The lifetime of every message our apps send, seconds: Flower's ``flwr.app.DEFAULT_TTL`` (43200 = 12 hours in flwr
+1.42, ``flwr/app/constants.py``), which ``Message(..., ttl=None)`` uses. A ``round-timeout`` longer than this would wait
+for replies to messages that have already expired, so it is refused."""
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "dataset": ("ml-100k", "filmtrust", "lastfm-2k", "amazon-video", "generic"),
@@ -32,6 +45,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "adversary": ("none", "mlp", "dsvae"),
     "adversary-trigger": ("sut", "always"),
     "adversary-objective": ("reverse", "entropy"),
+    "adversary-training": ("server", "per-client"),
+    "adversary-server-optimizer": ("adam", "sgd"),
+    "adversary-embedding-optimizer": ("local", "sgd"),
     "unlearning": ("none", "retrain", "continue", "hfkcu", "gradient-ascent"),
     "krylov-mode": ("distributed", "local"),
     "krylov-solver": ("steihaug", "cg"),
@@ -56,7 +72,7 @@ class RunConfig:
     generic_file: str = _key("generic-file")
     generic_columns: str = _key("generic-columns")
     generic_attributes_file: str = _key("generic-attributes-file")
-    min_user_interactions: int = _key("min-user-interactions", minimum=1)
+    min_user_interactions: int = _key("min-user-interactions", minimum=2)
     tie_rule: str = _key("tie-rule")
     holdout_validation: bool = _key("holdout-validation")
     num_test_negatives: int = _key("num-test-negatives", minimum=1)
@@ -80,6 +96,11 @@ class RunConfig:
     adversary_trigger: str = _key("adversary-trigger")
     adversary_objective: str = _key("adversary-objective")
     adversary_epsilon: float = _key("adversary-epsilon", minimum=0.0)
+    adversary_training: str = _key("adversary-training")
+    adversary_server_optimizer: str = _key("adversary-server-optimizer")
+    adversary_server_learning_rate: float = _key("adversary-server-learning-rate", positive=True)
+    adversary_embedding_optimizer: str = _key("adversary-embedding-optimizer")
+    adversary_class_prior: str = _key("adversary-class-prior")
     adversary_hidden: int = _key("adversary-hidden", minimum=1)
     dsvae_latent_dim: int = _key("dsvae-latent-dim", minimum=1)
     dsvae_kl_weight: float = _key("dsvae-kl-weight", minimum=0.0)
@@ -104,6 +125,8 @@ class RunConfig:
     ascent_learning_rate: float = _key("ascent-learning-rate", positive=True)
     continue_rounds: int = _key("continue-rounds", minimum=1)
     strategy: str = _key("strategy")
+    strategy_args: str = _key("strategy-args")
+    plugin_config: str = _key("plugin-config")
     num_server_rounds: int = _key("num-server-rounds", minimum=1)
     fraction_train: float = _key("fraction-train", positive=True, maximum=1.0)
     fraction_evaluate: float = _key("fraction-evaluate", minimum=0.0, maximum=1.0)
@@ -113,12 +136,13 @@ class RunConfig:
     evaluate_validation: bool = _key("evaluate-validation")
     min_train_fraction: float = _key("min-train-fraction", minimum=0.0, maximum=1.0)
     eval_every: int = _key("eval-every", minimum=1)
-    round_timeout: float = _key("round-timeout", positive=True)
+    round_timeout: float = _key("round-timeout", positive=True, maximum=MESSAGE_TTL)
     users_per_node: int = _key("users-per-node", minimum=1)
     seed: int = _key("seed", minimum=0)
     client_state_dir: str = _key("client-state-dir")
     checkpoint_every: int = _key("checkpoint-every", minimum=0)
     resume_from: str = _key("resume-from")
+    resume_resets_client_state: bool = _key("resume-resets-client-state")
     max_update_norm: float = _key("max-update-norm", minimum=0.0)
     results_dir: str = _key("results-dir")
     run_name: str = _key("run-name")
@@ -147,7 +171,106 @@ class RunConfig:
                               "partition ids (integers)") from None
         if values and values[0] < 0:
             raise ConfigError(f"run-config key 'forget-users' = {self.forget_users!r}: partition ids are >= 0")
+        if values and values[-1] > INT_MAX:
+            raise ConfigError(f"run-config key 'forget-users' = {self.forget_users!r}: partition id {values[-1]} is "
+                              f"out of range (at most {INT_MAX})")
         return tuple(values)
+
+    @property
+    def generic_column_names(self) -> tuple[str, str, str | None, str | None]:
+        """``generic-columns`` as ``(user, item, rating or None, timestamp or None)``, e.g. ``"user_id,item,,ts"``
+        gives ``("user_id", "item", None, "ts")``.
+
+        Raises:
+            ConfigError: fewer than 2 or more than 4 names, an empty user or item name, or a name used twice.
+        """
+        columns = [c.strip() for c in str(self.generic_columns).split(",")]
+        if len(columns) < 2 or len(columns) > 4 or not all(columns[:2]):
+            raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: give "
+                              "user,item[,rating[,timestamp]] (e.g. \"user,item,rating\" for a file without "
+                              "timestamps)")
+        named = [c for c in columns if c]
+        if len(set(named)) != len(named):
+            raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: a column is named twice")
+        columns += [""] * (4 - len(columns))
+        return columns[0], columns[1], columns[2] or None, columns[3] or None
+
+    def generic_files(self) -> tuple[Path, Path | None]:
+        """The generic dataset's ``(interactions file, attributes file or None)`` on this machine.
+
+        A ``data-dir`` that is a file is the interactions file itself; one that is a folder is where relative
+        ``generic-file`` / ``generic-attributes-file`` paths are resolved; empty: they resolve against the working
+        directory (``$FEDREC_DATA_DIR`` is not used for generic data).
+
+        Raises:
+            ConfigError: the interactions or attributes file does not exist (the message names the key, the value
+                and the resolved path), ``data-dir`` does not exist, or names a file while ``generic-file`` names
+                another.
+        """
+        base_text = self.data_dir
+        base = Path(base_text).expanduser() if base_text else None
+        key_of_base = "data-dir"
+        if base is not None and not base.exists():
+            raise ConfigError(f"run-config key '{key_of_base}' = {base_text!r}: no such file or folder")
+        if base is not None and base.is_file():
+            if self.generic_file and Path(self.generic_file).expanduser().resolve() != base.resolve():
+                raise ConfigError(f"run-config key '{key_of_base}' = {base_text!r} is a file, so it is the "
+                                  f"interactions file, but 'generic-file' = {self.generic_file!r} names another; "
+                                  "set one of them, or make data-dir the folder holding generic-file")
+            interactions, folder = base, base.parent
+        else:
+            if not self.generic_file:
+                raise ConfigError(f"run-config key 'generic-file' is empty and 'data-dir' = {base_text!r} is a "
+                                  "folder: name the interactions file in 'generic-file' (relative to data-dir)")
+            interactions, folder = _resolve(self.generic_file, base), base
+        if not interactions.is_file():
+            raise ConfigError(f"run-config key 'generic-file' = {self.generic_file!r}: file {str(interactions)!r} "
+                              "not found" + (f" (resolved against data-dir {base_text!r})" if base is not None else ""))
+        attributes = None
+        if self.generic_attributes_file:
+            attributes = _resolve(self.generic_attributes_file, folder)
+            if not attributes.is_file():
+                raise ConfigError(f"run-config key 'generic-attributes-file' = {self.generic_attributes_file!r}: file "
+                                  f"{str(attributes)!r} not found"
+                                  + (f" (resolved against data-dir {base_text!r})" if folder is not None else ""))
+        return interactions, attributes
+
+    def check_files(self, data_dir: str | None = None) -> None:
+        """Validate the keys that name files and folders on this machine (the second half of validation).
+
+        :meth:`from_mapping` checks what holds anywhere; the files a key names exist only where the data is read
+        (the SuperNodes, a simulation or a serial run: the ServerApp never reads the data), so every process that loads
+        the split calls this first (:func:`fedrec_flwr.runtime.load_split_for`). ``data_dir`` overrides ``data-dir`` for the
+        named datasets (``$FEDREC_DATA_DIR`` when the key is empty).
+
+        Raises:
+            ConfigError: ``data-dir`` does not exist (or is a file for a named dataset), ``cache-dir`` is a file, a
+                generic dataset's file is missing (:meth:`generic_files`), or ``device`` names a CUDA device this
+                machine lacks. The message names the key and value.
+        """
+        base = self.data_dir if data_dir is None else (data_dir or "")
+        if self.dataset == "generic":
+            self.generic_files()
+        elif base:
+            path = Path(base).expanduser()
+            key = "data-dir" if base == self.data_dir else "data-dir ($FEDREC_DATA_DIR)"
+            if not path.exists():
+                raise ConfigError(f"run-config key '{key}' = {base!r}: no such folder (it should hold the "
+                                  f"{self.dataset} files, or a '{self.dataset}' folder with them)")
+            if not path.is_dir():
+                raise ConfigError(f"run-config key '{key}' = {base!r} is a file; for dataset = {self.dataset!r} it "
+                                  "must be the folder holding the dataset's files")
+        if self.cache_dir and Path(self.cache_dir).expanduser().exists() and \
+                not Path(self.cache_dir).expanduser().is_dir():
+            raise ConfigError(f"run-config key 'cache-dir' = {self.cache_dir!r} is a file, not a folder")
+        if self.device.startswith("cuda"):  # the clients train here: the device must exist here
+            import torch
+
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            index = int(self.device.split(":")[1]) if ":" in self.device else 0
+            if index >= count:
+                raise ConfigError(f"run-config key 'device' = {self.device!r}: this machine has {count} CUDA "
+                                  "device(s); use 'cpu' or 'auto'")
 
     @property
     def effective_unlearn_round(self) -> int:
@@ -177,11 +300,10 @@ class RunConfig:
                 choices, or is out of range. The message names the key and the value.
         """
         fields = {f.metadata["key"]: f for f in dataclasses.fields(cls) if f.metadata["key"]}
-        unknown = sorted(set(mapping) - set(fields) - set(_EXTRA_KEYS))
+        declared = plugin_keys(mapping)
+        unknown = sorted(set(mapping) - set(fields) - set(_EXTRA_KEYS) - set(declared))
         if unknown:
-            raise ConfigError(
-                f"unknown run-config key(s) {unknown}; valid keys: {sorted(set(fields) | set(_EXTRA_KEYS))}"
-            )
+            raise ConfigError(_unknown_keys_message(unknown, set(fields) | set(_EXTRA_KEYS) | set(declared)))
         missing = sorted(set(fields) - set(mapping))
         if missing:
             raise ConfigError(f"run-config key(s) {missing} missing (declare them in [tool.flwr.app.config])")
@@ -189,13 +311,15 @@ class RunConfig:
         for key, f in fields.items():
             values[f.name] = _coerce(key, mapping[key], f.type, f.metadata)
         extra = {key: mapping[key] for key in _EXTRA_KEYS if key in mapping}
+        extra.update(_plugin_values(declared, mapping, values.get("plugin_config", "")))
         config = cls(**values, extra=extra)
         config._check_relations()
         return config
 
     def _check_relations(self) -> None:
         for key in ("dataset", "tie-rule", "model", "loss", "optimizer", "item-aggregation", "server-optimizer",
-                    "adversary", "adversary-trigger", "adversary-objective", "unlearning", "krylov-mode",
+                    "adversary", "adversary-trigger", "adversary-objective", "adversary-training",
+                    "adversary-server-optimizer", "adversary-embedding-optimizer", "unlearning", "krylov-mode",
                     "krylov-solver", "curvature"):
             value = getattr(self, key.replace("-", "_"))
             if value not in _CHOICES[key]:
@@ -209,9 +333,23 @@ class RunConfig:
             )
         if self.model == "ncf":
             self.mlp_layer_sizes  # noqa: B018 - validates
-        if self.dataset == "generic" and not self.generic_file:
-            raise ConfigError("run-config key 'generic-file' is empty but dataset = 'generic' needs it")
-        if not (self.device in ("cpu", "cuda", "auto") or self.device.startswith("cuda:")):
+        if self.dataset == "generic":
+            if not self.generic_file and not self.data_dir:
+                raise ConfigError("run-config key 'generic-file' is empty but dataset = 'generic' needs the "
+                                  "interactions file: set 'generic-file' (relative paths resolve against 'data-dir'), "
+                                  "or set 'data-dir' to the file itself")
+            self.generic_column_names  # noqa: B018 - validates
+        elif self.generic_file or self.generic_attributes_file:
+            key = "generic-file" if self.generic_file else "generic-attributes-file"
+            raise ConfigError(f"run-config key '{key}' is set but dataset = {self.dataset!r} does not read it "
+                              "(it is for dataset = 'generic')")
+        need = 3 if self.holdout_validation else 2
+        if self.min_user_interactions < need:
+            raise ConfigError(
+                f"run-config key 'min-user-interactions' = {self.min_user_interactions}: must be >= {need} (the "
+                f"held-out item{'s' if need == 3 else ''} plus at least one training positive"
+                + (", with holdout-validation = true)" if need == 3 else ")"))
+        if not (self.device in ("cpu", "cuda", "auto") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ConfigError(f"run-config key 'device' = {self.device!r}: must be cpu, cuda, cuda:N or auto")
         if self.evaluate_validation and not self.holdout_validation:
             raise ConfigError("run-config key 'evaluate-validation' = true needs 'holdout-validation' = true")
@@ -236,6 +374,83 @@ class RunConfig:
 _EXTRA_KEYS: dict[str, str] = {}
 
 
+def plugin_keys(mapping: Mapping[str, Any]) -> dict[str, tuple[Any, str, str]]:
+    """The own run-config keys of the plug-in strategy and client that ``mapping`` names as ``"module:Class"``:
+    ``{key: (default, meaning, "strategy 'module:Class'")}``, from each class's ``config_keys`` attribute
+    (``{"server-lr": (0.5, "server learning rate")}``; the default's type is the key's type). Registered names
+    (built-in components) declare none.
+
+    Raises:
+        ConfigError: a plug-in cannot be imported, or two plug-ins declare the same key, or one shadows a built-in key.
+    """
+    from .registry import resolve
+
+    declared: dict[str, tuple[Any, str, str]] = {}
+    for kind in ("strategy", "client"):
+        spec = mapping.get(kind)
+        if not isinstance(spec, str) or ":" not in spec:
+            continue
+        for key, entry in dict(getattr(resolve(kind, spec), "config_keys", None) or {}).items():
+            default, meaning = entry if isinstance(entry, tuple) else (entry, "")
+            owner = f"{kind} {spec!r}"
+            clash = declared.get(key, (None, "", None))[2] or (
+                "a built-in key" if key in _builtin_keys() or key in _EXTRA_KEYS else None)
+            if clash:
+                raise ConfigError(f"run-config key '{key}' declared by {owner} is already {clash}: rename it")
+            declared[key] = (default, meaning, owner)
+    return declared
+
+
+def _builtin_keys() -> set[str]:
+    return {f.metadata["key"] for f in dataclasses.fields(RunConfig) if f.metadata["key"]}
+
+
+def _plugin_values(declared: Mapping[str, tuple[Any, str, str]], mapping: Mapping[str, Any],
+                   packed: str) -> dict[str, Any]:
+    """Every declared plug-in key's value: given directly in ``mapping``, else in ``plugin-config`` (``packed``,
+    ``"key=value ..."`` as Flower's ``--run-config`` writes it), else its default; checked against the default's type.
+
+    Raises:
+        ConfigError: ``plugin-config`` is malformed or names an undeclared key, or a value has the wrong type.
+    """
+    from flwr.common.config import parse_config_args
+
+    try:
+        given = parse_config_args([packed]) if packed else {}
+    except Exception as err:  # click.ClickException: not "key=value ..." with TOML values
+        raise ConfigError(f"run-config key 'plugin-config' = {packed!r}: expected \"key=value ...\" with TOML values "
+                          f"({err})") from None
+    stray = sorted(set(given) - set(declared))
+    if stray:
+        raise ConfigError(f"run-config key 'plugin-config' names {stray}, which no configured plug-in declares "
+                          f"(declared: {sorted(declared) or 'none'})")
+    values = {}
+    for key, (default, _, owner) in declared.items():
+        value = mapping.get(key, given.get(key, default))
+        kind = type(default).__name__
+        if kind in ("bool", "int", "float", "str"):
+            value = _coerce(key, value, kind, {})
+        values[key] = value
+    return values
+
+
+def _unknown_keys_message(unknown: list[str], valid: set[str]) -> str:
+    """An unknown-key error with the nearest valid keys and where keys come from (not a list of all of them)."""
+    import difflib
+
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(valid), n=3, cutoff=0.6)
+        if key in ("num-supernodes", "client-resources-num-cpus", "client-resources-num-gpus"):
+            hints.append(f"'{key}' is a federation setting, not a run-config key: pass it with --federation-config "
+                         f"(python -m fedrec_flwr.launch run --num-supernodes N for num-supernodes)")
+        elif close:
+            hints.append(f"'{key}': did you mean {' or '.join(repr(c) for c in close)}?")
+    return (f"unknown run-config key(s) {unknown}" + ("; " + "; ".join(hints) if hints else "") +
+            f". The {len(valid)} keys are listed with their meaning in pyproject.toml [tool.flwr.app.config]; a plug-in "
+            "strategy or client declares its own keys in its class attribute config_keys")
+
+
 def register_extra_keys(owner: str, keys: Mapping[str, str]) -> None:
     """Let a plug-in (client algorithm or strategy) declare its own run-config keys.
 
@@ -247,6 +462,11 @@ def register_extra_keys(owner: str, keys: Mapping[str, str]) -> None:
         _EXTRA_KEYS[key] = f"{owner}: {meaning}"
 
 
+def _resolve(name: str, folder: Path | None) -> Path:
+    path = Path(name).expanduser()
+    return path if path.is_absolute() or folder is None else folder / path
+
+
 def _int_list(key: str, text: str) -> tuple[int, ...]:
     parts = [p.strip() for p in str(text).split(",") if p.strip()]
     try:
@@ -255,6 +475,8 @@ def _int_list(key: str, text: str) -> tuple[int, ...]:
         raise ConfigError(f"run-config key '{key}' = {text!r}: expected comma-separated integers") from None
     if any(v <= 0 for v in values):
         raise ConfigError(f"run-config key '{key}' = {text!r}: every value must be a positive integer")
+    if any(v > INT_MAX for v in values):
+        raise ConfigError(f"run-config key '{key}' = {text!r}: every value must be <= {INT_MAX}")
     return values
 
 
@@ -280,6 +502,8 @@ def _coerce(key: str, value: Any, annotation: Any, meta: Mapping[str, Any]) -> A
         if not isinstance(value, str):
             raise ConfigError(f"run-config key '{key}' = {value!r}: expected a string")
         return value
+    if type_name == "int" and meta.get("max") is None and value > INT_MAX:
+        raise ConfigError(f"run-config key '{key}' = {value!r}: must be <= {INT_MAX}")
     if meta.get("min") is not None and value < meta["min"]:
         raise ConfigError(f"run-config key '{key}' = {value!r}: must be >= {meta['min']}")
     if meta.get("max") is not None and value > meta["max"]:

@@ -31,6 +31,10 @@ STRATEGIES: dict[str, str] = {
 }
 """Server strategies (``flwr.serverapp.strategy.Strategy`` subclasses with a ``from_run_config`` class method)."""
 
+FLOWER_ADAPTER = "strategies.flower_adapter:FlowerStrategyAdapter"
+"""What runs a Flower strategy that has no ``from_run_config`` (any ``flwr.serverapp.strategy`` class, or a user's own
+``Strategy``): :class:`strategies.flower_adapter.FlowerStrategyAdapter`."""
+
 
 def register(kind: str, name: str, target: str) -> None:
     """Register ``target`` (``"module:Class"``) under ``name`` in the ``"client"`` or ``"strategy"`` registry."""
@@ -67,6 +71,25 @@ def resolve(kind: str, spec: str) -> type[Any]:
     return cls
 
 
+def resolve_strategy(spec: str) -> type[Any]:
+    """The class that builds the strategy ``spec`` names: the class itself when it has ``from_run_config``; for a
+    Flower strategy without it (e.g. ``"flwr.serverapp.strategy:FedAdam"``), the adapter that runs it
+    (:data:`FLOWER_ADAPTER`).
+
+    Raises:
+        ConfigError: as :func:`resolve`, or the class is neither.
+    """
+    from flwr.serverapp.strategy import Strategy
+
+    cls = resolve("strategy", spec)
+    if hasattr(cls, "from_run_config"):
+        return cls
+    if issubclass(cls, Strategy):
+        return resolve("strategy", FLOWER_ADAPTER)
+    raise ConfigError(f"run-config key 'strategy' = {spec!r}: {cls.__name__} is not a flwr.serverapp.strategy.Strategy "
+                      "and has no from_run_config(config, layout, topology) class method")
+
+
 def _table(kind: str) -> dict[str, str]:
     if kind == "client":
         return CLIENTS
@@ -83,7 +106,10 @@ def check_components(config) -> None:
     right after the config is validated, so a bad combination fails at start with one clear message instead of as
     failed replies from every node.
     """
+    if config.strategy_args and resolve_strategy(config.strategy) is not resolve("strategy", FLOWER_ADAPTER):
+        raise ConfigError(f"run-config key 'strategy-args' = {config.strategy_args!r} is for a Flower strategy's "
+                          f"constructor; strategy {config.strategy!r} takes its settings from its own keys")
     for kind, spec in (("client", config.client), ("strategy", config.strategy)):
-        check = getattr(resolve(kind, spec), "check_config", None)
+        check = getattr(resolve_strategy(spec) if kind == "strategy" else resolve(kind, spec), "check_config", None)
         if check is not None:
             check(config)

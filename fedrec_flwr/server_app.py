@@ -20,6 +20,7 @@ their private state in files (``client-state-dir``, :mod:`fedrec_flwr.client_sta
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -35,12 +36,14 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
-from .checkpoint import CHECKPOINT_FILE, Checkpoint, check_resumable, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    CHECKPOINT_FILE, Checkpoint, check_client_state, check_resumable, load_checkpoint, save_checkpoint,
+)
 from .client_app import IDENTIFY
 from .client_state import DURABLE_ROUND_KEY, RUN_KEY
 from .config import RunConfig
 from .errors import ConfigError
-from .registry import check_components, resolve
+from .registry import check_components, resolve_strategy
 from .results import PROGRESS, RunRecorder, check_results_folder
 from .runtime import build_shared_model
 from .wire import CONFIG, ModelLayout, Topology
@@ -127,9 +130,12 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float):
         user_to_node[block], covered[block] = fact["node"], True
     if not covered.all():
         raise ConfigError(f"no SuperNode serves user {int(np.flatnonzero(~covered)[0])}")
+    split = json.loads(facts[0].get("split-facts", "{}"))  # equal on every node: the fingerprint covers it
+    without_state = sorted(int(f["partition-id"]) for f in facts if not f.get("client-state", False))
     return Topology(user_to_node, fingerprint), int(num_items), {"num-users": int(num_users), "num-items": int(num_items),
                                                       "split-fingerprint": fingerprint,
-                                                      "num-attribute-classes": int(num_classes)}
+                                                      "num-attribute-classes": int(num_classes), "split": split,
+                                                      "nodes-without-client-state": without_state}
 
 
 def default_run_name(config: RunConfig) -> str:
@@ -175,16 +181,18 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
         folder = Path(config.results_dir).expanduser().resolve() / default_run_name(config)
         check_results_folder(folder)
     topology, num_items, facts = discover_topology(grid, config, timeout=max(config.round_timeout, IDENTIFY_TIMEOUT))
+    without_state = facts.pop("nodes-without-client-state")
+    if resume is not None:
+        reset = check_client_state(resume, without_state, config.resume_resets_client_state)
+        if reset is not None:
+            log.warning("%s", reset)
     model = build_shared_model(config, num_items, num_classes=facts["num-attribute-classes"])
     layout = ModelLayout.from_model(model)
     initial = ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in model.shared_state().items()})
     if resume is not None:
         initial = _checkpoint_arrays(resume, layout)
 
-    strategy_cls = resolve("strategy", config.strategy)
-    if not hasattr(strategy_cls, "from_run_config"):
-        raise ConfigError(f"strategy {config.strategy!r} has no from_run_config(config, layout, topology) class method")
-    strategy = strategy_cls.from_run_config(config, layout, topology)
+    strategy = resolve_strategy(config.strategy).from_run_config(config, layout, topology)  # a Flower one: adapted
     if config.unlearning != "none" and not hasattr(strategy, "run_unlearning"):
         raise ConfigError(f"run-config key 'unlearning' = {config.unlearning!r}: strategy {config.strategy!r} has no "
                           "unlearning phase (use a strategy derived from ItemEmbeddingFedAvg, e.g. 'item-fedavg')")
@@ -203,8 +211,14 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     if hasattr(strategy, "message_config"):
         strategy.message_config = message_config
 
-    recorder = RunRecorder(folder, config.to_dict(), {"dataset": facts, "tie-rule": config.tie_rule},
-                           rows=resume.rows if resume is not None else ())
+    split_facts = facts.pop("split", {})
+    # a split without timestamps has no ties to break: config.json says what ordered the held-out items instead
+    tie_rule = config.tie_rule if split_facts.get("tie-rule-applied", True) else \
+        f"not applied: {split_facts.get('held-out-order', 'no timestamps')}"
+    info = {"dataset": facts, "split": split_facts, "tie-rule": tie_rule}
+    if hasattr(strategy, "run_info"):  # e.g. a wrapped Flower strategy's class and constructor arguments
+        info["strategy"] = strategy.run_info()
+    recorder = RunRecorder(folder, config.to_dict(), info, rows=resume.rows if resume is not None else ())
     log.info("%s: %d users on %d nodes, %d items; results in %s", config.dataset, facts["num-users"],
              len(set(topology.user_to_node.tolist())), num_items, folder)
 
@@ -212,7 +226,8 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
         if server_round >= first_round:
             recorder.record(server_round, strategy.last_train, strategy.last_evaluate)
             if config.checkpoint_every and server_round % config.checkpoint_every == 0:
-                _write_checkpoint(folder, server_round, config, arrays, strategy, recorder.rows)
+                _write_checkpoint(folder, server_round, config, arrays, strategy, recorder.rows,
+                                  client_state=not without_state)
                 message_config[DURABLE_ROUND_KEY] = server_round
             if on_round is not None:
                 on_round(RoundView(server_round, grid, strategy, arrays, config, folder))
@@ -235,7 +250,8 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
         raise RuntimeError(f"unlearning = {config.unlearning!r} was configured but strategy {config.strategy!r} never ran "
                            "its phase (does it override aggregate_train without calling super()?)")
     final = {k: v.numpy() for k, v in result.arrays.items()} if result.arrays is not None else {}
-    extra = {"client-failures": {str(k): v for k, v in getattr(strategy, "failures", {}).items()}}
+    extra = {"client-failures": {str(k): v for k, v in getattr(strategy, "failures", {}).items()},
+             "evaluation-failures": {str(k): v for k, v in getattr(strategy, "evaluation_failures", {}).items()}}
     if getattr(strategy, "unlearning_report", None) is not None:
         extra["unlearning"] = strategy.unlearning_report
     recorder.finish(final, extra)
@@ -290,12 +306,12 @@ def _checkpoint_arrays(checkpoint: Checkpoint, layout: ModelLayout) -> ArrayReco
 
 
 def _write_checkpoint(folder: Path, server_round: int, config: RunConfig, arrays: ArrayRecord, strategy,
-                      rows: list) -> None:
+                      rows: list, client_state: bool | None = None) -> None:
     state, extra = strategy.checkpoint_state() if hasattr(strategy, "checkpoint_state") else ({}, {})
     save_checkpoint(folder, Checkpoint(
         server_round=server_round, run_name=folder.name, run_config=config.to_dict(),
         arrays={k: v.numpy() for k, v in arrays.items()}, strategy_state=state, strategy_arrays=extra,
-        rows=list(rows), sampler={"seed": config.seed, "next-round": server_round + 1}))
+        rows=list(rows), sampler={"seed": config.seed, "next-round": server_round + 1}, client_state=client_state))
     log.info("checkpoint of round %d written to %s", server_round, folder / CHECKPOINT_FILE)
 
 

@@ -1,0 +1,519 @@
+"""Any Flower strategy on a recommender: run ``flwr.serverapp.strategy`` classes unchanged (issue 21).
+
+``strategy = "flwr.serverapp.strategy:FedAdam"`` (or any ``module:Class`` naming a ``flwr.serverapp.strategy.Strategy``
+without our ``from_run_config``) runs that strategy inside our ServerApp through :class:`FlowerStrategyAdapter`. Its
+constructor arguments come from the run-config key ``strategy-args`` (``"eta=0.01,beta_1=0.9"``, checked against the
+constructor's signature, see :func:`build_flower_strategy`); the class and every resolved argument are recorded in the
+run's ``config.json`` (``"strategy"``).
+
+What the wrapped strategy sees, per round:
+
+* ``configure_train`` / ``configure_evaluate`` get the full shared arrays keyed like the model (what our server always
+  sends) and a grid whose nodes are the nodes serving the round's users (:class:`RoundNodes`); with the sampling
+  arguments the adapter sets (``fraction_train = 1``, ``min_*_nodes = 1``) the strategy addresses all of them. The
+  adapter then adds to each of its messages the users that node trains (``"users"``) and the run's keys.
+* ``aggregate_train`` gets one **dense** reply per node: every shared key with its full shape, the node's
+  ``num-examples`` weight and its metrics. Dense parameters (the score function) are the node's example-weighted mean,
+  as sent. An item table ``"<key>"`` travels row-sparse (:mod:`fedrec_flwr.wire`: ``#rows``, ``#sum``, ``#count``)
+  and is expanded to **the mean over the node's trained users of their full tables, a row a user did not touch
+  counting as the round's global value**::
+
+      dense_c[i] = global[i] + (sum_c[i] - count_c[i] * global[i]) / m_c          (m_c = the node's "num-users")
+
+  With one user per node (``users-per-node = 1``) this is exactly that user's table after local training: rows it
+  trained hold its new values, every other row the global value it received. ``FedAvg`` over such replies gives
+  ``sum_c n_c dense_c / sum_c n_c``: every sampled user counts in every row, as in ``item-aggregation = "selected"``,
+  but weighted by examples; it equals ``item-fedavg`` with ``"selected"`` (a plain mean over users) when the nodes'
+  ``num-examples`` are proportional to their numbers of users (e.g. users with equal example counts; tested), and
+  otherwise differs by that weighting. Coordinate-wise rules (FedMedian, FedTrimmedAvg) see, for an item that fewer
+  than half of the sampled users trained, mostly the global value, so such rows barely move; distance rules (Krum)
+  compare full tables.
+* Its hooks, state and Flower's ``Strategy.start`` loop run untouched; the adapter casts the arrays it returns back to
+  the model's dtypes, and a round where it returns no arrays (e.g. Bulyan with too few replies) keeps the model.
+
+What stays around it (inherited from :class:`strategies.item_fedavg.ItemEmbeddingFedAvg`): user sampling by
+``(seed, round)``, reply validation (key scheme, shapes, NaN, ``max-update-norm``) and the privacy check before
+anything reaches the wrapped strategy, failure counting and ``min-train-fraction``, topology refresh, federated
+evaluation on the same users and rounds, the unlearning phase and server checkpoints of our own state. Given up:
+the wrapped strategy's own state (FedAdam's moments, FedAvgM's momentum, adaptive clipping norms) is not in
+checkpoints (a resumed run restarts it; a warning says so), and an override of ``start`` itself is not used.
+
+Keys a strategy adds to the train config (FedProx's ``"proximal-mu"``, client-side DP's clipping norm) must be
+honoured by the client: a non-zero value for a key the configured client class does not list in its
+``strategy_config_keys`` stops round 1 before any message is sent (:class:`~fedrec_flwr.errors.ConfigError`). Our
+clients list none, so FedProx runs with ``proximal_mu = 0`` only (Flower: "equivalent to FedAvg"), and the
+client-side DP wrappers are refused (their guarantee needs clipping on the client).
+
+Bytes: what travels is unchanged (the server sends the full shared arrays, a node replies row-sparse); the dense
+replies exist only in the server's memory: per round ``num_nodes * sum_k size(k) * 4`` bytes, e.g. 10 replies of a
+FedNCF on MovieLens-100K (two 1682 x 32 tables) hold 4.3 MB.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import logging
+import math
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from fedrec_flwr.client_state import DURABLE_ROUND_KEY, RUN_KEY
+from fedrec_flwr.config import RunConfig
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.registry import resolve
+from fedrec_flwr.wire import ARRAYS, CONFIG, COUNT, GRADIENT_USERS, METRICS, NUM_EXAMPLES, ROWS, SUM, ModelLayout, \
+    ReplyError, Topology
+
+from .item_fedavg import ItemEmbeddingFedAvg, RoundFailed
+
+__all__ = ["FlowerStrategyAdapter", "RoundNodes", "build_flower_strategy", "dense_reply", "parse_strategy_args"]
+
+log = logging.getLogger(__name__)
+
+SET_BY_ADAPTER: dict[str, Any] = {
+    "fraction_train": 1.0,
+    "fraction_evaluate": 1.0,
+    "min_train_nodes": 1,
+    "min_evaluate_nodes": 1,
+    "min_available_nodes": 1,
+    "arrayrecord_key": ARRAYS,
+    "configrecord_key": CONFIG,
+}
+"""Constructor arguments the adapter sets (when the constructor has them): the strategy addresses every node of the
+round's users (who trains is decided by ``fraction-train`` and the seed), and uses our record keys. Setting one of
+them in ``strategy-args`` is an error."""
+
+DEFAULTS: dict[str, Any] = {"weighted_by_key": NUM_EXAMPLES, "train_loss_key": "train-loss"}
+"""Constructor arguments the adapter defaults to our metric names (``strategy-args`` may override them)."""
+
+OUR_CONFIG_KEYS = frozenset({"server-round", "users", "split", RUN_KEY, DURABLE_ROUND_KEY})
+"""Message-config keys our clients read (any other key a strategy adds must be honoured by the client)."""
+
+REFUSED = {
+    "FedXgbBagging": "FedXgbBagging aggregates XGBoost boosters serialized in one byte array (it refuses any "
+                     "ArrayRecord with more than one array); it cannot aggregate a recommender's parameters",
+}
+"""Flower strategies (by class name, subclasses included) that cannot serve any model of this package, and why."""
+
+
+# ---------------------------------------------------------------------------------------------- constructor arguments
+def parse_strategy_args(text: str) -> dict[str, Any]:
+    """``"proximal_mu=0.1,eta=1e-2,strategy=flwr.serverapp.strategy:FedAvg"`` -> ``{name: value}``.
+
+    Values are Python literals read with :func:`ast.literal_eval` (numbers, quoted strings, ``True``/``False``,
+    ``None``; ``true``/``false`` also work), or else kept as plain strings (e.g. a ``module:Class``). Commas inside
+    brackets or quotes do not split.
+
+    Raises:
+        ConfigError: an entry is not ``name=value`` or a name repeats (names the entry).
+    """
+    entries, depth, quote, current = [], 0, "", ""
+    for char in str(text):
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            entries.append(current)
+            current = ""
+            continue
+        current += char
+    entries.append(current)
+    out: dict[str, Any] = {}
+    for entry in (e.strip() for e in entries):
+        if not entry:
+            continue
+        name, sep, raw = entry.partition("=")
+        name, raw = name.strip(), raw.strip()
+        if not sep or not name.isidentifier():
+            raise ConfigError(f"run-config key 'strategy-args': {entry!r} is not name=value "
+                              "(e.g. \"proximal_mu=0.1,eta=0.01\")")
+        if name in out:
+            raise ConfigError(f"run-config key 'strategy-args': {name!r} is given twice")
+        lowered = raw.lower()
+        if lowered in ("true", "false"):
+            out[name] = lowered == "true"
+            continue
+        try:
+            out[name] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            out[name] = raw
+    return out
+
+
+def _coerce(cls: type, name: str, value: Any, annotation: Any) -> Any:
+    """``value`` checked against the parameter's annotation (float, int, str, bool, a Strategy, or ``X | None``)."""
+    where = f"run-config key 'strategy-args': {cls.__name__}({name}=...)"
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, _UNION) else (annotation,)
+    if value is None and type(None) in options:
+        return None
+    kinds = [o for o in options if o is not type(None)]
+    text = " | ".join(getattr(k, "__name__", str(k)) for k in kinds)
+    if any("Callable" in str(k) or typing.get_origin(k) is _CALLABLE for k in kinds):
+        raise ConfigError(f"{where}: takes a callable, which strategy-args cannot give; subclass the strategy and set "
+                          "it in the subclass's __init__")
+    for kind in kinds:
+        if kind is inspect.Parameter.empty or kind is Any:
+            return value
+        if kind is bool and isinstance(value, bool):
+            return value
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(float(value)):
+                raise ConfigError(f"{where}: {value!r} is not finite")
+            return float(value)
+        if kind is str and isinstance(value, str):
+            return value
+        if isinstance(kind, type) and issubclass(kind, Strategy) and isinstance(value, str):
+            inner = resolve("strategy", value)
+            if not issubclass(inner, Strategy):
+                raise ConfigError(f"{where}: {value!r} is not a flwr.serverapp.strategy.Strategy")
+            return build_flower_strategy(inner, {})[0]
+    raise ConfigError(f"{where}: {value!r} ({type(value).__name__}) does not fit the parameter's type {text}")
+
+
+_UNION = type(int | None)
+_CALLABLE = typing.get_origin(typing.Callable)
+
+
+def build_flower_strategy(cls: type, args: Mapping[str, Any]) -> tuple[Strategy, dict[str, Any]]:
+    """Construct the Flower strategy ``cls`` with ``args`` (from ``strategy-args``), the adapter's sampling and
+    record-key arguments (:data:`SET_BY_ADAPTER`) and our metric names (:data:`DEFAULTS`).
+
+    A parameter annotated with a ``Strategy`` (the DP wrappers' ``strategy``) takes a ``"module:Class"``, built the
+    same way with default arguments.
+
+    Returns:
+        ``(strategy, arguments)``: the instance and every constructor argument it got (defaults included), JSON-able.
+
+    Raises:
+        ConfigError: ``cls`` cannot serve our models (:data:`REFUSED`); an argument is unknown, set by the adapter,
+            of the wrong type or a callable; a required argument is missing; or the constructor rejects a value (its
+            message is passed on).
+    """
+    for base in cls.__mro__:
+        if base.__name__ in REFUSED:
+            raise ConfigError(f"strategy {cls.__module__}:{cls.__name__}: {REFUSED[base.__name__]}")
+    signature = inspect.signature(cls.__init__)
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # noqa: BLE001 - an unresolvable annotation: fall back to the raw ones
+        hints = {}
+    params = {n: p for n, p in list(signature.parameters.items())[1:]
+              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    kwargs: dict[str, Any] = {}
+    for name, value in args.items():
+        if name in SET_BY_ADAPTER and name in params:
+            raise ConfigError(f"run-config key 'strategy-args': {name!r} is set by the adapter ({name} = "
+                              f"{SET_BY_ADAPTER[name]!r}); choose users with 'fraction-train' / 'fraction-evaluate'")
+        if name not in params and not takes_any:
+            raise ConfigError(f"run-config key 'strategy-args': {cls.__name__} has no argument {name!r}; it takes "
+                              f"{sorted(n for n in params if n not in SET_BY_ADAPTER)}")
+        kwargs[name] = _coerce(cls, name, value, hints.get(name, params[name].annotation if name in params else Any))
+    for name, value in {**DEFAULTS, **SET_BY_ADAPTER}.items():
+        if name in params and name not in kwargs:
+            kwargs[name] = value
+    missing = [n for n, p in params.items() if p.default is p.empty and n not in kwargs]
+    if missing:
+        raise ConfigError(f"strategy {cls.__name__} needs {missing}: give them in run-config key 'strategy-args', "
+                          f"e.g. strategy-args = \"{missing[0]}=...\"")
+    try:
+        strategy = cls(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"strategy {cls.__name__}({kwargs}) refused its arguments: {err}") from None
+    for name in ("min_train_nodes", "min_evaluate_nodes", "min_available_nodes"):
+        if getattr(strategy, name, 1) > 1:  # a constructor that fixes it (FedXgbCyclic: 2) would wait for nodes
+            setattr(strategy, name, 1)
+    bound = signature.bind_partial(None, **kwargs)
+    bound.apply_defaults()
+    record = {n: _jsonable(v) for n, v in list(bound.arguments.items())[1:]}
+    return strategy, record
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Strategy):
+        return f"{type(value).__module__}:{type(value).__name__}"
+    return repr(value)
+
+
+# ---------------------------------------------------------------------------------------------- the round's nodes
+class RoundNodes(Grid):
+    """The grid a wrapped strategy sees while it configures a round: :meth:`get_node_ids` returns the nodes that serve
+    the round's sampled users; everything else is the real grid's.
+
+    A strategy that waits for more nodes than that (``min_available_nodes`` above them) would wait for ever in
+    Flower's ``sample_nodes``; after ``patience`` calls this raises :class:`~fedrec_flwr.errors.ConfigError` instead.
+    """
+
+    def __init__(self, grid: Grid | None, nodes: Iterable[int], strategy_name: str, patience: int = 5) -> None:
+        self.grid = grid
+        self.nodes = [int(n) for n in nodes]
+        self.strategy_name = strategy_name
+        self.patience = patience
+        self.calls = 0
+
+    def get_node_ids(self) -> list[int]:
+        self.calls += 1
+        if self.calls > self.patience:
+            raise ConfigError(f"strategy {self.strategy_name} keeps waiting for more nodes than the {len(self.nodes)} "
+                              "serving this round's users (does it fix min_available_nodes above that?)")
+        return list(self.nodes)
+
+    def set_run(self, run) -> None:
+        self.grid.set_run(run)
+
+    @property
+    def run(self):
+        return self.grid.run
+
+    def create_message(self, *args, **kwargs) -> Message:
+        return self.grid.create_message(*args, **kwargs)
+
+    def push_messages(self, messages):
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids):
+        return self.grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return self.grid.send_and_receive(messages, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------------- sparse -> dense
+def dense_reply(content: RecordDict, layout: ModelLayout, current: ArrayRecord) -> RecordDict:
+    """A validated row-sparse train reply as the dense reply a Flower strategy expects (module docstring).
+
+    Args:
+        content: the reply's records (``"arrays"`` in the :mod:`fedrec_flwr.wire` scheme, ``"metrics"`` with
+            ``num-examples`` and ``num-users``).
+        layout: the model's keys.
+        current: the arrays sent this round (``(num_items, d)`` per item table).
+
+    Returns:
+        ``RecordDict`` with ``"arrays"`` (every shared key in the model's order, float32 like the model) and the
+        reply's ``"metrics"``: item table ``k`` is ``current[k] + (sum - count * current[k]) / num_users`` on the
+        returned rows and ``current[k]`` elsewhere.
+    """
+    arrays, users = content[ARRAYS], float(content[METRICS]["num-users"])
+    out: dict[str, Array] = {}
+    for key in layout.shared_shapes:
+        if key in layout.item_keys:
+            base = current[key].numpy()
+            rows = arrays[key + ROWS].numpy().astype(np.int64)
+            sums = arrays[key + SUM].numpy().astype(np.float64)
+            counts = arrays[key + COUNT].numpy().astype(np.float64).reshape(-1, *[1] * (sums.ndim - 1))
+            table = base.copy()
+            old = base[rows].astype(np.float64)
+            table[rows] = (old + (sums - counts * old) / users).astype(base.dtype)
+            out[key] = Array(table)
+        else:
+            out[key] = arrays[key]
+    return RecordDict({ARRAYS: ArrayRecord(out), METRICS: content[METRICS]})
+
+
+# ---------------------------------------------------------------------------------------------- the adapter
+class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
+    """Runs a Flower strategy (``wrapped``) on our row-sparse federation; see the module docstring.
+
+    Args:
+        layout: the model's keys.
+        wrapped: the Flower strategy (built with :func:`build_flower_strategy`, or by hand with ``fraction_train = 1``,
+            ``min_*_nodes = 1`` and the record keys ``"arrays"`` / ``"config"``).
+        client_config_keys: the message-config keys the client honours beyond ours (its ``strategy_config_keys``).
+        arguments: the wrapped strategy's constructor arguments, for the record.
+        **options: :class:`~strategies.item_fedavg.ItemEmbeddingFedAvg`'s (seed, fraction-train, ...).
+    """
+
+    def __init__(self, layout: ModelLayout, *, wrapped: Strategy, client_config_keys: Iterable[str] = (),
+                 arguments: Mapping[str, Any] | None = None, **options) -> None:
+        super().__init__(layout, **options)
+        if isinstance(wrapped, ItemEmbeddingFedAvg) or not isinstance(wrapped, Strategy):
+            raise TypeError(f"wrapped must be a flwr.serverapp.strategy.Strategy of Flower's kind, got {wrapped!r}")
+        self.wrapped = wrapped
+        self.client_config_keys = frozenset(client_config_keys)
+        self.arguments = dict(arguments or {})
+        self.wrapped_metrics: MetricRecord | None = None
+        """The metrics the wrapped strategy's ``aggregate_train`` returned last round."""
+        self._replies: dict[int, Message] = {}
+        self._round = 0
+        if type(wrapped).start is not Strategy.start:
+            log.warning("%s overrides start(); the adapter runs Flower's Strategy.start loop with its hooks instead",
+                        type(wrapped).__name__)
+
+    @property
+    def name(self) -> str:
+        return f"{type(self.wrapped).__module__}:{type(self.wrapped).__name__}"
+
+    @classmethod
+    def check_config(cls, config: RunConfig) -> None:
+        """Build the configured Flower strategy once, so a bad ``strategy-args`` fails before any node is asked;
+        ``item-aggregation`` must stay ``"auto"`` (the wrapped strategy aggregates the dense replies itself)."""
+        if getattr(config, "adversary", "none") != "none" and getattr(config, "adversary_training", "") == "server":
+            raise ConfigError(f"adversary-training = 'server' needs an item-fedavg-derived strategy (its replies carry "
+                              f"the adversary's gradients); {config.strategy} would average them as parameters")
+        if config.item_aggregation != "auto":
+            raise ConfigError(f"run-config key 'item-aggregation' = {config.item_aggregation!r} does not apply to "
+                              f"{config.strategy}: it aggregates dense replies itself (see strategies/flower_adapter.py)")
+        build_flower_strategy(resolve("strategy", config.strategy), parse_strategy_args(config.strategy_args))
+
+    @classmethod
+    def options_from_config(cls, config: RunConfig) -> dict:
+        """Our options, plus the Flower strategy ``config.strategy`` built with ``config.strategy_args``
+        (:func:`build_flower_strategy`) and the client's ``strategy_config_keys``."""
+        options = super().options_from_config(config)
+        wrapped, arguments = build_flower_strategy(resolve("strategy", config.strategy),
+                                                   parse_strategy_args(config.strategy_args))
+        client_keys = getattr(resolve("client", config.client), "strategy_config_keys", ())
+        if config.resume_from:
+            log.warning("resuming with %s: its own state (e.g. optimizer moments) is not in checkpoints and restarts",
+                        config.strategy)
+        return {**options, "wrapped": wrapped, "arguments": arguments, "client_config_keys": client_keys}
+
+    def run_info(self) -> dict[str, Any]:
+        """What ``config.json`` records: the wrapped class, its constructor arguments and the item-table semantics."""
+        return {"wrapped": self.name, "arguments": self.arguments, "set-by-adapter": {
+            k: v for k, v in SET_BY_ADAPTER.items() if k in self.arguments},
+            "item-rows": "dense reply = mean over the node's users of their full tables (untouched rows = the "
+                         "round's global value); weight = num-examples"}
+
+    # ------------------------------------------------------------------------------------------------ train
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """The wrapped strategy's train messages for the nodes of this round's users, each naming its users."""
+        super().configure_train(server_round, arrays, config, grid)  # samples users, sets _sampled_nodes, _current
+        self._round = server_round
+        groups = dict(self._sampled_nodes)
+        view = RoundNodes(grid, groups, self.name)
+        messages = self.wrapped.configure_train(server_round, arrays, ConfigRecord(dict(config)), view)
+        out = self._address(server_round, messages, groups, config)
+        self._sampled_nodes = {int(m.metadata.dst_node_id): groups[int(m.metadata.dst_node_id)] for m in out}
+        return out
+
+    def validate_reply(self, content: RecordDict) -> RecordDict:
+        """Our checks (key scheme, privacy, shapes, NaN, weight, ``max-update-norm``), plus: the reply names its
+        users (``num-users`` >= every row count) and carries updated parameters, not gradients."""
+        content = super().validate_reply(content)
+        metrics = content[METRICS]
+        users = metrics.get("num-users", 0)
+        if not isinstance(users, (int, float)) or not users >= 1:
+            raise ReplyError(f"'num-users' must be >= 1, got {users!r}")
+        if metrics.get(GRADIENT_USERS, 0):
+            raise ReplyError(f"{metrics[GRADIENT_USERS]} users sent gradients; a Flower strategy averages parameters")
+        for key in self.layout.item_keys:
+            counts = content[ARRAYS][key + COUNT].numpy()
+            if counts.size and counts.max() > users:
+                raise ReplyError(f"'{key}{COUNT}' counts {counts.max():g} users but the reply has num-users {users}")
+        return content
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        """Our validation and failure accounting (:meth:`ItemEmbeddingFedAvg.aggregate_train`), with the accepted
+        replies aggregated by the wrapped strategy (:meth:`aggregate_arrays`)."""
+        replies = list(replies)
+        self._replies = {id(m.content): m for m in replies if not m.has_error()}
+        try:
+            return super().aggregate_train(server_round, replies)
+        finally:
+            self._replies = {}
+
+    def aggregate_arrays(self, accepted: list[RecordDict]) -> ArrayRecord:
+        """The wrapped strategy's ``aggregate_train`` over the accepted replies made dense (:func:`dense_reply`);
+        its arrays cast to the model's dtypes, or the current arrays when it returns none."""
+        assert self._current is not None, "configure_train must run before aggregate_train"
+        dense = []
+        for content in accepted:
+            reply = self._replies[id(content)]  # the reply's own metadata (its node) stays with it
+            dense.append(Message(content=dense_reply(content, self.layout, self._current), metadata=reply.metadata))
+        new, self.wrapped_metrics = self.wrapped.aggregate_train(self._round, dense)
+        if new is None:
+            log.warning("round %d: %s returned no arrays; the model stays as it was", self._round, self.name)
+            return self._current
+        expected = {k: tuple(s) for k, s in self.layout.shared_shapes.items()}
+        found = {k: tuple(v.shape) for k, v in new.items()}
+        if found != expected:
+            raise RoundFailed(f"round {self._round}: {self.name} returned arrays {found}, expected {expected}")
+        out = {}
+        for key, value in new.items():
+            array = value.numpy().astype(self._current[key].numpy().dtype)
+            if not np.isfinite(array).all():
+                raise RoundFailed(f"round {self._round}: {self.name} returned NaN or Inf in '{key}'")
+            out[key] = Array(array)
+        return ArrayRecord(out)
+
+    # ------------------------------------------------------------------------------------------------ evaluate
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        """On evaluation rounds, the wrapped strategy's evaluate messages for the nodes of the evaluated users."""
+        ours = super().configure_evaluate(server_round, arrays, config, grid)
+        if not ours:
+            return []
+        groups = {int(m.metadata.dst_node_id): list(m.content[CONFIG]["users"]) for m in ours}
+        config = ConfigRecord(dict(config))
+        config.setdefault("split", self.evaluate_split)
+        messages = self.wrapped.configure_evaluate(server_round, arrays, config, RoundNodes(grid, groups, self.name))
+        out = self._address(server_round, messages, groups, config)
+        # the nodes whose replies aggregate_evaluate expects: those the wrapped strategy addressed
+        self._evaluated_nodes = {int(m.metadata.dst_node_id): groups[int(m.metadata.dst_node_id)] for m in out}
+        return out
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """The wrapped strategy's evaluation metrics; :attr:`last_evaluate` is ours (mean over evaluated users)."""
+        replies = list(replies)
+        ours = super().aggregate_evaluate(server_round, replies)
+        theirs = self.wrapped.aggregate_evaluate(server_round, replies)
+        return theirs if theirs is not None else ours
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    def _address(self, server_round: int, messages: Iterable[Message], groups: Mapping[int, list[int]],
+                 config: ConfigRecord) -> list[Message]:
+        """Each of the wrapped strategy's messages, with its own content record and the users of its node added.
+
+        Raises:
+            ConfigError: a message goes to a node outside the round's, or the strategy added a config key the
+                client does not honour with a value that is not zero / empty.
+        """
+        out = []
+        for message in messages:
+            node = int(message.metadata.dst_node_id)
+            if node not in groups:
+                raise ConfigError(f"{self.name} addressed node {node}, which serves none of round {server_round}'s "
+                                  "users")
+            content = RecordDict(dict(message.content.items()))
+            theirs = dict(content[CONFIG]) if CONFIG in content else {}
+            for key, value in theirs.items():
+                if key in OUR_CONFIG_KEYS or key in config or key in self.client_config_keys:
+                    continue
+                if value in (0, 0.0, False, "", None):
+                    continue
+                raise ConfigError(
+                    f"{self.name} sends the config key {key!r} = {value!r}, which the client does not honour (its "
+                    f"strategy_config_keys: {sorted(self.client_config_keys)}); without it the strategy is not what "
+                    "it claims (e.g. FedProx without a proximal term, client-side DP without clipping). Use a client "
+                    "that honours it, or a value of 0")
+            content[CONFIG] = ConfigRecord({**self.message_config, **theirs, "server-round": server_round,
+                                            "users": list(groups[node])})
+            out.append(Message(content=content, message_type=message.metadata.message_type, dst_node_id=node))
+        return out
+
+    def summary(self) -> None:
+        log.info("%s running %s %s: fraction-train %.3f, fraction-evaluate %.3f, min-train-fraction %.2f, eval-every "
+                 "%d, %d item tables (dense replies, untouched rows = the round's value)", type(self).__name__,
+                 self.name, self.arguments, self.fraction_train, self.fraction_evaluate, self.min_train_fraction,
+                 self.eval_every, len(self.layout.item_keys))
+        self.wrapped.summary()
