@@ -43,7 +43,9 @@ class UserUpdate:
         loss: mean training loss.
         weight: the user's weight in the server's average of dense values (default: ``num_examples``, FedAvg's
             example weighting; a gradient-upload client uses 1, so that every user counts once).
-        metrics: extra scalar metrics for the reply.
+        metrics: extra scalar metrics for the reply: key -> number (numpy scalars are converted); each key is sent as
+            its mean over the node's users weighted by their aggregation weight, and ends up in ``metrics.csv`` as
+            the weighted mean over the round's trained users (:class:`fedrec_flwr.client_app.UserMetrics`).
     """
 
     dense: dict[str, np.ndarray]

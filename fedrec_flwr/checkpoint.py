@@ -35,7 +35,7 @@ from .io import atomic_save_npz
 CHECKPOINT_FILE = "checkpoint.npz"
 """The checkpoint's file name in the results folder."""
 
-MAY_DIFFER = ("resume-from", "checkpoint-every", "round-timeout", "client-state-dir")
+MAY_DIFFER = ("resume-from", "checkpoint-every", "round-timeout", "client-state-dir", "resume-resets-client-state")
 """Run-config keys a resumed run may set differently from the interrupted one (they change no result)."""
 
 FORMAT = 1
@@ -55,6 +55,9 @@ class Checkpoint:
         strategy_arrays: the strategy's array state (e.g. server optimizer moments), name -> array.
         rows: the metrics rows of rounds ``1..server_round`` (as in ``metrics.json``).
         sampler: ``{"seed", "next-round"}`` of the counter-based user sampler.
+        client_state: whether every node of the run kept its users' private state in files (``client-state-dir``),
+            so a resumed run finds it; ``None`` when unknown (a checkpoint written before this was recorded: then
+            the run config's ``client-state-dir`` decides).
         folder: where the checkpoint was read from (set by :func:`load_checkpoint`).
     """
 
@@ -66,6 +69,7 @@ class Checkpoint:
     strategy_arrays: dict[str, np.ndarray] = field(default_factory=dict)
     rows: list[dict[str, Any]] = field(default_factory=list)
     sampler: dict[str, Any] = field(default_factory=dict)
+    client_state: bool | None = None
     folder: Path | None = None
 
 
@@ -81,7 +85,7 @@ def save_checkpoint(folder: str | Path, checkpoint: Checkpoint) -> Path:
     manifest = {
         "format": FORMAT, "round": int(checkpoint.server_round), "run-name": checkpoint.run_name,
         "run-config": checkpoint.run_config, "strategy": checkpoint.strategy_state, "rows": checkpoint.rows,
-        "sampler": checkpoint.sampler, "arrays": index,
+        "sampler": checkpoint.sampler, "arrays": index, "client-state": checkpoint.client_state,
     }
     text = json.dumps(manifest, sort_keys=True, default=_json_default)
     return atomic_save_npz(Path(folder) / CHECKPOINT_FILE, **arrays, **{_MANIFEST: np.array(text)})
@@ -110,7 +114,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             server_round=int(manifest["round"]), run_name=str(manifest["run-name"]),
             run_config=dict(manifest["run-config"]), arrays=groups["arrays"], strategy_state=manifest["strategy"],
             strategy_arrays=groups["strategy"], rows=list(manifest["rows"]), sampler=dict(manifest["sampler"]),
-            folder=file.parent,
+            client_state=manifest.get("client-state"), folder=file.parent,
         )
     except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, json.JSONDecodeError) as err:
         raise ConfigError(f"checkpoint {file} is unreadable ({type(err).__name__}: {err})") from err
@@ -133,6 +137,47 @@ def check_resumable(checkpoint: Checkpoint, run_config: dict[str, Any]) -> None:
     if checkpoint.server_round > int(run_config["num-server-rounds"]):
         raise ConfigError(f"checkpoint of round {checkpoint.server_round} is past num-server-rounds = "
                           f"{run_config['num-server-rounds']}")
+
+
+RESET_STATE = ("every user's private parameters (its user embedding) and its client's other private records (e.g. "
+               "FedRecGEL's optimizer moments, PFedRec's personal item rows, FedAU2's adversary state) restart from "
+               "their seeded initial values")
+"""What a resume without the clients' saved state loses."""
+
+
+def check_client_state(checkpoint: Checkpoint, nodes_without_state: list, accept_reset: bool) -> str | None:
+    """Refuse a resume that would silently restart the clients' private state.
+
+    The clients' private state survives a resume only through their files (``client-state-dir``); the server never
+    holds it. It is lost when the interrupted run did not keep it in files (``checkpoint.client_state`` false; setting
+    ``client-state-dir`` only on the resumed run finds no files), or when some nodes of the resumed run do not
+    (``nodes_without_state``: their partition ids).
+
+    Returns:
+        ``None`` when nothing is lost, else the warning to log (``accept_reset``: ``resume-resets-client-state``).
+
+    Raises:
+        ConfigError: state would be lost and ``accept_reset`` is false; the message says what restarts and how to
+            accept it.
+    """
+    kept = checkpoint.client_state
+    if kept is None:
+        kept = bool(checkpoint.run_config.get("client-state-dir"))
+    problems = []
+    if not kept:
+        problems.append(f"the interrupted run ({checkpoint.folder}) did not keep its clients' private state in files "
+                        "('client-state-dir' unset on its nodes), so there is no state to resume from")
+    if nodes_without_state:
+        problems.append(f"the SuperNodes with partition-id {sorted(nodes_without_state)} keep no state files "
+                        "('client-state-dir' in neither the run config nor their --node-config)")
+    if not problems:
+        return None
+    message = (f"resuming after round {checkpoint.server_round} loses the clients' private state: "
+               + "; and ".join(problems) + f"; so {RESET_STATE}")
+    if not accept_reset:
+        raise ConfigError(f"run-config key 'resume-from': {message}. Set 'resume-resets-client-state' = true to "
+                          "resume anyway, or start a new run")
+    return message + " (resume-resets-client-state = true)"
 
 
 def _json_default(value: Any) -> Any:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import numbers
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
@@ -34,7 +36,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from .client_state import DURABLE_ROUND_KEY, ClientStateStore, state_folder, user_record_keys
+from .client_state import DURABLE_ROUND_KEY, STATE_DIR_KEY, ClientStateStore, state_folder, user_record_keys
 from .influence import can_batch
 from .registry import resolve
 from .runtime import Runtime, get_runtime, node_users
@@ -48,6 +50,18 @@ def split_fingerprint(split) -> str:
     """A short hash of the split's preprocessing facts: nodes that disagree on the data are caught at start."""
     facts = json.dumps(split.meta, sort_keys=True, default=str)
     return hashlib.sha256(facts.encode()).hexdigest()[:16]
+
+SPLIT_FACTS = ("held_out_order", "tie_rule", "tie_rule_applied", "timestamps", "min_user_interactions",
+               "interactions_in_file", "duplicates_removed", "dropped_users", "dropped_items",
+               "interactions_of_dropped_users", "num_interactions", "users_with_tied_latest", "holdout_validation",
+               "num_test_negatives", "seed", "source_sha256", "format_version")
+"""What the split did (keys of :attr:`fedrec_flwr.data.Split.meta`), reported by ``identify`` and written to the
+results folder's ``config.json`` by the ServerApp, which never reads the data itself."""
+
+
+def split_facts(split) -> dict:
+    """The :data:`SPLIT_FACTS` of ``split`` with kebab-case names (those its ``meta`` has)."""
+    return {key.replace("_", "-"): split.meta[key] for key in SPLIT_FACTS if key in split.meta}
 
 IDENTIFY = "identify"
 """Action of the ``query`` message by which the server learns which users each node serves."""
@@ -64,6 +78,64 @@ VECTOR = "vector"
 """Content key of the row-sparse vector (direction, right-hand side) an unlearning query carries."""
 SUPPORT = "support"
 """Content key of the support rows (``"rows"``, int64) of an ``unlearn_affected`` query."""
+
+
+RESERVED_METRICS = (NUM_EXAMPLES, "num-users", "train-loss", GRADIENT_USERS)
+"""Metric keys a train reply sets itself; a client's ``UserUpdate.metrics`` may not use them."""
+
+
+class RecordValueError(TypeError):
+    """A client returned a value Flower's records cannot carry (the message names the key and the client class)."""
+
+
+def _class_name(client) -> str:
+    if client is None:
+        return "(none: the node served no user)"
+    cls = client if isinstance(client, type) else type(client)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def record_number(value: Any, key: str, client) -> int | float:
+    """``value`` as the Python ``int`` or ``float`` Flower's ``MetricRecord`` accepts.
+
+    Accepts Python and numpy numbers, booleans (as 0/1) and one-element arrays or tensors (``.item()``); numpy
+    scalars such as ``np.float32`` are not ``float`` and a record refuses them, so every value our apps put in a
+    record goes through here (or :func:`metric_record`).
+
+    Raises:
+        RecordValueError: anything else (a string, ``None``, an array of several values); the message names ``key``
+            and ``client``'s class.
+    """
+    item = value
+    if not isinstance(item, (numbers.Number, np.generic)) and hasattr(item, "item") and \
+            getattr(item, "ndim", None) is not None and int(np.prod(getattr(item, "shape", ()))) == 1:
+        item = item.item()  # a one-element numpy array or torch tensor
+    if isinstance(item, (bool, np.bool_)):
+        return int(item)
+    if isinstance(item, numbers.Integral):
+        return int(item)
+    if isinstance(item, numbers.Real):
+        return float(item)
+    raise RecordValueError(f"client {_class_name(client)}: metric {key!r} = {value!r} ({type(value).__name__}) is "
+                           "not a number; Flower's MetricRecord holds int or float values only")
+
+
+def metric_record(values: Mapping[str, Any], client) -> MetricRecord:
+    """A ``MetricRecord`` of ``values``, each converted by :func:`record_number` (lists of numbers: element-wise).
+
+    Raises:
+        RecordValueError: a key is not a string or a value is not a number (names the key and the client class).
+    """
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if not isinstance(key, str):
+            raise RecordValueError(f"client {_class_name(client)}: metric key {key!r} is not a string")
+        if isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim == 1):
+            items = [record_number(v, key, client) for v in value]
+            out[key] = [float(v) for v in items] if any(isinstance(v, float) for v in items) else items
+        else:
+            out[key] = record_number(value, key, client)
+    return MetricRecord(out)
 
 
 def make_client(runtime: Runtime, user: int, context: Context):
@@ -130,17 +202,62 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
     config = dict(message.content[CONFIG])
     contribution = Contribution(runtime.layout)
     gradients = 0
+    extra = UserMetrics()
+    client = None
     with private_state(context, runtime, config, users, save=True):
         for user in users:
-            update = make_client(runtime, user, context).fit_named(shared, config)
-            contribution.add_user(update.dense, update.rows, update.aggregation_weight, update.loss)
+            client = make_client(runtime, user, context)
+            update = client.fit_named(shared, config)
+            weight = float(record_number(update.aggregation_weight, "aggregation weight (UserUpdate.weight or "
+                                         "num_examples)", client))
+            loss = float(record_number(update.loss, "train-loss (UserUpdate.loss)", client))
+            contribution.add_user(update.dense, update.rows, weight, loss)
+            extra.add(getattr(update, "metrics", None) or {}, weight, client)
             gradients += int(update.is_gradient)
-    metrics = MetricRecord(
-        {NUM_EXAMPLES: float(contribution.num_examples), "num-users": contribution.num_users,
-         "train-loss": contribution.mean_loss, GRADIENT_USERS: gradients}
-    )
-    content = RecordDict({ARRAYS: ArrayRecord({k: Array(v) for k, v in contribution.pack().items()}), METRICS: metrics})
+    metrics = {NUM_EXAMPLES: float(contribution.num_examples), "num-users": contribution.num_users,
+               "train-loss": float(contribution.mean_loss), GRADIENT_USERS: gradients, **extra.means()}
+    content = RecordDict({ARRAYS: ArrayRecord({k: Array(v) for k, v in contribution.pack().items()}),
+                          METRICS: metric_record(metrics, client)})
     return Message(content=content, reply_to=message)
+
+
+class UserMetrics:
+    """A node's extra train metrics (``UserUpdate.metrics``): each key's mean over the node's users, weighted like
+    ``train-loss`` by each user's aggregation weight. The server's ``aggregate_metricrecords`` weights the nodes'
+    means by their ``num-examples`` (the weight total), so the result in ``metrics.csv`` is the weighted mean over all
+    trained users, however they are grouped into nodes. Every user of a node must report the same keys."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weight = 0.0
+        self.users = 0
+
+    def add(self, metrics: Mapping[str, Any], weight: float, client) -> None:
+        """Add one user's metrics (converted by :func:`record_number`).
+
+        Raises:
+            RecordValueError: a value is not a number, a key is reserved (:data:`RESERVED_METRICS`) or not a string,
+                or the users of the node report different keys.
+        """
+        for key in metrics:
+            if not isinstance(key, str) or key in RESERVED_METRICS:
+                raise RecordValueError(f"client {_class_name(client)}: UserUpdate.metrics key {key!r} is "
+                                       f"{'reserved' if isinstance(key, str) else 'not a string'} (reserved: "
+                                       f"{list(RESERVED_METRICS)})")
+        if self.users and set(metrics) != set(self.sums):
+            raise RecordValueError(f"client {_class_name(client)}: users of one node report different "
+                                   f"UserUpdate.metrics keys ({sorted(self.sums)} and {sorted(metrics)})")
+        for key, value in metrics.items():
+            number = float(record_number(value, key, client))
+            if not math.isfinite(number):
+                raise RecordValueError(f"client {_class_name(client)}: metric {key!r} = {value!r} is not finite")
+            self.sums[key] = self.sums.get(key, 0.0) + weight * number
+        self.weight += weight
+        self.users += 1
+
+    def means(self) -> dict[str, float]:
+        """Key -> weighted mean (``{}`` without extra metrics)."""
+        return {key: total / self.weight for key, total in self.sums.items()} if self.weight else {}
 
 
 def evaluate(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
@@ -151,13 +268,15 @@ def evaluate(message: Message, context: Context, run_config: Mapping[str, Any] |
     shared = _shared_arrays(message)
     config = dict(message.content[CONFIG]) if CONFIG in message.content else {}
     totals: dict[str, float] = {}
+    client = None
     with private_state(context, runtime, config, users):
         for user in users:
-            for key, value in make_client(runtime, user, context).evaluate_named(shared, config).items():
-                totals[key] = totals.get(key, 0.0) + float(value)
+            client = make_client(runtime, user, context)
+            for key, value in client.evaluate_named(shared, config).items():
+                totals[key] = totals.get(key, 0.0) + float(record_number(value, key, client))
     metrics = {key: value / len(users) for key, value in totals.items()} if users else {}
     metrics[NUM_EXAMPLES] = float(len(users))
-    return Message(content=RecordDict({METRICS: MetricRecord(metrics)}), reply_to=message)
+    return Message(content=RecordDict({METRICS: metric_record(metrics, client)}), reply_to=message)
 
 
 def identify(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
@@ -174,6 +293,9 @@ def identify(message: Message, context: Context, run_config: Mapping[str, Any] |
             "num-items": split.num_items,
             "fingerprint": split_fingerprint(split),
             "num-attribute-classes": runtime.protected.num_classes if runtime.protected else 0,
+            "split-facts": json.dumps(split_facts(split), sort_keys=True, default=str),
+            # whether this node keeps its users' private state in files (a resumed run needs them)
+            "client-state": bool(context.node_config.get(STATE_DIR_KEY, "") or runtime.config.client_state_dir),
         }
     )
     return Message(content=RecordDict({CONFIG: record}), reply_to=message)
@@ -186,9 +308,9 @@ def _query_setup(message: Message, context: Context, run_config):
     return runtime, _requested_users(message, served), config
 
 
-def _sparse_reply(message: Message, total: SparseSum, metrics: dict) -> Message:
+def _sparse_reply(message: Message, total: SparseSum, metrics: dict, client=None) -> Message:
     arrays = ArrayRecord({k: Array(v) for k, v in total.pack().items()})
-    metrics = MetricRecord({"num-users": total.count, **metrics})
+    metrics = metric_record({"num-users": total.count, **metrics}, client)
     return Message(content=RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=message)
 
 
@@ -197,13 +319,14 @@ def unlearn_gradient(message: Message, context: Context, run_config: Mapping[str
     the ones being forgotten, and only their gradient, never their data, leaves the node."""
     runtime, users, config = _query_setup(message, context, run_config)
     shared = _shared_arrays(message)
-    total, loss = SparseSum(runtime.layout), 0.0
+    total, loss, client = SparseSum(runtime.layout), 0.0, None
     with private_state(context, runtime, config, users):
         for user in users:
-            dense, rows, value = make_client(runtime, user, context).influence_gradient(shared)
+            client = make_client(runtime, user, context)
+            dense, rows, value = client.influence_gradient(shared)
             total.add(dense, rows)
-            loss += value
-    return _sparse_reply(message, total, {"loss-sum": loss})
+            loss += float(record_number(value, "loss-sum (influence_gradient's loss)", client))
+    return _sparse_reply(message, total, {"loss-sum": loss}, client)
 
 
 def _remaining_users(message: Message, context: Context, run_config):
@@ -245,7 +368,7 @@ def unlearn_hvp(message: Message, context: Context, run_config: Mapping[str, Any
             total.add(*group[0].influence_hvp(shared, direction, group=group,
                                               curvature=str(config.get("curvature", "hessian"))))
     total.count = len(clients)
-    return _sparse_reply(message, total, {})
+    return _sparse_reply(message, total, {}, clients[0] if clients else None)
 
 
 def unlearn_local_cg(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
@@ -288,7 +411,7 @@ def unlearn_local_cg(message: Message, context: Context, run_config: Mapping[str
             stats["max-iterations"] = max(stats["max-iterations"], float(result.iterations))
             stats["max-residual"] = max(stats["max-residual"], float(result.residual))
     total.count = len(clients)
-    return _sparse_reply(message, total, stats)
+    return _sparse_reply(message, total, stats, clients[0] if clients else None)
 
 
 def _one_thread_per_worker() -> None:

@@ -131,17 +131,35 @@ def check_superlink_listening(address: str, timeout: float = 2.0) -> None:
 
 
 def parse_node_config(text: str) -> dict[str, Any]:
-    """``'partition-id=0 num-partitions=3 name="a b"'`` -> mapping; values are TOML (a non-TOML value stays a str)."""
+    """``'partition-id=0 num-partitions=3 name="a b"'`` -> mapping; values are TOML (a non-TOML value stays a str).
+
+    Raises:
+        NodeConfigError: an entry is not ``key=value``, or a key is given twice with different values.
+    """
     config: dict[str, Any] = {}
     for pair in shlex.split(text or ""):
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
             raise NodeConfigError(f"node config entry {pair!r} is not key=value")
         try:
-            config[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+            parsed = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:
-            config[key.strip()] = value
+            parsed = value
+        merge_setting(config, key.strip(), parsed, f"{text!r}", f"{text!r}")
     return config
+
+
+def merge_setting(target: dict[str, Any], key: str, value: Any, source: str, earlier: str) -> None:
+    """Set ``target[key] = value`` unless it already holds a different value.
+
+    Raises:
+        NodeConfigError: ``key`` is already set to another value; the message names both values and where each
+            came from (``earlier``, ``source``), e.g. ``--partition-id 0`` against ``--node-config "partition-id=1"``.
+    """
+    if key in target and (target[key] != value or type(target[key]) is not type(value)):
+        raise NodeConfigError(f"'{key}' is given twice with different values: {target[key]!r} ({earlier}) and "
+                              f"{value!r} ({source}); give it once")
+    target[key] = value
 
 
 def format_node_config(config: Mapping[str, Any]) -> str:
@@ -321,14 +339,6 @@ def app_snapshot(dest: str | os.PathLike, source: str | os.PathLike = PROJECT_RO
     from flwr.cli.build import get_filtered_fab_paths
 
     source, dest = Path(source), Path(dest)
-    with open(source / "pyproject.toml", "rb") as handle:
-        config = tomllib.load(handle)
-    files: dict[str, Path] = {}
-    for folder, dirs, names in os.walk(source):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("__pycache__", "results")]
-        for name in names:
-            path = Path(folder) / name
-            files[path.relative_to(source).as_posix()] = path
     dest.mkdir(parents=True, exist_ok=True)
     for relative in ["pyproject.toml", *get_filtered_fab_paths(files, config)]:
         (dest / relative).parent.mkdir(parents=True, exist_ok=True)
@@ -765,8 +775,10 @@ def supernode_main(argv: Sequence[str]) -> int:
         passthrough = passthrough[1:]
     try:
         node_config: dict[str, Any] = {}
+        node_sources: dict[str, str] = {}
         flower_args: list[str] = []
         superlink = DEFAULT_SUPERLINK
+        superlinks: dict[str, Any] = {}
         i = 0
         while i < len(passthrough):  # take --node-config and --superlink out of flower-supernode's arguments
             arg = passthrough[i]
@@ -779,28 +791,36 @@ def supernode_main(argv: Sequence[str]) -> int:
                 else:
                     raise NodeConfigError(f"{name} needs a value")
                 if name == "--node-config":
-                    node_config.update(parse_node_config(value))
+                    for key, item in parse_node_config(value).items():
+                        merge_setting(node_config, key, item, f"--node-config {value!r}",
+                                      node_sources.get(key, ""))
+                        node_sources[key] = f"--node-config {value!r}"
                 else:
+                    merge_setting(superlinks, "--superlink", value, f"--superlink {value}",
+                                  f"--superlink {superlinks.get('--superlink')}")
+                    if superlink != value or "--superlink" not in flower_args:
+                        flower_args += ["--superlink", value]
                     superlink = value
-                    flower_args += ["--superlink", value]
             else:
                 flower_args.append(arg)
             i += 1
         for key, value in (("partition-id", args.partition_id), ("num-partitions", args.num_partitions)):
             if value is not None:
-                node_config[key] = parse_node_config(f"{key}={value}")[key]
+                merge_setting(node_config, key, parse_node_config(f"{key}={value}")[key], f"--{key} {value}",
+                              node_sources.get(key, ""))
         run_config: dict[str, Any] | None = None
         if args.dataset or args.users_per_node or args.data_dir or args.run_config:
             run_config = parse_node_config(args.run_config or "")
+            earlier = f"--run-config {args.run_config!r}"
             for key, value in (("dataset", args.dataset), ("data-dir", args.data_dir),
                                ("cache-dir", args.cache_dir)):
                 if value is not None:
-                    run_config[key] = value
+                    merge_setting(run_config, key, value, f"--{key} {value}", earlier)
             if args.users_per_node is not None:
                 upn = parse_node_config(f"users-per-node={args.users_per_node}")["users-per-node"]
                 if isinstance(upn, bool) or not isinstance(upn, int):
                     raise NodeConfigError(f"'users-per-node' = {args.users_per_node!r}: expected an integer")
-                run_config["users-per-node"] = upn
+                merge_setting(run_config, "users-per-node", upn, f"--users-per-node {upn}", earlier)
         users = check_node_config(node_config, run_config)
         check_superlink_listening(superlink, args.probe_timeout)
     except FedRecError as err:  # NodeConfigError; a bad run config or dataset of the dataset check

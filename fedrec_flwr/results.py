@@ -52,7 +52,8 @@ class RunRecorder:
     Args:
         folder: the run's results folder (created).
         run_config: the validated config as a kebab-case mapping (written to ``config.json``).
-        info: extra facts to record (dataset statistics and preprocessing, e.g. the tie rule).
+        info: extra facts to record (dataset statistics; the split's facts, ``split``: duplicates removed, users
+            and items dropped, what ordered the held-out items; the tie rule as applied).
         rows: the rows of rounds already run (a resumed run's, from its checkpoint).
     """
 

@@ -33,8 +33,10 @@ def load_split_for(config: RunConfig) -> Split:
     """Load (once per process) the split the config describes.
 
     Raises:
+        ConfigError: a key naming a file or folder is wrong on this machine (:meth:`RunConfig.check_files`).
         DataError: the dataset's files are missing or malformed (see :func:`fedrec_flwr.data.load_split`).
     """
+    config.check_files(data_dir_for(config))
     key = (
         config.dataset, config.data_dir, config.cache_dir, config.generic_file, config.generic_columns,
         config.generic_attributes_file, config.min_user_interactions, config.tie_rule, config.seed,
@@ -67,22 +69,19 @@ def data_dir_for(config: RunConfig) -> str | None:
 
 
 def generic_source(config: RunConfig) -> GenericSource | None:
-    """The :class:`GenericSource` of ``dataset = "generic"`` (``None`` for the named datasets)."""
+    """The :class:`GenericSource` of ``dataset = "generic"`` (``None`` for the named datasets); its files resolved as
+    :meth:`RunConfig.generic_files` says (``data-dir`` is the file itself, or the folder relative names resolve in)."""
     if config.dataset != "generic":
         return None
-    columns = [c.strip() for c in config.generic_columns.split(",")]
-    if len(columns) < 2 or len(columns) > 4 or not all(columns[:2]):
-        raise ConfigError(
-            f"run-config key 'generic-columns' = {config.generic_columns!r}: give user,item[,rating[,timestamp]]"
-        )
-    columns += [""] * (4 - len(columns))
+    user, item, rating, timestamp = config.generic_column_names
+    interactions, attributes = config.generic_files()
     return GenericSource(
-        path=config.generic_file,
-        user_col=columns[0],
-        item_col=columns[1],
-        rating_col=columns[2] or None,
-        timestamp_col=columns[3] or None,
-        attributes_path=config.generic_attributes_file or None,
+        path=str(interactions),
+        user_col=user,
+        item_col=item,
+        rating_col=rating,
+        timestamp_col=timestamp,
+        attributes_path=str(attributes) if attributes is not None else None,
     )
 
 

@@ -72,6 +72,22 @@ class LabelLeakageAudit:
         if parent is not None:
             parent(folder)
 
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        """The strategy's checkpoint state plus the label-leakage records so far, so a resumed run's
+        ``label-leakage.csv`` keeps the rounds before the checkpoint."""
+        state, arrays = super().checkpoint_state()
+        return {**state, "label-leakage": [dict(r) for r in self.leakage_records]}, arrays
+
+    def restore_checkpoint_state(self, state, arrays, shared) -> None:
+        """Inverse of :meth:`checkpoint_state`; rewrites ``label-leakage.csv`` with the restored records (a crash after
+        the checkpoint may have left later rounds' records in it, which the resumed run attacks again)."""
+        super().restore_checkpoint_state(state, arrays, shared)
+        self.leakage_records = [dict(r) for r in state.get("label-leakage", [])]
+        if "label-leakage" not in state:
+            log.warning("curious server: the checkpoint holds no label-leakage records (written by an older version); "
+                        "%s restarts with the resumed rounds only", LEAKAGE_FILE)
+        self._write_records()
+
     def _adversary_template(self, sent: ArrayRecord):
         if self._adversary is None:
             cfg = self._audit_config

@@ -43,8 +43,8 @@ from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.io import atomic_save_npz, atomic_write_json
 from fedrec_flwr.wire import (
-    ARRAYS, CONFIG, COUNT, ITEM_AGGREGATIONS, METRICS, NUM_EXAMPLES, ROWS, SUM, ModelLayout, ReplyError, Topology,
-    check_reply_keys, merge_rows, sample_users,
+    ARRAYS, CONFIG, COUNT, GRADIENT_USERS, ITEM_AGGREGATIONS, METRICS, NUM_EXAMPLES, ROWS, SUM, ModelLayout, ReplyError,
+    Topology, check_reply_keys, merge_rows, sample_users,
 )
 
 __all__ = ["ItemEmbeddingFedAvg", "RoundFailed", "Topology"]
@@ -122,6 +122,10 @@ class ItemEmbeddingFedAvg(FedAvg):
         self.last_train: dict[str, float] = {}
         self.last_evaluate: dict[str, float] = {}
         self.failures: dict[int, int] = {}
+        """Failed training replies per node id (an error reply, a rejected reply, or none within round-timeout)."""
+        self.evaluation_failures: dict[int, int] = {}
+        """Failed evaluation replies per node id (an error reply or none within round-timeout)."""
+        self._evaluated_nodes: dict[int, list[int]] = {}
         self.unlearning = unlearning
         """:class:`strategies.unlearning.UnlearningSettings`, or ``None`` without a forget set."""
         self.round_timeout = round_timeout
@@ -178,6 +182,7 @@ class ItemEmbeddingFedAvg(FedAvg):
         counts per node, users no longer trained, the unlearning report) and arrays (none here; subclasses with an
         optimizer add its moments). Subclasses extend what ``super()`` returns."""
         state = {"failures": {str(k): v for k, v in self.failures.items()},
+                 "evaluation-failures": {str(k): v for k, v in self.evaluation_failures.items()},
                  "removed-users": sorted(int(u) for u in self.removed_users),
                  "unlearning-report": self.unlearning_report}
         return state, {}
@@ -185,6 +190,14 @@ class ItemEmbeddingFedAvg(FedAvg):
     def restore_checkpoint_state(self, state: Mapping, arrays: Mapping[str, np.ndarray], shared: ArrayRecord) -> None:
         """Inverse of :meth:`checkpoint_state`; ``shared`` holds the checkpoint's shared parameters."""
         self.failures = {int(k): int(v) for k, v in state.get("failures", {}).items()}
+        self.evaluation_failures = {int(k): int(v) for k, v in state.get("evaluation-failures", {}).items()}
+        if self.topology is not None:
+            current = {int(n) for n in np.unique(self.topology.user_to_node)}
+            gone = sorted((set(self.failures) | set(self.evaluation_failures)) - current)
+            if gone:
+                log.warning("resumed failure counts name node ids %s that are not connected now (a restarted "
+                            "SuperNode gets a new id): their counts stay under the old ids, and the new nodes' "
+                            "counts start at 0", gone)
         self.removed_users = frozenset(int(u) for u in state.get("removed-users", []))
         self.unlearning_report = state.get("unlearning-report")
         self.adopt_arrays(shared)
@@ -331,6 +344,10 @@ class ItemEmbeddingFedAvg(FedAvg):
             "num-failures": float(expected - len(accepted)),
             "train-seconds": time.perf_counter() - self._train_started,
         }
+        # clients' own metrics (UserUpdate.metrics): weighted means over the round's users, as the nodes sent them
+        standard = {NUM_EXAMPLES, "num-users", "train-users", "train-loss", GRADIENT_USERS}
+        self.last_train.update({k: float(v) for k, v in metrics.items()
+                                if k not in standard and isinstance(v, (int, float))})
         if self._phase_due(server_round):
             arrays = self.run_unlearning(server_round, arrays)
         return arrays, metrics
@@ -388,7 +405,8 @@ class ItemEmbeddingFedAvg(FedAvg):
             return {}
         users = self.evaluation_users(server_round) if users is None else np.asarray(users, dtype=np.int64)
         config = ConfigRecord({"split": self.evaluate_split})
-        messages = self._messages(server_round, arrays, config, self._topology().group(users), MessageType.EVALUATE)
+        self._evaluated_nodes = self._topology().group(users)
+        messages = self._messages(server_round, arrays, config, self._evaluated_nodes, MessageType.EVALUATE)
         saved = self.last_evaluate
         try:
             self.aggregate_evaluate(server_round, grid.send_and_receive(messages, timeout=self.round_timeout))
@@ -478,30 +496,63 @@ class ItemEmbeddingFedAvg(FedAvg):
     ) -> Iterable[Message]:
         """Evaluation messages for ``fraction-evaluate`` of users, on evaluation rounds only."""
         self.last_evaluate = {}
+        self._evaluated_nodes = {}
         if not self.is_evaluation_round(server_round):
             return []
         self.refresh_topology(grid)
         users = self.evaluation_users(server_round)
         config = ConfigRecord(dict(config))
         config.setdefault("split", self.evaluate_split)
-        return self._messages(server_round, arrays, config, self._topology().group(users), MessageType.EVALUATE)
+        self._evaluated_nodes = self._topology().group(users)
+        return self._messages(server_round, arrays, config, self._evaluated_nodes, MessageType.EVALUATE)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Mean metrics over evaluated users (each reply is weighted by its number of users)."""
+        """Mean metrics over evaluated users (each reply is weighted by its number of users).
+
+        A node that answers with an error, or not at all within ``round-timeout``, is logged by node id with the users
+        it left out, and counted in :attr:`evaluation_failures` (``eval-failures`` in the round's metrics when > 0), as
+        training failures are; an error the SuperLink sends for an unavailable node is put on a sent-to node that did
+        not answer."""
         replies = self._canonical_order(replies)
         ok = [m.content for m in replies if not m.has_error()]
         known = set(self._topology().user_to_node.tolist())
+        answered: set[int] = set()
+        unattributed: list[str] = []
+        failed = 0
         for message in replies:
+            node = int(message.metadata.src_node_id)
+            if message.has_error() and node not in known and node not in self._evaluated_nodes:
+                unattributed.append(message.error.reason)
+                continue
+            answered.add(node)
             if message.has_error():
-                node = int(message.metadata.src_node_id)
-                where = f"on node {node}" if node in known else "on a node the SuperLink reports unavailable"
-                log.warning("round %d: evaluation failed %s: %s", server_round, where, message.error.reason)
+                failed += 1
+                self._count_evaluation_failure(server_round, node, message.error.reason)
+        for node in sorted(set(self._evaluated_nodes) - answered):
+            reason = unattributed.pop(0) if unattributed else f"no reply within round-timeout ({self.round_timeout:g} s)"
+            failed += 1
+            self._count_evaluation_failure(server_round, node, reason)
+        for reason in unattributed:  # not matched to a node we sent to (no record of the sent nodes)
+            failed += 1
+            log.warning("round %d: evaluation failed on a node the SuperLink reports unavailable: %s", server_round,
+                        reason)
+        self._evaluated_nodes = {}
         if not ok:
+            if failed:
+                self.last_evaluate = {"eval-failures": float(failed)}
             return None
         metrics = aggregate_metricrecords(ok, NUM_EXAMPLES)
         self.last_evaluate = {k: float(v) for k, v in metrics.items()}
         self.last_evaluate["eval-users"] = float(sum(float(r[METRICS][NUM_EXAMPLES]) for r in ok))
+        if failed:  # the column appears in metrics.csv from the first evaluation a node failed
+            self.last_evaluate["eval-failures"] = float(failed)
         return metrics
+
+    def _count_evaluation_failure(self, server_round: int, node: int, reason: str) -> None:
+        self.evaluation_failures[node] = self.evaluation_failures.get(node, 0) + 1
+        users = self._evaluated_nodes.get(node, [])
+        left_out = f" ({len(users)} users not evaluated: {users[0]}..{users[-1]})" if users else ""
+        log.warning("round %d: evaluation failed on node %d%s: %s", server_round, node, left_out, reason)
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _topology(self) -> Topology:

@@ -64,13 +64,12 @@ def test_attribute_inference_on_embeddings_that_encode_the_attribute_is_near_per
 
 def test_attribute_inference_multiclass_is_macro_one_vs_rest_auc():
     from sklearn.metrics import roc_auc_score
-    from sklearn.model_selection import StratifiedShuffleSplit
 
-    from fedrec_flwr.attacks.attribute_inference import _classifier
+    from fedrec_flwr.attacks.attribute_inference import _classifier, stratified_halves
 
     x, labels = _synthetic(num_classes=5, signal=1.0)
     result = attribute_inference(x, labels, splits=1, seed=4)
-    train, test = next(StratifiedShuffleSplit(n_splits=1, train_size=0.5, random_state=4).split(x, labels))
+    train, test = next(stratified_halves(labels, 1, 0.5, 4))
     proba = _classifier("logreg", 4).fit(x[train], labels[train]).predict_proba(x[test])
     per_class = [roc_auc_score(labels[test] == c, proba[:, c]) for c in range(5)]
     assert result.auc[0] == pytest.approx(np.mean(per_class), abs=1e-9)

@@ -46,7 +46,7 @@ def test_named_columns_with_header_and_timestamps(tmp_path, sep):
     source = GenericSource(str(path), user_col="uid", item_col="iid", rating_col="score", timestamp_col="when")
     inter = load_interactions("generic", generic=source)
     assert list(inter.frame.columns[:4]) == ["user", "item", "rating", "timestamp"]
-    assert inter.frame["rating"].dtype == np.float64 and inter.frame["timestamp"].dtype == np.float64
+    assert inter.frame["rating"].dtype == np.float64 and inter.frame["timestamp"].dtype == np.int64
     split = load_split("generic", cache_dir=tmp_path / "cache", generic=source, num_test_negatives=10)
     assert split.num_users == NUM_USERS + 1 and split.num_items == NUM_ITEMS
     assert list(split.item_ids[:3]) == ["0", "1", "2"]  # integer ids sort numerically

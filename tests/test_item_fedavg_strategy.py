@@ -194,4 +194,4 @@ def test_evaluation_metrics_are_the_mean_over_users_weighting_each_reply_by_its_
     metrics = strategy.aggregate_evaluate(1, [evaluate_reply(11, 3, 0.0, 0.25), failed, evaluate_reply(10, 1, 1.0, 0.5)])
     assert metrics["HR@10"] == (1 * 1.0 + 3 * 0.0) / 4 == 0.25
     assert metrics["NDCG@10"] == (1 * 0.5 + 3 * 0.25) / 4 == 0.3125
-    assert strategy.last_evaluate == {"HR@10": 0.25, "NDCG@10": 0.3125, "eval-users": 4.0}
+    assert strategy.last_evaluate == {"HR@10": 0.25, "NDCG@10": 0.3125, "eval-users": 4.0, "eval-failures": 1.0}

@@ -6,7 +6,12 @@ embeddings and predicts the other half. Repeated over ``splits`` random halves; 
 each metric are reported. Classifiers and metrics are scikit-learn's:
 
 * ``"logreg"``: standardised features + ``LogisticRegression`` (multinomial for > 2 classes);
-* ``"mlp"``: standardised features + ``MLPClassifier`` (one hidden layer of 100, early stopping).
+* ``"mlp"``: standardised features + ``MLPClassifier`` (one hidden layer of 100; early stopping on a stratified 10%
+  of the known users when every class has enough of them to stratify, see :func:`_classifier`).
+
+Splits (ours): per class, ``round(train_fraction * n_c)`` users, clipped to ``[1, n_c - 1]``, are known to the attacker
+and the rest are held out, so every class appears in both halves whatever its size (scikit-learn's
+``StratifiedShuffleSplit`` may leave a rare class out of one half, and the multi-class AUC then fails).
 
 Metrics: ROC AUC (binary: of the positive class; > 2 classes: one-vs-rest, macro-averaged), balanced accuracy and
 macro-F1. An attacker that knows nothing scores AUC 0.5 and balanced accuracy ``1 / C``.
@@ -24,7 +29,6 @@ import numpy as np
 from flwr.app import ArrayRecord
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import balanced_accuracy_score, f1_score, roc_auc_score
-from sklearn.model_selection import StratifiedShuffleSplit
 from sklearn.neural_network import MLPClassifier
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
@@ -60,12 +64,21 @@ class AttributeAttackResult:
         return out
 
 
-def _classifier(name: str, seed: int):
+def _classifier(name: str, seed: int, train_labels: np.ndarray | None = None):
+    """The attack's classifier. The MLP stops early on a stratified 10% validation share of the known users only when
+    that share can hold every class and leave each class a training user (scikit-learn's stratified split refuses
+    otherwise); else it trains its ``max_iter`` epochs (ours: rare classes must not crash the attack)."""
     if name == "logreg":
         return make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000))
     if name == "mlp":
+        early = True
+        if train_labels is not None:
+            _, counts = np.unique(train_labels, return_counts=True)
+            n, k = len(train_labels), len(counts)
+            validation = int(np.ceil(0.1 * n))
+            early = bool(counts.min() >= 2 and validation >= k and n - validation >= k)
         return make_pipeline(StandardScaler(), MLPClassifier(hidden_layer_sizes=(100,), max_iter=500,
-                                                             early_stopping=True, random_state=seed))
+                                                             early_stopping=early, random_state=seed))
     raise ValueError(f"unknown attack classifier {name!r}; use one of {CLASSIFIERS}")
 
 
@@ -88,7 +101,8 @@ def attribute_inference(embeddings: np.ndarray, labels: np.ndarray, *, classifie
         :class:`AttributeAttackResult`.
 
     Raises:
-        DataError: shapes disagree, the embeddings hold NaN/Inf, or fewer than 2 classes (or a class with < 2 users).
+        DataError: shapes disagree, the embeddings hold NaN/Inf, fewer than 2 classes, a class with < 2 users (the
+            message names the class: it cannot be in both halves), or ``test_labels`` has a class ``labels`` lacks.
         ValueError: unknown classifier, ``splits`` < 1 or ``train_fraction`` outside (0, 1).
     """
     if isinstance(splits, bool) or not isinstance(splits, (int, np.integer)) or splits < 1:
@@ -105,12 +119,18 @@ def attribute_inference(embeddings: np.ndarray, labels: np.ndarray, *, classifie
     if y_test.shape != y.shape:
         raise DataError(f"attribute_inference: test_labels {y_test.shape} and labels {y.shape} do not match")
     classes, counts = np.unique(y, return_counts=True)
-    if len(classes) < 2 or counts.min() < 2:
-        raise DataError(f"attribute_inference: need >= 2 classes with >= 2 users each, got counts {counts.tolist()}")
-    splitter = StratifiedShuffleSplit(n_splits=splits, train_size=train_fraction, random_state=seed)
+    if len(classes) < 2:
+        raise DataError(f"attribute_inference: need >= 2 classes, got {classes.tolist()}")
+    if counts.min() < 2:
+        rare = classes[counts < 2].tolist()  # Python values: the message shows 9, not np.int64(9)
+        raise DataError(f"attribute_inference: class {rare[0]!r} has {int(counts.min())} user; every class needs >= 2 "
+                        f"(one known to the attacker, one held out); classes with < 2 users: {rare}")
+    unknown = np.setdiff1d(np.unique(y_test), classes)
+    if unknown.size:
+        raise DataError(f"attribute_inference: test_labels has class {unknown[0].item()!r}, which labels lacks")
     scores: dict[str, list[float]] = {"auc": [], "balanced-accuracy": [], "macro-f1": []}
-    for index, (train, test) in enumerate(splitter.split(x, y)):
-        model = _classifier(classifier, seed + index).fit(x[train], y[train])
+    for index, (train, test) in enumerate(stratified_halves(y, splits, train_fraction, seed)):
+        model = _classifier(classifier, seed + index, y[train]).fit(x[train], y[train])
         proba = model.predict_proba(x[test])
         predicted = model.classes_[proba.argmax(axis=1)]
         truth = y_test[test]
@@ -118,12 +138,31 @@ def attribute_inference(embeddings: np.ndarray, labels: np.ndarray, *, classifie
             auc = roc_auc_score(truth, proba[:, 1])
         else:
             auc = roc_auc_score(truth, proba, multi_class="ovr", average="macro", labels=model.classes_)
+        # every class is in both halves (stratified_halves), so the AUC is over all classes
         scores["auc"].append(float(auc))
         scores["balanced-accuracy"].append(float(balanced_accuracy_score(truth, predicted)))
         scores["macro-f1"].append(float(f1_score(truth, predicted, average="macro")))
     summary = {k: (float(np.mean(v)), float(np.std(v))) for k, v in scores.items()}
     return AttributeAttackResult(classifier, splits, summary["auc"], summary["balanced-accuracy"],
                                  summary["macro-f1"], {k: np.asarray(v) for k, v in scores.items()})
+
+
+def stratified_halves(labels: np.ndarray, splits: int, train_fraction: float, seed: int):
+    """Yield ``splits`` pairs ``(train, test)`` of index arrays: per class ``c`` with ``n_c >= 2`` users,
+    ``clip(round(train_fraction * n_c), 1, n_c - 1)`` random users go to ``train`` and the rest to ``test``, from
+    ``np.random.default_rng([seed, split])``; so every class is in both halves. Indices are sorted."""
+    y = np.asarray(labels)
+    classes = np.unique(y)
+    members = [np.flatnonzero(y == c) for c in classes]
+    for split in range(int(splits)):
+        rng = np.random.default_rng([int(seed), split])
+        train, test = [], []
+        for index in members:
+            k = int(np.clip(round(train_fraction * len(index)), 1, len(index) - 1))
+            chosen = rng.permutation(index)
+            train.append(chosen[:k])
+            test.append(chosen[k:])
+        yield np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
 
 
 def collect_user_embeddings(states: Iterable, private_keys: Iterable[str], num_users: int,

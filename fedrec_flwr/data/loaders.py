@@ -10,6 +10,8 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import re
+from decimal import Decimal, InvalidOperation
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,11 +44,13 @@ class GenericSource:
     Attributes:
         path: interactions file.
         user_col, item_col: column name (``header=True``) or 0-based column index (``header=False``).
-        rating_col, timestamp_col: optional numeric columns; timestamps in any monotone unit (e.g. unix seconds).
+        rating_col, timestamp_col: optional numeric columns; timestamps in any monotone unit (unix seconds,
+            milliseconds, nanoseconds, ...), kept exactly (:func:`_timestamp_column`).
         sep: field separator; ``None`` sniffs ``,`` ``\\t`` ``;`` ``|`` from the first lines, else whitespace.
         header: whether the first line holds column names.
         attributes_path: optional user-attributes file, with a header line; one row per user.
-        attributes_user_col: the column of ``attributes_path`` holding the raw user id.
+        attributes_user_col: the column of ``attributes_path`` holding the raw user id; ``None`` (default): the
+            interactions file's user column name (``user_col``) when the attributes file has it, else ``"user"``.
     """
 
     path: str
@@ -57,7 +61,7 @@ class GenericSource:
     sep: str | None = None
     header: bool = True
     attributes_path: str | None = None
-    attributes_user_col: str = "user"
+    attributes_user_col: str | None = None
 
 
 def _empty_pairs() -> np.ndarray:
@@ -70,8 +74,9 @@ class Interactions:
 
     Attributes:
         frame: one row per (user, item) after deduplication, in file order, with columns ``user`` (str raw id),
-            ``item`` (str raw id), ``rating`` (float64, NaN if the file has none), ``timestamp`` (float64, NaN if
-            the file has none) and ``row`` (int64, 0-based index of the data row in the file, header excluded).
+            ``item`` (str raw id), ``rating`` (float64, NaN if the file has none), ``timestamp`` (int64 exact order
+            key when the file has timestamps, see :func:`_timestamp_column`; float64 NaN when it has none) and
+            ``row`` (int64, 0-based index of the data row in the file, header excluded).
         attributes: user attributes indexed by raw user id (str), or None.
         source_sha256: sha256 over the files read, in read order (for generic data it also covers the parse
             options, so two column choices on one file never share a cache entry).
@@ -191,7 +196,7 @@ def read_interactions(source: SourceFiles, generic: GenericSource | None = None)
         if "attributes" in paths:
             apath = paths["attributes"]
             atable = _read_table(apath, sep=sniff_separator(apath), header=True)
-            attributes = _generic_attributes(atable, apath, generic.attributes_user_col)
+            attributes = _generic_attributes(atable, apath, _attributes_user_col(atable, apath, generic))
     else:  # pragma: no cover - check_dataset_args guards this
         raise ConfigError(f"unknown dataset {name!r}")
     first_file = next(iter(paths.values()))
@@ -227,6 +232,8 @@ def load_item_titles(
 class _Table:
     df: pd.DataFrame  # every cell str, '' when missing
     lines: np.ndarray  # (len(df),) int64, 1-based line number of each row in the file
+    sep: str = ","
+    encoding: str = "utf-8"
 
 
 def sniff_separator(path: str | os.PathLike) -> str:
@@ -235,8 +242,11 @@ def sniff_separator(path: str | os.PathLike) -> str:
         sample = "".join(handle.readline() for _ in range(20))
     try:
         return csv.Sniffer().sniff(sample, delimiters=",\t;|").delimiter
-    except csv.Error:
-        return r"\s+"
+    except csv.Error:  # e.g. a short row among the first lines: go by the first line's most frequent candidate
+        first = next((line for line in sample.splitlines() if line.strip()), "")
+        counts = {sep: first.count(sep) for sep in ",\t;|"}
+        best = max(counts, key=counts.get)
+        return best if counts[best] else r"\s+"
 
 
 def _read_table(path: Path, *, sep: str, header: bool, encoding: str = "utf-8") -> _Table:
@@ -263,7 +273,38 @@ def _read_table(path: Path, *, sep: str, header: bool, encoding: str = "utf-8") 
         lines = lines[~blank]
     if len(df) == 0:
         raise DataError(f"{path}: file has no data rows")
-    return _Table(df, lines)
+    return _Table(df, lines, sep, encoding)
+
+
+def _fields_on_line(path: Path, table: _Table, line: int) -> int | None:
+    """How many fields line ``line`` (1-based) of ``path`` has, split as the table was; ``None`` if unreadable."""
+    try:
+        with open(path, encoding=table.encoding, errors="replace", newline="") as handle:
+            for number, text in enumerate(handle, start=1):
+                if number == line:
+                    text = text.rstrip("\r\n")
+                    if len(table.sep) == 1:
+                        return len(next(csv.reader([text], delimiter=table.sep)))
+                    return len(re.split(table.sep, text.strip()))
+    except OSError:
+        return None
+    return None
+
+
+def _empty_cell(table: _Table, path: Path, i: int, col, role: str) -> DataError:
+    """The error for an empty cell: names the missing field when the line has too few fields."""
+    line = int(table.lines[i])
+    found = _fields_on_line(path, table, line)
+    expected = table.df.shape[1]
+    if found is not None and found < expected:
+        names = [str(c) for c in table.df.columns]
+        key = table.df.columns.get_loc(col) if col in table.df.columns else col
+        position = int(key) if isinstance(key, (int, np.integer)) else None
+        which = f"the {role} field ({names[position]!r}, field {position + 1})" if position is not None else \
+            f"the {role} field"
+        return DataError(f"{path}, line {line}: {found} field{'s' if found != 1 else ''}, expected {expected}: "
+                         f"{which} is missing")
+    return DataError(f"{path}, line {line}: {role} column {col!r} is empty")
 
 
 def _column_key(table: _Table, path: Path, col: str | int, role: str) -> str | int:
@@ -273,7 +314,12 @@ def _column_key(table: _Table, path: Path, col: str | int, role: str) -> str | i
             return df.columns[int(col)]
         raise DataError(f"{path}: {role} column index {col} out of range: the file has {df.shape[1]} columns")
     if col not in df.columns:
-        raise DataError(f"{path}: {role} column {col!r} not found; columns are {[str(c) for c in df.columns]}")
+        hint = ""
+        if role in ("timestamp", "rating"):
+            hint = ("; timestamps and ratings are optional: name only the columns the file has in 'generic-columns' "
+                    "(e.g. \"user,item,rating\" or \"user,item\"); without timestamps each user's held-out item "
+                    "is chosen by a seeded random order")
+        raise DataError(f"{path}: {role} column {col!r} not found; columns are {[str(c) for c in df.columns]}{hint}")
     return col
 
 
@@ -282,8 +328,7 @@ def _id_column(table: _Table, path: Path, col: str | int, role: str) -> np.ndarr
     values = table.df[key].str.strip()
     empty = (values == "").to_numpy()
     if empty.any():
-        i = int(np.flatnonzero(empty)[0])
-        raise DataError(f"{path}, line {table.lines[i]}: {role} column {col!r} is empty")
+        raise _empty_cell(table, path, int(np.flatnonzero(empty)[0]), key, role)
     return values.to_numpy(dtype=object).astype(str)
 
 
@@ -294,10 +339,48 @@ def _numeric_column(table: _Table, path: Path, col: str | int, role: str) -> np.
     bad = ~np.isfinite(values)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
+        if raw.iloc[i] == "":
+            raise _empty_cell(table, path, i, key, role)
         raise DataError(
             f"{path}, line {table.lines[i]}: {role} column {col!r} has non-numeric value {raw.iloc[i]!r}"
         )
     return values
+
+
+_INTEGER = re.compile(r"[+-]?\d+")
+
+
+def _timestamp_column(table: _Table, path: Path, col: str | int) -> np.ndarray:
+    """``(n,)`` int64 exact order keys of a timestamp column, in any unit.
+
+    Integer timestamps (unix seconds, milliseconds, nanoseconds, ...) are kept as they are, as int64: never through
+    float64, which above 2**53 merges neighbouring values (nanosecond timestamps of one user would all tie). Decimal
+    timestamps (e.g. ``1556559573.141592653``) are replaced by their exact dense rank (``Decimal`` comparison), so
+    equal values stay equal and order is exact; only order matters for the split.
+
+    Raises:
+        DataError: a value is empty, not a number, or an integer outside int64 (file, line, value).
+    """
+    key = _column_key(table, path, col, "timestamp")
+    raw = table.df[key].str.strip()
+    _numeric_column(table, path, col, "timestamp")  # the first empty / non-numeric value, named
+    text = raw.to_numpy(dtype=object).astype(str)
+    if raw.str.fullmatch(_INTEGER).all():
+        try:
+            return text.astype(np.int64)
+        except (OverflowError, ValueError):
+            for i, value in enumerate(text):
+                if not -2**63 <= int(value) < 2**63:
+                    raise DataError(f"{path}, line {table.lines[i]}: timestamp column {col!r} value {str(value)!r} is "
+                                    "outside the 64-bit integer range") from None
+            raise
+    try:
+        exact = [Decimal(v) for v in text]
+    except InvalidOperation:  # pragma: no cover - _numeric_column accepted every value
+        raise DataError(f"{path}: timestamp column {col!r} holds a value that is not a decimal number") from None
+    order = sorted(set(exact))
+    rank = {value: index for index, value in enumerate(order)}
+    return np.fromiter((rank[v] for v in exact), dtype=np.int64, count=len(exact))
 
 
 def _build_frame(table: _Table, path: Path, *, user, item, rating, timestamp, expect_cols: int | None = None):
@@ -308,7 +391,7 @@ def _build_frame(table: _Table, path: Path, *, user, item, rating, timestamp, ex
         "user": pd.array(_id_column(table, path, user, "user"), dtype="str"),
         "item": pd.array(_id_column(table, path, item, "item"), dtype="str"),
         "rating": _numeric_column(table, path, rating, "rating") if rating is not None else np.full(n, np.nan),
-        "timestamp": (_numeric_column(table, path, timestamp, "timestamp") if timestamp is not None
+        "timestamp": (_timestamp_column(table, path, timestamp) if timestamp is not None
                       else np.full(n, np.nan)),
         "row": np.arange(n, dtype=np.int64),
     })
@@ -345,6 +428,25 @@ def _ml100k_attributes(table: _Table, path: Path) -> pd.DataFrame:
     }, index=pd.Index(ids, name="user"))
     _check_unique_index(out, path, table)
     return out
+
+
+def _attributes_user_col(table: _Table, path: Path, generic: GenericSource) -> str:
+    """The attributes file's user-id column: ``attributes_user_col`` if given, else the interactions file's user
+    column name when the attributes file has it, else ``"user"``.
+
+    Raises:
+        DataError: no such column (the message lists the file's columns and the names tried).
+    """
+    columns = [str(c) for c in table.df.columns]
+    if generic.attributes_user_col is not None:
+        tried = [generic.attributes_user_col]
+    else:
+        tried = ([generic.user_col] if isinstance(generic.user_col, str) else []) + ["user"]
+    for name in tried:
+        if name in columns:
+            return name
+    raise DataError(f"{path}: attributes user column not found: tried {tried} (the user column of the interactions "
+                    f"file, named in 'generic-columns', then 'user'); the file's columns are {columns}")
 
 
 def _generic_attributes(table: _Table, path: Path, user_col: str) -> pd.DataFrame:

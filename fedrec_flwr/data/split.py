@@ -25,8 +25,9 @@ from fedrec_flwr.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
-#: Version of the processed-split layout and procedure; part of every cache key.
-FORMAT_VERSION = 1
+#: Version of the processed-split layout and procedure; part of every cache key. 2: timestamps are exact int64 order
+#: keys (1 read them as float64, which merged timestamps above 2**53), and ``meta`` records ``held_out_order``.
+FORMAT_VERSION = 2
 
 TIE_RULES = ("random", "fedrecgel", "smallest-item", "largest-item")
 
@@ -225,24 +226,24 @@ def preprocess(
     rows = frame["row"].to_numpy(np.int64) if "row" in frame.columns else np.arange(len(frame), dtype=np.int64)
     if pd.DataFrame({"u": users_raw, "i": items_raw}).duplicated().any():
         raise DataError(f"dataset {name!r}: interactions frame has duplicate (user, item) rows; deduplicate first")
-    ts = frame["timestamp"].to_numpy(np.float64)
-    has_ts = np.isfinite(ts)
-    if has_ts.any() and not has_ts.all():
-        i = int(np.flatnonzero(~has_ts)[0])
-        raise DataError(f"dataset {name!r}: timestamp missing for user {str(users_raw[i])!r} "
-                        f"item {str(items_raw[i])!r} (either every row has a timestamp or none)")
+    ts, has_ts = _order_keys(name, frame["timestamp"], users_raw, items_raw)
     dup_rows = np.asarray(interactions.duplicate_rows, dtype=np.int64).reshape(-1, 2)
 
     # Step 4 (before filtering, so the order does not depend on min_user_interactions).
-    if has_ts.all():
+    if has_ts:
         timestamp_source = "file"
+        held_out_order = "timestamps from the file"
     elif tie_rule == "fedrecgel" and name == "filmtrust":
         ts = _fedrecgel_timestamps(users_raw, rows, dup_rows)
         timestamp_source = "fedrecgel-synthetic (default_rng(42) base * 10**6 + cumcount)"
+        held_out_order = "FedRecGEL's synthetic timestamps (the file has none)"
     else:
-        ts = np.empty(len(frame), dtype=np.float64)
+        ts = np.empty(len(frame), dtype=np.int64)
         ts[np.argsort(rows, kind="stable")] = np.random.default_rng([seed, TAG_ORDER]).permutation(len(frame))
         timestamp_source = "random order (rng([seed, TAG_ORDER]))"
+        held_out_order = f"seeded random order (the file has no timestamps; seed {int(seed)})"
+        logger.warning("%s: the interactions have no timestamps, so each user's held-out item is chosen by a seeded "
+                       "random order (seed %d), not as the latest; tie-rule does not apply", name, int(seed))
 
     # Step 2: filter users, then items.
     user_counts = pd.Series(users_raw).value_counts()
@@ -287,6 +288,7 @@ def preprocess(
         held_out.append(second)
     latest_ts = ts[last]
     users_with_tied_latest = int(np.count_nonzero(np.bincount(uidx[ts == latest_ts[uidx]], minlength=num_users) > 1))
+    n_dropped_rows = int(np.count_nonzero(~keep))
 
     train_mask = np.ones(len(uidx), dtype=bool)
     train_mask[np.concatenate(held_out)] = False
@@ -327,6 +329,10 @@ def preprocess(
         "density": num_interactions / (num_users * num_items),
         "format_version": FORMAT_VERSION,
         "timestamps": timestamp_source,
+        "held_out_order": held_out_order,
+        "tie_rule_applied": bool(has_ts or timestamp_source.startswith("fedrecgel")),
+        "interactions_in_file": int(len(frame) + len(dup_rows)),
+        "interactions_of_dropped_users": n_dropped_rows,
         "test_negatives_procedure": negatives_source,
         "id_order": "first appearance" if tie_rule == "fedrecgel" else "sorted raw id",
         "cache_key": split_cache_key(
@@ -343,6 +349,35 @@ def preprocess(
         val_negatives=val_negatives, user_ids=np.asarray(user_ids, dtype=str),
         item_ids=np.asarray(item_ids, dtype=str), attributes=attributes, meta=meta,
     )
+
+
+def _order_keys(name: str, column: pd.Series, users_raw: np.ndarray, items_raw: np.ndarray) -> tuple[np.ndarray, bool]:
+    """``((n,) int64 exact order keys, has timestamps)`` of the frame's ``timestamp`` column.
+
+    Integer columns are used as they are (any unit: seconds, nanoseconds, ...). A float column is either all NaN (no
+    timestamps) or all finite; its values are replaced by their dense rank, which keeps their order and ties exactly
+    as given (a float64 above 2**53 has already lost precision in the caller's frame: read files with
+    :func:`~fedrec_flwr.data.load_interactions`, which keeps integers exact).
+
+    Raises:
+        DataError: some rows have a timestamp and others none, or the column is not numeric.
+    """
+    values = column.to_numpy()
+    if values.dtype.kind in "iu":
+        return values.astype(np.int64), True
+    if values.dtype.kind == "b" or values.dtype.kind not in "f":
+        try:
+            values = values.astype(np.float64)
+        except (TypeError, ValueError):
+            raise DataError(f"dataset {name!r}: the timestamp column is not numeric (dtype {column.dtype})") from None
+    finite = np.isfinite(values)
+    if not finite.any():
+        return np.zeros(len(values), dtype=np.int64), False
+    if not finite.all():
+        i = int(np.flatnonzero(~finite)[0])
+        raise DataError(f"dataset {name!r}: timestamp missing for user {str(users_raw[i])!r} "
+                        f"item {str(items_raw[i])!r} (either every row has a timestamp or none)")
+    return np.unique(values, return_inverse=True)[1].astype(np.int64).reshape(-1), True
 
 
 def complement_items(excluded: np.ndarray, ranks: np.ndarray) -> np.ndarray:
@@ -442,7 +477,7 @@ def _fedrecgel_timestamps(users_raw: np.ndarray, rows: np.ndarray, dup_rows: np.
     ts = raw_ts[rows].copy()
     if len(dup_rows):
         np.maximum.at(ts, kept_pos, raw_ts[dup_rows[:, 0]])
-    return ts.astype(np.float64)  # < 1e15 + 1e6 < 2**53: exact
+    return ts  # int64, exact
 
 
 def _first_rows(rows: np.ndarray, dup_rows: np.ndarray) -> np.ndarray:

@@ -1,0 +1,174 @@
+"""Bad input, round 2 (issue 15), data cases 1-4: exact timestamps, the attributes file's user column, the split's
+facts in config.json, and the generic loader meeting ``data-dir``. Tiny generated files only."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedrec_flwr.config import make_run_config
+from fedrec_flwr.data import GenericSource, load_interactions, load_split, preprocess
+from fedrec_flwr.errors import ConfigError, DataError
+from fedrec_flwr.runtime import load_split_for
+
+NUM_ITEMS = 30
+
+
+def _timestamp_csv(path: Path, stamps: list[str], num_users: int = 4) -> Path:
+    """Each user rates 6 items; its k-th item gets ``stamps[k]``, written to the file in shuffled order, so only the
+    timestamps' exact order says which item is the latest (item ``5`` of the user's block)."""
+    rng = np.random.default_rng(0)
+    lines = ["user,item,rating,timestamp"]
+    for user in range(num_users):
+        rows = [f"u{user},i{(7 * user + k) % NUM_ITEMS},4,{stamps[k]}" for k in range(6)]
+        lines += [rows[i] for i in rng.permutation(6)]
+    for item in range(20):  # a heavy user, with room for negatives
+        lines.append(f"heavy,i{item},3,{stamps[0]}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+NANOSECONDS = [str(1556559573141592653 + k) for k in range(6)]
+"""Case 1 of issue 15: neighbouring nanosecond timestamps, all above 2**53 (float64 would merge them)."""
+
+
+@pytest.mark.parametrize("stamps", [
+    NANOSECONDS,
+    [f"1556559573.14159265{k}" for k in range(3, 9)],  # decimal seconds with nanosecond digits
+    [str(1556559573141 + k) for k in range(6)],  # milliseconds
+], ids=["nanoseconds", "decimal-seconds", "milliseconds"])
+def test_timestamps_keep_their_exact_order_in_any_unit(tmp_path, stamps):
+    path = _timestamp_csv(tmp_path / "ts.csv", stamps)
+    source = GenericSource(str(path), user_col="user", item_col="item", rating_col="rating", timestamp_col="timestamp")
+    frame = load_interactions("generic", generic=source).frame
+    assert frame["timestamp"].dtype == np.int64
+    if stamps is NANOSECONDS:  # integers are kept as they are, not rounded
+        assert sorted(set(frame["timestamp"].tolist())) == [int(s) for s in NANOSECONDS]
+    split = load_split("generic", cache_dir=tmp_path / "cache", generic=source, num_test_negatives=5,
+                       min_user_interactions=2)
+    assert split.meta["users_with_tied_latest"] == 1  # only 'heavy', whose rows share one timestamp
+    for user in range(4):
+        index = int(np.flatnonzero(split.user_ids == f"u{user}")[0])
+        assert split.item_ids[split.test_items[index]] == f"i{(7 * user + 5) % NUM_ITEMS}"
+
+
+def test_a_float_frame_with_exact_ties_and_out_of_range_integer_timestamps(tmp_path):
+    # a timestamp beyond int64 is named, not wrapped or rounded
+    path = _timestamp_csv(tmp_path / "big.csv", NANOSECONDS[:5] + ["99999999999999999999"])
+    source = GenericSource(str(path), user_col="user", item_col="item", rating_col="rating", timestamp_col="timestamp")
+    with pytest.raises(DataError, match=r"line \d+: timestamp column 'timestamp' value '99999999999999999999' is "
+                                        "outside the 64-bit integer range"):
+        load_interactions("generic", generic=source)
+
+
+def _interactions_csv(path: Path, user_col: str = "user", with_ts: bool = True, per_user: int = 6,
+                      num_users: int = 6) -> Path:
+    header = [user_col, "item", "rating"] + (["timestamp"] if with_ts else [])
+    lines = [",".join(header)]
+    for user in range(num_users):
+        for k in range(per_user):
+            lines.append(",".join([f"u{user}", f"i{(3 * user + k) % NUM_ITEMS}", "4"] + ([str(100 + k)] if with_ts
+                                                                                        else [])))
+    for item in range(10):
+        lines.append(",".join(["heavy", f"i{item}", "3"] + (["50"] if with_ts else [])))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _attributes_csv(path: Path, user_col: str) -> Path:
+    rows = [f"{user_col},gender"] + [f"u{u},{'FM'[u % 2]}" for u in range(6)] + ["heavy,F"]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_the_attributes_user_column_is_the_one_named_in_generic_columns(tmp_path):
+    """Case 2: an attributes file whose id column is ``user_id``, as in the interactions file."""
+    data = _interactions_csv(tmp_path / "ratings.csv", user_col="user_id")
+    attributes = _attributes_csv(tmp_path / "users.csv", "user_id")
+    config = make_run_config(dataset="generic", generic_file=str(data), generic_attributes_file=str(attributes),
+                             generic_columns="user_id,item,rating,timestamp", cache_dir=str(tmp_path / "cache"),
+                             num_test_negatives=5, ks="5", min_user_interactions=2)
+    split = load_split_for(config)
+    genders = dict(zip(split.user_ids.tolist(), split.attributes["gender"].tolist()))
+    assert genders["u0"] == "F" and genders["u1"] == "M" and genders["heavy"] == "F"
+    # the old name still works, and a file with neither names both tried
+    source = GenericSource(str(data), user_col="user_id", item_col="item",
+                           attributes_path=str(_attributes_csv(tmp_path / "old.csv", "user")))
+    assert load_interactions("generic", generic=source).attributes.loc["u1", "gender"] == "M"
+    source = GenericSource(str(data), user_col="user_id", item_col="item",
+                           attributes_path=str(_attributes_csv(tmp_path / "other.csv", "uid")))
+    with pytest.raises(DataError, match=r"attributes user column not found: tried \['user_id', 'user'\].*'uid'"):
+        load_interactions("generic", generic=source)
+
+
+def test_config_json_records_what_the_split_did(tmp_path):
+    """Case 3: duplicates removed, users/items dropped by min-user-interactions, and the order without timestamps."""
+    from fedrec_flwr.serial import run_serial
+    from tests.conftest import tiny_run_config, write_tiny_dataset
+
+    path = write_tiny_dataset(tmp_path / "data")
+    lines = path.read_text().splitlines()
+    rows = [line.rsplit(",", 1)[0] for line in lines[1:]]  # drop the timestamp
+    rows += rows[:3]  # 3 duplicate rows
+    rows += ["lonely,i_only_lonely,5"]  # a user with 1 interaction, and an item only it has
+    (tmp_path / "data" / "nots.csv").write_text("\n".join(["user,item,rating"] + rows) + "\n")
+    config = tiny_run_config(tmp_path, generic_file=str(tmp_path / "data" / "nots.csv"),
+                             generic_columns="user,item,rating", min_user_interactions=3, num_server_rounds=1,
+                             fraction_train=0.2, run_name="facts")
+    folder = run_serial(config)
+    written = json.loads((folder / "config.json").read_text())
+    split = written["split"]
+    assert split["duplicates-removed"] == 3
+    assert split["dropped-users"] == 1 and split["dropped-items"] == 1 and split["interactions-of-dropped-users"] == 1
+    assert split["interactions-in-file"] == len(rows)
+    assert split["held-out-order"].startswith("seeded random order (the file has no timestamps")
+    assert split["tie-rule-applied"] is False and split["users-with-tied-latest"] == 0
+    assert written["tie-rule"].startswith("not applied: seeded random order")
+    assert split["min-user-interactions"] == 3
+
+
+def test_generic_data_dir_is_the_file_or_the_folder_relative_names_resolve_in(tmp_path, caplog):
+    """Case 4: ``data-dir`` pointing at the CSV, relative ``generic-file`` against ``data-dir``."""
+    data = _interactions_csv(tmp_path / "mine" / "x.csv")
+    common = dict(dataset="generic", num_test_negatives=5, ks="5", min_user_interactions=2,
+                  cache_dir=str(tmp_path / "cache"))
+    by_file = load_split_for(make_run_config(data_dir=str(data), **common))
+    by_folder = load_split_for(make_run_config(data_dir=str(tmp_path / "mine"), generic_file="x.csv", **common))
+    assert by_file.equals(by_folder) and by_file.num_users == 7
+    with pytest.raises(ConfigError, match=r"'generic-file' = 'y.csv': file '.*mine/y.csv' not found \(resolved "
+                                          r"against data-dir"):
+        load_split_for(make_run_config(data_dir=str(tmp_path / "mine"), generic_file="y.csv", **common))
+    with pytest.raises(ConfigError, match="'data-dir' = .* is a file, so it is the interactions file, but "
+                                          "'generic-file' = 'other.csv' names another"):
+        load_split_for(make_run_config(data_dir=str(data), generic_file="other.csv", **common))
+    with pytest.raises(ConfigError, match="'generic-file' is empty but dataset = 'generic' needs"):
+        make_run_config(dataset="generic")
+
+
+def test_short_rows_and_missing_timestamps_are_named(tmp_path, caplog):
+    """Case 4: a row with too few fields names the missing field; a file without timestamps says how to read it, and
+    reading it without them says that the held-out item is then chosen by a seeded random order."""
+    path = tmp_path / "short.csv"
+    path.write_text("user,item,rating,timestamp\n" + "".join(f"u1,i{k},5,{100 + k}\n" for k in range(5)) + "u1,i9\n")
+    source = GenericSource(str(path), user_col="user", item_col="item", rating_col="rating", timestamp_col="timestamp")
+    with pytest.raises(DataError, match=r"short.csv, line 7: 2 fields, expected 4: the rating field \('rating', "
+                                        r"field 3\) is missing"):
+        load_interactions("generic", generic=source)
+    path.write_text("user,item\n" + "".join(f"u1,i{k}\n" for k in range(5)) + "u1\n")
+    with pytest.raises(DataError, match=r"line 7: 1 field, expected 2: the item field \('item', field 2\) is missing"):
+        load_interactions("generic", generic=GenericSource(str(path), user_col="user", item_col="item"))
+
+    data = _interactions_csv(tmp_path / "nots.csv", with_ts=False)
+    with pytest.raises(DataError, match=r"timestamp column 'timestamp' not found.*generic-columns.*\"user,item,rating\""
+                                        r".*seeded random order"):
+        load_interactions("generic", generic=GenericSource(str(data), "user", "item", "rating", "timestamp"))
+    caplog.set_level(logging.WARNING, logger="fedrec_flwr.data")
+    inter = load_interactions("generic", generic=GenericSource(str(data), "user", "item", "rating"))
+    split = preprocess(inter, min_user_interactions=2, num_test_negatives=5)
+    assert "no timestamps, so each user's held-out item is chosen by a seeded random order (seed 0)" in caplog.text
+    assert split.meta["held_out_order"].startswith("seeded random order")
