@@ -441,14 +441,16 @@ def _unknown_keys_message(unknown: list[str], valid: set[str]) -> str:
     hints = []
     for key in unknown:
         close = difflib.get_close_matches(key, sorted(valid), n=3, cutoff=0.6)
-        if key in ("num-supernodes", "client-resources-num-cpus", "client-resources-num-gpus"):
-            hints.append(f"'{key}' is a federation setting, not a run-config key: pass it with --federation-config "
-                         f"(python -m fedrec_flwr.launch run --num-supernodes N for num-supernodes)")
+        if key == "num-supernodes":
+            hints.append("'num-supernodes' is a federation setting, not a run-config key: python -m fedrec_flwr.launch "
+                         "run --num-supernodes N (flwr run: --federation-config \"num-supernodes=N\")")
+        elif key.startswith(("client-resources-", "init-args-")):
+            hints.append(f"'{key}' is a federation setting, not a run-config key: --federation-config {key}=...")
         elif close:
-            hints.append(f"'{key}': did you mean {' or '.join(repr(c) for c in close)}?")
+            hints.append(f"'{key}': did you mean {' or '.join(repr(c) for c in close)}")
     return (f"unknown run-config key(s) {unknown}" + ("; " + "; ".join(hints) if hints else "") +
-            f". The {len(valid)} keys are listed with their meaning in pyproject.toml [tool.flwr.app.config]; a plug-in "
-            "strategy or client declares its own keys in its class attribute config_keys")
+            f" (all {len(valid)} keys, with their meaning: pyproject.toml [tool.flwr.app.config]; a plug-in strategy "
+            "or client declares its own keys in its class attribute config_keys)")
 
 
 def register_extra_keys(owner: str, keys: Mapping[str, str]) -> None:

@@ -61,7 +61,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, FedRecError
-from .launch import PROJECT_ROOT, _alive, _group_members, flwr_env, processes_with_env, run_config_args, terminate
+from .launch import (PROJECT_ROOT, _alive, _group_members, flwr_env, processes_with_env, run_config_args,
+                     shipped_files, terminate)
 
 CONNECTION = "fedrec-deploy"
 """Name of the SuperLink connection written into the deployment's ``$FLWR_HOME/config.toml``."""
@@ -336,11 +337,9 @@ def app_snapshot(dest: str | os.PathLike, source: str | os.PathLike = PROJECT_RO
     """
     import shutil
 
-    from flwr.cli.build import get_filtered_fab_paths
-
     source, dest = Path(source), Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    for relative in ["pyproject.toml", *get_filtered_fab_paths(files, config)]:
+    for relative in shipped_files(source):
         (dest / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(source / relative, dest / relative)
     return dest

@@ -416,15 +416,28 @@ def _toml_value(value: Any) -> str:
     raise ConfigError(f"run-config value {value!r}: only strings, numbers and booleans can be passed to flwr run")
 
 
-def run_config_args(overrides: Mapping[str, Any]) -> list[str]:
+def run_config_args(overrides: Mapping[str, Any], declared: Iterable[str] | None = None) -> list[str]:
     """``--run-config`` arguments for ``flwr run`` from a mapping of overrides; Flower parses each value back exactly
-    (``flwr.common.config.parse_config_args``)."""
+    (``flwr.common.config.parse_config_args``).
+
+    Keys that ``[tool.flwr.app.config]`` does not declare (``declared``, default: this project's keys) are a plug-in's
+    own keys, which Flower would refuse: they travel packed into ``plugin-config`` (``"key=value ..."``), which
+    :meth:`fedrec_flwr.config.RunConfig.from_mapping` unpacks and checks against the plug-in's ``config_keys``."""
     if not overrides:
         return []
     for key in overrides:
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(key)):
             raise ConfigError(f"run-config key {key!r}: keys are letters, digits, '-', '_' and '.'")
-    return ["--run-config", " ".join(f"{k}={_toml_value(v)}" for k, v in overrides.items())]
+    known = set(default_mapping(PROJECT_ROOT / "pyproject.toml") if declared is None else declared)
+    plain = {k: v for k, v in overrides.items() if k in known}
+    packed = {k: v for k, v in overrides.items() if k not in known}
+    if packed:
+        if "plugin-config" not in known:
+            raise ConfigError(f"run-config key(s) {sorted(packed)} are not in [tool.flwr.app.config]")
+        given = str(plain.get("plugin-config") or "")
+        plain["plugin-config"] = " ".join([*([given] if given else []),
+                                           *(f"{k}={_toml_value(v)}" for k, v in packed.items())])
+    return ["--run-config", " ".join(f"{k}={_toml_value(v)}" for k, v in plain.items())]
 
 
 def parse_override(pair: str, defaults: Mapping[str, Any] | None = None, what: str = "run-config") -> tuple[str, Any]:
@@ -483,6 +496,7 @@ def check_run(overrides: Mapping[str, Any], num_supernodes: int | None = None) -
     mapping.update(overrides)
     config = RunConfig.from_mapping(mapping)
     check_components(config)
+    check_shipped(config)
     num_users = load_split_for(config).num_users
     needed = -(-num_users // config.users_per_node)
     if num_supernodes is not None and num_supernodes != needed:
@@ -491,6 +505,50 @@ def check_run(overrides: Mapping[str, Any], num_supernodes: int | None = None) -
             f"{config.users_per_node}, which needs exactly {needed} SuperNodes (partition-id 0..{needed - 1}); "
             f"leave --num-supernodes out to get {needed}")
     return needed
+
+
+def shipped_files(project: str | os.PathLike = PROJECT_ROOT) -> list[str]:
+    """The files (paths relative to ``project``) that ``flwr run <project>`` ships in the app (FAB), by Flower's own
+    filter of ``fab-include`` / ``fab-exclude``; only non-hidden folders are walked (not ``.venv``)."""
+    import tomllib
+
+    from flwr.cli.build import get_filtered_fab_paths
+
+    project = Path(project)
+    with open(project / "pyproject.toml", "rb") as handle:
+        config = tomllib.load(handle)
+    files: dict[str, Path] = {}
+    for folder, dirs, names in os.walk(project):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("__pycache__", "results")]
+        for name in names:
+            path = Path(folder) / name
+            files[path.relative_to(project).as_posix()] = path
+    return ["pyproject.toml", *get_filtered_fab_paths(files, config)]
+
+
+def check_shipped(config: Any, project: str | os.PathLike = PROJECT_ROOT) -> None:
+    """Refuse a plug-in strategy or client whose module is a file of the checkout that the app does not ship: the
+    ServerApp and ClientApps import from Flower's installed copy of the app, where it would be missing.
+
+    Raises:
+        ConfigError: naming the file and where to put it (``plugins/``).
+    """
+    from .registry import resolve
+
+    project = Path(project).resolve()
+    shipped: set[str] | None = None
+    for kind, spec in (("strategy", config.strategy), ("client", config.client)):
+        module = sys.modules.get(resolve(kind, spec).__module__)
+        path = Path(getattr(module, "__file__", "") or "/").resolve()
+        if project not in path.parents or ".venv" in path.relative_to(project).parts:
+            continue  # an installed package or a PYTHONPATH folder outside the checkout: importable there too
+        shipped = set(shipped_files(project)) if shipped is None else shipped
+        relative = path.relative_to(project).as_posix()
+        if relative not in shipped:
+            raise ConfigError(
+                f"run-config key '{kind}' = {spec!r}: {relative} is not shipped with the app (fab-include in "
+                f"pyproject.toml), so the ServerApp and ClientApps cannot import it: move it to plugins/ "
+                f"({kind}=plugins.{path.stem}:{spec.rpartition(':')[2]})")
 
 
 def num_supernodes_for(overrides: Mapping[str, Any]) -> int:

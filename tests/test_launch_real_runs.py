@@ -4,6 +4,7 @@ ServerApp, and Ctrl-C. Each run starts its own SuperLink on free ports, so these
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -61,8 +62,8 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 
 # 107 s on a loaded 2-core machine (35 s of CPU): the one real-run check of issues 16 and 22 that CI runs
 def test_two_runs_at_once_spare_bystanders_and_a_failed_run_exits_non_zero(tmp_path):
-    """Run A (wrapped in `timeout`, under a shell, beside a `sleep`, all with the same FLWR_HOME) finishes with
-    status 0 while run B starts in the same checkout: B gets its own Flower home and ports, its ServerApp fails, and
+    """Run A (a plug-in strategy from plugins/ with its own key; wrapped in `timeout`, under a shell, beside a
+    `sleep`, all with the same FLWR_HOME) finishes with status 0 while run B starts in the same checkout: B gets its own Flower home and ports, its ServerApp fails, and
     B exits non-zero with the ServerApp's error as its last line. Nothing either run started is left."""
     home = (tmp_path / "home").resolve()
     plugins = tmp_path / "plugins"
@@ -71,7 +72,8 @@ def test_two_runs_at_once_spare_bystanders_and_a_failed_run_exits_non_zero(tmp_p
     env = {**os.environ, "FLWR_HOME": str(home),
            "PYTHONPATH": os.pathsep.join([str(plugins), os.environ.get("PYTHONPATH", "")])}
     bystander = subprocess.Popen(["sleep", "600"], env=env)
-    command_a = " ".join(f"'{c}'" for c in _launcher(tmp_path, "a"))
+    command_a = " ".join(f"'{c}'" for c in _launcher(tmp_path, "a", strategy="plugins.server_lr:ServerLrItemFedAvg",
+                                                     **{"server-lr": 0.3}))
     run_a = subprocess.Popen(["bash", "-c", f"timeout 900 nice -n 5 {command_a}; echo parent-alive $?"], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=PROJECT_ROOT)
     try:
@@ -87,6 +89,8 @@ def test_two_runs_at_once_spare_bystanders_and_a_failed_run_exits_non_zero(tmp_p
     assert "parent-alive 0" in output_a, output_a[-3000:]
     assert (tmp_path / "results" / "a" / "summary.json").is_file(), output_a[-3000:]
     assert "round    2 | HR@10" in output_a
+    recorded = json.loads((tmp_path / "results" / "a" / "config.json").read_text())["run-config"]
+    assert recorded["strategy"] == "plugins.server_lr:ServerLrItemFedAvg" and recorded["server-lr"] == 0.3
     assert run_b.returncode != 0
     last = run_b.stderr.strip().splitlines()[-1]
     assert "boom: this strategy refuses to start" in run_b.stderr.strip().splitlines()[-2] + last, run_b.stderr
