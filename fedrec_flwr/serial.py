@@ -5,7 +5,8 @@ delivers each message straight to the ClientApp, in this process, with one persi
 node (its ``node_config`` holds ``partition-id`` / ``num-partitions``, its ``state`` lives for the whole run). Every
 line of the apps, the strategy and the clients is the same as under ``flwr run``; only transport and scheduling
 differ. Because replies are put in canonical order by the strategy and all randomness is derived from the seed, a
-serial run gives the same model as the Ray simulation (tested in ``tests/test_method_clients.py``).
+serial run gives the same model as the Ray simulation (tested, bit for bit, for each client family in
+``tests/test_serial_equals_ray.py``).
 
 Use it for experiments with many runs on one machine (``experiments/``), for debugging with a plain debugger, and in
 tests. A failing ClientApp handler becomes an error reply, as in Flower, so the strategy's failure handling is

@@ -147,12 +147,13 @@ def _hand_gradients(p: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return dz @ q[ITEMS], grad_q
 
 
-def _hand_sam(rho_shared: float, rho_private: float) -> tuple[np.ndarray, np.ndarray]:
-    """(private SAM gradient, shared SAM gradient): each group perturbed alone by rho * g / ||g|| (its own radius)."""
-    g_p, g_q = _hand_gradients(P0, Q0)
+def _hand_sam(rho_shared: float, rho_private: float, p: np.ndarray = P0, q: np.ndarray = Q0):
+    """(private SAM gradient, shared SAM gradient) at ``(p, q)``: each group perturbed alone by rho * g / ||g||
+    (its own radius)."""
+    g_p, g_q = _hand_gradients(p, q)
     eps_q = rho_shared * g_q / np.linalg.norm(g_q)
     eps_p = rho_private * g_p / np.linalg.norm(g_p)
-    return _hand_gradients(P0 + eps_p, Q0)[0], _hand_gradients(P0, Q0 + eps_q)[1]
+    return _hand_gradients(p + eps_p, q)[0], _hand_gradients(p, q + eps_q)[1]
 
 
 def _mf64() -> torch.nn.Module:
@@ -193,6 +194,39 @@ def test_decoupled_sam_updates_the_shared_group_with_its_own_sam_gradient_in_fed
     sam_p, sam_q = _hand_sam(0.3, 0.1)
     np.testing.assert_allclose(model.item_embedding.weight.detach().numpy(), Q0 - lr * sam_q, rtol=0, atol=1e-13)
     np.testing.assert_allclose(model.user_embedding.weight.detach().numpy()[0], P0 - lr * sam_p, rtol=0, atol=1e-13)
+
+
+def test_uploaded_shared_gradient_is_the_mean_over_local_steps():
+    """Two full-batch steps in gradient mode: the private group moves after step 1, so step 2's shared SAM gradient
+    is taken at (P1, Q0); the upload is the mean of the two."""
+    model, lr = _mf64(), 0.5
+    trainer = SAMTrainer(model, LocalTrainConfig(learning_rate=lr, optimizer="sgd", batch_size=64),
+                         rho_shared=0.3, rho_private=0.1, update_shared=False)
+    trainer.fit_examples(np.zeros(len(ITEMS), np.int64), ITEMS, LABELS, torch.Generator().manual_seed(0), epochs=2)
+    sam_p1, sam_q1 = _hand_sam(0.3, 0.1)
+    p1 = P0 - lr * sam_p1
+    sam_p2, sam_q2 = _hand_sam(0.3, 0.1, p1, Q0)
+    np.testing.assert_allclose(trainer.shared_grads["item_embedding.weight"].numpy(), (sam_q1 + sam_q2) / 2,
+                               rtol=0, atol=1e-13)
+    np.testing.assert_allclose(model.user_embedding.weight.detach().numpy()[0], p1 - lr * sam_p2, rtol=0, atol=1e-13)
+    assert np.abs(sam_q1 - sam_q2).max() > 1e-4  # the two steps' gradients differ: a sum or a last-only would show
+
+
+def test_reported_loss_is_the_mean_of_the_chunk_means_at_the_start_of_the_last_step():
+    """batch-size 2 over 5 examples: chunks of 2, 2 and 1 examples in the step's shuffled order; the loss summed over
+    chunks (FedRecGEL's objective) is reported divided by the number of chunks."""
+    model = _mf64()
+    trainer = SAMTrainer(model, LocalTrainConfig(learning_rate=0.5, optimizer="sgd", batch_size=2),
+                         rho_shared=0.3, rho_private=0.1, update_shared=True)
+    loss, n = trainer.fit_examples(np.zeros(len(ITEMS), np.int64), ITEMS, LABELS, torch.Generator().manual_seed(0),
+                                   epochs=1)
+    order = torch.randperm(len(ITEMS), generator=torch.Generator().manual_seed(0)).numpy()
+    z = Q0[ITEMS[order]] @ P0
+    per_example = np.logaddexp(0.0, z) - LABELS[order] * z  # BCE with logits
+    chunk_means = [per_example[i:i + 2].mean() for i in range(0, len(ITEMS), 2)]
+    assert n == 5 and len(chunk_means) == 3
+    assert loss == pytest.approx(sum(chunk_means) / 3, rel=0, abs=1e-13)
+    assert abs(sum(chunk_means) / 3 - per_example.mean()) > 1e-6  # the chunking is visible in the value
 
 
 class _NaNAtCall:
