@@ -139,13 +139,14 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float):
 
 
 def default_run_name(config: RunConfig) -> str:
-    """``<dataset>-<model>-<client>-<strategy>-<UTC time>`` unless ``run-name`` is set."""
+    """``<dataset>-<model>-<client>-<strategy>[-unlearn-<method>]-<UTC time>`` unless ``run-name`` is set."""
     if config.run_name:
         return config.run_name
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     client = config.client.rsplit(":", 1)[-1].lower()
     strategy = config.strategy.rsplit(":", 1)[-1].lower()
-    return f"{config.dataset}-{config.model}-{client}-{strategy}-{stamp}"
+    unlearn = f"-unlearn-{config.unlearning}" if config.unlearning != "none" else ""
+    return f"{config.dataset}-{config.model}-{client}-{strategy}{unlearn}-{stamp}"
 
 
 @dataclass

@@ -77,3 +77,4 @@ def test_plugin_strategy_with_its_own_key_runs_and_is_recorded(tmp_path):
         np.testing.assert_allclose(full[key], plain[key], rtol=0, atol=1e-6)
     assert any(not np.allclose(damped[k], plain[k]) for k in plain)
     assert json.loads((folder / "config.json").read_text())["run-config"]["server-lr"] == 0.3
+
