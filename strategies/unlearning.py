@@ -23,9 +23,24 @@ curvature. For a quadratic ``L`` with ``s = 1`` and ``damping = 0`` the step lan
 the users whose loss uses that row (a popular item's row is stiff, a rare one's soft), so ``damping`` is compared
 with per-row sums of user curvatures. (Normalising by the number of users, as influence functions do for a mean
 loss, makes every row's curvature about ``1 / n_R`` of that and lets ``damping`` swamp it: we measured the full
-step then equal to ``g_F / (n_R * damping)`` to 1e-4, a scaled gradient step.) ``s`` is ``unlearn-scale`` (eta, default 0.01 as in the paper); with
-``adaptive-scale`` (ours: the paper's rule is not in its abstract) the step is also capped so that it changes the
-parameters it touches by at most ``unlearn-max-step`` of their norm: ``s = min(eta, max_step * ||theta_S|| / ||x||)``.
+step then equal to ``g_F / (n_R * damping)`` to 1e-4, a scaled gradient step.) ``s`` is ``unlearn-scale`` (eta).
+With this summed-loss normalisation ``s = 1`` is the full influence step; the paper's default 0.01 is 1% of it, does
+not transfer to our normalisation and measurably does nothing (issue 6: relative update 1e-8 to 2e-4). With
+``adaptive-scale`` (ours: the paper's rule is not in its abstract; the issue-6 arm) the step is also capped so that
+it changes the parameters it touches by at most ``unlearn-max-step`` of their norm: ``s = min(eta, max_step *
+||theta_S|| / ||x||)``.
+
+**Curvature and solver (issue 18; ours).** A 100-round federated model is not at a minimum, and there NCF's Hessian
+is indefinite: plain CG met non-positive curvature after 2-4 iterations in every FedNCF setting and the step was
+dropped. ``curvature = "gauss-newton"`` replaces ``H_R`` by the generalised Gauss-Newton matrix ``sum_u J_u^T H_z
+J_u`` (positive semi-definite by construction; equal to the Hessian for MF; :func:`fedrec_flwr.krylov.
+gauss_newton_vector_product`); ``"hessian"`` keeps the exact Hessian. ``krylov-solver = "steihaug"`` solves the
+trust-region subproblem ``min m(x) = -g_F^T x + 1/2 x^T (H_R + damping I) x, ||x|| <= Delta`` by Steihaug-Toint CG
+(:func:`fedrec_flwr.krylov.steihaug_cg`): inside the radius it is CG; when the next iterate would leave it, or a
+direction of non-positive curvature appears, it steps to the boundary, so no solve is dropped. ``Delta =
+trust-radius * ||theta_S||`` with ``theta_S`` the shared parameters ``g_F`` touches (its item rows and the dense
+parameters), so the radius is a relative size (ours). ``"cg"`` is the issue-6 arm (plain CG, truncated at
+non-positive curvature).
 
 **Causal weighting.** Only users whose loss shares rows with ``g_F`` are *affected*: the server sends ``g_F``'s row
 ids once to every node (``unlearn_affected``); each node answers how many of its users are affected (a node total,

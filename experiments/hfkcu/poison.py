@@ -19,6 +19,8 @@ reported settings use the target drawn with seed 0 and training seeds 0-2.
 from __future__ import annotations
 
 import os
+import pickle
+import types
 from pathlib import Path
 
 import numpy as np
@@ -44,32 +46,29 @@ VARIANTS = {
     "continued training (5 rounds)": {"method": "continue"},
 }
 """Unlearning phases of the reported settings (:class:`strategies.unlearning.UnlearningSettings` fields over the run
-config's defaults)."""
+config's defaults). ``continue`` runs inside the original run (it needs the run's sampling); the others are applied
+to the saved trained federation by :func:`replay` (identical results: the phases only read the trained state)."""
+
+IN_RUN = {k: v for k, v in VARIANTS.items() if v["method"] == "continue"}
+REPLAYED = {k: v for k, v in VARIANTS.items() if v["method"] != "continue"}
 
 
 def _sweep() -> dict:
+    full = {"method": "hfkcu", "scale": 1.0, "adaptive_scale": False}
     out = {}
-    for radius in (0.02, 0.05, 0.1, 0.2, 0.5, 1.0):
-        out[f"steihaug GN radius {radius}"] = {"method": "hfkcu", "trust_radius": radius, "scale": 1.0,
-                                               "adaptive_scale": False}
-    for radius in (0.05, 0.1, 0.2):
-        out[f"steihaug GN radius {radius}, local"] = {"method": "hfkcu", "krylov_mode": "local",
-                                                      "trust_radius": radius, "scale": 1.0, "adaptive_scale": False}
-    for radius in (0.1, 0.2):
-        out[f"steihaug GN radius {radius}, k=3"] = {"method": "hfkcu", "trust_radius": radius, "scale": 1.0,
-                                                    "adaptive_scale": False, "cg_iterations": 3}
-        out[f"steihaug GN radius {radius}, damping 1"] = {"method": "hfkcu", "trust_radius": radius, "scale": 1.0,
-                                                          "adaptive_scale": False, "damping": 1.0}
-    for scale in (0.05, 0.1, 0.2, 0.5):
-        out[f"CG GN eta {scale}"] = {"method": "hfkcu", "krylov_solver": "cg", "scale": scale,
-                                     "adaptive_scale": False}
-    out["CG Hessian eta 1"] = {"method": "hfkcu", "krylov_solver": "cg", "curvature": "hessian", "scale": 1.0,
-                               "adaptive_scale": False}
+    for scale in (0.06, 0.07, 0.08):  # a fraction of the (Gauss-Newton) Newton step
+        out[f"CG GN eta {scale}"] = {**full, "krylov_solver": "cg", "scale": scale}
+    for damping in (0.1, 0.2, 0.3, 0.5):  # the full step, damped (Levenberg-Marquardt), radius as a safeguard
+        out[f"steihaug GN damping {damping} radius 1"] = {**full, "damping": damping, "trust_radius": 1.0}
+    for radius in (0.005, 0.01):  # the full step inside a small trust region
+        out[f"steihaug GN radius {radius}"] = {**full, "trust_radius": radius}
     return out
 
 
 DEV_VARIANTS = _sweep()
-"""The development sweep: trust radius, solver, curvature, scale, k, damping (ML-100K FedMF, seed 100)."""
+"""The development sweep, applied by :func:`replay` to the development federation. A first sweep (in
+``sweep1-partial.json``: radius 0.02-1, local, k = 3, damping 1, CG eta 0.05-0.5) showed every full or
+radius >= 0.02 step overshooting to percentile 0-0.23 and damping 1 doing too little (0.70)."""
 
 DEV = {"dataset": "ml-100k", "model": "FedMF", "fakes": 100, "seed": 100, "target-seed": 100}
 
@@ -129,7 +128,8 @@ def run_setting(dataset: str, model: str, fakes: int, seed: int, kind: str, *, d
         out = folder / "original"
 
         def at_end(view, train_seconds: float) -> None:
-            rows = run_phases(view, runtime, {"fake users": fake_users}, lambda _: variants or VARIANTS, out,
+            save_snapshot(view, snapshot_path(cache, dataset, model, fakes, seed, target_seed))
+            rows = run_phases(view, runtime, {"fake users": fake_users}, lambda _: IN_RUN if variants is None else variants, out,
                               poison_target=target)
             atomic_write_json(out / "phase.json", {
                 "train-seconds": train_seconds, "rows": rows, "target-item": target, "target-raw-id": target_raw,
@@ -143,3 +143,61 @@ def run_setting(dataset: str, model: str, fakes: int, seed: int, kind: str, *, d
         config = base_config("generic", model, data_dir, folder, "retrain-fake-users", seed=seed, **generic,
                              unlearning="retrain", forget_users=",".join(str(int(u)) for u in fake_users))
         train_then(config, out, "retrain.json", retrain_end(runtime, out, "fake users", fake_users, target))
+
+
+# ---------------------------------------------------------------------------------------------- snapshots
+def snapshot_path(cache: Path, dataset: str, model: str, fakes: int, seed: int, target_seed: int) -> Path:
+    return cache / "snapshots" / f"{dataset}-{model}-fakes{fakes}-seed{seed}-target{target_seed}.pkl"
+
+
+def save_snapshot(view, path: Path) -> None:
+    """The trained poisoned federation after round 100: shared arrays and every node's state (the users' private
+    records; simulation only, kept in the uncommitted cache) so that more phases can be applied later
+    (:func:`replay`) without retraining."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"arrays": {k: v.numpy().copy() for k, v in view.arrays.items()},
+               "states": {node: context.state for node, context in view.grid.contexts.items()},
+               "server-round": int(view.server_round)}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(payload))
+    tmp.replace(path)
+
+
+def replay(dataset: str, model: str, fakes: int, seed: int, variants: dict, *, data_dir: str, runs: Path,
+           cache: Path, target_seed: int = 0, name: str = "replay") -> list[dict]:
+    """Apply ``variants`` to a saved trained federation (:func:`save_snapshot`) and write ``<name>.json`` next to its
+    ``phase.json``: a one-round run builds the strategy and the grid, whose node states and arrays are then replaced
+    by the snapshot's (the round-1 training is discarded; ``continue`` variants are not supported here)."""
+    from flwr.app import Array, ArrayRecord
+
+    from experiments.hfkcu.run import base_config, run_phases
+    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.serial import run_serial
+
+    if any(v.get("method") == "continue" for v in variants.values()):
+        raise ValueError("replay: continued training needs the original run's sampling; run it in the original")
+    snapshot = pickle.loads(snapshot_path(cache, dataset, model, fakes, seed, target_seed).read_bytes())
+    path, target_raw = poisoned_data(dataset, data_dir, fakes, target_seed, cache)
+    folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
+    generic = {"generic-file": str(path), "generic-columns": "user,item,rating,timestamp"}
+    config = base_config("generic", model, data_dir, cache / "replay-runs", name, seed=seed, **generic,
+                         num_server_rounds=1, eval_every=1, fraction_evaluate=0.0)
+    runtime = get_runtime(config.to_dict())
+    split = runtime.split
+    fake_users = np.flatnonzero(np.array([int(u) >= FAKE_USER_BASE for u in split.user_ids])).astype(np.int64)
+    target = int(np.flatnonzero(split.item_ids.astype(str) == target_raw)[0])
+    out = folder / "original" / name
+    rows: list[dict] = []
+
+    def on_round(view) -> None:
+        for node, context in view.grid.contexts.items():
+            context.state = snapshot["states"][node]
+        arrays = ArrayRecord({k: Array(v) for k, v in snapshot["arrays"].items()})
+        restored = types.SimpleNamespace(strategy=view.strategy, grid=view.grid, config=view.config, arrays=arrays,
+                                         server_round=snapshot["server-round"])
+        rows.extend(run_phases(restored, runtime, {"fake users": fake_users}, lambda _: variants, out,
+                               poison_target=target))
+
+    run_serial(config, on_round=on_round)
+    atomic_write_json(folder / "original" / f"{name}.json", {"rows": rows, "target-item": target})
+    return rows

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from experiments.common import markdown, pyplot, save_figure, slug, write_csv
+from experiments.common import fmt, markdown, mean_std, pyplot, save_figure, slug, write_csv
 from experiments.hfkcu.analysis import mean_kl, membership, parameter_gap
 from experiments.hfkcu.methods import ABLATIONS, DATASETS, FORGET_SETS, MODELS
 from experiments.hfkcu.run import SEED as _SEED, base_config
@@ -153,35 +153,96 @@ def report(results: Path, data_dir: str) -> None:
     print(f"wrote {results / 'main.md'}")
 
 
-def poison_report(results: Path) -> None:
-    folder = results / "runs" / "poison"
+DEFAULT_VARIANT = "HF-KCU distributed (default)"
+ACCEPT = {"closed": 0.70, "overshoot": 0.10, "hr-points": 1.0, "speedup": 10.0}
+"""Issue 18's acceptance at the defaults: close >= 70% of the original -> retrained gap in target percentile, never
+overshoot past retrained by more than 10% of the gap, HR@10 within 1 point of retrained, >= 10x faster."""
+
+
+def _poison_rows(folder: Path) -> list[dict]:
     rows = []
-    for model_dir in sorted(folder.glob("*")) if folder.is_dir() else []:
-        phase_file, retrain_file = model_dir / "original" / "phase.json", model_dir / "retrain-fake-users" / "retrain.json"
-        if not phase_file.is_file():
+    for original in sorted(folder.glob("*/*/fakes-*/seed-*/original")):
+        setting = original.parent
+        dataset, model = setting.parts[-4], setting.parts[-3]
+        fakes, seed = int(setting.parts[-2].split("-")[1]), int(setting.parts[-1].split("-")[1])
+        retrain_file = setting / "retrain-fake-users" / "retrain.json"
+        phase_file = original / "phase.json"
+        if not (phase_file.is_file() and retrain_file.is_file()):
             continue
-        phase = json.loads(phase_file.read_text())
-        retrain = json.loads(retrain_file.read_text()) if retrain_file.is_file() else None
-        for row in phase["rows"]:
-            rows.append({"model": model_dir.name, "variant": row["variant"], "exposure": row["exposure"],
-                         "target-percentile": row.get("target-percentile"), "HR@10": row["HR@10"],
-                         "seconds": row["seconds"] if row["variant"] != "original" else None})
-        if retrain:
-            rows.append({"model": model_dir.name, "variant": "retrained without fake users",
-                         "exposure": retrain["exposure"], "target-percentile": retrain.get("target-percentile"),
-                         "HR@10": retrain["HR@10"], "seconds": retrain["train-seconds"]})
+        retrain = json.loads(retrain_file.read_text())
+        variants = json.loads(phase_file.read_text())["rows"]
+        for extra in sorted(original.glob("*.json")):
+            if extra.name not in ("phase.json", "summary.json", "metrics.json", "config.json"):
+                variants += [r for r in json.loads(extra.read_text()).get("rows", []) if r["variant"] != "original"]
+        base = {"dataset": dataset, "model": model, "fakes": fakes, "seed": seed}
+        before = next(r for r in variants if r["variant"] == "original")
+        gap = before["target-percentile"] - retrain["target-percentile"]
+        for row in variants + [{**retrain, "variant": "retrained without fake users",
+                                "seconds": retrain["train-seconds"]}]:
+            value = row["target-percentile"]
+            rows.append({**base, "variant": row["variant"], "target-percentile": value,
+                         "exposure": row["exposure"], "HR@10": row["HR@10"], "NDCG@10": row["NDCG@10"],
+                         "closed": (before["target-percentile"] - value) / gap if gap else float("nan"),
+                         "overshoot": max(retrain["target-percentile"] - value, 0.0) / gap if gap else float("nan"),
+                         "HR@10-minus-retrained": 100 * (row["HR@10"] - retrain["HR@10"]),
+                         "seconds": row["seconds"] if row["variant"] != "original" else float("nan"),
+                         "speedup": retrain["train-seconds"] / row["seconds"] if row.get("seconds") else float("nan"),
+                         "messages": row.get("messages", float("nan")),
+                         "MB-sent": row.get("bytes-sent", float("nan")) / 1e6,
+                         "cg-iterations": row.get("cg-iterations", float("nan")),
+                         "termination": row.get("cg-termination", ""),
+                         "dropped": row.get("local-cg-dropped", float("nan"))})
+    return rows
+
+
+def poison_report(results: Path) -> None:
+    """``poison.csv`` / ``poison.md`` (every setting, variant and seed; mean ± std over seeds) and
+    ``poison-acceptance.md`` (issue 18's criteria for the default variant, per setting)."""
+    rows = _poison_rows(results / "runs" / "poison")
     if not rows:
         return
     frame = pd.DataFrame(rows)
     write_csv(frame, results / "poison.csv")
-    shown = frame.copy()
-    for column, digits in (("exposure", 3), ("target-percentile", 3), ("HR@10", 4), ("seconds", 1)):
-        shown[column] = shown[column].map(lambda v, d=digits: "-" if v is None or v != v else f"{v:.{d}f}")
-    atomic_write_text(results / "poison.md", "# Poisoning case study (generated by `python -m experiments.hfkcu.run "
-                      "report`)\n\nExposure: share of genuine users (who never rated the target) with the target item "
-                      "in their top 10 of all items they never rated; target-percentile: the mean share of those items the target "
-                      "outscores (0.5 = an average item). HR@10 on the genuine users.\n\n"
-                      + markdown(shown))
+    keys = ["dataset", "model", "fakes", "variant"]
+    columns = ["target-percentile", "closed", "overshoot", "HR@10", "HR@10-minus-retrained", "seconds", "speedup",
+               "MB-sent"]
+    summary = mean_std(frame, keys, columns)
+    shown = summary[keys + ["seeds"]].copy()
+    for column in columns:
+        digits = 1 if column in ("seconds", "speedup", "MB-sent", "HR@10-minus-retrained") else 3
+        shown[column] = [fmt(m, s, digits) for m, s in zip(summary[f"{column}-mean"], summary[f"{column}-std"])]
+    lines = ["# Poisoning removal (generated by `python -m experiments.hfkcu.run report`)", "",
+             "Fake users rate one unpopular target item and the 10 most popular items. target-percentile: the mean "
+             "share of a genuine user's never-rated items that the target outscores (0.5 = an average item); closed: "
+             "(original - variant) / (original - retrained) of it; overshoot: how far below the retrained value, as "
+             "a share of that gap; HR@10 of the genuine users; seconds: phase wall time (retrained: its 100 rounds' "
+             "training time); speedup over retraining; MB sent by the server in the phase (every query re-sends "
+             "the model). Mean ± std over the seeds run.", "", markdown(shown)]
+    atomic_write_text(results / "poison.md", "\n".join(lines))
+
+    accept = []
+    for (dataset, model, fakes, seed), block in frame.groupby(["dataset", "model", "fakes", "seed"], sort=True):
+        default = block[block["variant"] == DEFAULT_VARIANT]
+        if default.empty:
+            continue
+        row = default.iloc[0]
+        accept.append({"dataset": dataset, "model": model, "fakes": fakes, "seed": seed,
+                       "original": f"{block[block['variant'] == 'original'].iloc[0]['target-percentile']:.3f}",
+                       "retrained": f"{block[block['variant'].str.startswith('retrained')].iloc[0]['target-percentile']:.3f}",
+                       "default": f"{row['target-percentile']:.3f}",
+                       "closed >= 0.70": f"{row['closed']:.2f} {'yes' if row['closed'] >= ACCEPT['closed'] else 'NO'}",
+                       "overshoot <= 0.10": f"{row['overshoot']:.2f} "
+                                            f"{'yes' if row['overshoot'] <= ACCEPT['overshoot'] else 'NO'}",
+                       "|HR@10 - retrained| <= 1 pt": f"{row['HR@10-minus-retrained']:+.2f} "
+                       f"{'yes' if abs(row['HR@10-minus-retrained']) <= ACCEPT['hr-points'] else 'NO'}",
+                       "speedup >= 10x": f"{row['speedup']:.1f} {'yes' if row['speedup'] >= ACCEPT['speedup'] else 'NO'}",
+                       "solve ended by": row["termination"]})
+    if accept:
+        atomic_write_text(results / "poison-acceptance.md", "\n".join([
+            "# Issue 18 acceptance at the defaults, per poisoning setting (generated)", "",
+            f"Default variant: {DEFAULT_VARIANT!r} (the run config's defaults). Speedup: retraining's training "
+            "seconds over the phase's wall seconds, both on the same shared 2-core machine.", "",
+            markdown(pd.DataFrame(accept))]))
 
 
 def plot(main: pd.DataFrame, results: Path) -> None:

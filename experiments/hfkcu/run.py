@@ -196,7 +196,8 @@ def run_retrain(job) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["main", "poison", "poison-dev", "report"])
+    parser.add_argument("part", choices=["main", "poison", "poison-dev", "poison-replay", "poison-dev-sweep",
+                                         "report"])
     parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""),
                         help="folder holding <dataset>/ (default: $FEDREC_DATA_DIR; empty = download)")
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job from i")
@@ -204,6 +205,7 @@ def main(argv=None) -> None:
     parser.add_argument("--models", default=",".join(MODELS), help="poison: FedMF,FedNCF")
     parser.add_argument("--fakes", default="100,20", help="poison: numbers of fake users")
     parser.add_argument("--seeds", default="0,1,2", help="poison: training seeds")
+    parser.add_argument("--name", default="replay", help="poison-replay / poison-dev-sweep: the output's name")
     args = parser.parse_args(argv)
     quiet_flower()
     if args.part == "report":
@@ -211,12 +213,29 @@ def main(argv=None) -> None:
 
         report(RESULTS, args.data_dir)
         return
+    if args.part == "poison-dev-sweep":
+        from experiments.hfkcu.poison import DEV, DEV_VARIANTS, replay
+
+        replay(DEV["dataset"], DEV["model"], DEV["fakes"], DEV["seed"], DEV_VARIANTS, data_dir=args.data_dir,
+               runs=RESULTS / "runs" / "poison-dev", cache=CACHE, target_seed=DEV["target-seed"],
+               name=f"sweep-{args.name}")
+        return
+    if args.part == "poison-replay":  # the replayed variants on every finished original of the selection
+        from experiments.hfkcu.poison import REPLAYED, replay, snapshot_path
+
+        jobs = [(d, m, int(f), int(seed)) for d in args.datasets.split(",") for m in args.models.split(",")
+                for f in args.fakes.split(",") for seed in args.seeds.split(",")
+                if snapshot_path(CACHE, d, m, int(f), int(seed), 0).is_file()
+                and not (RUNS / "poison" / d / m / f"fakes-{f}" / f"seed-{seed}" / "original" / f"{args.name}.json").is_file()]
+        run_jobs(jobs, lambda job: replay(*job, REPLAYED, data_dir=args.data_dir, runs=RUNS / "poison", cache=CACHE,
+                                          name=args.name), args.shard, args.part)
+        return
     if args.part in ("poison", "poison-dev"):
-        from experiments.hfkcu.poison import DEV, DEV_VARIANTS, run_setting
+        from experiments.hfkcu.poison import DEV, run_setting
 
         if args.part == "poison-dev":
             jobs = [(DEV["dataset"], DEV["model"], DEV["fakes"], DEV["seed"], kind) for kind in ("original", "retrain")]
-            extra = {"target_seed": DEV["target-seed"], "variants": DEV_VARIANTS, "runs": RESULTS / "runs" / "poison-dev"}
+            extra = {"target_seed": DEV["target-seed"], "variants": {}, "runs": RESULTS / "runs" / "poison-dev"}
         else:  # one setting at a time: every seed of the first setting before the next one
             jobs = [(d, m, int(f), int(seed), kind) for d in args.datasets.split(",") for m in args.models.split(",")
                     for f in args.fakes.split(",") for seed in args.seeds.split(",") for kind in ("original", "retrain")]
