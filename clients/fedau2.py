@@ -18,6 +18,19 @@ Run-config keys:
 * ``adversary-trigger``: ``"sut"`` (FedAU²'s selective unlearning trigger) or ``"always"`` (constant ``eps``).
 * ``adversary-objective``: ``"reverse"`` (FedAU²'s gradient reversal) or ``"entropy"`` (ours, a control: the
   embedding moves toward the adversary's uniform prediction; :class:`fedrec_flwr.adversary.AdversarialTerm`).
+* ``adversary-training``: ``"server"`` (default; ours, issue 14): every client uses the round's global ``h_w``,
+  frozen, for the SUT and the GRL, and uploads ``h_w``'s gradient at that frozen copy
+  (:func:`fedrec_flwr.adversary.adversary_gradient`, with DSVAE's noise once on it) in place of ``h_w``'s values; the
+  strategy averages the gradients and steps ``h_w`` with its own optimizer
+  (:class:`strategies.adversary.AdversaryServerStep`, ``adversary-server-optimizer``,
+  ``adversary-server-learning-rate``). ``"per-client"``: FedAU², per-client adversary as first implemented (each
+  client trains its local copy of ``h_w`` on its single label, the strategy averages the copies; measured to collapse
+  to the majority class and write the attribute into the embeddings, issue 14).
+* ``adversary-embedding-optimizer``: ``"local"`` (the adversarial gradient is part of the loss the local optimizer
+  steps; Adam normalises its size away) or ``"sgd"`` (a plain SGD step of size ``learning-rate`` on the reversed
+  gradient, keeping its size; needs ``adversary-training = "server"`` and ``client = "fedau2"``).
+* ``adversary-class-prior``: ``""`` or a public class prior (e.g. the dataset's published shares), the same for every
+  user: ``h_w`` is trained with the logit-adjusted loss so its raw decision is balanced; no message carries a count.
 * ``adversary-epsilon``, ``adversary-hidden``, ``dsvae-latent-dim``, ``dsvae-kl-weight``, ``dsvae-gradient-noise``.
 * ``user-embedding-noise``: the DP baseline (ours in detail: FedAU² compares against DP noise on the user embedding
   without giving its mechanism): after each local training the user embedding is replaced by ``e + Laplace(0, b)``
@@ -39,14 +52,14 @@ import torch
 
 from clients.fedrec import FedRecClient
 from clients.fedrecgel import FedRecGELClient
-from fedrec_flwr.adversary import AdversarialTerm
+from fedrec_flwr.adversary import AdversarialTerm, adversary_gradient, parse_class_prior
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.seeding import TAG_CLIENT_EXTRA, torch_generator
 from fedrec_flwr.training import LocalTrainer
 
 log = logging.getLogger(__name__)
 
-_ADVERSARY_STREAM, _NOISE_STREAM = 0, 1
+_ADVERSARY_STREAM, _NOISE_STREAM, _UPLOAD_STREAM = 0, 1, 2
 
 
 class AttributeUnlearning:
@@ -61,6 +74,14 @@ class AttributeUnlearning:
         if config.model == "pfedrec":
             raise ConfigError(f"run-config key 'client' = {config.client!r}: attribute unlearning needs a model with a "
                               f"user embedding (model = 'mf' or 'ncf'), got model = 'pfedrec'")
+        if config.adversary_embedding_optimizer == "sgd" and (
+                config.adversary_training != "server" or config.adversary_objective != "reverse"
+                or not issubclass(cls, FedAU2Client)):
+            raise ConfigError(
+                "run-config key 'adversary-embedding-optimizer' = 'sgd' needs adversary-training = 'server', "
+                f"adversary-objective = 'reverse' and client = 'fedau2' (got {config.adversary_training!r}, "
+                f"{config.adversary_objective!r}, {config.client!r}; FedRecGEL's SAM evaluates the loss three times per "
+                "step, so its adversarial term must stay a loss: use 'local')")
         if config.adversary == "none" and config.user_embedding_noise == 0:
             log.warning("client %r with adversary = 'none' and user-embedding-noise = 0 trains the original model",
                         config.client)
@@ -82,11 +103,31 @@ class AttributeUnlearning:
         self._round_config = config
         cfg = self.runtime.config
         if cfg.adversary != "none":
+            server = cfg.adversary_training == "server"
+            sgd = cfg.adversary_embedding_optimizer == "sgd"
             trainer.loss_terms.append(AdversarialTerm(
                 trainer.model, label=self.protected_label, epsilon=cfg.adversary_epsilon,
                 trigger=cfg.adversary_trigger, kl_weight=cfg.dsvae_kl_weight,
-                generator=self._generator(config, _ADVERSARY_STREAM), objective=cfg.adversary_objective))
+                generator=self._generator(config, _ADVERSARY_STREAM), objective=cfg.adversary_objective,
+                frozen=server, embedding_step=cfg.learning_rate if sgd else 0.0, log_prior=self._log_prior()))
         return trainer
+
+    def _log_prior(self) -> torch.Tensor | None:
+        protected = self.runtime.protected
+        return parse_class_prior(self.runtime.config.adversary_class_prior, protected.num_classes)
+
+    def shared_update(self, trainer: LocalTrainer, result, config: Mapping[str, Any]):
+        """The class below's upload; with ``adversary-training = "server"``, ``h_w``'s entries are replaced by this
+        user's gradient at the frozen global ``h_w`` (:func:`fedrec_flwr.adversary.adversary_gradient`, DSVAE noise
+        included), which the strategy averages and steps (:class:`strategies.adversary.AdversaryServerStep`)."""
+        update = super().shared_update(trainer, result, config)  # type: ignore[misc]
+        cfg = self.runtime.config
+        if cfg.adversary != "none" and cfg.adversary_training == "server":
+            grads = adversary_gradient(self.model, label=self.protected_label, kl_weight=cfg.dsvae_kl_weight,
+                                       generator=self._generator(config, _UPLOAD_STREAM), log_prior=self._log_prior())
+            for key, grad in grads.items():
+                update.dense[key] = grad.cpu().numpy()
+        return update
 
     def save_private(self) -> None:
         """Save the user's private state; in a training round with ``user-embedding-noise = b > 0``, perturb the

@@ -26,7 +26,9 @@ embeddings, ``2d``; MF: ``d``), :func:`user_vector`.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,6 +37,16 @@ from .models.base import RecModel, init_linear, new_linear
 from .training import LocalTrainConfig, LocalTrainer
 
 ADVERSARY_MODULE = "adversary"
+TRAININGS = ("server", "per-client")
+"""How ``h_w`` is trained (``adversary-training``): ``"server"``, the round's global ``h_w`` frozen on every client and
+stepped by the server on the clients' averaged gradients (:func:`adversary_gradient`,
+:class:`strategies.adversary.AdversaryServerStep`); ``"per-client"``, FedAU² as first implemented: each client trains
+its local copy of ``h_w`` on its own label with its local optimizer, and the strategy averages the copies (FedAvg)."""
+EMBEDDING_OPTIMIZERS = ("local", "sgd")
+"""Who applies the adversarial term's gradient to the user embedding (``adversary-embedding-optimizer``): ``"local"``,
+the local trainer's optimizer (Adam by default: it normalises the reversed gradient away, so ``eps`` only decides which
+coordinates move), or ``"sgd"``: a plain SGD step of size ``learning-rate`` on the reversed gradient, which keeps its
+size (``eps`` then scales the step)."""
 OBJECTIVES = ("reverse", "entropy")
 """What the embedding's adversarial gradient does (:class:`AdversarialTerm`): FedAU²'s gradient reversal, or (ours)
 the maximum-entropy control."""
@@ -206,7 +218,7 @@ class DSVAEAdversary(nn.Module):
         z = mu + torch.exp(0.5 * logvar) * self._draw(mu.shape)
         self._kl = 0.5 * (mu.pow(2) + logvar.exp() - 1.0 - logvar).sum(dim=-1).mean()
         weight, bias = self.head.weight, self.head.bias
-        if self.gradient_noise > 0:
+        if self.gradient_noise > 0 and weight.requires_grad:  # a frozen copy (adversary-training = "server") gets none
             weight = noisy_gradient(weight, self.gradient_noise * self._draw(weight.shape))
             bias = noisy_gradient(bias, self.gradient_noise * self._draw(bias.shape))
         return F.linear(z, weight, bias)
@@ -253,6 +265,31 @@ def sut_strength(adversary: nn.Module, u: torch.Tensor, label: int, epsilon: flo
     return float(epsilon) if correct else 0.0
 
 
+def _cross_entropy(logits: torch.Tensor, target: torch.Tensor, log_prior: torch.Tensor | None) -> torch.Tensor:
+    """``CE(logits + log_prior, target)``: with a class prior, the logit-adjusted loss of Menon et al. (2021, "Long-tail
+    learning via logit adjustment", Eq. 10), whose minimiser's raw ``argmax`` is the balanced (prior-free) decision."""
+    return F.cross_entropy(logits if log_prior is None else logits + log_prior, target)
+
+
+def parse_class_prior(text: str, num_classes: int) -> torch.Tensor | None:
+    """``adversary-class-prior``: ``""`` -> ``None``; ``"0.71,0.29"`` -> ``(C,)`` log-probabilities (normalised).
+
+    Raises:
+        ValueError: not ``C`` comma-separated positive finite numbers (the message names the key and value).
+    """
+    if not str(text).strip():
+        return None
+    try:
+        values = [float(v) for v in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"run-config key 'adversary-class-prior' = {text!r}: expected comma-separated numbers") from None
+    if len(values) != num_classes or not all(math.isfinite(v) and v > 0 for v in values):
+        raise ValueError(f"run-config key 'adversary-class-prior' = {text!r}: expected {num_classes} positive numbers "
+                         f"(one per class of the protected attribute)")
+    prior = torch.tensor(values, dtype=torch.float32)
+    return torch.log(prior / prior.sum())
+
+
 class AdversarialTerm:
     """FedAU²'s adversarial loss term for one user, added to every mini-batch of any trainer
     (:attr:`fedrec_flwr.training.LocalTrainer.loss_terms`; with SAM, to every chunk of every loss evaluation).
@@ -275,6 +312,17 @@ class AdversarialTerm:
         kl_weight: weight of the adversary's regulariser (DSVAE's KL).
         generator: CPU generator for the adversary's randomness (DSVAE).
         objective: ``"reverse"`` (default) or ``"entropy"``.
+        frozen: ``adversary-training = "server"``: ``h_w`` is the round's global copy and is never changed by the
+            term (its parameters get no gradient; the term only moves the embedding); the SUT and the GRL therefore
+            read the same ``h_w`` on every step. ``False`` (``"per-client"``, as first implemented): the term also
+            trains the local copy of ``h_w`` on the user's own label. A frozen term's value is 0 (only its
+            gradient counts), so the ``train-loss`` a client reports holds no cross-entropy on its label.
+        embedding_step: 0 (``adversary-embedding-optimizer = "local"``): the term is a loss the trainer's optimizer
+            steps; ``> 0`` (``"sgd"``, needs ``frozen``): at each call the term takes the plain SGD step
+            ``e_u <- e_u + embedding_step * eps_u * dCE(h_w(e_u), a)/de_u`` itself (the GRL's reversed gradient at its
+            full size; ours: an operator split, the recommendation step follows with the trainer's optimizer) and
+            returns 0.
+        log_prior: ``(C,)`` log class prior for the logit-adjusted loss (:func:`_cross_entropy`), or ``None``.
 
     Attributes:
         steps / triggered: how many times the term was evaluated, and how many of those had ``eps_u > 0`` (local
@@ -285,7 +333,8 @@ class AdversarialTerm:
     """
 
     def __init__(self, model: RecModel, *, label: int, epsilon: float, trigger: str, kl_weight: float,
-                 generator: torch.Generator, objective: str = "reverse") -> None:
+                 generator: torch.Generator, objective: str = "reverse", frozen: bool = False,
+                 embedding_step: float = 0.0, log_prior: torch.Tensor | None = None) -> None:
         adversary = adversary_of(model)
         if adversary is None:
             raise ValueError("AdversarialTerm: the model has no adversary module")
@@ -303,17 +352,51 @@ class AdversarialTerm:
         self.epsilon, self.trigger, self.kl_weight = float(epsilon), str(trigger), float(kl_weight)
         self._target = torch.tensor([self.label], dtype=torch.long, device=adversary.head.weight.device)
         self.steps = self.triggered = 0
+        if embedding_step < 0 or not math.isfinite(embedding_step):
+            raise ValueError(f"AdversarialTerm: embedding_step must be a finite number >= 0, got {embedding_step!r}")
+        if embedding_step > 0 and not (frozen and objective == "reverse"):
+            raise ValueError("AdversarialTerm: an SGD embedding step needs the frozen global adversary "
+                             "(adversary-training = 'server') and objective = 'reverse'")
+        self.frozen, self.embedding_step = bool(frozen), float(embedding_step)
+        self.log_prior = None if log_prior is None else log_prior.to(adversary.head.weight.device)
+
+    def _frozen_logits(self, u: torch.Tensor) -> torch.Tensor:
+        """``h_w(u)`` with ``h_w``'s parameters detached: gradient reaches ``u`` only."""
+        params = {name: p.detach() for name, p in self.adversary.named_parameters()}
+        return torch.func.functional_call(self.adversary, params, (u,))
+
+    def _sgd_step(self, u: torch.Tensor, strength: float) -> None:
+        """``e_u <- e_u + embedding_step * strength * dCE/de_u`` on the model's user rows, in place."""
+        leaf = u.detach().requires_grad_(True)
+        (grad,) = torch.autograd.grad(_cross_entropy(self._frozen_logits(leaf), self._target, self.log_prior), leaf)
+        step = self.embedding_step * strength * grad[0]
+        with torch.no_grad():
+            start = 0
+            for table in self.model.user_embedding_modules().values():
+                width = table.embedding_dim
+                table.weight[0].add_(step[start:start + width])
+                start += width
 
     def __call__(self) -> torch.Tensor:
         u = user_vector(self.model)
         strength = sut_strength(self.adversary, u, self.label, self.epsilon, self.trigger)
         self.steps += 1
         self.triggered += int(strength > 0)
+        if self.frozen and self.objective == "reverse":
+            if self.embedding_step > 0:
+                if strength > 0:
+                    self._sgd_step(u, strength)
+                return u.new_zeros(())
+            ce = _cross_entropy(self._frozen_logits(grad_reverse(u, strength)), self._target, self.log_prior)
+            return ce - ce.detach()  # its gradient only: the reported train loss carries no label-dependent CE
         if self.objective == "reverse":
             logits = self.adversary(grad_reverse(u, strength))
-            return F.cross_entropy(logits, self._target) + self.kl_weight * self.adversary.regulariser()
-        logits = self.adversary(u.detach())
-        loss = F.cross_entropy(logits, self._target) + self.kl_weight * self.adversary.regulariser()
+            return _cross_entropy(logits, self._target, self.log_prior) + self.kl_weight * self.adversary.regulariser()
+        if self.frozen:  # h_w is trained by the server: only the embedding's pull below
+            loss = u.new_zeros(())
+        else:
+            logits = self.adversary(u.detach())
+            loss = _cross_entropy(logits, self._target, self.log_prior) + self.kl_weight * self.adversary.regulariser()
         if strength > 0:
             u_leaf = u.detach().requires_grad_(True)
             uniform_ce = -F.log_softmax(self.adversary.predict_logits(u_leaf), dim=-1).mean()
@@ -340,3 +423,126 @@ class AdversarialTrainer(LocalTrainer):
     @property
     def triggered(self) -> int:
         return self.term.triggered
+
+
+# ---------------------------------------------------------------------------------------------------- server training
+def adversary_gradient(model: RecModel, *, label: int, kl_weight: float, generator: torch.Generator,
+                       log_prior: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """One user's contribution to the server's step of ``h_w`` (``adversary-training = "server"``, ours; the paper
+    does not say how ``h_w`` is aggregated): the gradient of ``CE(h_w(e_u), a) [+ kl_weight * KL]`` with respect to
+    ``h_w``'s parameters, at the model's current ``h_w`` (the round's global copy, which the frozen local training
+    left unchanged) and the user's embedding after this round's local training (detached: no gradient reaches it).
+
+    For a DSVAE adversary this is one training forward: the latent is sampled (randomness 1) and the last layer's
+    gradient gets one ``N(0, noise^2)`` draw (randomness 2, :class:`DSVAEAdversary`), so the label-masking noise is
+    on exactly what the server sees, once per upload (not at every local step). Without DSVAE the gradient of a
+    single-label cross-entropy names the label (iDLG: the bias gradient ``p - onehot(a)`` is negative only at ``a``);
+    that is the residual leakage the DSVAE noise must mask (measured by the curious server, experiments/fedau2).
+
+    Returns:
+        shared key (``"adversary.<name>"``) -> gradient, shaped as the parameter.
+
+    Raises:
+        ValueError: the model has no adversary or ``label`` is outside its classes.
+    """
+    adversary = adversary_of(model)
+    if adversary is None:
+        raise ValueError("adversary_gradient: the model has no adversary module")
+    if not 0 <= int(label) < adversary.num_classes:
+        raise ValueError(f"adversary_gradient: label {label} outside [0, {adversary.num_classes})")
+    adversary.generator = generator
+    target = torch.tensor([int(label)], dtype=torch.long, device=adversary.head.weight.device)
+    names, params = zip(*adversary.named_parameters())
+    loss = _cross_entropy(adversary(user_vector(model).detach()), target, log_prior)
+    loss = loss + kl_weight * adversary.regulariser()
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return {f"{ADVERSARY_MODULE}.{name}": torch.zeros_like(p) if g is None else g.detach()
+            for name, p, g in zip(names, params, grads)}
+
+
+# ---------------------------------------------------------------------------------------------------- diagnostics
+DIAGNOSTICS_FILE = "adversary-diagnostics.csv"
+
+
+@torch.no_grad()
+def adversary_diagnostics(adversary: nn.Module, embeddings: torch.Tensor, labels) -> dict[str, float]:
+    """How the (global) adversary ``h_w`` sees every user, for the per-round diagnostics (evaluation only: it needs
+    the true labels, which never leave a client; :class:`DiagnosticsHook`).
+
+    Args:
+        adversary: ``h_w`` (deterministic prediction, ``predict_logits``).
+        embeddings: ``(N, D)`` user vectors (:func:`user_vector` layout). labels: ``(N,)`` class indices.
+
+    Returns:
+        ``users``; per class ``c``: ``predicted-share-c`` (share of all users ``h_w`` assigns to ``c``) and
+        ``trigger-rate-c`` (share of class-``c`` users it predicts correctly: where the binary SUT fires);
+        ``balanced-accuracy`` (mean of the per-class trigger rates over classes present); ``auc`` (``h_w``'s own
+        ROC AUC, one-vs-rest macro for more than two classes; NaN with one class present).
+    """
+    from sklearn.metrics import roc_auc_score
+
+    labels = torch.as_tensor(labels, dtype=torch.long)
+    logits = adversary.predict_logits(torch.as_tensor(embeddings, dtype=torch.float32))
+    predicted = logits.argmax(dim=-1)
+    num_classes = logits.shape[1]
+    out: dict[str, float] = {"users": float(len(labels))}
+    rates = []
+    for c in range(num_classes):
+        out[f"predicted-share-{c}"] = float((predicted == c).float().mean()) if len(labels) else float("nan")
+        members = labels == c
+        rate = float((predicted[members] == c).float().mean()) if members.any() else float("nan")
+        out[f"trigger-rate-{c}"] = rate
+        if members.any():
+            rates.append(rate)
+    out["balanced-accuracy"] = float(np.mean(rates)) if rates else float("nan")
+    present = np.unique(labels.numpy())
+    if len(present) < 2:
+        out["auc"] = float("nan")
+    elif num_classes == 2:
+        out["auc"] = float(roc_auc_score(labels.numpy(), logits[:, 1].numpy() - logits[:, 0].numpy()))
+    else:
+        probs = torch.softmax(logits, dim=-1).numpy()
+        out["auc"] = float(roc_auc_score(labels.numpy(), probs[:, present] / probs[:, present].sum(1, keepdims=True),
+                                         multi_class="ovr", labels=present)) if len(present) > 2 else float("nan")
+    return out
+
+
+class DiagnosticsHook:
+    """An ``on_round`` hook of an in-process simulation (:func:`fedrec_flwr.serial.run_serial`) that appends
+    :func:`adversary_diagnostics` of the round's global ``h_w`` over every user trained so far to
+    ``adversary-diagnostics.csv`` in the results folder (column ``round`` first), then calls ``then``.
+
+    Evaluation only: the users' embeddings are read from the simulated nodes' private state and their labels from
+    the split (as :func:`fedrec_flwr.attacks.collect_user_embeddings`); nothing travels in a message, and a
+    deployment has no such hook.
+    """
+
+    def __init__(self, runtime, then=None) -> None:
+        self.runtime, self.then = runtime, then
+        cfg = runtime.config
+        self.adversary = build_adversary(cfg.adversary, user_vector_dim(runtime.model), runtime.protected.num_classes,
+                                         hidden=cfg.adversary_hidden, latent=cfg.dsvae_latent_dim, gradient_noise=0.0,
+                                         generator=torch.Generator().manual_seed(0))
+        self.rows: list[dict] = []
+
+    def __call__(self, view) -> None:
+        import pandas as pd
+
+        from .attacks import collect_user_embeddings
+        from .io import atomic_write_text
+
+        prefix = ADVERSARY_MODULE + "."
+        with torch.no_grad():
+            for name, param in self.adversary.named_parameters():
+                param.copy_(torch.as_tensor(view.arrays[prefix + name].numpy()))
+        runtime = self.runtime
+        states = [context.state for context in view.grid.contexts.values()]
+        x, present = collect_user_embeddings(states, runtime.layout.private_keys, runtime.split.num_users)
+        if present.any():
+            row = {"round": view.server_round, **adversary_diagnostics(
+                self.adversary, torch.as_tensor(x[present]), runtime.protected.labels[present])}
+            self.rows.append(row)
+            atomic_write_text(Path(view.folder) / DIAGNOSTICS_FILE,
+                              pd.DataFrame(self.rows).to_csv(index=False, float_format="%.5f"))
+        if self.then is not None:
+            self.then(view)

@@ -159,7 +159,9 @@ def run_serial(run_config: Mapping[str, Any] | RunConfig, *, client_app: ClientA
         return_grid: also return the grid, whose node contexts hold every user's private state after the run (for
             simulation-only analyses such as loss landscapes; a deployment never exposes them).
         on_round: ``callable(view)`` run after every round with a :class:`~fedrec_flwr.server_app.RoundView` (round,
-            grid, strategy, arrays; e.g. an attack on the users' embeddings as training goes).
+            grid, strategy, arrays; e.g. an attack on the users' embeddings as training goes). With an attribute
+            adversary (FedAU²), :class:`fedrec_flwr.adversary.DiagnosticsHook` runs first and writes
+            ``adversary-diagnostics.csv`` (from the nodes' private state and the split's labels: simulation only).
     Returns:
         The results folder (``results-dir/<run-name>/``), and the grid if ``return_grid``.
     Raises:
@@ -174,6 +176,10 @@ def run_serial(run_config: Mapping[str, Any] | RunConfig, *, client_app: ClientA
     runtime = get_runtime(mapping)
     num_nodes = -(-runtime.split.num_users // config.users_per_node)
     grid = SerialGrid(client_app or make_client_app(mapping), num_nodes, mapping)
+    if config.adversary != "none" and runtime.protected is not None:  # FedAU²: per-round diagnostics of h_w (evaluation only)
+        from .adversary import DiagnosticsHook
+
+        on_round = DiagnosticsHook(runtime, on_round)
     context = Context(run_id=1, node_id=SERVER_NODE_ID, node_config={}, state=RecordDict(), run_config=mapping)
     saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SERVER_NODE_ID, 1

@@ -120,8 +120,11 @@ class LabelLeakageAudit:
             node = int(message.metadata.src_node_id)
             trained = self._sampled_nodes.get(node, [])
             user = int(trained[0]) if len(trained) == 1 else -1
-            update = {k[len(prefix):]: sent[k].numpy() - arrays[k].numpy() for k in arrays.keys()
-                      if k.startswith(prefix)}
+            if self._audit_config.adversary_training == "server":  # the reply carries h_w's gradient itself
+                update = {k[len(prefix):]: arrays[k].numpy() for k in arrays.keys() if k.startswith(prefix)}
+            else:  # updated values: the update w_sent - w_returned has the accumulated gradient's sign pattern
+                update = {k[len(prefix):]: sent[k].numpy() - arrays[k].numpy() for k in arrays.keys()
+                          if k.startswith(prefix)}
             if not all(np.isfinite(v).all() for v in update.values()):
                 continue
             record = {"round": server_round, "node": node, "user": user,

@@ -140,6 +140,9 @@ class ItemEmbeddingFedAvg(FedAvg):
         self._train_started = 0.0
         self._results_folder: Path | None = None
         self._rejected_nodes: set[int] = set()
+        self.adversary_step = None
+        """FedAU²'s server step of the attribute adversary (:class:`strategies.adversary.AdversaryServerStep`), set by
+        :meth:`from_run_config` for ``adversary-training = "server"``; ``None`` otherwise."""
         self.message_config: dict = {}
         """Keys sent in the config of every message of the run (the ServerApp sets the run's name, ``run``, and the
         round of its last checkpoint, ``durable-round``, which clients with ``client-state-dir`` need)."""
@@ -162,7 +165,11 @@ class ItemEmbeddingFedAvg(FedAvg):
             if config.unlearning == "none":
                 log.warning("forget-users / forget-fraction set with unlearning = 'none': those %d users still train "
                             "and are only left out of evaluation", len(options["unlearning"].forget))
-        return cls(layout, topology=topology, **options)
+        strategy = cls(layout, topology=topology, **options)
+        from .adversary import AdversaryServerStep
+
+        strategy.adversary_step = AdversaryServerStep.from_config(config, layout)
+        return strategy
 
     def attach_results(self, folder: Path) -> None:
         """Called by the ServerApp with the run's results folder (the unlearning phase writes its files there; a
@@ -185,7 +192,9 @@ class ItemEmbeddingFedAvg(FedAvg):
                  "evaluation-failures": {str(k): v for k, v in self.evaluation_failures.items()},
                  "removed-users": sorted(int(u) for u in self.removed_users),
                  "unlearning-report": self.unlearning_report}
-        return state, {}
+        arrays = {} if self.adversary_step is None else {
+            f"adversary-step/{k}": v for k, v in self.adversary_step.state_arrays().items()}
+        return state, arrays
 
     def restore_checkpoint_state(self, state: Mapping, arrays: Mapping[str, np.ndarray], shared: ArrayRecord) -> None:
         """Inverse of :meth:`checkpoint_state`; ``shared`` holds the checkpoint's shared parameters."""
@@ -200,6 +209,10 @@ class ItemEmbeddingFedAvg(FedAvg):
                             "counts start at 0", gone)
         self.removed_users = frozenset(int(u) for u in state.get("removed-users", []))
         self.unlearning_report = state.get("unlearning-report")
+        if self.adversary_step is not None:
+            prefix = "adversary-step/"
+            self.adversary_step.load_state_arrays(shared, {k[len(prefix):]: v for k, v in arrays.items()
+                                                           if k.startswith(prefix)})
         self.adopt_arrays(shared)
 
     @classmethod
@@ -332,6 +345,9 @@ class ItemEmbeddingFedAvg(FedAvg):
                 + (f"; first problem: {reasons[0]}" if reasons else "")
             )
         arrays = self.aggregate_arrays(accepted)
+        if self.adversary_step is not None:  # h_w's keys carry gradients: one server step (strategies/adversary.py)
+            arrays = self.adversary_step.apply(self._current, accepted, arrays)
+            self.adopt_arrays(arrays)
         metrics = aggregate_metricrecords(accepted, NUM_EXAMPLES)
         train_users = self.replied_users(accepted)
         if "num-users" in metrics:
@@ -448,7 +464,9 @@ class ItemEmbeddingFedAvg(FedAvg):
                 value, reference = sums / counts.reshape(-1, *[1] * (sums.ndim - 1)), self._current[key].numpy()[rows]
             else:
                 value, reference = arrays[key].numpy().astype(np.float64), self._current[key].numpy()
-            delta = value if self.replies_carry_gradients else value - reference
+            gradient = self.replies_carry_gradients or (self.adversary_step is not None
+                                                        and key in self.adversary_step.keys)
+            delta = value if gradient else value - reference
             total += float(np.sum(delta ** 2))
         return math.sqrt(total)
 

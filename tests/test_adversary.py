@@ -407,3 +407,64 @@ def test_fedau2_dsvae_run_is_the_same_under_ray_as_in_the_serial_grid(tmp_path):
     strip = without_timings
     assert strip(json.loads((ray_results / "metrics.json").read_text())) == strip(
         json.loads((serial_results / "metrics.json").read_text()))
+
+
+# ---------------------------------------------------------------------------------------------------- GRL as trained
+def _hand_ce_gradient_wrt_u(adversary: AttributeAdversary, u: np.ndarray, label: int) -> np.ndarray:
+    """dCE(h_w(u), a)/du of the plain MLP adversary, written out in float64: logits = W2 relu(W1 u + b1) + b2,
+    dCE/dlogits = softmax - onehot(a), back through W2, the ReLU mask and W1."""
+    w1, b1 = adversary.hidden.weight.detach().double().numpy(), adversary.hidden.bias.detach().double().numpy()
+    w2, b2 = adversary.head.weight.detach().double().numpy(), adversary.head.bias.detach().double().numpy()
+    pre = w1 @ u + b1
+    logits = w2 @ np.maximum(pre, 0) + b2
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    p[label] -= 1.0
+    return w1.T @ ((pre > 0) * (w2.T @ p))
+
+
+@pytest.mark.parametrize("mode", ["per-client", "server", "server-sgd"])
+def test_one_sgd_step_moves_the_embedding_up_the_adversary_loss_by_exactly_lr_eps_grad(mode):
+    """Issue 23, mutation 1: as training uses it, the GRL turns the adversary's cross-entropy gradient around. One SGD
+    step of size lr on the adversarial term changes the user embedding by -lr * (-eps * dCE/du) = +lr * eps * dCE/du
+    (hand-computed in float64), for the per-client term (h_w trained too), the server arm's frozen global h_w, and its
+    own SGD embedding step; a reversed GRL sign (`grad_reverse(u, -strength)`) gives the opposite change."""
+    from fedrec_flwr.adversary import AdversarialTerm
+
+    lr, eps, label = 0.1, 0.7, 1
+    model = build_model("mf", 1, 10, embedding_dim=4, seed=5)
+    model.attach_shared_module(ADVERSARY_MODULE, AttributeAdversary(4, 2, 6, generator=_gen(7)))
+    u0 = model.user_embedding.weight.detach().double().numpy()[0].copy()
+    expected = lr * eps * _hand_ce_gradient_wrt_u(model.adversary, u0, label)
+    assert np.abs(expected).max() > 1e-4
+    term = AdversarialTerm(model, label=label, epsilon=eps, trigger="always", kl_weight=0.0, generator=_gen(0),
+                           frozen=mode != "per-client", embedding_step=lr if mode == "server-sgd" else 0.0)
+    optimizer = torch.optim.SGD([model.user_embedding.weight], lr=lr)
+    optimizer.zero_grad()
+    loss = term()
+    if mode != "server-sgd":
+        loss.backward()
+        optimizer.step()
+    else:  # the term took its own step; it returns a constant 0 (no gradient for the local optimizer)
+        assert float(loss) == 0.0 and not loss.requires_grad
+    change = model.user_embedding.weight.detach().double().numpy()[0] - u0
+    np.testing.assert_allclose(change, expected, rtol=1e-5, atol=1e-9)
+
+
+def test_adversarial_trainer_step_differs_from_the_plain_step_by_exactly_lr_eps_grad():
+    """The same through the local trainer (recommendation loss + term, one SGD mini-batch): the embedding after one
+    step with eps minus the one with eps = 0 is lr * eps * dCE/du at the starting point."""
+    lr, eps = 0.05, 1.3
+
+    def step(epsilon: float) -> np.ndarray:
+        model = _mf("mlp")
+        cfg = LocalTrainConfig(learning_rate=lr, optimizer="sgd", batch_size=1000, local_epochs=1)
+        trainer = AdversarialTrainer(model, cfg, label=0, epsilon=epsilon, trigger="always", kl_weight=0.0,
+                                     generator=_gen(3))
+        trainer.train(0, POSITIVES, NEGATIVES, _gen(0))
+        return model.user_embedding.weight.detach().double().numpy()[0]
+
+    start = _mf("mlp")
+    expected = lr * eps * _hand_ce_gradient_wrt_u(start.adversary, start.user_embedding.weight.detach().double()
+                                                  .numpy()[0], 0)
+    np.testing.assert_allclose(step(eps) - step(0.0), expected, rtol=1e-4, atol=1e-7)

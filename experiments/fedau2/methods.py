@@ -40,21 +40,50 @@ DP_SCALES = (0.02, 0.1)
 """Laplace scales b of the DP baseline (trained FedMF user embeddings have a per-coordinate std of 0.08-0.11 over
 rounds 20-100 in a pilot run, so b = 0.1 is noise of the embedding's own scale)."""
 
+CLASS_PRIORS = {"gender": "0.2895,0.7105", "age": "0.0382,0.2100,0.3287,0.2057,0.0848,0.0774,0.0551"}
+"""Public class priors of MovieLens-100K's attributes (classes in ``encode_attribute`` order: gender F, M; age in
+MovieLens-1M's 7 groups), the shares of the published dataset's ``u.user`` (943 users), fixed before any run. They are
+the same for every user and never counted from a message (``adversary-class-prior``)."""
+
+PER_CLIENT = {"adversary-training": "per-client"}
+"""FedAU², per-client adversary as first implemented (issue 14): the arms of the first tables."""
+
+SERVER = {"adversary-training": "server", "adversary-server-optimizer": "adam",
+          "adversary-server-learning-rate": 0.01}
+"""The federated adversary that learns (issue 14): global ``h_w`` frozen within a round, averaged gradients, a server
+Adam step. Fixed a priori (Adam 0.01, the local rate), not tuned on test items."""
+
 ARMS: dict[str, dict] = {
     "original": {"client": "fedrec"},
     **{f"DP b={b:g}": {"client": "fedau2", "user-embedding-noise": b} for b in DP_SCALES},
-    "adversarial (constant eps)": {"client": "fedau2", "adversary": "mlp", "adversary-trigger": "always"},
-    "FedAU2 w/o SUT": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "always"},
-    "FedAU2 w/o DSVAE": {"client": "fedau2", "adversary": "mlp", "adversary-trigger": "sut"},
-    "FedAU2": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut"},
+    "adversarial (constant eps)": {"client": "fedau2", "adversary": "mlp", "adversary-trigger": "always",
+                                   **PER_CLIENT},
+    "FedAU2 w/o SUT": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "always", **PER_CLIENT},
+    "FedAU2 w/o DSVAE": {"client": "fedau2", "adversary": "mlp", "adversary-trigger": "sut", **PER_CLIENT},
+    "FedAU2": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut", **PER_CLIENT},
     # ours, not FedAU2: the embedding moves toward the adversary's uniform prediction instead of reversing its loss
     "FedAU2, entropy objective (ours)": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut",
-                                         "adversary-objective": "entropy"},
+                                         "adversary-objective": "entropy", **PER_CLIENT},
+    # issue 14: the server-trained adversary (class prior added per attribute by run.py: "prior" in the name)
+    "FedAU2-server": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut", **SERVER},
+    "FedAU2-server w/o DSVAE": {"client": "fedau2", "adversary": "mlp", "adversary-trigger": "sut", **SERVER},
+    "FedAU2-server, prior": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut", **SERVER},
+    # ours: the label-independent pull toward h_w's uniform (balanced) prediction, with the server-trained h_w
+    "FedAU2-server, entropy (ours), prior": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut",
+                                             "adversary-objective": "entropy", **SERVER},
+    "FedAU2-server, prior, SGD embedding step": {
+        "client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut", **SERVER,
+        "adversary-embedding-optimizer": "sgd"},
 }
 """Table rows. Arms without an adversary do not depend on the protected attribute (attacked on every attribute)."""
 
 EPSILONS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 """The trade-off sweep: FedAU2 on FedMF / gender with these GRL strengths (1.0 is the main table's)."""
+
+
+def uses_prior(arm: str) -> bool:
+    """Whether the arm trains ``h_w`` with the public class prior of its attribute (:data:`CLASS_PRIORS`)."""
+    return "prior" in arm
 
 
 def uses_attribute(arm: str) -> bool:

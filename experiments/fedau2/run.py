@@ -30,7 +30,9 @@ import numpy as np
 import pandas as pd
 
 from experiments.common import claimed, quiet_flower, run_jobs, slug
-from experiments.fedau2.methods import ARMS, ATTRIBUTES, AUDIT_SEED, EPSILONS, MODELS, PROTOCOL, uses_attribute
+from experiments.fedau2.methods import (
+    ARMS, ATTRIBUTES, AUDIT_SEED, CLASS_PRIORS, EPSILONS, MODELS, PROTOCOL, uses_attribute, uses_prior,
+)
 from fedrec_flwr.attacks import attribute_inference, collect_user_embeddings
 from fedrec_flwr.attributes import encode_attribute
 from fedrec_flwr.config import make_run_config
@@ -47,6 +49,8 @@ def run_config(model: str, arm: str, attribute: str, seed: int, data_dir: str, f
                  "users-per-node": 1 if seed == AUDIT_SEED else 100, "results-dir": str(folder), "run-name": name}
     if uses_attribute(arm):
         overrides["protected-attribute"] = attribute
+        if uses_prior(arm):
+            overrides["adversary-class-prior"] = CLASS_PRIORS[attribute]
     if data_dir:
         overrides["data-dir"] = str(Path(data_dir) / PROTOCOL["dataset"])
     return make_run_config(**overrides)

@@ -1,0 +1,127 @@
+"""The server's step of FedAU²'s attribute adversary ``h_w`` (``adversary-training = "server"``), for every strategy
+derived from :class:`strategies.item_fedavg.ItemEmbeddingFedAvg`.
+
+Ours (issue 14; arXiv 2511.22872 does not say how the shared adversary is aggregated). With ``"per-client"`` training
+each client fitted its copy of ``h_w`` to its single label with a fresh Adam state and the strategy averaged the copies:
+a vote weighted by class counts, which learned the prior and collapsed. Here every client keeps the round's global
+``h_w`` frozen (the SUT and the GRL read that copy) and uploads ``h_w``'s gradient at it
+(:func:`fedrec_flwr.adversary.adversary_gradient`) under ``h_w``'s keys. The strategy averages those gradients with
+the reply weights every other dense key uses (``num-examples``: FedAvg's example weights for parameter uploads, one
+per user for gradient uploads) and takes one step of its own optimizer (``adversary-server-optimizer``, ``adversary-
+server-learning-rate``): the federated gradient of the average cross-entropy over the round's users, i.e. centralised
+mini-batch training of ``h_w`` over the sampled users. Its state persists over the run (and in checkpoints).
+
+A reply's ``h_w`` gradient is one user's (with one user per node) or its node's weighted mean; no reply carries a
+label or a class count. A single user's single-label gradient does name its label (iDLG); DSVAE's noise on the
+uploaded contribution is what masks it (measured by :mod:`strategies.curious`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, RecordDict
+
+from fedrec_flwr.adversary import ADVERSARY_MODULE, parse_class_prior
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.training import load_optimizer_state_arrays, optimizer_state_arrays
+from fedrec_flwr.wire import ARRAYS, METRICS, NUM_EXAMPLES, ModelLayout
+
+PREFIX = ADVERSARY_MODULE + "."
+
+
+def adversary_keys(layout: ModelLayout) -> tuple[str, ...]:
+    """The shared keys of ``h_w`` (``"adversary.<name>"``), in layout order."""
+    return tuple(k for k in layout.dense_keys if k.startswith(PREFIX))
+
+
+def mean_reply_gradient(accepted: list[RecordDict], keys) -> dict[str, np.ndarray]:
+    """``sum_r n_r g_r / sum_r n_r`` over replies ``r`` (``n_r``: the ``num-examples`` metric, ``g_r``: the reply's
+    array under each key), in float64: each reply's array is already its node's ``n``-weighted mean, so this is the
+    weighted mean over users, however users are grouped into nodes (:mod:`fedrec_flwr.wire`)."""
+    weights = np.array([float(r[METRICS][NUM_EXAMPLES]) for r in accepted], dtype=np.float64)
+    out = {}
+    for key in keys:
+        stacked = np.stack([r[ARRAYS][key].numpy().astype(np.float64) for r in accepted])
+        out[key] = np.tensordot(weights, stacked, axes=1) / weights.sum()
+    return out
+
+
+class AdversaryServerStep:
+    """``h_w``'s server optimizer (module docstring).
+
+    Args:
+        keys: ``h_w``'s shared keys. optimizer: ``"adam"`` or ``"sgd"``. learning_rate: > 0.
+
+    Raises:
+        ValueError: no keys, an unknown optimizer or a learning rate <= 0.
+    """
+
+    def __init__(self, keys, *, optimizer: str = "adam", learning_rate: float = 0.01) -> None:
+        self.keys = tuple(keys)
+        if not self.keys:
+            raise ValueError("AdversaryServerStep: the model has no adversary keys")
+        if optimizer not in ("adam", "sgd"):
+            raise ValueError(f"AdversaryServerStep: optimizer must be 'adam' or 'sgd', got {optimizer!r}")
+        if not learning_rate > 0:
+            raise ValueError(f"AdversaryServerStep: learning_rate must be > 0, got {learning_rate!r}")
+        self.optimizer_name, self.learning_rate = optimizer, float(learning_rate)
+        self.parameters: dict[str, torch.nn.Parameter] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    @classmethod
+    def from_config(cls, config, layout: ModelLayout) -> AdversaryServerStep | None:
+        """The step for ``adversary-training = "server"`` with an adversary, else ``None``.
+
+        Raises:
+            ConfigError: ``adversary-class-prior`` does not fit the adversary's classes.
+        """
+        if config.adversary == "none" or config.adversary_training != "server":
+            return None
+        keys = adversary_keys(layout)
+        try:
+            parse_class_prior(config.adversary_class_prior, layout.shared_shapes[PREFIX + "head.bias"][0])
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        return cls(keys, optimizer=config.adversary_server_optimizer,
+                   learning_rate=config.adversary_server_learning_rate)
+
+    def _ensure(self, current: Mapping[str, np.ndarray]) -> None:
+        if self.optimizer is not None:
+            return
+        self.parameters = {k: torch.nn.Parameter(torch.tensor(np.asarray(current[k]), dtype=torch.float32))
+                           for k in self.keys}
+        make = torch.optim.Adam if self.optimizer_name == "adam" else torch.optim.SGD
+        self.optimizer = make(list(self.parameters.values()), lr=self.learning_rate)
+
+    def step(self, current: Mapping[str, np.ndarray], mean_gradient: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One optimizer step of ``h_w`` from ``current`` (the values sent this round) with ``mean_gradient``;
+        returns the new values (float32)."""
+        self._ensure(current)
+        with torch.no_grad():  # start from what was sent (another phase, e.g. unlearning, may have changed it)
+            for key, param in self.parameters.items():
+                param.copy_(torch.as_tensor(np.asarray(current[key]), dtype=torch.float32))
+        for key, param in self.parameters.items():
+            param.grad = torch.as_tensor(np.asarray(mean_gradient[key]), dtype=torch.float32)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {k: p.detach().numpy().copy() for k, p in self.parameters.items()}
+
+    def apply(self, current: ArrayRecord, accepted: list[RecordDict], arrays: ArrayRecord) -> ArrayRecord:
+        """``arrays`` (the strategy's aggregate) with ``h_w``'s keys replaced by :meth:`step` on the accepted replies'
+        mean gradient."""
+        new = self.step({k: current[k].numpy() for k in self.keys}, mean_reply_gradient(accepted, self.keys))
+        return ArrayRecord({k: Array(new[k]) if k in new else v for k, v in arrays.items()})
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """The optimizer's state for a server checkpoint (empty before the first step)."""
+        return {} if self.optimizer is None else optimizer_state_arrays(self.optimizer)
+
+    def load_state_arrays(self, current: ArrayRecord, arrays: Mapping[str, np.ndarray]) -> None:
+        """Inverse of :meth:`state_arrays` (``current``: the checkpoint's shared parameters)."""
+        if not arrays:
+            return
+        self._ensure({k: current[k].numpy() for k in self.keys})
+        load_optimizer_state_arrays(self.optimizer, dict(arrays))
