@@ -94,13 +94,10 @@ def test_every_flower_strategy_runs_two_rounds_through_the_adapter(tmp_path, nam
 
 
 # ---------------------------------------------------------------------------------------------- semantics, by hand
-LAYOUT = ModelLayout(
-    shared_shapes={"item_embedding.weight": (4, 2), "output.weight": (1, 2)},
-    item_keys=("item_embedding.weight",),
-    private_keys=("user_embedding.weight",),
-)
-TABLE = np.arange(8, dtype=np.float32).reshape(4, 2)
-DENSE = np.array([[1.0, 1.0]], dtype=np.float32)
+ITEMS, SCORE = "item_embedding.weight", "output.weight"
+LAYOUT = ModelLayout({ITEMS: (4, 2), SCORE: (1, 2)}, (ITEMS,), ("user_embedding.weight",))
+TABLE = np.array([[0, 1], [2, 3], [4, 5], [6, 7]], dtype=np.float32)  # row i = (2i, 2i + 1)
+SENT_SCORE = np.ones((1, 2), dtype=np.float32)
 TOPOLOGY = Topology(np.array([10, 10, 11, 11, 12]))  # users 0,1 on node 10; 2,3 on node 11; 4 on node 12
 # per node: (num-users, rows, sums, counts, dense value)
 REPLIES = {10: (2, [0], [[10.0, 10.0]], [1], [[3.0, 3.0]]),
@@ -109,14 +106,13 @@ REPLIES = {10: (2, [0], [[10.0, 10.0]], [1], [[3.0, 3.0]]),
 
 
 def _round(strategy, examples: dict[int, float], extra=None):
-    arrays = ArrayRecord({"item_embedding.weight": Array(TABLE), "output.weight": Array(DENSE)})
+    arrays = ArrayRecord({ITEMS: Array(TABLE), SCORE: Array(SENT_SCORE)})
     requests = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, arrays, ConfigRecord(), grid=None)}
     replies = []
     for node, (users, rows, sums, counts, dense) in REPLIES.items():
-        reply = {"item_embedding.weight#rows": np.asarray(rows, np.int64),
-                 "item_embedding.weight#sum": np.asarray(sums, np.float32),
-                 "item_embedding.weight#count": np.asarray(counts, np.float32),
-                 "output.weight": np.asarray(dense, np.float32), **(extra or {})}
+        reply = {ITEMS + "#rows": np.asarray(rows, np.int64), ITEMS + "#sum": np.asarray(sums, np.float32),
+                 ITEMS + "#count": np.asarray(counts, np.float32), SCORE: np.asarray(dense, np.float32),
+                 **(extra or {})}
         content = RecordDict({ARRAYS: ArrayRecord({k: Array(v) for k, v in reply.items()}),
                               METRICS: MetricRecord({"num-examples": examples[node], "num-users": users,
                                                      "train-loss": 0.5})})
@@ -131,20 +127,26 @@ def _adapter(cls=FedAvg, **args):
                                  fraction_train=1.0)
 
 
-def test_a_node_reply_is_its_users_mean_full_table_and_fedavg_weights_it_by_examples(task_identity):
-    examples = {10: 6.0, 11: 2.0, 12: 4.0}
-    new, requests = _round(_adapter(), examples)
-    assert list(requests[10].content["config"]["users"]) == [0, 1]  # the adapter names each node's users
+def _dense_by_hand() -> dict[int, np.ndarray]:
+    """Each node's reply as a full table: its users' mean, a row a user did not touch counting as TABLE's value."""
     dense = {}
-    for node, (users, rows, sums, counts, _) in REPLIES.items():  # untouched rows hold the round's global value
+    for node, (users, rows, sums, counts, _) in REPLIES.items():
         table = TABLE.astype(np.float64).copy()
         for row, total, count in zip(rows, np.asarray(sums), counts):
             table[row] = (total + (users - count) * TABLE[row]) / users
         dense[node] = table
+    return dense
+
+
+def test_a_node_reply_is_its_users_mean_full_table_and_fedavg_weights_it_by_examples(task_identity):
+    examples = {10: 6.0, 11: 2.0, 12: 4.0}
+    new, requests = _round(_adapter(), examples)
+    assert list(requests[10].content["config"]["users"]) == [0, 1]  # the adapter names each node's users
+    dense = _dense_by_hand()
     expected = sum(examples[n] * dense[n] for n in REPLIES) / sum(examples.values())
-    np.testing.assert_allclose(new["item_embedding.weight"], expected, rtol=1e-6)
-    np.testing.assert_allclose(new["item_embedding.weight"][2], TABLE[2])  # a row nobody touched does not move
-    np.testing.assert_allclose(new["output.weight"], [[(6 * 3 + 2 * 5 + 0) / 12] * 2], rtol=1e-6)
+    np.testing.assert_allclose(new[ITEMS], expected, rtol=1e-6)
+    np.testing.assert_allclose(new[ITEMS][2], TABLE[2])  # a row nobody touched does not move
+    np.testing.assert_allclose(new[SCORE], [[(6 * 3 + 2 * 5 + 0) / 12] * 2], rtol=1e-6)
 
 
 def test_fedavg_equals_item_fedavg_selected_when_examples_are_proportional_to_users(task_identity):
@@ -155,13 +157,13 @@ def test_fedavg_equals_item_fedavg_selected_when_examples_are_proportional_to_us
     for key in ours:
         np.testing.assert_allclose(theirs[key], ours[key], rtol=1e-6, err_msg=key)
     unequal, _ = _round(_adapter(), {10: 6.0, 11: 2.0, 12: 4.0})  # otherwise they differ by the weighting
-    assert not np.allclose(unequal["item_embedding.weight"], ours["item_embedding.weight"])
+    assert not np.allclose(unequal[ITEMS], ours[ITEMS])
 
 
 def test_fedmedian_leaves_rows_that_most_users_did_not_train_at_their_global_value(task_identity):
     new, _ = _round(_adapter(FedMedian), {10: 6.0, 11: 2.0, 12: 4.0})
-    np.testing.assert_allclose(new["item_embedding.weight"][[1, 2, 3]], TABLE[[1, 2, 3]])
-    np.testing.assert_allclose(new["item_embedding.weight"][0], [2.0, 2.0])  # median of (5, 5.5), (2, 2), (0, 1)
+    np.testing.assert_allclose(new[ITEMS], np.median(np.stack(list(_dense_by_hand().values())), axis=0), rtol=1e-6)
+    np.testing.assert_allclose(new[ITEMS][[1, 2, 3]], TABLE[[1, 2, 3]])  # each trained by one node of three
 
 
 def test_a_reply_carrying_a_user_embedding_fails_the_round_before_the_wrapped_strategy_sees_it(task_identity):

@@ -199,10 +199,10 @@ def _summarise(frame: pd.DataFrame, keys: list[str], columns: dict[str, str], or
             row["note"] = "refused: " + str(group["refused"].iloc[0]).split(";")[0]
         else:
             for column, name in columns.items():
-                values = done[column].astype(float)
-                digits = 0 if "bytes" in column else (2 if "seconds" in column else 4)
+                values = done[column].astype(float) / (1e6 if "bytes" in column else 1.0)
+                digits = 2 if "bytes" in column or "seconds" in column else 4
                 std = f" ± {values.std():.{digits}f}" if len(values) > 1 else ""
-                row[name] = f"{values.mean():.{digits}f}{std}"
+                row[name] = f"{values.mean():.{digits}f}{std}" if values.notna().all() else "-"
             row["note"] = ""
         out.append(row)
     table = pd.DataFrame(out)
@@ -211,8 +211,8 @@ def _summarise(frame: pd.DataFrame, keys: list[str], columns: dict[str, str], or
 
 
 MAIN_COLUMNS = {"HR@10": "HR@10", "NDCG@10": "NDCG@10", "seconds-per-round": "s/round",
-                "sent-bytes-per-round": "bytes sent/round", "received-bytes-per-round": "bytes received/round",
-                "dense-reply-bytes-per-round": "dense replies in server memory/round"}
+                "sent-bytes-per-round": "MB sent/round", "received-bytes-per-round": "MB received/round",
+                "dense-reply-bytes-per-round": "MB of dense replies (server memory)/round"}
 POISON_COLUMNS = {"exposure": "exposure", "target-percentile": "target percentile", "genuine-HR@10": "HR@10 (genuine)",
                   "genuine-NDCG@10": "NDCG@10 (genuine)", "seconds-per-round": "s/round"}
 
@@ -222,6 +222,10 @@ def report(rounds: int = ROUNDS) -> None:
     frame = _collect(runs_folder(rounds))
     if frame.empty:
         return
+    arms = {**ARMS, **POISON_ARMS}
+    if "dense-reply-bytes-per-round" in frame:  # only the adapter builds dense replies
+        adapted = frame["strategy"].map(lambda a: arms[a][0].startswith(FLOWER))
+        frame.loc[~adapted, "dense-reply-bytes-per-round"] = np.nan
     tag = "" if rounds == ROUNDS else f"-{rounds}r"
     main = frame[frame["dataset"] != "poison"]
     poison = frame[frame["dataset"] == "poison"]
@@ -229,7 +233,7 @@ def report(rounds: int = ROUNDS) -> None:
             "docstring for the protocol). Mean ± "
             "std over the seeds listed; bytes are array payloads per training round (sent: the full shared arrays "
             "to each sampled user; received: the row-sparse replies; dense replies: what the adapter expands them to "
-            "in the server's memory).\n\n")
+            "in the server's memory). MB = 10^6 bytes.\n\n")
     if not main.empty:
         table = _summarise(main, ["dataset", "model", "strategy"], MAIN_COLUMNS, list(ARMS))
         write_csv(table, RESULTS / f"table{tag}.csv")
