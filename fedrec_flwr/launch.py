@@ -212,6 +212,49 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _process_table() -> dict[int, tuple[int, int]]:
+    """Every live process: ``{pid: (parent pid, session id)}``."""
+    table = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != "Z":
+                table[int(proc.name)] = (int(fields[1]), int(fields[3]))
+    return table
+
+
+def run_processes(token: str, roots: Iterable[int] = (), sessions: set[int] | None = None) -> set[int]:
+    """The live processes of the run marked by ``token``: those carrying it in their environment, ``roots``, all
+    their descendants, and every member of a session one of them leads (the SuperLink's session, the simulation's
+    session, where Ray's daemons run). A Ray daemon that rewrites its process title can overwrite its environment
+    (``ray::DashboardAgent`` loses ``FLWR_HOME``), so the session and the parentage find it too. Never this process,
+    its ancestors or its session.
+
+    Args:
+        sessions: session ids found so far, updated in place: pass the same set to a later call, after the
+            session's leader has exited, and its members are still found.
+    """
+    sessions = set() if sessions is None else sessions
+    table = _process_table()
+    mine = set(processes_with_env(TOKEN_ENV, token) if token else []) | {p for p in roots if p in table}
+    sessions.update(pid for pid in mine if pid in table and table[pid][1] == pid)  # sessions our processes lead
+    sessions.discard(os.getsid(0))
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    found = set(mine) | {pid for pid, (_, sid) in table.items() if sid in sessions}
+    stack = list(found)
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found - ancestors() - {p for p, (_, sid) in table.items() if sid == os.getsid(0) and p not in mine}
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -284,14 +327,12 @@ def stop_recorded_superlink(home: str | os.PathLike, timeout: float = 15.0) -> l
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return []
-    targets: set[int] = set()
     pid, token = int(record.get("pid", 0)), str(record.get("token", ""))
-    if pid > 1 and start_time(pid) == record.get("start-time") and "flower-superlink" in _cmdline(pid):
-        targets.add(pid)
-        targets.update(p for p in _group_members(pid) if _alive(p))
-    if token:
-        targets.update(processes_with_env(TOKEN_ENV, token))
-    signalled = sorted(terminate(targets, timeout)) if targets else []
+    roots = [pid] if pid > 1 and start_time(pid) == record.get("start-time") and "flower-superlink" in _cmdline(pid) \
+        else []
+    sessions: set[int] = set()
+    targets = run_processes(token, roots, sessions) if token or roots else set()
+    signalled = sorted(terminate(targets, timeout, lambda: run_processes(token, roots, sessions))) if targets else []
     path.unlink(missing_ok=True)
     return signalled
 
@@ -316,6 +357,7 @@ class LocalSuperLink:
         self.fixed_ports = "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT" in env
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen | None = None
+        self._sessions: set[int] = set()
         self.log = self.home / "local-superlink" / "fedrec-launch-superlink.log"
 
     @property
@@ -370,17 +412,16 @@ class LocalSuperLink:
             return False
 
     def leftover(self) -> list[int]:
-        """Processes of this run still alive: the SuperLink's process group and everything carrying the token."""
-        found = set(processes_with_env(TOKEN_ENV, self.token))
-        if self.process is not None:
-            found.update(p for p in _group_members(self.process.pid) if _alive(p))
-        return sorted(p for p in found - ancestors() if _alive(p))
+        """Processes of this run still alive (:func:`run_processes`: the SuperLink, what carries the run's token,
+        their descendants and sessions)."""
+        roots = [self.process.pid] if self.process is not None else []
+        return sorted(run_processes(self.token, roots, self._sessions))
 
     def stop(self, timeout: float = 15.0) -> list[int]:
-        """End the SuperLink, its process group and every process carrying this run's token (SIGTERM, then SIGKILL
-        after ``timeout`` s). Returns the PIDs signalled."""
+        """End every process of this run (:meth:`leftover`): SIGTERM, then SIGKILL after ``timeout`` s, with the
+        processes that appeared meanwhile. Returns the PIDs signalled."""
         targets = set(self.leftover())
-        signalled = terminate(targets, timeout, lambda: processes_with_env(TOKEN_ENV, self.token)) if targets else set()
+        signalled = terminate(targets, timeout, self.leftover) if targets else set()
         if self.process is not None:
             try:
                 self.process.wait(timeout=5)

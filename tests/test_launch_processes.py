@@ -19,6 +19,7 @@ from fedrec_flwr.launch import (
     _alive,
     ancestors,
     claim_home,
+    run_processes,
     start_time,
     stop_main,
     stop_recorded_superlink,
@@ -134,3 +135,25 @@ def test_stop_leaves_a_running_launchers_superlink_alone(tmp_path, cleanup, caps
         assert "a run is in progress" in capsys.readouterr().out
     assert stop_main(str(base)) == 0  # its launcher is gone: now the recorded SuperLink is stopped
     link.wait(timeout=10)
+
+
+def test_run_processes_finds_a_daemon_that_lost_the_token_by_its_session(cleanup):
+    """A Ray daemon that rewrote its environment (no token left) is found as a member of a session our process
+    leads, also after the leader exited; a process of this test's own session is never included."""
+    token = uuid.uuid4().hex
+    leader = subprocess.Popen(["bash", "-c", f"env -u {TOKEN_ENV} sleep 300 & echo $!; wait"], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, TOKEN_ENV: token}, start_new_session=True)
+    bystander = _sleep({TOKEN_ENV: "another-run"}, new_session=False)
+    cleanup += [leader, bystander]
+    daemon = int(leader.stdout.readline())
+    try:
+        sessions: set[int] = set()
+        assert {leader.pid, daemon} <= run_processes(token, (), sessions)
+        assert bystander.pid not in run_processes(token, (), sessions)
+        leader.kill()
+        leader.wait()
+        assert daemon in run_processes(token, (), sessions)  # the leader is gone; its session still names it
+        assert terminate(run_processes(token, (), sessions), timeout=5) == {daemon}
+    finally:
+        if _alive(daemon):
+            os.kill(daemon, 9)

@@ -105,10 +105,12 @@ def test_ctrl_c_stops_the_run_its_superlink_and_ray(tmp_path):
     of the run left (SuperLink, simulation, Ray daemons), and the round-1 checkpoint stays for resume-from."""
     home = tmp_path / "home"
     env = {**os.environ, "FLWR_HOME": str(home)}
-    launcher = subprocess.Popen(["nice", "-n", "5", *_launcher(tmp_path, "c", **{"num-server-rounds": 200,
+    launcher = subprocess.Popen(["nice", "-n", "5", *_launcher(tmp_path, "c", **{"num-server-rounds": 5000,
                                                                                  "checkpoint-every": 1})],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                cwd=PROJECT_ROOT, start_new_session=True)
+                                cwd=PROJECT_ROOT, start_new_session=True,
+                                # as from a terminal: pytest may run with SIGINT ignored (a background job)
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
     reader.start()

@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+"""Check the README's quickstart figures against a fresh run of the current code.
+
+The README quotes the quickstart's progress lines (``round   10 | HR@10 0.3796 | NDCG@10 0.1967 | train loss ...``)
+and the final HR@10 / NDCG@10 of the default run. This script runs the default experiment (MovieLens-100K, 943
+per-user nodes, the defaults of ``pyproject.toml``) for ``--rounds`` rounds in this process with
+:func:`fedrec_flwr.serial.run_serial` -- the same ServerApp, strategy and ClientApp as ``flwr run``'s simulation,
+bit-identical models (``tests/test_simulation_properties.py``), without Ray's start-up -- and compares every
+README figure of a round it ran (the progress lines' HR@10, NDCG@10 and train loss, and the "HR@10 climbs from ..
+(round ..) to .. (round ..)" sentence) at the precision the README prints. Timings
+are not compared (they depend on the machine).
+
+Usage::
+
+    FEDREC_DATA_DIR=/path/to/data python scripts/check_readme_numbers.py [--rounds 10] [--readme README.md]
+
+Exit status 0 when every quoted figure of the rounds run matches, 1 otherwise (each difference printed), 2 when the
+README quotes no line of those rounds. ``--rounds 10`` takes about 2 minutes on an idle 2-core machine; ``--rounds
+100`` (the README's final figures too) about 15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LINE = re.compile(r"round\s+(\d+) \| HR@10 ([\d.]+|\s*-\s*) \| NDCG@10 ([\d.]+|\s*-\s*) \| train loss ([\d.]+)")
+FINAL = re.compile(r"HR@10 climbs from ([\d.]+) \(round (\d+)\) to ([\d.]+) \(round (\d+)\)")
+
+
+def quoted(readme: str) -> dict[int, dict[str, str]]:
+    """The README's quoted progress lines: round -> {"HR@10", "NDCG@10", "train-loss"} as printed ("-" if none)."""
+    out = {}
+    for match in LINE.finditer(readme):
+        out[int(match.group(1))] = {"HR@10": match.group(2).strip(), "NDCG@10": match.group(3).strip(),
+                                    "train-loss": match.group(4)}
+    return out
+
+
+def compare(quotes: dict[int, dict[str, str]], rows: list[dict]) -> list[str]:
+    """Differences between quoted figures and ``metrics.json`` rows, formatted as the progress line formats them."""
+    by_round = {int(r["round"]): r for r in rows}
+    problems = []
+    for rnd, figures in sorted(quotes.items()):
+        row = by_round.get(rnd)
+        if row is None:
+            continue
+        for key, value in figures.items():
+            column = "train-loss" if key == "train-loss" else key
+            decimals = len(value.partition(".")[2])
+            fresh = f"{row[column]:.{decimals}f}" if column in row else "-"
+            if value != fresh:
+                problems.append(f"round {rnd} {key}: README {value}, fresh run {fresh}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=10, help="rounds to run (default 10)")
+    parser.add_argument("--readme", default=str(ROOT / "README.md"))
+    parser.add_argument("--results-dir", default=None, help="where the run's folder goes (default: a temp folder)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path.insert(0, str(ROOT))
+    import logging
+
+    from fedrec_flwr.config import make_run_config
+    from fedrec_flwr.serial import run_serial
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    quotes = quoted(Path(args.readme).read_text())
+    final = FINAL.search(Path(args.readme).read_text())
+    if final:
+        quotes.setdefault(int(final.group(2)), {})["HR@10"] = final.group(1)
+        quotes.setdefault(int(final.group(4)), {})["HR@10"] = final.group(3)
+    ran = {r: q for r, q in quotes.items() if r <= args.rounds}
+    if not ran:
+        print(f"the README quotes no figure of rounds 1..{args.rounds}", file=sys.stderr)
+        return 2
+    results = Path(args.results_dir or tempfile.mkdtemp(prefix="readme-check-"))
+    config = make_run_config(num_server_rounds=args.rounds, results_dir=str(results), run_name="readme-check")
+    folder = run_serial(config)
+    rows = json.loads((folder / "metrics.json").read_text())
+    problems = compare(ran, rows)
+    for line in problems:
+        print(line)
+    print(f"{len(ran)} quoted round(s) checked against {folder}: "
+          f"{'all match' if not problems else f'{len(problems)} difference(s)'}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
