@@ -17,6 +17,7 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.client import NumPyClient
 
 from fedrec_flwr.data import sample_train_negatives
+from fedrec_flwr.blocks import check_block_config
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.krylov import CGResult, curvature_vector_product, flatten, gradient, krylov_solve, unflatten
 from fedrec_flwr.influence import influence_objective
@@ -89,6 +90,12 @@ class FedRecClient(NumPyClient):
     """Whether this client trains an attribute adversary and applies ``user-embedding-noise``
     (:class:`clients.fedau2.AttributeUnlearning`)."""
 
+    block_training = "plain"
+    """The vectorized block trainer (:mod:`fedrec_flwr.blocks`) that reproduces this class's local step: ``"plain"``
+    (:class:`LocalTrainer`), ``"sam"`` (FedRecGEL) or ``None`` (per-user only). Only a class's own declaration counts
+    (:func:`fedrec_flwr.blocks.block_kind`): a subclass that does not set it is served per-user, since it may override
+    hooks the block path does not call. Selected by the run-config key ``block-training``."""
+
     @classmethod
     def check_config(cls, config) -> None:
         """Raise :class:`~fedrec_flwr.errors.ConfigError` for run-config settings this client cannot serve (called
@@ -101,6 +108,7 @@ class FedRecClient(NumPyClient):
                 f"run-config keys 'adversary' = {config.adversary!r} / 'user-embedding-noise' = "
                 f"{config.user_embedding_noise!r} need an attribute-unlearning client ('fedau2' or 'fedau2-gel'); "
                 f"client {config.client!r} would ignore them")
+        check_block_config(cls, config)
 
     def __init__(self, runtime: Runtime, user: int, state: RecordDict) -> None:
         if not 0 <= user < runtime.split.num_users:

@@ -47,6 +47,7 @@ class FedRecGELClient(FedRecClient):
     """
 
     uploads_gradients = True
+    block_training = "sam"
 
     @classmethod
     def check_config(cls, config) -> None:

@@ -11,7 +11,10 @@ Their replies carry row-sparse vectors over the shared parameters (:func:`fedrec
 private parameter.
 
 One node serves the users ``partition-id * users-per-node ..`` (:func:`fedrec_flwr.runtime.node_users`); each user is
-its own client object with its own private record in ``context.state``. A train reply is the exact sum-and-count
+its own client object with its own private record in ``context.state``. Where the client class declares a vectorized
+block path and ``block-training`` allows (``"auto"``: messages of >= 2 users), train and evaluate messages run all of
+their users as one batched computation instead (:mod:`fedrec_flwr.blocks`; same updates up to float32 rounding, same
+private records); query handlers are always per-user. A train reply is the exact sum-and-count
 :class:`~fedrec_flwr.wire.Contribution` of the node's trained users.
 
 With ``client-state-dir`` (node config, else run config) the users' private records live in files on the node's own
@@ -36,6 +39,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from .blocks import evaluate_block, train_block, use_blocks
 from .client_state import DURABLE_ROUND_KEY, STATE_DIR_KEY, ClientStateStore, state_folder, user_record_keys
 from .influence import can_batch
 from .registry import resolve
@@ -205,9 +209,7 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
     extra = UserMetrics()
     client = None
     with private_state(context, runtime, config, users, save=True):
-        for user in users:
-            client = make_client(runtime, user, context)
-            update = client.fit_named(shared, config)
+        for client, update in _user_updates(runtime, users, context, shared, config):
             weight = float(record_number(update.aggregation_weight, "aggregation weight (UserUpdate.weight or "
                                          "num_examples)", client))
             loss = float(record_number(update.loss, "train-loss (UserUpdate.loss)", client))
@@ -219,6 +221,19 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
     content = RecordDict({ARRAYS: ArrayRecord({k: Array(v) for k, v in contribution.pack().items()}),
                           METRICS: metric_record(metrics, client)})
     return Message(content=content, reply_to=message)
+
+
+def _user_updates(runtime: Runtime, users: list[int], context: Context, shared: dict, config: dict):
+    """``(client, UserUpdate)`` of each of ``users`` in order: from one vectorized block (:mod:`fedrec_flwr.blocks`;
+    ``client`` is then the class) when ``block-training`` and the client class allow, else from each user's client."""
+    cls = resolve("client", runtime.config.client)
+    if use_blocks(cls, runtime.config, len(users)):
+        for update in train_block(runtime, cls, users, context.state, shared, config):
+            yield cls, update
+        return
+    for user in users:
+        client = make_client(runtime, user, context)
+        yield client, client.fit_named(shared, config)
 
 
 class UserMetrics:
@@ -270,9 +285,16 @@ def evaluate(message: Message, context: Context, run_config: Mapping[str, Any] |
     totals: dict[str, float] = {}
     client = None
     with private_state(context, runtime, config, users):
-        for user in users:
-            client = make_client(runtime, user, context)
-            for key, value in client.evaluate_named(shared, config).items():
+        cls = resolve("client", runtime.config.client)
+        if use_blocks(cls, runtime.config, len(users)):  # one batched scoring call (fedrec_flwr.blocks)
+            results, client = evaluate_block(runtime, users, context.state, shared, config), cls
+        else:
+            results = []
+            for user in users:
+                client = make_client(runtime, user, context)
+                results.append(client.evaluate_named(shared, config))
+        for result in results:
+            for key, value in result.items():
                 totals[key] = totals.get(key, 0.0) + float(record_number(value, key, client))
     metrics = {key: value / len(users) for key, value in totals.items()} if users else {}
     metrics[NUM_EXAMPLES] = float(len(users))

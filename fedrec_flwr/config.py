@@ -52,6 +52,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "krylov-mode": ("distributed", "local"),
     "krylov-solver": ("steihaug", "cg"),
     "curvature": ("gauss-newton", "hessian"),
+    "block-training": ("auto", "on", "off"),
 }
 
 
@@ -138,6 +139,7 @@ class RunConfig:
     eval_every: int = _key("eval-every", minimum=1)
     round_timeout: float = _key("round-timeout", positive=True, maximum=MESSAGE_TTL)
     users_per_node: int = _key("users-per-node", minimum=1)
+    block_training: str = _key("block-training")
     seed: int = _key("seed", minimum=0)
     client_state_dir: str = _key("client-state-dir")
     checkpoint_every: int = _key("checkpoint-every", minimum=0)
@@ -320,7 +322,7 @@ class RunConfig:
         for key in ("dataset", "tie-rule", "model", "loss", "optimizer", "item-aggregation", "server-optimizer",
                     "adversary", "adversary-trigger", "adversary-objective", "adversary-training",
                     "adversary-server-optimizer", "adversary-embedding-optimizer", "unlearning", "krylov-mode",
-                    "krylov-solver", "curvature"):
+                    "krylov-solver", "curvature", "block-training"):
             value = getattr(self, key.replace("-", "_"))
             if value not in _CHOICES[key]:
                 raise ConfigError(f"run-config key '{key}' = {value!r}: must be one of {list(_CHOICES[key])}")

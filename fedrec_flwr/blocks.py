@@ -1,0 +1,596 @@
+"""Vectorized user blocks: a node trains and evaluates all of a message's users as one batched computation.
+
+A node serving ``k`` users would otherwise run ``k`` tiny local trainings one after another, each costing PyTorch's
+per-call overhead on tensors of a few hundred rows (about 10 ms per user on one CPU core). Here the ``k`` users are
+stacked along a leading *user* dimension and trained together with :mod:`torch.func` (``vmap`` over
+``grad_and_value`` of a ``functional_call`` of the process's model), so the per-call overhead is paid once per step
+for the whole block:
+
+* per-user private parameters (user embeddings) stacked, ``(k, 1, d)``;
+* per-user copies of the shared parameters the step changes: each user's compact item rows (positives and sampled
+  negatives, as :meth:`RecModel.item_subset` gives the per-user client), padded to the block's largest row count,
+  ``(k, T_max, d)``, and the score function (MLP, output layer), ``(k, ...)``;
+* padded and masked mini-batches: each user's examples in the order its own shuffle stream gives, a per-example
+  weight ``1 / (size of its mini-batch or chunk)`` (0 on padding), and a per-user "active" mask for steps beyond a
+  user's last mini-batch;
+* per-user optimizer state (:class:`BlockAdam` / SGD), including FedRecGEL's persistent Adam of the user embeddings.
+
+The per-user ``NumPyClient`` subclasses stay the reference: the block path draws the same negatives
+(:func:`fedrec_flwr.data.sample_train_negatives`), the same shuffles (:func:`fedrec_flwr.seeding.torch_generator`,
+``TAG_SHUFFLE``), forms the same mini-batches, and gives the same per-user updates and private state up to float32
+rounding (``tests/test_blocks.py`` compares both on real ML-100K users). Users are independent, so a block is split
+into chunks of users of similar size (sorted by example count) to bound padding and memory; the result does not depend
+on the chunking.
+
+Supported (a client class declares it with its own ``block_training`` attribute, :func:`block_kind`):
+
+* ``"plain"``: :class:`clients.fedrec.FedRecClient` (FedNCF with ``model = "ncf"``, FedMF with ``model = "mf"``): the
+  :class:`~fedrec_flwr.training.LocalTrainer` loop (BCE or BPR mini-batches, Adam or SGD fresh every round);
+* ``"sam"``: :class:`clients.fedrecgel.FedRecGELClient`: the decoupled SAM step of :class:`~fedrec_flwr.sam.SAMTrainer`
+  (``rho-shared`` / ``rho-private``, full-batch chunked loss, persistent private optimizer, gradient or parameter
+  uploads).
+
+Per-user only (for now): PFedRec (a personalised item table and its own item learning rate), FedAU² (its adversary's
+loss term and diagnostics), and any subclass or plug-in client that does not declare ``block_training`` itself, since
+it may override hooks (``make_trainer``, ``shared_update``, ``prepare_evaluation``, ...) the block path does not call.
+
+The block path runs on the run's ``device`` (``"cuda"`` included): every tensor of a block lives there; only the
+shuffles are drawn on the CPU (as in the per-user path) and moved.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from flwr.app import Array, ArrayRecord, RecordDict
+from torch.func import functional_call, grad, grad_and_value, vmap
+
+from .data import sample_train_negatives
+from .errors import ConfigError
+from .metrics import ranking_metrics_batch
+from .runtime import Runtime
+from .seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
+from .training import resolve_device
+
+BLOCK_MODES = ("auto", "on", "off")
+"""Values of the run-config key ``block-training``: ``auto`` (the block path for a message of >= 2 users whose client
+class supports it; one user takes the per-user path, which is the reference), ``on`` (the block path for every
+message, also of one user; a client that does not support it is refused at start), ``off`` (always per-user)."""
+
+BLOCK_KINDS = ("plain", "sam")
+"""Block trainers: ``plain`` (:class:`~fedrec_flwr.training.LocalTrainer`'s loop) and ``sam`` (FedRecGEL's
+:class:`~fedrec_flwr.sam.SAMTrainer`)."""
+
+BLOCK_MODELS = ("mf", "ncf")
+"""Models the block path trains (``pfedrec`` has no user embedding and a personalised item table: per-user only)."""
+
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
+"""``torch.optim.Adam``'s defaults, which every per-user trainer of this package uses."""
+
+CHUNK_EXAMPLES = 1 << 17
+"""At most about this many padded examples are processed in one vectorized call (bounds memory; ours)."""
+
+STATE_PREFIX = "user:"
+OPTIMIZER_PREFIX = "user-opt:"
+"""``context.state`` keys of a user's private record and of its private optimizer state; the same keys as
+:data:`clients.fedrec.STATE_PREFIX` and :data:`clients.fedrecgel.OPTIMIZER_PREFIX` (checked in the tests), so the
+block and per-user paths read and write the same state and can alternate."""
+
+
+# ---------------------------------------------------------------------------------------------------- selection
+def block_kind(cls: type, config) -> str | None:
+    """The block trainer that reproduces client class ``cls`` under ``config``, or ``None`` (per-user only).
+
+    Only the class's own declaration counts (``"block_training"`` in ``cls.__dict__``): a subclass that does not
+    declare it may override hooks the block path does not call, so it is served per-user. The model must be one of
+    :data:`BLOCK_MODELS` and no attribute-unlearning key may be set.
+    """
+    kind = cls.__dict__.get("block_training")
+    if kind not in BLOCK_KINDS:
+        return None
+    if config.model not in BLOCK_MODELS or config.adversary != "none" or config.user_embedding_noise > 0:
+        return None
+    return kind
+
+
+def use_blocks(cls: type, config, num_users: int) -> bool:
+    """Whether a message for ``num_users`` users of client class ``cls`` takes the block path (``block-training``,
+    :data:`BLOCK_MODES`)."""
+    mode = config.block_training
+    if mode == "off" or block_kind(cls, config) is None:
+        return False
+    return mode == "on" or num_users >= 2
+
+
+def check_block_config(cls: type, config) -> None:
+    """Raise :class:`ConfigError` when ``block-training = "on"`` but ``cls`` has no block path under ``config``."""
+    if config.block_training == "on" and block_kind(cls, config) is None:
+        raise ConfigError(
+            f"run-config key 'block-training' = 'on': client {config.client!r} (model {config.model!r}) has no "
+            f"vectorized block path (supported: clients declaring block_training {list(BLOCK_KINDS)}, models "
+            f"{list(BLOCK_MODELS)}, no adversary); use 'auto' or 'off'")
+
+
+# ---------------------------------------------------------------------------------------------------- optimizers
+class BlockAdam:
+    """``torch.optim.Adam`` (defaults: betas 0.9/0.999, eps 1e-8, no weight decay, no AMSGrad) over stacked per-user
+    parameters ``(k, ...)`` with per-user step counts and a per-user mask (Kingma & Ba 2015, Algorithm 1, in the
+    form of ``torch.optim.Adam``'s single-tensor update).
+
+    Args:
+        params: name -> ``(k, ...)`` tensors (updated in place by :meth:`step`).
+        lr: step size.
+        state: optional name -> ``(exp_avg (k, ...), exp_avg_sq (k, ...))`` and ``steps`` ``(k,)`` float32 to resume
+            from (FedRecGEL's persistent private Adam); zeros otherwise.
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor], lr: float, state=None, steps=None) -> None:
+        self.lr = float(lr)
+        k = next(iter(params.values())).shape[0]
+        device = next(iter(params.values())).device
+        self.moments = state if state is not None else {
+            name: (torch.zeros_like(p), torch.zeros_like(p)) for name, p in params.items()}
+        self.steps = steps if steps is not None else torch.zeros(k, dtype=torch.float32, device=device)
+
+    @torch.no_grad()
+    def step(self, params: dict[str, torch.Tensor], grads: Mapping[str, torch.Tensor], active: torch.Tensor) -> None:
+        """One Adam step of the ``active`` users (``(k,)`` bool); the others' parameters and state stay as they are."""
+        beta1, beta2 = ADAM_BETAS
+        self.steps = self.steps + active.to(self.steps.dtype)
+        step = self.steps.double()
+        correction1 = 1 - beta1 ** step
+        correction2_sqrt = torch.sqrt(1 - beta2 ** step)
+        step_size = torch.where(active, self.lr / correction1.clamp_min(1e-300), 0.0)
+        for name, p in params.items():
+            m, v = self.moments[name]
+            g = grads[name]
+            shape = (-1, *([1] * (p.dim() - 1)))
+            mask = active.view(shape)
+            m_new = torch.where(mask, m.lerp(g, 1 - beta1), m)
+            v_new = torch.where(mask, v * beta2 + (1 - beta2) * g * g, v)
+            denom = v_new.sqrt() / correction2_sqrt.to(p.dtype).view(shape) + ADAM_EPS
+            params[name] = p - step_size.to(p.dtype).view(shape) * m_new / denom
+            self.moments[name] = (m_new, v_new)
+
+
+class BlockSGD:
+    """Plain SGD (``torch.optim.SGD`` without momentum) over stacked per-user parameters, masked per user."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], lr: float, state=None, steps=None) -> None:
+        self.lr = float(lr)
+
+    @torch.no_grad()
+    def step(self, params: dict[str, torch.Tensor], grads: Mapping[str, torch.Tensor], active: torch.Tensor) -> None:
+        for name, p in params.items():
+            mask = active.view(-1, *([1] * (p.dim() - 1)))
+            params[name] = torch.where(mask, p - self.lr * grads[name], p)
+
+
+def make_optimizer(name: str, params, lr: float, state=None, steps=None):
+    """``"adam"`` -> :class:`BlockAdam`, ``"sgd"`` -> :class:`BlockSGD`."""
+    return (BlockAdam if name == "adam" else BlockSGD)(params, lr, state, steps)
+
+
+# ---------------------------------------------------------------------------------------------------- the block
+@dataclass
+class _UserData:
+    user: int
+    items: np.ndarray  # (T,) sorted global rows of the user's compact table
+    first: np.ndarray  # (n,) local item of each example (BCE: the item; BPR: the positive)
+    second: np.ndarray | None  # BPR: (n,) local negative of each pair; BCE: None
+    labels: np.ndarray | None  # BCE: (n,) float32 labels
+    generator: torch.Generator
+
+    @property
+    def n(self) -> int:
+        return len(self.first)
+
+
+class Block:
+    """One vectorized block of users on one node: their stacked parameters and the loss they share.
+
+    Args:
+        runtime: the process's :class:`~fedrec_flwr.runtime.Runtime` (its model is used only as the function the
+            parameters are plugged into, by ``functional_call``; its own parameters are not changed).
+        users: the users' indices.
+        state: the node's ``context.state`` (private records are read from and written to it).
+    """
+
+    def __init__(self, runtime: Runtime, users: Sequence[int], state: RecordDict) -> None:
+        self.runtime = runtime
+        self.users = [int(u) for u in users]
+        self.state = state
+        self.model = runtime.model
+        self.layout = runtime.layout
+        self.device = resolve_device(runtime.train_config.device)
+        self.private_keys = list(self.layout.private_keys)
+        self.dtype = next(self.model.parameters()).dtype
+        """The model's dtype (float32 as deployed; the tests also run both paths in float64)."""
+        self.layout_private_shapes = {key: tuple(p.shape) for key, p in zip(
+            self.private_keys, self.model.private_parameters())}
+
+    # ------------------------------------------------------------------------------------------ private state
+    def state_record(self, key: str) -> ArrayRecord | None:
+        record = self.state.get(key) if key in self.state else None
+        return record if isinstance(record, ArrayRecord) else None
+
+    def load_private(self, users: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Private key -> ``(k, 1, d)`` the users' private parameters (initialised as the per-user client does on a
+        first visit: :meth:`RecModel.reset_private` from the stream ``(seed, TAG_USER_INIT, user)``)."""
+        rows: dict[str, list[np.ndarray]] = {key: [] for key in self.private_keys}
+        for user in users:
+            record = self.state_record(f"{STATE_PREFIX}{user}")
+            if record is None:
+                self.model.reset_private(torch_generator(self.runtime.config.seed, TAG_USER_INIT, user))
+                values = {k: v.detach().cpu().numpy() for k, v in self.model.private_state().items()}
+            else:
+                values = {k: v.numpy() for k, v in record.items()}
+            for key in self.private_keys:
+                rows[key].append(values[key])
+        return {key: torch.as_tensor(np.stack(v), dtype=self.dtype, device=self.device) for key, v in rows.items()}
+
+    def save_private(self, users: Sequence[int], private: Mapping[str, torch.Tensor]) -> None:
+        """Write each user's private parameters back to its record (the same keys as the per-user client)."""
+        arrays = {key: value.detach().cpu().numpy() for key, value in private.items()}
+        for index, user in enumerate(users):
+            self.state[f"{STATE_PREFIX}{user}"] = ArrayRecord(
+                {key: Array(np.ascontiguousarray(arrays[key][index])) for key in self.private_keys})
+
+    # ------------------------------------------------------------------------------------------ data
+    def user_data(self, user: int, server_round: int) -> _UserData:
+        """One user's compact rows and examples, exactly as :meth:`FedRecClient.fit_named` and
+        :meth:`LocalTrainer.train` build them (BCE: positives then negatives; BPR: positive ``j`` repeated for its
+        ``k`` negatives)."""
+        cfg, split = self.runtime.config, self.runtime.split
+        positives = split.positives(user)
+        negatives = sample_train_negatives(split, user, server_round, cfg.num_train_negatives, cfg.seed)
+        items = np.union1d(positives, negatives).astype(np.int64)
+        pos, neg = np.searchsorted(items, positives), np.searchsorted(items, negatives)
+        generator = torch_generator(cfg.seed, TAG_SHUFFLE, user, server_round)
+        if cfg.loss == "bpr":
+            k = len(neg) // len(pos)
+            return _UserData(user, items, np.repeat(pos, k), neg, None, generator)
+        labels = np.concatenate([np.ones(len(pos), np.float32), np.zeros(len(neg), np.float32)])
+        return _UserData(user, items, np.concatenate([pos, neg]), None, labels, generator)
+
+    def shared_copies(self, shared: Mapping[str, np.ndarray], data: Sequence[_UserData]) -> dict[str, torch.Tensor]:
+        """Shared key -> per-user copies: item tables ``(k, T_max, d)`` (each user's compact rows, zero padding), the
+        score function ``(k, ...)``."""
+        k, t_max = len(data), max(len(d.items) for d in data)
+        index = np.zeros((k, t_max), dtype=np.int64)
+        for row, d in enumerate(data):
+            index[row, : len(d.items)] = d.items
+        lengths = torch.as_tensor([len(d.items) for d in data], device=self.device)
+        valid = torch.arange(t_max, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
+        index_t = torch.as_tensor(index, device=self.device)
+        out = {}
+        for key in self.layout.shared_shapes:
+            full = as_tensor(shared[key], self.device, self.dtype)
+            if key in self.layout.item_keys:
+                out[key] = full[index_t] * valid.unsqueeze(-1)
+            else:
+                out[key] = full.unsqueeze(0).expand(k, *full.shape).clone()
+        return out
+
+    # ------------------------------------------------------------------------------------------ the loss
+    def loss_function(self):
+        """The per-user loss ``(params, first, second, labels, weights) -> scalar`` for ``vmap``: the weighted sum of
+        per-example losses (BCE with logits, or BPR's ``-log σ(s_pos - s_neg)``, :mod:`fedrec_flwr.losses`), the
+        weights giving each mini-batch's (chunk's) mean."""
+        model, loss = self.model, self.runtime.config.loss
+
+        def per_user(params, first, second, labels, weights):
+            if loss == "bpr":
+                items = torch.cat([first, second])
+                logits = functional_call(model, params, (torch.zeros_like(items), items))
+                half = first.shape[0]
+                values = -F.logsigmoid(logits[:half] - logits[half:])
+            else:
+                logits = functional_call(model, params, (torch.zeros_like(first), first))
+                values = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+            return (values * weights).sum()
+
+        return per_user
+
+    def padded(self, data: Sequence[_UserData], orders: Sequence[torch.Tensor], width: int, group: int):
+        """Padded ``(k, width)`` examples in each user's shuffled order, and weights ``1 / (size of the example's
+        group of ``group`` consecutive examples)`` (0 on padding)."""
+        k = len(data)
+        first = np.zeros((k, width), dtype=np.int64)
+        second = np.zeros((k, width), dtype=np.int64)
+        labels = np.zeros((k, width), dtype=np.float32)
+        weights = np.zeros((k, width), dtype=np.float64)
+        for row, (d, order) in enumerate(zip(data, orders)):
+            o = order.numpy()
+            first[row, : d.n] = d.first[o]
+            if d.second is not None:
+                second[row, : d.n] = d.second[o]
+            if d.labels is not None:
+                labels[row, : d.n] = d.labels[o]
+            position = np.arange(d.n)
+            start = (position // group) * group
+            weights[row, : d.n] = 1.0 / np.minimum(group, d.n - start)
+        to = lambda a, dtype=None: torch.as_tensor(a, device=self.device, dtype=dtype)  # noqa: E731
+        return to(first), to(second), to(labels, self.dtype), to(weights, self.dtype)
+
+
+def as_tensor(array: np.ndarray, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A ``dtype`` tensor of a message's array on ``device`` (copied if the array is read-only, as Flower's are)."""
+    array = np.asarray(array)
+    if not array.flags.writeable:
+        array = array.copy()
+    return torch.as_tensor(array, dtype=dtype, device=device)
+
+
+def _chunks(sizes: Sequence[int], cost) -> list[list[int]]:
+    """Positions of ``sizes`` grouped into chunks of users with similar sizes (largest first) so that each chunk's
+    padded cost ``cost(len(chunk), max size)`` stays within :data:`CHUNK_EXAMPLES` (one user at least)."""
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    chunks: list[list[int]] = []
+    for i in order:
+        if chunks and cost(len(chunks[-1]) + 1, sizes[chunks[-1][0]]) <= CHUNK_EXAMPLES:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
+
+
+def _check_finite(users: Sequence[int], values: torch.Tensor, what: str) -> None:
+    bad = ~torch.isfinite(values)
+    if bool(bad.any()):
+        which = [users[i] for i in torch.nonzero(bad).flatten().tolist()]
+        raise FloatingPointError(f"non-finite training {what} of users {which[:10]} in the vectorized block; no "
+                                 "update of this message is kept")
+
+
+def _row_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``(k,)`` float64: the L2 norm over all of each user's entries of ``tensors`` (each ``(k, ...)``)."""
+    return torch.sqrt(sum((t.double() ** 2).flatten(1).sum(1) for t in tensors))
+
+
+# ---------------------------------------------------------------------------------------------------- training
+def train_block(runtime: Runtime, cls: type, users: Sequence[int], state: RecordDict,
+                shared: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> list:
+    """Train ``users`` as one vectorized block; returns their :class:`clients.fedrec.UserUpdate` in ``users``'
+    order (what each user's ``fit_named`` would return, up to float32 rounding) and saves their private state.
+
+    Args:
+        runtime: the process's runtime. cls: the configured client class (:func:`block_kind` must not be None).
+        users: the users to train (>= 1). state: the node's ``context.state``.
+        shared: shared key -> array (the message's arrays). config: the train message's config
+            (``"server-round"``; ``"upload"`` for FedRecGEL).
+
+    Raises:
+        ValueError: ``cls`` has no block path, or a bad ``"upload"`` value.
+        FloatingPointError: a user's loss, gradient or parameters became non-finite.
+    """
+    from clients.fedrec import UserUpdate  # the client package imports this module's callers
+
+    kind = block_kind(cls, runtime.config)
+    if kind is None:
+        raise ValueError(f"client {cls.__qualname__} has no vectorized block path (see fedrec_flwr.blocks)")
+    upload = str(config.get("upload", "parameters"))
+    if kind == "sam" and upload not in ("gradient", "parameters"):
+        raise ValueError(f"train config 'upload' = {upload!r}: expected 'gradient' or 'parameters'")
+    server_round = int(config["server-round"])
+    block = Block(runtime, users, state)
+    data = [block.user_data(u, server_round) for u in block.users]
+    cfg = runtime.config
+    if kind == "plain":
+        steps = [math.ceil(d.n / cfg.batch_size) for d in data]
+        groups = _chunks(steps, lambda count, most: count * most * cfg.batch_size)
+    else:
+        groups = _chunks([d.n for d in data], lambda count, most: count * most)
+    updates: list = [None] * len(data)
+    for group in groups:
+        part = [data[i] for i in group]
+        trained = (_train_plain if kind == "plain" else _train_sam)(block, part, shared, upload)
+        for i, (dense, rows, n, loss, weight, is_gradient) in zip(group, trained):
+            updates[i] = UserUpdate(dense=dense, rows=rows, num_examples=n, loss=loss, weight=weight,
+                                    is_gradient=is_gradient)
+    return updates
+
+
+def _split_updates(block: Block, part: Sequence[_UserData], values: Mapping[str, torch.Tensor]):
+    """Per user: ``(dense key -> array, item key -> (rows, values))`` of the stacked shared ``values``."""
+    arrays = {key: value.detach().cpu().numpy() for key, value in values.items()}
+    out = []
+    for row, d in enumerate(part):
+        dense = {key: arrays[key][row] for key in block.layout.dense_keys}
+        rows = {key: (d.items, arrays[key][row, : len(d.items)]) for key in block.layout.item_keys}
+        out.append((dense, rows))
+    return out
+
+
+def _train_plain(block: Block, part: Sequence[_UserData], shared, upload: str):
+    """:class:`~fedrec_flwr.training.LocalTrainer`'s loop for a chunk of users: ``local-epochs`` epochs of shuffled
+    mini-batches of ``batch-size`` examples (pairs, BPR), one optimizer step each, fresh optimizer state."""
+    cfg = block.runtime.config
+    users = [d.user for d in part]
+    private = block.load_private(users)
+    params = {**private, **block.shared_copies(shared, part)}
+    optimizer = make_optimizer(cfg.optimizer, params, cfg.learning_rate)
+    step_fn = vmap(grad_and_value(block.loss_function()))
+    sizes = torch.as_tensor([d.n for d in part], device=block.device)
+    batch = cfg.batch_size
+    steps = math.ceil(max(d.n for d in part) / batch)
+    totals = torch.zeros(len(part), dtype=torch.float64, device=block.device)
+    for _ in range(cfg.local_epochs):
+        orders = [torch.randperm(d.n, generator=d.generator) for d in part]
+        first, second, labels, weights = block.padded(part, orders, steps * batch, batch)
+        totals.zero_()
+        for s in range(steps):
+            sl = slice(s * batch, (s + 1) * batch)
+            active = sizes > s * batch
+            grads, values = step_fn(params, first[:, sl], second[:, sl], labels[:, sl], weights[:, sl])
+            _check_finite(users, torch.where(active, values, 0.0), "loss")
+            optimizer.step(params, grads, active)
+            count = (sizes - s * batch).clamp(0, batch)
+            totals += values.double() * count
+        _check_finite(users, torch.stack([_row_norms([p]) for p in params.values()]).sum(0), "parameters")
+    losses = (totals / sizes).tolist()
+    block.save_private(users, {key: params[key] for key in block.private_keys})
+    shared_values = {key: params[key] for key in block.layout.shared_shapes}
+    return [(dense, rows, d.n, loss, None, False)
+            for (dense, rows), d, loss in zip(_split_updates(block, part, shared_values), part, losses)]
+
+
+def _train_sam(block: Block, part: Sequence[_UserData], shared, upload: str):
+    """:class:`~fedrec_flwr.sam.SAMTrainer` for a chunk of users: ``local-epochs`` full-batch decoupled SAM steps
+    (FedRecGEL, Sec. 4.2): ``g_S^SAM = ∇_S L(w_S + eps_S, w_P)``, ``g_P^SAM = ∇_P L(w_S, w_P + eps_P)`` with ``eps =
+    rho g / ||g||`` per group and user (Foret et al. 2021, Eq. 2); the private group stepped by the user's persistent
+    optimizer, the shared group by a fresh one (``"upload" = "parameters"``) or only its mean SAM gradient kept
+    (``"gradient"``)."""
+    cfg = block.runtime.config
+    users = [d.user for d in part]
+    private = block.load_private(users)
+    shared_copies = block.shared_copies(shared, part)
+    params = {**private, **shared_copies}
+    shared_keys = list(shared_copies)
+    moments, steps = _load_private_optimizer(block, users) if cfg.optimizer == "adam" else (None, None)
+    private_opt = make_optimizer(cfg.optimizer, private, cfg.learning_rate, moments, steps)
+    update_shared = upload == "parameters"
+    shared_opt = make_optimizer(cfg.optimizer, shared_copies, cfg.learning_rate) if update_shared else None
+    loss_fn = block.loss_function()
+    value_and_grad = vmap(grad_and_value(loss_fn))
+    grad_only = vmap(grad(loss_fn))
+    n = torch.as_tensor([d.n for d in part], device=block.device)
+    width = max(d.n for d in part)
+    everyone = torch.ones(len(part), dtype=torch.bool, device=block.device)
+    sums = {key: torch.zeros_like(shared_copies[key]) for key in shared_keys}
+    values = torch.zeros(len(part), device=block.device)
+
+    def perturbed(group: list[str], base: Mapping[str, torch.Tensor], rho: float) -> dict[str, torch.Tensor]:
+        norm = _row_norms([base[key] for key in group])
+        ok = torch.isfinite(norm) & (norm > 0) & (rho > 0)
+        scale = torch.where(ok, rho / torch.where(ok, norm, 1.0), 0.0).to(block.dtype)
+        return {**params, **{key: params[key] + base[key] * scale.view(-1, *([1] * (base[key].dim() - 1)))
+                             for key in group}}
+
+    for epoch in range(cfg.local_epochs):
+        orders = [torch.randperm(d.n, generator=d.generator) for d in part]
+        first, second, labels, weights = block.padded(part, orders, width, cfg.batch_size)
+        args = (first, second, labels, weights)
+        base, values = value_and_grad(params, *args)
+        _check_finite(users, values, f"loss at SAM step {epoch + 1}")
+        sam_shared = grad_only(perturbed(shared_keys, base, cfg.rho_shared), *args) if cfg.rho_shared > 0 else base
+        sam_private = grad_only(perturbed(block.private_keys, base, cfg.rho_private), *args) \
+            if cfg.rho_private > 0 else base
+        _check_finite(users, _row_norms([sam_shared[key] for key in shared_keys]), f"shared SAM gradient at SAM "
+                      f"step {epoch + 1}")
+        private_opt.step(private, {key: sam_private[key] for key in block.private_keys}, everyone)
+        if shared_opt is not None:
+            shared_opt.step(shared_copies, {key: sam_shared[key] for key in shared_keys}, everyone)
+        params = {**private, **shared_copies}
+        for key in shared_keys:
+            sums[key] = sums[key] + sam_shared[key]
+        _check_finite(users, _row_norms(list(params.values())), f"parameters after SAM step {epoch + 1}")
+    chunks = torch.ceil(n / cfg.batch_size)
+    losses = (values.double() / chunks).tolist()
+    block.save_private(users, private)
+    if private_opt.__class__ is BlockAdam:
+        _save_private_optimizer(block, users, private_opt)
+    else:
+        for user in users:  # torch's SGD keeps no state: the per-user client stores an empty record
+            block.state[f"{OPTIMIZER_PREFIX}{user}"] = ArrayRecord({})
+    if update_shared:
+        out = _split_updates(block, part, shared_copies)
+        return [(dense, rows, d.n, loss, None, False) for (dense, rows), d, loss in zip(out, part, losses)]
+    grads = {key: sums[key] / cfg.local_epochs for key in shared_keys}
+    out = _split_updates(block, part, grads)
+    return [(dense, rows, d.n, loss, 1.0, True) for (dense, rows), d, loss in zip(out, part, losses)]
+
+
+def _load_private_optimizer(block: Block, users: Sequence[int]):
+    """The users' persistent private Adam state, in :func:`fedrec_flwr.training.optimizer_state_arrays`' layout
+    (``"<index of the private parameter>/exp_avg"``, ``.../exp_avg_sq``, ``.../step``): ``(moments, steps)``."""
+    keys = block.private_keys
+    m = {key: [] for key in keys}
+    v = {key: [] for key in keys}
+    steps = []
+    zeros = {key: torch.zeros(block.layout_private_shapes[key], dtype=block.dtype).numpy() for key in keys}
+    for user in users:
+        record = block.state_record(f"{OPTIMIZER_PREFIX}{user}")
+        arrays = {} if record is None else {k: a.numpy() for k, a in record.items()}
+        if "0/step" in arrays:
+            steps.append(float(arrays["0/step"]))
+            for index, key in enumerate(keys):
+                m[key].append(arrays[f"{index}/exp_avg"])
+                v[key].append(arrays[f"{index}/exp_avg_sq"])
+        else:  # first round of this user: a fresh Adam
+            steps.append(0.0)
+            for key in keys:
+                m[key].append(zeros[key])
+                v[key].append(zeros[key])
+    to = lambda a: torch.as_tensor(np.stack(a), dtype=block.dtype, device=block.device)  # noqa: E731
+    moments = {key: (to(m[key]), to(v[key])) for key in keys}
+    return moments, torch.as_tensor(steps, dtype=torch.float32, device=block.device)
+
+
+def _save_private_optimizer(block: Block, users: Sequence[int], optimizer: BlockAdam) -> None:
+    steps = optimizer.steps.cpu().numpy()
+    moments = {key: (m.cpu().numpy(), v.cpu().numpy()) for key, (m, v) in optimizer.moments.items()}
+    for row, user in enumerate(users):
+        arrays = {}
+        for index, key in enumerate(block.private_keys):
+            arrays[f"{index}/step"] = Array(np.array(steps[row], dtype=np.float32))
+            arrays[f"{index}/exp_avg"] = Array(np.ascontiguousarray(moments[key][0][row]))
+            arrays[f"{index}/exp_avg_sq"] = Array(np.ascontiguousarray(moments[key][1][row]))
+        block.state[f"{OPTIMIZER_PREFIX}{user}"] = ArrayRecord(arrays)
+
+
+# ---------------------------------------------------------------------------------------------------- evaluation
+EVAL_USERS_PER_CALL = 2048
+"""Users scored per forward pass (as :func:`fedrec_flwr.training.score_candidates`)."""
+
+
+@torch.no_grad()
+def evaluate_block(runtime: Runtime, users: Sequence[int], state: RecordDict, shared: Mapping[str, np.ndarray],
+                   config: Mapping[str, Any]) -> list[dict[str, float]]:
+    """Each user's leave-one-out metrics, as :meth:`FedRecClient.evaluate_named` returns them, from one batched
+    scoring call per :data:`EVAL_USERS_PER_CALL` users: the model applied (``functional_call``) to the shared
+    parameters and a user table stacking the users' private embeddings.
+
+    Raises:
+        ValueError: an unknown ``"split"``, or ``"val"`` without validation items (as the per-user client).
+    """
+    split = runtime.split
+    which = str(config.get("split", "test"))
+    if which not in ("test", "val", "test+val"):
+        raise ValueError(f"evaluation split must be 'test', 'val' or 'test+val', got {which!r}")
+    if "val" in which and split.val_items is None:
+        raise ValueError(f"evaluation on {which!r} needs holdout-validation = true")
+    block = Block(runtime, users, state)
+    ks = runtime.config.k_values
+    shared_t = {key: as_tensor(value, block.device, block.dtype) for key, value in shared.items()}
+    out: list[dict[str, float]] = [{} for _ in block.users]
+    for start in range(0, len(block.users), EVAL_USERS_PER_CALL):
+        part = block.users[start: start + EVAL_USERS_PER_CALL]
+        private = block.load_private(part)
+        params = {**shared_t, **{key: value.reshape(len(part), -1) for key, value in private.items()}}
+        phases = []
+        if which in ("test", "test+val"):
+            phases.append(("", split.test_items, split.test_negatives))
+        if which in ("val", "test+val"):
+            phases.append(("val-" if which == "test+val" else "", split.val_items, split.val_negatives))
+        for prefix, targets, negatives in phases:
+            candidates = np.concatenate([np.asarray(targets)[part].reshape(-1, 1),
+                                         np.asarray(negatives)[part]], axis=1).astype(np.int64)
+            count = candidates.shape[1]
+            rows = torch.arange(len(part), device=block.device).repeat_interleave(count)
+            items = torch.as_tensor(candidates.reshape(-1), device=block.device)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                scores = functional_call(block.model, params, (rows, items)).reshape(len(part), count)
+            metrics = ranking_metrics_batch(scores.double().cpu().numpy(), 0, ks)
+            for row in range(len(part)):
+                out[start + row].update({prefix + key: float(value[row]) for key, value in metrics.items()})
+    return out

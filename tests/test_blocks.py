@@ -1,0 +1,201 @@
+"""Vectorized user blocks (fedrec_flwr/blocks.py) against the per-user clients, the reference: the same updates,
+private state (embeddings, Adam moments) and evaluation on real ML-100K users, the same node reply, the same whole
+serial run with block-training on and off, and the privacy check on a block-trained run."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import RecordDict
+
+from conftest import (MessageRecorder, assert_no_private_value_in_replies, dataset_dir, seeded_private_vectors,
+                      tiny_run_config)
+from clients import fedrec, fedrecgel
+from fedrec_flwr import blocks
+from fedrec_flwr.blocks import block_kind, evaluate_block, train_block, use_blocks
+from fedrec_flwr.client_app import make_client_app
+from fedrec_flwr.config import make_run_config
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.registry import check_components, resolve
+from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.serial import run_serial
+from fedrec_flwr.wire import Contribution
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+FEDRECGEL = {"client": "fedrecgel", "rho-shared": 0.1, "rho-private": 0.02, "batch-size": 128,
+             "learning-rate": 0.1}
+CASES = {
+    "fedncf": ({}, "parameters"),
+    "fedncf-2-epochs-batch-64": ({"local-epochs": 2, "batch-size": 64}, "parameters"),
+    "fedmf": ({"model": "mf"}, "parameters"),
+    "fedmf-bpr-sgd": ({"model": "mf", "loss": "bpr", "optimizer": "sgd", "learning-rate": 0.05}, "parameters"),
+    "fedrecgel-gradient": (FEDRECGEL, "gradient"),
+    "fedrecgel-parameters-2-steps": ({**FEDRECGEL, "local-epochs": 2}, "parameters"),
+    "fedrecgel-sgd": ({**FEDRECGEL, "optimizer": "sgd"}, "gradient"),
+}
+USERS = [0, 1, 2, 3, 4, 5, 6, 7, 12, 404]
+"""Real ML-100K users (index 404 has several hundred positives: a block with very unequal users, padded)."""
+
+RTOL, ATOL = 2e-4, 2e-6
+"""float32 tolerance: the block path adds the same terms in another order (batched matrix products)."""
+ADAM_ATOL = 2e-3
+"""Times the learning rate, per Adam step: Adam's step ``lr * m / (sqrt(v) + eps)`` is normalised, so where an entry's
+gradient is near 0 the float32 rounding of the gradient changes its step by a fraction of ``lr`` (seen: 1e-5 = lr / 1000
+on one entry of 32k)."""
+
+
+@pytest.fixture(scope="module")
+def ml100k(tmp_path_factory):
+    return {"dataset": "ml-100k", "data-dir": str(dataset_dir("ml-100k")),
+            "cache-dir": str(tmp_path_factory.mktemp("cache"))}
+
+
+def _runtime(ml100k, overrides, dtype=torch.float32):
+    """The process's runtime for the config; for ``float64`` a copy with a double-precision model (the cached
+    runtime's model stays as it is)."""
+    runtime = get_runtime(make_run_config(**ml100k, **overrides).to_dict())
+    if dtype == torch.float32:
+        return runtime
+    return dataclasses.replace(runtime, model=copy.deepcopy(runtime.model).to(dtype), loaded_shared=None,
+                               dirty_shared=set())
+
+
+def _shared(runtime):
+    return {k: v.detach().cpu().numpy().copy() for k, v in runtime.model.shared_state().items()}
+
+
+def _per_user(runtime, state, shared, config):
+    cls = resolve("client", runtime.config.client)
+    return [cls(runtime, u, state).fit_named(shared, config) for u in USERS]
+
+
+def _assert_updates_equal(a, b, rtol, atol):
+    assert a.num_examples == b.num_examples and a.is_gradient == b.is_gradient
+    assert a.aggregation_weight == b.aggregation_weight
+    assert a.loss == pytest.approx(b.loss, rel=max(rtol, 1e-6))
+    for key in a.dense:
+        np.testing.assert_allclose(a.dense[key], b.dense[key], rtol=rtol, atol=atol, err_msg=key)
+    for key in a.rows:
+        np.testing.assert_array_equal(a.rows[key][0], b.rows[key][0])
+        np.testing.assert_allclose(a.rows[key][1], b.rows[key][1], rtol=rtol, atol=atol, err_msg=key)
+
+
+def _assert_states_equal(a: RecordDict, b: RecordDict, rtol, atol):
+    assert sorted(a) == sorted(b)
+    for key in a:
+        arrays_a, arrays_b = {k: v.numpy() for k, v in a[key].items()}, {k: v.numpy() for k, v in b[key].items()}
+        assert sorted(arrays_a) == sorted(arrays_b), key
+        for name in arrays_a:
+            assert arrays_a[name].shape == arrays_b[name].shape and arrays_a[name].dtype == arrays_b[name].dtype
+            np.testing.assert_allclose(arrays_a[name], arrays_b[name], rtol=rtol, atol=atol, err_msg=f"{key} {name}")
+
+
+@pytest.mark.parametrize(("case", "dtype"), [(case, torch.float64) for case in CASES]
+                         + [("fedmf", torch.float32), ("fedmf-bpr-sgd", torch.float32)])
+def test_block_training_gives_the_per_user_updates_and_private_state(ml100k, case, dtype):
+    """Two rounds on real users: every user's upload (dense values, item rows, weight, example count, loss) and its
+    private records after each round (embeddings; FedRecGEL's Adam moments and step) agree, and so does the node's
+    packed reply (``#rows`` / ``#sum`` / ``#count``).
+
+    Both paths run in float64 for every case (agreement to 1e-9: the same examples, order and arithmetic), and in
+    float32 (the deployed dtype) for FedMF. In float32, NCF's ReLU tower makes agreement elementwise a matter of luck:
+    an example whose pre-activation lies within float32 rounding of 0 takes the other branch in one path (seen once
+    in 10 users x 2 rounds: a gradient entry off by 6e-4); the whole-run test below compares NCF runs in float32."""
+    overrides, upload = CASES[case]
+    runtime = _runtime(ml100k, overrides, dtype)
+    cls = resolve("client", runtime.config.client)
+    assert block_kind(cls, runtime.config) == ("sam" if "fedrecgel" in case else "plain")
+    shared = _shared(runtime)
+    cfg = runtime.config
+    if dtype == torch.float64:
+        rtol, atol = 1e-7, 1e-9
+    else:
+        rtol, atol = RTOL, ATOL if cfg.optimizer == "sgd" else max(ATOL, ADAM_ATOL * cfg.learning_rate * cfg.local_epochs)
+    per_user_state, block_state = RecordDict(), RecordDict()
+    for server_round in (1, 2):
+        config = {"server-round": server_round, "upload": upload}
+        reference = _per_user(runtime, per_user_state, shared, config)
+        updates = train_block(runtime, cls, USERS, block_state, shared, config)
+        for a, b in zip(reference, updates, strict=True):
+            _assert_updates_equal(a, b, rtol, atol)
+        _assert_states_equal(per_user_state, block_state, rtol, atol)
+        packed = []
+        for batch in (reference, updates):
+            contribution = Contribution(runtime.layout)
+            for update in batch:
+                contribution.add_user(update.dense, update.rows, update.aggregation_weight, update.loss)
+            packed.append(contribution.pack())
+        assert sorted(packed[0]) == sorted(packed[1])
+        for key in packed[0]:
+            np.testing.assert_allclose(packed[0][key], packed[1][key], rtol=rtol, atol=atol * len(USERS), err_msg=key)
+    if "fedrecgel" in case and runtime.config.optimizer == "adam":
+        assert float(block_state[f"user-opt:{USERS[0]}"]["0/step"].numpy()) == 2.0 * runtime.config.local_epochs
+
+
+@pytest.mark.parametrize("case", ["fedncf", "fedmf", "fedrecgel-gradient"])
+def test_block_evaluation_gives_the_per_user_metrics(ml100k, case):
+    """After a round of training (and for a user never trained: its seeded embedding), one batched scoring call gives
+    each user's HR@K / NDCG@K as its own client does, for the test and the validation item."""
+    overrides, upload = CASES[case]
+    runtime = _runtime(ml100k, overrides)
+    cls = resolve("client", runtime.config.client)
+    shared, state = _shared(runtime), RecordDict()
+    train_block(runtime, cls, USERS[:6], state, shared, {"server-round": 1, "upload": upload})
+    users = USERS + list(range(850, 943))  # the last 93 never trained
+    reference = [cls(runtime, u, state).evaluate_named(shared, {"split": "test"}) for u in users]
+    batched = evaluate_block(runtime, users, state, shared, {"split": "test"})
+    assert batched == reference
+    assert sum(r["HR@10"] for r in reference) > 0
+    with pytest.raises(ValueError, match="holdout-validation"):
+        evaluate_block(runtime, users, state, shared, {"split": "val"})
+
+
+def test_block_path_selection_and_its_config_key(ml100k):
+    """Only a class's own declaration counts; ``block-training = "on"`` is refused for a client without a block path;
+    ``auto`` takes the per-user reference path for a single user."""
+    config = make_run_config(**ml100k)
+    assert block_kind(fedrec.FedRecClient, config) == "plain"
+    assert block_kind(fedrecgel.FedRecGELClient, config.replace(client="fedrecgel")) == "sam"
+    assert block_kind(resolve("client", "pfedrec"), config.replace(model="pfedrec", client="pfedrec")) is None
+    assert block_kind(resolve("client", "fedau2"), config.replace(client="fedau2")) is None
+
+    class PlugIn(fedrec.FedRecClient):  # inherits no block support: it may override hooks the block path skips
+        pass
+
+    assert block_kind(PlugIn, config) is None and not use_blocks(PlugIn, config, 10)
+    assert use_blocks(fedrec.FedRecClient, config, 10) and not use_blocks(fedrec.FedRecClient, config, 1)
+    assert use_blocks(fedrec.FedRecClient, config.replace(block_training="on"), 1)
+    assert not use_blocks(fedrec.FedRecClient, config.replace(block_training="off"), 10)
+    with pytest.raises(ConfigError, match="block-training"):
+        check_components(config.replace(model="pfedrec", client="pfedrec", block_training="on"))
+    with pytest.raises(ConfigError, match="block-training"):
+        make_run_config(**ml100k, block_training="yes")
+    assert blocks.STATE_PREFIX == fedrec.STATE_PREFIX and blocks.OPTIMIZER_PREFIX == fedrecgel.OPTIMIZER_PREFIX
+
+
+@pytest.mark.parametrize("overrides", [{}, {"client": "fedrecgel", "rho-private": 0.02, "strategy": "server-optimizer"}],
+                         ids=["fedncf", "fedrecgel"])
+def test_serial_run_with_block_training_on_equals_off(tmp_path, overrides):
+    """A whole serial run with users-per-node = 10: the final model and metrics with the block path equal the
+    per-user path's up to float32 rounding; and the block-trained run's replies carry no private value."""
+    recorder = MessageRecorder(tmp_path / "messages")
+    on_config = tiny_run_config(tmp_path / "on", users_per_node=10, block_training="on", **overrides)
+    on = run_serial(on_config, client_app=make_client_app(on_config, mods=[recorder]))
+    off = run_serial(tiny_run_config(tmp_path / "off", users_per_node=10, block_training="off", **overrides))
+    a, b = np.load(on / "final_arrays.npz"), np.load(off / "final_arrays.npz")
+    assert set(a.files) == set(b.files)
+    for key in a.files:
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-4, atol=1e-6, err_msg=key)
+    rows_on, rows_off = (json.loads((r / "metrics.json").read_text()) for r in (on, off))
+    for ra, rb in zip(rows_on, rows_off, strict=True):
+        assert ra["HR@10"] == pytest.approx(rb["HR@10"], abs=1e-9)
+        assert ra["train-loss"] == pytest.approx(rb["train-loss"], rel=1e-4)
+    records = recorder.records()
+    assert any(r["type"] == "train" for r in records)
+    assert_no_private_value_in_replies(records, get_runtime(on_config).layout, extra=seeded_private_vectors(on_config))
