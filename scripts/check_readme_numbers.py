@@ -7,7 +7,7 @@ per-user nodes, the defaults of ``pyproject.toml``) for ``--rounds`` rounds in t
 :func:`fedrec_flwr.serial.run_serial` -- the same ServerApp, strategy and ClientApp as ``flwr run``'s simulation,
 bit-identical models (``tests/test_simulation_properties.py``), without Ray's start-up -- and compares every
 README figure of a round it ran (the progress lines' HR@10, NDCG@10 and train loss, and the "HR@10 climbs from ..
-(round ..) to .. (round ..)" sentence) at the precision the README prints. Timings
+(round ..) to .. (round ..), NDCG@10 from .. to .." sentence) at the precision the README prints. Timings
 are not compared (they depend on the machine).
 
 Usage::
@@ -31,7 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"round\s+(\d+) \| HR@10 ([\d.]+|\s*-\s*) \| NDCG@10 ([\d.]+|\s*-\s*) \| train loss ([\d.]+)")
-FINAL = re.compile(r"HR@10 climbs from ([\d.]+) \(round (\d+)\) to ([\d.]+) \(round (\d+)\)")
+FINAL = re.compile(r"HR@10 climbs from ([\d.]+) \(round (\d+)\) to ([\d.]+) \(round (\d+)\), NDCG@10 from ([\d.]+) to "
+                   r"([\d.]+)")
 
 
 def quoted(readme: str) -> dict[int, dict[str, str]]:
@@ -77,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     quotes = quoted(Path(args.readme).read_text())
     final = FINAL.search(Path(args.readme).read_text())
     if final:
-        quotes.setdefault(int(final.group(2)), {})["HR@10"] = final.group(1)
-        quotes.setdefault(int(final.group(4)), {})["HR@10"] = final.group(3)
+        quotes.setdefault(int(final.group(2)), {}).update({"HR@10": final.group(1), "NDCG@10": final.group(5)})
+        quotes.setdefault(int(final.group(4)), {}).update({"HR@10": final.group(3), "NDCG@10": final.group(6)})
     ran = {r: q for r, q in quotes.items() if r <= args.rounds}
     if not ran:
         print(f"the README quotes no figure of rounds 1..{args.rounds}", file=sys.stderr)
