@@ -877,8 +877,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any],
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_stopped)
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         args, overrides, federation = parse_args(argv)
         if args.command == "stop":
@@ -895,6 +894,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {err}", file=sys.stderr)
         return 2
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from fedrec_flwr.config import default_mapping
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.launch import (
     PROJECT_ROOT,
+    main,
     parse_args,
     parse_override,
     run_config_args,
@@ -90,18 +91,19 @@ def _launch(*argv, env=None):
     (["num-supernodes=1000"], "use --num-supernodes 1000"),
     (["server-lr=0.3"], "unknown run-config key(s) ['server-lr']"),
 ])
-def test_errors_before_the_run_are_one_line_and_exit_non_zero(tmp_path, argv, expected):
-    done = _launch("run", "--flwr-home", str(tmp_path / "home"), *argv)
-    assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], done.stderr
-    assert "Traceback" not in done.stderr + done.stdout
+def test_errors_before_the_run_are_one_line_and_exit_non_zero(tmp_path, capsys, argv, expected):
+    assert main(["run", "--flwr-home", str(tmp_path / "home"), *argv]) == 2
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], out.err
+    assert "Traceback" not in out.err + out.out
+    assert not (tmp_path / "home").exists()  # nothing started
 
 
-def test_debug_shows_the_traceback(tmp_path):
-    done = _launch("run", "--debug", "--flwr-home", str(tmp_path / "home"), "num-server-rounds=abc")
-    assert done.returncode == 2 and "Traceback" in done.stderr
-    assert done.stderr.strip().splitlines()[-1].startswith("error: ")
+def test_debug_shows_the_traceback(tmp_path, capsys):
+    assert main(["run", "--debug", "--flwr-home", str(tmp_path / "home"), "num-server-rounds=abc"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: ")
 
 
 def test_too_many_supernodes_is_one_short_message(tmp_path, ml100k_dir):
