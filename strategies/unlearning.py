@@ -146,7 +146,7 @@ class UnlearningSettings:
     krylov_mode: str = "distributed"
     krylov_solver: str = "steihaug"
     curvature: str = "gauss-newton"
-    trust_radius: float = 0.1
+    trust_radius: float = 0.015
     cg_iterations: int = 10
     cg_tolerance: float = 1e-6
     damping: float = 0.01

@@ -65,6 +65,11 @@ def _sweep() -> dict:
     return out
 
 
+DEV_REFINE = {f"steihaug GN radius {radius}": {"method": "hfkcu", "scale": 1.0, "adaptive_scale": False,
+                                               "trust_radius": radius} for radius in (0.0125, 0.015, 0.0175)}
+"""The third development sweep (``sweep-3``): the radius between 0.01 (percentile 0.587) and 0.02 (0.227)."""
+
+
 DEV_VARIANTS = _sweep()
 """The development sweep, applied by :func:`replay` to the development federation. A first sweep (in
 ``sweep1-partial.json``: radius 0.02-1, local, k = 3, damping 1, CG eta 0.05-0.5) showed every full or

@@ -214,9 +214,10 @@ def main(argv=None) -> None:
         report(RESULTS, args.data_dir)
         return
     if args.part == "poison-dev-sweep":
-        from experiments.hfkcu.poison import DEV, DEV_VARIANTS, replay
+        from experiments.hfkcu.poison import DEV, DEV_REFINE, DEV_VARIANTS, replay
 
-        replay(DEV["dataset"], DEV["model"], DEV["fakes"], DEV["seed"], DEV_VARIANTS, data_dir=args.data_dir,
+        sweep = DEV_REFINE if args.name == "3" else DEV_VARIANTS
+        replay(DEV["dataset"], DEV["model"], DEV["fakes"], DEV["seed"], sweep, data_dir=args.data_dir,
                runs=RESULTS / "runs" / "poison-dev", cache=CACHE, target_seed=DEV["target-seed"],
                name=f"sweep-{args.name}")
         return
