@@ -146,3 +146,19 @@ def test_run_error_is_the_end_of_the_last_traceback():
     assert run_error(log) == "fedrec_flwr.errors.ConfigError: run-config key 'resume-from' = '/x': no checkpoint at /x"
     assert run_error("ERROR :     something\nINFO : x\n") == "ERROR :     something"
     assert run_error("all fine\n") is None
+
+
+def test_deploy_local_runs_outside_the_venv_and_refuses_bad_input_in_one_line(tmp_path, ml100k_dir):
+    """`python3 scripts/deploy_local.py` as the README writes it (any Python: it runs itself again with .venv's),
+    with flags after the overrides: a wrong number of SuperNodes is one `error:` line and exit status 2."""
+    import shutil
+
+    python = shutil.which("python3") or sys.executable
+    done = subprocess.run([python, str(PROJECT_ROOT / "scripts" / "deploy_local.py"), "users-per-node=1",
+                           f"data-dir={ml100k_dir}", f"cache-dir={tmp_path / 'cache'}", "--supernodes", "1000",
+                           "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "943 users need exactly 943 SuperNodes" in lines[0], done.stderr
+    assert not (tmp_path / "work").exists()
