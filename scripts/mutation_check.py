@@ -139,11 +139,15 @@ MUTATIONS: tuple[Mutation, ...] = (
 
 
 def copy_tree(dest: Path) -> None:
-    for name in ("fedrec_flwr", "strategies", "clients", "tests"):
-        shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
-    (dest / "experiments").mkdir()
-    for path in (ROOT / "experiments").glob("*.py"):
-        shutil.copy2(path, dest / "experiments" / path.name)
+    """The Python files of every top-level package (``fedrec_flwr``, ``strategies``, ``clients``, ``plugins``,
+    ``experiments``: not their results), the whole ``tests`` folder and ``pyproject.toml``."""
+    shutil.copytree(ROOT / "tests", dest / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in sorted(p.parent for p in ROOT.glob("*/__init__.py")):
+        for path in package.rglob("*.py"):
+            if "__pycache__" not in path.parts:
+                target = dest / path.relative_to(ROOT)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, target)
     shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
 
 

@@ -195,3 +195,16 @@ def test_evaluation_metrics_are_the_mean_over_users_weighting_each_reply_by_its_
     assert metrics["HR@10"] == (1 * 1.0 + 3 * 0.0) / 4 == 0.25
     assert metrics["NDCG@10"] == (1 * 0.5 + 3 * 0.25) / 4 == 0.3125
     assert strategy.last_evaluate == {"HR@10": 0.25, "NDCG@10": 0.3125, "eval-users": 4.0, "eval-failures": 1.0}
+
+
+def test_min_train_fraction_rounds_the_needed_replies_up(task_identity):
+    """3 sampled nodes, min-train-fraction 0.5: ceil(1.5) = 2 valid replies are needed; 1 fails the round."""
+    strategy = _strategy(min_train_fraction=0.5)
+    requests = {m.metadata.dst_node_id: m for m in _configure(strategy)}
+    with pytest.raises(RoundFailed, match=r"1 valid replies of 3 sampled nodes \(min-train-fraction 0.5 needs 2\)"):
+        strategy.aggregate_train(1, [_reply(requests[10], [0], [[1.0, 1.0]], [1], [[2.0, 2.0]], n=5)])
+    strategy = _strategy(min_train_fraction=0.5)
+    requests = {m.metadata.dst_node_id: m for m in _configure(strategy)}
+    good = [_reply(requests[n], [0], [[1.0, 1.0]], [1], [[2.0, 2.0]], n=5) for n in (10, 11)]
+    strategy.aggregate_train(1, good)
+    assert strategy.last_train["num-replies"] == 2 and strategy.last_train["num-failures"] == 1

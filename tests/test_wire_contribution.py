@@ -69,3 +69,36 @@ def test_check_reply_keys_flags_private_and_malformed_arrays():
 def test_zero_example_user_is_refused():
     with pytest.raises(ReplyError):
         Contribution(LAYOUT).add_user({"out.weight": np.ones((1, 3))}, {"item.weight": (np.array([1]), np.ones((1, 3)))}, 0, 0.0)
+
+
+def test_a_node_reply_is_the_example_weighted_mean_of_its_users_dense_parameters():
+    """Hand computation: users with 1 and 3 examples; dense (1,1,1) and (5,5,5) -> (1*1 + 3*5) / 4 = 4; losses 0.2 and
+    0.6 -> 0.5; row 2 touched by both (sum and count 2), rows 0 and 5 by one each."""
+    contribution = Contribution(LAYOUT)
+    contribution.add_user({"out.weight": np.full((1, 3), 1.0)}, {"item.weight": (np.array([0, 2]), np.ones((2, 3)))}, 1, 0.2)
+    contribution.add_user({"out.weight": np.full((1, 3), 5.0)},
+                          {"item.weight": (np.array([2, 5]), np.full((2, 3), 2.0))}, 3, 0.6)
+    packed = contribution.pack()
+    np.testing.assert_array_equal(packed["out.weight"], np.full((1, 3), 4.0, np.float32))
+    np.testing.assert_array_equal(packed["item.weight" + ROWS], [0, 2, 5])
+    np.testing.assert_array_equal(packed["item.weight" + SUM], [[1.0] * 3, [3.0] * 3, [2.0] * 3])
+    np.testing.assert_array_equal(packed["item.weight" + COUNT], [1.0, 2.0, 1.0])
+    assert contribution.mean_loss == pytest.approx((1 * 0.2 + 3 * 0.6) / 4, abs=1e-15)
+    assert (contribution.num_examples, contribution.num_users) == (4, 2)
+
+
+def test_selected_aggregation_is_the_plain_mean_of_the_users_full_tables():
+    """'selected': each of the round's m = 4 users counts in every row; row 0 was updated to 3 and 5 by two users, the
+    other two keep the current 1 -> (3 + 5 + 1 + 1) / 4 = 2.5; 'touched' averages over the two only -> 4."""
+    current = np.ones((6, 3), np.float32)
+    update = (np.array([0, 4]), np.array([[8.0] * 3, [-2.0] * 3]), np.array([2.0, 1.0]))  # sums and counts
+    selected, count = merge_rows(current, [update], "selected", num_users=4)
+    np.testing.assert_array_equal(selected[0], [2.5] * 3)
+    np.testing.assert_array_equal(selected[4], [(-2.0 + 3 * 1.0) / 4] * 3)
+    np.testing.assert_array_equal(selected[[1, 2, 3, 5]], current[[1, 2, 3, 5]])
+    np.testing.assert_array_equal(count, [2, 0, 0, 0, 1, 0])
+    touched, _ = merge_rows(current, [update], "touched")
+    np.testing.assert_array_equal(touched[0], [4.0] * 3)
+    np.testing.assert_array_equal(touched[4], [-2.0] * 3)
+    with pytest.raises(ValueError, match="num_users >= every row count"):
+        merge_rows(current, [update], "selected", num_users=1)
