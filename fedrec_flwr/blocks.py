@@ -3,7 +3,8 @@
 A node serving ``k`` users would otherwise run ``k`` tiny local trainings one after another, each costing PyTorch's
 per-call overhead on tensors of a few hundred rows (about 10 ms per user on one CPU core). Here the ``k`` users are
 stacked along a leading *user* dimension and trained together with :mod:`torch.func` (``vmap`` over
-``grad_and_value`` of a ``functional_call`` of the process's model), so the per-call overhead is paid once per step
+a ``functional_call`` of the process's model, differentiated by autograd: the gradient of the sum of the users'
+losses with respect to the stacked parameters is each user's own gradient), so the per-call overhead is paid once per step
 for the whole block:
 
 * per-user private parameters (user embeddings) stacked, ``(k, 1, d)``;
@@ -11,8 +12,8 @@ for the whole block:
   negatives, as :meth:`RecModel.item_subset` gives the per-user client), padded to the block's largest row count,
   ``(k, T_max, d)``, and the score function (MLP, output layer), ``(k, ...)``;
 * padded and masked mini-batches: each user's examples in the order its own shuffle stream gives, a per-example
-  weight ``1 / (size of its mini-batch or chunk)`` (0 on padding), and a per-user "active" mask for steps beyond a
-  user's last mini-batch;
+  weight ``1 / (size of its mini-batch or chunk)`` (0 on padding); users are sorted by size, so the users with a
+  mini-batch left at a step are a prefix of the block and only that prefix (a view) is stepped;
 * per-user optimizer state (:class:`BlockAdam` / SGD), including FedRecGEL's persistent Adam of the user embeddings.
 
 The per-user ``NumPyClient`` subclasses stay the reference: the block path draws the same negatives
@@ -50,7 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from flwr.app import Array, ArrayRecord, RecordDict
-from torch.func import functional_call, grad, grad_and_value, vmap
+from torch.func import functional_call, vmap
 
 from .data import sample_train_negatives
 from .errors import ConfigError
@@ -75,8 +76,10 @@ ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
 """``torch.optim.Adam``'s defaults, which every per-user trainer of this package uses."""
 
-CHUNK_EXAMPLES = 1 << 17
-"""At most about this many padded examples are processed in one vectorized call (bounds memory; ours)."""
+CHUNK_EXAMPLES = 1 << 18
+"""At most about this many padded examples in one chunk of a block (bounds memory; ours)."""
+PADDING = 1.25
+"""A chunk's padded examples are at most this many times its real ones (bounds wasted work; ours)."""
 
 STATE_PREFIX = "user:"
 OPTIMIZER_PREFIX = "user-opt:"
@@ -122,7 +125,7 @@ def check_block_config(cls: type, config) -> None:
 # ---------------------------------------------------------------------------------------------------- optimizers
 class BlockAdam:
     """``torch.optim.Adam`` (defaults: betas 0.9/0.999, eps 1e-8, no weight decay, no AMSGrad) over stacked per-user
-    parameters ``(k, ...)`` with per-user step counts and a per-user mask (Kingma & Ba 2015, Algorithm 1, in the
+    parameters ``(k, ...)`` with per-user step counts (Kingma & Ba 2015, Algorithm 1, in the
     form of ``torch.optim.Adam``'s single-tensor update).
 
     Args:
@@ -141,37 +144,35 @@ class BlockAdam:
         self.steps = steps if steps is not None else torch.zeros(k, dtype=torch.float32, device=device)
 
     @torch.no_grad()
-    def step(self, params: dict[str, torch.Tensor], grads: Mapping[str, torch.Tensor], active: torch.Tensor) -> None:
-        """One Adam step of the ``active`` users (``(k,)`` bool); the others' parameters and state stay as they are."""
+    def step(self, params: dict[str, torch.Tensor], grads: Mapping[str, torch.Tensor], count: int) -> None:
+        """One Adam step, in place, of the first ``count`` users (``params`` and ``grads`` hold those users' rows: a
+        block sorted by size has its users with a mini-batch left at the front)."""
         beta1, beta2 = ADAM_BETAS
-        self.steps = self.steps + active.to(self.steps.dtype)
-        step = self.steps.double()
-        correction1 = 1 - beta1 ** step
+        self.steps[:count] += 1
+        step = self.steps[:count].double()
+        step_size = -self.lr / (1 - beta1 ** step)
         correction2_sqrt = torch.sqrt(1 - beta2 ** step)
-        step_size = torch.where(active, self.lr / correction1.clamp_min(1e-300), 0.0)
         for name, p in params.items():
-            m, v = self.moments[name]
+            m, v = (t[:count] for t in self.moments[name])
             g = grads[name]
             shape = (-1, *([1] * (p.dim() - 1)))
-            mask = active.view(shape)
-            m_new = torch.where(mask, m.lerp(g, 1 - beta1), m)
-            v_new = torch.where(mask, v * beta2 + (1 - beta2) * g * g, v)
-            denom = v_new.sqrt() / correction2_sqrt.to(p.dtype).view(shape) + ADAM_EPS
-            params[name] = p - step_size.to(p.dtype).view(shape) * m_new / denom
-            self.moments[name] = (m_new, v_new)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = v.sqrt().div_(correction2_sqrt.to(p.dtype).view(shape)).add_(ADAM_EPS)
+            p.addcdiv_(m * step_size.to(p.dtype).view(shape), denom)
 
 
 class BlockSGD:
-    """Plain SGD (``torch.optim.SGD`` without momentum) over stacked per-user parameters, masked per user."""
+    """Plain SGD (``torch.optim.SGD`` without momentum) over stacked per-user parameters."""
 
     def __init__(self, params: Mapping[str, torch.Tensor], lr: float, state=None, steps=None) -> None:
         self.lr = float(lr)
 
     @torch.no_grad()
-    def step(self, params: dict[str, torch.Tensor], grads: Mapping[str, torch.Tensor], active: torch.Tensor) -> None:
+    def step(self, params: dict[str, torch.Tensor], grads: Mapping[str, torch.Tensor], count: int) -> None:
+        """One step, in place, of the first ``count`` users (as :meth:`BlockAdam.step`)."""
         for name, p in params.items():
-            mask = active.view(-1, *([1] * (p.dim() - 1)))
-            params[name] = torch.where(mask, p - self.lr * grads[name], p)
+            p.sub_(grads[name], alpha=self.lr)
 
 
 def make_optimizer(name: str, params, lr: float, state=None, steps=None):
@@ -300,6 +301,19 @@ class Block:
 
         return per_user
 
+    def gradients(self, params: Mapping[str, torch.Tensor], *args: torch.Tensor, keys: Sequence[str] | None = None):
+        """``(gradients by key (k, ...), losses (k,))`` of each user's loss at ``params`` (``(k, ...)`` each; only
+        ``keys`` differentiated, default all), by reverse-mode autograd through the vmapped loss."""
+        if not hasattr(self, "_loss"):
+            self._loss = vmap(self.loss_function())
+        keys = list(params) if keys is None else list(keys)
+        with torch.enable_grad():
+            leaves = {key: (value.detach().requires_grad_() if key in keys else value.detach())
+                      for key, value in params.items()}
+            values = self._loss(leaves, *args)
+            grads = torch.autograd.grad(values.sum(), [leaves[key] for key in keys])
+        return dict(zip(keys, grads)), values.detach()
+
     def padded(self, data: Sequence[_UserData], orders: Sequence[torch.Tensor], width: int, group: int):
         """Padded ``(k, width)`` examples in each user's shuffled order, and weights ``1 / (size of the example's
         group of ``group`` consecutive examples)`` (0 on padding)."""
@@ -330,16 +344,23 @@ def as_tensor(array: np.ndarray, device: torch.device, dtype: torch.dtype = torc
     return torch.as_tensor(array, dtype=dtype, device=device)
 
 
-def _chunks(sizes: Sequence[int], cost) -> list[list[int]]:
-    """Positions of ``sizes`` grouped into chunks of users with similar sizes (largest first) so that each chunk's
-    padded cost ``cost(len(chunk), max size)`` stays within :data:`CHUNK_EXAMPLES` (one user at least)."""
+def _chunks(sizes: Sequence[int]) -> list[list[int]]:
+    """Positions of ``sizes`` (examples per user) in chunks of users of similar size, largest first: a chunk grows
+    while its padded size ``count * largest`` stays within :data:`CHUNK_EXAMPLES` and within :data:`PADDING` times its
+    users' real examples (bounds memory and the work spent on padding; ours). Within a chunk the users are in
+    decreasing size, so those with a mini-batch left at any step are a prefix."""
     order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
     chunks: list[list[int]] = []
+    total = 0
     for i in order:
-        if chunks and cost(len(chunks[-1]) + 1, sizes[chunks[-1][0]]) <= CHUNK_EXAMPLES:
-            chunks[-1].append(i)
-        else:
-            chunks.append([i])
+        if chunks:
+            count, largest = len(chunks[-1]) + 1, sizes[chunks[-1][0]]
+            if count * largest <= CHUNK_EXAMPLES and count * largest <= PADDING * (total + sizes[i]):
+                chunks[-1].append(i)
+                total += sizes[i]
+                continue
+        chunks.append([i])
+        total = sizes[i]
     return chunks
 
 
@@ -349,6 +370,11 @@ def _check_finite(users: Sequence[int], values: torch.Tensor, what: str) -> None
         which = [users[i] for i in torch.nonzero(bad).flatten().tolist()]
         raise FloatingPointError(f"non-finite training {what} of users {which[:10]} in the vectorized block; no "
                                  "update of this message is kept")
+
+
+def _check_finite_parameters(users: Sequence[int], params: Mapping[str, torch.Tensor], what: str) -> None:
+    finite = torch.stack([torch.isfinite(p).flatten(1).all(1) for p in params.values()]).all(0)
+    _check_finite(users, torch.where(finite, 0.0, float("nan")), what)
 
 
 def _row_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -384,11 +410,7 @@ def train_block(runtime: Runtime, cls: type, users: Sequence[int], state: Record
     block = Block(runtime, users, state)
     data = [block.user_data(u, server_round) for u in block.users]
     cfg = runtime.config
-    if kind == "plain":
-        steps = [math.ceil(d.n / cfg.batch_size) for d in data]
-        groups = _chunks(steps, lambda count, most: count * most * cfg.batch_size)
-    else:
-        groups = _chunks([d.n for d in data], lambda count, most: count * most)
+    groups = _chunks([d.n for d in data])
     updates: list = [None] * len(data)
     for group in groups:
         part = [data[i] for i in group]
@@ -418,24 +440,25 @@ def _train_plain(block: Block, part: Sequence[_UserData], shared, upload: str):
     private = block.load_private(users)
     params = {**private, **block.shared_copies(shared, part)}
     optimizer = make_optimizer(cfg.optimizer, params, cfg.learning_rate)
-    step_fn = vmap(grad_and_value(block.loss_function()))
+    step_fn = block.gradients
     sizes = torch.as_tensor([d.n for d in part], device=block.device)
     batch = cfg.batch_size
     steps = math.ceil(max(d.n for d in part) / batch)
     totals = torch.zeros(len(part), dtype=torch.float64, device=block.device)
+    active_users = [sum(1 for d in part if d.n > s * batch) for s in range(steps)]  # a prefix: sorted by size
     for _ in range(cfg.local_epochs):
         orders = [torch.randperm(d.n, generator=d.generator) for d in part]
         first, second, labels, weights = block.padded(part, orders, steps * batch, batch)
         totals.zero_()
-        for s in range(steps):
+        for s, a in enumerate(active_users):
             sl = slice(s * batch, (s + 1) * batch)
-            active = sizes > s * batch
-            grads, values = step_fn(params, first[:, sl], second[:, sl], labels[:, sl], weights[:, sl])
-            _check_finite(users, torch.where(active, values, 0.0), "loss")
-            optimizer.step(params, grads, active)
-            count = (sizes - s * batch).clamp(0, batch)
-            totals += values.double() * count
-        _check_finite(users, torch.stack([_row_norms([p]) for p in params.values()]).sum(0), "parameters")
+            view = {key: value[:a] for key, value in params.items()}
+            grads, values = step_fn(view, first[:a, sl], second[:a, sl], labels[:a, sl], weights[:a, sl])
+            _check_finite(users[:a], values, "loss")
+            optimizer.step(view, grads, a)
+            count = (sizes[:a] - s * batch).clamp(0, batch)
+            totals[:a] += values.double() * count
+        _check_finite_parameters(users, params, f"parameters after epoch {_ + 1}")
     losses = (totals / sizes).tolist()
     block.save_private(users, {key: params[key] for key in block.private_keys})
     shared_values = {key: params[key] for key in block.layout.shared_shapes}
@@ -459,12 +482,9 @@ def _train_sam(block: Block, part: Sequence[_UserData], shared, upload: str):
     private_opt = make_optimizer(cfg.optimizer, private, cfg.learning_rate, moments, steps)
     update_shared = upload == "parameters"
     shared_opt = make_optimizer(cfg.optimizer, shared_copies, cfg.learning_rate) if update_shared else None
-    loss_fn = block.loss_function()
-    value_and_grad = vmap(grad_and_value(loss_fn))
-    grad_only = vmap(grad(loss_fn))
+    value_and_grad = grad_only = block.gradients
     n = torch.as_tensor([d.n for d in part], device=block.device)
     width = max(d.n for d in part)
-    everyone = torch.ones(len(part), dtype=torch.bool, device=block.device)
     sums = {key: torch.zeros_like(shared_copies[key]) for key in shared_keys}
     values = torch.zeros(len(part), device=block.device)
 
@@ -481,18 +501,20 @@ def _train_sam(block: Block, part: Sequence[_UserData], shared, upload: str):
         args = (first, second, labels, weights)
         base, values = value_and_grad(params, *args)
         _check_finite(users, values, f"loss at SAM step {epoch + 1}")
-        sam_shared = grad_only(perturbed(shared_keys, base, cfg.rho_shared), *args) if cfg.rho_shared > 0 else base
-        sam_private = grad_only(perturbed(block.private_keys, base, cfg.rho_private), *args) \
+        sam_shared = grad_only(perturbed(shared_keys, base, cfg.rho_shared), *args, keys=shared_keys)[0] \
+            if cfg.rho_shared > 0 else base
+        sam_private = grad_only(perturbed(block.private_keys, base, cfg.rho_private), *args,
+                                keys=block.private_keys)[0] \
             if cfg.rho_private > 0 else base
         _check_finite(users, _row_norms([sam_shared[key] for key in shared_keys]), f"shared SAM gradient at SAM "
                       f"step {epoch + 1}")
-        private_opt.step(private, {key: sam_private[key] for key in block.private_keys}, everyone)
+        private_opt.step(private, {key: sam_private[key] for key in block.private_keys}, len(part))
         if shared_opt is not None:
-            shared_opt.step(shared_copies, {key: sam_shared[key] for key in shared_keys}, everyone)
+            shared_opt.step(shared_copies, {key: sam_shared[key] for key in shared_keys}, len(part))
         params = {**private, **shared_copies}
         for key in shared_keys:
             sums[key] = sums[key] + sam_shared[key]
-        _check_finite(users, _row_norms(list(params.values())), f"parameters after SAM step {epoch + 1}")
+        _check_finite_parameters(users, params, f"parameters after SAM step {epoch + 1}")
     chunks = torch.ceil(n / cfg.batch_size)
     losses = (values.double() / chunks).tolist()
     block.save_private(users, private)

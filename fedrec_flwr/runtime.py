@@ -7,6 +7,7 @@ here holds per-user state: that lives in each node's ``context.state``.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -178,7 +179,17 @@ def get_runtime(run_config: Mapping[str, Any]) -> Runtime:
         runtime = Runtime(config, split, model, ModelLayout.from_model(model), local_train_config(config),
                           protected=protected)
         _RUNTIMES[key] = runtime
+        freeze_long_lived_objects()
     return runtime
+
+
+def freeze_long_lived_objects() -> None:
+    """Move every object alive now (imported modules, the split, the model) out of the cyclic garbage collector's
+    view (:func:`gc.freeze`): they live as long as the process, and each full collection would otherwise rescan them
+    (measured: about half of the time of a vectorized block of 100 FedNCF users on ML-100K went to such collections;
+    ours). Objects created later are collected as usual."""
+    gc.collect()
+    gc.freeze()
 
 
 def node_users(config: RunConfig, node_config: Mapping[str, Any], num_users: int) -> range:
