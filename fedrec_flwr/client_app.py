@@ -36,11 +36,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 
 from .blocks import evaluate_block, train_block, use_blocks
 from .client_state import DURABLE_ROUND_KEY, STATE_DIR_KEY, ClientStateStore, state_folder, user_record_keys
+from .errors import ConfigError
 from .influence import can_batch
 from .registry import resolve
 from .runtime import Runtime, get_runtime, node_users
@@ -193,8 +195,42 @@ def private_state(context: Context, runtime: Runtime, config: Mapping[str, Any],
                 del context.state[key]
 
 
+_LAST_SHARED: list = [None, (), {}]
+"""``[ArrayRecord, its Array objects, the decoded mapping]`` of the last message's shared arrays (one per process)."""
+
+
 def _shared_arrays(message: Message) -> dict:
-    return {key: array.numpy() for key, array in message.content[ARRAYS].items()}
+    """The message's shared arrays by key, decoded (:func:`decode_array`).
+
+    Messages that carry the very same ``ArrayRecord`` with the same ``Array`` objects (the server's messages of one
+    round, delivered in-process by :class:`fedrec_flwr.serial.SerialGrid` or Flower's in-process simulation) get the
+    same mapping object: it is decoded once, and the per-user clients' :meth:`~clients.fedrec.FedRecClient.load_shared`
+    then reloads only the keys a previous user changed instead of validating and copying every table again. Callers
+    read the mapping and never write to it. A message deserialized on its own (a SuperNode, a Ray worker) is decoded
+    as usual."""
+    record = message.content[ARRAYS]
+    arrays = tuple(record.values())
+    record_then, arrays_then, decoded = _LAST_SHARED
+    if record_then is record and len(arrays_then) == len(arrays) and all(
+            a is b for a, b in zip(arrays_then, arrays)):
+        return decoded
+    decoded = {key: decode_array(array) for key, array in record.items()}
+    _LAST_SHARED[:] = [record, arrays, decoded]
+    return decoded
+
+
+def decode_array(array: Array) -> np.ndarray:
+    """``array.numpy()``, faster: a C-ordered ``numpy.ndarray`` payload (the ``.npy`` format: a header, then the raw
+    values) is read with ``np.frombuffer`` using the ``dtype`` and ``shape`` the ``Array`` carries, instead of
+    parsing the header with ``ast.literal_eval`` (about 0.5 ms per array, measured). Anything else falls back to
+    ``array.numpy()``. Returns a writable copy, as ``array.numpy()`` does."""
+    if array.stype == "numpy.ndarray":
+        dtype = np.dtype(array.dtype)
+        nbytes = int(np.prod(array.shape, dtype=np.int64)) * dtype.itemsize
+        header = array.data[: len(array.data) - nbytes]
+        if not dtype.hasobject and header.startswith(b"\x93NUMPY") and b"'fortran_order': False" in header:
+            return np.frombuffer(array.data, dtype=dtype, offset=len(header)).reshape(array.shape).copy()
+    return array.numpy()
 
 
 def train(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
@@ -302,9 +338,16 @@ def evaluate(message: Message, context: Context, run_config: Mapping[str, Any] |
 
 
 def identify(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
-    """Tell the server which block of users this node serves (derived from ``partition-id``, never ``node_id``)."""
+    """Tell the server which block of users this node serves (derived from ``partition-id``, never ``node_id``).
+
+    A node config that cannot serve the run (``partition-id`` out of range, missing keys) is answered with an error
+    reply naming the problem rather than raised: the ServerApp stops the run with the first such reason, and Flower
+    prints no traceback per node (``--num-supernodes 1000`` on 943 users would print ~4,200 lines of them)."""
     runtime = get_runtime(run_config or context.run_config)
-    served = node_users(runtime.config, context.node_config, runtime.split.num_users)
+    try:
+        served = node_users(runtime.config, context.node_config, runtime.split.num_users)
+    except ConfigError as err:
+        return Message(error=Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(err)), reply_to=message)
     split = runtime.split
     record = ConfigRecord(
         {

@@ -130,3 +130,20 @@ def test_ctrl_c_stops_the_run_its_superlink_and_ray(tmp_path):
     assert "stopped" in output
     _wait_for(lambda: _left_in([home]) == [], 30, "the run's processes to end")
     assert (tmp_path / "results" / "c" / "checkpoint.npz").is_file()
+
+
+@pytest.mark.slow  # a real run; the launcher itself refuses a wrong --num-supernodes before starting (test_launch_cli)
+def test_too_many_supernodes_in_a_plain_run_print_one_error_not_a_traceback_per_node(tmp_path):
+    """8 SuperNodes for 2 partitions, past the launcher's check (as a plain `flwr run` would start it): the extra nodes
+    answer the identify query with an error reply, not a raised exception, so the whole log holds the ServerApp's
+    traceback only, and the run's last line names the partition out of range."""
+    from fedrec_flwr.config import default_mapping
+    from fedrec_flwr.launch import flwr_run, parse_override
+
+    overrides = dict(parse_override(pair, default_mapping()) for pair in _overrides(tmp_path, "too-many"))
+    done = flwr_run(overrides, num_supernodes=8, check=False, flwr_home=tmp_path / "home", capture=True, verbose=True,
+                    federation_config={"client-resources-num-cpus": 1})
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 1
+    assert done.stdout.count("Traceback") == 1 and len(lines) < 80, done.stdout[-4000:]
+    assert "is out of range" in lines[-2] and "partition ids run 0..1" in lines[-2]
