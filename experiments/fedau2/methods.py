@@ -71,6 +71,10 @@ ARMS: dict[str, dict] = {
     # ours: the label-independent pull toward h_w's uniform (balanced) prediction, with the server-trained h_w
     "FedAU2-server, entropy (ours), prior": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut",
                                              "adversary-objective": "entropy", **SERVER},
+    # ours: the same pull on every step (no SUT): label-independent gating, so an uninformed h_w writes nothing in
+    "FedAU2-server, entropy (ours), always, prior": {"client": "fedau2", "adversary": "dsvae",
+                                                     "adversary-trigger": "always", "adversary-objective": "entropy",
+                                                     **SERVER},
     "FedAU2-server, prior, SGD embedding step": {
         "client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut", **SERVER,
         "adversary-embedding-optimizer": "sgd"},
@@ -79,6 +83,14 @@ ARMS: dict[str, dict] = {
 
 EPSILONS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 """The trade-off sweep: FedAU2 on FedMF / gender with these GRL strengths (1.0 is the main table's)."""
+
+
+SERVER_ARM = "FedAU2-server, prior, SGD embedding step"
+"""The arm of the server-adversary epsilon sweep (``tradeoff-server``)."""
+SERVER_EPSILONS = (1.0, 10.0, 30.0, 100.0)
+"""GRL strengths of that sweep (with the SGD embedding step, eps scales the step: lr 0.01 * eps * dCE/du)."""
+DIAGNOSTICS_ARMS = ("FedAU2", "FedAU2-server, prior, SGD embedding step", "FedAU2-server, entropy (ours), prior")
+"""Arms whose per-round adversary diagnostics the README's plot compares (FedMF / gender, seed 1)."""
 
 
 def uses_prior(arm: str) -> bool:

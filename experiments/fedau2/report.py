@@ -16,7 +16,8 @@ import numpy as np
 import pandas as pd
 
 from experiments.common import fmt, markdown, mean_std, pyplot, save_figure, slug, write_csv
-from experiments.fedau2.methods import ARMS, ATTRIBUTES, AUDIT_SEED, EPSILONS, MODELS
+from experiments.fedau2.methods import ARMS, ATTRIBUTES, AUDIT_SEED, DIAGNOSTICS_ARMS, EPSILONS, MODELS
+from fedrec_flwr.adversary import DIAGNOSTICS_FILE
 from fedrec_flwr.io import atomic_write_text
 
 METRICS = ("HR@10", "NDCG@10")
@@ -118,6 +119,15 @@ def tradeoff_plot(results: Path, main: pd.DataFrame) -> None:
         others = points[points["arm"] != "FedAU2"].groupby("arm")[["HR@10", "logreg-auc"]].mean()
         for arm, row in others.iterrows():
             axis.scatter(row["logreg-auc"], row["HR@10"], marker="s", label=arm)
+    server = load_runs(results / "runs" / "tradeoff-server")
+    if not server.empty:
+        curve = server.groupby("epsilon")[["HR@10", "logreg-auc"]].mean().reset_index().sort_values("epsilon")
+        write_csv(server.groupby("epsilon")[["HR@10", "logreg-auc", "mlp-auc"]].agg(["mean", "count"]).reset_index(),
+                  results / "tradeoff-server.csv")
+        axis.plot(curve["logreg-auc"], curve["HR@10"], "^-", label="FedAU2-server (SGD embedding step) across eps")
+        for _, row in curve.iterrows():
+            axis.annotate(f"eps={row['epsilon']:g}", (row["logreg-auc"], row["HR@10"]), fontsize=8,
+                          textcoords="offset points", xytext=(4, -10))
     axis.axvline(0.5, color="grey", linestyle=":", label="attacker AUC 0.5")
     axis.set_xlabel("gender attacker AUC (logistic regression)")
     axis.set_ylabel("HR@10")
@@ -143,7 +153,7 @@ def stability_plot(results: Path) -> None:
         return
     data = pd.concat(frames)
     shown = ("original", "adversarial (constant eps)", "FedAU2 w/o SUT", "FedAU2 w/o DSVAE", "FedAU2",
-             "FedAU2, entropy objective (ours)")
+             "FedAU2, entropy objective (ours)", *[a for a in ARMS if a.startswith("FedAU2-server")])
     metrics = (("auc", "attacker AUC"), ("balanced-accuracy", "attacker balanced accuracy"))
     plt = pyplot()
     fig, axes = plt.subplots(len(metrics), len(MODELS), figsize=(11, 7.5), sharex=True, squeeze=False)
@@ -169,10 +179,45 @@ def stability_plot(results: Path) -> None:
     save_figure(fig, results / "stability.png")
 
 
+def diagnostics_plot(results: Path, seed: int = 1) -> None:
+    """``adversary-diagnostics.png``: the global ``h_w`` per round (FedMF / gender, ``seed``) for
+    :data:`~experiments.fedau2.methods.DIAGNOSTICS_ARMS`: its share of users predicted "M", its balanced accuracy
+    over all users, and the SUT's trigger rate per class (a collapsed adversary: share 1, balanced accuracy 0.5,
+    trigger rate 1 for M and 0 for F)."""
+    curves = {}
+    for arm in DIAGNOSTICS_ARMS:
+        name = f"{slug(arm)}-gender-seed{seed}"
+        for table in ("main", "diagnostics"):
+            path = results / "runs" / table / "FedMF" / name / DIAGNOSTICS_FILE
+            if path.is_file():
+                curves[arm] = pd.read_csv(path)
+    if not curves:
+        return
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for index, (arm, frame) in enumerate(curves.items()):
+        color = f"C{index}"
+        label = "FedAU2, per-client h_w (as first implemented)" if arm == "FedAU2" else arm
+        axes[0].plot(frame["round"], frame["predicted-share-1"], color=color, label=label)
+        axes[1].plot(frame["round"], frame["balanced-accuracy"], color=color, label=label)
+        axes[2].plot(frame["round"], frame["trigger-rate-1"], color=color, label=f"{label}: M")
+        axes[2].plot(frame["round"], frame["trigger-rate-0"], color=color, linestyle="--", label=f"{label}: F")
+    for axis, title in zip(axes, ("share of users h_w predicts M", "h_w balanced accuracy (all users)",
+                                  "SUT trigger rate (solid M, dashed F)")):
+        axis.set_title(title, fontsize=10)
+        axis.set_xlabel("round")
+        axis.set_ylim(-0.02, 1.02)
+    axes[1].axhline(0.5, color="grey", linestyle=":")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"FedMF / ML-100K / gender, seed {seed}: the global adversary h_w per round", fontsize=11)
+    save_figure(fig, results / "adversary-diagnostics.png")
+
+
 def write_all(results: Path) -> None:
     main = main_tables(results)
     tradeoff_plot(results, main)
     stability_plot(results)
+    diagnostics_plot(results)
     print(f"tables and plots written to {results}")
 
 

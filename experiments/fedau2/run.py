@@ -3,6 +3,8 @@
     python -m experiments.fedau2.run main                     # arms x {FedMF, FedNCF} x seeds, gender
     python -m experiments.fedau2.run main --attributes age    # the adversarial arms against age
     python -m experiments.fedau2.run tradeoff                 # FedAU2 on FedMF / gender across eps
+    python -m experiments.fedau2.run tradeoff-server          # the server-adversary arm across eps (seed 1)
+    python -m experiments.fedau2.run diagnostics              # the per-client arm again, with adversary-diagnostics.csv
     python -m experiments.fedau2.run report                   # tables and plots from the finished runs
 
 Every run goes through the package's ServerApp, the honest-but-curious strategy and the ClientApp
@@ -31,7 +33,8 @@ import pandas as pd
 
 from experiments.common import claimed, quiet_flower, run_jobs, slug
 from experiments.fedau2.methods import (
-    ARMS, ATTRIBUTES, AUDIT_SEED, CLASS_PRIORS, EPSILONS, MODELS, PROTOCOL, uses_attribute, uses_prior,
+    ARMS, ATTRIBUTES, AUDIT_SEED, CLASS_PRIORS, EPSILONS, MODELS, PROTOCOL, SERVER_ARM, SERVER_EPSILONS, uses_attribute,
+    uses_prior,
 )
 from fedrec_flwr.attacks import attribute_inference, collect_user_embeddings
 from fedrec_flwr.attributes import encode_attribute
@@ -149,9 +152,26 @@ def jobs_tradeoff(args) -> list:
     return jobs
 
 
+def jobs_tradeoff_server(args) -> list:
+    """The server-adversary arm across eps (FedMF / gender, ``--seeds``, default 1)."""
+    jobs = []
+    for seed in args.seeds:
+        for eps in SERVER_EPSILONS:
+            config = run_config("FedMF", SERVER_ARM, "gender", seed, args.data_dir, RUNS / "tradeoff-server" / "FedMF",
+                                f"{slug(SERVER_ARM)}-gender-eps{eps:g}-seed{seed}", **{"adversary-epsilon": eps})
+            jobs.append((config, "gender"))
+    return jobs
+
+
+def jobs_diagnostics(args) -> list:
+    """The per-client arm re-run (its first runs predate the diagnostics file) on FedMF / gender, ``--seeds``."""
+    return [(run_config("FedMF", "FedAU2", "gender", seed, args.data_dir, RUNS / "diagnostics" / "FedMF",
+                        f"{slug('FedAU2')}-gender-seed{seed}"), "gender") for seed in args.seeds]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("main", "tradeoff", "report"))
+    parser.add_argument("command", choices=("main", "tradeoff", "tradeoff-server", "diagnostics", "report"))
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--attributes", nargs="+", default=["gender"], choices=list(ATTRIBUTES))
@@ -161,14 +181,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job starting at i")
     args = parser.parse_args(argv)
     if args.seeds is None:
-        args.seeds = [0, 1, 2] if args.command == "main" else [0]
+        args.seeds = {"main": [0, 1, 2], "tradeoff": [0]}.get(args.command, [1])
     quiet_flower()
     if args.command == "report":
         from experiments.fedau2.report import write_all
 
         write_all(RESULTS)
         return
-    jobs = {"main": jobs_main, "tradeoff": jobs_tradeoff}[args.command](args)
+    jobs = {"main": jobs_main, "tradeoff": jobs_tradeoff, "tradeoff-server": jobs_tradeoff_server,
+            "diagnostics": jobs_diagnostics}[args.command](args)
     run_jobs(jobs, run_job, args.shard, args.command)
 
 

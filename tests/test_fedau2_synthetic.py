@@ -1,0 +1,75 @@
+"""Issue 14's end-to-end acceptance check, small and in-process: a synthetic federation whose users' embeddings start
+with the protected attribute written along one linear direction (logistic-regression attacker AUC >= 0.9), trained
+through the whole Flower path (serial grid, item-fedavg, FedAU²'s clients with the server-trained adversary); the
+method should drive the attacker to AUC <= 0.6. Measured, not met (issue 14's closing note): see the xfail."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_run_config, write_tiny_dataset
+from fedrec_flwr.attacks import attribute_inference, collect_user_embeddings
+from fedrec_flwr.runtime import get_runtime
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+USERS, ROUNDS, DELTA = 96, 30, 0.05
+
+
+def _federation(folder, **overrides):
+    """Run the synthetic federation; returns ``(attacker AUC at the start, attacker AUC after ROUNDS)``. Every user's
+    embedding gets ``DELTA * (+1 | -1) * v`` (``v`` the unit diagonal) at its first visit, by a client mod (the
+    interactions do not depend on the attribute: users of ``write_tiny_dataset`` prefer one of 3 item groups, the
+    attribute is ``user % 2``)."""
+    from clients.fedau2 import FedAU2Client
+    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.serial import run_serial
+
+    data = write_tiny_dataset(folder / "data", num_users=USERS)
+    labels = np.arange(USERS) % 2
+    attributes = folder / "attributes.csv"
+    attributes.write_text("user,gender\n" + "".join(f"u{u},{'FM'[labels[u]]}\n" for u in range(USERS)))
+    config = tiny_run_config(folder / "run", generic_file=str(data), client="fedau2", protected_attribute="gender",
+                             generic_attributes_file=str(attributes), model="mf", users_per_node=USERS,
+                             fraction_train=1.0, num_server_rounds=ROUNDS, eval_every=ROUNDS, **overrides)
+    runtime = get_runtime(config)
+    direction = torch.full((runtime.config.embedding_dim,), runtime.config.embedding_dim ** -0.5)
+    truth = runtime.protected.labels
+    start = []
+
+    def plant(message, context, call_next):
+        users = message.content["config"].get("users", []) if message.metadata.message_type == "train" else []
+        for user in (int(u) for u in users):
+            if f"user:{user}" not in context.state:
+                client = FedAU2Client(runtime, user, context.state)
+                client.load_private()
+                with torch.no_grad():
+                    runtime.model.user_embedding.weight[0] += DELTA * (2 * int(truth[user]) - 1) * direction
+                start.append(runtime.model.user_embedding.weight[0].detach().numpy().copy())
+                client.save_private()
+        return call_next(message, context)
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    _, grid = run_serial(config, client_app=make_client_app(config, mods=[plant]), return_grid=True)
+    x, present = collect_user_embeddings([c.state for c in grid.contexts.values()], runtime.layout.private_keys,
+                                         USERS)
+    assert present.all() and len(start) == USERS
+    before = attribute_inference(np.stack(start), truth, classifier="logreg", splits=5).auc[0]
+    after = attribute_inference(x, truth, classifier="logreg", splits=5).auc[0]
+    return before, after
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue 14 target not met: FedAU2 with the server-trained adversary leaves the planted "
+                          "direction readable (AUC 0.83-1.0 after 30 rounds in our measurements; "
+                          "experiments/fedau2/README.md)")
+def test_server_trained_fedau2_drives_a_planted_linear_attribute_to_chance(tmp_path):
+    before, after = _federation(tmp_path, adversary="mlp", adversary_objective="entropy", adversary_trigger="always",
+                                adversary_server_learning_rate=0.05, learning_rate=0.01)
+    if before < 0.9:  # the federation must start leaking (a plain failure, not the expected one)
+        pytest.fail(f"the planted direction gives attacker AUC {before:.3f} < 0.9 at the start")
+    assert after <= 0.6, (before, after)
