@@ -381,9 +381,10 @@ class LocalSuperLink:
                        "--isolation", "subprocess",
                        "--control-api-address", f"127.0.0.1:{self.env['FLWR_LOCAL_CONTROL_API_PORT']}",
                        "--host", "127.0.0.1", "--port", self.port, "--log-file", str(self.log)]
+            # in the caller's folder, as `flwr run` starts it: a relative results-dir means the same folder there
             self.process = subprocess.Popen(command, env=self.env, stdout=subprocess.DEVNULL,
                                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                                            start_new_session=True, cwd=self.home)
+                                            start_new_session=True)
             (self.home / RECORD_FILE).write_text(json.dumps({
                 "pid": self.process.pid, "start-time": start_time(self.process.pid), "token": self.token,
                 "port": self.port, "launcher-pid": os.getpid()}) + "\n")
@@ -752,7 +753,7 @@ def flwr_run(
             with open(log_path, "w") as log:
                 log.write(f"$ {env_shown}{shown}\n")
                 process = subprocess.Popen(command, env=link.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, text=True, errors="replace", cwd=PROJECT_ROOT)
+                                           stdin=subprocess.DEVNULL, text=True, errors="replace")
                 pump = threading.Thread(target=_pump, daemon=True,
                                         args=(process.stdout, log, lines, None if capture else sys.stdout, verbose))
                 pump.start()
