@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import types
 from pathlib import Path
 
@@ -40,8 +41,6 @@ VARIANTS = {
     "HF-KCU local (Alg. 1)": {"method": "hfkcu", "krylov_mode": "local"},
     "HF-KCU distributed, issue-6 arm (CG, Hessian, eta 0.01)": {
         "method": "hfkcu", "krylov_solver": "cg", "curvature": "hessian", "scale": 0.01, "adaptive_scale": True},
-    "HF-KCU Newton (CG, Hessian, eta 1, no cap)": {
-        "method": "hfkcu", "krylov_solver": "cg", "curvature": "hessian", "scale": 1.0, "adaptive_scale": False},
     "gradient ascent": {"method": "gradient-ascent"},
     "continued training (5 rounds)": {"method": "continue"},
 }
@@ -51,6 +50,11 @@ to the saved trained federation by :func:`replay` (identical results: the phases
 
 IN_RUN = {k: v for k, v in VARIANTS.items() if v["method"] == "continue"}
 REPLAYED = {k: v for k, v in VARIANTS.items() if v["method"] != "continue"}
+
+NEWTON = {"HF-KCU Newton (CG, Hessian, eta 1, no cap)": {
+    "method": "hfkcu", "krylov_solver": "cg", "curvature": "hessian", "scale": 1.0, "adaptive_scale": False}}
+"""The full Newton step of issue 6, replayed on ML-100K FedMF seed 0 only (it overshoots to percentile 0 there and
+on the development setting; left out elsewhere to save the machine's time)."""
 
 
 def _sweep() -> dict:
@@ -185,7 +189,9 @@ def replay(dataset: str, model: str, fakes: int, seed: int, variants: dict, *, d
     path, target_raw = poisoned_data(dataset, data_dir, fakes, target_seed, cache)
     folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
     generic = {"generic-file": str(path), "generic-columns": "user,item,rating,timestamp"}
-    config = base_config("generic", model, data_dir, cache / "replay-runs", name, seed=seed, **generic,
+    scratch = cache / "replay-runs" / f"{dataset}-{model}-fakes{fakes}-seed{seed}-target{target_seed}"
+    shutil.rmtree(scratch / name, ignore_errors=True)  # the discarded one-round run of an earlier replay
+    config = base_config("generic", model, data_dir, scratch, name, seed=seed, **generic,
                          num_server_rounds=1, eval_every=1, fraction_evaluate=0.0)
     runtime = get_runtime(config.to_dict())
     split = runtime.split

@@ -1,6 +1,7 @@
 """Reproduce the HF-KCU client-unlearning experiments: one command per part (see ``experiments/hfkcu/README.md``).
 
     python -m experiments.hfkcu.run main       # originals + unlearning variants, and the retrained models
+    python -m experiments.hfkcu.run forget     # issue 18: the defaults on the 1% and 5% forget sets
     python -m experiments.hfkcu.run poison     # poisoning removal (experiments/hfkcu/poison.py; issue 18)
     python -m experiments.hfkcu.run poison-dev # the development setting the HF-KCU defaults were chosen on
     python -m experiments.hfkcu.run report     # tables and plots from the finished runs
@@ -194,10 +195,53 @@ def run_retrain(job) -> None:
     train_then(config, folder / name, "retrain.json", retrain_end(runtime, folder / name, set_name, users))
 
 
+FORGET_VARIANTS = {
+    "HF-KCU distributed (default)": {"method": "hfkcu"},
+    "HF-KCU distributed, issue-6 arm (CG, Hessian, eta 0.01)": {
+        "method": "hfkcu", "krylov_solver": "cg", "curvature": "hessian", "scale": 0.01, "adaptive_scale": True},
+    "gradient ascent": {"method": "gradient-ascent"},
+    "continued training (5 rounds)": {"method": "continue"},
+}
+"""Issue 18's random forget sets (1% and 5%): the defaults against the issue-6 arm and the baselines."""
+
+FORGET_ROOT = RESULTS / "forget" / f"seed-{SEED}"
+"""Results of the ``forget`` part, laid out like ``main``'s (``runs/<dataset>/<model>/...``) so that
+:func:`experiments.hfkcu.report.collect` reads them."""
+
+
+def run_forget(job) -> None:
+    """Issue 18's random forget sets: one original (every variant of :data:`FORGET_VARIANTS` applied after round 100
+    to the 1% and 5% sets) or one retrained model, per dataset and model."""
+    from fedrec_flwr.runtime import get_runtime
+
+    dataset, model, kind, data_dir = job
+    folder = FORGET_ROOT / "runs" / dataset / model
+    config = base_config(dataset, model, data_dir, folder, "original")
+    runtime = get_runtime(config.to_dict())
+    every = forget_sets(runtime.split.num_users)
+    chosen = {k: v for k, v in every.items() if k in ("1%", "5%")}
+    if kind == "original":
+        out = folder / "original"
+
+        def at_end(view, train_seconds: float) -> None:
+            rows = run_phases(view, runtime, chosen, lambda _: FORGET_VARIANTS, out)
+            atomic_write_json(out / "phase.json", {"train-seconds": train_seconds, "rows": rows,
+                                                   "forget-sets": {k: v.tolist() for k, v in every.items()}})
+            (out / "phase.partial.json").unlink(missing_ok=True)
+
+        train_then(config, out, "phase.json", at_end)
+        return
+    users = chosen[kind]
+    name = f"retrain-{slug(kind)}"
+    config = base_config(dataset, model, data_dir, folder, name, unlearning="retrain",
+                         forget_users=",".join(str(int(u)) for u in users))
+    train_then(config, folder / name, "retrain.json", retrain_end(runtime, folder / name, kind, users))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["main", "poison", "poison-dev", "poison-replay", "poison-dev-sweep",
-                                         "report"])
+    parser.add_argument("part", choices=["main", "forget", "poison", "poison-dev", "poison-replay",
+                                         "poison-dev-sweep", "report"])
     parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""),
                         help="folder holding <dataset>/ (default: $FEDREC_DATA_DIR; empty = download)")
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job from i")
@@ -212,6 +256,11 @@ def main(argv=None) -> None:
         from experiments.hfkcu.report import report
 
         report(RESULTS, args.data_dir)
+        return
+    if args.part == "forget":
+        jobs = [(d, m, kind, args.data_dir) for d in args.datasets.split(",") for m in args.models.split(",")
+                for kind in ("original", "1%", "5%")]
+        run_jobs(jobs, run_forget, args.shard, "forget")
         return
     if args.part == "poison-dev-sweep":
         from experiments.hfkcu.poison import DEV, DEV_REFINE, DEV_VARIANTS, replay
