@@ -660,14 +660,19 @@ def run_status(env: Mapping[str, str], timeout: float = 60.0) -> tuple[str | Non
 
 
 def _pump(stream: TextIO, log: TextIO, sink: list[str], echo: TextIO | None, verbose: bool) -> None:
-    for raw in stream:
-        line = ANSI.sub("", raw)
-        log.write(line)
-        log.flush()
-        sink.append(line)
-        if echo is not None and (verbose or shown_quietly(line)):
-            echo.write(line if verbose else line.strip() + "\n")
-            echo.flush()
+    """Copy the run's output, ANSI codes removed, to ``log`` and ``sink``, and the lines to show to ``echo``; ends
+    quietly when the log was closed (the run was stopped)."""
+    try:
+        for raw in stream:
+            line = ANSI.sub("", raw)
+            log.write(line)
+            log.flush()
+            sink.append(line)
+            if echo is not None and (verbose or shown_quietly(line)):
+                echo.write(line if verbose else line.strip() + "\n")
+                echo.flush()
+    except (ValueError, OSError):  # the log was closed, or the pipe broke, because the run was stopped
+        return
 
 
 # ----------------------------------------------------------------------------------------------------- run
@@ -736,7 +741,11 @@ def flwr_run(
         if others and not capture:
             print(f"note: another run holds {others[0]}\n      this run uses FLWR_HOME={home} and its own ports",
                   file=out, flush=True)
-        link.start()
+        try:
+            link.start()
+        except BaseException:  # Ctrl-C while it starts, too
+            link.stop()
+            raise
         logs = home / "logs"
         logs.mkdir(exist_ok=True)
         log_path = logs / f"run-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S')}-{link.token[:6]}.log"
