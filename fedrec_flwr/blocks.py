@@ -76,8 +76,9 @@ ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
 """``torch.optim.Adam``'s defaults, which every per-user trainer of this package uses."""
 
-CHUNK_EXAMPLES = 1 << 18
-"""At most about this many padded examples in one chunk of a block (bounds memory; ours)."""
+CHUNK_EXAMPLES = 1 << 15
+"""At most about this many padded examples in one chunk of a block (bounds memory and keeps a chunk's activations
+near the CPU caches: on ML-100K, FedRecGEL's 943-user block took 8 ms per user with 2^14, 11 ms with 2^18; ours)."""
 PADDING = 1.25
 """A chunk's padded examples are at most this many times its real ones (bounds wasted work; ours)."""
 

@@ -4,7 +4,9 @@
    user's ``NumPyClient.fit_named``, as a node without blocks runs them) against one vectorized block
    (:func:`fedrec_flwr.blocks.train_block`), for k = 1, 10, 50, 100, 943 and FedNCF / FedRecGEL; also evaluation of
    the 943 users (per-user ``evaluate_named`` against :func:`fedrec_flwr.blocks.evaluate_block`).
-2. Whole in-process federated rounds (:func:`fedrec_flwr.serial.run_serial`, FedNCF, every one of the 943 users
+2. Per message through the ClientApp in this process (one user per node): ours against a bare ClientApp that only
+   decodes the same arrays, and ours with the arrays decoded per message as before.
+3. Whole in-process federated rounds (:func:`fedrec_flwr.serial.run_serial`, FedNCF, every one of the 943 users
    sampled each round): ``users-per-node = 50`` (block path) against ``users-per-node = 1`` (per-user path: one
    message per user), mean wall time of the training rounds.
 
@@ -81,6 +83,59 @@ def bench_evaluation() -> dict:
     return {"k": len(users), "sequential-s": sequential, "block-s": time.perf_counter() - start}
 
 
+def bench_messages(count: int = 100) -> dict:
+    """Milliseconds per message through the ClientApp in this process, one user per node (FedNCF, ML-100K): train and
+    evaluate with the shared arrays decoded once per ArrayRecord (ours, now) and decoded per message with
+    ``Array.numpy()`` (before), and a bare ClientApp that decodes the same arrays and replies one metric."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedrec_flwr import client_app as ours
+    from fedrec_flwr.wire import ARRAYS, CONFIG, METRICS
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    config = make_run_config(dataset="ml-100k").to_dict()
+    runtime = get_runtime(config)
+    arrays = ArrayRecord({k: Array(v) for k, v in _shared(runtime).items()})
+    bare = ClientApp()
+
+    @bare.train()
+    def _bare(message, context):  # what any ClientApp does with the arrays: decode them, reply
+        _ = {k: a.numpy() for k, a in message.content[ARRAYS].items()}
+        return Message(RecordDict({METRICS: MetricRecord({"num-examples": 1.0})}), reply_to=message)
+
+    def run(app, kind: str) -> float:
+        contexts = [Context(run_id=1, node_id=1000 + u, node_config={"partition-id": u, "num-partitions": 943},
+                            state=RecordDict(), run_config=config) for u in range(count)]
+
+        def send(user: int, rnd: int):
+            msg = Message(RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({"server-round": rnd})}), 1000 + user,
+                          kind, group_id=str(rnd))
+            msg.metadata.__dict__.update(_message_id=f"{kind}-{user}-{rnd}", _src_node_id=1)
+            reply = app(msg, contexts[user])
+            assert not reply.has_error(), reply.error
+
+        send(0, 1)
+        start = time.perf_counter()
+        for user in range(count):
+            send(user, 2)
+        return 1000 * (time.perf_counter() - start) / count
+
+    app = ours.make_client_app(config)
+    out = {"bare-train-ms": run(bare, "train")}
+    for kind in ("train", "evaluate"):
+        out[f"ours-{kind}-ms"] = run(app, kind)
+    decode = ours._shared_arrays
+    ours._shared_arrays = lambda message: {k: a.numpy() for k, a in message.content[ARRAYS].items()}
+    try:
+        for kind in ("train", "evaluate"):
+            out[f"before-{kind}-ms"] = run(app, kind)
+    finally:
+        ours._shared_arrays = decode
+    return out
+
+
 def bench_rounds(users_per_node: int, rounds: int, folder: Path) -> float:
     """Mean seconds of a training round (``train-seconds`` of metrics.json) with every user sampled."""
     config = make_run_config(dataset="ml-100k", fraction_train=1.0, num_server_rounds=rounds, eval_every=1000,
@@ -102,6 +157,8 @@ def main() -> None:
     local = [row for method in METHODS for row in bench_local(method, sizes)]
     evaluation = bench_evaluation()
     print(json.dumps({"evaluation": evaluation}), flush=True)
+    messages = bench_messages()
+    print(json.dumps({"messages": messages}), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         rounds = {upn: bench_rounds(upn, args.rounds, Path(tmp)) for upn in (1, 50)}
     load_end = os.getloadavg()
@@ -114,6 +171,10 @@ def main() -> None:
     e = evaluation
     print(f"\nevaluation of {e['k']} users (FedNCF): per-user {1000 * e['sequential-s'] / e['k']:.2f} ms/user, block "
           f"{1000 * e['block-s'] / e['k']:.3f} ms/user, ratio {e['sequential-s'] / e['block-s']:.1f}x")
+    m = messages
+    print(f"\nper message in-process, 1 user per node (FedNCF): bare ClientApp (decode arrays, reply) "
+          f"{m['bare-train-ms']:.2f} ms; ours train {m['ours-train-ms']:.2f} ms (arrays decoded per message as before: "
+          f"{m['before-train-ms']:.2f}), evaluate {m['ours-evaluate-ms']:.2f} ms (before: {m['before-evaluate-ms']:.2f})")
     (t1, m1), (t50, m50) = rounds[1], rounds[50]
     print(f"\nrun_serial, FedNCF, 943 sampled users per round, {args.rounds} rounds: users-per-node = 1: {t1:.2f} s "
           f"per training round; users-per-node = 50: {t50:.2f} s; ratio {t1 / t50:.1f}x")
