@@ -70,6 +70,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         one("self._restore(snapshot, ", "raise FloatingPointError(", 3),), SAM_TESTS, "issue 23, mutation 4"),
     Mutation("restore-copies-nothing", "fedrec_flwr/training.py", (one("p.copy_(buf)", "pass"),), SAM_TESTS,
              "issue 23, mutation 4 (the restore itself)"),
+    Mutation("blocks-sam-swap-radii", "fedrec_flwr/blocks.py", (
+        one("perturbed(shared_keys, base, cfg.rho_shared)", "perturbed(shared_keys, base, cfg.rho_private)"),
+        one("perturbed(block.private_keys, base, cfg.rho_private)", "perturbed(block.private_keys, base, cfg.rho_shared)"),
+    ), ("tests/test_blocks.py",), "issue 23, mutation 2 in the vectorized user blocks (checked against SAMTrainer)"),
     # ---- sam.py
     Mutation("sam-perturbation-not-normalised", "fedrec_flwr/sam.py", (one("scale = rho / float(norm)", "scale = rho"),),
              SAM_TESTS),
