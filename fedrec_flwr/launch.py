@@ -19,12 +19,16 @@ run time. This module wraps it so a run is self-contained and never touches what
   that does not match is refused before anything starts;
 * the exit status is 0 only when Flower reports the run ``finished:completed``; otherwise the run's own error is
   the last line printed;
+* a run whose simulation does not exit :data:`END_GRACE` s after its ServerApp's last line (a ClientApp that never
+  returns keeps Flower 1.42's simulation waiting, and ``flwr run`` with it) is stopped: exit 1, with the nodes that
+  gave no reply and their rounds; ``--timeout SECONDS`` stops the whole run after SECONDS: exit 124, likewise;
 * Ctrl-C (or SIGTERM / SIGHUP) stops the run, its SuperLink and Ray, and exits 130.
 
 Command line::
 
     python -m fedrec_flwr.launch run [--num-supernodes N] [--flwr-home DIR] [--ray-address HOST:PORT]
-                                     [--federation-config KEY=VALUE ...] [--verbose] [--debug] [key=value ...]
+                                     [--federation-config KEY=VALUE ...] [--timeout SECONDS] [--verbose] [--debug]
+                                     [key=value ...]
     python -m fedrec_flwr.launch stop [--flwr-home DIR]
 
 ``key=value`` pairs are run-config overrides; flags may come before, between or after them. Values are TOML
@@ -676,6 +680,69 @@ def _pump(stream: TextIO, log: TextIO, sink: list[str], echo: TextIO | None, ver
 
 
 # ----------------------------------------------------------------------------------------------------- run
+END_GRACE = 30.0
+"""Seconds a simulation may take to exit after its ServerApp ended (Ray's shutdown: a few seconds when idle, about
+10 s measured on a loaded 2-core machine) before the launcher stops the run as hung. With it and the stop (at most
+15 s) the launcher returns within 45 s of the ServerApp's end (the issue asks for ``round-timeout`` + 60 s after the
+last round)."""
+
+SERVERAPP_ENDED = "the ServerApp has ended"
+"""The ServerApp's last log line (:data:`fedrec_flwr.server_app.SERVERAPP_ENDED`; not imported: the launcher loads no
+ServerApp code)."""
+
+NO_REPLY = re.compile(r"round (\d+): (?:node (\d+) failed|evaluation failed on node (\d+))[^:]*: no reply within")
+"""The strategy's warning for a node that did not answer a round (:mod:`strategies.item_fedavg`)."""
+
+
+def _watch(process: subprocess.Popen, lines: list[str], timeout: float | None, end_grace: float) -> str | None:
+    """Wait for ``flwr run`` to exit; ``None`` when it did, else why it must be stopped: ``timeout`` s passed, or
+    ``end_grace`` s passed since the ServerApp's last line arrived in ``lines`` (filled by the output pump)."""
+    started = time.monotonic()
+    ended_at: float | None = None
+    how = ""
+    seen = 0
+    while process.poll() is None:
+        now = time.monotonic()
+        if ended_at is None:
+            new = lines[seen:]
+            seen += len(new)
+            ends = [line for line in new if SERVERAPP_ENDED in line]
+            if ends:
+                ended_at, how = now, ends[0].split(SERVERAPP_ENDED, 1)[1].strip(": \n")
+        if timeout is not None and now - started > timeout:
+            return f"--timeout {timeout:g} s passed"
+        if ended_at is not None and now - ended_at > end_grace:
+            return (f"the ServerApp ended ({how}) {now - ended_at:.0f} s ago but the simulation did not exit (a "
+                    "ClientApp that never returned keeps it waiting)")
+        time.sleep(0.5)
+    return None
+
+
+def still_running(log: str, pids: Iterable[int]) -> str:
+    """What a run that must be stopped was still doing, for the message: the nodes that gave no reply (by round,
+    from the strategy's warnings in ``log``), the last progress line, and the run's live processes by command."""
+    silent: dict[int, list[int]] = {}
+    for match in NO_REPLY.finditer(log):
+        node = int(match.group(2) or match.group(3))
+        rounds = silent.setdefault(node, [])
+        if int(match.group(1)) not in rounds:
+            rounds.append(int(match.group(1)))
+    parts = [f"node {node} (no reply in round {', '.join(map(str, rounds))})" for node, rounds in silent.items()]
+    progress = [line.strip() for line in log.splitlines() if re.match(r"\s*round\s+\d+ \|", line)]
+    if progress:
+        parts.append(f"last round line: {progress[-1][:80]!r}")
+    commands: dict[str, int] = {}
+    for pid in pids:
+        words = _cmdline(pid).split()
+        if words:
+            name = next((Path(w).name for w in words if not Path(w).name.startswith("python")), Path(words[0]).name)
+            commands[name] = commands.get(name, 0) + 1
+    if commands:
+        names = [f"{name} x{n}" if n > 1 else name for name, n in commands.items()]
+        parts.append("processes " + ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else ""))
+    return "; ".join(parts) or "nothing identifiable"
+
+
 def flwr_run(
     overrides: Mapping[str, Any] | None = None,
     *,
@@ -690,6 +757,7 @@ def flwr_run(
     ray_address: str | None = None,
     verbose: bool = False,
     check: bool = True,
+    end_grace: float = END_GRACE,
 ) -> subprocess.CompletedProcess:
     """``flwr run <project> --stream`` on a fresh local SuperLink of its own, which is stopped afterwards.
 
@@ -700,7 +768,8 @@ def flwr_run(
             launcher holds it, ``<flwr_home>/concurrent-<i>``.
         env_extra: more environment variables (e.g. fixed local SuperLink ports
             ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT`` / ``FLWR_LOCAL_CONTROL_API_PORT``; default: free ports).
-        timeout: seconds before the run is stopped and ``subprocess.TimeoutExpired`` raised.
+        timeout: seconds for the whole run (from ``flwr run``'s start); then the run is stopped and the result's
+            ``returncode`` is 124, with a message naming what was still running (:func:`still_running`).
         capture: return the whole log in ``stdout`` instead of printing it.
         keep_superlink: leave the SuperLink running (for inspection; stop it with ``launch stop``).
         federation_config: more ``--federation-config`` keys of flwr 1.42's simulation config, e.g.
@@ -712,15 +781,18 @@ def flwr_run(
             cluster (its processes do not carry the run's token).
         verbose: print Flower's whole log (default: our progress line, our log lines, warnings and errors).
         check: validate the run config and the plug-ins it names first (:func:`check_run`).
+        end_grace: seconds the simulation may take to exit after the ServerApp's last line
+            (:data:`~fedrec_flwr.server_app.SERVERAPP_ENDED`); then the run is stopped (a ClientApp that never
+            returns keeps Flower 1.42's simulation alive: its worker pool waits for it) and ``returncode`` is 1.
 
     Returns:
-        The finished run: ``returncode`` 0 only if Flower reports it ``finished:completed``; ``stdout`` the whole
-        log (ANSI codes removed) when ``capture``, else ``""``. A failed run's error is printed last.
+        The finished run: ``returncode`` 0 only if Flower reports it ``finished:completed``; 124 when ``timeout``
+        passed; 1 when the run did not end ``end_grace`` s after its ServerApp; ``stdout`` the whole log (ANSI codes
+        removed) when ``capture``, else ``""``. A failed or stopped run's error is printed last.
 
     Raises:
         ConfigError, DataError: bad run config, plug-in, number of SuperNodes or data (before anything starts).
         HomeBusy: every Flower home of ``flwr_home`` is in use.
-        subprocess.TimeoutExpired: ``timeout`` passed (the run was stopped).
     """
     overrides = dict(overrides or {})
     extra = {**({"RAY_ADDRESS": ray_address} if ray_address else {}), **(env_extra or {})}
@@ -758,6 +830,7 @@ def flwr_run(
             print(f"$ {env_shown}FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 {shown}", file=out, flush=True)
         lines: list[str] = []
         process = None
+        stopped: str | None = None
         try:
             with open(log_path, "w") as log:
                 log.write(f"$ {env_shown}{shown}\n")
@@ -766,8 +839,19 @@ def flwr_run(
                 pump = threading.Thread(target=_pump, daemon=True,
                                         args=(process.stdout, log, lines, None if capture else sys.stdout, verbose))
                 pump.start()
-                process.wait(timeout=timeout)
-                pump.join(timeout=30)
+                stopped = _watch(process, lines, timeout, end_grace)
+                if stopped is None:
+                    pump.join(timeout=30)
+            if stopped is not None:
+                message = (f"error: {stopped}; still running: {still_running(''.join(lines), link.leftover())}; "
+                           f"stopped the run\n       full log: {log_path}")
+                process.terminate()
+                if capture:
+                    lines.append(message + "\n")
+                else:
+                    print(message, file=out, flush=True)
+                code = 124 if stopped.startswith("--timeout") else 1
+                return subprocess.CompletedProcess(command, code, "".join(lines) if capture else "", "")
             returncode = process.returncode
             status, details = run_status(link.env)
             text = "".join(lines)
@@ -856,6 +940,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                      help="host:port of an existing Ray cluster's head (ray start --head) to run the client actors on")
     run.add_argument("--federation-config", action="append", default=[], metavar="KEY=VALUE",
                      help="another flwr simulation-config key, e.g. client-resources-num-cpus=1 (repeatable)")
+    run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                     help="stop the whole run after SECONDS (exit 124), naming what was still running")
     run.add_argument("--verbose", action="store_true", help="print Flower's whole log (default: progress, warnings, "
                                                             "errors; the whole log is always in <FLWR_HOME>/logs/)")
     run.add_argument("--debug", action="store_true", help="print tracebacks of errors caught before the run starts")
@@ -878,6 +964,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any],
     args.command = argv[0]
     if args.command != "run":
         return args, {}, {}
+    if args.timeout is not None and not args.timeout > 0:
+        raise ConfigError(f"--timeout {args.timeout:g}: must be a positive number of seconds")
     defaults = default_mapping(PROJECT_ROOT / "pyproject.toml")
     overrides = dict(parse_override(pair, defaults) for pair in args.overrides)
     federation = dict(parse_override(pair, {}, "--federation-config") for pair in args.federation_config)
@@ -893,7 +981,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "stop":
             return stop_main(args.flwr_home)
         result = flwr_run(overrides, num_supernodes=args.num_supernodes, flwr_home=args.flwr_home,
-                          federation_config=federation, ray_address=args.ray_address, verbose=args.verbose)
+                          federation_config=federation, ray_address=args.ray_address, verbose=args.verbose,
+                          timeout=args.timeout)
         return result.returncode
     except KeyboardInterrupt as stop:
         print(f"\nstopped ({stop.args[0] if stop.args else 'Ctrl-C'}): the run, its SuperLink and Ray were ended",

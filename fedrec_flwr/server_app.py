@@ -324,8 +324,19 @@ def make_server_app(run_config: Mapping[str, Any] | None = None) -> ServerApp:
     return server_app
 
 
+SERVERAPP_ENDED = "the ServerApp has ended"
+"""Logged (INFO on success, ERROR with the exception otherwise) as the ServerApp's last line under ``flwr run``:
+:mod:`fedrec_flwr.launch` ends a run whose simulation is still running some time after it (a ClientApp that never
+returns keeps Flower 1.42's simulation from exiting)."""
+
+
 def _main_with_config(run_config, grid: Grid, context: Context) -> None:
-    main(grid, context, run_config)
+    try:
+        main(grid, context, run_config)
+    except BaseException as err:
+        log.error("%s: %s: %s", SERVERAPP_ENDED, type(err).__name__, err)
+        raise
+    log.info("%s: completed", SERVERAPP_ENDED)
 
 
 app = make_server_app()
