@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
+
+# pandas is imported inside the functions that parse data: the ClientApp reads a cached split and never needs it, and
+# importing it costs ~1 s of every ClientApp cold start (a SuperNode starts one process per message)
 
 from fedrec_flwr.data.download import SourceFiles, combine_sha256, locate_files, sha256_file
 from fedrec_flwr.errors import ConfigError, DataError
@@ -215,6 +217,7 @@ def load_item_titles(
     Returns: str Series named ``title``, indexed by raw item id (str), in file order.
     Raises: DataError if ``u.item`` is missing or malformed.
     """
+    import pandas as pd
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     source = locate_files("ml-100k", ["u.item"], data_dir, cache, download=download)
     path = source.paths["u.item"]
@@ -251,6 +254,7 @@ def sniff_separator(path: str | os.PathLike) -> str:
 
 def _read_table(path: Path, *, sep: str, header: bool, encoding: str = "utf-8") -> _Table:
     """Read a text table with every cell as str; blank lines are dropped but counted in ``lines``."""
+    import pandas as pd
     if not Path(path).is_file():
         raise DataError(f"file {str(path)!r} not found")
     if Path(path).stat().st_size == 0:
@@ -333,6 +337,7 @@ def _id_column(table: _Table, path: Path, col: str | int, role: str) -> np.ndarr
 
 
 def _numeric_column(table: _Table, path: Path, col: str | int, role: str) -> np.ndarray:
+    import pandas as pd
     key = _column_key(table, path, col, role)
     raw = table.df[key].str.strip()
     values = pd.to_numeric(raw, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
@@ -384,6 +389,7 @@ def _timestamp_column(table: _Table, path: Path, col: str | int) -> np.ndarray:
 
 
 def _build_frame(table: _Table, path: Path, *, user, item, rating, timestamp, expect_cols: int | None = None):
+    import pandas as pd
     if expect_cols is not None and table.df.shape[1] != expect_cols:
         raise DataError(f"{path}: expected {expect_cols} columns per line, found {table.df.shape[1]}")
     n = len(table.df)
@@ -413,6 +419,7 @@ def _deduplicate(frame: pd.DataFrame, path: Path) -> tuple[pd.DataFrame, np.ndar
 
 
 def _ml100k_attributes(table: _Table, path: Path) -> pd.DataFrame:
+    import pandas as pd
     if table.df.shape[1] != 5:
         raise DataError(f"{path}: expected 5 '|'-separated fields (id|age|gender|occupation|zip), "
                         f"found {table.df.shape[1]}")
@@ -450,6 +457,7 @@ def _attributes_user_col(table: _Table, path: Path, generic: GenericSource) -> s
 
 
 def _generic_attributes(table: _Table, path: Path, user_col: str) -> pd.DataFrame:
+    import pandas as pd
     ids = _id_column(table, path, user_col, "attributes user")
     columns = {}
     for col in table.df.columns:

@@ -18,7 +18,9 @@ import zlib
 from dataclasses import dataclass, fields
 
 import numpy as np
-import pandas as pd
+
+# pandas is imported inside the functions that parse data: the ClientApp reads a cached split and never needs it, and
+# importing it costs ~1 s of every ClientApp cold start (a SuperNode starts one process per message)
 
 from fedrec_flwr.data.loaders import Interactions
 from fedrec_flwr.errors import ConfigError, DataError
@@ -163,6 +165,7 @@ def split_cache_key(dataset: str, source_sha256: str, *, min_user_interactions: 
 
 def sorted_ids(ids: np.ndarray) -> np.ndarray:
     """Unique raw ids (str) sorted numerically when every id is an integer, else as strings."""
+    import pandas as pd
     unique = pd.unique(pd.Series(ids, dtype=object)).astype(str)
     if len(unique) and pd.Series(unique).str.fullmatch(r"[+-]?\d+").all():
         return np.asarray(sorted(unique, key=lambda s: (int(s), s)), dtype=str)
@@ -213,6 +216,7 @@ def preprocess(
         DataError: no interactions left, missing user attributes, a user who interacted with every item, or too
             few never-interacted items for ``num_test_negatives`` (message names the user and counts).
     """
+    import pandas as pd
     check_params(min_user_interactions, tie_rule, seed, num_test_negatives, holdout_validation)
     frame = interactions.frame
     name = interactions.name
@@ -465,6 +469,7 @@ def _fedrecgel_negatives(all_items, all_indptr, num_items, k, seed) -> np.ndarra
 
 def _fedrecgel_timestamps(users_raw: np.ndarray, rows: np.ndarray, dup_rows: np.ndarray) -> np.ndarray:
     """FedRecGEL's synthetic FilmTrust timestamps over all raw rows; a kept pair takes its copies' maximum."""
+    import pandas as pd
     n_raw = len(rows) + len(dup_rows)
     user_of_row = np.empty(n_raw, dtype=object)
     user_of_row[rows] = users_raw
@@ -482,6 +487,7 @@ def _fedrecgel_timestamps(users_raw: np.ndarray, rows: np.ndarray, dup_rows: np.
 
 def _first_rows(rows: np.ndarray, dup_rows: np.ndarray) -> np.ndarray:
     """For each kept row, the first file row holding its (user, item) pair (a dropped copy may come first)."""
+    import pandas as pd
     first = rows.copy()
     if len(dup_rows):
         pos = pd.Index(rows).get_indexer(dup_rows[:, 1])
@@ -492,6 +498,7 @@ def _first_rows(rows: np.ndarray, dup_rows: np.ndarray) -> np.ndarray:
 
 def _ids_in_order(ids: np.ndarray, first_row: np.ndarray) -> np.ndarray:
     """Unique ids ordered by first appearance (integer ids: numerically, which FedRecGEL's sort gives)."""
+    import pandas as pd
     if pd.Series(ids, dtype=object).str.fullmatch(r"[+-]?\d+").all():
         return sorted_ids(ids)
     firsts = pd.Series(first_row).groupby(ids).min().sort_values(kind="stable")
@@ -499,6 +506,7 @@ def _ids_in_order(ids: np.ndarray, first_row: np.ndarray) -> np.ndarray:
 
 
 def _attributes(interactions: Interactions, user_ids: np.ndarray) -> dict[str, np.ndarray]:
+    import pandas as pd
     table = interactions.attributes
     if table is None or table.shape[1] == 0:
         return {}
