@@ -207,7 +207,10 @@ def _summarise(frame: pd.DataFrame, keys: list[str], columns: dict[str, str], or
         out.append(row)
     table = pd.DataFrame(out)
     table["_order"] = table["strategy"].map({s: i for i, s in enumerate(order)})
-    return table.sort_values([*keys[:-1], "_order"]).drop(columns="_order")
+    if "dataset" in table:
+        table["_dataset"] = table["dataset"].map({d: i for i, d in enumerate(DATASETS)})
+        keys = ["_dataset", *keys[1:]]
+    return table.sort_values([*keys[:-1], "_order"]).drop(columns=[c for c in table if c.startswith("_")])
 
 
 MAIN_COLUMNS = {"HR@10": "HR@10", "NDCG@10": "NDCG@10", "seconds-per-round": "s/round",
