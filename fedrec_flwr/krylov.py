@@ -81,6 +81,15 @@ def _check_solver_args(name: str, iterations, damping: float, tolerance: float, 
     return b
 
 
+def _curvature(p: np.ndarray, ap: np.ndarray, largest: float) -> tuple[float, float, bool]:
+    """``(p^T A p, the largest Rayleigh quotient seen so far, whether the curvature is non-positive)``: <= 0, or 0 up
+    to rounding relative to the operator's scale (:data:`CURVATURE_EPS`; a singular operator's null directions)."""
+    p_norm2 = float(np.vdot(p, p))
+    curvature = float(np.vdot(p, ap))
+    largest = max(largest, curvature / p_norm2)
+    return curvature, largest, curvature <= CURVATURE_EPS * largest * p_norm2
+
+
 def _apply(name: str, matvec, p: np.ndarray, damping: float) -> np.ndarray:
     ap = np.asarray(matvec(p), dtype=np.float64)
     if ap.shape != p.shape:
@@ -127,10 +136,8 @@ def conjugate_gradient(matvec: Callable[[np.ndarray], np.ndarray], b: np.ndarray
     for _ in range(int(iterations)):
         ap = _apply("conjugate_gradient", matvec, p, damping)
         done += 1
-        p_norm2 = float(np.vdot(p, p))
-        curvature = float(np.vdot(p, ap))
-        largest = max(largest, curvature / p_norm2)
-        if curvature <= CURVATURE_EPS * largest * p_norm2:  # <= 0, or 0 up to rounding (a singular operator)
+        curvature, largest, non_positive = _curvature(p, ap, largest)
+        if non_positive:
             negative = True
             break
         alpha = rs / curvature
@@ -192,10 +199,8 @@ def steihaug_cg(matvec: Callable[[np.ndarray], np.ndarray], b: np.ndarray, *, ra
     for _ in range(int(iterations)):
         ap = _apply("steihaug_cg", matvec, p, damping)
         done += 1
-        p_norm2 = float(np.vdot(p, p))
-        curvature = float(np.vdot(p, ap))
-        largest = max(largest, curvature / p_norm2)
-        if curvature <= CURVATURE_EPS * largest * p_norm2:
+        curvature, largest, non_positive = _curvature(p, ap, largest)
+        if non_positive:
             tau = _to_boundary(x, p, radius)
             x, r = x + tau * p, r - tau * ap
             return CGResult(x, done, float(np.linalg.norm(r)) / b_norm, False, True, True, "negative-curvature")
