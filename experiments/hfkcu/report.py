@@ -62,6 +62,9 @@ def collect(results: Path, data_dir: str) -> pd.DataFrame:
             phase_file = folder / "original" / "phase.json"
             if not phase_file.is_file():
                 continue
+            if not (folder / "original" / "private-records.npz").is_file():  # npz files are not committed
+                print(f"skipped {folder}: its arrays (npz, never committed) are not on this machine")
+                continue
             phase = json.loads(phase_file.read_text())
             runtime = get_runtime(base_config(dataset, model, data_dir, folder, "original").to_dict())
             for set_name in FORGET_SETS:
@@ -122,9 +125,11 @@ def _table(frame: pd.DataFrame) -> pd.DataFrame:
 
 def report(results: Path, data_dir: str) -> None:
     """Write ``main.csv`` / ``main.md``, ``ablation.*``, ``poison.*`` and the plots under ``results``."""
+    poison_report(results)
+    forget_report(results, data_dir)
     frame = collect(results, data_dir)
     if frame.empty:
-        print("no finished runs")
+        print("no finished runs of `main` with their arrays here (main.md left as it is)")
         return
     ablations = frame["variant"].isin(ABLATIONS)
     main = frame[~ablations]
@@ -150,8 +155,6 @@ def report(results: Path, data_dir: str) -> None:
             lines += [f"## {dataset}, {model}, forget {set_name}", "", markdown(_table(block)), "",
                       markdown(extra.fillna("-")), ""]
         atomic_write_text(results / "ablation.md", "\n".join(lines))
-    poison_report(results)
-    forget_report(results, data_dir)
     plot(main, results)
     print(f"wrote {results / 'main.md'}")
 
