@@ -120,11 +120,18 @@ def tradeoff_plot(results: Path, main: pd.DataFrame) -> None:
         for arm, row in others.iterrows():
             axis.scatter(row["logreg-auc"], row["HR@10"], marker="s", label=arm)
     server = load_runs(results / "runs" / "tradeoff-server")
+    if not main.empty:  # eps = 1: the arm's main-table runs of the same seeds
+        from experiments.fedau2.methods import SERVER_ARM
+
+        same = main[(main["model"] == "FedMF") & (main["attribute"] == "gender") & (main["arm"] == SERVER_ARM)]
+        if not server.empty:
+            same = same[same["seed"].isin(server["seed"].unique())]
+        server = pd.concat([server, same]) if not server.empty else same
     if not server.empty:
         curve = server.groupby("epsilon")[["HR@10", "logreg-auc"]].mean().reset_index().sort_values("epsilon")
         write_csv(server.groupby("epsilon")[["HR@10", "logreg-auc", "mlp-auc"]].agg(["mean", "count"]).reset_index(),
                   results / "tradeoff-server.csv")
-        axis.plot(curve["logreg-auc"], curve["HR@10"], "^-", label="FedAU2-server (SGD embedding step) across eps")
+        axis.plot(curve["logreg-auc"], curve["HR@10"], "^-", label="FedAU2-server, entropy (ours), always, across eps")
         for _, row in curve.iterrows():
             axis.annotate(f"eps={row['epsilon']:g}", (row["logreg-auc"], row["HR@10"]), fontsize=8,
                           textcoords="offset points", xytext=(4, -10))
@@ -203,7 +210,7 @@ def diagnostics_plot(results: Path, seed: int = 1) -> None:
         axes[2].plot(frame["round"], frame["trigger-rate-1"], color=color, label=f"{label}: M")
         axes[2].plot(frame["round"], frame["trigger-rate-0"], color=color, linestyle="--", label=f"{label}: F")
     for axis, title in zip(axes, ("share of users h_w predicts M", "h_w balanced accuracy (all users)",
-                                  "SUT trigger rate (solid M, dashed F)")):
+                                  "h_w right per class = SUT trigger rate (solid M, dashed F)")):
         axis.set_title(title, fontsize=10)
         axis.set_xlabel("round")
         axis.set_ylim(-0.02, 1.02)
