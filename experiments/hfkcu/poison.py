@@ -211,4 +211,5 @@ def replay(dataset: str, model: str, fakes: int, seed: int, variants: dict, *, d
 
     run_serial(config, on_round=on_round)
     atomic_write_json(folder / "original" / f"{name}.json", {"rows": rows, "target-item": target})
+    (out / "phase.partial.json").unlink(missing_ok=True)
     return rows
