@@ -1,0 +1,202 @@
+"""Cold start of one ClientApp message (issue 20): ours against a bare Flower ClientApp, side by side in one run.
+
+In flwr 1.42 a SuperNode runs every message in a new ``flwr-clientapp`` process, so each message pays a Python start,
+the imports, the app's runtime build (ours: config, cached split, model), the work, and the reply. This script runs
+exactly that per message in a fresh process (``--child``), from a message serialized with Flower's own protobuf
+codec (``flwr.common.serde.message_to_proto``), and times each phase with wall-clock stamps:
+
+``start``    parent's ``Popen`` -> the child's first line (interpreter start, site-packages);
+``flwr``     ``import flwr.app, flwr.clientapp`` (Flower's own ``flwr-clientapp`` pays this for any app);
+``app``      importing the app module (ours: ``fedrec_flwr.client_app``; bare: a ClientApp defined in place);
+``decode``   the message's protobuf bytes -> ``Message`` (0.44 MB of arrays for ML-100K FedNCF);
+``runtime``  ours: :func:`fedrec_flwr.runtime.get_runtime` (run config, cached split, one-user model); bare: none;
+``work``     the handler (ours: the message's users trained / scored / identified; bare: one metric reply); the
+             per-user training path uses ``torch.optim``, whose first step imports ``torch._dynamo`` (seconds), so
+             ``block-training = "on"`` (:mod:`fedrec_flwr.blocks`' own Adam) is measured as a further arm;
+``reply``    the reply -> protobuf bytes;
+``exit``     the child's last stamp -> the parent sees it exit (interpreter teardown).
+
+Not measured here (the same for both apps, Flower's): the SuperNode's poll interval, the FAB install and the gRPC
+transfers. ``--deployed`` adds whole deployed rounds (3 SuperNodes, :class:`fedrec_flwr.deploy.Deployment`) if wanted.
+
+Usage (prints a markdown table and the load average at the start and end; writes JSON with ``--out``)::
+
+    OMP_NUM_THREADS=1 FEDREC_DATA_DIR=/path/to/data nice -n 5 python experiments/bench/bench_deploy.py [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+STAMPS: list[tuple[str, float]] = [("main", time.time())]  # before any other import: the child's first line
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import uuid  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+PHASES = ("start", "flwr", "app", "decode", "runtime", "work", "reply", "exit")
+KINDS = ("train", "evaluate", "query.identify")
+
+
+# ------------------------------------------------------------------------------------------------------- child
+def _stamp(name: str) -> None:
+    STAMPS.append((name, time.time()))
+
+
+def child(app_kind: str, message_path: str, context_path: str) -> None:
+    """One message in this fresh process; prints ``{phase: unix time}`` as JSON on stdout."""
+    import flwr.app  # noqa: F401
+    import flwr.clientapp  # noqa: F401
+    _stamp("flwr")
+    if app_kind == "ours":
+        from fedrec_flwr.client_app import app
+    else:
+        from flwr.app import Message, MetricRecord, RecordDict
+        from flwr.clientapp import ClientApp
+
+        app = ClientApp()
+
+        def reply(message, context):
+            return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=message)
+
+        for kind in KINDS:
+            category, _, action = kind.partition(".")
+            getattr(app, category)(*([action] if action else []))(reply)
+    _stamp("app")
+    from flwr.app import Context, RecordDict
+    from flwr.common.serde import message_from_proto, message_to_proto
+    from flwr.proto.message_pb2 import Message as ProtoMessage
+
+    proto = ProtoMessage()
+    proto.ParseFromString(Path(message_path).read_bytes())
+    message = message_from_proto(proto)
+    saved = json.loads(Path(context_path).read_text())
+    context = Context(run_id=1, node_id=1, node_config=saved["node_config"], state=RecordDict(),
+                      run_config=saved["run_config"])
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 2  # as flwr-clientapp sets them
+    _stamp("decode")
+    if app_kind == "ours":
+        from fedrec_flwr.runtime import get_runtime
+
+        get_runtime(context.run_config)
+    _stamp("runtime")
+    out = app(message, context)
+    _stamp("work")
+    size = len(message_to_proto(out).SerializeToString())
+    _stamp("reply")
+    assert not out.has_error(), out.error
+    print(json.dumps({"stamps": STAMPS, "reply-bytes": size}), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------ parent
+def _messages(folder: Path, run_config: dict, users: list[int]) -> dict[str, Path]:
+    """The server's train / evaluate / identify messages to partition 0 (its users ``users``), as protobuf files."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+    from flwr.common.serde import message_to_proto
+
+    from fedrec_flwr.client_app import IDENTIFY
+    from fedrec_flwr.runtime import build_shared_model, get_runtime
+    from fedrec_flwr.wire import ARRAYS, CONFIG
+
+    runtime = get_runtime(run_config)  # loads (and caches on disk) the split once, before any child runs
+    model = build_shared_model(runtime.config, runtime.split.num_items)
+    arrays = ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in model.shared_state().items()})
+    config = ConfigRecord({"run": "bench", "durable-round": -1, "server-round": 1, "users": users})
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # as the SuperLink's ServerApp has
+    paths = {}
+    for kind in KINDS:
+        content = RecordDict({ARRAYS: arrays, CONFIG: config}) if kind != f"query.{IDENTIFY}" else RecordDict()
+        message = Message(content=content, message_type=kind, dst_node_id=1)
+        message.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # the SuperLink's job
+        paths[kind] = folder / f"{kind}.pb"
+        paths[kind].write_bytes(message_to_proto(message).SerializeToString())
+    return paths
+
+
+def run_child(app_kind: str, message: Path, context: Path) -> dict[str, float]:
+    """Seconds per :data:`PHASES` of one message in a fresh process."""
+    spawned = time.time()
+    done = subprocess.run([sys.executable, __file__, "--child", app_kind, str(message), str(context)],
+                          capture_output=True, text=True, check=False)
+    exited = time.time()
+    if done.returncode != 0:
+        raise SystemExit(f"child ({app_kind}, {message.name}) failed:\n{done.stderr[-3000:]}")
+    stamps = dict(json.loads(done.stdout.strip().splitlines()[-1])["stamps"])
+    times = [spawned, stamps["main"], stamps["flwr"], stamps["app"], stamps["decode"], stamps["runtime"],
+             stamps["work"], stamps["reply"], exited]
+    return {phase: b - a for phase, a, b in zip(PHASES, times, times[1:])}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5, help="messages of each kind per app (interleaved)")
+    parser.add_argument("--dataset", default="ml-100k")
+    parser.add_argument("--users-per-node", type=int, default=1)
+    parser.add_argument("--out", default=None, help="write the per-message timings and the summary as JSON here")
+    args = parser.parse_args(argv)
+
+    from fedrec_flwr.config import default_mapping
+
+    load_start = os.getloadavg()
+    run_config = {**default_mapping(), "dataset": args.dataset, "users-per-node": args.users_per_node}
+    users = list(range(args.users_per_node))
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        paths = _messages(folder, run_config, users)
+        contexts = {}
+        for arm, block in (("ours", run_config["block-training"]), ("ours block-training=on", "on")):
+            contexts[arm] = folder / f"context-{block}.json"
+            contexts[arm].write_text(json.dumps({"run_config": {**run_config, "block-training": block},
+                                                 "node_config": {"partition-id": 0, "num-partitions": 1}}))
+        contexts["bare"] = contexts["ours"]
+        size = (paths["train"].stat().st_size) / 1e6
+        rows: dict[str, list[dict[str, float]]] = {}
+        for _ in range(args.repeats):  # interleaved, so load changes hit every arm alike
+            for kind in KINDS:
+                for arm, context in contexts.items():
+                    if arm.endswith("=on") and kind not in ("train", "evaluate"):
+                        continue  # query handlers are always per-user
+                    app_kind = "bare" if arm == "bare" else "ours"
+                    rows.setdefault(f"{arm} {kind}", []).append(run_child(app_kind, paths[kind], context))
+    load_end = os.getloadavg()
+    summary = {name: {phase: statistics.median(r[phase] for r in runs) for phase in PHASES}
+               for name, runs in rows.items()}
+    for values in summary.values():
+        values["total"] = sum(values[p] for p in PHASES)
+    print(f"load average at start {load_start[0]:.1f} / {load_start[1]:.1f} / {load_start[2]:.1f}, at end "
+          f"{load_end[0]:.1f} / {load_end[1]:.1f} / {load_end[2]:.1f} ({os.cpu_count()} CPUs); train message "
+          f"{size:.2f} MB; median of {args.repeats} fresh processes per row, seconds\n")
+    print("| message | " + " | ".join(PHASES) + " | total |")
+    print("|---|" + "---|" * (len(PHASES) + 1))
+    for name, values in summary.items():
+        print(f"| {name} | " + " | ".join(f"{values[p]:.2f}" for p in (*PHASES, "total")) + " |")
+    print()
+    for name, values in summary.items():
+        if not name.startswith("bare"):
+            bare = summary["bare " + name.rsplit(" ", 1)[1]]["total"]
+            print(f"{name}: ours / bare = {values['total'] / bare:.2f}x")
+    result = {"load-average-start": load_start, "load-average-end": load_end, "cpus": os.cpu_count(),
+              "train-message-mb": size, "repeats": args.repeats, "dataset": args.dataset,
+              "users-per-node": args.users_per_node, "median-seconds": summary, "runs": rows}
+    if args.out:
+        from fedrec_flwr.io import atomic_write_text
+
+        atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(*sys.argv[2:5])
+    else:
+        main()
