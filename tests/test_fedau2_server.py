@@ -189,3 +189,21 @@ def test_adversary_diagnostics_by_hand():
     assert out["trigger-rate-1"] == pytest.approx(2 / 3) and out["trigger-rate-0"] == pytest.approx(1 / 2)
     assert out["balanced-accuracy"] == pytest.approx((2 / 3 + 1 / 2) / 2)
     assert out["auc"] == pytest.approx(3 / 6)  # scores 10, 20, -10 (class 1) against -20, 30 (class 0)
+
+
+def test_server_step_state_survives_a_checkpoint_round_trip():
+    """The strategy's checkpoint carries h_w's Adam moments: a step restored from them equals the uninterrupted one."""
+    rng = np.random.default_rng(1)
+    keys = (PREFIX + "a",)
+    w = ArrayRecord({keys[0]: Array(rng.normal(size=(4,)).astype(np.float32))})
+    replies = [[_reply(1.0, {keys[0]: rng.normal(size=(4,))})] for _ in range(2)]
+    straight = AdversaryServerStep(keys, optimizer="adam", learning_rate=0.1)
+    first = straight.apply(w, replies[0], w)
+    saved = straight.state_arrays()
+    expected = straight.apply(first, replies[1], first)
+    resumed = AdversaryServerStep(keys, optimizer="adam", learning_rate=0.1)
+    resumed.load_state_arrays(first, saved)
+    np.testing.assert_array_equal(resumed.apply(first, replies[1], first)[keys[0]].numpy(),
+                                  expected[keys[0]].numpy())
+    fresh = AdversaryServerStep(keys, optimizer="adam", learning_rate=0.1).apply(first, replies[1], first)
+    assert not np.array_equal(fresh[keys[0]].numpy(), expected[keys[0]].numpy())  # the moments matter
