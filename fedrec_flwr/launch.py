@@ -682,9 +682,9 @@ def _pump(stream: TextIO, log: TextIO, sink: list[str], echo: TextIO | None, ver
 # ----------------------------------------------------------------------------------------------------- run
 END_GRACE = 30.0
 """Seconds a simulation may take to exit after its ServerApp ended (Ray's shutdown; measured: ``flwr run`` exited 8 s
-after the ServerApp's last line on the 2-core machine at load average 9) before the launcher stops the run as hung. With it and the stop (at most
-15 s) the launcher returns within 45 s of the ServerApp's end (the issue asks for ``round-timeout`` + 60 s after the
-last round)."""
+after the ServerApp's last line on the 2-core machine at load average 9) before the launcher stops the run as hung.
+With it and the stop (at most 15 s) the launcher returns within 45 s of the ServerApp's end (the issue asks for
+``round-timeout`` + 60 s after the last round)."""
 
 SERVERAPP_ENDED = "the ServerApp has ended"
 """The ServerApp's last log line (:data:`fedrec_flwr.server_app.SERVERAPP_ENDED`; not imported: the launcher loads no

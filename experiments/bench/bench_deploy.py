@@ -17,11 +17,15 @@ codec (``flwr.common.serde.message_to_proto``), and times each phase with wall-c
 ``exit``     the child's last stamp -> the parent sees it exit (interpreter teardown).
 
 Not measured here (the same for both apps, Flower's): the SuperNode's poll interval, the FAB install and the gRPC
-transfers. ``--deployed`` adds whole deployed rounds (3 SuperNodes, :class:`fedrec_flwr.deploy.Deployment`) if wanted.
+transfers. ``--deployed ROUNDS`` adds whole deployed rounds, back to back (:func:`deployed`): a bare app on 3
+SuperNodes, ours on 3 SuperNodes (:class:`fedrec_flwr.deploy.Deployment`; ML-100K FedNCF, fraction-train 0.1), and
+ours in-process (:func:`fedrec_flwr.serial.run_serial`), for the issue's "deployed round <= 2x (bare deployed round +
+in-process work)".
 
 Usage (prints a markdown table and the load average at the start and end; writes JSON with ``--out``)::
 
-    OMP_NUM_THREADS=1 FEDREC_DATA_DIR=/path/to/data nice -n 5 python experiments/bench/bench_deploy.py [--repeats 5]
+    OMP_NUM_THREADS=1 FEDREC_DATA_DIR=/path/to/data nice -n 5 python experiments/bench/bench_deploy.py \\
+        [--repeats 5] [--deployed 4] [--out results.json]
 """
 
 from __future__ import annotations
@@ -96,6 +100,106 @@ def child(app_kind: str, message_path: str, context_path: str) -> None:
     print(json.dumps({"stamps": STAMPS, "reply-bytes": size}), flush=True)
 
 
+# -------------------------------------------------------------------------------------------- deployed rounds
+BARE_PYPROJECT = """[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "bareapp"
+version = "1.0.0"
+dependencies = ["flwr"]
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "bench"
+
+[tool.flwr.app.components]
+serverapp = "bare_app:server"
+clientapp = "bare_app:client"
+
+[tool.flwr.app.config]
+results-dir = ""
+run-name = ""
+num-server-rounds = 3
+"""
+
+BARE_APP = """\"\"\"A bare Flower app: each round sends arrays of our shapes to every node, which replies one metric.
+\"\"\"
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import ServerApp
+
+SHAPES = {shapes}
+client = ClientApp()
+server = ServerApp()
+
+
+@client.train()
+def reply(message, context):
+    return Message(RecordDict({{"metrics": MetricRecord({{"num-examples": 1}})}}), reply_to=message)
+
+
+@server.main()
+def main(grid, context):
+    config = context.run_config
+    arrays = ArrayRecord({{k: Array(np.zeros(shape, dtype=np.float32)) for k, shape in SHAPES.items()}})
+    while len(list(grid.get_node_ids())) < 3:
+        time.sleep(0.5)
+    seconds = []
+    for server_round in range(1, int(config["num-server-rounds"]) + 1):
+        started = time.monotonic()
+        messages = [Message(RecordDict({{"arrays": arrays}}), dst_node_id=n, message_type="train")
+                    for n in grid.get_node_ids()]
+        replies = list(grid.send_and_receive(messages, timeout=600))
+        assert all(not r.has_error() for r in replies), [r.error for r in replies if r.has_error()]
+        seconds.append(time.monotonic() - started)
+    folder = Path(config["results-dir"]) / config["run-name"]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "learning_curves.png").write_bytes(b"")
+    (folder / "summary.tmp").write_text(json.dumps({{"round-seconds": seconds}}))
+    os.replace(folder / "summary.tmp", folder / "summary.json")
+"""
+
+
+def _round_seconds(folder: Path) -> list[float]:
+    return [float(row["seconds"]) for row in json.loads((folder / "metrics.json").read_text())]
+
+
+def deployed(work: Path, rounds: int, shapes: dict) -> dict:
+    """Round wall times (s), back to back: the bare app on 3 SuperNodes, ours on 3 SuperNodes (ML-100K FedNCF,
+    fraction-train 0.1, users-per-node 315, evaluation in the last round only), and ours in-process
+    (:func:`fedrec_flwr.serial.run_serial`, same config)."""
+    from fedrec_flwr.config import default_mapping
+    from fedrec_flwr.deploy import Deployment, app_snapshot
+    from fedrec_flwr.serial import run_serial
+
+    bare = work / "bare-app"
+    bare.mkdir(parents=True)
+    (bare / "pyproject.toml").write_text(BARE_PYPROJECT)
+    (bare / "bare_app.py").write_text(BARE_APP.format(shapes=repr(shapes)))
+    out: dict = {}
+    with Deployment(work / "bare", num_supernodes=3, check_nodes=False, project=bare) as deployment:
+        deployment.run({"results-dir": str(work / "results"), "run-name": "bare", "num-server-rounds": rounds})
+    out["bare"] = json.loads((work / "results" / "bare" / "summary.json").read_text())["round-seconds"]
+    overrides = {"dataset": "ml-100k", "users-per-node": 315, "fraction-train": 0.1, "num-server-rounds": rounds,
+                 "eval-every": rounds, "results-dir": str(work / "results")}
+    with Deployment(work / "ours", num_supernodes=3, project=app_snapshot(work / "snapshot")) as deployment:
+        deployment.run({**overrides, "run-name": "ours"})
+    out["ours"] = _round_seconds(work / "results" / "ours")
+    run_serial({**default_mapping(), **overrides, "run-name": "serial"})
+    out["serial"] = _round_seconds(work / "results" / "serial")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------------ parent
 def _messages(folder: Path, run_config: dict, users: list[int]) -> dict[str, Path]:
     """The server's train / evaluate / identify messages to partition 0 (its users ``users``), as protobuf files."""
@@ -142,6 +246,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=5, help="messages of each kind per app (interleaved)")
     parser.add_argument("--dataset", default="ml-100k")
     parser.add_argument("--users-per-node", type=int, default=1)
+    parser.add_argument("--deployed", type=int, default=0, metavar="ROUNDS",
+                        help="also time ROUNDS deployed rounds (3 SuperNodes) of ours and of the bare app, and "
+                             "the same rounds in-process (the last round also evaluates; the others are the "
+                             "training rounds)")
     parser.add_argument("--out", default=None, help="write the per-message timings and the summary as JSON here")
     args = parser.parse_args(argv)
 
@@ -185,9 +293,27 @@ def main(argv: list[str] | None = None) -> dict:
         if not name.startswith("bare"):
             bare = summary["bare " + name.rsplit(" ", 1)[1]]["total"]
             print(f"{name}: ours / bare = {values['total'] / bare:.2f}x")
+    deploy: dict = {}
+    if args.deployed:
+        from fedrec_flwr.runtime import build_shared_model, get_runtime
+
+        runtime = get_runtime(run_config)
+        shapes = {k: tuple(v.shape) for k, v in build_shared_model(runtime.config, runtime.split.num_items)
+                  .shared_state().items()}
+        deploy_load = [os.getloadavg()]
+        with tempfile.TemporaryDirectory() as tmp:
+            deploy = deployed(Path(tmp), args.deployed, shapes)
+        deploy_load.append(os.getloadavg())
+        train = {arm: statistics.mean(seconds[:-1]) for arm, seconds in deploy.items()}
+        print(f"\ndeployed, 3 SuperNodes, mean of training rounds 1..{args.deployed - 1} (load average "
+              f"{deploy_load[0][0]:.1f} at the start, {deploy_load[1][0]:.1f} at the end): ours {train['ours']:.1f} s, "
+              f"bare {train['bare']:.1f} s, ours in-process {train['serial']:.1f} s; ours / (bare + in-process) = "
+              f"{train['ours'] / (train['bare'] + train['serial']):.2f}x")
+        deploy = {"round-seconds": deploy, "mean-training-round": train, "load-average": deploy_load}
     result = {"load-average-start": load_start, "load-average-end": load_end, "cpus": os.cpu_count(),
               "train-message-mb": size, "repeats": args.repeats, "dataset": args.dataset,
-              "users-per-node": args.users_per_node, "median-seconds": summary, "runs": rows}
+              "users-per-node": args.users_per_node, "median-seconds": summary, "runs": rows,
+              "deployed": deploy}
     if args.out:
         from fedrec_flwr.io import atomic_write_text
 
