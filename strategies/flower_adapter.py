@@ -328,6 +328,15 @@ def dense_reply(content: RecordDict, layout: ModelLayout, current: ArrayRecord) 
     return RecordDict({ARRAYS: ArrayRecord(out), METRICS: content[METRICS]})
 
 
+def _with_users(reply: Message) -> Message:
+    """An evaluation reply with ``num-users`` in its metrics (= its ``num-examples``, the users it evaluated), so a
+    strategy weighting by ``num-users`` (``strategy-args = "weighted_by_key=num-users"``) finds its key."""
+    if reply.has_error() or METRICS not in reply.content or "num-users" in reply.content[METRICS]:
+        return reply
+    metrics = MetricRecord({**dict(reply.content[METRICS]), "num-users": reply.content[METRICS][NUM_EXAMPLES]})
+    return Message(content=RecordDict({**dict(reply.content.items()), METRICS: metrics}), metadata=reply.metadata)
+
+
 # ---------------------------------------------------------------------------------------------- the adapter
 class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
     """Runs a Flower strategy (``wrapped``) on our row-sparse federation; see the module docstring.
@@ -476,7 +485,7 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
         """The wrapped strategy's evaluation metrics; :attr:`last_evaluate` is ours (mean over evaluated users)."""
         replies = list(replies)
         ours = super().aggregate_evaluate(server_round, replies)
-        theirs = self.wrapped.aggregate_evaluate(server_round, replies)
+        theirs = self.wrapped.aggregate_evaluate(server_round, [_with_users(m) for m in replies])
         return theirs if theirs is not None else ours
 
     # ------------------------------------------------------------------------------------------------ helpers

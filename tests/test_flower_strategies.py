@@ -158,6 +158,8 @@ def test_fedavg_equals_item_fedavg_selected_when_examples_are_proportional_to_us
         np.testing.assert_allclose(theirs[key], ours[key], rtol=1e-6, err_msg=key)
     unequal, _ = _round(_adapter(), {10: 6.0, 11: 2.0, 12: 4.0})  # otherwise they differ by the weighting
     assert not np.allclose(unequal[ITEMS], ours[ITEMS])
+    by_users, _ = _round(_adapter(weighted_by_key="num-users"), {10: 6.0, 11: 2.0, 12: 4.0})
+    np.testing.assert_allclose(by_users[ITEMS], ours[ITEMS], rtol=1e-6)  # ... unless weighted by num-users
 
 
 def test_fedmedian_leaves_rows_that_most_users_did_not_train_at_their_global_value(task_identity):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +49,9 @@ CACHE = Path(__file__).resolve().parent / ".cache"
 FLOWER = "flwr.serverapp.strategy:"
 ARMS = {
     "item-fedavg": ("item-fedavg", ""),
+    "item-fedavg-selected": ("item-fedavg", "", {"item-aggregation": "selected"}),
     "FedAvg": (FLOWER + "FedAvg", ""),
+    "FedAvg-by-users": (FLOWER + "FedAvg", "weighted_by_key=num-users"),
     "FedAvgM": (FLOWER + "FedAvgM", "server_momentum=0.9"),
     "FedAdam": (FLOWER + "FedAdam", ""),
     "FedYogi": (FLOWER + "FedYogi", ""),
@@ -56,7 +59,10 @@ ARMS = {
     "FedMedian": (FLOWER + "FedMedian", ""),
     "FedTrimmedAvg": (FLOWER + "FedTrimmedAvg", ""),
 }
-"""Arm -> (``strategy``, ``strategy-args``)."""
+"""Arm -> (``strategy``, ``strategy-args``[, other run-config keys]). ``item-fedavg-selected`` is the average FedAvg
+through the adapter equals when users have equal example counts (here they do not: it shows that weighting);
+``FedAvg-by-users`` weights each reply by its ``num-users`` instead of ``num-examples``, which with one user per node
+and FedMF (no dense parameters) is exactly ``item-fedavg-selected``."""
 
 POISON_ARMS = {
     "item-fedavg": ARMS["item-fedavg"],
@@ -79,7 +85,7 @@ def config_for(dataset: str, model: str, arm: tuple[str, str], seed: int, folder
     overrides = {**PROTOCOL, **MODELS[model], "dataset": dataset, "seed": seed, "users-per-node": 1,
                  "num-server-rounds": rounds, "eval-every": rounds,
                  "strategy": arm[0], "strategy-args": arm[1], "results-dir": str(folder.parent),
-                 "run-name": folder.name, **extra}
+                 "run-name": folder.name, **(arm[2] if len(arm) > 2 else {}), **extra}
     if data_dir and dataset != "generic":
         overrides["data-dir"] = str(Path(data_dir) / dataset)
     return make_run_config(**overrides)
@@ -251,7 +257,7 @@ def report(rounds: int = ROUNDS) -> None:
                           + markdown(table))
 
 
-def jobs(seeds: list[int], data_dir: str, rounds: int = ROUNDS) -> list[tuple]:
+def jobs(seeds: list[int], data_dir: str, rounds: int = ROUNDS, arms: Iterable[str] | None = None) -> list[tuple]:
     """Every job, in priority order: ML-100K FedMF seed 0, the poisoning case (FedMF), then the rest by seed."""
     out = []
     for seed in seeds:
@@ -261,7 +267,7 @@ def jobs(seeds: list[int], data_dir: str, rounds: int = ROUNDS) -> list[tuple]:
             out += [("main", dataset, model, arm, seed, data_dir, rounds) for arm in ARMS]
             if number == 0:
                 out += [("poison", "ml-100k", "FedMF", arm, seed, data_dir, rounds) for arm in POISON_ARMS]
-    return out
+    return [job for job in out if arms is None or job[3] in arms]
 
 
 def main(argv=None) -> None:
@@ -270,11 +276,13 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds per run (the protocol: 100)")
     parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""))
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job from i")
+    parser.add_argument("--arms", default="", help="only these arms (comma-separated; default: all)")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args(argv)
     if not args.report_only:
         quiet_flower()
-        run_jobs(jobs([int(s) for s in args.seeds.split(",")], args.data_dir, args.rounds), run_job, args.shard,
+        arms = set(args.arms.split(",")) if args.arms else None
+        run_jobs(jobs([int(s) for s in args.seeds.split(",")], args.data_dir, args.rounds, arms), run_job, args.shard,
                  "flower strategies")
     report(args.rounds)
 
