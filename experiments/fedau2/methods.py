@@ -75,6 +75,10 @@ ARMS: dict[str, dict] = {
     "FedAU2-server, entropy (ours), always, prior": {"client": "fedau2", "adversary": "dsvae",
                                                      "adversary-trigger": "always", "adversary-objective": "entropy",
                                                      **SERVER},
+    # the same on FedRecGEL's decoupled SAM client (parameters uploaded to item-fedavg; rho-shared = rho-private = 0.05)
+    "FedAU2-GEL-server, entropy (ours), always, prior": {"client": "fedau2-gel", "adversary": "dsvae",
+                                                         "adversary-trigger": "always", "adversary-objective": "entropy",
+                                                         **SERVER},
     "FedAU2-server, prior, SGD embedding step": {
         "client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut", **SERVER,
         "adversary-embedding-optimizer": "sgd"},
