@@ -59,7 +59,7 @@ from fedrec_flwr.training import LocalTrainer
 
 log = logging.getLogger(__name__)
 
-_ADVERSARY_STREAM, _NOISE_STREAM, _UPLOAD_STREAM = 0, 1, 2
+_ADVERSARY_STREAM, _NOISE_STREAM, _UPLOAD_STREAM, _QUERY_STREAM = 0, 1, 2, 3
 
 
 class AttributeUnlearning:
@@ -86,9 +86,9 @@ class AttributeUnlearning:
             log.warning("client %r with adversary = 'none' and user-embedding-noise = 0 trains the original model",
                         config.client)
 
-    def _generator(self, config: Mapping[str, Any], stream: int) -> torch.Generator:
+    def _generator(self, config: Mapping[str, Any], stream: int, *keys: int) -> torch.Generator:
         return torch_generator(self.runtime.config.seed, TAG_CLIENT_EXTRA, self.user, int(config["server-round"]),
-                               stream)
+                               stream, *keys)
 
     @property
     def protected_label(self) -> int:
@@ -128,6 +128,31 @@ class AttributeUnlearning:
             for key, grad in grads.items():
                 update.dense[key] = grad.cpu().numpy()
         return update
+
+    def adversary_query_gradient(self, shared: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
+        """This user's contribution to one more server step of ``h_w`` in the same round (``adversary-server-steps``
+        > 1, the ``adversary_gradient`` query, :meth:`strategies.adversary.AdversaryServerStep.extra_steps`): the
+        same gradient as the train reply's (:func:`fedrec_flwr.adversary.adversary_gradient`, DSVAE's noise once on
+        it), at the ``h_w`` of ``shared`` (the server's current copy) and the user's current private embedding
+        (frozen: nothing is trained or saved). The DSVAE draws come from their own stream per step
+        (``config["adversary-step"]``, 1 .. S - 1).
+
+        Returns:
+            shared key (``"adversary.<name>"``) -> float32 array shaped as the parameter.
+
+        Raises:
+            ConfigError: no adversary, or ``adversary-training`` is not ``"server"``.
+        """
+        cfg = self.runtime.config
+        if cfg.adversary == "none" or cfg.adversary_training != "server":
+            raise ConfigError("the adversary_gradient query needs an adversary and adversary-training = 'server' "
+                              f"(got adversary = {cfg.adversary!r}, adversary-training = {cfg.adversary_training!r})")
+        self.load_shared(shared)
+        self.load_private()
+        grads = adversary_gradient(self.model, label=self.protected_label, kl_weight=cfg.dsvae_kl_weight,
+                                   generator=self._generator(config, _QUERY_STREAM, int(config["adversary-step"])),
+                                   log_prior=self._log_prior())
+        return {key: grad.cpu().numpy() for key, grad in grads.items()}
 
     def save_private(self) -> None:
         """Save the user's private state; in a training round with ``user-embedding-noise = b > 0``, perturb the

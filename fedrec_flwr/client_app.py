@@ -8,7 +8,8 @@ under the key scheme of :mod:`fedrec_flwr.wire`.
 Query handlers: ``identify`` (which users a node serves) and the four phases of client unlearning
 (:mod:`strategies.unlearning`): ``unlearn_gradient``, ``unlearn_affected``, ``unlearn_hvp`` and ``unlearn_local_cg``.
 Their replies carry row-sparse vectors over the shared parameters (:func:`fedrec_flwr.wire.pack_sparse`), never a
-private parameter.
+private parameter. ``adversary_gradient`` (FedAU²'s extra server steps of ``h_w``) replies with ``h_w``'s mean
+gradient over the node's users.
 
 One node serves the users ``partition-id * users-per-node ..`` (:func:`fedrec_flwr.runtime.node_users`); each user is
 its own client object with its own private record in ``context.state``. Where the client class declares a vectorized
@@ -80,6 +81,9 @@ UNLEARN_HVP = "unlearn_hvp"
 """Query: the summed Hessian-vector product of the node's remaining users' losses with the sent direction."""
 UNLEARN_LOCAL_CG = "unlearn_local_cg"
 """Query: the weighted sum of the node's remaining users' local CG solutions for the sent right-hand side."""
+ADVERSARY_GRADIENT = "adversary_gradient"
+"""Query (FedAU², ``adversary-server-steps`` > 1): the mean gradient of ``h_w`` over the named users at the sent
+``h_w`` and their current private embeddings (:func:`adversary_gradient_query`)."""
 VECTOR = "vector"
 """Content key of the row-sparse vector (direction, right-hand side) an unlearning query carries."""
 SUPPORT = "support"
@@ -479,6 +483,36 @@ def unlearn_local_cg(message: Message, context: Context, run_config: Mapping[str
     return _sparse_reply(message, total, stats, clients[0] if clients else None)
 
 
+def adversary_gradient_query(message: Message, context: Context,
+                             run_config: Mapping[str, Any] | None = None) -> Message:
+    """FedAU²'s extra server step of ``h_w`` (:meth:`strategies.adversary.AdversaryServerStep.extra_steps`): the
+    mean over the requested users of each one's ``h_w`` gradient (``client.adversary_query_gradient``: the train
+    reply's gradient, DSVAE noise included, at the sent ``h_w`` and the user's current embedding, which stays
+    unchanged), under ``h_w``'s keys only, with ``num-examples`` = the number of users. No embedding, label or
+    count per class leaves the node.
+
+    Raises:
+        ConfigError: the message names no user, or the client class has no ``adversary_query_gradient``.
+    """
+    runtime, users, config = _query_setup(message, context, run_config)
+    if not users:
+        raise ConfigError("adversary_gradient query: no users requested")
+    shared = _shared_arrays(message)
+    total: dict[str, np.ndarray] = {}
+    client = None
+    with private_state(context, runtime, config, users):
+        for user in users:
+            client = make_client(runtime, user, context)
+            if not hasattr(client, "adversary_query_gradient"):
+                raise ConfigError(f"client {_class_name(client)} does not answer the adversary_gradient query "
+                                  "(use client = 'fedau2' or 'fedau2-gel')")
+            for key, grad in client.adversary_query_gradient(shared, config).items():
+                total[key] = total.get(key, 0.0) + np.asarray(grad, dtype=np.float64)
+    arrays = ArrayRecord({k: Array((v / len(users)).astype(np.float32)) for k, v in total.items()})
+    metrics = metric_record({NUM_EXAMPLES: float(len(users))}, client)
+    return Message(content=RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=message)
+
+
 def _one_thread_per_worker() -> None:
     """A client's tensors are tiny: torch's intra-op threads only contend with the other workers (measured: one
     epoch of centralized NCF took 200 s with 2 threads on a loaded 2-core machine, 4 s with 1). Each simulation
@@ -500,7 +534,8 @@ def make_client_app(run_config: Mapping[str, Any] | None = None, mods: list | No
     client_app.evaluate()(partial(_with_config, evaluate, run_config))
     client_app.query(IDENTIFY)(partial(_with_config, identify, run_config))
     for action, handler in ((UNLEARN_GRADIENT, unlearn_gradient), (UNLEARN_AFFECTED, unlearn_affected),
-                            (UNLEARN_HVP, unlearn_hvp), (UNLEARN_LOCAL_CG, unlearn_local_cg)):
+                            (UNLEARN_HVP, unlearn_hvp), (UNLEARN_LOCAL_CG, unlearn_local_cg),
+                            (ADVERSARY_GRADIENT, adversary_gradient_query)):
         client_app.query(action)(partial(_with_config, handler, run_config))
     return client_app
 

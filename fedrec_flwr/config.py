@@ -100,6 +100,7 @@ class RunConfig:
     adversary_training: str = _key("adversary-training")
     adversary_server_optimizer: str = _key("adversary-server-optimizer")
     adversary_server_learning_rate: float = _key("adversary-server-learning-rate", positive=True)
+    adversary_server_steps: int = _key("adversary-server-steps", minimum=1, maximum=1000)
     adversary_embedding_optimizer: str = _key("adversary-embedding-optimizer")
     adversary_class_prior: str = _key("adversary-class-prior")
     adversary_hidden: int = _key("adversary-hidden", minimum=1)

@@ -11,6 +11,14 @@ per user for gradient uploads) and takes one step of its own optimizer (``advers
 server-learning-rate``): the federated gradient of the average cross-entropy over the round's users, i.e. centralised
 mini-batch training of ``h_w`` over the sampled users. Its state persists over the run (and in checkpoints).
 
+With ``adversary-server-steps = S > 1`` (ours, issue 14: one step per round, 100 in a run, left ``h_w`` at the
+majority class on ML-100K) the server then takes ``S - 1`` more steps in the same round (:meth:`AdversaryServerStep.
+extra_steps`): each sends the current ``h_w`` to the round's sampled nodes in an ``adversary_gradient`` query
+(:func:`fedrec_flwr.client_app.adversary_gradient_query`), each node answers with the mean ``h_w`` gradient over its
+sampled users at their current (frozen) embeddings, the same function as the train reply's, DSVAE noise included, and
+the server steps on the user-weighted mean (:meth:`AdversaryServerStep.apply`). The embeddings do not move between
+these steps, so this is ``S`` optimizer steps of ``h_w`` on the round's users per round.
+
 A reply's ``h_w`` gradient is one user's (with one user per node) or its node's weighted mean; no reply carries a
 label or a class count. A single user's single-label gradient does name its label (iDLG); DSVAE's noise on the
 uploaded contribution is what masks it (measured by :mod:`strategies.curious`).
@@ -18,16 +26,20 @@ uploaded contribution is what masks it (measured by :mod:`strategies.curious`).
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Mapping
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from fedrec_flwr.adversary import ADVERSARY_MODULE, parse_class_prior
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.training import load_optimizer_state_arrays, optimizer_state_arrays
-from fedrec_flwr.wire import ARRAYS, METRICS, NUM_EXAMPLES, ModelLayout
+from fedrec_flwr.wire import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, ModelLayout
+
+log = logging.getLogger(__name__)
 
 PREFIX = ADVERSARY_MODULE + "."
 
@@ -54,12 +66,14 @@ class AdversaryServerStep:
 
     Args:
         keys: ``h_w``'s shared keys. optimizer: ``"adam"`` or ``"sgd"``. learning_rate: > 0.
+        steps: server steps per round (``adversary-server-steps``, >= 1): the train replies' step and ``steps - 1``
+            query steps (:meth:`extra_steps`).
 
     Raises:
-        ValueError: no keys, an unknown optimizer or a learning rate <= 0.
+        ValueError: no keys, an unknown optimizer, a learning rate <= 0 or steps < 1.
     """
 
-    def __init__(self, keys, *, optimizer: str = "adam", learning_rate: float = 0.01) -> None:
+    def __init__(self, keys, *, optimizer: str = "adam", learning_rate: float = 0.01, steps: int = 1) -> None:
         self.keys = tuple(keys)
         if not self.keys:
             raise ValueError("AdversaryServerStep: the model has no adversary keys")
@@ -67,7 +81,9 @@ class AdversaryServerStep:
             raise ValueError(f"AdversaryServerStep: optimizer must be 'adam' or 'sgd', got {optimizer!r}")
         if not learning_rate > 0:
             raise ValueError(f"AdversaryServerStep: learning_rate must be > 0, got {learning_rate!r}")
-        self.optimizer_name, self.learning_rate = optimizer, float(learning_rate)
+        if int(steps) != steps or steps < 1:
+            raise ValueError(f"AdversaryServerStep: steps must be an integer >= 1, got {steps!r}")
+        self.optimizer_name, self.learning_rate, self.steps = optimizer, float(learning_rate), int(steps)
         self.parameters: dict[str, torch.nn.Parameter] = {}
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -86,7 +102,7 @@ class AdversaryServerStep:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         return cls(keys, optimizer=config.adversary_server_optimizer,
-                   learning_rate=config.adversary_server_learning_rate)
+                   learning_rate=config.adversary_server_learning_rate, steps=config.adversary_server_steps)
 
     def _ensure(self, current: Mapping[str, np.ndarray]) -> None:
         if self.optimizer is not None:
@@ -114,6 +130,56 @@ class AdversaryServerStep:
         mean gradient."""
         new = self.step({k: current[k].numpy() for k in self.keys}, mean_reply_gradient(accepted, self.keys))
         return ArrayRecord({k: Array(new[k]) if k in new else v for k, v in arrays.items()})
+
+    def extra_steps(self, strategy, grid, server_round: int, arrays: ArrayRecord,
+                    nodes: Mapping[int, list[int]]) -> ArrayRecord:
+        """The round's ``steps - 1`` further steps (module docstring): each sends ``arrays`` (the current shared
+        parameters) in an ``adversary_gradient`` query to every node of ``nodes`` (node -> the round's users there)
+        and :meth:`apply` s the valid replies' mean gradient. A failed or invalid reply is left out with a warning;
+        a step with no valid reply ends the round's extra steps. Returns the new arrays.
+
+        Args:
+            strategy: the :class:`strategies.item_fedavg.ItemEmbeddingFedAvg` (its ``message_config``,
+                ``round_timeout`` and canonical reply order).
+        """
+        from fedrec_flwr.client_app import ADVERSARY_GRADIENT
+
+        for step in range(1, self.steps):
+            messages = [Message(content=RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord(
+                {**strategy.message_config, "server-round": server_round, "users": list(users),
+                 "adversary-step": step})}), message_type=f"{MessageType.QUERY}.{ADVERSARY_GRADIENT}",
+                dst_node_id=node) for node, users in nodes.items() if len(users)]
+            replies = strategy._canonical_order(grid.send_and_receive(messages, timeout=strategy.round_timeout))
+            accepted = []
+            for reply in replies:
+                problem = reply.error.reason if reply.has_error() else self._reply_problem(reply.content, arrays)
+                if problem:
+                    log.warning("round %d, adversary step %d: node %d left out: %s", server_round, step + 1,
+                                reply.metadata.src_node_id, problem)
+                else:
+                    accepted.append(reply.content)
+            if not accepted:
+                log.warning("round %d: no valid adversary_gradient reply; %d of %d server steps of h_w taken",
+                            server_round, step, self.steps)
+                break
+            arrays = self.apply(arrays, accepted, arrays)
+        return arrays
+
+    def _reply_problem(self, content: RecordDict, current: ArrayRecord) -> str:
+        """Why an ``adversary_gradient`` reply is unusable (``""`` if it is fine): exactly ``h_w``'s keys, shaped as
+        sent, finite, and a positive ``num-examples``."""
+        if ARRAYS not in content or METRICS not in content:
+            return "no arrays or metrics"
+        if set(content[ARRAYS].keys()) != set(self.keys):
+            return f"keys {sorted(content[ARRAYS].keys())} are not h_w's {sorted(self.keys)}"
+        for key in self.keys:
+            value = content[ARRAYS][key].numpy()
+            if value.shape != tuple(current[key].shape) or not np.all(np.isfinite(value)):
+                return f"{key}: shape {value.shape} (sent {tuple(current[key].shape)}) or non-finite values"
+        weight = content[METRICS].get(NUM_EXAMPLES)
+        if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+            return f"'{NUM_EXAMPLES}' must be a positive number, got {weight!r}"
+        return ""
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """The optimizer's state for a server checkpoint (empty before the first step)."""

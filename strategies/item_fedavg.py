@@ -347,6 +347,8 @@ class ItemEmbeddingFedAvg(FedAvg):
         arrays = self.aggregate_arrays(accepted)
         if self.adversary_step is not None:  # h_w's keys carry gradients: one server step (strategies/adversary.py)
             arrays = self.adversary_step.apply(self._current, accepted, arrays)
+            if self.adversary_step.steps > 1:  # adversary-server-steps: S - 1 more, by adversary_gradient queries
+                arrays = self.adversary_step.extra_steps(self, self._grid, server_round, arrays, self._sampled_nodes)
             self.adopt_arrays(arrays)
         metrics = aggregate_metricrecords(accepted, NUM_EXAMPLES)
         train_users = self.replied_users(accepted)

@@ -82,6 +82,17 @@ ARMS: dict[str, dict] = {
     "FedAU2-server, prior, SGD embedding step": {
         "client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut", **SERVER,
         "adversary-embedding-optimizer": "sgd"},
+    # issue 14: h_w gets S = 20 server steps per round (19 adversary_gradient queries after the train replies), so a
+    # competent h_w can gate the SUT; S and the fallback rate (0.1, used only if h_w's balanced accuracy stays at
+    # 0.5 with 0.01) fixed a priori
+    "FedAU2-server w/o DSVAE, 20 server steps": {"client": "fedau2", "adversary": "mlp", "adversary-trigger": "sut",
+                                                 **SERVER, "adversary-server-steps": 20},
+    "FedAU2-server w/o DSVAE, 20 server steps, rate 0.1": {
+        "client": "fedau2", "adversary": "mlp", "adversary-trigger": "sut", **SERVER, "adversary-server-steps": 20,
+        "adversary-server-learning-rate": 0.1},
+    "FedAU2-server w/o DSVAE, 20 server steps, prior": {"client": "fedau2", "adversary": "mlp",
+                                                        "adversary-trigger": "sut", **SERVER,
+                                                        "adversary-server-steps": 20},
 }
 """Table rows. Arms without an adversary do not depend on the protected attribute (attacked on every attribute)."""
 
