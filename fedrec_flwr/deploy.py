@@ -821,14 +821,16 @@ def supernode_main(argv: Sequence[str]) -> int:
                     raise NodeConfigError(f"'users-per-node' = {args.users_per_node!r}: expected an integer")
                 merge_setting(run_config, "users-per-node", upn, f"--users-per-node {upn}", earlier)
         users = check_node_config(node_config, run_config)
-        check_superlink_listening(superlink, args.probe_timeout)
+        if not args.dry_run:  # --dry-run checks the node config only and prints the command
+            check_superlink_listening(superlink, args.probe_timeout)
     except FedRecError as err:  # NodeConfigError; a bad run config or dataset of the dataset check
         print(f"fedrec-flwr supernode: error: {err}", file=sys.stderr, flush=True)
         return 2
     command = [_bin("flower-supernode"), *flower_args, "--node-config", format_node_config(node_config)]
     served = f", users {users.start}..{users.stop - 1}" if users is not None else ""
     print(f"fedrec-flwr supernode: partition-id {node_config['partition-id']} of {node_config['num-partitions']}"
-          f"{served}; SuperLink {superlink} is listening", file=sys.stderr, flush=True)
+          f"{served}; SuperLink {superlink}" + (" (not probed: --dry-run)" if args.dry_run else " is listening"),
+          file=sys.stderr, flush=True)
     if args.dry_run:
         print(shlex.join(command))
         return 0

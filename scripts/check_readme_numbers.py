@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Check the README's quickstart figures against a fresh run of the current code.
 
-The README quotes the quickstart's progress lines (``round   10 | HR@10 0.3796 | NDCG@10 0.1967 | train loss ...``)
+The README quotes the quickstart's progress lines (``round   10 | HR@10 0.3807 | ...``)
 and the final HR@10 / NDCG@10 of the default run. This script runs the default experiment (MovieLens-100K, 943
 per-user nodes, the defaults of ``pyproject.toml``) for ``--rounds`` rounds in this process with
 :func:`fedrec_flwr.serial.run_serial` -- the same ServerApp, strategy and ClientApp as ``flwr run``'s simulation,

@@ -137,3 +137,14 @@ def test_the_supernode_wrapper_accepts_the_same_value_twice(listening_port, caps
     assert supernode_main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("--superlink") == 1 and "partition-id=1 num-partitions=3" in out
+
+
+def test_supernode_dry_run_prints_the_command_without_probing_the_superlink(capsys):
+    """``--dry-run`` checks the node config and prints the command; it does not need a SuperLink to be up."""
+    from fedrec_flwr.deploy import supernode_main
+
+    assert supernode_main(["--partition-id", "0", "--num-partitions", "3", "--superlink", "127.0.0.1:9",
+                           "--insecure", "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert "--superlink 127.0.0.1:9" in captured.out and "partition-id=0 num-partitions=3" in captured.out
+    assert "not probed: --dry-run" in captured.err
