@@ -6,8 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+PY=${PYTHON:-python3.11}  # the package needs Python 3.11 (pyproject.toml), as .ci/run
+command -v "$PY" >/dev/null 2>&1 || PY=python3
 if [ ! -x .venv/bin/python ]; then
-  "${PYTHON:-python3}" -m venv .venv
+  "$PY" -m venv .venv
 fi
 # (Re)install only when pyproject.toml changed since the last install.
 if [ ! -f .venv/.fedrec-installed ] || [ pyproject.toml -nt .venv/.fedrec-installed ]; then
