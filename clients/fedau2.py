@@ -23,7 +23,8 @@ Run-config keys:
   (:func:`fedrec_flwr.adversary.adversary_gradient`, with DSVAE's noise once on it) in place of ``h_w``'s values; the
   strategy averages the gradients and steps ``h_w`` with its own optimizer
   (:class:`strategies.adversary.AdversaryServerStep`, ``adversary-server-optimizer``,
-  ``adversary-server-learning-rate``). ``"per-client"``: FedAU², per-client adversary as first implemented (each
+  ``adversary-server-learning-rate``; ``adversary-server-steps`` = S > 1: S - 1 more steps per round, each from an
+  ``adversary_gradient`` query answered by :meth:`AttributeUnlearning.adversary_query_gradient`). ``"per-client"``: FedAU², per-client adversary as first implemented (each
   client trains its local copy of ``h_w`` on its single label, the strategy averages the copies; measured to collapse
   to the majority class and write the attribute into the embeddings, issue 14).
 * ``adversary-embedding-optimizer``: ``"local"`` (the adversarial gradient is part of the loss the local optimizer
