@@ -187,8 +187,11 @@ def freeze_long_lived_objects() -> None:
     """Move every object alive now (imported modules, the split, the model) out of the cyclic garbage collector's
     view (:func:`gc.freeze`): they live as long as the process, and each full collection would otherwise rescan them
     (measured: about half of the time of a vectorized block of 100 FedNCF users on ML-100K went to such collections;
-    ours). Objects created later are collected as usual."""
-    gc.collect()
+    ours). Objects created later are collected as usual.
+
+    No collection runs first: in a deployed SuperNode every message is a fresh ``flwr-clientapp`` process, and a full
+    :func:`gc.collect` there cost 0.18 s per message while finding no unreachable object (measured on ML-100K after
+    the runtime is built; ours). Anything unreachable at this point would stay frozen, never freed."""
     gc.freeze()
 
 
