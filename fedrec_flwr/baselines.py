@@ -133,7 +133,9 @@ def train_centralized(
     Args:
         split: the dataset split (all users).
         eval_every: evaluate on ``eval_which`` every this many epochs (and after the last one).
-        eval_which: ``"test"`` or ``"val"`` (use ``"val"`` to tune hyper-parameters).
+        eval_which: ``"test"``, ``"val"`` (use ``"val"`` to tune hyper-parameters) or ``"both"`` (test metrics
+            under their names and validation metrics prefixed ``val-``, as a federated run's rows: an epoch chosen
+            on ``val-`` keys then reports its test metrics).
         progress: called with each epoch's history dict.
         Other arguments: as :class:`~fedrec_flwr.training.LocalTrainConfig`.
     Returns:
@@ -148,7 +150,8 @@ def train_centralized(
         raise ConfigError(f"epochs must be an int >= 1, got {epochs!r}")
     if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
         raise ConfigError(f"eval_every must be an int >= 1, got {eval_every!r}")
-    _eval_targets(split, eval_which)  # fail early on a bad eval_which
+    for which in (("test", "val") if eval_which == "both" else (eval_which,)):
+        _eval_targets(split, which)  # fail early on a bad eval_which
     cfg = LocalTrainConfig(
         local_epochs=1,
         batch_size=batch_size,
@@ -186,7 +189,11 @@ def train_centralized(
             value, _ = trainer.fit_examples(users, items, labels, generator, 1)
         record: dict = {"epoch": epoch + 1, "loss": value, "seconds": time.perf_counter() - start}
         if (epoch + 1) % eval_every == 0 or epoch + 1 == epochs:
-            record.update(evaluate_model(model, split, ks, eval_which))
+            if eval_which == "both":
+                record.update(evaluate_model(model, split, ks, "test"))
+                record.update({f"val-{k}": v for k, v in evaluate_model(model, split, ks, "val").items()})
+            else:
+                record.update(evaluate_model(model, split, ks, eval_which))
         log.info("centralized %s epoch %d: %s", model_name, epoch + 1, record)
         history.append(record)
         if progress is not None:

@@ -1,0 +1,82 @@
+"""The tuning protocol of issue 19, declared once: methods, the grid of rates per method, budgets, seeds.
+
+Every method starts from its configuration in :mod:`experiments.fedrecgel.methods` (the main table's) and the same
+protocol (leave-one-out, 99 sampled negatives, a validation item held out of training for everyone, 10% of users per
+round, one local epoch, every user evaluated every 10 rounds on the test and the validation item). The grid is
+searched per dataset at :data:`GRID_SEED` for :data:`GRID_ROUNDS` rounds; the setting with the best validation HR@10
+at the last round (:mod:`experiments.tuning.selection`) is then run with every seed of :data:`SEEDS`, for
+:data:`GRID_ROUNDS` (the grid's own run is seed 0's) and for :data:`LONG_ROUNDS` rounds.
+
+A grid is a list of *stages*: each stage varies its keys over their values with the keys of earlier stages fixed at
+their selected values (a coordinate search; ours, to fit FedRecGEL's 2-D grid into the time budget). A one-stage
+method with several keys in its stage runs their full product.
+"""
+
+from __future__ import annotations
+
+from experiments.fedrecgel.methods import METHODS as BASE_METHODS
+from experiments.fedrecgel.methods import PROTOCOL as BASE_PROTOCOL
+
+GRID_ROUNDS = 100
+LONG_ROUNDS = 300
+GRID_SEED = 0
+SEEDS = (0, 1, 2)
+
+PROTOCOL = {**BASE_PROTOCOL, "num-server-rounds": GRID_ROUNDS, "users-per-node": 1000}
+"""FedRecGEL's Table 2 protocol; ``users-per-node = 1000`` puts every user of a dataset on one node, so a round's
+sampled users train as one vectorized block (``block-training = auto``, :mod:`fedrec_flwr.blocks`; same updates as
+one user per node up to float summation order, tested in ``tests/test_blocks.py``). PFedRec has no block path and
+runs its users one after another either way."""
+
+METHODS: dict[str, dict] = {
+    "FedMF": BASE_METHODS["FedMF"],
+    "FedNCF": BASE_METHODS["FedNCF"],
+    "PFedRec": BASE_METHODS["PFedRec"],
+    "FedRecGEL": BASE_METHODS["FedRecGEL"],
+    # SAM switched off (rho 0 on both groups), everything else FedRecGEL's: gradient upload, server Adam, private
+    # Adam 0.1 of the user embedding. Tuned on the same server-rate grid, so "does SAM help" is asked at tuned rates.
+    "FedRecGEL w/o SAM": {**BASE_METHODS["FedRecGEL"], "rho-shared": 0.0, "rho-private": 0.0},
+}
+
+SERVER_RATES = (0.001, 0.003, 0.01, 0.03)
+
+GRIDS: dict[str, list[dict[str, tuple]]] = {
+    # the local Adam rate (the shared one of every parameter); values ordered so the default runs first
+    "FedMF": [{"learning-rate": (0.01, 0.03, 0.1, 0.003)}],
+    "FedNCF": [{"learning-rate": (0.01, 0.03, 0.003)}],
+    # PFedRec's score-function SGD rate; its item rate follows it (item-learning-rate 0: lr * items * 80, its paper's)
+    "PFedRec": [{"learning-rate": (0.1, 0.3, 0.03)}],
+    # server Adam rate at the public rho 0.05, then rho-shared at the chosen rate (rho-private stays 0.05; rho-shared
+    # 0 is "w/o shared SAM"); the client's private Adam 0.1 is the public code's, not tuned (time)
+    "FedRecGEL": [{"server-learning-rate": SERVER_RATES}, {"rho-shared": (0.0, 0.02, 0.1)}],
+    "FedRecGEL w/o SAM": [{"server-learning-rate": SERVER_RATES}],
+}
+
+
+def default_setting(method: str) -> dict:
+    """The method's base values of every key its grid varies (the starting point of the coordinate search)."""
+    keys = [k for stage in GRIDS[method] for k in stage]
+    return {k: METHODS[method][k] for k in keys}
+
+
+def stage_settings(method: str, stage: int, fixed: dict) -> list[dict]:
+    """The settings of one stage: ``fixed`` (earlier stages' selections and the base values) with this stage's keys
+    over the product of their values, in declaration order; a setting equal to one already run in an earlier stage
+    appears again (the caller skips finished runs by name)."""
+    import itertools
+
+    keys = list(GRIDS[method][stage])
+    out = []
+    for values in itertools.product(*(GRIDS[method][stage][k] for k in keys)):
+        out.append({**fixed, **dict(zip(keys, values))})
+    return out
+
+
+def setting_name(setting: dict) -> str:
+    """A stable folder name for a setting, e.g. ``learning-rate=0.01`` or ``rho-shared=0.05,server-learning-rate=0.01``."""
+    return ",".join(f"{k}={setting[k]:g}" for k in sorted(setting))
+
+
+def run_overrides(method: str, setting: dict, dataset: str, seed: int, rounds: int) -> dict:
+    """The complete run-config overrides of one run (the protocol, the method, the setting)."""
+    return {**PROTOCOL, **METHODS[method], **setting, "dataset": dataset, "seed": seed, "num-server-rounds": rounds}

@@ -1,0 +1,216 @@
+"""Tables and curves of the tuning protocol (issue 19), from whatever runs have finished.
+
+Writes to ``experiments/tuning/results/``:
+
+* ``grid-<dataset>.csv/.md``: every grid point's validation HR@10 / NDCG@10 at round 100 (seed 0) and the selection;
+* ``main-<dataset>.csv/.md``: the tuned methods at round 100 and 300 (mean ± std over seeds, test metrics), the
+  centralized MF and NCF at the epoch chosen on validation, popularity, and the random ranker's expected value;
+  then paired-by-seed differences (SAM on - off; best federated - popularity) and the share of the
+  popularity-to-centralized-NCF gap the best federated method closes;
+* ``curves-<dataset>.png``: test HR@10 per round of the 300-round runs, with popularity and centralized NCF drawn.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from experiments.common import fmt, markdown, pyplot, save_figure, slug, write_csv
+from experiments.tuning import grid as G
+from experiments.tuning.selection import row_at_round, select_epoch
+from fedrec_flwr.io import atomic_write_text
+
+KS = (5, 10, 20)
+METRICS = tuple(f"{m}@{k}" for k in KS for m in ("HR", "NDCG"))
+
+
+def random_ranker(num_candidates: int, ks=KS) -> dict[str, float]:
+    """Expected HR@K / NDCG@K of a uniformly random ranking of the target among ``num_candidates`` items (exact:
+    the target's rank is uniform on 1..C, so HR@K = K / C and NDCG@K = sum_{r<=K} 1 / (C log2(r + 1)))."""
+    out = {}
+    for k in ks:
+        out[f"HR@{k}"] = min(k, num_candidates) / num_candidates
+        out[f"NDCG@{k}"] = float(sum(1.0 / np.log2(r + 1) for r in range(1, min(k, num_candidates) + 1)) / num_candidates)
+    return out
+
+
+def selection_of(results: Path, dataset: str) -> dict:
+    path = results / f"selection-{dataset}.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def federated_rows(results: Path, dataset: str, method: str, setting: dict, rounds: int) -> list[dict]:
+    """One row per seed: the test metrics at round ``rounds`` of the selected setting's run with that budget (a run
+    still going counts if it has reached that round; marked ``finished`` = False)."""
+    rows = []
+    base = results / "runs" / dataset / slug(method) / f"r{rounds}"
+    for seed in G.SEEDS:
+        folder = base / f"{G.setting_name(setting)}-seed{seed}"
+        if not (folder / "metrics.json").is_file():
+            continue
+        row = row_at_round(json.loads((folder / "metrics.json").read_text()), rounds)
+        if row is not None:
+            rows.append({"seed": seed, **{m: row[m] for m in METRICS}, "val-HR@10": row.get("val-HR@10")})
+    return rows
+
+
+def popularity_rows(dataset: str, data_dir: str) -> list[dict]:
+    from experiments.tuning.run import split_of
+    from fedrec_flwr.baselines import evaluate_popularity
+
+    rows = []
+    for seed in G.SEEDS:
+        split = split_of(dataset, seed, data_dir)
+        rows.append({"seed": seed, **evaluate_popularity(split, KS, "test")})
+    return rows
+
+
+def centralized_rows(results: Path, dataset: str, model: str) -> list[dict]:
+    rows = []
+    for path in sorted((results / "runs" / dataset / f"centralized-{model}").glob("e*/seed*/summary.json")):
+        history = json.loads((path.parent / "metrics.json").read_text())
+        best = select_epoch(history)
+        rows.append({"seed": int(path.parent.name[4:]), "epoch": best["epoch"], **{m: best[m] for m in METRICS}})
+    return rows
+
+
+def summarise(name: str, rows: list[dict], extra: str = "") -> dict:
+    frame = pd.DataFrame(rows)
+    out = {"method": name, "seeds": len(rows), "setting": extra}
+    for m in METRICS:
+        values = frame[m].to_numpy(float) if rows else np.array([])
+        out[m] = fmt(values.mean(), values.std(ddof=1) if len(values) > 1 else float("nan")) if len(values) else "-"
+        out[f"{m}-mean"] = values.mean() if len(values) else np.nan
+    return out
+
+
+def paired(a: list[dict], b: list[dict], key: str = "HR@10") -> str:
+    """``mean ± std (n) [per-seed]`` of the per-seed difference a - b over the seeds both have."""
+    bs = {r["seed"]: r[key] for r in b}
+    diffs = [(r["seed"], r[key] - bs[r["seed"]]) for r in a if r["seed"] in bs]
+    if not diffs:
+        return "-"
+    values = np.array([d for _, d in diffs])
+    spread = f" ± {values.std(ddof=1):.4f}" if len(values) > 1 else ""
+    return f"{values.mean():+.4f}{spread} (n={len(values)}; " + ", ".join(f"s{s}: {d:+.4f}" for s, d in diffs) + ")"
+
+
+def grid_table(results: Path, dataset: str) -> None:
+    selection = selection_of(results, dataset)
+    rows = []
+    for method, record in selection.items():
+        for point in record["grid"]:
+            name = G.setting_name(point["setting"])
+            rows.append({"method": method, "stage": point["stage"] + 1, "setting": name,
+                         "val-HR@10": round(point["val-HR@10"], 4), "val-NDCG@10": round(point["val-NDCG@10"], 4),
+                         "selected": "yes" if name == record["name"] else ""})
+    if not rows:
+        return
+    frame = pd.DataFrame(rows)
+    write_csv(frame, results / f"grid-{dataset}.csv")
+    atomic_write_text(results / f"grid-{dataset}.md",
+                      f"# {dataset}: tuning grid (seed {G.GRID_SEED}, round {G.GRID_ROUNDS}; validation item only)\n\n"
+                      + markdown(frame))
+
+
+def main_table(results: Path, dataset: str, data_dir: str) -> None:
+    selection = selection_of(results, dataset)
+    per: dict[tuple[str, int], list[dict]] = {}
+    table = []
+    for rounds in (G.GRID_ROUNDS, G.LONG_ROUNDS):
+        for method in G.METHODS:
+            if method not in selection:
+                continue
+            rows = federated_rows(results, dataset, method, selection[method]["setting"], rounds)
+            per[(method, rounds)] = rows
+            if rows:
+                table.append({"round": rounds, **summarise(method, rows, selection[method]["name"])})
+    for model, name in (("mf", "centralized MF"), ("ncf", "centralized NCF")):
+        rows = centralized_rows(results, dataset, model)
+        per[(name, 0)] = rows
+        if rows:
+            epochs = ",".join(str(r["epoch"]) for r in rows)
+            table.append({"round": "-", **summarise(name, rows, f"Adam 0.001, batch 1024; epochs (val) {epochs}")})
+    pop = popularity_rows(dataset, data_dir)
+    per[("popularity", 0)] = pop
+    table.append({"round": "-", **summarise("popularity", pop, "train counts")})
+    table.append({"round": "-", **summarise("random (expected)", [random_ranker(100)], "exact expectation"),
+                  "seeds": "-"})
+    frame = pd.DataFrame(table)
+    write_csv(frame[["round", "method", "seeds", "setting", *(f"{m}-mean" for m in METRICS)]],
+              results / f"main-{dataset}.csv")
+    text = [f"# {dataset}: test HR@K / NDCG@K, mean ± std over seeds (settings chosen on the validation item)\n",
+            markdown(frame[["round", "method", "seeds", *METRICS, "setting"]])]
+    lines = []
+    for rounds in (G.GRID_ROUNDS, G.LONG_ROUNDS):
+        gel, off = per.get(("FedRecGEL", rounds), []), per.get(("FedRecGEL w/o SAM", rounds), [])
+        if gel and off:
+            lines.append(f"| {rounds} | FedRecGEL - FedRecGEL w/o SAM (does SAM help?) | {paired(gel, off)} |")
+        fed = [(m, per[(m, rounds)]) for m in G.METHODS if per.get((m, rounds))]
+        if fed:
+            best, rows = max(fed, key=lambda mr: np.mean([r["val-HR@10"] for r in mr[1]]))
+            lines.append(f"| {rounds} | {best} (best federated on validation) - popularity | {paired(rows, pop)} |")
+            others = [(m, r) for m, r in fed if m not in ("FedRecGEL", "FedRecGEL w/o SAM")]
+            if per.get(("FedRecGEL", rounds)) and others:
+                base, brows = max(others, key=lambda mr: np.mean([r["val-HR@10"] for r in mr[1]]))
+                lines.append(f"| {rounds} | FedRecGEL - {base} (best baseline on validation) | "
+                             f"{paired(per[('FedRecGEL', rounds)], brows)} |")
+            ncf = per.get(("centralized NCF", 0), [])
+            if ncf:
+                gap = np.mean([r["HR@10"] for r in ncf]) - np.mean([r["HR@10"] for r in pop])
+                got = np.mean([r["HR@10"] for r in rows]) - np.mean([r["HR@10"] for r in pop])
+                lines.append(f"| {rounds} | share of the popularity -> centralized NCF gap ({gap:+.4f}) closed by "
+                             f"{best} | {got / gap:.2f} |" if gap else "")
+    if lines:
+        text.append("\n# Paired-by-seed differences of test HR@10 (mean ± std over seeds, per seed)\n")
+        text.append("| round | comparison | value |\n|---|---|---|\n" + "\n".join(line for line in lines if line) + "\n")
+    atomic_write_text(results / f"main-{dataset}.md", "\n".join(text))
+    curves(results, dataset, selection, pop, per.get(("centralized NCF", 0), []))
+
+
+def curves(results: Path, dataset: str, selection: dict, pop: list[dict], ncf: list[dict]) -> None:
+    plt = pyplot()
+    fig, axis = plt.subplots(figsize=(7, 4.2))
+    plotted = 0
+    for method in G.METHODS:
+        if method not in selection:
+            continue
+        for rounds in (G.LONG_ROUNDS, G.GRID_ROUNDS):
+            base = results / "runs" / dataset / slug(method) / f"r{rounds}"
+            series = []
+            for seed in G.SEEDS:
+                path = base / f"{selection[method]['name']}-seed{seed}" / "metrics.json"
+                if path.is_file():
+                    rows = [r for r in json.loads(path.read_text()) if "HR@10" in r]
+                    series.append(pd.Series({r["round"]: r["HR@10"] for r in rows}))
+            if series:
+                frame = pd.concat(series, axis=1)
+                mean, std = frame.mean(axis=1), frame.std(axis=1).fillna(0)
+                axis.plot(mean.index, mean.values, marker=".", label=f"{method} ({len(series)} seeds)")
+                axis.fill_between(mean.index, mean - std, mean + std, alpha=0.15)
+                plotted += 1
+                break
+    if not plotted:
+        plt.close(fig)
+        return
+    for rows, label, style in ((pop, "popularity", "--"), (ncf, "centralized NCF", ":")):
+        if rows:
+            value = float(np.mean([r["HR@10"] for r in rows]))
+            axis.axhline(value, color="black", linestyle=style, label=f"{label} ({value:.3f})")
+    axis.axhline(0.1, color="grey", linestyle="-.", label="random (0.100)")
+    axis.set_xlabel("round")
+    axis.set_ylabel("test HR@10 (all users)")
+    axis.set_title(f"{dataset}: tuned methods, mean ± std over seeds")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7)
+    save_figure(fig, results / f"curves-{dataset}.png")
+
+
+def write_all(results: Path, datasets, data_dir: str) -> None:
+    for dataset in datasets:
+        grid_table(results, dataset)
+        main_table(results, dataset, data_dir)
+    print(f"tables written to {results}", flush=True)

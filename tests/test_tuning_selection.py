@@ -1,0 +1,76 @@
+"""Issue 19's tuning protocol chooses settings and epochs on the validation item only."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments.tuning import grid as G
+from experiments.tuning.report import random_ranker
+from experiments.tuning.selection import row_at_round, select_epoch, select_setting
+from fedrec_flwr.config import make_run_config
+
+
+def test_select_setting_follows_validation_where_test_disagrees():
+    # the test metrics would choose lr=0.1 (HR@10 0.70); the validation item chooses lr=0.03
+    results = [
+        ("learning-rate=0.01", {"HR@10": 0.50, "NDCG@10": 0.30, "val-HR@10": 0.40, "val-NDCG@10": 0.20}),
+        ("learning-rate=0.03", {"HR@10": 0.45, "NDCG@10": 0.25, "val-HR@10": 0.60, "val-NDCG@10": 0.30}),
+        ("learning-rate=0.1", {"HR@10": 0.70, "NDCG@10": 0.50, "val-HR@10": 0.55, "val-NDCG@10": 0.35}),
+    ]
+    assert select_setting(results) == "learning-rate=0.03"
+    # a validation HR@10 tie is broken by validation NDCG@10, never by test metrics
+    tie = [("a", {"HR@10": 0.9, "NDCG@10": 0.9, "val-HR@10": 0.5, "val-NDCG@10": 0.2}),
+           ("b", {"HR@10": 0.1, "NDCG@10": 0.1, "val-HR@10": 0.5, "val-NDCG@10": 0.3})]
+    assert select_setting(tie) == "b"
+
+
+def test_selection_refuses_test_metrics_and_rows_without_validation():
+    with pytest.raises(ValueError, match="validation metric"):
+        select_setting([("a", {"HR@10": 0.5, "val-HR@10": 0.1, "val-NDCG@10": 0.1})], key="HR@10")
+    with pytest.raises(ValueError, match="no 'val-HR@10'"):
+        select_setting([("a", {"HR@10": 0.5, "NDCG@10": 0.3})])
+    with pytest.raises(ValueError, match="no finished"):
+        select_setting([])
+
+
+def test_select_epoch_follows_validation_and_takes_the_earliest_tie():
+    history = [{"epoch": 1, "loss": 0.5},  # not evaluated
+               {"epoch": 2, "HR@10": 0.9, "val-HR@10": 0.3, "val-NDCG@10": 0.1},
+               {"epoch": 3, "HR@10": 0.2, "val-HR@10": 0.6, "val-NDCG@10": 0.2},
+               {"epoch": 4, "HR@10": 0.3, "val-HR@10": 0.6, "val-NDCG@10": 0.2}]
+    assert select_epoch(history)["epoch"] == 3
+
+
+def test_row_at_round_takes_the_evaluated_row_of_that_round():
+    rows = [{"round": 99, "train-loss": 0.3}, {"round": 100, "train-loss": 0.3, "HR@10": 0.4}]
+    assert row_at_round(rows, 100)["HR@10"] == 0.4 and row_at_round(rows, 99) is None
+
+
+def test_every_grid_point_is_a_valid_run_config_with_validation_on():
+    for method in G.METHODS:
+        fixed = G.default_setting(method)
+        for stage in range(len(G.GRIDS[method])):
+            for setting in G.stage_settings(method, stage, fixed):
+                config = make_run_config(**G.run_overrides(method, setting, "ml-100k", 0, G.GRID_ROUNDS))
+                assert config.holdout_validation and config.evaluate_validation
+    assert G.METHODS["FedRecGEL w/o SAM"]["rho-shared"] == G.METHODS["FedRecGEL w/o SAM"]["rho-private"] == 0.0
+
+
+def test_random_ranker_expectation():
+    expected = random_ranker(100)
+    assert expected["HR@10"] == pytest.approx(0.10) and expected["HR@20"] == pytest.approx(0.20)
+    assert 0 < expected["NDCG@5"] < expected["NDCG@10"] < expected["HR@10"]
+
+
+def test_centralized_both_records_test_and_validation_metrics_per_epoch():
+    from fedrec_flwr.baselines import evaluate_model, train_centralized
+    from tests.test_baselines import tiny_split
+
+    split = tiny_split(with_val=True)
+    result = train_centralized(split, "mf", epochs=2, batch_size=4, learning_rate=0.01, embedding_dim=4,
+                               eval_which="both", ks=(1, 2))
+    last = result.history[-1]
+    assert last["HR@1"] == evaluate_model(result.model, split, (1, 2), "test")["HR@1"]
+    assert last["val-HR@2"] == evaluate_model(result.model, split, (1, 2), "val")["HR@2"]
+    with pytest.raises(Exception, match="validation item"):
+        train_centralized(tiny_split(), "mf", epochs=1, eval_which="both")
