@@ -17,8 +17,11 @@ run time. This module wraps it so a run is self-contained and never touches what
 * runtime dependency installation is off (``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``);
 * ``num-supernodes`` is computed from the dataset's users and ``users-per-node`` unless given, and a given number
   that does not match is refused before anything starts;
-* the exit status is 0 only when Flower reports the run ``finished:completed``; otherwise the run's own error is
-  the last line printed;
+* every check that needs no Flower (:func:`fedrec_flwr.preflight.preflight`, with the data: keys, plug-ins, the
+  dataset, attributes, ``forget-users``, ``resume-from``, the results folder, a Flower strategy's config keys) runs
+  before anything starts: one ``error:`` line, exit 2, nothing created;
+* the exit status is 0 only when Flower reports the run ``finished:completed``, 1 for a run that started and failed
+  (its own error is the last line printed), 2 for a usage or config error found before the start;
 * a run whose simulation does not exit :data:`END_GRACE` s after its ServerApp's last line (a ClientApp that never
   returns keeps Flower 1.42's simulation waiting, and ``flwr run`` with it) is stopped: exit 1, with the nodes that
   gave no reply and their rounds; ``--timeout SECONDS`` stops the whole run after SECONDS: exit 124, likewise;
@@ -526,24 +529,24 @@ def parse_override(pair: str, defaults: Mapping[str, Any] | None = None, what: s
 
 
 def check_run(overrides: Mapping[str, Any], num_supernodes: int | None = None) -> int:
-    """Validate the run config (defaults + ``overrides``) and the plug-ins it names, and return the SuperNodes it
-    needs, ``ceil(users / users-per-node)`` (loads the dataset's split, cached after the first time).
+    """Check the run (defaults + ``overrides``) before anything starts: the plug-ins are shipped with the app
+    (:func:`check_shipped`), everything :func:`fedrec_flwr.preflight.preflight` checks with the data (config, client
+    and strategy, attributes, ``forget-users``, ``resume-from``, the results folder), and the number of SuperNodes.
+    Returns the SuperNodes the run needs, ``ceil(users / users-per-node)`` (the split is cached after the first time).
 
     Raises:
-        ConfigError: a bad key or value, an unimportable plug-in, or ``num_supernodes`` given and different from
-            the number needed (the message gives the right number).
+        ConfigError: as :func:`~fedrec_flwr.preflight.preflight`, or a plug-in the app does not ship, or
+            ``num_supernodes`` given and different from the number needed (the message gives the right number).
         DataError: the dataset cannot be loaded.
     """
     from .config import RunConfig
-    from .registry import check_components
-    from .runtime import load_split_for
+    from .preflight import preflight
 
     mapping = default_mapping(PROJECT_ROOT / "pyproject.toml")
     mapping.update(overrides)
     config = RunConfig.from_mapping(mapping)
-    check_components(config)
     check_shipped(config)
-    num_users = load_split_for(config).num_users
+    num_users = preflight(config, with_data=True).num_users
     needed = -(-num_users // config.users_per_node)
     if num_supernodes is not None and num_supernodes != needed:
         raise ConfigError(
@@ -787,11 +790,12 @@ def flwr_run(
 
     Returns:
         The finished run: ``returncode`` 0 only if Flower reports it ``finished:completed``; 124 when ``timeout``
-        passed; 1 when the run did not end ``end_grace`` s after its ServerApp; ``stdout`` the whole log (ANSI codes
+        passed; 1 otherwise (the run failed, or did not end ``end_grace`` s after its ServerApp, whatever ``flwr
+        run``'s own status, which the message gives); ``stdout`` the whole log (ANSI codes
         removed) when ``capture``, else ``""``. A failed or stopped run's error is printed last.
 
     Raises:
-        ConfigError, DataError: bad run config, plug-in, number of SuperNodes or data (before anything starts).
+        ConfigError, DataError: what :func:`check_run` finds (before anything starts).
         HomeBusy: every Flower home of ``flwr_home`` is in use.
     """
     overrides = dict(overrides or {})
@@ -852,11 +856,9 @@ def flwr_run(
                     print(message, file=out, flush=True)
                 code = 124 if stopped.startswith("--timeout") else 1
                 return subprocess.CompletedProcess(command, code, "".join(lines) if capture else "", "")
-            returncode = process.returncode
             status, details = run_status(link.env)
             text = "".join(lines)
-            if returncode == 0 and status != "finished:completed":
-                returncode = 1
+            returncode = 0 if process.returncode == 0 and status == "finished:completed" else 1
             if returncode != 0:
                 error = run_error(text) or details or "no error message in the log"
                 message = (f"error: the run did not finish ({status or 'status unknown'}"

@@ -29,8 +29,8 @@ RESULT_FILES = ("metrics.csv", "metrics.json", "final_arrays.npz", "summary.json
                 "unlearning.json", "before-unlearning.npz", "checkpoint.npz")
 
 
-def check_results_folder(folder: str | Path) -> None:
-    """Refuse to write into a folder that holds a finished run, and clear what an unfinished one left.
+def check_results_folder(folder: str | Path, clear: bool = True) -> None:
+    """Refuse to write into a folder that holds a finished run, and (``clear``) delete what an unfinished one left.
 
     Raises:
         ConfigError: ``folder/summary.json`` exists (a finished run): choose another ``run-name`` or delete it, so
@@ -40,9 +40,9 @@ def check_results_folder(folder: str | Path) -> None:
 
     folder = Path(folder)
     if (folder / "summary.json").is_file():
-        raise ConfigError(f"results folder {folder} already holds a finished run (summary.json); set another "
-                          "'run-name' or delete the folder")
-    for name in RESULT_FILES:  # an interrupted run's partial files: this run replaces them
+        raise ConfigError(f"run-config key 'run-name' = {folder.name!r}: results folder {folder} already holds a "
+                          "finished run (summary.json); set another 'run-name' or delete the folder")
+    for name in RESULT_FILES if clear else ():  # an interrupted run's partial files: this run replaces them
         (folder / name).unlink(missing_ok=True)
 
 

@@ -165,15 +165,16 @@ def run_serial(run_config: Mapping[str, Any] | RunConfig, *, client_app: ClientA
     Returns:
         The results folder (``results-dir/<run-name>/``), and the grid if ``return_grid``.
     Raises:
-        ConfigError / DataError: bad config or data (before any training).
+        ConfigError / DataError: bad config or data (:func:`fedrec_flwr.preflight.preflight`: before any message, and
+            before the results folder is created).
     """
     from .client_app import make_client_app
-    from .runtime import get_runtime
+    from .preflight import preflight
     from .server_app import main
 
-    config = run_config if isinstance(run_config, RunConfig) else RunConfig.from_mapping(run_config)
+    plan = preflight(run_config, with_data=True)  # every check that needs no message, before the first one
+    config, runtime = plan.config, plan.runtime
     mapping = config.to_dict()
-    runtime = get_runtime(mapping)
     num_nodes = -(-runtime.split.num_users // config.users_per_node)
     grid = SerialGrid(client_app or make_client_app(mapping), num_nodes, mapping)
     if config.adversary != "none" and runtime.protected is not None:  # FedAU²: per-round diagnostics of h_w (evaluation only)

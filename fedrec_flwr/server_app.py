@@ -28,7 +28,6 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -36,14 +35,12 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
-from .checkpoint import (
-    CHECKPOINT_FILE, Checkpoint, check_client_state, check_resumable, load_checkpoint, save_checkpoint,
-)
+from .checkpoint import CHECKPOINT_FILE, Checkpoint, check_client_state, save_checkpoint
 from .client_app import IDENTIFY
 from .client_state import DURABLE_ROUND_KEY, RUN_KEY
 from .config import RunConfig
 from .errors import ConfigError
-from .registry import check_components, resolve_strategy
+from .preflight import build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: was here
 from .results import PROGRESS, RunRecorder, check_results_folder
 from .runtime import build_shared_model
 from .wire import CONFIG, ModelLayout, Topology
@@ -138,17 +135,6 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float):
                                                       "nodes-without-client-state": without_state}
 
 
-def default_run_name(config: RunConfig) -> str:
-    """``<dataset>-<model>-<client>-<strategy>[-unlearn-<method>]-<UTC time>`` unless ``run-name`` is set."""
-    if config.run_name:
-        return config.run_name
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    client = config.client.rsplit(":", 1)[-1].lower()
-    strategy = config.strategy.rsplit(":", 1)[-1].lower()
-    unlearn = f"-unlearn-{config.unlearning}" if config.unlearning != "none" else ""
-    return f"{config.dataset}-{config.model}-{client}-{strategy}{unlearn}-{stamp}"
-
-
 @dataclass
 class RoundView:
     """What an ``on_round`` hook sees after a round (in-process callers only; see :func:`main`)."""
@@ -172,15 +158,10 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     :class:`RoundView`.
     """
     _setup_logging()
-    config = RunConfig.from_mapping(context.run_config or run_config or {})
-    check_components(config)
-    resume = load_checkpoint(config.resume_from) if config.resume_from else None
-    if resume is not None:
-        check_resumable(resume, config.to_dict())
-        folder = resume.folder
-    else:
-        folder = Path(config.results_dir).expanduser().resolve() / default_run_name(config)
-        check_results_folder(folder)
+    plan = preflight(RunConfig.from_mapping(context.run_config or run_config or {}))  # no data here: the nodes have it
+    config, folder, resume = plan.config, plan.folder, plan.resume
+    if resume is None:
+        check_results_folder(folder)  # clears what an interrupted run of this name left
     topology, num_items, facts = discover_topology(grid, config, timeout=max(config.round_timeout, IDENTIFY_TIMEOUT))
     without_state = facts.pop("nodes-without-client-state")
     if resume is not None:
@@ -193,10 +174,7 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     if resume is not None:
         initial = _checkpoint_arrays(resume, layout)
 
-    strategy = resolve_strategy(config.strategy).from_run_config(config, layout, topology)  # a Flower one: adapted
-    if config.unlearning != "none" and not hasattr(strategy, "run_unlearning"):
-        raise ConfigError(f"run-config key 'unlearning' = {config.unlearning!r}: strategy {config.strategy!r} has no "
-                          "unlearning phase (use a strategy derived from ItemEmbeddingFedAvg, e.g. 'item-fedavg')")
+    strategy = build_strategy(config, layout, topology)  # a Flower one: adapted
     if hasattr(strategy, "attach_results"):  # a strategy that writes files of its own (e.g. an attack's log)
         strategy.attach_results(folder)
     first_round = 1

@@ -40,7 +40,8 @@ checkpoints (a resumed run restarts it; a warning says so), and an override of `
 
 Keys a strategy adds to the train config (FedProx's ``"proximal-mu"``, client-side DP's clipping norm) must be
 honoured by the client: a non-zero value for a key the configured client class does not list in its
-``strategy_config_keys`` stops round 1 before any message is sent (:class:`~fedrec_flwr.errors.ConfigError`). Our
+``strategy_config_keys`` stops the run before it starts (:class:`~fedrec_flwr.errors.ConfigError`, from a dry round
+1 in :meth:`FlowerStrategyAdapter.check_config`, which :mod:`fedrec_flwr.preflight` runs; round 1 checks again). Our
 clients list none, so FedProx runs with ``proximal_mu = 0`` only (Flower: "equivalent to FedAvg"), and the
 client-side DP wrappers are refused (their guarantee needs clipping on the client).
 
@@ -67,13 +68,15 @@ from flwr.serverapp.strategy import Strategy
 from fedrec_flwr.client_state import DURABLE_ROUND_KEY, RUN_KEY
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.preflight import quiet
 from fedrec_flwr.registry import resolve
 from fedrec_flwr.wire import ARRAYS, CONFIG, COUNT, GRADIENT_USERS, METRICS, NUM_EXAMPLES, ROWS, SUM, ModelLayout, \
     ReplyError, Topology
 
 from .item_fedavg import ItemEmbeddingFedAvg, RoundFailed
 
-__all__ = ["FlowerStrategyAdapter", "RoundNodes", "build_flower_strategy", "dense_reply", "parse_strategy_args"]
+__all__ = ["FlowerStrategyAdapter", "RoundNodes", "build_flower_strategy", "check_sent_keys", "dense_reply",
+           "parse_strategy_args"]
 
 log = logging.getLogger(__name__)
 
@@ -372,7 +375,8 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
 
     @classmethod
     def check_config(cls, config: RunConfig) -> None:
-        """Build the configured Flower strategy once, so a bad ``strategy-args`` fails before any node is asked;
+        """Build the configured Flower strategy once, so a bad ``strategy-args`` fails before any node is asked, and
+        let it configure a dry round (:func:`check_sent_keys`: a key the client ignores fails here, not in round 1);
         ``item-aggregation`` must stay ``"auto"`` (the wrapped strategy aggregates the dense replies itself)."""
         if getattr(config, "adversary", "none") != "none" and getattr(config, "adversary_training", "") == "server":
             raise ConfigError(f"adversary-training = 'server' needs an item-fedavg-derived strategy (its replies carry "
@@ -380,7 +384,9 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
         if config.item_aggregation != "auto":
             raise ConfigError(f"run-config key 'item-aggregation' = {config.item_aggregation!r} does not apply to "
                               f"{config.strategy}: it aggregates dense replies itself (see strategies/flower_adapter.py)")
-        build_flower_strategy(resolve("strategy", config.strategy), parse_strategy_args(config.strategy_args))
+        wrapped, _ = build_flower_strategy(resolve("strategy", config.strategy),
+                                           parse_strategy_args(config.strategy_args))
+        check_sent_keys(wrapped, getattr(resolve("client", config.client), "strategy_config_keys", ()))
 
     @classmethod
     def options_from_config(cls, config: RunConfig) -> dict:
@@ -505,16 +511,8 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
                                   "users")
             content = RecordDict(dict(message.content.items()))
             theirs = dict(content[CONFIG]) if CONFIG in content else {}
-            for key, value in theirs.items():
-                if key in OUR_CONFIG_KEYS or key in config or key in self.client_config_keys:
-                    continue
-                if value in (0, 0.0, False, "", None):
-                    continue
-                raise ConfigError(
-                    f"{self.name} sends the config key {key!r} = {value!r}, which the client does not honour (its "
-                    f"strategy_config_keys: {sorted(self.client_config_keys)}); without it the strategy is not what "
-                    "it claims (e.g. FedProx without a proximal term, client-side DP without clipping). Use a client "
-                    "that honours it, or a value of 0")
+            _refuse_unhonoured(self.name, {k: v for k, v in theirs.items() if k not in config},
+                               self.client_config_keys)
             content[CONFIG] = ConfigRecord({**self.message_config, **theirs, "server-round": server_round,
                                             "users": list(groups[node])})
             out.append(Message(content=content, message_type=message.metadata.message_type, dst_node_id=node))
@@ -526,3 +524,47 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
                  self.name, self.arguments, self.fraction_train, self.fraction_evaluate, self.min_train_fraction,
                  self.eval_every, len(self.layout.item_keys))
         self.wrapped.summary()
+
+
+def _refuse_unhonoured(name: str, sent: Mapping[str, Any], honoured: Iterable[str]) -> None:
+    """Refuse a message-config key the strategy ``name`` sends (``sent``) that neither our clients read
+    (:data:`OUR_CONFIG_KEYS`) nor the client honours (``honoured``: its ``strategy_config_keys``), unless its value is
+    zero / empty.
+
+    Raises:
+        ConfigError: naming the strategy, the key and its value.
+    """
+    honoured = frozenset(honoured)
+    for key, value in sent.items():
+        if key in OUR_CONFIG_KEYS or key in honoured or value in (0, 0.0, False, "", None):
+            continue
+        raise ConfigError(
+            f"run-config key 'strategy' = {name!r} sends the config key {key!r} = {value!r}, which the client does "
+            f"not honour (its strategy_config_keys: {sorted(honoured)}); without it the strategy is not what it "
+            "claims (e.g. FedProx without a proximal term, client-side DP without clipping). Use a client that "
+            "honours it, or a value of 0 (run-config key 'strategy-args')")
+
+
+def check_sent_keys(wrapped: Strategy, honoured: Iterable[str]) -> None:
+    """Let ``wrapped`` configure a round-1 train and evaluate round for one node, without sending anything, and refuse
+    a config key it would send that the client does not honour (:func:`_refuse_unhonoured`), so e.g. FedProx with
+    ``proximal_mu > 0`` fails before the run starts, not in round 1. ``wrapped`` must be a fresh instance (its state
+    may change; :meth:`FlowerStrategyAdapter.check_config` builds one for this).
+
+    Raises:
+        ConfigError: as :func:`_refuse_unhonoured`.
+    """
+    from flwr.supercore.task_identity import TaskIdentity
+
+    name = f"{type(wrapped).__module__}:{type(wrapped).__name__}"
+    grid = RoundNodes(None, [0], name)
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 0, 0, 0  # Message() needs one, even unsent
+    try:
+        with quiet():  # Flower's "Sampled 1 nodes" lines: nothing is sampled
+            for configure in (wrapped.configure_train, wrapped.configure_evaluate):
+                for message in configure(1, ArrayRecord(), ConfigRecord(), grid):
+                    _refuse_unhonoured(name, dict(message.content[CONFIG]) if CONFIG in message.content else {},
+                                       honoured)
+    finally:
+        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved

@@ -25,11 +25,10 @@ from strategies.item_fedavg import ItemEmbeddingFedAvg
 
 
 class Boom(ItemEmbeddingFedAvg):
-    """Importable and accepted by the launcher's checks; refuses to start inside the ServerApp."""
+    """Passes the launcher's preflight (it builds fine); fails inside the ServerApp, in round 1."""
 
-    @classmethod
-    def from_run_config(cls, *args, **kwargs):
-        raise ConfigError("boom: this strategy refuses to start")
+    def configure_train(self, *args, **kwargs):
+        raise ConfigError("boom: this strategy refuses to train")
 '''
 
 
@@ -93,7 +92,8 @@ def test_two_runs_at_once_spare_bystanders_and_a_failed_run_exits_non_zero(tmp_p
     assert recorded["strategy"] == "plugins.server_lr:ServerLrItemFedAvg" and recorded["server-lr"] == 0.3
     assert run_b.returncode != 0
     last = run_b.stderr.strip().splitlines()[-1]
-    assert "boom: this strategy refuses to start" in run_b.stderr.strip().splitlines()[-2] + last, run_b.stderr
+    assert run_b.returncode == 1  # a run that started and failed (2: refused before the start)
+    assert "boom: this strategy refuses to train" in run_b.stderr.strip().splitlines()[-2] + last, run_b.stderr
     assert f"FLWR_HOME={home / 'concurrent-1'}" in run_b.stderr, run_b.stderr[:2000]
     assert alive, "a process that merely shared FLWR_HOME was ended"
     assert _left_in([home, home / "concurrent-1"]) == []

@@ -1,0 +1,164 @@
+"""Every check a run can make before Flower starts: one function, :func:`preflight`, for every way a run starts.
+
+The launcher (:func:`fedrec_flwr.launch.check_run`) calls it before it starts a SuperLink, :func:`fedrec_flwr.serial.
+run_serial` before its first message, and the ServerApp (:func:`fedrec_flwr.server_app.main`) first thing, so plain
+``flwr run .`` gets it too. It raises :class:`~fedrec_flwr.errors.ConfigError` / :class:`~fedrec_flwr.errors.DataError`
+naming the key and value, and creates nothing: no results folder, no file.
+
+Without the data (the ServerApp: the server never reads the interaction data) it checks what holds anywhere:
+
+* the client's and the strategy's own ``check_config`` (:func:`fedrec_flwr.registry.check_components`), which for a
+  Flower strategy builds it from ``strategy-args`` and refuses a config key it would send that the client ignores
+  (FedProx with ``proximal_mu > 0``: :func:`strategies.flower_adapter.check_sent_keys`);
+* ``resume-from``: a readable checkpoint there, written with the same config (:mod:`fedrec_flwr.checkpoint`);
+* the results folder: not a finished run's (``summary.json``), and creatable / writable under ``results-dir``.
+
+With the data (the launcher and ``run_serial``, which read it in this process) it also builds what a node builds
+(:func:`fedrec_flwr.runtime.get_runtime`: the split, the ``protected-attribute`` labels, the model) and the strategy
+itself, as the ServerApp will, over a topology of ``users-per-node`` blocks (``forget-users`` in range, the
+adversary's class prior, ...). The ServerApp makes those checks again when the nodes have reported the data, before
+round 1 and before it creates the results folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .checkpoint import Checkpoint, check_resumable, load_checkpoint
+from .config import RunConfig
+from .errors import ConfigError
+from .results import check_results_folder
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What a run that passed :func:`preflight` will use.
+
+    Attributes:
+        config: the validated run config.
+        folder: the results folder (``results-dir/<run-name>``, or the checkpoint's folder with ``resume-from``); not
+            created.
+        resume: the checkpoint to resume from, or ``None``.
+        runtime: with the data: the :class:`~fedrec_flwr.runtime.Runtime` (split, attribute labels, model), else
+            ``None``.
+    """
+
+    config: RunConfig
+    folder: Path
+    resume: Checkpoint | None = None
+    runtime: Any = None
+
+    @property
+    def num_users(self) -> int | None:
+        """The split's users (``None`` without the data)."""
+        return None if self.runtime is None else self.runtime.split.num_users
+
+
+def preflight(config: RunConfig | Mapping[str, Any], *, with_data: bool = False) -> Preflight:
+    """Check everything about a run that needs no Flower (see the module docstring); creates nothing.
+
+    Args:
+        config: a :class:`RunConfig` or a complete kebab-case mapping (validated here).
+        with_data: also load the split here and build the model and the strategy (the launcher, ``run_serial``);
+            ``False`` for the ServerApp, which never reads the data.
+
+    Raises:
+        ConfigError: a bad key or value, a client / strategy combination they refuse, a ``resume-from`` without a
+            usable checkpoint, a results folder holding a finished run or not writable, a ``protected-attribute``
+            the data lacks, a ``forget-users`` id beyond the users. The message names the key and the value.
+        DataError: the dataset cannot be loaded.
+    """
+    from .registry import check_components
+
+    if not isinstance(config, RunConfig):
+        config = RunConfig.from_mapping(config)
+    check_components(config)
+    resume = None
+    if config.resume_from:
+        resume = load_checkpoint(config.resume_from)
+        check_resumable(resume, config.to_dict())
+        folder = Path(resume.folder).resolve()
+    else:
+        folder = Path(config.results_dir).expanduser().resolve() / default_run_name(config)
+        check_results_folder(folder, clear=False)
+    _check_writable(folder, "resume-from" if resume is not None else "results-dir",
+                    config.resume_from if resume is not None else config.results_dir)
+    runtime = None
+    if with_data:
+        from .runtime import get_runtime
+
+        runtime = get_runtime(config.to_dict())
+        build_strategy(config, runtime.layout, _block_topology(config, runtime.split.num_users), dry=True)
+    return Preflight(config, folder, resume, runtime)
+
+
+def build_strategy(config: RunConfig, layout, topology, dry: bool = False):
+    """The configured strategy (a Flower one through the adapter), as the ServerApp runs it.
+
+    Args:
+        dry: a check only: build it :func:`quiet` (the run logs the same warnings when it builds it).
+
+    Raises:
+        ConfigError: the strategy refuses the config (e.g. ``forget-users`` out of range), or ``unlearning`` is set
+            and the strategy has no unlearning phase.
+    """
+    from .registry import resolve_strategy
+
+    with quiet() if dry else nullcontext():
+        strategy = resolve_strategy(config.strategy).from_run_config(config, layout, topology)
+    if config.unlearning != "none" and not hasattr(strategy, "run_unlearning"):
+        raise ConfigError(f"run-config key 'unlearning' = {config.unlearning!r}: strategy {config.strategy!r} has no "
+                          "unlearning phase (use a strategy derived from ItemEmbeddingFedAvg, e.g. 'item-fedavg')")
+    return strategy
+
+
+def default_run_name(config: RunConfig) -> str:
+    """``<dataset>-<model>-<client>-<strategy>[-unlearn-<method>]-<UTC time>`` unless ``run-name`` is set."""
+    if config.run_name:
+        return config.run_name
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    client = config.client.rsplit(":", 1)[-1].lower()
+    strategy = config.strategy.rsplit(":", 1)[-1].lower()
+    unlearn = f"-unlearn-{config.unlearning}" if config.unlearning != "none" else ""
+    return f"{config.dataset}-{config.model}-{client}-{strategy}{unlearn}-{stamp}"
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """Log records at WARNING and below are dropped inside (for dry runs of code that logs what the real run logs)."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
+def _block_topology(config: RunConfig, num_users: int):
+    """The topology the nodes will report: user ``u`` on node ``u // users-per-node`` (node ids = partition ids)."""
+    from .wire import Topology
+
+    return Topology((np.arange(num_users) // config.users_per_node).astype(np.uint64))
+
+
+def _check_writable(folder: Path, key: str, value: str) -> None:
+    """Refuse a results folder that cannot be created or written: its nearest existing ancestor must be a writable
+    folder (nothing is created here)."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"run-config key {key!r} = {value!r}: the results folder {folder} cannot be created: "
+                          f"{existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"run-config key {key!r} = {value!r}: the results folder {folder} cannot be "
+                          f"{'written' if existing == folder else 'created'}: {existing} is not writable")
