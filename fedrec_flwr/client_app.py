@@ -44,7 +44,7 @@ from flwr.common.constant import ErrorCode
 from .blocks import evaluate_block, train_block, use_blocks
 from .client_state import DURABLE_ROUND_KEY, STATE_DIR_KEY, ClientStateStore, state_folder, user_record_keys
 from .errors import ConfigError
-from .influence import can_batch
+from .influence import can_batch, influence_loss_sums
 from .registry import resolve
 from .runtime import Runtime, get_runtime, node_users
 from .wire import (
@@ -81,6 +81,9 @@ UNLEARN_HVP = "unlearn_hvp"
 """Query: the summed Hessian-vector product of the node's remaining users' losses with the sent direction."""
 UNLEARN_LOCAL_CG = "unlearn_local_cg"
 """Query: the weighted sum of the node's remaining users' local CG solutions for the sent right-hand side."""
+UNLEARN_LOSS = "unlearn_loss"
+"""Query: the summed influence loss of the node's remaining users at points ``theta + a_k d`` along the sent direction
+(one scalar sum per step; HF-KCU's line search)."""
 ADVERSARY_GRADIENT = "adversary_gradient"
 """Query (FedAU², ``adversary-server-steps`` > 1): the mean gradient of ``h_w`` over the named users at the sent
 ``h_w`` and their current private embeddings (:func:`adversary_gradient_query`)."""
@@ -440,6 +443,22 @@ def unlearn_hvp(message: Message, context: Context, run_config: Mapping[str, Any
     return _sparse_reply(message, total, {}, clients[0] if clients else None)
 
 
+def unlearn_loss(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
+    """HF-KCU's line search on this node: ``loss-sums[k] = sum_u L_u(theta + a_k d)`` over the node's remaining (with
+    ``causal``: affected) users, for the sent shared parameters ``theta``, direction ``d`` (``VECTOR``) and the
+    config's ``steps`` ``a_k`` (:func:`fedrec_flwr.influence.influence_loss_sums`). The reply carries only these
+    node sums (and ``num-users``), no array and no per-user value."""
+    runtime, clients, config = _remaining_users(message, context, run_config)
+    shared = _shared_arrays(message)
+    direction = unpack_sparse({k: a.numpy() for k, a in message.content[VECTOR].items()}, runtime.layout)
+    steps = [float(a) for a in config.get("steps", [])]
+    with private_state(context, runtime, config, [c.user for c in clients]):
+        sums = influence_loss_sums(runtime, clients, shared, direction, steps)
+    metrics = metric_record({"num-users": len(clients), "loss-sums": [float(v) for v in sums]},
+                            clients[0] if clients else None)
+    return Message(content=RecordDict({METRICS: metrics}), reply_to=message)
+
+
 def unlearn_local_cg(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
     """HF-KCU's Algorithm 1 on this node: each remaining (with ``causal``: affected) user ``u`` solves ``(H_u +
     damping I) x_u = rhs`` by CG on its own Hessian; the reply is ``sum_u w_u x_u`` and ``weight-sum = sum_u w_u``
@@ -535,6 +554,7 @@ def make_client_app(run_config: Mapping[str, Any] | None = None, mods: list | No
     client_app.query(IDENTIFY)(partial(_with_config, identify, run_config))
     for action, handler in ((UNLEARN_GRADIENT, unlearn_gradient), (UNLEARN_AFFECTED, unlearn_affected),
                             (UNLEARN_HVP, unlearn_hvp), (UNLEARN_LOCAL_CG, unlearn_local_cg),
+                            (UNLEARN_LOSS, unlearn_loss),
                             (ADVERSARY_GRADIENT, adversary_gradient_query)):
         client_app.query(action)(partial(_with_config, handler, run_config))
     return client_app

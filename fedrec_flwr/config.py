@@ -52,6 +52,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "krylov-mode": ("distributed", "local"),
     "krylov-solver": ("steihaug", "cg"),
     "curvature": ("gauss-newton", "hessian"),
+    "line-search": ("none", "remaining-loss"),
     "block-training": ("auto", "on", "off"),
 }
 
@@ -122,6 +123,9 @@ class RunConfig:
     unlearn_scale: float = _key("unlearn-scale", positive=True)
     adaptive_scale: bool = _key("adaptive-scale")
     unlearn_max_step: float = _key("unlearn-max-step", positive=True)
+    line_search: str = _key("line-search")
+    line_search_max_step: float = _key("line-search-max-step", minimum=8.0)
+    line_search_rounds: int = _key("line-search-rounds", minimum=1, maximum=20)
     causal_weighting: bool = _key("causal-weighting")
     ascent_steps: int = _key("ascent-steps", minimum=1)
     ascent_learning_rate: float = _key("ascent-learning-rate", positive=True)
@@ -323,7 +327,7 @@ class RunConfig:
         for key in ("dataset", "tie-rule", "model", "loss", "optimizer", "item-aggregation", "server-optimizer",
                     "adversary", "adversary-trigger", "adversary-objective", "adversary-training",
                     "adversary-server-optimizer", "adversary-embedding-optimizer", "unlearning", "krylov-mode",
-                    "krylov-solver", "curvature", "block-training"):
+                    "krylov-solver", "curvature", "line-search", "block-training"):
             value = getattr(self, key.replace("-", "_"))
             if value not in _CHOICES[key]:
                 raise ConfigError(f"run-config key '{key}' = {value!r}: must be one of {list(_CHOICES[key])}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -39,6 +40,71 @@ def node_model(runtime, num_users: int) -> RecModel:
         model = build_shared_model(runtime.config, runtime.split.num_items, num_users=num_users, num_classes=classes)
         cache[num_users] = model.to(next(runtime.model.parameters()).device)
     return cache[num_users]
+
+
+INDEX_CACHE_SIZE = 256
+"""How many node groups' example indexes :func:`example_index` keeps per runtime (a node's group is the same in every
+query of a phase, so one entry per node and query kind suffices)."""
+
+
+def example_index(runtime, clients: Sequence, extra_rows: np.ndarray | None, device) -> SimpleNamespace:
+    """The tensors that index ``clients``' influence examples (:meth:`clients.fedrec.FedRecClient.influence_examples`)
+    into the compact item rows: ``items`` ``(T,)`` (the rows used and ``extra_rows``), ``user_t`` / ``weight_t`` /
+    ``item_t`` / ``label_t`` (BCE; ``item_t`` / ``label_t`` are ``None`` for BPR), ``used_items`` / ``used_users``
+    (every scored pair) and ``row_users`` ``(T,)`` (how many of the users use each row, for weight decay).
+
+    They depend only on the users, the split, the seed and ``extra_rows`` (the negatives are a fixed sample), so they
+    are cached per runtime (ours: the profile of a FedNCF phase showed every query rebuilding them, about a quarter of
+    a product's time). Returns a namespace of them.
+    """
+    cfg = runtime.config
+    key = (type(clients[0]).__qualname__, tuple(int(c.user) for c in clients), str(device),
+           runtime.train_config.weight_decay > 0,
+           None if extra_rows is None else np.asarray(extra_rows, dtype=np.int64).tobytes())
+    cache = runtime.__dict__.setdefault("_influence_index", {})
+    if key in cache:
+        return cache[key]
+    examples = [client.influence_examples() for client in clients]
+    items = np.unique(np.concatenate([np.concatenate(e) for e in examples]
+                                     + ([np.asarray(extra_rows, dtype=np.int64)] if extra_rows is not None else [])))
+    items = items.astype(np.int64)
+    users, left, right, weights = [], [], [], []
+    for row, (positives, negatives) in enumerate(examples):
+        pos, neg = np.searchsorted(items, positives), np.searchsorted(items, negatives)
+        if cfg.loss == "bpr":
+            k = neg.size // pos.size
+            left.append(np.repeat(pos, k))
+            right.append(neg)
+            count = neg.size
+        else:
+            left.append(np.concatenate([pos, neg]))
+            right.append((pos.size, neg.size))
+            count = pos.size + neg.size
+        users.append(np.full(count, row))
+        weights.append(np.full(count, 1.0 / count))
+    user_t = torch.as_tensor(np.concatenate(users), device=device)
+    weight_t = torch.as_tensor(np.concatenate(weights), dtype=torch.float32, device=device)
+    item_t = label_t = None
+    if cfg.loss == "bpr":
+        pos_t = torch.as_tensor(np.concatenate(left), device=device)
+        neg_t = torch.as_tensor(np.concatenate(right), device=device)
+        used_items = torch.cat([pos_t, neg_t])
+        used_users = torch.cat([user_t, user_t])
+    else:
+        item_t = torch.as_tensor(np.concatenate(left), device=device)
+        label_t = torch.as_tensor(np.concatenate(
+            [np.concatenate([np.ones(p), np.zeros(n)]) for p, n in right]), dtype=torch.float32, device=device)
+        used_items, used_users = item_t, user_t
+    row_users = None
+    if runtime.train_config.weight_decay > 0:  # each user regularises the rows its loss uses once (compute_loss)
+        row_users = torch.zeros(items.size, device=device)
+        for row in range(len(clients)):
+            row_users[torch.unique(used_items[used_users == row])] += 1.0
+    if len(cache) >= INDEX_CACHE_SIZE:
+        cache.clear()
+    cache[key] = SimpleNamespace(items=items, user_t=user_t, weight_t=weight_t, item_t=item_t, label_t=label_t,
+                                 used_items=used_items, used_users=used_users, row_users=row_users)
+    return cache[key]
 
 
 @contextmanager
@@ -83,45 +149,14 @@ def influence_objective(runtime, clients: Sequence, shared: Mapping[str, np.ndar
             for key, value in runtime.model.private_state().items():
                 rows.setdefault(key, []).append(value)
         model.load_private_state({k: torch.cat(v) for k, v in rows.items()})
-    examples = [client.influence_examples() for client in clients]
-    items = np.unique(np.concatenate([np.concatenate(e) for e in examples]
-                                     + ([np.asarray(extra_rows, dtype=np.int64)] if extra_rows is not None else [])))
-    items = items.astype(np.int64)
+    device = next(model.parameters()).device
+    index = example_index(runtime, clients, extra_rows, device)
+    items, user_t, weight_t = index.items, index.user_t, index.weight_t
+    item_t, label_t, used_items, used_users = index.item_t, index.label_t, index.used_items, index.used_users
+    row_users = index.row_users
+    decay = runtime.train_config.weight_decay
+    item_keys = set(layout.item_keys)
     with model.item_subset(items):
-        device = next(model.parameters()).device
-        users, left, right, weights = [], [], [], []
-        for row, (positives, negatives) in enumerate(examples):
-            pos, neg = np.searchsorted(items, positives), np.searchsorted(items, negatives)
-            if cfg.loss == "bpr":
-                k = neg.size // pos.size
-                left.append(np.repeat(pos, k))
-                right.append(neg)
-                count = neg.size
-            else:
-                left.append(np.concatenate([pos, neg]))
-                right.append((pos.size, neg.size))
-                count = pos.size + neg.size
-            users.append(np.full(count, row))
-            weights.append(np.full(count, 1.0 / count))
-        user_t = torch.as_tensor(np.concatenate(users), device=device)
-        weight_t = torch.as_tensor(np.concatenate(weights), dtype=torch.float32, device=device)
-        if cfg.loss == "bpr":
-            pos_t = torch.as_tensor(np.concatenate(left), device=device)
-            neg_t = torch.as_tensor(np.concatenate(right), device=device)
-            used_items = torch.cat([pos_t, neg_t])
-            used_users = torch.cat([user_t, user_t])
-        else:
-            item_t = torch.as_tensor(np.concatenate(left), device=device)
-            label_t = torch.as_tensor(np.concatenate(
-                [np.concatenate([np.ones(p), np.zeros(n)]) for p, n in right]), dtype=torch.float32, device=device)
-            used_items, used_users = item_t, user_t
-        decay = runtime.train_config.weight_decay
-        item_keys = set(layout.item_keys)
-        if decay > 0:  # each user regularises the rows its loss uses once (LocalTrainer.compute_loss)
-            row_users = torch.zeros(items.size, device=device)
-            for row in range(len(clients)):
-                row_users[torch.unique(used_items[used_users == row])] += 1.0
-
         if cfg.loss == "bpr":
             n = user_t.numel()
 
@@ -149,3 +184,39 @@ def influence_objective(runtime, clients: Sequence, shared: Mapping[str, np.ndar
         loss_fn = CompositeLoss(outputs, output_loss, regulariser if decay > 0 else None)
         params = {k: p.detach() for k, p in model.named_parameters() if k in layout.shared_shapes}
         yield loss_fn, params, items
+
+
+def influence_loss_sums(runtime, clients: Sequence, shared: Mapping[str, np.ndarray],
+                        direction: Mapping[str, np.ndarray], steps: Sequence[float]) -> np.ndarray:
+    """``[sum_u L_u(theta + a_k d) for a_k in steps]``: the summed influence loss of ``clients`` at points along a
+    direction, the line search's objective (:func:`fedrec_flwr.krylov.ladder_line_search`).
+
+    The loss is the one HF-KCU's products are taken of (module docstring), with each user's fixed negative sample,
+    so for a given seed the values are deterministic. One forward pass per step and group (the node's users in one
+    batched pass where :func:`can_batch` holds, else one user at a time); no gradient is taken.
+
+    Args:
+        runtime: the process's :class:`~fedrec_flwr.runtime.Runtime`.
+        clients: :class:`clients.fedrec.FedRecClient` objects of this node's (remaining) users.
+        shared: shared key -> full array ``theta``.
+        direction: shared key -> full array ``d`` (same shapes as ``shared``).
+        steps: ``(K,)`` multiples ``a_k`` of ``direction``.
+    Returns:
+        ``(K,)`` float64 sums (zeros when ``clients`` is empty): one scalar per step over all of ``clients``, never
+        a per-user value.
+    """
+    steps = [float(a) for a in steps]
+    totals = np.zeros(len(steps), dtype=np.float64)
+    if not clients:
+        return totals
+    item_keys = set(runtime.layout.item_keys)
+    groups = [list(clients)] if len(clients) > 1 and can_batch(runtime.model) else [[c] for c in clients]
+    for group in groups:
+        with influence_objective(runtime, group, shared) as (loss_fn, params, items):
+            compact = {k: torch.as_tensor(np.asarray(direction[k])[items] if k in item_keys
+                                          else np.asarray(direction[k]), dtype=p.dtype, device=p.device)
+                       for k, p in params.items()}
+            with torch.no_grad():
+                for index, step in enumerate(steps):
+                    totals[index] += float(loss_fn({k: params[k] + step * compact[k] for k in params}))
+    return totals

@@ -42,6 +42,20 @@ trust-radius * ||theta_S||`` with ``theta_S`` the shared parameters ``g_F`` touc
 parameters), so the radius is a relative size (ours). ``"cg"`` is the issue-6 arm (plain CG, truncated at
 non-positive curvature).
 
+**How far to go: a line search on the remaining users' loss (issue 18; ours).** With ``line-search =
+"remaining-loss"`` the solver's step ``x`` (times ``unlearn-scale``) is only a direction: the phase moves ``a x``
+with ``a`` chosen to minimise the remaining users' summed influence loss ``L_R(theta + a x)`` (the objective the
+retrained model is trained on; each user's loss uses its fixed negative sample, so the values are deterministic for
+a seed), by :func:`fedrec_flwr.krylov.ladder_line_search`: ``f(0)`` and the geometric ladder ``a = 0.25, 0.5, ...,
+8`` in one ``unlearn_loss`` query round, extended by factors of 2 (up to ``line-search-max-step``) or refined
+downwards while the best value sits at an end, then one parabolic-interpolation point (Nocedal & Wright, *Numerical
+Optimization*, 2nd ed., Sec. 3.5); at most ``line-search-rounds`` rounds. Each node answers one scalar sum per ``a``
+over its remaining (with causal weighting: affected) users, never a per-user value; the rounds' messages, bytes and
+time count in the phase. If no ``a > 0`` lowers ``L_R`` the step is 0. ``"none"`` (the default) keeps the fixed
+radius. Measured (``experiments/hfkcu/README.md``): at the trained, non-stationary model ``L_R`` *rises* along the
+step from ``a = 0`` (the forgotten and the remaining users' gradients agree on the shared popular rows), so on the
+development setting the search takes no step; it is therefore an arm, not the default.
+
 **Causal weighting.** Only users whose loss shares rows with ``g_F`` are *affected*: the server sends ``g_F``'s row
 ids once to every node (``unlearn_affected``); each node answers how many of its users are affected (a node total,
 never a per-user answer); nodes with none are not queried again, and inside a queried node users with no shared row
@@ -91,11 +105,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Rec
 from flwr.serverapp import Grid
 
 from fedrec_flwr.client_app import (
-    SUPPORT, UNLEARN_AFFECTED, UNLEARN_GRADIENT, UNLEARN_HVP, UNLEARN_LOCAL_CG, VECTOR,
+    SUPPORT, UNLEARN_AFFECTED, UNLEARN_GRADIENT, UNLEARN_HVP, UNLEARN_LOCAL_CG, UNLEARN_LOSS, VECTOR,
 )
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.krylov import CGResult, flatten, krylov_solve, unflatten
+from fedrec_flwr.krylov import CGResult, LineSearchResult, flatten, krylov_solve, ladder_line_search, unflatten
 from fedrec_flwr.seeding import numpy_rng
 from fedrec_flwr.wire import (
     ARRAYS, CONFIG, METRICS, ReplyError, nonzero_rows, pack_sparse, support_rows, unpack_sparse,
@@ -153,6 +167,9 @@ class UnlearningSettings:
     scale: float = 1.0
     adaptive_scale: bool = False
     max_step: float = 0.1
+    line_search: str = "none"
+    line_search_max_step: float = 64.0
+    line_search_rounds: int = 4
     causal_weighting: bool = True
     ascent_steps: int = 5
     ascent_learning_rate: float = 0.1
@@ -167,6 +184,8 @@ class UnlearningSettings:
             krylov_solver=config.krylov_solver, curvature=config.curvature, trust_radius=config.trust_radius,
             cg_iterations=config.cg_iterations, cg_tolerance=config.cg_tolerance, damping=config.damping,
             scale=config.unlearn_scale, adaptive_scale=config.adaptive_scale, max_step=config.unlearn_max_step,
+            line_search=config.line_search, line_search_max_step=config.line_search_max_step,
+            line_search_rounds=config.line_search_rounds,
             causal_weighting=config.causal_weighting, ascent_steps=config.ascent_steps,
             ascent_learning_rate=config.ascent_learning_rate, continue_rounds=config.continue_rounds,
         )
@@ -290,7 +309,13 @@ class ClientUnlearning:
             if size > 0:
                 scale = min(s.scale, s.max_step * changed / size)
         report["scale"] = scale
-        return {k: scale * x[k] for k in self.layout.shared_shapes}
+        step = {k: scale * x[k] for k in self.layout.shared_shapes}
+        if s.line_search == "remaining-loss":
+            search = self.line_search(grid, arrays, nodes, forget, support, step)
+            report.update(search.summary())
+            report["scale"] = scale * search.step
+            step = {k: search.step * v for k, v in step.items()}
+        return step
 
     def _gradient_ascent(self, grid: Grid, theta: dict, g_forget: dict) -> dict:
         s = self.settings
@@ -364,6 +389,32 @@ class ClientUnlearning:
         s = self.settings
         return krylov_solve(matvec, flatten(rhs, shapes), solver=s.krylov_solver, iterations=s.cg_iterations,
                             damping=s.damping, tolerance=s.cg_tolerance, radius=radius)
+
+    def remaining_loss(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
+                       direction: dict, steps: list) -> list[float]:
+        """``[L_R(theta + a d) for a in steps]``: the remaining (with causal weighting: affected) users' summed
+        influence loss along ``direction``, from one ``unlearn_loss`` query round (each node returns one scalar sum
+        per step)."""
+        replies = self._query(grid, UNLEARN_LOSS, self._targets(nodes, forget, {"steps": [float(a) for a in steps]}),
+                              arrays, vector=direction, support=support)
+        totals = np.zeros(len(steps), dtype=np.float64)
+        for reply in replies:
+            sums = list(reply.content[METRICS].get("loss-sums", []))
+            if len(sums) != len(steps):
+                raise UnlearningFailed(f"{UNLEARN_LOSS}: node {reply.metadata.src_node_id} sent {len(sums)} sums "
+                                       f"for {len(steps)} steps")
+            totals += np.asarray(sums, dtype=np.float64)
+        return totals.tolist()
+
+    def line_search(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
+                    step: dict) -> LineSearchResult:
+        """``line-search = "remaining-loss"``: the multiple ``a`` of the solver's step that minimises the remaining
+        users' summed training loss ``L_R(theta + a step)`` (:func:`fedrec_flwr.krylov.ladder_line_search`; every
+        round one :meth:`remaining_loss` query)."""
+        s = self.settings
+        return ladder_line_search(
+            lambda steps: self.remaining_loss(grid, arrays, nodes, forget, support, step, steps),
+            max_step=s.line_search_max_step, max_rounds=s.line_search_rounds)
 
     def local_cg(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
                  rhs: dict, radius: float | None = None) -> tuple[dict, dict]:

@@ -41,6 +41,7 @@ VARIANTS = {
     "HF-KCU local (Alg. 1)": {"method": "hfkcu", "krylov_mode": "local"},
     "HF-KCU distributed, issue-6 arm (CG, Hessian, eta 0.01)": {
         "method": "hfkcu", "krylov_solver": "cg", "curvature": "hessian", "scale": 0.01, "adaptive_scale": True},
+    "HF-KCU distributed, line search on L_R": {"method": "hfkcu", "line_search": "remaining-loss"},
     "gradient ascent": {"method": "gradient-ascent"},
     "continued training (5 rounds)": {"method": "continue"},
 }
@@ -213,3 +214,74 @@ def replay(dataset: str, model: str, fakes: int, seed: int, variants: dict, *, d
     atomic_write_json(folder / "original" / f"{name}.json", {"rows": rows, "target-item": target})
     (out / "phase.partial.json").unlink(missing_ok=True)
     return rows
+
+
+def probe(dataset: str, model: str, fakes: int, seed: int, changes: dict, *, data_dir: str, runs: Path, cache: Path,
+          target_seed: int = 0, name: str = "probe") -> dict:
+    """The line search's view of one saved federation (design diagnostics, ours): run the phase of ``changes``
+    (:class:`strategies.unlearning.UnlearningSettings` fields; it must set a ``line_search``) and the same phase
+    without the line search; then, for every multiple ``a`` the search tried, the remaining users' loss it saw and
+    the target percentile, exposure and the genuine users' HR@10 of ``theta + a * step``. Writes ``<name>.json``
+    next to the snapshot's ``phase.json`` and returns it."""
+    from flwr.app import Array, ArrayRecord
+
+    from experiments.hfkcu.analysis import exposure, private_records
+    from experiments.hfkcu.run import _settings, base_config
+    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.serial import run_serial
+    from strategies.unlearning import ClientUnlearning
+
+    snapshot = pickle.loads(snapshot_path(cache, dataset, model, fakes, seed, target_seed).read_bytes())
+    path, target_raw = poisoned_data(dataset, data_dir, fakes, target_seed, cache)
+    folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
+    generic = {"generic-file": str(path), "generic-columns": "user,item,rating,timestamp"}
+    scratch = cache / "replay-runs" / f"{dataset}-{model}-fakes{fakes}-seed{seed}-target{target_seed}"
+    shutil.rmtree(scratch / name, ignore_errors=True)
+    config = base_config("generic", model, data_dir, scratch, name, seed=seed, **generic,
+                         num_server_rounds=1, eval_every=1, fraction_evaluate=0.0)
+    runtime = get_runtime(config.to_dict())
+    split = runtime.split
+    fake_users = np.flatnonzero(np.array([int(u) >= FAKE_USER_BASE for u in split.user_ids])).astype(np.int64)
+    target = int(np.flatnonzero(split.item_ids.astype(str) == target_raw)[0])
+    remaining = np.setdiff1d(np.arange(split.num_users), fake_users)
+    out: dict = {}
+
+    def on_round(view) -> None:
+        for node, context in view.grid.contexts.items():
+            context.state = snapshot["states"][node]
+        arrays = ArrayRecord({k: Array(v) for k, v in snapshot["arrays"].items()})
+        records = private_records(view.grid, range(split.num_users))
+        theta = {k: v.astype(np.float64) for k, v in snapshot["arrays"].items()}
+        fixed = _settings(view.config, fake_users, {**changes, "line_search": "none"}, split.num_users)
+        new, base_report = ClientUnlearning(view.strategy, fixed).run(view.grid, arrays, snapshot["server-round"])
+        step = {k: new[k].numpy().astype(np.float64) - theta[k] for k in theta}
+        searched = _settings(view.config, fake_users, changes, split.num_users)
+        _, report = ClientUnlearning(view.strategy, searched).run(view.grid, arrays, snapshot["server-round"])
+        points = []
+        for a, value in sorted(zip(report["line-search-steps"], report["line-search-values"])):
+            moved = {k: (theta[k] + a * step[k]).astype(np.float32) for k in theta}
+            metrics = view.strategy.evaluate_arrays(view.grid, ArrayRecord({k: Array(v) for k, v in moved.items()}),
+                                                    snapshot["server-round"], users=remaining)
+            points.append({"a": a, "remaining-loss": value, "HR@10": metrics.get("HR@10"),
+                           **exposure(runtime, records, moved, remaining, target)})
+            print(f"  a {a:8.4f} L_R {value:.6f} HR@10 {points[-1]['HR@10']:.4f} "
+                  f"percentile {points[-1]['target-percentile']:.3f}", flush=True)
+        item_keys = runtime.layout.item_keys
+
+        def norm(vector, rows=None) -> float:
+            return float(np.sqrt(sum(np.sum((v[rows] if rows is not None and k in item_keys else
+                                             (v if rows is None else 0.0)) ** 2) for k, v in vector.items())))
+
+        # where the step goes: the target's row against the whole step and the rows it touches (FilmTrust analysis)
+        touched = np.flatnonzero(sum(np.any(step[k] != 0, axis=1) for k in item_keys))
+        geometry = {"step-norm": norm(step), "step-target-row-norm": norm(step, [target]),
+                    "target-row-norm": norm(theta, [target]), "step-rows": int(touched.size),
+                    "step-dense-norm": float(np.sqrt(sum(np.sum(step[k] ** 2) for k in step if k not in item_keys))),
+                    "theta-touched-norm": norm(theta, touched)}
+        print("  geometry", geometry, flush=True)
+        out.update({"changes": changes, "fixed-report": base_report, "report": report, "points": points,
+                    "geometry": geometry})
+
+    run_serial(config, on_round=on_round)
+    atomic_write_json(folder / "original" / f"{name}.json", out)
+    return out

@@ -160,6 +160,9 @@ def report(results: Path, data_dir: str) -> None:
 
 
 DEFAULT_VARIANT = "HF-KCU distributed (default)"
+LINE_SEARCH_VARIANT = "HF-KCU distributed, line search on L_R"
+ACCEPTANCE_VARIANTS = (DEFAULT_VARIANT, LINE_SEARCH_VARIANT)
+"""The variants whose acceptance is tabulated side by side: the fixed trust radius and the line search."""
 ACCEPT = {"closed": 0.70, "overshoot": 0.10, "hr-points": 1.0, "speedup": 10.0}
 """Issue 18's acceptance at the defaults: close >= 70% of the original -> retrained gap in target percentile, never
 overshoot past retrained by more than 10% of the gap, HR@10 within 1 point of retrained, >= 10x faster."""
@@ -197,6 +200,8 @@ def _poison_rows(folder: Path) -> list[dict]:
                          "MB-sent": row.get("bytes-sent", float("nan")) / 1e6,
                          "cg-iterations": row.get("cg-iterations", float("nan")),
                          "termination": row.get("cg-termination", ""),
+                         "line-search": (f"{row['line-search-step']:.3g} ({row['line-search-termination']}, "
+                                         f"{row['line-search-rounds']} rounds)" if "line-search-step" in row else ""),
                          "dropped": row.get("local-cg-dropped", float("nan"))})
     return rows
 
@@ -226,29 +231,44 @@ def poison_report(results: Path) -> None:
              "the model). Mean ± std over the seeds run.", "", markdown(shown)]
     atomic_write_text(results / "poison.md", "\n".join(lines))
 
-    accept = []
+    accept, met = [], {}
     for (dataset, model, fakes, seed), block in frame.groupby(["dataset", "model", "fakes", "seed"], sort=True):
-        default = block[block["variant"] == DEFAULT_VARIANT]
-        if default.empty:
-            continue
-        row = default.iloc[0]
-        accept.append({"dataset": dataset, "model": model, "fakes": fakes, "seed": seed,
-                       "original": f"{block[block['variant'] == 'original'].iloc[0]['target-percentile']:.3f}",
-                       "retrained": f"{block[block['variant'].str.startswith('retrained')].iloc[0]['target-percentile']:.3f}",
-                       "default": f"{row['target-percentile']:.3f}",
-                       "closed >= 0.70": f"{row['closed']:.2f} {'yes' if row['closed'] >= ACCEPT['closed'] else 'NO'}",
-                       "overshoot <= 0.10": f"{row['overshoot']:.2f} "
-                                            f"{'yes' if row['overshoot'] <= ACCEPT['overshoot'] else 'NO'}",
-                       "|HR@10 - retrained| <= 1 pt": f"{row['HR@10-minus-retrained']:+.2f} "
-                       f"{'yes' if abs(row['HR@10-minus-retrained']) <= ACCEPT['hr-points'] else 'NO'}",
-                       "speedup >= 10x": f"{row['speedup']:.1f} {'yes' if row['speedup'] >= ACCEPT['speedup'] else 'NO'}",
-                       "solve ended by": row["termination"]})
+        for variant in ACCEPTANCE_VARIANTS:
+            chosen = block[block["variant"] == variant]
+            if chosen.empty:
+                continue
+            row = chosen.iloc[0]
+            checks = {"closed": row["closed"] >= ACCEPT["closed"], "overshoot": row["overshoot"] <= ACCEPT["overshoot"],
+                      "hr": abs(row["HR@10-minus-retrained"]) <= ACCEPT["hr-points"],
+                      "speedup": row["speedup"] >= ACCEPT["speedup"]}
+            counts = met.setdefault(variant, {"settings": 0, "all": 0, **{k: 0 for k in checks}})
+            counts["settings"] += 1
+            counts["all"] += int(all(checks.values()))
+            for key, ok in checks.items():
+                counts[key] += int(ok)
+            accept.append({"dataset": dataset, "model": model, "fakes": fakes, "seed": seed, "variant": variant,
+                           "original": f"{block[block['variant'] == 'original'].iloc[0]['target-percentile']:.3f}",
+                           "retrained": f"{block[block['variant'].str.startswith('retrained')].iloc[0]['target-percentile']:.3f}",
+                           "unlearned": f"{row['target-percentile']:.3f}",
+                           "closed >= 0.70": f"{row['closed']:.2f} {'yes' if checks['closed'] else 'NO'}",
+                           "overshoot <= 0.10": f"{row['overshoot']:.2f} {'yes' if checks['overshoot'] else 'NO'}",
+                           "|HR@10 - retrained| <= 1 pt": f"{row['HR@10-minus-retrained']:+.2f} "
+                                                           f"{'yes' if checks['hr'] else 'NO'}",
+                           "speedup >= 10x": f"{row['speedup']:.1f} {'yes' if checks['speedup'] else 'NO'}",
+                           "solve ended by": row["termination"],
+                           "line search": row.get("line-search", "")})
     if accept:
+        summary_lines = [f"- {variant!r}: all four criteria met in {c['all']} of {c['settings']} settings (closed "
+                         f"{c['closed']}, overshoot {c['overshoot']}, HR@10 {c['hr']}, speedup {c['speedup']})"
+                         for variant, c in met.items()]
         atomic_write_text(results / "poison-acceptance.md", "\n".join([
-            "# Issue 18 acceptance at the defaults, per poisoning setting (generated)", "",
-            f"Default variant: {DEFAULT_VARIANT!r} (the run config's defaults). Speedup: retraining's training "
-            "seconds over the phase's wall seconds, both on the same shared 2-core machine.", "",
-            markdown(pd.DataFrame(accept))]))
+            "# Issue 18 acceptance per poisoning setting (generated)", "",
+            f"Variants: {', '.join(repr(v) for v in ACCEPTANCE_VARIANTS)}. {DEFAULT_VARIANT!r} is the fixed trust "
+            "radius (`line-search = \"none\"`, the run config's defaults); the line search chooses the multiple of "
+            "the same trust-region step that minimises the remaining users' summed training loss "
+            "(`line-search = \"remaining-loss\"`). Speedup: retraining's training seconds over the phase's wall "
+            "seconds, both on the same shared 2-core machine. line search: the chosen multiple and how the "
+            "search ended.", "", *summary_lines, "", markdown(pd.DataFrame(accept).fillna(""))]))
 
 
 def forget_report(results: Path, data_dir: str) -> None:

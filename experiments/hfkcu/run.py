@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import sys
 from pathlib import Path
@@ -241,7 +242,7 @@ def run_forget(job) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=["main", "forget", "poison", "poison-dev", "poison-replay",
-                                         "poison-dev-sweep", "report"])
+                                         "poison-dev-sweep", "poison-probe", "report"])
     parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""),
                         help="folder holding <dataset>/ (default: $FEDREC_DATA_DIR; empty = download)")
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job from i")
@@ -249,6 +250,9 @@ def main(argv=None) -> None:
     parser.add_argument("--models", default=",".join(MODELS), help="poison: FedMF,FedNCF")
     parser.add_argument("--fakes", default="100,20", help="poison: numbers of fake users")
     parser.add_argument("--seeds", default="0,1,2", help="poison: training seeds")
+    parser.add_argument("--only", default="", help="poison-replay: replay only the variants whose name contains "
+                        "one of these comma-separated strings")
+    parser.add_argument("--changes", default="{}", help="poison-probe: JSON of UnlearningSettings fields")
     parser.add_argument("--name", default="replay", help="poison-replay / poison-dev-sweep: the output's name")
     args = parser.parse_args(argv)
     quiet_flower()
@@ -261,6 +265,19 @@ def main(argv=None) -> None:
         jobs = [(d, m, kind, args.data_dir) for d in args.datasets.split(",") for m in args.models.split(",")
                 for kind in ("original", "1%", "5%")]
         run_jobs(jobs, run_forget, args.shard, "forget")
+        return
+    if args.part == "poison-probe":  # the line search's loss and the target along the step (--seeds 100: dev)
+        from experiments.hfkcu.poison import DEV, probe
+
+        changes = {"method": "hfkcu", "line_search": "remaining-loss", **json.loads(args.changes)}
+        for d in args.datasets.split(","):
+            for m in args.models.split(","):
+                for f in args.fakes.split(","):
+                    for seed in args.seeds.split(","):
+                        dev = int(seed) == DEV["seed"]
+                        probe(d, m, int(f), int(seed), changes, data_dir=args.data_dir,
+                              runs=RESULTS / "runs" / ("poison-dev" if dev else "poison"), cache=CACHE,
+                              target_seed=DEV["target-seed"] if dev else 0, name=f"probe-{args.name}")
         return
     if args.part == "poison-dev-sweep":
         from experiments.hfkcu.poison import DEV, DEV_REFINE, DEV_VARIANTS, replay
@@ -277,7 +294,8 @@ def main(argv=None) -> None:
                 for f in args.fakes.split(",") for seed in args.seeds.split(",")
                 if snapshot_path(CACHE, d, m, int(f), int(seed), 0).is_file()
                 and not (RUNS / "poison" / d / m / f"fakes-{f}" / f"seed-{seed}" / "original" / f"{args.name}.json").is_file()]
-        run_jobs(jobs, lambda job: replay(*job, REPLAYED, data_dir=args.data_dir, runs=RUNS / "poison", cache=CACHE,
+        chosen = {k: v for k, v in REPLAYED.items() if not args.only or any(w in k for w in args.only.split(","))}
+        run_jobs(jobs, lambda job: replay(*job, chosen, data_dir=args.data_dir, runs=RUNS / "poison", cache=CACHE,
                                           name=args.name), args.shard, args.part)
         return
     if args.part in ("poison", "poison-dev"):

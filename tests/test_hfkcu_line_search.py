@@ -1,0 +1,143 @@
+"""HF-KCU's line search on the remaining users' loss (issue 18): the ladder search finds the minimiser of known 1-D
+functions from batches of values, nodes answer its query with scalar sums only, and those sums are the remaining
+users' summed influence loss along the step."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import MessageRecorder, tiny_run_config
+from fedrec_flwr.client_app import make_client, make_client_app
+from fedrec_flwr.config import RunConfig
+from fedrec_flwr.influence import influence_loss_sums
+from fedrec_flwr.krylov import ladder_line_search
+from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.serial import run_serial
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _quadratic(minimiser: float, curvature: float = 3.0):
+    calls = []
+
+    def evaluate(steps):
+        calls.append(list(steps))
+        return [curvature * (a - minimiser) ** 2 - 5.0 for a in steps]
+
+    return evaluate, calls
+
+
+# ---------------------------------------------------------------------------------------------- the rule
+@pytest.mark.parametrize("minimiser", [0.37, 1.0, 3.3, 21.5, 0.02])
+def test_ladder_search_picks_the_minimiser_of_a_quadratic_along_the_step(minimiser):
+    """Inside the ladder (0.37, 1, 3.3), beyond it (21.5: extended), and below it (0.02: refined downwards); the
+    parabolic step lands on the minimiser exactly, since the function is a parabola."""
+    evaluate, calls = _quadratic(minimiser)
+    result = ladder_line_search(evaluate)
+    assert result.termination == "bracketed"
+    assert result.step == pytest.approx(minimiser, rel=1e-9)
+    assert result.value == pytest.approx(-5.0, abs=1e-9)
+    assert result.rounds == len(calls) <= 4
+    assert calls[0][0] == 0.0 and result.steps[0] == 0.0  # f(0) is always asked
+    assert sorted(result.steps) == sorted(a for batch in calls for a in batch)
+
+
+def test_ladder_search_keeps_the_best_tried_step_on_a_non_quadratic_function():
+    """f(a) = a log a - a has its minimiser at 1; interpolation is not exact but never makes the choice worse."""
+    result = ladder_line_search(lambda steps: [a * math.log(a) - a if a > 0 else 0.0 for a in steps])
+    assert result.termination == "bracketed"
+    assert result.step == pytest.approx(1.0, rel=0.1)
+    assert result.value == min(result.values)
+
+
+def test_ladder_search_takes_no_step_when_the_function_only_rises():
+    result = ladder_line_search(lambda steps: [a + a * a for a in steps], max_rounds=3)
+    assert result.step == 0.0 and result.termination == "no-decrease" and result.value == 0.0
+    assert result.rounds == 3 and min(a for a in result.steps if a > 0) < 0.25 / 2 ** 6
+
+
+def test_ladder_search_stops_at_its_largest_step_or_round_budget():
+    result = ladder_line_search(lambda steps: [-a for a in steps], max_step=40.0, max_rounds=5)
+    assert result.step == 40.0 and result.termination == "max-step" and max(result.steps) == 40.0
+    result = ladder_line_search(lambda steps: [-a for a in steps], max_rounds=1)
+    assert result.step == 8.0 and result.termination == "rounds" and result.rounds == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"ladder": ()}, "increasing"), ({"ladder": (1.0, 0.5)}, "increasing"), ({"ladder": (0.0, 1.0)}, "increasing"),
+    ({"factor": 1.0}, "factor"), ({"max_step": 2.0}, "max_step"), ({"max_rounds": 0}, "max_rounds"),
+])
+def test_ladder_search_refuses_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ladder_line_search(lambda steps: [0.0] * len(steps), **kwargs)
+
+
+@pytest.mark.parametrize("reply, message", [(lambda s: [0.0], "values for"), (lambda s: [float("nan")] * len(s),
+                                                                              "non-finite")])
+def test_ladder_search_refuses_bad_replies(reply, message):
+    with pytest.raises(ValueError, match=message):
+        ladder_line_search(reply)
+
+
+# ---------------------------------------------------------------------------------------------- the query
+def test_node_loss_sums_equal_the_users_summed_influence_losses(tmp_path):
+    """``influence_loss_sums`` over a batched node is the sum of each user's own influence loss at theta + a d."""
+    mapping = RunConfig.from_mapping(tiny_run_config(tmp_path, model="ncf", num_train_negatives=2)).to_dict()
+    runtime = get_runtime(mapping)
+    from flwr.app import Array, ArrayRecord, Context, RecordDict
+
+    rng = np.random.default_rng(0)
+    context = Context(run_id=1, node_id=1000, node_config={"partition-id": 0, "num-partitions": 1},
+                      state=RecordDict(), run_config=mapping)
+    for user in range(4):
+        context.state[f"user:{user}"] = ArrayRecord({k: Array(rng.normal(scale=0.7, size=v.shape).astype(np.float32))
+                                                     for k, v in runtime.model.private_state().items()})
+    shared = {k: rng.normal(scale=0.5, size=s).astype(np.float32) for k, s in runtime.layout.shared_shapes.items()}
+    direction = {k: rng.normal(scale=0.1, size=s) for k, s in runtime.layout.shared_shapes.items()}
+    clients = [make_client(runtime, user, context) for user in range(4)]
+    steps = [0.0, 0.5, 2.0]
+    got = influence_loss_sums(runtime, clients, shared, direction, steps)
+    expected = np.zeros(3)
+    for client in clients:
+        for index, a in enumerate(steps):
+            moved = {k: (shared[k] + a * direction[k]).astype(np.float32) for k in shared}
+            with client.influence_objective(moved) as (loss_fn, params, _):
+                with torch.no_grad():
+                    expected[index] += float(loss_fn(params))
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert got[0] != got[2]
+    assert influence_loss_sums(runtime, [], shared, direction, steps).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_line_search_phase_replies_carry_only_scalar_sums(tmp_path):
+    """A serial run with ``line-search = "remaining-loss"``: every ``unlearn_loss`` reply holds no array, and its
+    metrics are ``num-users`` and one loss sum per step asked; the phase reports the search and the chosen scale."""
+    from conftest import write_tiny_dataset
+
+    write_tiny_dataset(tmp_path)
+    mapping = tiny_run_config(tmp_path, model="mf", num_server_rounds=2, fraction_train=1.0, eval_every=2,
+                              users_per_node=3)
+    mapping.update({"unlearning": "hfkcu", "forget-users": "0,1", "line-search": "remaining-loss"})
+    recorder = MessageRecorder(tmp_path / "messages")
+    run_serial(mapping, client_app=make_client_app(mapping, mods=[recorder]))
+    loss_queries = [r for r in recorder.records() if r["type"] == "query.unlearn_loss"]
+    assert loss_queries
+    for record in loss_queries:
+        assert not record["reply-arrays"] and not record["reply-configs"]
+        (metrics,) = record["reply-metrics"].values()
+        assert set(metrics) == {"num-users", "loss-sums"}
+        assert metrics["loss-sums"] and all(isinstance(v, float) for v in metrics["loss-sums"])
+    # the first round asks f(0) and the ladder (0.25 ... 8): seven sums per node
+    assert 7 in {len(next(iter(r["reply-metrics"].values()))["loss-sums"]) for r in loss_queries}
+    (report_file,) = (tmp_path / "results").rglob("unlearning.json")
+    report = json.loads(report_file.read_text())
+    values, steps = report["line-search-values"], report["line-search-steps"]
+    assert len(loss_queries) == report["line-search-rounds"] * report["queried-nodes"]  # one sum per node and a
+    assert report["line-search-step"] == steps[int(np.argmin(values))]
+    assert min(values) <= values[0]
+    assert report["scale"] == pytest.approx(report["line-search-step"])
