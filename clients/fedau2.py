@@ -32,7 +32,11 @@ Run-config keys:
   gradient, keeping its size; needs ``adversary-training = "server"`` and ``client = "fedau2"``).
 * ``adversary-class-prior``: ``""`` or a public class prior (e.g. the dataset's published shares), the same for every
   user: ``h_w`` is trained with the logit-adjusted loss so its raw decision is balanced; no message carries a count.
-* ``adversary-epsilon``, ``adversary-hidden``, ``dsvae-latent-dim``, ``dsvae-kl-weight``, ``dsvae-gradient-noise``.
+* ``adversary-warmup-rounds`` = k (ours): a GRL warm-up, ``eps = 0`` in rounds 1..k while ``h_w`` learns
+  (:meth:`AttributeUnlearning.round_epsilon`).
+* ``dsvae-noise-placement``: ``"head"`` (DSVAE's noise on the uploaded head gradient only, as first built) or ``"all"``
+  (on every uploaded ``h_w`` gradient; :func:`fedrec_flwr.adversary.adversary_gradient`).
+* ``adversary-epsilon``, ``adversary-hidden`` (0: a linear ``h_w``), ``dsvae-latent-dim``, ``dsvae-kl-weight``, ``dsvae-gradient-noise``.
 * ``user-embedding-noise``: the DP baseline (ours in detail: FedAU² compares against DP noise on the user embedding
   without giving its mechanism): after each local training the user embedding is replaced by ``e + Laplace(0, b)``
   per coordinate (the Laplace mechanism, Dwork et al. 2006, with scale ``b``), and that perturbed embedding is what
@@ -83,6 +87,12 @@ class AttributeUnlearning:
                 f"adversary-objective = 'reverse' and client = 'fedau2' (got {config.adversary_training!r}, "
                 f"{config.adversary_objective!r}, {config.client!r}; FedRecGEL's SAM evaluates the loss three times per "
                 "step, so its adversarial term must stay a loss: use 'local')")
+        if config.dsvae_noise_placement == "all" and (config.adversary != "dsvae"
+                                                      or config.adversary_training != "server"):
+            raise ConfigError(
+                "run-config key 'dsvae-noise-placement' = 'all' places DSVAE's noise on the uploaded h_w gradient: it "
+                f"needs adversary = 'dsvae' and adversary-training = 'server' (got {config.adversary!r}, "
+                f"{config.adversary_training!r})")
         if config.adversary == "none" and config.user_embedding_noise == 0:
             log.warning("client %r with adversary = 'none' and user-embedding-noise = 0 trains the original model",
                         config.client)
@@ -107,11 +117,23 @@ class AttributeUnlearning:
             server = cfg.adversary_training == "server"
             sgd = cfg.adversary_embedding_optimizer == "sgd"
             trainer.loss_terms.append(AdversarialTerm(
-                trainer.model, label=self.protected_label, epsilon=cfg.adversary_epsilon,
+                trainer.model, label=self.protected_label, epsilon=self.round_epsilon(config),
                 trigger=cfg.adversary_trigger, kl_weight=cfg.dsvae_kl_weight,
                 generator=self._generator(config, _ADVERSARY_STREAM), objective=cfg.adversary_objective,
                 frozen=server, embedding_step=cfg.learning_rate if sgd else 0.0, log_prior=self._log_prior()))
         return trainer
+
+    def round_epsilon(self, config: Mapping[str, Any]) -> float:
+        """The GRL strength of this round: 0 in the warm-up rounds ``1 .. adversary-warmup-rounds`` (``h_w`` is still
+        trained: its gradient is uploaded, or with ``"per-client"`` its local copy steps, but the embedding gets no
+        adversarial step and the SUT fires for nobody), ``adversary-epsilon`` after.
+
+        Ours (issue 14): DANN ramps the reversal strength up from 0 while the domain classifier learns (Ganin et al.
+        2016, JMLR, Sec. 5.2.2, ``lambda_p = 2 / (1 + exp(-10 p)) - 1``); a warm-up of ``k`` rounds is the step-function
+        version, so that ``h_w`` can learn the attribute's direction before it moves the embeddings (an uninformed
+        ``h_w`` under the SUT writes the attribute in, README of experiments/fedau2)."""
+        cfg = self.runtime.config
+        return 0.0 if int(config["server-round"]) <= cfg.adversary_warmup_rounds else float(cfg.adversary_epsilon)
 
     def _log_prior(self) -> torch.Tensor | None:
         protected = self.runtime.protected
@@ -125,7 +147,8 @@ class AttributeUnlearning:
         cfg = self.runtime.config
         if cfg.adversary != "none" and cfg.adversary_training == "server":
             grads = adversary_gradient(self.model, label=self.protected_label, kl_weight=cfg.dsvae_kl_weight,
-                                       generator=self._generator(config, _UPLOAD_STREAM), log_prior=self._log_prior())
+                                       generator=self._generator(config, _UPLOAD_STREAM), log_prior=self._log_prior(),
+                                       noise_placement=cfg.dsvae_noise_placement)
             for key, grad in grads.items():
                 update.dense[key] = grad.cpu().numpy()
         return update
@@ -152,7 +175,7 @@ class AttributeUnlearning:
         self.load_private()
         grads = adversary_gradient(self.model, label=self.protected_label, kl_weight=cfg.dsvae_kl_weight,
                                    generator=self._generator(config, _QUERY_STREAM, int(config["adversary-step"])),
-                                   log_prior=self._log_prior())
+                                   log_prior=self._log_prior(), noise_placement=cfg.dsvae_noise_placement)
         return {key: grad.cpu().numpy() for key, grad in grads.items()}
 
     def save_private(self) -> None:

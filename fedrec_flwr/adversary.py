@@ -47,6 +47,11 @@ EMBEDDING_OPTIMIZERS = ("local", "sgd")
 the local trainer's optimizer (Adam by default: it normalises the reversed gradient away, so ``eps`` only decides which
 coordinates move), or ``"sgd"``: a plain SGD step of size ``learning-rate`` on the reversed gradient, which keeps its
 size (``eps`` then scales the step)."""
+NOISE_PLACEMENTS = ("head", "all")
+"""Which parameters' uploaded gradients get DSVAE's label-masking noise (``dsvae-noise-placement``, server training):
+``"head"``, the last layer only (as first built: iDLG reads the head's bias gradient ``p - onehot(a)``), or ``"all"``
+(ours, issue 14): every parameter of ``h_w``, since the encoder's gradient carries ``W_head^T (p - onehot(a))``
+unperturbed and DLG's gradient matching reads the label from it (measured: DLG 1.00 with ``"head"``)."""
 OBJECTIVES = ("reverse", "entropy")
 """What the embedding's adversarial gradient does (:class:`AdversarialTerm`): FedAU²'s gradient reversal, or (ours)
 the maximum-entropy control."""
@@ -110,12 +115,27 @@ def user_vector_dim(model: RecModel) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- adversaries
+def _hidden_layer(in_dim: int, hidden: int) -> nn.Linear | None:
+    """The first layer ``D -> hidden``, or ``None`` for ``hidden = 0`` (no hidden layer)."""
+    if int(hidden) != hidden or hidden < 0:
+        raise ValueError(f"adversary hidden width must be an integer >= 0, got {hidden!r}")
+    return new_linear(in_dim, int(hidden)) if hidden else None
+
+
 class AttributeAdversary(nn.Module):
-    """The plain adversary ``h_w``: an MLP ``D -> hidden -> C`` (ReLU) giving attribute logits.
+    """The plain adversary ``h_w``: an MLP ``D -> hidden -> C`` (ReLU) giving attribute logits; with ``hidden = 0``
+    a linear (multinomial logistic) ``h_w``: ``D -> C``.
+
+    A linear ``h_w`` is the post-hoc logistic-regression attacker's own model class (ours, issue 14: on ML-100K the
+    attribute's signal in the embeddings is weak and mostly linear, an attacker's LR AUC 0.54-0.65; ``D + 1`` weights
+    per class learn it from a few hundred users, where the MLP fits the round's ~94 users and then drifts).
 
     Args:
-        in_dim: ``D``, the user vector's size. num_classes: ``C`` >= 2. hidden: the hidden width.
+        in_dim: ``D``, the user vector's size. num_classes: ``C`` >= 2. hidden: the hidden width (>= 0; 0 = linear).
         generator: initialisation (Xavier-uniform weights, zero biases).
+
+    Raises:
+        ValueError: fewer than 2 classes or a negative ``hidden``.
     """
 
     stochastic = False
@@ -125,10 +145,11 @@ class AttributeAdversary(nn.Module):
         if num_classes < 2:
             raise ValueError(f"an attribute adversary needs >= 2 classes, got {num_classes}")
         self.in_dim, self.num_classes = int(in_dim), int(num_classes)
-        self.hidden = new_linear(in_dim, hidden)
-        self.head = new_linear(hidden, num_classes)
+        self.hidden = _hidden_layer(in_dim, hidden)
+        self.head = new_linear(hidden or in_dim, num_classes)
         for layer in (self.hidden, self.head):
-            init_linear(layer, generator)
+            if layer is not None:
+                init_linear(layer, generator)
         self.generator: torch.Generator | None = None
 
     @property
@@ -138,7 +159,7 @@ class AttributeAdversary(nn.Module):
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         """``(B, D)`` user vectors -> ``(B, C)`` logits (the training forward)."""
-        return self.head(F.relu(self.hidden(u)))
+        return self.head(u if self.hidden is None else F.relu(self.hidden(u)))
 
     def predict_logits(self, u: torch.Tensor) -> torch.Tensor:
         """Deterministic logits (``(B, C)``), used by the SUT and by attackers."""
@@ -190,11 +211,12 @@ class DSVAEAdversary(nn.Module):
             raise ValueError(f"DSVAEAdversary: gradient_noise must be a finite number >= 0, got {gradient_noise!r}")
         self.in_dim, self.num_classes, self.latent = int(in_dim), int(num_classes), int(latent)
         self.gradient_noise = float(gradient_noise)
-        self.hidden = new_linear(in_dim, hidden)
-        self.encoder = new_linear(hidden, 2 * latent)
+        self.hidden = _hidden_layer(in_dim, hidden)  # None with hidden = 0: a linear encoder D -> 2 * latent
+        self.encoder = new_linear(hidden or in_dim, 2 * latent)
         self.head = new_linear(latent, num_classes)
         for layer in (self.hidden, self.encoder, self.head):
-            init_linear(layer, generator)
+            if layer is not None:
+                init_linear(layer, generator)
         self.generator: torch.Generator | None = None
         """The client's seeded CPU generator for ``xi`` and the gradient noise (set by the trainer; required)."""
         self._kl: torch.Tensor | None = None
@@ -204,7 +226,7 @@ class DSVAEAdversary(nn.Module):
         return self.head
 
     def _encode(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mu, logvar = self.encoder(F.relu(self.hidden(u))).chunk(2, dim=-1)
+        mu, logvar = self.encoder(u if self.hidden is None else F.relu(self.hidden(u))).chunk(2, dim=-1)
         return mu, logvar.clamp(-10.0, 10.0)
 
     def _draw(self, shape) -> torch.Tensor:
@@ -235,7 +257,8 @@ class DSVAEAdversary(nn.Module):
 
 def build_adversary(kind: str, in_dim: int, num_classes: int, *, hidden: int, latent: int, gradient_noise: float,
                     generator: torch.Generator) -> nn.Module:
-    """``"mlp"`` -> :class:`AttributeAdversary`, ``"dsvae"`` -> :class:`DSVAEAdversary`.
+    """``"mlp"`` -> :class:`AttributeAdversary`, ``"dsvae"`` -> :class:`DSVAEAdversary` (``hidden = 0``: no hidden
+    layer, ``adversary-hidden``).
 
     Raises:
         ValueError: unknown kind.
@@ -427,7 +450,7 @@ class AdversarialTrainer(LocalTrainer):
 
 # ---------------------------------------------------------------------------------------------------- server training
 def adversary_gradient(model: RecModel, *, label: int, kl_weight: float, generator: torch.Generator,
-                       log_prior: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                       log_prior: torch.Tensor | None = None, noise_placement: str = "head") -> dict[str, torch.Tensor]:
     """One user's contribution to the server's step of ``h_w`` (``adversary-training = "server"``, ours; the paper
     does not say how ``h_w`` is aggregated): the gradient of ``CE(h_w(e_u), a) [+ kl_weight * KL]`` with respect to
     ``h_w``'s parameters, at the model's current ``h_w`` (the round's global copy, which the frozen local training
@@ -439,11 +462,15 @@ def adversary_gradient(model: RecModel, *, label: int, kl_weight: float, generat
     single-label cross-entropy names the label (iDLG: the bias gradient ``p - onehot(a)`` is negative only at ``a``);
     that is the residual leakage the DSVAE noise must mask (measured by the curious server, experiments/fedau2).
 
+    ``noise_placement = "all"`` (``dsvae-noise-placement``, ours): every other parameter's gradient (the encoder's)
+    also gets one ``N(0, noise^2)`` draw per entry from the same generator, after the head's; ``"head"``: only the
+    head's, as first built. Without DSVAE (``gradient_noise`` absent) the placement changes nothing.
+
     Returns:
         shared key (``"adversary.<name>"``) -> gradient, shaped as the parameter.
 
     Raises:
-        ValueError: the model has no adversary or ``label`` is outside its classes.
+        ValueError: the model has no adversary, ``label`` is outside its classes or an unknown placement.
     """
     adversary = adversary_of(model)
     if adversary is None:
@@ -456,8 +483,17 @@ def adversary_gradient(model: RecModel, *, label: int, kl_weight: float, generat
     loss = _cross_entropy(adversary(user_vector(model).detach()), target, log_prior)
     loss = loss + kl_weight * adversary.regulariser()
     grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return {f"{ADVERSARY_MODULE}.{name}": torch.zeros_like(p) if g is None else g.detach()
-            for name, p, g in zip(names, params, grads)}
+    out = {f"{ADVERSARY_MODULE}.{name}": torch.zeros_like(p) if g is None else g.detach()
+           for name, p, g in zip(names, params, grads)}
+    if noise_placement not in NOISE_PLACEMENTS:
+        raise ValueError(f"dsvae-noise-placement must be one of {NOISE_PLACEMENTS}, got {noise_placement!r}")
+    noise = float(getattr(adversary, "gradient_noise", 0.0))
+    if noise_placement == "all" and noise > 0:
+        for name, p in zip(names, params):
+            if not name.startswith("head."):  # the head's noise was drawn in the forward (noisy_gradient)
+                key = f"{ADVERSARY_MODULE}.{name}"
+                out[key] = out[key] + noise * torch.randn(p.shape, generator=generator).to(p.device)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- diagnostics

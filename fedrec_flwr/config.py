@@ -48,6 +48,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "adversary-training": ("server", "per-client"),
     "adversary-server-optimizer": ("adam", "sgd"),
     "adversary-embedding-optimizer": ("local", "sgd"),
+    "dsvae-noise-placement": ("head", "all"),
     "unlearning": ("none", "retrain", "continue", "hfkcu", "gradient-ascent"),
     "krylov-mode": ("distributed", "local"),
     "krylov-solver": ("steihaug", "cg"),
@@ -104,10 +105,12 @@ class RunConfig:
     adversary_server_steps: int = _key("adversary-server-steps", minimum=1, maximum=1000)
     adversary_embedding_optimizer: str = _key("adversary-embedding-optimizer")
     adversary_class_prior: str = _key("adversary-class-prior")
-    adversary_hidden: int = _key("adversary-hidden", minimum=1)
+    adversary_hidden: int = _key("adversary-hidden", minimum=0)  # 0: a linear h_w (no hidden layer)
+    adversary_warmup_rounds: int = _key("adversary-warmup-rounds", minimum=0)  # rounds 1..k: h_w learns, eps = 0
     dsvae_latent_dim: int = _key("dsvae-latent-dim", minimum=1)
     dsvae_kl_weight: float = _key("dsvae-kl-weight", minimum=0.0)
     dsvae_gradient_noise: float = _key("dsvae-gradient-noise", minimum=0.0)
+    dsvae_noise_placement: str = _key("dsvae-noise-placement")  # server uploads: noise on the head only, or all of h_w
     user_embedding_noise: float = _key("user-embedding-noise", minimum=0.0)
     unlearning: str = _key("unlearning")
     forget_users: str = _key("forget-users")

@@ -92,8 +92,9 @@ class LabelLeakageAudit:
         if self._adversary is None:
             cfg = self._audit_config
             shapes = self.layout.shared_shapes
-            self._adversary = build_adversary(
-                cfg.adversary, shapes[f"{ADVERSARY_MODULE}.hidden.weight"][1],
+            first = next(k for k in shapes if k.startswith(ADVERSARY_MODULE + ".") and k.endswith(".weight"))
+            self._adversary = build_adversary(  # in_dim: the input width of h_w's first layer (hidden or linear)
+                cfg.adversary, shapes[first][1],
                 shapes[f"{ADVERSARY_MODULE}.head.bias"][0], hidden=cfg.adversary_hidden, latent=cfg.dsvae_latent_dim,
                 gradient_noise=0.0, generator=torch.Generator().manual_seed(0))
         prefix = ADVERSARY_MODULE + "."

@@ -53,6 +53,13 @@ SERVER = {"adversary-training": "server", "adversary-server-optimizer": "adam",
 """The federated adversary that learns (issue 14): global ``h_w`` frozen within a round, averaged gradients, a server
 Adam step. Fixed a priori (Adam 0.01, the local rate), not tuned on test items."""
 
+WARMUP_ROUNDS = 20
+"""GRL warm-up of issue 14's second-session arms (``adversary-warmup-rounds``): 20 of 100 rounds, fixed a priori (by
+then each user has trained about twice and ``h_w`` has taken 20 x 20 = 400 server steps)."""
+LINEAR = {"adversary-hidden": 0}
+"""A linear ``h_w`` (the post-hoc logistic-regression attacker's model class)."""
+WARMUP = {"adversary-warmup-rounds": WARMUP_ROUNDS}
+
 ARMS: dict[str, dict] = {
     "original": {"client": "fedrec"},
     **{f"DP b={b:g}": {"client": "fedau2", "user-embedding-noise": b} for b in DP_SCALES},
@@ -93,6 +100,21 @@ ARMS: dict[str, dict] = {
     "FedAU2-server w/o DSVAE, 20 server steps, prior": {"client": "fedau2", "adversary": "mlp",
                                                         "adversary-trigger": "sut", **SERVER,
                                                         "adversary-server-steps": 20},
+    # issue 14, second session: make h_w competent before / while it drives the embedding (from the S = 20 + prior
+    # arm). A linear h_w (adversary-hidden = 0, the LR attacker's model class), a GRL warm-up of WARMUP_ROUNDS rounds
+    # (h_w learns, the embedding gets no adversarial step), the label-independent entropy pull with that h_w, and the
+    # SGD embedding step. All fixed a priori; compared on FedNCF / gender / seed 1 by the attacker AUC and h_w's
+    # diagnostics only.
+    **{f"FedAU2-server w/o DSVAE, 20 server steps, prior{name}": {
+        "client": "fedau2", "adversary": "mlp", "adversary-trigger": "sut", **SERVER, "adversary-server-steps": 20,
+        **extra} for name, extra in (
+            (", linear", LINEAR),
+            (", warm-up", WARMUP),
+            (", linear, warm-up", {**LINEAR, **WARMUP}),
+            (", linear, SGD embedding step", {**LINEAR, "adversary-embedding-optimizer": "sgd"}),
+            (", linear, entropy (ours), always", {**LINEAR, "adversary-objective": "entropy",
+                                                 "adversary-trigger": "always"}),
+    )},
 }
 """Table rows. Arms without an adversary do not depend on the protected attribute (attacked on every attribute)."""
 
