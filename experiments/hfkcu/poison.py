@@ -173,22 +173,20 @@ def save_snapshot(view, path: Path) -> None:
     tmp.replace(path)
 
 
-def replay(dataset: str, model: str, fakes: int, seed: int, variants: dict, *, data_dir: str, runs: Path,
-           cache: Path, target_seed: int = 0, name: str = "replay") -> list[dict]:
-    """Apply ``variants`` to a saved trained federation (:func:`save_snapshot`) and write ``<name>.json`` next to its
-    ``phase.json``: a one-round run builds the strategy and the grid, whose node states and arrays are then replaced
-    by the snapshot's (the round-1 training is discarded; ``continue`` variants are not supported here)."""
+def on_snapshot(dataset: str, model: str, fakes: int, seed: int, body, *, data_dir: str, cache: Path,
+                target_seed: int = 0, name: str = "replay") -> None:
+    """Call ``body(restored, runtime, fake_users, target)`` on a saved trained federation (:func:`save_snapshot`): a
+    one-round run builds the strategy and the grid, whose node states and arrays are then replaced by the snapshot's
+    (the round-1 training is discarded). ``restored`` has ``strategy``, ``grid``, ``config``, ``arrays`` (the
+    snapshot's ``ArrayRecord``) and ``server_round``; ``fake_users`` ``(F,)`` and ``target`` are split indices."""
     from flwr.app import Array, ArrayRecord
 
-    from experiments.hfkcu.run import base_config, run_phases
+    from experiments.hfkcu.run import base_config
     from fedrec_flwr.runtime import get_runtime
     from fedrec_flwr.serial import run_serial
 
-    if any(v.get("method") == "continue" for v in variants.values()):
-        raise ValueError("replay: continued training needs the original run's sampling; run it in the original")
     snapshot = pickle.loads(snapshot_path(cache, dataset, model, fakes, seed, target_seed).read_bytes())
     path, target_raw = poisoned_data(dataset, data_dir, fakes, target_seed, cache)
-    folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
     generic = {"generic-file": str(path), "generic-columns": "user,item,rating,timestamp"}
     scratch = cache / "replay-runs" / f"{dataset}-{model}-fakes{fakes}-seed{seed}-target{target_seed}"
     shutil.rmtree(scratch / name, ignore_errors=True)  # the discarded one-round run of an earlier replay
@@ -198,90 +196,122 @@ def replay(dataset: str, model: str, fakes: int, seed: int, variants: dict, *, d
     split = runtime.split
     fake_users = np.flatnonzero(np.array([int(u) >= FAKE_USER_BASE for u in split.user_ids])).astype(np.int64)
     target = int(np.flatnonzero(split.item_ids.astype(str) == target_raw)[0])
-    out = folder / "original" / name
-    rows: list[dict] = []
 
     def on_round(view) -> None:
         for node, context in view.grid.contexts.items():
             context.state = snapshot["states"][node]
         arrays = ArrayRecord({k: Array(v) for k, v in snapshot["arrays"].items()})
-        restored = types.SimpleNamespace(strategy=view.strategy, grid=view.grid, config=view.config, arrays=arrays,
-                                         server_round=snapshot["server-round"])
+        body(types.SimpleNamespace(strategy=view.strategy, grid=view.grid, config=view.config, arrays=arrays,
+                                   server_round=snapshot["server-round"]), runtime, fake_users, target)
+
+    run_serial(config, on_round=on_round)
+
+
+def replay(dataset: str, model: str, fakes: int, seed: int, variants: dict, *, data_dir: str, runs: Path,
+           cache: Path, target_seed: int = 0, name: str = "replay") -> list[dict]:
+    """Apply ``variants`` to a saved trained federation (:func:`on_snapshot`) and write ``<name>.json`` next to its
+    ``phase.json`` (``continue`` variants are not supported here: they need the original run's sampling)."""
+    from experiments.hfkcu.run import run_phases
+
+    if any(v.get("method") == "continue" for v in variants.values()):
+        raise ValueError("replay: continued training needs the original run's sampling; run it in the original")
+    folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
+    out = folder / "original" / name
+    rows: list[dict] = []
+    found: dict = {}
+
+    def body(restored, runtime, fake_users, target) -> None:
+        found["target"] = target
         rows.extend(run_phases(restored, runtime, {"fake users": fake_users}, lambda _: variants, out,
                                poison_target=target))
 
-    run_serial(config, on_round=on_round)
-    atomic_write_json(folder / "original" / f"{name}.json", {"rows": rows, "target-item": target})
+    on_snapshot(dataset, model, fakes, seed, body, data_dir=data_dir, cache=cache, target_seed=target_seed, name=name)
+    atomic_write_json(folder / "original" / f"{name}.json", {"rows": rows, "target-item": found["target"]})
     (out / "phase.partial.json").unlink(missing_ok=True)
     return rows
 
 
+def _norm(vector, rows=None, item_keys=()) -> float:
+    """Euclidean norm of ``vector`` (key -> array), or of its item rows ``rows`` only."""
+    if rows is None:
+        return float(np.sqrt(sum(np.sum(np.asarray(v, np.float64) ** 2) for v in vector.values())))
+    return float(np.sqrt(sum(np.sum(np.asarray(vector[k], np.float64)[rows] ** 2) for k in item_keys)))
+
+
 def probe(dataset: str, model: str, fakes: int, seed: int, changes: dict, *, data_dir: str, runs: Path, cache: Path,
-          target_seed: int = 0, name: str = "probe") -> dict:
-    """The line search's view of one saved federation (design diagnostics, ours): run the phase of ``changes``
-    (:class:`strategies.unlearning.UnlearningSettings` fields; it must set a ``line_search``) and the same phase
-    without the line search; then, for every multiple ``a`` the search tried, the remaining users' loss it saw and
-    the target percentile, exposure and the genuine users' HR@10 of ``theta + a * step``. Writes ``<name>.json``
+          target_seed: int = 0, name: str = "probe", row_steps: tuple = (0.5, 1.0, 1.5, 2.0, 4.0, 8.0)) -> dict:
+    """The line search's view of one saved federation (design diagnostics, ours; the target is read, never used to
+    choose anything). Runs the phase of ``changes`` (:class:`strategies.unlearning.UnlearningSettings` fields; it
+    must set ``line_search``) and the same phase without the line search (its step ``x``); records, for every
+    multiple ``a`` the search tried, the remaining users' loss it saw and the target percentile, exposure and the
+    genuine users' HR@10 of ``theta + a x``; then splits ``x`` into its target row and the other rows and records
+    ``L_R`` along each part (and the target percentile along the target row's part) at ``row_steps``; and the step's
+    geometry (norms of ``g_F``, of its target row, of the target row itself, rows touched). Writes ``<name>.json``
     next to the snapshot's ``phase.json`` and returns it."""
     from flwr.app import Array, ArrayRecord
 
     from experiments.hfkcu.analysis import exposure, private_records
-    from experiments.hfkcu.run import _settings, base_config
-    from fedrec_flwr.runtime import get_runtime
-    from fedrec_flwr.serial import run_serial
+    from experiments.hfkcu.run import _settings
+    from fedrec_flwr.wire import support_rows
     from strategies.unlearning import ClientUnlearning
 
-    snapshot = pickle.loads(snapshot_path(cache, dataset, model, fakes, seed, target_seed).read_bytes())
-    path, target_raw = poisoned_data(dataset, data_dir, fakes, target_seed, cache)
     folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
-    generic = {"generic-file": str(path), "generic-columns": "user,item,rating,timestamp"}
-    scratch = cache / "replay-runs" / f"{dataset}-{model}-fakes{fakes}-seed{seed}-target{target_seed}"
-    shutil.rmtree(scratch / name, ignore_errors=True)
-    config = base_config("generic", model, data_dir, scratch, name, seed=seed, **generic,
-                         num_server_rounds=1, eval_every=1, fraction_evaluate=0.0)
-    runtime = get_runtime(config.to_dict())
-    split = runtime.split
-    fake_users = np.flatnonzero(np.array([int(u) >= FAKE_USER_BASE for u in split.user_ids])).astype(np.int64)
-    target = int(np.flatnonzero(split.item_ids.astype(str) == target_raw)[0])
-    remaining = np.setdiff1d(np.arange(split.num_users), fake_users)
     out: dict = {}
 
-    def on_round(view) -> None:
-        for node, context in view.grid.contexts.items():
-            context.state = snapshot["states"][node]
-        arrays = ArrayRecord({k: Array(v) for k, v in snapshot["arrays"].items()})
-        records = private_records(view.grid, range(split.num_users))
-        theta = {k: v.astype(np.float64) for k, v in snapshot["arrays"].items()}
-        fixed = _settings(view.config, fake_users, {**changes, "line_search": "none"}, split.num_users)
-        new, base_report = ClientUnlearning(view.strategy, fixed).run(view.grid, arrays, snapshot["server-round"])
+    def body(restored, runtime, fake_users, target) -> None:
+        split, grid, layout = runtime.split, restored.grid, runtime.layout
+        remaining = np.setdiff1d(np.arange(split.num_users), fake_users)
+        records = private_records(grid, range(split.num_users))
+        theta = {k: v.numpy().astype(np.float64) for k, v in restored.arrays.items()}
+        fixed = _settings(restored.config, fake_users, {**changes, "line_search": "none"}, split.num_users)
+        unlearning = ClientUnlearning(restored.strategy, fixed)
+        new, base_report = unlearning.run(grid, restored.arrays, restored.server_round)
         step = {k: new[k].numpy().astype(np.float64) - theta[k] for k in theta}
-        searched = _settings(view.config, fake_users, changes, split.num_users)
-        _, report = ClientUnlearning(view.strategy, searched).run(view.grid, arrays, snapshot["server-round"])
+        searched = _settings(restored.config, fake_users, changes, split.num_users)
+        _, report = ClientUnlearning(restored.strategy, searched).run(grid, restored.arrays, restored.server_round)
+
+        def evaluate(moved: dict) -> dict:
+            record = ArrayRecord({k: Array(v.astype(np.float32)) for k, v in moved.items()})
+            metrics = restored.strategy.evaluate_arrays(grid, record, restored.server_round, users=remaining)
+            return {"HR@10": metrics.get("HR@10"), **exposure(runtime, records, moved, remaining, target)}
+
         points = []
         for a, value in sorted(zip(report["line-search-steps"], report["line-search-values"])):
-            moved = {k: (theta[k] + a * step[k]).astype(np.float32) for k in theta}
-            metrics = view.strategy.evaluate_arrays(view.grid, ArrayRecord({k: Array(v) for k, v in moved.items()}),
-                                                    snapshot["server-round"], users=remaining)
-            points.append({"a": a, "remaining-loss": value, "HR@10": metrics.get("HR@10"),
-                           **exposure(runtime, records, moved, remaining, target)})
+            points.append({"a": a, "remaining-loss": value, **evaluate({k: theta[k] + a * step[k] for k in theta})})
             print(f"  a {a:8.4f} L_R {value:.6f} HR@10 {points[-1]['HR@10']:.4f} "
                   f"percentile {points[-1]['target-percentile']:.3f}", flush=True)
-        item_keys = runtime.layout.item_keys
-
-        def norm(vector, rows=None) -> float:
-            return float(np.sqrt(sum(np.sum((v[rows] if rows is not None and k in item_keys else
-                                             (v if rows is None else 0.0)) ** 2) for k, v in vector.items())))
-
-        # where the step goes: the target's row against the whole step and the rows it touches (FilmTrust analysis)
-        touched = np.flatnonzero(sum(np.any(step[k] != 0, axis=1) for k in item_keys))
-        geometry = {"step-norm": norm(step), "step-target-row-norm": norm(step, [target]),
-                    "target-row-norm": norm(theta, [target]), "step-rows": int(touched.size),
-                    "step-dense-norm": float(np.sqrt(sum(np.sum(step[k] ** 2) for k in step if k not in item_keys))),
-                    "theta-touched-norm": norm(theta, touched)}
+        # the step split by rows: the target's row, and every other row (with the dense parameters)
+        item_keys = layout.item_keys
+        parts = {"target-row": {k: np.where(np.arange(v.shape[0])[:, None] == target, v, 0.0) if k in item_keys
+                                else np.zeros_like(v) for k, v in step.items()}}
+        parts["other-rows"] = {k: step[k] - parts["target-row"][k] for k in step}
+        g_forget, _ = unlearning.gradient(grid, restored.arrays, fake_users)
+        nodes = sorted({int(n) for n in restored.strategy._topology().user_to_node.tolist()})
+        split_rows = {}
+        for part, direction in parts.items():
+            steps = [0.0, *row_steps]
+            values = unlearning.remaining_loss(grid, restored.arrays, nodes, fake_users,
+                                               support_rows(direction, layout), direction, steps)
+            split_rows[part] = [{"a": a, "remaining-loss-change": v - values[0],
+                                 **({"target-percentile": exposure(runtime, records, {
+                                     k: theta[k] + a * direction[k] for k in theta}, remaining, target)
+                                     ["target-percentile"]} if part == "target-row" else {})}
+                                for a, v in zip(steps, values)]
+            for row in split_rows[part]:
+                print(f"  {part} {row}", flush=True)
+        touched = support_rows(g_forget, layout)
+        geometry = {"forget-gradient-norm": _norm(g_forget),
+                    "forget-gradient-target-row-norm": _norm(g_forget, [target], item_keys),
+                    "forget-gradient-dense-norm": float(np.sqrt(sum(np.sum(g_forget[k] ** 2) for k in g_forget
+                                                                    if k not in item_keys))),
+                    "rows-touched": int(touched.size), "items": int(split.num_items),
+                    "trust-radius": base_report.get("trust-radius"), "step-norm": _norm(step),
+                    "step-target-row-norm": _norm(step, [target], item_keys),
+                    "target-row-norm": _norm(theta, [target], item_keys)}
         print("  geometry", geometry, flush=True)
         out.update({"changes": changes, "fixed-report": base_report, "report": report, "points": points,
-                    "geometry": geometry})
+                    "row-split": split_rows, "geometry": geometry})
 
-    run_serial(config, on_round=on_round)
+    on_snapshot(dataset, model, fakes, seed, body, data_dir=data_dir, cache=cache, target_seed=target_seed, name=name)
     atomic_write_json(folder / "original" / f"{name}.json", out)
     return out
