@@ -105,6 +105,8 @@ def build_strategy(config: RunConfig, layout, topology, dry: bool = False):
     """The configured strategy (a Flower one through the adapter), as the ServerApp runs it.
 
     Args:
+        layout: the model's :class:`~fedrec_flwr.wire.ModelLayout` (shared keys and shapes).
+        topology: the :class:`~fedrec_flwr.wire.Topology` (which node serves each user).
         dry: a check only: build it :func:`quiet` (the run logs the same warnings when it builds it).
 
     Raises:
