@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -77,9 +78,16 @@ def identify_nodes(grid: Grid, nodes, timeout: float) -> tuple[list[dict], list[
         [Message(RecordDict(), dst_node_id=n, message_type=f"{MessageType.QUERY}.{IDENTIFY}") for n in nodes],
         timeout=timeout,
     ))
-    errors = [(int(m.metadata.src_node_id), m.error.reason) for m in replies if m.has_error()]
+    errors = [(int(m.metadata.src_node_id), _own_error(m.error.reason)) for m in replies if m.has_error()]
     facts = [dict(m.content[CONFIG]) | {"node": m.metadata.src_node_id} for m in replies if not m.has_error()]
     return facts, errors
+
+
+def _own_error(reason: str) -> str:
+    """The ClientApp's own error in an error reply's reason: its last ``SomeError: message`` line (under Ray the reason
+    is the actor's whole traceback, hundreds of characters around it), else the reason as it is."""
+    found = re.findall(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*Error: .+)$", reason, flags=re.MULTILINE)
+    return found[-1] if found else reason
 
 
 def discover_topology(grid: Grid, config: RunConfig, timeout: float):
