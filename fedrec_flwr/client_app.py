@@ -43,7 +43,7 @@ from flwr.common.constant import ErrorCode
 
 from .blocks import evaluate_block, train_block, use_blocks
 from .client_state import DURABLE_ROUND_KEY, STATE_DIR_KEY, ClientStateStore, state_folder, user_record_keys
-from .errors import ConfigError
+from .errors import ConfigError, FedRecError
 from .influence import can_batch, influence_loss_sums
 from .registry import resolve
 from .runtime import Runtime, get_runtime, node_users
@@ -349,11 +349,13 @@ def identify(message: Message, context: Context, run_config: Mapping[str, Any] |
 
     A node config that cannot serve the run (``partition-id`` out of range, missing keys) is answered with an error
     reply naming the problem rather than raised: the ServerApp stops the run with the first such reason, and Flower
-    prints no traceback per node (``--num-supernodes 1000`` on 943 users would print ~4,200 lines of them)."""
-    runtime = get_runtime(run_config or context.run_config)
+    prints no traceback per node (``--num-supernodes 1000`` on 943 users would print ~4,200 lines of them). The same
+    holds for a run config or data that cannot build the node's runtime (e.g. FedAU² on a dataset without the
+    protected attribute under plain ``flwr run``, where no launcher preflight ran)."""
     try:
+        runtime = get_runtime(run_config or context.run_config)
         served = node_users(runtime.config, context.node_config, runtime.split.num_users)
-    except ConfigError as err:
+    except FedRecError as err:
         return Message(error=Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(err)), reply_to=message)
     split = runtime.split
     record = ConfigRecord(

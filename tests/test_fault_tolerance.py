@@ -107,3 +107,20 @@ def test_a_node_without_its_data_stops_the_run_at_start_naming_node_and_file(tmp
     with pytest.raises(ConfigError, match=r"node 1000 cannot serve this run: .*missing/tiny.csv"):
         main(grid, server)
     assert not (tmp_path / "results" / "run" / "metrics.csv").exists()
+
+
+def test_identify_answers_a_runtime_that_cannot_be_built_with_one_error_reply(tmp_path, task_identity):
+    """Under plain ``flwr run`` no launcher preflight runs: a run config the node cannot build its runtime from (here
+    FedAU² with a protected attribute the generic dataset does not have) must come back as one error reply naming the
+    key, not as an exception (which Ray prints as a whole actor traceback per node)."""
+    from flwr.app import Context, Message, RecordDict
+
+    from fedrec_flwr.client_app import IDENTIFY, identify
+
+    config = {**tiny_run_config(tmp_path), "client": "fedau2", "adversary": "mlp", "protected-attribute": "gender"}
+    message = Message(RecordDict(), dst_node_id=1, message_type=f"query.{IDENTIFY}")
+    message.metadata.__dict__["_message_id"] = "m1"
+    context = Context(run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config=config)
+    reply = identify(message, context)
+    assert reply.has_error()
+    assert "protected-attribute" in reply.error.reason
