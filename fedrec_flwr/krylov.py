@@ -10,7 +10,8 @@ Two solvers (``krylov-solver``): plain CG (:func:`conjugate_gradient`, stops on 
 trust-region CG of Steihaug (1983) and Toint (1981) (:func:`steihaug_cg`), which returns a step inside a radius and
 follows a direction of negative curvature to the boundary instead of stopping. Two curvatures (``curvature``): the
 exact Hessian (:func:`hessian_vector_product`) and the generalised Gauss-Newton matrix
-(:func:`gauss_newton_vector_product`), positive semi-definite by construction.
+(:func:`gauss_newton_vector_product`), positive semi-definite by construction. How far to go along a computed step
+can be chosen by :func:`ladder_line_search`, a line search from batches of function values (``line-search``).
 """
 
 from __future__ import annotations
@@ -290,7 +291,8 @@ def ladder_line_search(evaluate: Callable[[list], list], *, ladder: tuple = (0.2
     line search, Nocedal & Wright, *Numerical Optimization* (2nd ed.), Sec. 3.5, with the step multiplied instead
     of chosen by the strong Wolfe conditions, which would need directional derivatives: ours, function values are
     what nodes can sum cheaply). When the smallest value sits at the smallest ``a > 0`` tried and above it ``f``
-    rises, the next call tries ``len(ladder)`` smaller steps, each ``1 / factor`` of the previous. Once a tried
+    rises, the next call tries ``len(ladder)`` smaller steps, each ``1 / factor`` of the previous, unless the slope
+    at 0 extrapolated from the two smallest steps' secants is positive (then no smaller step can help). Once a tried
     ``a_i`` is lower than both neighbours, one more call evaluates the minimiser of the parabola through the three
     points (N&W Sec. 3.5, quadratic interpolation; exact for a quadratic ``f``) and the lower of the two is kept.
     If no ``a > 0`` lowers ``f`` below ``f(0)`` the step is 0 (nothing is moved rather than something made worse).
@@ -347,7 +349,8 @@ def ladder_line_search(evaluate: Callable[[list], list], *, ladder: tuple = (0.2
         index = points.index(best)
         if best == 0.0:
             positive = [a for a in points if a > 0]
-            if rounds >= max_rounds or positive[0] <= ladder[0] / factor ** (2 * len(ladder)):
+            if (rounds >= max_rounds or positive[0] <= ladder[0] / factor ** (2 * len(ladder))
+                    or _slope_at_zero(tried, positive[0], positive[1]) > 0):
                 termination = "no-decrease"
                 break
             ask([positive[0] / factor ** (j + 1) for j in range(len(ladder))])
@@ -372,6 +375,14 @@ def ladder_line_search(evaluate: Callable[[list], list], *, ladder: tuple = (0.2
     if tried[best] >= tried[0.0]:
         best, termination = 0.0, "no-decrease"
     return LineSearchResult(best, tried[best], order, [tried[a] for a in order], rounds, termination)
+
+
+def _slope_at_zero(tried: dict, a1: float, a2: float) -> float:
+    """``f'(0)`` estimated from the secant slopes ``s(a) = (f(a) - f(0)) / a`` at ``a1 < a2``, extrapolated linearly
+    to ``a = 0`` (exact for a quadratic, whose secant slope is ``f'(0) + f'' a / 2``). Positive: ``f`` rises from
+    0, so smaller steps would not help either and the search stops without refining downwards (ours)."""
+    s1, s2 = (tried[a1] - tried[0.0]) / a1, (tried[a2] - tried[0.0]) / a2
+    return s1 - (s2 - s1) * a1 / (a2 - a1)
 
 
 def _parabola_minimiser(a0: float, f0: float, a1: float, f1: float, a2: float, f2: float) -> float | None:

@@ -48,7 +48,7 @@ with ``a`` chosen to minimise the remaining users' summed influence loss ``L_R(t
 retrained model is trained on; each user's loss uses its fixed negative sample, so the values are deterministic for
 a seed), by :func:`fedrec_flwr.krylov.ladder_line_search`: ``f(0)`` and the geometric ladder ``a = 0.25, 0.5, ...,
 8`` in one ``unlearn_loss`` query round, extended by factors of 2 (up to ``line-search-max-step``) or refined
-downwards while the best value sits at an end, then one parabolic-interpolation point (Nocedal & Wright, *Numerical
+downwards (unless ``L_R`` rises from 0) while the best value sits at an end, then one parabolic-interpolation point (Nocedal & Wright, *Numerical
 Optimization*, 2nd ed., Sec. 3.5); at most ``line-search-rounds`` rounds. Each node answers one scalar sum per ``a``
 over its remaining (with causal weighting: affected) users, never a per-user value; the rounds' messages, bytes and
 time count in the phase. If no ``a > 0`` lowers ``L_R`` the step is 0. ``"none"`` (the default) keeps the fixed

@@ -56,9 +56,20 @@ def test_ladder_search_keeps_the_best_tried_step_on_a_non_quadratic_function():
 
 
 def test_ladder_search_takes_no_step_when_the_function_only_rises():
+    """f rises from 0 (f'(0) = 1 > 0): one round, no downward refinement, no step."""
     result = ladder_line_search(lambda steps: [a + a * a for a in steps], max_rounds=3)
     assert result.step == 0.0 and result.termination == "no-decrease" and result.value == 0.0
-    assert result.rounds == 3 and min(a for a in result.steps if a > 0) < 0.25 / 2 ** 6
+    assert result.rounds == 1
+
+
+def test_ladder_search_refines_downwards_while_the_slope_at_zero_is_negative():
+    """f'(0) < 0 but f(0.25) > f(0) (a minimiser at 0.001): refined downwards, then the parabola finds it; where
+    the decrease is too small for the budget the step stays 0."""
+    result = ladder_line_search(lambda steps: [(a - 0.001) ** 2 for a in steps])
+    assert result.termination == "bracketed" and result.step == pytest.approx(0.001, rel=1e-6)
+    assert result.rounds == 4  # the ladder, two refinements downwards, the parabola's minimiser
+    result = ladder_line_search(lambda steps: [(a - 0.001) ** 2 for a in steps], max_rounds=1)
+    assert result.step == 0.0 and result.termination == "no-decrease"
 
 
 def test_ladder_search_stops_at_its_largest_step_or_round_budget():

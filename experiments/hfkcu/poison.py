@@ -315,3 +315,38 @@ def probe(dataset: str, model: str, fakes: int, seed: int, changes: dict, *, dat
     on_snapshot(dataset, model, fakes, seed, body, data_dir=data_dir, cache=cache, target_seed=target_seed, name=name)
     atomic_write_json(folder / "original" / f"{name}.json", out)
     return out
+
+
+RETIMED = {"re-timed: HF-KCU distributed (default)": {"method": "hfkcu"},
+           "re-timed: HF-KCU distributed, line search on L_R": {"method": "hfkcu", "line_search": "remaining-loss"}}
+"""The two arms of issue 18's acceptance, replayed back to back by :func:`retime`."""
+
+
+def retime(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, runs: Path, cache: Path,
+           rounds: int = 10) -> dict:
+    """Phase time against retraining's at the same machine load (the cached runs' timings came from different
+    loads): replay :data:`RETIMED` on the saved federation, then train the first ``rounds`` rounds of the retraining
+    run (the fakes never sampled) and scale its training seconds to the protocol's rounds. Writes ``retime.json``
+    (replayed rows) and ``retrain-rate.json`` under ``runs`` and returns the latter."""
+    from experiments.hfkcu.run import base_config
+    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.serial import run_serial
+
+    rows = replay(dataset, model, fakes, seed, RETIMED, data_dir=data_dir, runs=runs, cache=cache, name="retime")
+    path, _ = poisoned_data(dataset, data_dir, fakes, 0, cache)
+    generic = {"generic-file": str(path), "generic-columns": "user,item,rating,timestamp"}
+    scratch = cache / "replay-runs" / f"{dataset}-{model}-fakes{fakes}-seed{seed}-target0"
+    runtime = get_runtime(base_config("generic", model, data_dir, scratch, "rate", seed=seed, **generic).to_dict())
+    fake_users = np.flatnonzero(np.array([int(u) >= FAKE_USER_BASE for u in runtime.split.user_ids]))
+    config = base_config("generic", model, data_dir, scratch, "rate", seed=seed, **generic, unlearning="retrain",
+                         forget_users=",".join(str(int(u)) for u in fake_users), num_server_rounds=rounds,
+                         eval_every=1, fraction_evaluate=0.0)
+    seconds: list[float] = []
+    run_serial(config, on_round=lambda view: seconds.append(float(view.strategy.last_train.get("train-seconds", 0.0))))
+    estimate = ROUNDS * sum(seconds) / len(seconds)
+    out = {"rounds-trained": rounds, "train-seconds": seconds, "retrain-estimate-seconds": estimate,
+           "phases": {r["variant"]: {"seconds": r["seconds"], "speedup": estimate / r["seconds"],
+                                     "target-percentile": r.get("target-percentile")}
+                      for r in rows if r["variant"] != "original"}}
+    atomic_write_json(runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}" / "retrain-rate.json", out)
+    return out

@@ -267,8 +267,10 @@ def poison_report(results: Path) -> None:
             "radius (`line-search = \"none\"`, the run config's defaults); the line search chooses the multiple of "
             "the same trust-region step that minimises the remaining users' summed training loss "
             "(`line-search = \"remaining-loss\"`). Speedup: retraining's training seconds over the phase's wall "
-            "seconds, both on the same shared 2-core machine. line search: the chosen multiple and how the "
-            "search ended.", "", *summary_lines, "", markdown(pd.DataFrame(accept).fillna(""))]))
+            "seconds, both on the same shared 2-core machine, but not at the same load: replayed phases "
+            "(`replay*.json`) ran when the replay did, and the machine's load varied 2-6x over the session; "
+            "`runs/poison-retime/*/retrain-rate.json` compares both arms with retraining at one load. line search: "
+            "the chosen multiple and how the search ended.", "", *summary_lines, "", markdown(pd.DataFrame(accept).fillna(""))]))
 
 
 def forget_report(results: Path, data_dir: str) -> None:
