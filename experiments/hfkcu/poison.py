@@ -350,3 +350,28 @@ def retime(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, ru
                       for r in rows if r["variant"] != "original"}}
     atomic_write_json(runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}" / "retrain-rate.json", out)
     return out
+
+
+def profile_phase(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, cache: Path,
+                  changes: dict | None = None, top: int = 40) -> None:
+    """Print a cProfile of one unlearning phase (``changes`` over the defaults; e.g. ``{"cg_iterations": 2}``) on a
+    saved federation, sorted by cumulative and by own time (where FedNCF's phase time goes)."""
+    import cProfile
+    import pstats
+
+    from experiments.hfkcu.run import _settings
+    from strategies.unlearning import ClientUnlearning
+
+    def body(restored, runtime, fake_users, target) -> None:
+        settings = _settings(restored.config, fake_users, {"method": "hfkcu", **(changes or {})},
+                             runtime.split.num_users)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        _, report = ClientUnlearning(restored.strategy, settings).run(restored.grid, restored.arrays,
+                                                                      restored.server_round)
+        profiler.disable()
+        print({k: report.get(k) for k in ("seconds", "cg-iterations", "cg-termination", "affected-users")})
+        for order in ("cumulative", "tottime"):
+            pstats.Stats(profiler).sort_stats(order).print_stats(top)
+
+    on_snapshot(dataset, model, fakes, seed, body, data_dir=data_dir, cache=cache, name="profile")

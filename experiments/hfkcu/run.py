@@ -242,7 +242,7 @@ def run_forget(job) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=["main", "forget", "poison", "poison-dev", "poison-replay",
-                                         "poison-dev-sweep", "poison-probe", "poison-retime", "report"])
+                                         "poison-dev-sweep", "poison-probe", "poison-retime", "poison-profile", "report"])
     parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""),
                         help="folder holding <dataset>/ (default: $FEDREC_DATA_DIR; empty = download)")
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job from i")
@@ -265,6 +265,13 @@ def main(argv=None) -> None:
         jobs = [(d, m, kind, args.data_dir) for d in args.datasets.split(",") for m in args.models.split(",")
                 for kind in ("original", "1%", "5%")]
         run_jobs(jobs, run_forget, args.shard, "forget")
+        return
+    if args.part == "poison-profile":  # cProfile of one phase (--changes, e.g. '{"cg_iterations": 2}')
+        from experiments.hfkcu.poison import profile_phase
+
+        profile_phase(args.datasets.split(",")[0], args.models.split(",")[0], int(args.fakes.split(",")[0]),
+                      int(args.seeds.split(",")[0]), data_dir=args.data_dir, cache=CACHE,
+                      changes=json.loads(args.changes))
         return
     if args.part == "poison-retime":  # phase vs retraining time at one machine load (first --seeds only)
         from experiments.hfkcu.poison import retime
