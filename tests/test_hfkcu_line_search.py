@@ -152,3 +152,27 @@ def test_line_search_phase_replies_carry_only_scalar_sums(tmp_path):
     assert report["line-search-step"] == steps[int(np.argmin(values))]
     assert min(values) <= values[0]
     assert report["scale"] == pytest.approx(report["line-search-step"])
+
+
+@pytest.mark.parametrize("key, value", [("line-search", "armijo"), ("line-search-max-step", 4.0),
+                                        ("line-search-rounds", 0)])
+def test_line_search_keys_are_validated_with_the_key_named(key, value):
+    from fedrec_flwr.config import default_mapping
+    from fedrec_flwr.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=key):
+        RunConfig.from_mapping({**default_mapping(), key: value})
+
+
+def test_line_search_keys_reach_the_unlearning_settings():
+    from fedrec_flwr.config import default_mapping
+    from strategies.unlearning import UnlearningSettings
+
+    mapping = {**default_mapping(), "unlearning": "hfkcu", "forget-users": "1", "line-search": "remaining-loss",
+               "line-search-max-step": 16.0, "line-search-rounds": 2}
+    settings = UnlearningSettings.from_config(RunConfig.from_mapping(mapping), num_users=10)
+    assert (settings.line_search, settings.line_search_max_step, settings.line_search_rounds) == (
+        "remaining-loss", 16.0, 2)
+    default = UnlearningSettings.from_config(RunConfig.from_mapping({**mapping, "line-search": "none"}), 10)
+    assert default.line_search == "none"
+    assert RunConfig.from_mapping(default_mapping()).line_search == "none"  # the fixed radius stays the default
