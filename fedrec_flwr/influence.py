@@ -42,9 +42,10 @@ def node_model(runtime, num_users: int) -> RecModel:
     return cache[num_users]
 
 
-INDEX_CACHE_SIZE = 256
+INDEX_CACHE_SIZE = 64
 """How many node groups' example indexes :func:`example_index` keeps per runtime (a node's group is the same in every
-query of a phase, so one entry per node and query kind suffices)."""
+query of a phase, so one entry per node and query kind suffices; a node's entry is about 1 MB on ML-100K; the cache is
+emptied when full, e.g. by local CG's one-user groups)."""
 
 
 def example_index(runtime, clients: Sequence, extra_rows: np.ndarray | None, device) -> SimpleNamespace:
