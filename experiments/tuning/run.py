@@ -137,13 +137,13 @@ def centralized(dataset: str, model: str, seed: int, data_dir: str, epochs: int)
             result = train_centralized(split, model, epochs=epochs, batch_size=1024, learning_rate=0.001,
                                        optimizer="adam", num_train_negatives=config.num_train_negatives,
                                        embedding_dim=config.embedding_dim, mlp_layers=config.mlp_layer_sizes,
-                                       seed=seed, eval_which="both", ks=config.ks)
+                                       seed=seed, eval_which="both", ks=config.k_values)
             atomic_write_json(folder / "metrics.json", result.history)
             atomic_write_json(folder / "summary.json", {"seconds": round(time.time() - started, 1), **settings})
     return folder
 
 
-CENTRAL_EPOCHS = 30
+CENTRAL_EPOCHS = 20
 
 
 def main(argv: list[str] | None = None) -> None:
