@@ -82,6 +82,11 @@ ARMS: dict[str, dict] = {
     "FedAU2-server, entropy (ours), always, prior": {"client": "fedau2", "adversary": "dsvae",
                                                      "adversary-trigger": "always", "adversary-objective": "entropy",
                                                      **SERVER},
+    # issue 14, second session: the same with DSVAE's label-masking noise on every uploaded h_w gradient (the encoder's
+    # too), against DLG, which read the label from the encoder's unperturbed gradient (1.00 with the head-only noise)
+    "FedAU2-server, entropy (ours), always, prior, noise on all of h_w": {
+        "client": "fedau2", "adversary": "dsvae", "adversary-trigger": "always", "adversary-objective": "entropy",
+        **SERVER, "dsvae-noise-placement": "all"},
     # the same on FedRecGEL's decoupled SAM client (parameters uploaded to item-fedavg; rho-shared = rho-private = 0.05)
     "FedAU2-GEL-server, entropy (ours), always, prior": {"client": "fedau2-gel", "adversary": "dsvae",
                                                          "adversary-trigger": "always", "adversary-objective": "entropy",
@@ -114,6 +119,13 @@ ARMS: dict[str, dict] = {
             (", linear, SGD embedding step", {**LINEAR, "adversary-embedding-optimizer": "sgd"}),
             (", linear, entropy (ours), always", {**LINEAR, "adversary-objective": "entropy",
                                                  "adversary-trigger": "always"}),
+            # h_w's effective sample: with Adam, 20 steps of 0.01 move it ~0.2 per round, so it refits each round's
+            # ~94 users (its predicted-class share flips between all-F and all-M from round to round, own AUC
+            # 0.52-0.54, in the arm above); a rate of 0.001 averages it over ~10 rounds (~900 users). Chosen from
+            # those training-side diagnostics, before any HR@10 of the arm was read.
+            (", linear, entropy (ours), always, rate 0.001", {**LINEAR, "adversary-objective": "entropy",
+                                                             "adversary-trigger": "always",
+                                                             "adversary-server-learning-rate": 0.001}),
     )},
 }
 """Table rows. Arms without an adversary do not depend on the protected attribute (attacked on every attribute)."""
@@ -127,6 +139,11 @@ SERVER_ARM = "FedAU2-server, entropy (ours), always, prior"
 SERVER_EPSILONS = (10.0, 0.1)
 """Further strengths of that sweep (the pull is added to the loss the local Adam steps, so eps sets its weight
 against the recommendation gradient)."""
+NCF_SERVER_ARM = "FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001"
+"""The arm of the FedNCF epsilon sweep (``tradeoff-server-ncf``, seed 1; eps = 1 is its main-table run): on FedNCF the
+original model leaks (attacker AUC 0.65), so the sweep can show where the AUC falls and what HR@10 it costs."""
+NCF_SERVER_EPSILONS = (0.1, 0.3)
+"""Its further strengths, fixed before any run of the sweep."""
 DIAGNOSTICS_ARMS = ("FedAU2", "FedAU2-server, prior, SGD embedding step", "FedAU2-server, entropy (ours), always, prior")
 """Arms whose per-round adversary diagnostics the README's plot compares (FedMF / gender, seed 1)."""
 

@@ -119,18 +119,25 @@ def tradeoff_plot(results: Path, main: pd.DataFrame) -> None:
         others = points[points["arm"] != "FedAU2"].groupby("arm")[["HR@10", "logreg-auc"]].mean()
         for arm, row in others.iterrows():
             axis.scatter(row["logreg-auc"], row["HR@10"], marker="s", label=arm)
-    server = load_runs(results / "runs" / "tradeoff-server")
-    if not main.empty:  # eps = 1: the arm's main-table runs of the same seeds
-        from experiments.fedau2.methods import SERVER_ARM
+    from experiments.fedau2.methods import NCF_SERVER_ARM, SERVER_ARM
 
-        same = main[(main["model"] == "FedMF") & (main["attribute"] == "gender") & (main["arm"] == SERVER_ARM)]
-        if not server.empty:
-            same = same[same["seed"].isin(server["seed"].unique())]
-        server = pd.concat([server, same]) if not server.empty else same
+    sweeps = load_runs(results / "runs" / "tradeoff-server")
+    curves = []
+    for model, arm in (("FedMF", SERVER_ARM), ("FedNCF", NCF_SERVER_ARM)):
+        swept = sweeps[sweeps["model"] == model] if not sweeps.empty else sweeps
+        if not main.empty:  # eps = 1: the arm's main-table runs of the same seeds
+            same = main[(main["model"] == model) & (main["attribute"] == "gender") & (main["arm"] == arm)]
+            if not swept.empty:
+                same = same[same["seed"].isin(swept["seed"].unique())]
+            swept = pd.concat([swept, same]) if not swept.empty else same
+        curves.append(swept)
+    server = curves[0]
+    every = pd.concat([c for c in curves if not c.empty]) if any(not c.empty for c in curves) else server
+    if not every.empty:
+        write_csv(every.groupby(["model", "arm", "epsilon"])[["HR@10", "logreg-auc", "mlp-auc"]].agg(["mean", "count"])
+                  .reset_index(), results / "tradeoff-server.csv")
     if not server.empty:
         curve = server.groupby("epsilon")[["HR@10", "logreg-auc"]].mean().reset_index().sort_values("epsilon")
-        write_csv(server.groupby("epsilon")[["HR@10", "logreg-auc", "mlp-auc"]].agg(["mean", "count"]).reset_index(),
-                  results / "tradeoff-server.csv")
         axis.plot(curve["logreg-auc"], curve["HR@10"], "^-", label="FedAU2-server, entropy (ours), always, across eps")
         for _, row in curve.iterrows():
             axis.annotate(f"eps={row['epsilon']:g}", (row["logreg-auc"], row["HR@10"]), fontsize=8,

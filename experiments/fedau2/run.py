@@ -4,6 +4,7 @@
     python -m experiments.fedau2.run main --attributes age    # the adversarial arms against age
     python -m experiments.fedau2.run tradeoff                 # FedAU2 on FedMF / gender across eps
     python -m experiments.fedau2.run tradeoff-server          # the server-adversary arm across eps (seed 1)
+    python -m experiments.fedau2.run tradeoff-server-ncf      # FedNCF's server-adversary arm across eps (seed 1)
     python -m experiments.fedau2.run diagnostics              # the per-client arm again, with adversary-diagnostics.csv
     python -m experiments.fedau2.run report                   # tables and plots from the finished runs
 
@@ -33,8 +34,8 @@ import pandas as pd
 
 from experiments.common import claimed, quiet_flower, run_jobs, slug
 from experiments.fedau2.methods import (
-    ARMS, ATTRIBUTES, AUDIT_SEED, CLASS_PRIORS, EPSILONS, MODELS, PROTOCOL, SERVER_ARM, SERVER_EPSILONS, uses_attribute,
-    uses_prior,
+    ARMS, ATTRIBUTES, AUDIT_SEED, CLASS_PRIORS, EPSILONS, MODELS, NCF_SERVER_ARM, NCF_SERVER_EPSILONS, PROTOCOL,
+    SERVER_ARM, SERVER_EPSILONS, uses_attribute, uses_prior,
 )
 from fedrec_flwr.attacks import attribute_inference, collect_user_embeddings
 from fedrec_flwr.attributes import encode_attribute
@@ -163,6 +164,13 @@ def jobs_tradeoff_server(args) -> list:
     return jobs
 
 
+def jobs_tradeoff_server_ncf(args) -> list:
+    """FedNCF's server-adversary arm (``NCF_SERVER_ARM``) across eps (gender, ``--seeds``, default 1)."""
+    return [(run_config("FedNCF", NCF_SERVER_ARM, "gender", seed, args.data_dir, RUNS / "tradeoff-server" / "FedNCF",
+                        f"{slug(NCF_SERVER_ARM)}-gender-eps{eps:g}-seed{seed}", **{"adversary-epsilon": eps}), "gender")
+            for seed in args.seeds for eps in NCF_SERVER_EPSILONS]
+
+
 def jobs_diagnostics(args) -> list:
     """The per-client arm re-run (its first runs predate the diagnostics file) on FedMF / gender, ``--seeds``."""
     return [(run_config("FedMF", "FedAU2", "gender", seed, args.data_dir, RUNS / "diagnostics" / "FedMF",
@@ -171,7 +179,8 @@ def jobs_diagnostics(args) -> list:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("main", "tradeoff", "tradeoff-server", "diagnostics", "report"))
+    parser.add_argument("command", choices=("main", "tradeoff", "tradeoff-server", "tradeoff-server-ncf", "diagnostics",
+                                            "report"))
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--attributes", nargs="+", default=["gender"], choices=list(ATTRIBUTES))
@@ -189,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         write_all(RESULTS)
         return
     jobs = {"main": jobs_main, "tradeoff": jobs_tradeoff, "tradeoff-server": jobs_tradeoff_server,
-            "diagnostics": jobs_diagnostics}[args.command](args)
+            "tradeoff-server-ncf": jobs_tradeoff_server_ncf, "diagnostics": jobs_diagnostics}[args.command](args)
     run_jobs(jobs, run_job, args.shard, args.command)
 
 
