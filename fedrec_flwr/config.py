@@ -56,6 +56,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "adversary-server-optimizer": ("adam", "sgd"),
     "adversary-embedding-optimizer": ("local", "sgd"),
     "dsvae-noise-placement": ("head", "all"),
+    "adversary-query-users": ("sampled", "all"),
     "unlearning": ("none", "retrain", "continue", "hfkcu", "gradient-ascent"),
     "krylov-mode": ("distributed", "local"),
     "krylov-solver": ("steihaug", "cg"),
@@ -110,6 +111,7 @@ class RunConfig:
     adversary_server_optimizer: str = _key("adversary-server-optimizer")
     adversary_server_learning_rate: float = _key("adversary-server-learning-rate", positive=True)
     adversary_server_steps: int = _key("adversary-server-steps", minimum=1, maximum=1000)
+    adversary_query_users: str = _key("adversary-query-users")  # who answers h_w's extra-step queries
     adversary_embedding_optimizer: str = _key("adversary-embedding-optimizer")
     adversary_class_prior: str = _key("adversary-class-prior")
     adversary_hidden: int = _key("adversary-hidden", minimum=0)  # 0: a linear h_w (no hidden layer)
@@ -338,7 +340,8 @@ class RunConfig:
     def _check_relations(self) -> None:
         for key in ("dataset", "tie-rule", "model", "loss", "optimizer", "item-aggregation", "server-optimizer",
                     "adversary", "adversary-trigger", "adversary-objective", "adversary-training",
-                    "adversary-server-optimizer", "adversary-embedding-optimizer", "unlearning", "krylov-mode",
+                    "adversary-server-optimizer", "adversary-embedding-optimizer", "adversary-query-users",
+                    "dsvae-noise-placement", "unlearning", "krylov-mode",
                     "krylov-solver", "curvature", "line-search", "block-training"):
             value = getattr(self, key.replace("-", "_"))
             if value not in _CHOICES[key]:

@@ -68,12 +68,18 @@ class AdversaryServerStep:
         keys: ``h_w``'s shared keys. optimizer: ``"adam"`` or ``"sgd"``. learning_rate: > 0.
         steps: server steps per round (``adversary-server-steps``, >= 1): the train replies' step and ``steps - 1``
             query steps (:meth:`extra_steps`).
+        query_users: ``"sampled"`` (the round's users answer the queries) or ``"all"`` (``adversary-query-users``,
+            ours: every user of the federation answers, so each extra step is a full-batch step of ``h_w`` over all
+            users' current embeddings, the federated form of issue 14's oracle, an adversary refit on every user
+            each round; without it ``h_w`` refits each round's ~94 users and its predicted class flips from round to
+            round on ML-100K). Cost: every node answers ``steps - 1`` queries per round.
 
     Raises:
-        ValueError: no keys, an unknown optimizer, a learning rate <= 0 or steps < 1.
+        ValueError: no keys, an unknown optimizer or query_users, a learning rate <= 0 or steps < 1.
     """
 
-    def __init__(self, keys, *, optimizer: str = "adam", learning_rate: float = 0.01, steps: int = 1) -> None:
+    def __init__(self, keys, *, optimizer: str = "adam", learning_rate: float = 0.01, steps: int = 1,
+                 query_users: str = "sampled") -> None:
         self.keys = tuple(keys)
         if not self.keys:
             raise ValueError("AdversaryServerStep: the model has no adversary keys")
@@ -83,7 +89,10 @@ class AdversaryServerStep:
             raise ValueError(f"AdversaryServerStep: learning_rate must be > 0, got {learning_rate!r}")
         if int(steps) != steps or steps < 1:
             raise ValueError(f"AdversaryServerStep: steps must be an integer >= 1, got {steps!r}")
+        if query_users not in ("sampled", "all"):
+            raise ValueError(f"AdversaryServerStep: query_users must be 'sampled' or 'all', got {query_users!r}")
         self.optimizer_name, self.learning_rate, self.steps = optimizer, float(learning_rate), int(steps)
+        self.query_users = query_users
         self.parameters: dict[str, torch.nn.Parameter] = {}
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -102,7 +111,8 @@ class AdversaryServerStep:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         return cls(keys, optimizer=config.adversary_server_optimizer,
-                   learning_rate=config.adversary_server_learning_rate, steps=config.adversary_server_steps)
+                   learning_rate=config.adversary_server_learning_rate, steps=config.adversary_server_steps,
+                   query_users=config.adversary_query_users)
 
     def _ensure(self, current: Mapping[str, np.ndarray]) -> None:
         if self.optimizer is not None:
@@ -136,7 +146,8 @@ class AdversaryServerStep:
         """The round's ``steps - 1`` further steps (module docstring): each sends ``arrays`` (the current shared
         parameters) in an ``adversary_gradient`` query to every node of ``nodes`` (node -> the round's users there)
         and :meth:`apply` s the valid replies' mean gradient. A failed or invalid reply is left out with a warning;
-        a step with no valid reply ends the round's extra steps. Returns the new arrays.
+        a step with no valid reply ends the round's extra steps. With ``query_users = "all"`` the queries go to every
+        node of the strategy's topology, naming all its users, in place of ``nodes``. Returns the new arrays.
 
         Args:
             strategy: the :class:`strategies.item_fedavg.ItemEmbeddingFedAvg` (its ``message_config``,
@@ -144,6 +155,9 @@ class AdversaryServerStep:
         """
         from fedrec_flwr.client_app import ADVERSARY_GRADIENT
 
+        if self.query_users == "all":
+            topology = strategy._topology()
+            nodes = topology.group(range(topology.num_users))
         for step in range(1, self.steps):
             messages = [Message(content=RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord(
                 {**strategy.message_config, "server-round": server_round, "users": list(users),

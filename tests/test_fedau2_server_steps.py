@@ -117,3 +117,18 @@ def test_no_adversary_gradient_reply_carries_a_label_a_count_or_an_embedding(tmp
 def test_adversary_server_steps_is_range_checked(value):
     with pytest.raises(ConfigError, match="adversary-server-steps"):
         make_run_config(adversary_server_steps=value)
+
+
+def test_query_users_all_sends_every_extra_step_to_every_user_of_the_federation(tmp_path):
+    """adversary-query-users = "all", S = 3: the train round samples some users (fraction-train 0.5), but each of the two
+    query steps names every user of the federation once (24 users, one per node), so h_w's extra steps are
+    full-batch steps over all users' current embeddings; the train replies are those of the "sampled" default."""
+    _, _, _, sampled = _run(tmp_path / "sampled", 3)
+    _, _, _, every = _run(tmp_path / "all", 3, adversary_query_users="all")
+    train = [r for r in every if r["type"] == "train"]
+    queries = [r for r in every if r["type"] == QUERY]
+    assert len(train) == 12 and sorted(u for r in queries for u in r["users"]) == sorted(2 * list(range(24)))
+    assert sorted(u for r in train for u in r["users"]) == sorted(
+        u for r in sampled if r["type"] == "train" for u in r["users"])
+    with pytest.raises(ConfigError, match="adversary-query-users"):
+        make_run_config(adversary_query_users="some")

@@ -86,6 +86,8 @@ def test_warmup_rounds_key_is_validated(tmp_path):
         make_run_config(**{**_config(tmp_path), "adversary-warmup-rounds": -1})
     with pytest.raises(ConfigError, match="adversary-hidden"):
         make_run_config(**{**_config(tmp_path), "adversary-hidden": -1})
+    with pytest.raises(ConfigError, match="dsvae-noise-placement"):
+        make_run_config(**{**_config(tmp_path), "dsvae-noise-placement": "encoder"})
 
 
 def test_linear_adversary_is_multinomial_logistic_regression():

@@ -126,6 +126,12 @@ ARMS: dict[str, dict] = {
             (", linear, entropy (ours), always, rate 0.001", {**LINEAR, "adversary-objective": "entropy",
                                                              "adversary-trigger": "always",
                                                              "adversary-server-learning-rate": 0.001}),
+            # the federated form of issue 14's oracle (an LR refit on every user's embedding each round): the 19
+            # extra steps query every user (adversary-query-users = "all"), full-batch steps over the federation
+            (", linear, all users", {**LINEAR, "adversary-query-users": "all"}),
+            (", linear, entropy (ours), always, all users", {**LINEAR, "adversary-query-users": "all",
+                                                            "adversary-objective": "entropy",
+                                                            "adversary-trigger": "always"}),
     )},
 }
 """Table rows. Arms without an adversary do not depend on the protected attribute (attacked on every attribute)."""
