@@ -24,7 +24,8 @@ Run-config keys:
   strategy averages the gradients and steps ``h_w`` with its own optimizer
   (:class:`strategies.adversary.AdversaryServerStep`, ``adversary-server-optimizer``,
   ``adversary-server-learning-rate``; ``adversary-server-steps`` = S > 1: S - 1 more steps per round, each from an
-  ``adversary_gradient`` query answered by :meth:`AttributeUnlearning.adversary_query_gradient`). ``"per-client"``: FedAU², per-client adversary as first implemented (each
+  ``adversary_gradient`` query answered by :meth:`AttributeUnlearning.adversary_query_gradient`; with
+  ``adversary-query-users = "all"`` every user of the federation answers them, not only the round's). ``"per-client"``: FedAU², per-client adversary as first implemented (each
   client trains its local copy of ``h_w`` on its single label, the strategy averages the copies; measured to collapse
   to the majority class and write the attribute into the embeddings, issue 14).
 * ``adversary-embedding-optimizer``: ``"local"`` (the adversarial gradient is part of the loss the local optimizer
