@@ -1,8 +1,9 @@
 """Readers of the raw interaction files: one function per dataset, plus the user's own CSV/TSV.
 
 Every reader returns an :class:`Interactions` whose ``frame`` has one row per (user, item) pair. Files are parsed
-with pandas; every cell is first read as text, so a bad value is reported with its file, 1-based line number,
-column and value (:class:`~fedrec_flwr.errors.DataError`) instead of a pandas traceback.
+with pandas; every cell is first read as text, so a bad value (an empty field, a non-numeric rating, a user or item
+id of the wrong form such as ``abc``, ``12.5`` or ``-3`` where ids are integers) is reported with its file, 1-based
+line number, column and value (:class:`~fedrec_flwr.errors.DataError`) instead of a pandas traceback.
 """
 
 from __future__ import annotations
@@ -161,7 +162,10 @@ def load_interactions(
 
     Raises:
         ConfigError: unknown dataset, or ``generic`` given/missing wrongly.
-        DataError: missing/empty file, missing column, non-numeric rating or timestamp (file, line, value).
+        DataError: missing/empty file, missing column, non-numeric rating or timestamp, empty or malformed user or
+            item id (file, line, column, value): ids must be non-negative integers (MovieLens-100K, FilmTrust,
+            Lastfm-2K), Amazon reviewer ids and ASINs (Amazon-Video), or, in a generic file, integers when at least
+            half of that column's ids are (else any non-empty text; see :func:`_id_column`).
     """
     source = locate_source(dataset, data_dir, cache_dir=cache_dir, generic=generic, download=download)
     return read_interactions(source, generic)
@@ -186,7 +190,8 @@ def read_interactions(source: SourceFiles, generic: GenericSource | None = None)
                              timestamp=None)
     elif name == "amazon-video":
         table = _read_table(paths["ratings.dat"], sep=",", header=False)
-        frame = _build_frame(table, paths["ratings.dat"], user=0, item=1, rating=2, timestamp=3, expect_cols=4)
+        frame = _build_frame(table, paths["ratings.dat"], user=0, item=1, rating=2, timestamp=3, expect_cols=4,
+                             id_kinds=(_AMAZON_REVIEWER, _AMAZON_ASIN))
     elif name == "generic":
         if generic is None:
             raise ConfigError("dataset 'generic' needs generic=GenericSource(...)")
@@ -194,7 +199,7 @@ def read_interactions(source: SourceFiles, generic: GenericSource | None = None)
         sep = generic.sep if generic.sep is not None else sniff_separator(path)
         table = _read_table(path, sep=sep, header=generic.header)
         frame = _build_frame(table, path, user=generic.user_col, item=generic.item_col,
-                             rating=generic.rating_col, timestamp=generic.timestamp_col)
+                             rating=generic.rating_col, timestamp=generic.timestamp_col, id_kinds=("auto", "auto"))
         if "attributes" in paths:
             apath = paths["attributes"]
             atable = _read_table(apath, sep=sniff_separator(apath), header=True)
@@ -308,7 +313,14 @@ def _empty_cell(table: _Table, path: Path, i: int, col, role: str) -> DataError:
             f"the {role} field"
         return DataError(f"{path}, line {line}: {found} field{'s' if found != 1 else ''}, expected {expected}: "
                          f"{which} is missing")
-    return DataError(f"{path}, line {line}: {role} column {col!r} is empty")
+    return DataError(f"{path}, line {line}: {role} {_column_name(col)} is empty")
+
+
+def _column_name(col) -> str:
+    """``column 'name'`` for a named column, ``column i (field i + 1)`` for a 0-based column index."""
+    if isinstance(col, (int, np.integer)) and not isinstance(col, bool):
+        return f"column {int(col)} (field {int(col) + 1})"
+    return f"column {str(col)!r}"
 
 
 def _column_key(table: _Table, path: Path, col: str | int, role: str) -> str | int:
@@ -327,12 +339,47 @@ def _column_key(table: _Table, path: Path, col: str | int, role: str) -> str | i
     return col
 
 
-def _id_column(table: _Table, path: Path, col: str | int, role: str) -> np.ndarray:
+_ID_INTEGER = re.compile(r"\d+")
+_INTEGER_ID = (_ID_INTEGER, "a non-negative integer id (digits only)")
+#: Amazon-Video (McAuley 2014 ratings CSV) id formats, checked against every row of the shipped file.
+_AMAZON_REVIEWER = (re.compile(r"[A-Z0-9]+"), "an Amazon reviewer id (upper-case letters and digits)")
+_AMAZON_ASIN = (re.compile(r"[A-Z0-9]+"), "an ASIN (upper-case letters and digits)")
+
+
+def _id_column(table: _Table, path: Path, col: str | int, role: str,
+               kind: str | tuple[re.Pattern, str] = "integer") -> np.ndarray:
+    """``(n,)`` str raw ids of one column, each checked, so a corrupted id is refused instead of becoming a new
+    user or item.
+
+    Args:
+        kind: ``"integer"``: every id is a non-negative integer written in digits (MovieLens, FilmTrust, Lastfm
+            ids); ``"label"``: any non-empty text; ``(pattern, description)``: every id fully matches ``pattern`` (Amazon ids); ``"auto"`` (the
+            user's own files, ours): an integer column when at least half its ids are integers, then every id must
+            be one; otherwise ids are labels (any non-empty text). Ids are kept as written (``007`` and ``7`` stay
+            two ids, as before).
+
+    Raises:
+        DataError: an empty id, or an id of the wrong form: file, 1-based line, column and value.
+    """
     key = _column_key(table, path, col, role)
     values = table.df[key].str.strip()
     empty = (values == "").to_numpy()
     if empty.any():
         raise _empty_cell(table, path, int(np.flatnonzero(empty)[0]), key, role)
+    why = ""
+    if kind == "label":
+        return values.to_numpy(dtype=object).astype(str)
+    if kind == "auto":
+        share = float(values.str.fullmatch(_ID_INTEGER).mean())
+        if share < 0.5:
+            return values.to_numpy(dtype=object).astype(str)
+        kind, why = "integer", f" ({share:.1%} of this column's ids are integers, so every id must be one)"
+    pattern, expected = _INTEGER_ID if kind == "integer" else kind
+    ok = values.str.fullmatch(pattern).to_numpy(dtype=bool)
+    if not ok.all():
+        i = int(np.flatnonzero(~ok)[0])
+        raise DataError(f"{path}, line {table.lines[i]}: {role} {_column_name(col)} has value {values.iloc[i]!r}, "
+                        f"not {expected}{why}")
     return values.to_numpy(dtype=object).astype(str)
 
 
@@ -388,14 +435,21 @@ def _timestamp_column(table: _Table, path: Path, col: str | int) -> np.ndarray:
     return np.fromiter((rank[v] for v in exact), dtype=np.int64, count=len(exact))
 
 
-def _build_frame(table: _Table, path: Path, *, user, item, rating, timestamp, expect_cols: int | None = None):
+def _build_frame(table: _Table, path: Path, *, user, item, rating, timestamp, expect_cols: int | None = None,
+                 id_kinds: tuple = ("integer", "integer")):
+    """The interactions frame of :class:`Interactions` from a parsed table; ``id_kinds``: the user and item id
+    checks (``kind`` of :func:`_id_column`).
+
+    Raises:
+        DataError: wrong column count, bad id, rating or timestamp (file, line, column, value).
+    """
     import pandas as pd
     if expect_cols is not None and table.df.shape[1] != expect_cols:
         raise DataError(f"{path}: expected {expect_cols} columns per line, found {table.df.shape[1]}")
     n = len(table.df)
     frame = pd.DataFrame({
-        "user": pd.array(_id_column(table, path, user, "user"), dtype="str"),
-        "item": pd.array(_id_column(table, path, item, "item"), dtype="str"),
+        "user": pd.array(_id_column(table, path, user, "user", id_kinds[0]), dtype="str"),
+        "item": pd.array(_id_column(table, path, item, "item", id_kinds[1]), dtype="str"),
         "rating": _numeric_column(table, path, rating, "rating") if rating is not None else np.full(n, np.nan),
         "timestamp": (_timestamp_column(table, path, timestamp) if timestamp is not None
                       else np.full(n, np.nan)),
@@ -429,9 +483,9 @@ def _ml100k_attributes(table: _Table, path: Path) -> pd.DataFrame:
         i = int(np.flatnonzero(age != np.round(age))[0])
         raise DataError(f"{path}, line {table.lines[i]}: age {age[i]!r} is not an integer")
     out = pd.DataFrame({
-        "gender": _id_column(table, path, 2, "gender"),
+        "gender": _id_column(table, path, 2, "gender", "label"),
         "age": age.astype(np.int64),
-        "occupation": _id_column(table, path, 3, "occupation"),
+        "occupation": _id_column(table, path, 3, "occupation", "label"),
     }, index=pd.Index(ids, name="user"))
     _check_unique_index(out, path, table)
     return out
@@ -458,7 +512,7 @@ def _attributes_user_col(table: _Table, path: Path, generic: GenericSource) -> s
 
 def _generic_attributes(table: _Table, path: Path, user_col: str) -> pd.DataFrame:
     import pandas as pd
-    ids = _id_column(table, path, user_col, "attributes user")
+    ids = _id_column(table, path, user_col, "attributes user", "auto")
     columns = {}
     for col in table.df.columns:
         if col == user_col:
