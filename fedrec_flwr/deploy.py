@@ -35,6 +35,12 @@ Command line::
         [--dataset D --users-per-node K --data-dir DIR --cache-dir DIR --run-config "k=v ..."] \\
         [flower-supernode arguments, e.g. --superlink HOST:PORT --root-certificates ca.crt --port 9095]
 
+    --dataset, --users-per-node, --run-config: check only (num-partitions against the dataset's users); the run
+        itself uses its run config.
+    --data-dir DIR, --cache-dir DIR: used for the check, and passed on to the node as FEDREC_DATA_DIR /
+        FEDREC_FLWR_CACHE (absolute) in flower-supernode's environment; its ClientApps read them when the run
+        config's data-dir / cache-dir is empty (FEDREC_DATA_DIR: not for dataset generic).
+
 See ``scripts/deploy_local.py`` for a whole deployed run on one machine.
 """
 
@@ -73,6 +79,9 @@ processes that left their process group (Flower detaches the SuperLink's SuperEx
 
 DEFAULT_SUPERLINK = "127.0.0.1:8000"
 """``flower-supernode``'s default ``--superlink`` in flwr 1.42."""
+
+CACHE_DIR_ENV = "FEDREC_FLWR_CACHE"
+"""Environment variable of the default cache folder (:func:`fedrec_flwr.data.loaders.default_cache_dir`)."""
 
 SUPERNODE_READY = "SuperNode ID:"
 """What a SuperNode logs once the SuperLink has accepted it (flwr 1.42)."""
@@ -757,14 +766,28 @@ def supernode_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fedrec_flwr.deploy supernode", allow_abbrev=False,
         description="Check a SuperNode's node config, then exec flower-supernode with it. Arguments not listed "
-                    "here are passed to flower-supernode.")
+                    "here are passed to flower-supernode. The run's own settings (dataset, users-per-node, ...) "
+                    "come from the run config submitted with `flwr run`; --dataset, --users-per-node and "
+                    "--run-config only check this node against them. --data-dir and --cache-dir are passed on to "
+                    "the node (as FEDREC_DATA_DIR / FEDREC_FLWR_CACHE in flower-supernode's environment).")
     parser.add_argument("--partition-id", default=None, help="this node's partition (0..num-partitions-1)")
     parser.add_argument("--num-partitions", default=None, help="number of SuperNodes")
-    parser.add_argument("--dataset", default=None, help="also check against this dataset's users")
-    parser.add_argument("--users-per-node", default=None)
-    parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--cache-dir", default=None)
-    parser.add_argument("--run-config", default=None, help="more run-config keys for the dataset check (k=v ...)")
+    parser.add_argument("--dataset", default=None,
+                        help="check only: with --users-per-node, num-partitions must fit this dataset's users "
+                             "(the run uses the dataset of its run config)")
+    parser.add_argument("--users-per-node", default=None,
+                        help="check only: num-partitions must equal ceil(users / this) (the run uses the "
+                             "users-per-node of its run config)")
+    parser.add_argument("--data-dir", default=None,
+                        help="this node's dataset folder (or a folder holding <dataset>/): used for the check and "
+                             "passed on as FEDREC_DATA_DIR=<absolute path>, which the node's ClientApps read when the "
+                             "run config's data-dir is empty (not for dataset generic: its files come from the "
+                             "run config)")
+    parser.add_argument("--cache-dir", default=None,
+                        help=f"this node's processed-split cache: used for the check and passed on as "
+                             f"{CACHE_DIR_ENV}=<absolute path>, read when the run config's cache-dir is empty")
+    parser.add_argument("--run-config", default=None,
+                        help="check only: more run-config keys for the dataset check (k=v ...)")
     parser.add_argument("--probe-timeout", type=float, default=2.0,
                         help="seconds to wait for the SuperLink's TCP port (default 2)")
     parser.add_argument("--dry-run", action="store_true", help="check only; print the flower-supernode command")
@@ -821,6 +844,7 @@ def supernode_main(argv: Sequence[str]) -> int:
                     raise NodeConfigError(f"'users-per-node' = {args.users_per_node!r}: expected an integer")
                 merge_setting(run_config, "users-per-node", upn, f"--users-per-node {upn}", earlier)
         users = check_node_config(node_config, run_config)
+        node_env = supernode_environment(args.data_dir, args.cache_dir, (run_config or {}).get("dataset"))
         if not args.dry_run:  # --dry-run checks the node config only and prints the command
             check_superlink_listening(superlink, args.probe_timeout)
     except FedRecError as err:  # NodeConfigError; a bad run config or dataset of the dataset check
@@ -828,14 +852,33 @@ def supernode_main(argv: Sequence[str]) -> int:
         return 2
     command = [_bin("flower-supernode"), *flower_args, "--node-config", format_node_config(node_config)]
     served = f", users {users.start}..{users.stop - 1}" if users is not None else ""
+    passed = "".join(f"; {key}={value}" for key, value in node_env.items())
     print(f"fedrec-flwr supernode: partition-id {node_config['partition-id']} of {node_config['num-partitions']}"
-          f"{served}; SuperLink {superlink}" + (" (not probed: --dry-run)" if args.dry_run else " is listening"),
-          file=sys.stderr, flush=True)
+          f"{served}{passed}; SuperLink {superlink}"
+          + (" (not probed: --dry-run)" if args.dry_run else " is listening"), file=sys.stderr, flush=True)
+    if args.data_dir is not None and (run_config or {}).get("dataset") == "generic":
+        print(f"fedrec-flwr supernode: --data-dir was used for the check only: dataset generic reads its files from "
+              f"the run config (data-dir, generic-file)", file=sys.stderr, flush=True)
     if args.dry_run:
-        print(shlex.join(command))
+        print(" ".join([*(f"{key}={shlex.quote(value)}" for key, value in node_env.items()), shlex.join(command)]))
         return 0
-    os.execv(command[0], command)
+    os.execve(command[0], command, {**os.environ, **node_env})
     return 0  # not reached
+
+
+def supernode_environment(data_dir: str | None, cache_dir: str | None, dataset: str | None) -> dict[str, str]:
+    """The environment variables the ``supernode`` command adds to ``flower-supernode``'s environment, which its
+    ClientApp processes inherit: ``FEDREC_DATA_DIR`` (``--data-dir``; not for ``dataset = "generic"``, whose files the
+    run config names) and ``FEDREC_FLWR_CACHE`` (``--cache-dir``), as absolute paths. A ClientApp reads them only
+    where the run config's ``data-dir`` / ``cache-dir`` is empty (:func:`fedrec_flwr.runtime.data_dir_for`,
+    :func:`fedrec_flwr.data.loaders.default_cache_dir`)."""
+    from .runtime import DATA_DIR_ENV  # imports torch: only once the checks passed
+    env: dict[str, str] = {}
+    if data_dir and dataset != "generic":
+        env[DATA_DIR_ENV] = str(Path(data_dir).expanduser().resolve())
+    if cache_dir:
+        env[CACHE_DIR_ENV] = str(Path(cache_dir).expanduser().resolve())
+    return env
 
 
 def main(argv: Sequence[str] | None = None) -> int:
