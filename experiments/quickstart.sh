@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Install fedrec-flwr into .venv (CPU build of torch first) and run the default experiment with `flwr run`:
+# Install fedrec-flwr into .venv (torch first) and run the default experiment with `flwr run`:
 # MovieLens-100K, 943 per-user clients, FedNCF, fraction-train 0.1, 100 rounds. Extra arguments are run-config
 # overrides and launcher flags in any order, e.g.  bash experiments/quickstart.sh num-server-rounds=20 model=mf --verbose
 # (python -m fedrec_flwr.launch run --help lists the flags). The exit status is 0 only when the run finished.
+# torch: a plain `pip install torch==2.13.0`, so pip's configured sources pick the build (a local CPU wheel where
+# find-links has one; from plain PyPI on Linux, the CUDA build). TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# takes it from that index instead (the CPU build; the index must be reachable).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,7 +17,7 @@ fi
 # (Re)install only when pyproject.toml changed since the last install.
 if [ ! -f .venv/.fedrec-installed ] || [ pyproject.toml -nt .venv/.fedrec-installed ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet "torch==2.13.0"
+  .venv/bin/python -m pip install --quiet ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
   .venv/bin/python -m pip install --quiet -e ".[test]"
   touch .venv/.fedrec-installed
 fi
