@@ -163,8 +163,10 @@ class ItemEmbeddingFedAvg(FedAvg):
                 raise ConfigError("a forget set (forget-users / forget-fraction) needs the federation's topology")
             options["unlearning"] = UnlearningSettings.from_config(config, topology.num_users)
             if config.unlearning == "none":
-                log.warning("forget-users / forget-fraction set with unlearning = 'none': those %d users still train "
-                            "and are only left out of evaluation", len(options["unlearning"].forget))
+                count = len(options["unlearning"].forget)
+                log.warning("forget-users / forget-fraction set with unlearning = 'none': %s still train%s and %s "
+                            "only left out of evaluation", f"those {count} users" if count != 1 else "that 1 user",
+                            "" if count != 1 else "s", "are" if count != 1 else "is")
         strategy = cls(layout, topology=topology, **options)
         from .adversary import AdversaryServerStep
 

@@ -281,9 +281,12 @@ class ClientUnlearning:
         radius = None
         if s.krylov_solver == "steihaug":
             radius = s.trust_radius * _norm(_restrict(theta, g_forget, self.layout))
-            report["trust-radius"] = radius
             if radius <= 0:  # the forgotten users touch only all-zero parameters: any finite radius (ours)
                 radius = s.trust_radius
+            # the config key (relative to the norm of the touched parameters) under its own name; the norm bound the
+            # solve used under another
+            report["trust-radius"] = s.trust_radius
+            report["trust-radius-absolute"] = radius
         if not nodes:
             log.warning("unlearning: no remaining user shares a row with the forgotten users; the step is g / damping")
         if s.krylov_mode == "distributed":

@@ -305,7 +305,7 @@ def probe(dataset: str, model: str, fakes: int, seed: int, changes: dict, *, dat
                     "forget-gradient-dense-norm": float(np.sqrt(sum(np.sum(g_forget[k] ** 2) for k in g_forget
                                                                     if k not in item_keys))),
                     "rows-touched": int(touched.size), "items": int(split.num_items),
-                    "trust-radius": base_report.get("trust-radius"), "step-norm": _norm(step),
+                    "trust-radius-absolute": base_report.get("trust-radius-absolute"), "step-norm": _norm(step),
                     "step-target-row-norm": _norm(step, [target], item_keys),
                     "target-row-norm": _norm(theta, [target], item_keys)}
         print("  geometry", geometry, flush=True)
