@@ -134,8 +134,8 @@ def tradeoff_plot(results: Path, main: pd.DataFrame) -> None:
     server = curves[0]
     every = pd.concat([c for c in curves if not c.empty]) if any(not c.empty for c in curves) else server
     if not every.empty:
-        write_csv(every.groupby(["model", "arm", "epsilon"])[["HR@10", "logreg-auc", "mlp-auc"]].agg(["mean", "count"])
-                  .reset_index(), results / "tradeoff-server.csv")
+        write_csv(every.groupby(["model", "epsilon"])[["HR@10", "logreg-auc", "mlp-auc"]].agg(["mean", "count"])
+                  .reset_index(), results / "tradeoff-server.csv")  # one arm per model (methods: SERVER_ARM ...)
     if not server.empty:
         curve = server.groupby("epsilon")[["HR@10", "logreg-auc"]].mean().reset_index().sort_values("epsilon")
         axis.plot(curve["logreg-auc"], curve["HR@10"], "^-", label="FedAU2-server, entropy (ours), always, across eps")
