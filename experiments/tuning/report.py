@@ -69,11 +69,17 @@ def popularity_rows(dataset: str, data_dir: str) -> list[dict]:
 
 
 def centralized_rows(results: Path, dataset: str, model: str) -> list[dict]:
+    """One row per seed: the test metrics at the epoch chosen on validation, from the run with the largest epoch
+    budget (``e<epochs>/seed<k>/``) that has finished."""
+    runs: dict[int, tuple[int, Path]] = {}
+    for path in (results / "runs" / dataset / f"centralized-{model}").glob("e*/seed*/summary.json"):
+        seed, budget = int(path.parent.name[4:]), int(path.parent.parent.name[1:])
+        if seed not in runs or budget > runs[seed][0]:
+            runs[seed] = (budget, path.parent)
     rows = []
-    for path in sorted((results / "runs" / dataset / f"centralized-{model}").glob("e*/seed*/summary.json")):
-        history = json.loads((path.parent / "metrics.json").read_text())
-        best = select_epoch(history)
-        rows.append({"seed": int(path.parent.name[4:]), "epoch": best["epoch"], **{m: best[m] for m in METRICS}})
+    for seed, (budget, folder) in sorted(runs.items()):
+        best = select_epoch(json.loads((folder / "metrics.json").read_text()))
+        rows.append({"seed": seed, "epoch": best["epoch"], "budget": budget, **{m: best[m] for m in METRICS}})
     return rows
 
 
@@ -104,8 +110,10 @@ def grid_table(results: Path, dataset: str) -> None:
     for method, record in selection.items():
         for point in record["grid"]:
             name = G.setting_name(point["setting"])
+            failed = point.get("failed", False)
             rows.append({"method": method, "stage": point["stage"] + 1, "setting": name,
-                         "val-HR@10": round(point["val-HR@10"], 4), "val-NDCG@10": round(point["val-NDCG@10"], 4),
+                         "val-HR@10": "failed" if failed else round(point["val-HR@10"], 4),
+                         "val-NDCG@10": "failed" if failed else round(point["val-NDCG@10"], 4),
                          "selected": "yes" if name == record["name"] else ""})
     if not rows:
         return
@@ -132,8 +140,9 @@ def main_table(results: Path, dataset: str, data_dir: str) -> None:
         rows = centralized_rows(results, dataset, model)
         per[(name, 0)] = rows
         if rows:
-            epochs = ",".join(str(r["epoch"]) for r in rows)
-            table.append({"round": "-", **summarise(name, rows, f"Adam 0.001, batch 1024; epochs (val) {epochs}")})
+            epochs = ",".join(f"{r['epoch']}/{r['budget']}" for r in rows)
+            table.append({"round": "-", **summarise(name, rows, f"Adam 0.001, batch 1024; epoch chosen on val / "
+                                                                f"budget: {epochs}")})
     pop = popularity_rows(dataset, data_dir)
     per[("popularity", 0)] = pop
     table.append({"round": "-", **summarise("popularity", pop, "train counts")})
