@@ -349,6 +349,8 @@ class RunConfig:
         ks = self.k_values
         if not ks:
             raise ConfigError("run-config key 'ks' = '': give at least one cut-off, e.g. \"5,10,20\"")
+        if len(set(ks)) != len(ks):
+            raise ConfigError(f"run-config key 'ks' = {self.ks!r}: a cut-off is given twice; give each K once")
         if max(ks) > self.num_test_negatives + 1:
             raise ConfigError(
                 f"run-config key 'ks' = {self.ks!r}: K may not exceed the {self.num_test_negatives + 1} ranked candidates"

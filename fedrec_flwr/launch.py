@@ -281,13 +281,18 @@ def claim_home(base: str | os.PathLike, max_slots: int = MAX_CONCURRENT) -> Iter
 
     Raises:
         HomeBusy: all ``max_slots`` homes are held; the message names the running launchers.
+        ConfigError: a home cannot be created or written (``--flwr-home`` in ``/proc``, read-only, ...).
     """
     base = Path(base).expanduser().resolve()
     others: list[str] = []
     for slot in range(max_slots):
         home = base if slot == 0 else base / f"concurrent-{slot}"
-        home.mkdir(parents=True, exist_ok=True)
-        handle = open(home / LOCK_FILE, "a+")
+        try:
+            home.mkdir(parents=True, exist_ok=True)
+            handle = open(home / LOCK_FILE, "a+")
+        except OSError as err:
+            raise ConfigError(f"--flwr-home {base} (or $FLWR_HOME): the Flower home {home} cannot be created or "
+                              f"written ({err.strerror or err})") from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -639,15 +644,27 @@ def shown_quietly(line: str) -> bool:
 
 
 def run_error(log: str) -> str | None:
-    """The run's own error in its log: the last ``SomeError: message`` line (the end of the last traceback), else
-    the last ``ERROR`` line."""
-    lines = [ANSI.sub("", line).strip() for line in log.splitlines()]
+    """The run's own error in its log, the first cause rather than what it set off: the ServerApp's own last line when
+    it ended with an exception (``... the ServerApp has ended: SomeError: message`` -> ``SomeError: message``), else
+    the first exception line (the end of the first traceback, or the first ``SomeError: message`` line), else the
+    last ``ERROR`` line. Flower's later lines (``ERROR : Exit Code: 700``) say only that the run failed."""
+    lines = [ANSI.sub("", line).rstrip() for line in log.splitlines()]
+    for line in lines:
+        if SERVERAPP_ENDED in line:
+            cause = line.split(SERVERAPP_ENDED, 1)[1].strip(": ")
+            if cause and cause != "completed":
+                return cause
+    in_traceback = False
+    for line in lines:
+        if "Traceback (most recent call last)" in line:
+            in_traceback = True
+        elif in_traceback and line.strip() and not line[:1].isspace():
+            return line.strip()
+        elif not in_traceback and ERROR_LINE.match(line.strip()):
+            return line.strip()
     for line in reversed(lines):
-        if ERROR_LINE.match(line):
-            return line
-    for line in reversed(lines):
-        if line.startswith("ERROR"):
-            return line
+        if line.strip().startswith("ERROR"):
+            return line.strip()
     return None
 
 
@@ -969,9 +986,49 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any],
     if args.timeout is not None and not args.timeout > 0:
         raise ConfigError(f"--timeout {args.timeout:g}: must be a positive number of seconds")
     defaults = default_mapping(PROJECT_ROOT / "pyproject.toml")
-    overrides = dict(parse_override(pair, defaults) for pair in args.overrides)
-    federation = dict(parse_override(pair, {}, "--federation-config") for pair in args.federation_config)
+    overrides = _once([parse_override(pair, defaults) for pair in args.overrides], "run-config key")
+    federation = _once([parse_override(pair, {}, "--federation-config") for pair in args.federation_config],
+                       "--federation-config key")
+    check_federation_config(federation)
     return args, overrides, federation
+
+
+def _once(pairs: Sequence[tuple[str, Any]], what: str) -> dict[str, Any]:
+    """``pairs`` as a mapping; a key given twice is refused (silently keeping the last would hide a typo).
+
+    Raises:
+        ConfigError: naming the key and both values.
+    """
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise ConfigError(f"{what} {key!r} is given twice ({key}={found[key]!r} and {key}={value!r}): give it once")
+        found[key] = value
+    return found
+
+
+def check_federation_config(federation: Mapping[str, Any]) -> None:
+    """Check ``--federation-config`` keys and values as ``flwr run`` will (its own
+    ``flwr.supercore.utils.simulation_config_from_json``: the fields of Flower's ``SimulationConfig``, each of its
+    type), before anything starts; ``num-supernodes`` has its own flag.
+
+    Raises:
+        ConfigError: an unknown key (with the known ones) or a value of the wrong type or range, naming both.
+    """
+    from flwr.proto.federation_config_pb2 import SimulationConfig
+    from flwr.supercore.utils import simulation_config_from_json
+
+    known = sorted(f.name.replace("_", "-") for f in SimulationConfig.DESCRIPTOR.fields if f.name != "num_supernodes")
+    for key, value in federation.items():
+        if key == "num-supernodes":
+            raise ConfigError(f"--federation-config num-supernodes={value}: use --num-supernodes {value}")
+        if key not in known:
+            raise ConfigError(f"--federation-config {key}={value}: Flower knows no simulation setting {key!r} "
+                              f"(known: {', '.join(known)})")
+        try:
+            simulation_config_from_json({key.replace("-", "_"): value})
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"--federation-config {key}={value}: Flower refuses the value ({err})") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

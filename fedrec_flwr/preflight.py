@@ -3,15 +3,19 @@
 The launcher (:func:`fedrec_flwr.launch.check_run`) calls it before it starts a SuperLink, :func:`fedrec_flwr.serial.
 run_serial` before its first message, and the ServerApp (:func:`fedrec_flwr.server_app.main`) first thing, so plain
 ``flwr run .`` gets it too. It raises :class:`~fedrec_flwr.errors.ConfigError` / :class:`~fedrec_flwr.errors.DataError`
-naming the key and value, and creates nothing: no results folder, no file.
+naming the key and value, and leaves nothing behind: no results folder, no file.
 
 Without the data (the ServerApp: the server never reads the interaction data) it checks what holds anywhere:
 
 * the client's and the strategy's own ``check_config`` (:func:`fedrec_flwr.registry.check_components`), which for a
   Flower strategy builds it from ``strategy-args`` and refuses a config key it would send that the client ignores
   (FedProx with ``proximal_mu > 0``: :func:`strategies.flower_adapter.check_sent_keys`);
-* ``resume-from``: a readable checkpoint there, written with the same config (:mod:`fedrec_flwr.checkpoint`);
-* the results folder: not a finished run's (``summary.json``), and creatable / writable under ``results-dir``.
+* ``run-name``: a plain folder name (no path separator, not ``.`` or ``..``), so the results stay under
+  ``results-dir``;
+* ``resume-from``: a readable checkpoint there, written with the same config (:mod:`fedrec_flwr.checkpoint`), in a
+  folder that holds no finished run (``summary.json``: a finished run is never rewritten);
+* the results folder: not a finished run's (``summary.json``) nor an interrupted one's (``checkpoint.npz``: resume it
+  with ``resume-from``), and creatable / writable under ``results-dir`` (probed with an empty folder, removed at once).
 
 With the data (the launcher and ``run_serial``, which read it in this process) it also builds what a node builds
 (:func:`fedrec_flwr.runtime.get_runtime`: the split, the ``protected-attribute`` labels, the model) and the strategy
@@ -82,11 +86,16 @@ def preflight(config: RunConfig | Mapping[str, Any], *, with_data: bool = False)
     if not isinstance(config, RunConfig):
         config = RunConfig.from_mapping(config)
     check_components(config)
+    check_run_name(config.run_name)
     resume = None
     if config.resume_from:
         resume = load_checkpoint(config.resume_from)
         check_resumable(resume, config.to_dict())
         folder = Path(resume.folder).resolve()
+        if (folder / "summary.json").is_file():
+            raise ConfigError(f"run-config key 'resume-from' = {config.resume_from!r}: {folder} holds a finished run "
+                              "(summary.json), which is never rewritten; to train further start a new run (another "
+                              "'run-name')")
     else:
         folder = Path(config.results_dir).expanduser().resolve() / default_run_name(config)
         check_results_folder(folder, clear=False)
@@ -123,6 +132,20 @@ def build_strategy(config: RunConfig, layout, topology, dry: bool = False):
     return strategy
 
 
+def check_run_name(name: str) -> None:
+    """Refuse a ``run-name`` that is not a plain folder name: it names the results folder under ``results-dir`` and the
+    clients' state folder under ``client-state-dir``, so a path separator, ``.`` or ``..`` would put them elsewhere.
+
+    Raises:
+        ConfigError: naming the key and the value.
+    """
+    if not name:
+        return
+    if "/" in name or "\\" in name or os.sep in name or "\0" in name or name in (".", ".."):
+        raise ConfigError(f"run-config key 'run-name' = {name!r}: must be a plain folder name (no '/' or '\\', not '.' "
+                          "or '..'): it names the results folder under 'results-dir'")
+
+
 def default_run_name(config: RunConfig) -> str:
     """``<dataset>-<model>-<client>-<strategy>[-unlearn-<method>]-<UTC time>`` unless ``run-name`` is set."""
     if config.run_name:
@@ -153,14 +176,24 @@ def _block_topology(config: RunConfig, num_users: int):
 
 
 def _check_writable(folder: Path, key: str, value: str) -> None:
-    """Refuse a results folder that cannot be created or written: its nearest existing ancestor must be a writable
-    folder (nothing is created here)."""
+    """Refuse a results folder that cannot be created or written: its nearest existing ancestor must be a folder in
+    which a folder can be made (probed: an empty hidden folder is made there and removed at once; ``os.access``
+    says yes to root everywhere, even in ``/proc``).
+
+    Raises:
+        ConfigError: naming ``key`` and ``value``, the folder and why.
+    """
+    import tempfile
+
     existing = folder
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
         raise ConfigError(f"run-config key {key!r} = {value!r}: the results folder {folder} cannot be created: "
                           f"{existing} is a file")
-    if not os.access(existing, os.W_OK | os.X_OK):
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".fedrec-preflight-", dir=existing))
+    except OSError as err:
         raise ConfigError(f"run-config key {key!r} = {value!r}: the results folder {folder} cannot be "
-                          f"{'written' if existing == folder else 'created'}: {existing} is not writable")
+                          f"{'written' if existing == folder else 'created'}: {existing} does not allow it "
+                          f"({err.strerror or err})") from None

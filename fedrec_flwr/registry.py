@@ -62,6 +62,15 @@ def resolve(kind: str, spec: str) -> type[Any]:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ConfigError(f"run-config key '{kind}' = {spec!r}: cannot import module '{module_name}': {err}") from err
+    except Exception as err:  # the module itself fails (NameError, SyntaxError, ...): name its file and line
+        import traceback
+
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith("<frozen")]
+        where = f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+        if isinstance(err, SyntaxError) and err.filename:
+            where = f" ({err.filename}, line {err.lineno})"
+        raise ConfigError(f"run-config key '{kind}' = {spec!r}: module '{module_name}' fails on import: "
+                          f"{type(err).__name__}: {err}{where}") from err
     try:
         cls = getattr(module, class_name)
     except AttributeError:

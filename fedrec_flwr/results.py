@@ -30,11 +30,14 @@ RESULT_FILES = ("metrics.csv", "metrics.json", "final_arrays.npz", "summary.json
 
 
 def check_results_folder(folder: str | Path, clear: bool = True) -> None:
-    """Refuse to write into a folder that holds a finished run, and (``clear``) delete what an unfinished one left.
+    """Refuse to write into a folder that holds a finished run or a resumable one, and (``clear``) delete what an
+    unfinished run without a checkpoint left.
 
     Raises:
         ConfigError: ``folder/summary.json`` exists (a finished run): choose another ``run-name`` or delete it, so
-            a folder never mixes two runs' files.
+            a folder never mixes two runs' files; or ``folder/checkpoint.npz`` exists (an interrupted run that can be
+            resumed): continue it with ``resume-from``, or choose another ``run-name`` (a new run never deletes a
+            checkpoint).
     """
     from .errors import ConfigError
 
@@ -42,6 +45,10 @@ def check_results_folder(folder: str | Path, clear: bool = True) -> None:
     if (folder / "summary.json").is_file():
         raise ConfigError(f"run-config key 'run-name' = {folder.name!r}: results folder {folder} already holds a "
                           "finished run (summary.json); set another 'run-name' or delete the folder")
+    if (folder / "checkpoint.npz").is_file():
+        raise ConfigError(f"run-config key 'run-name' = {folder.name!r}: results folder {folder} holds an interrupted "
+                          f"run's checkpoint (checkpoint.npz); continue it with resume-from={str(folder)!r}, or set "
+                          "another 'run-name' (or delete the folder) to start afresh")
     for name in RESULT_FILES if clear else ():  # an interrupted run's partial files: this run replaces them
         (folder / name).unlink(missing_ok=True)
 

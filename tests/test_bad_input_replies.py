@@ -140,9 +140,12 @@ def test_a_node_silent_during_evaluation_is_logged_and_counted(tmp_path, task_id
 
 
 def _checkpointed_run(tmp_path, name, **overrides):
-    """A 3-round run with a checkpoint after round 2 (its folder can be resumed to run round 3 again)."""
+    """A 3-round run with a checkpoint after round 2, as if stopped before its summary.json (a finished run is never
+    resumed), so its folder can be resumed to run round 3 again."""
     config = _tiny(tmp_path, num_server_rounds=3, checkpoint_every=2, eval_every=3, run_name=name, **overrides)
-    return config, run_serial(config)
+    folder = run_serial(config)
+    (folder / "summary.json").unlink()
+    return config, folder
 
 
 def test_resume_without_client_state_files_is_refused_or_warned(tmp_path, caplog):

@@ -101,11 +101,19 @@ def test_resume_refuses_a_different_config_a_missing_and_a_damaged_checkpoint(tm
         run_serial({**config, "num-server-rounds": 2, "resume-from": str(folder)})
 
 
-def test_checkpoints_are_off_by_default_and_a_new_run_clears_a_stale_one(tmp_path):
+def test_checkpoints_are_off_by_default_and_a_new_run_keeps_an_interrupted_ones(tmp_path):
+    """No checkpoint unless checkpoint-every is set; a new run of the same run-name never deletes an interrupted
+    run's checkpoint (it is refused, pointing to resume-from), and clears its other partial files only."""
     logging.getLogger("flwr").setLevel(logging.WARNING)
     config = tiny_run_config(tmp_path, num_server_rounds=2, run_name="plain")
     folder = tmp_path / "results" / "plain"
     folder.mkdir(parents=True)
-    (folder / CHECKPOINT_FILE).write_bytes(b"stale")
+    (folder / CHECKPOINT_FILE).write_bytes(b"interrupted")
+    with pytest.raises(ConfigError, match=r"holds an interrupted run's checkpoint .*resume-from="):
+        run_serial(config)
+    assert (folder / CHECKPOINT_FILE).read_bytes() == b"interrupted"
+    (folder / CHECKPOINT_FILE).unlink()
+    (folder / "metrics.csv").write_text("round\n1\n")
     run_serial(config)
     assert not (folder / CHECKPOINT_FILE).exists()
+    assert (folder / "metrics.csv").read_text() != "round\n1\n"

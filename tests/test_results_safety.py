@@ -1,0 +1,223 @@
+"""A run's results are never lost or written elsewhere, and bad command lines are refused in one line before anything
+starts (exit 2), as a new user following the README meets them: resuming a finished run, re-running an interrupted
+one without ``resume-from``, an unusable ``results-dir`` or ``--flwr-home``, a ``run-name`` that is a path, unknown
+``--federation-config`` keys, a plug-in that fails on import, keys given twice; and a failed run's last line names
+its first cause. Tiny generated data, ``run_serial`` or ``launch.main`` up to the preflight: no Ray, no SuperLink."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from fedrec_flwr import launch
+from fedrec_flwr.config import RunConfig
+from fedrec_flwr.errors import ConfigError
+
+from conftest import tiny_run_config
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+USERS_PER_NODE = 6  # the tiny dataset's 24 users on 4 nodes
+
+
+def _pairs(mapping: dict) -> list[str]:
+    """``key=value`` words for the launcher: the keys that differ from the defaults."""
+    defaults = launch.default_mapping(launch.PROJECT_ROOT / "pyproject.toml")
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in mapping.items() if v != defaults.get(k)]
+
+
+def _launch(capsys, tmp_path: Path, *words: str) -> tuple[int, list[str]]:
+    """``python -m fedrec_flwr.launch run <words>``: the exit status and the lines on stderr."""
+    code = launch.main(["run", "--flwr-home", str(tmp_path / "home"), *words])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 2-round run with a checkpoint every round and client state files (the tester's ``fin``)."""
+    from fedrec_flwr.serial import run_serial
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    base = tmp_path_factory.mktemp("finished")
+    config = tiny_run_config(base, users_per_node=USERS_PER_NODE, num_server_rounds=2, checkpoint_every=1,
+                             client_state_dir=str(base / "client-state"), run_name="fin")
+    folder = run_serial(config)
+    assert (folder / "summary.json").is_file() and (folder / "checkpoint.npz").is_file()
+    return base, config, folder
+
+
+def test_resuming_a_finished_run_is_refused_and_rewrites_nothing(finished, tmp_path, capsys):
+    """Defect 1: resuming a finished run exited 0 and rewrote final_arrays.npz without its arrays (460 KB -> 22 bytes)
+    and summary.json. Now: exit 2, one line naming resume-from and saying the folder holds a finished run; every
+    file of the folder unchanged; the same refusal from run_serial (the ServerApp's own preflight)."""
+    from fedrec_flwr.serial import run_serial
+
+    _, config, folder = finished
+    before = _digests(folder)
+    resume = {**config, "resume-from": str(folder)}
+    code, lines = _launch(capsys, tmp_path, *_pairs(resume))
+    assert code == 2, lines
+    assert len(lines) == 1 and "'resume-from'" in lines[0] and "holds a finished run" in lines[0], lines
+    with pytest.raises(ConfigError, match=r"'resume-from' = .*holds a finished run"):
+        run_serial(resume)
+    assert _digests(folder) == before
+
+
+def test_rerunning_an_interrupted_run_without_resume_from_keeps_its_checkpoint(finished, tmp_path, capsys):
+    """Defect 2: the same command again, without resume-from, over an interrupted run (checkpoint.npz, no
+    summary.json) deleted its checkpoint and started afresh. Now: exit 2, one line pointing to resume-from=<folder>;
+    the checkpoint stays; run_serial refuses too."""
+    import shutil
+
+    from fedrec_flwr.serial import run_serial
+
+    base, config, folder = finished
+    interrupted = tmp_path / "results" / "fin"
+    shutil.copytree(folder, interrupted)
+    (interrupted / "summary.json").unlink()
+    config = {**config, "results-dir": str(tmp_path / "results")}
+    before = _digests(interrupted)
+    code, lines = _launch(capsys, tmp_path, *_pairs(config))
+    assert code == 2, lines
+    assert len(lines) == 1 and f"resume-from={str(interrupted.resolve())!r}" in lines[0], lines
+    with pytest.raises(ConfigError, match="holds an interrupted run's checkpoint"):
+        run_serial(config)
+    assert _digests(interrupted) == before
+
+
+def test_a_results_dir_where_no_folder_can_be_made_is_refused_by_the_preflight(tmp_path, capsys):
+    """Defect 3: results-dir=/proc/nope passed the preflight (os.access says yes to root) and failed 56 s into the
+    simulation with FileNotFoundError printed 4 times. Now the preflight probes it: exit 2, one line naming
+    results-dir; nothing created."""
+    if not Path("/proc").is_dir():
+        pytest.skip("needs /proc")
+    mapping = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, results_dir="/proc/nope")
+    code, lines = _launch(capsys, tmp_path, *_pairs(mapping))
+    assert code == 2, lines
+    assert len(lines) == 1 and "run-config key 'results-dir' = '/proc/nope'" in lines[0], lines
+    assert not (tmp_path / "home").exists()
+
+
+@pytest.mark.parametrize("name", ["../escape", "<absolute>", "a/b", "..", "a\\b"])
+def test_a_run_name_that_is_a_path_is_refused(tmp_path, capsys, name):
+    """Defect 4: run-name=../escape wrote outside results-dir, run-name=/abs/path ignored it. Now: exit 2, one line
+    naming the key and the value; nothing written anywhere."""
+    name = str(tmp_path / "elsewhere" / "run") if name == "<absolute>" else name
+    (tmp_path / "results").mkdir()
+    mapping = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, run_name=name)
+    code, lines = _launch(capsys, tmp_path, *_pairs(mapping))
+    assert code == 2, lines
+    assert len(lines) == 1 and f"run-config key 'run-name' = {name!r}" in lines[0], lines
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "elsewhere").exists()
+    assert list((tmp_path / "results").iterdir()) == []
+
+
+@pytest.mark.parametrize("pair, expected", [
+    ("foo=1", "Flower knows no simulation setting 'foo'"),
+    ("client-resources-num-cpus=abc", "--federation-config client-resources-num-cpus=abc: Flower refuses the value"),
+    ("client-resources-num-cpus=-1", "--federation-config client-resources-num-cpus=-1: Flower refuses the value"),
+    ("num-supernodes=3", "use --num-supernodes 3"),
+])
+def test_federation_config_is_checked_as_flower_checks_it(tmp_path, capsys, pair, expected):
+    """Defect 5: an unknown --federation-config key (or a non-integer CPU count) started the SuperLink and failed
+    19 s later with 'status unknown ... the SuperLink knows no run', Flower's own reason only in the log. Now
+    Flower's own check (simulation_config_from_json) runs on the command line: exit 2, one line, nothing started."""
+    code, lines = _launch(capsys, tmp_path, "--federation-config", pair, "num-server-rounds=1")
+    assert code == 2, lines
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+    assert not (tmp_path / "home").exists()
+    # what Flower accepts passes
+    _, _, federation = launch.parse_args(["run", "--federation-config", "client-resources-num-cpus=1",
+                                          "--federation-config", "init-args-num-cpus=2"])
+    assert federation == {"client-resources-num-cpus": 1, "init-args-num-cpus": 2}
+
+
+FAILED_RUN_LOG = """\
+INFO :      [ROUND 1]
+INFO :      configure_train: Sampling failed: cannot sample 10 from 10 nodes
+ERROR :     ServerApp thread raised an exception: Missing required key 'nosuch'
+ERROR :     Traceback (most recent call last):
+  File "/x/flwr/server/serverapp/app.py", line 200, in run_serverapp
+    updated_context = run_(
+  File "/x/flwr/serverapp/strategy/strategy_utils.py", line 80, in validate_message_reply_consistency
+    raise InconsistentMessageReplies(reason=f"Missing required key `{weighted_by_key}` in reply.")
+flwr.serverapp.exception.InconsistentMessageReplies: Missing required key 'nosuch'
+ERROR fedrec_flwr.server_app: the ServerApp has ended: InconsistentMessageReplies: Missing required key 'nosuch'
+ERROR :     Exit Code: 700
+Traceback (most recent call last):
+  File "/x/flwr/simulation/app.py", line 10, in main
+RuntimeError: Exit Code: 700
+"""
+
+
+def test_a_failed_runs_last_line_names_its_first_cause():
+    """Defect 6: a run failing in round 1 ended with 'error: the run did not finish (finished:failed): ERROR : Exit
+    Code: 700'; the cause was only earlier. Now the ServerApp's own last line (its exception), else the first
+    exception line, is the error."""
+    assert launch.run_error(FAILED_RUN_LOG) == "InconsistentMessageReplies: Missing required key 'nosuch'"
+    without_ours = "\n".join(line for line in FAILED_RUN_LOG.splitlines() if "fedrec_flwr" not in line)
+    assert launch.run_error(without_ours) == \
+        "flwr.serverapp.exception.InconsistentMessageReplies: Missing required key 'nosuch'"
+    completed = "INFO fedrec_flwr.server_app: the ServerApp has ended: completed\nERROR :     Exit Code: 700\n"
+    assert launch.run_error(completed) == "ERROR :     Exit Code: 700"
+
+
+def test_an_unusable_flwr_home_is_one_error_line(tmp_path, capsys):
+    """Defect 7: --flwr-home /proc/x printed a 28-line traceback (exit 1). Now one line naming --flwr-home, exit 2."""
+    mapping = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE)
+    code = launch.main(["run", "--flwr-home", "/proc/x", *_pairs(mapping)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, lines
+    assert len(lines) == 1 and lines[0].startswith("error: --flwr-home /proc/x"), lines
+
+
+def test_a_plugin_that_fails_on_import_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """Defect 8: a plug-in module raising NameError at import gave a 37-line traceback, exit 1. Now one line with the
+    error, its file and line, exit 2."""
+    (tmp_path / "plugin_broken_at_import.py").write_text(
+        "from strategies.item_fedavg import ItemEmbeddingFedAvg\n\nsteps = undefined_name\n\n\n"
+        "class Broken(ItemEmbeddingFedAvg):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mapping = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, strategy="plugin_broken_at_import:Broken")
+    code, lines = _launch(capsys, tmp_path, *_pairs(mapping))
+    assert code == 2, lines
+    assert len(lines) == 1 and "run-config key 'strategy' = 'plugin_broken_at_import:Broken'" in lines[0], lines
+    assert "NameError: name 'undefined_name' is not defined" in lines[0] and "line 3" in lines[0], lines
+
+
+def test_the_readme_plugin_snippet_runs_as_copied(tmp_path, monkeypatch):
+    """Defect 8, README: the ServerLrItemFedAvg snippet, copied into a file as it stands, imports and runs a round."""
+    from fedrec_flwr.serial import run_serial
+
+    readme = (launch.PROJECT_ROOT / "README.md").read_text()
+    snippet = next(block for block in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+                   if "class ServerLrItemFedAvg" in block)
+    (tmp_path / "readme_server_lr.py").write_text(snippet)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    folder = run_serial(tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, num_server_rounds=1,
+                                        strategy="readme_server_lr:ServerLrItemFedAvg", server_lr=0.3))
+    assert (folder / "summary.json").is_file()
+
+
+def test_a_key_given_twice_and_a_repeated_k_are_refused(tmp_path, capsys):
+    """Defect 9: num-server-rounds=1 num-server-rounds=2 silently took the last, and ks=5,5 was accepted. Now both
+    are refused before anything starts, naming the key."""
+    code, lines = _launch(capsys, tmp_path, "num-server-rounds=1", "num-server-rounds=2")
+    assert code == 2 and len(lines) == 1 and "'num-server-rounds' is given twice" in lines[0], lines
+    code, lines = _launch(capsys, tmp_path, "--federation-config", "client-resources-num-cpus=1",
+                          "--federation-config", "client-resources-num-cpus=2")
+    assert code == 2 and len(lines) == 1 and "'client-resources-num-cpus' is given twice" in lines[0], lines
+    with pytest.raises(ConfigError, match=r"run-config key 'ks' = '5,5': a cut-off is given twice"):
+        RunConfig.from_mapping(tiny_run_config(tmp_path, ks="5,5"))
+    code, lines = _launch(capsys, tmp_path, *_pairs(tiny_run_config(tmp_path, ks="10,5,10")))
+    assert code == 2 and len(lines) == 1 and "run-config key 'ks' = '10,5,10'" in lines[0], lines
+    assert not (tmp_path / "home").exists()
