@@ -19,7 +19,8 @@ run time. This module wraps it so a run is self-contained and never touches what
   that does not match is refused before anything starts;
 * every check that needs no Flower (:func:`fedrec_flwr.preflight.preflight`, with the data: keys, plug-ins, the
   dataset, attributes, ``forget-users``, ``resume-from``, the results folder, a Flower strategy's config keys) runs
-  before anything starts: one ``error:`` line, exit 2, nothing created;
+  before anything starts: one ``error:`` line, exit 2, nothing created; so do the command line's own checks (a key
+  given twice, ``--federation-config`` keys and values as ``flwr run`` checks them) and an unusable Flower home;
 * the exit status is 0 only when Flower reports the run ``finished:completed``, 1 for a run that started and failed
   (its own error is the last line printed), 2 for a usage or config error found before the start;
 * a run whose simulation does not exit :data:`END_GRACE` s after its ServerApp's last line (a ClientApp that never
