@@ -648,7 +648,8 @@ def run_error(log: str) -> str | None:
     """The run's own error in its log, the first cause rather than what it set off: the ServerApp's own last line when
     it ended with an exception (``... the ServerApp has ended: SomeError: message`` -> ``SomeError: message``), else
     the first exception line (the end of the first traceback, or the first ``SomeError: message`` line), else the
-    last ``ERROR`` line. Flower's later lines (``ERROR : Exit Code: 700``) say only that the run failed."""
+    refusal of ``flwr run`` itself (its ``Error`` box, e.g. ``Unknown simulation config field(s): foo``), else the last
+    ``ERROR`` line. Flower's later lines (``ERROR : Exit Code: 700``) say only that the run failed."""
     lines = [ANSI.sub("", line).rstrip() for line in log.splitlines()]
     for line in lines:
         if SERVERAPP_ENDED in line:
@@ -663,10 +664,30 @@ def run_error(log: str) -> str | None:
             return line.strip()
         elif not in_traceback and ERROR_LINE.match(line.strip()):
             return line.strip()
+    cli = _cli_error(lines)
+    if cli:
+        return cli
     for line in reversed(lines):
         if line.strip().startswith("ERROR"):
             return line.strip()
     return None
+
+
+def _cli_error(lines: Sequence[str]) -> str | None:
+    """``flwr run``'s own refusal (a ``click`` error, before any run exists): the text of its last ``Error`` box
+    (``typer`` with ``rich``), or of its last ``Error: message`` line."""
+    found = None
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("╭") and " Error " in line:
+            body = []
+            for inner in lines[i + 1:]:
+                if not inner.lstrip().startswith("│"):
+                    break
+                body.append(inner.strip().strip("│").strip())
+            found = " ".join(part for part in body if part) or found
+        elif line.startswith("Error: "):
+            found = line.strip()
+    return found
 
 
 def run_status(env: Mapping[str, str], timeout: float = 60.0) -> tuple[str | None, str]:

@@ -168,6 +168,10 @@ def test_a_failed_runs_last_line_names_its_first_cause():
         "flwr.serverapp.exception.InconsistentMessageReplies: Missing required key 'nosuch'"
     completed = "INFO fedrec_flwr.server_app: the ServerApp has ended: completed\nERROR :     Exit Code: 700\n"
     assert launch.run_error(completed) == "ERROR :     Exit Code: 700"
+    # flwr run's own refusal (defect 5's key, had it passed the launcher): typer's Error box, as Flower prints it
+    refused = ("Loading project configuration...\n╭─ Error ─────────────────────────────╮\n"
+               "│ Unknown simulation config field(s): foo │\n╰─────────────────────────────────────╯\n")
+    assert launch.run_error(refused) == "Unknown simulation config field(s): foo"
 
 
 def test_an_unusable_flwr_home_is_one_error_line(tmp_path, capsys):
