@@ -92,7 +92,7 @@ def test_resume_refuses_a_different_config_a_missing_and_a_damaged_checkpoint(tm
     config = _config(tmp_path, "base", model="mf")
     folder = run_serial({**config, "num-server-rounds": 2})
     changed = {**config, "num-server-rounds": 2, "learning-rate": 0.5, "resume-from": str(folder)}
-    with pytest.raises(ConfigError, match=r"learning-rate: 0.01 -> 0.5"):
+    with pytest.raises(ConfigError, match=r"learning-rate: [0-9.]+ -> 0.5"):
         run_serial(changed)
     with pytest.raises(ConfigError, match="no checkpoint at"):
         run_serial({**config, "resume-from": str(tmp_path / "nowhere")})
