@@ -43,8 +43,8 @@ def selection_of(results: Path, dataset: str) -> dict:
 
 
 def federated_rows(results: Path, dataset: str, method: str, setting: dict, rounds: int) -> list[dict]:
-    """One row per seed: the test metrics at round ``rounds`` of the selected setting's run with that budget (a run
-    still going counts if it has reached that round; marked ``finished`` = False)."""
+    """One row per seed: the test metrics at round ``rounds`` (the last) of the selected setting's run with that
+    budget; seeds whose run has not reached it are left out (the table's ``seeds`` column counts the others)."""
     rows = []
     base = results / "runs" / dataset / slug(method) / f"r{rounds}"
     for seed in G.SEEDS:
@@ -192,13 +192,13 @@ def curves(results: Path, dataset: str, selection: dict, pop: list[dict], ncf: l
             series = []
             for seed in G.SEEDS:
                 path = base / f"{selection[method]['name']}-seed{seed}" / "metrics.json"
-                if path.is_file():
+                if (path.parent / "summary.json").is_file():  # finished runs only
                     rows = [r for r in json.loads(path.read_text()) if "HR@10" in r]
                     series.append(pd.Series({r["round"]: r["HR@10"] for r in rows}))
             if series:
                 frame = pd.concat(series, axis=1)
                 mean, std = frame.mean(axis=1), frame.std(axis=1).fillna(0)
-                axis.plot(mean.index, mean.values, marker=".", label=f"{method} ({len(series)} seeds)")
+                axis.plot(mean.index, mean.values, marker=".", label=f"{method} ({len(series)} seeds, {rounds} rounds)")
                 axis.fill_between(mean.index, mean - std, mean + std, alpha=0.15)
                 plotted += 1
                 break
