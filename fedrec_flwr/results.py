@@ -25,6 +25,20 @@ PROGRESS = logging.getLogger("fedrec_flwr.progress")
 """Logger of the one-line-per-round progress report."""
 
 
+COUNT_COLUMNS = frozenset({"train-users", "num-replies", "num-failures", "eval-users", "gradient-users",
+                           "num-examples", "num-users"})
+"""Metric columns that count users, replies or examples: written as integers (the wire carries them as floats)."""
+
+
+def _cell(key: str, value: Any) -> float | int:
+    """One metric value as written to ``metrics.csv`` / ``metrics.json``: an integral count in :data:`COUNT_COLUMNS`
+    as ``int`` (``12``, not ``12.0``), everything else as ``float``."""
+    number = float(value)
+    if key in COUNT_COLUMNS and number.is_integer():
+        return int(number)
+    return number
+
+
 RESULT_FILES = ("metrics.csv", "metrics.json", "final_arrays.npz", "summary.json", "learning_curves.png",
                 "unlearning.json", "before-unlearning.npz", "checkpoint.npz")
 
@@ -78,8 +92,8 @@ class RunRecorder:
         now = time.monotonic()
         row: dict[str, Any] = {"round": server_round, "seconds": round(now - self._last, 3)}
         self._last = now
-        row.update({k: float(v) for k, v in train.items()})
-        row.update({k: float(v) for k, v in evaluate.items()})
+        row.update({k: _cell(k, v) for k, v in train.items()})
+        row.update({k: _cell(k, v) for k, v in evaluate.items()})
         self.rows.append(row)
         hr, ndcg = evaluate.get("HR@10"), evaluate.get("NDCG@10")
         PROGRESS.info(

@@ -225,3 +225,21 @@ def test_a_key_given_twice_and_a_repeated_k_are_refused(tmp_path, capsys):
     code, lines = _launch(capsys, tmp_path, *_pairs(tiny_run_config(tmp_path, ks="10,5,10")))
     assert code == 2 and len(lines) == 1 and "run-config key 'ks' = '10,5,10'" in lines[0], lines
     assert not (tmp_path / "home").exists()
+
+
+def test_metrics_csv_writes_counts_as_integers_and_rates_as_floats(tmp_path):
+    """Counts (users, replies, failures) arrive as floats on the wire; metrics.csv/json show them as integers."""
+    import csv
+    import json
+
+    from fedrec_flwr.results import RunRecorder
+
+    recorder = RunRecorder(tmp_path / "run", {"rounds": 1}, {})
+    recorder.record(1, {"train-loss": 0.5, "train-users": 12.0, "num-replies": 4.0, "num-failures": 0.0},
+                    {"HR@10": 1.0, "eval-users": 12.0})
+    with open(tmp_path / "run" / "metrics.csv") as handle:
+        row = next(csv.DictReader(handle))
+    assert (row["train-users"], row["num-replies"], row["num-failures"], row["eval-users"]) == ("12", "4", "0", "12")
+    assert row["train-loss"] == "0.5" and row["HR@10"] == "1.0"
+    saved = json.loads((tmp_path / "run" / "metrics.json").read_text())[0]
+    assert isinstance(saved["train-users"], int) and isinstance(saved["HR@10"], float)
