@@ -156,6 +156,13 @@ NCF_SERVER_ARM = "FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entro
 original model leaks (attacker AUC 0.65), so the sweep can show where the AUC falls and what HR@10 it costs."""
 NCF_SERVER_EPSILONS = (0.1, 0.3)
 """Its further strengths, fixed before any run of the sweep."""
+SELECTION_SEED = 3
+"""Issue 14, third session: the seed of the eps selection runs (``select-eps``), disjoint from the reported seeds 0-2."""
+SELECTION_EPSILONS = (0.1, 0.3, 0.03, 1.0)
+"""The eps grid of that selection (run in this order), fixed before any of its runs."""
+SELECTION_KEYS = {"holdout-validation": True, "evaluate-validation": True}
+"""The selection runs hold out each user's second-latest interaction as a validation item and rank it at every
+evaluation: eps is chosen on it, never on the test item (:func:`experiments.fedau2.report.select_epsilon`)."""
 DIAGNOSTICS_ARMS = ("FedAU2", "FedAU2-server, prior, SGD embedding step", "FedAU2-server, entropy (ours), always, prior")
 """Arms whose per-round adversary diagnostics the README's plot compares (FedMF / gender, seed 1)."""
 

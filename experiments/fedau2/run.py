@@ -5,6 +5,7 @@
     python -m experiments.fedau2.run tradeoff                 # FedAU2 on FedMF / gender across eps
     python -m experiments.fedau2.run tradeoff-server          # the server-adversary arm across eps (seed 1)
     python -m experiments.fedau2.run tradeoff-server-ncf      # FedNCF's server-adversary arm across eps (seed 1)
+    python -m experiments.fedau2.run select-eps               # eps chosen on the validation item (seed 3)
     python -m experiments.fedau2.run diagnostics              # the per-client arm again, with adversary-diagnostics.csv
     python -m experiments.fedau2.run report                   # tables and plots from the finished runs
 
@@ -35,7 +36,7 @@ import pandas as pd
 from experiments.common import claimed, quiet_flower, run_jobs, slug
 from experiments.fedau2.methods import (
     ARMS, ATTRIBUTES, AUDIT_SEED, CLASS_PRIORS, EPSILONS, MODELS, NCF_SERVER_ARM, NCF_SERVER_EPSILONS, PROTOCOL,
-    SERVER_ARM, SERVER_EPSILONS, uses_attribute, uses_prior,
+    SELECTION_EPSILONS, SELECTION_KEYS, SELECTION_SEED, SERVER_ARM, SERVER_EPSILONS, uses_attribute, uses_prior,
 )
 from fedrec_flwr.attacks import attribute_inference, collect_user_embeddings
 from fedrec_flwr.attributes import encode_attribute
@@ -171,6 +172,23 @@ def jobs_tradeoff_server_ncf(args) -> list:
             for seed in args.seeds for eps in NCF_SERVER_EPSILONS]
 
 
+def jobs_select_eps(args) -> list:
+    """Issue 14: the eps of ``NCF_SERVER_ARM`` chosen on the validation item (``holdout-validation``): the original
+    model and the arm at each of ``SELECTION_EPSILONS``, gender, seed ``SELECTION_SEED`` (``--seeds`` overrides), per
+    ``--models``; the rule is :func:`experiments.fedau2.report.select_epsilon`."""
+    jobs = []
+    for seed in args.seeds:
+        for model in args.models:
+            folder = RUNS / "select-eps" / model
+            jobs.append((run_config(model, "original", "gender", seed, args.data_dir, folder, f"original-seed{seed}",
+                                    **SELECTION_KEYS), "gender"))
+            jobs += [(run_config(model, NCF_SERVER_ARM, "gender", seed, args.data_dir, folder,
+                                 f"{slug(NCF_SERVER_ARM)}-gender-eps{eps:g}-seed{seed}",
+                                 **{"adversary-epsilon": eps, **SELECTION_KEYS}), "gender")
+                     for eps in SELECTION_EPSILONS]
+    return jobs
+
+
 def jobs_diagnostics(args) -> list:
     """The per-client arm re-run (its first runs predate the diagnostics file) on FedMF / gender, ``--seeds``."""
     return [(run_config("FedMF", "FedAU2", "gender", seed, args.data_dir, RUNS / "diagnostics" / "FedMF",
@@ -179,8 +197,8 @@ def jobs_diagnostics(args) -> list:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("main", "tradeoff", "tradeoff-server", "tradeoff-server-ncf", "diagnostics",
-                                            "report"))
+    parser.add_argument("command", choices=("main", "tradeoff", "tradeoff-server", "tradeoff-server-ncf", "select-eps",
+                                            "diagnostics", "report"))
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--attributes", nargs="+", default=["gender"], choices=list(ATTRIBUTES))
@@ -190,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job starting at i")
     args = parser.parse_args(argv)
     if args.seeds is None:
-        args.seeds = {"main": [0, 1, 2], "tradeoff": [0]}.get(args.command, [1])
+        args.seeds = {"main": [0, 1, 2], "tradeoff": [0], "select-eps": [SELECTION_SEED]}.get(args.command, [1])
     quiet_flower()
     if args.command == "report":
         from experiments.fedau2.report import write_all
@@ -198,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         write_all(RESULTS)
         return
     jobs = {"main": jobs_main, "tradeoff": jobs_tradeoff, "tradeoff-server": jobs_tradeoff_server,
-            "tradeoff-server-ncf": jobs_tradeoff_server_ncf, "diagnostics": jobs_diagnostics}[args.command](args)
+            "tradeoff-server-ncf": jobs_tradeoff_server_ncf, "select-eps": jobs_select_eps,
+            "diagnostics": jobs_diagnostics}[args.command](args)
     run_jobs(jobs, run_job, args.shard, args.command)
 
 
