@@ -26,7 +26,8 @@ run time. This module wraps it so a run is self-contained and never touches what
 * a run whose simulation does not exit :data:`END_GRACE` s after its ServerApp's last line (a ClientApp that never
   returns keeps Flower 1.42's simulation waiting, and ``flwr run`` with it) is stopped: exit 1, with the nodes that
   gave no reply and their rounds; ``--timeout SECONDS`` stops the whole run after SECONDS: exit 124, likewise;
-* Ctrl-C (or SIGTERM / SIGHUP) stops the run, its SuperLink and Ray, and exits 130.
+* Ctrl-C (or SIGTERM / SIGHUP) stops the run, its SuperLink and Ray, and exits 128 + the signal's number, as a
+  shell reports a process a signal ended: 130 (SIGINT), 143 (SIGTERM), 129 (SIGHUP).
 
 Command line::
 
@@ -940,7 +941,7 @@ class _Stopped(KeyboardInterrupt):
 
 
 def _raise_stopped(signum, frame) -> None:
-    raise _Stopped(signal.Signals(signum).name)
+    raise _Stopped(signal.Signals(signum).name, 128 + signum)
 
 
 # ------------------------------------------------------------------------------------------ command line
@@ -1068,7 +1069,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as stop:
         print(f"\nstopped ({stop.args[0] if stop.args else 'Ctrl-C'}): the run, its SuperLink and Ray were ended",
               file=sys.stderr)
-        return 130
+        return stop.args[1] if len(stop.args) > 1 else 128 + signal.SIGINT
     except FedRecError as err:
         if debug:
             traceback.print_exc()

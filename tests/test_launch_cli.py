@@ -162,3 +162,22 @@ def test_deploy_local_runs_outside_the_venv_and_refuses_bad_input_in_one_line(tm
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "943 users need exactly 943 SuperNodes" in lines[0], done.stderr
     assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("signame, code", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_a_signal_ends_the_launcher_with_128_plus_its_number(tmp_path, monkeypatch, capsys, signame, code):
+    """SIGTERM / SIGHUP while a run is going: the launcher stops it like Ctrl-C and exits as a shell reports a process
+    that signal ended (128 + the signal's number), so a scheduler can tell a killed run from a failed one (2)."""
+    import signal
+    import time
+
+    import fedrec_flwr.launch as launch
+
+    def run_then_signalled(*args, **kwargs):
+        os.kill(os.getpid(), getattr(signal, signame))
+        time.sleep(5)  # the handler raises before this ends
+        raise AssertionError("the signal did not stop the run")
+
+    monkeypatch.setattr(launch, "flwr_run", run_then_signalled)
+    assert launch.main(["run", "--flwr-home", str(tmp_path / "home")]) == code
+    assert f"stopped ({signame})" in capsys.readouterr().err
