@@ -35,8 +35,10 @@ from .io import atomic_save_npz
 CHECKPOINT_FILE = "checkpoint.npz"
 """The checkpoint's file name in the results folder."""
 
-MAY_DIFFER = ("resume-from", "checkpoint-every", "round-timeout", "client-state-dir", "resume-resets-client-state")
-"""Run-config keys a resumed run may set differently from the interrupted one (they change no result)."""
+MAY_DIFFER = ("resume-from", "checkpoint-every", "round-timeout", "client-state-dir", "resume-resets-client-state",
+              "results-dir")
+"""Run-config keys a resumed run may set differently from the interrupted one (they change no result; a resumed run
+writes into the checkpoint's folder, wherever it now is, so ``results-dir`` may follow a moved folder)."""
 
 FORMAT = 1
 _MANIFEST = "__manifest__"

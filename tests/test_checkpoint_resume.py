@@ -117,3 +117,18 @@ def test_checkpoints_are_off_by_default_and_a_new_run_keeps_an_interrupted_ones(
     run_serial(config)
     assert not (folder / CHECKPOINT_FILE).exists()
     assert (folder / "metrics.csv").read_text() != "round\n1\n"
+
+
+def test_a_moved_results_folder_resumes_with_its_new_results_dir(tmp_path):
+    """The results folder of an interrupted run, moved (e.g. to another disk), resumes in its new place with the new
+    ``results-dir``: the folder is the checkpoint's, so ``results-dir`` may differ; other keys still may not."""
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    config = {**_config(tmp_path, "moved", model="mf"), "num-server-rounds": 2}
+    folder = run_serial(config)
+    (folder / "summary.json").unlink()  # as if killed after its last checkpoint
+    moved = tmp_path / "elsewhere" / "moved"
+    moved.parent.mkdir()
+    folder.rename(moved)
+    resumed = run_serial({**config, "results-dir": str(moved.parent), "resume-from": str(moved)})
+    assert resumed == moved and (moved / "summary.json").is_file()
+    assert not folder.exists()
