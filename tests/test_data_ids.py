@@ -100,3 +100,28 @@ def test_generic_attributes_user_ids_are_checked(tmp_path):
     source = GenericSource(path=str(tmp_path / "d.csv"), user_col="user", item_col="item",
                            attributes_path=str(tmp_path / "attrs.csv"))
     _refused("generic", None, r"attrs\.csv, line 4: attributes user column 'user' has value '2\.5'", generic=source)
+
+
+def test_a_split_cached_before_ids_were_checked_is_not_reused(tmp_path, monkeypatch):
+    """A cache hit skips parsing, so a split cached by format 2 (before ids were checked) from a file with a bad id
+    must not be found: format 3's key differs, the file is parsed again and the bad id refused."""
+    import fedrec_flwr.data.cache as cache_module
+    import fedrec_flwr.data.split as split_module
+    from fedrec_flwr.data import load_split, save_split
+    from fedrec_flwr.data.loaders import locate_source
+
+    rows = [f"{u}\t{i}\t3\t{100 * u + i}" for u in (1, 2, 3) for i in range(10 + 3 * u, 17 + 3 * u)]
+    good = load_split("ml-100k", _ml100k(tmp_path / "good", rows), cache_dir=tmp_path / "c1", download=False,
+                      min_user_interactions=3, num_test_negatives=2)
+    bad = _ml100k(tmp_path / "bad", rows + ["2\tabc\t3\t999"])
+    cache = tmp_path / "cache"
+    sha = locate_source("ml-100k", bad, cache_dir=cache, download=False).combined_sha256
+    params = dict(min_user_interactions=3, tie_rule="random", seed=0, num_test_negatives=2, holdout_validation=False)
+    monkeypatch.setattr(split_module, "FORMAT_VERSION", 2)
+    stale_key = split_module.split_cache_key("ml-100k", sha, **params)
+    monkeypatch.undo()
+    good.meta.update(cache_key=stale_key, format_version=2)
+    save_split(cache / "processed" / f"ml-100k-{stale_key}.npz", good)  # what format 2 left for the bad file
+    assert cache_module.FORMAT_VERSION == 3
+    with pytest.raises(DataError, match="abc"):
+        load_split("ml-100k", bad, cache_dir=cache, download=False, **params)

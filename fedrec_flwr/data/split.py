@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 
 #: Version of the processed-split layout and procedure; part of every cache key. 2: timestamps are exact int64 order
 #: keys (1 read them as float64, which merged timestamps above 2**53), and ``meta`` records ``held_out_order``.
-FORMAT_VERSION = 2
+#: 3: user and item ids are checked as integers while parsing (a cache hit skips parsing, so a split cached by 2 from
+#: a file with an id such as ``abc`` would otherwise still be used).
+FORMAT_VERSION = 3
 
 TIE_RULES = ("random", "fedrecgel", "smallest-item", "largest-item")
 
