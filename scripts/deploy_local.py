@@ -160,6 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     overrides.setdefault("run-name", f"deploy-{supernodes}nodes{'-tls' if tls else ''}{'-auth' if args.auth else ''}"
                                      f"-{stamp}")
+    try:  # every check that needs no Flower, before any process starts (as the launcher and run_serial do)
+        from fedrec_flwr.config import default_mapping
+        from fedrec_flwr.preflight import preflight
+
+        preflight({**default_mapping(), **overrides}, with_data=True)
+    except FedRecError as err:
+        if args.debug:
+            traceback.print_exc()
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     project = app_snapshot(workdir / "app") if args.snapshot else None
     print(f"deploying {supernodes} SuperNodes (users-per-node {overrides['users-per-node']}), "
           f"{'TLS' if tls else 'insecure'}{' + SuperNode auth' if args.auth else ''}; work folder {workdir}",

@@ -181,3 +181,19 @@ def test_a_signal_ends_the_launcher_with_128_plus_its_number(tmp_path, monkeypat
     monkeypatch.setattr(launch, "flwr_run", run_then_signalled)
     assert launch.main(["run", "--flwr-home", str(tmp_path / "home")]) == code
     assert f"stopped ({signame})" in capsys.readouterr().err
+
+
+def test_deploy_local_runs_the_preflight_before_starting_any_process(tmp_path, ml100k_dir):
+    """A run the preflight refuses (here: its results folder holds a finished run) is one `error:` line and exit 2
+    from `scripts/deploy_local.py` before a SuperLink or SuperNode starts (no work folder is created)."""
+    finished = tmp_path / "results" / "done"
+    finished.mkdir(parents=True)
+    (finished / "summary.json").write_text("{}")
+    done = subprocess.run([sys.executable, str(PROJECT_ROOT / "scripts" / "deploy_local.py"), "users-per-node=472",
+                           f"data-dir={ml100k_dir}", f"cache-dir={tmp_path / 'cache'}",
+                           f"results-dir={tmp_path / 'results'}", "run-name=done", "--workdir", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "holds a finished run" in lines[0], done.stderr
+    assert not (tmp_path / "work").exists()
