@@ -130,7 +130,10 @@ class RunRecorder:
             {"final": final, "selected-on-validation": selected,
              "total-seconds": round(time.monotonic() - self._start, 3), **dict(summary)},
         )
-        plot_learning_curves(self.rows, self.folder / "learning_curves.png", title=self.folder.name)
+        unlearning = summary.get("unlearning")
+        marks = {f"unlearning ({unlearning.get('method', '')})": unlearning["round"]} \
+            if isinstance(unlearning, Mapping) and "round" in unlearning else {}
+        plot_learning_curves(self.rows, self.folder / "learning_curves.png", title=self.folder.name, marks=marks)
         return self.folder
 
 
@@ -147,8 +150,12 @@ def select_on_validation(rows: list[Mapping[str, Any]], key: str = "val-HR@10") 
     return dict(best)
 
 
-def plot_learning_curves(rows: list[Mapping[str, Any]], path: str | Path, title: str = "") -> None:
-    """Plot HR@10 and NDCG@10 (evaluated rounds) and the train loss (every round) against the round, to a PNG."""
+def plot_learning_curves(rows: list[Mapping[str, Any]], path: str | Path, title: str = "",
+                         marks: Mapping[str, float] | None = None) -> None:
+    """Plot HR@10 and NDCG@10 (evaluated rounds) and the train loss (every round) against the round, to a PNG.
+
+    ``marks`` maps a label to a round after which something happened (e.g. ``{"unlearning (hfkcu)": 50}``): a dashed
+    vertical line at that round + 0.5 on both panels, named in the left panel's legend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -167,6 +174,10 @@ def plot_learning_curves(rows: list[Mapping[str, Any]], path: str | Path, title:
     for axis in (left, right):
         axis.set_xlim(0, last_round + 0.5)
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for label, after in (marks or {}).items():
+        for axis in (left, right):
+            axis.axvline(float(after) + 0.5, color="0.35", linestyle="--", linewidth=1,
+                         label=label if axis is left else None)
     left.set_ylim(bottom=0)
     left.set_xlabel("round")
     left.set_ylabel("metric on held-out items")

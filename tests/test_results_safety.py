@@ -243,3 +243,23 @@ def test_metrics_csv_writes_counts_as_integers_and_rates_as_floats(tmp_path):
     assert row["train-loss"] == "0.5" and row["HR@10"] == "1.0"
     saved = json.loads((tmp_path / "run" / "metrics.json").read_text())[0]
     assert isinstance(saved["train-users"], int) and isinstance(saved["HR@10"], float)
+
+
+def test_the_learning_curve_marks_the_unlearning_phase(tmp_path, monkeypatch):
+    """A run with an unlearning phase draws a dashed line after its round on both panels, named in the legend."""
+    import matplotlib.axes
+
+    from fedrec_flwr.results import RunRecorder
+
+    drawn = []
+    original = matplotlib.axes.Axes.axvline
+    monkeypatch.setattr(matplotlib.axes.Axes, "axvline",
+                        lambda self, x=0, *a, **k: drawn.append((x, k.get("label"))) or original(self, x, *a, **k))
+    recorder = RunRecorder(tmp_path / "run", {}, {})
+    for r in (1, 2, 3, 4):
+        recorder.record(r, {"train-loss": 0.5}, {"HR@10": 0.1 * r, "NDCG@10": 0.05 * r})
+    recorder.finish({}, {"unlearning": {"method": "hfkcu", "round": 2}})
+    assert drawn == [(2.5, "unlearning (hfkcu)"), (2.5, None)]
+    drawn.clear()
+    RunRecorder(tmp_path / "plain", {}, {}).finish({}, {})
+    assert drawn == [] and (tmp_path / "plain" / "learning_curves.png").is_file()
