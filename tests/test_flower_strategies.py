@@ -160,6 +160,13 @@ def test_fedavg_equals_item_fedavg_selected_when_examples_are_proportional_to_us
     assert not np.allclose(unequal[ITEMS], ours[ITEMS])
     by_users, _ = _round(_adapter(weighted_by_key="num-users"), {10: 6.0, 11: 2.0, 12: 4.0})
     np.testing.assert_allclose(by_users[ITEMS], ours[ITEMS], rtol=1e-6)  # ... unless weighted by num-users
+    # Dense parameters (NCF's MLP): ours are weighted by examples like FedAvg, so FedAvg-by-users differs there; this
+    # is why FedAvg-by-users equals item-fedavg-selected for FedMF but not for FedNCF (experiments/flower_strategies).
+    ours_unequal, _ = _round(ItemEmbeddingFedAvg(LAYOUT, topology=TOPOLOGY, seed=0, fraction_train=1.0,
+                                                 item_aggregation="selected"), {10: 6.0, 11: 2.0, 12: 4.0})
+    np.testing.assert_allclose(unequal[SCORE], ours_unequal[SCORE], rtol=1e-6)
+    np.testing.assert_allclose(by_users[ITEMS], ours_unequal[ITEMS], rtol=1e-6)
+    assert not np.allclose(by_users[SCORE], ours_unequal[SCORE])
 
 
 def test_fedmedian_leaves_rows_that_most_users_did_not_train_at_their_global_value(task_identity):
