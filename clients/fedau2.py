@@ -58,7 +58,9 @@ import torch
 
 from clients.fedrec import FedRecClient
 from clients.fedrecgel import FedRecGELClient
-from fedrec_flwr.adversary import AdversarialTerm, adversary_gradient, parse_class_prior
+from fedrec_flwr.adversary import (
+    AdversarialTerm, adversary_gradient, adversary_of, mean_adversary_gradient, parse_class_prior, user_vector,
+)
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.seeding import TAG_CLIENT_EXTRA, torch_generator
 from fedrec_flwr.training import LocalTrainer
@@ -177,6 +179,31 @@ class AttributeUnlearning:
         grads = adversary_gradient(self.model, label=self.protected_label, kl_weight=cfg.dsvae_kl_weight,
                                    generator=self._generator(config, _QUERY_STREAM, int(config["adversary-step"])),
                                    log_prior=self._log_prior(), noise_placement=cfg.dsvae_noise_placement)
+        return {key: grad.cpu().numpy() for key, grad in grads.items()}
+
+    def adversary_query_mean_gradient(self, shared: Mapping[str, Any], config: Mapping[str, Any],
+                                      users) -> dict[str, Any] | None:
+        """The mean of :meth:`adversary_query_gradient` over ``users`` (this node's, in the same state), batched
+        (:func:`fedrec_flwr.adversary.mean_adversary_gradient`; ours, for speed), or ``None`` where a per-user loop is
+        needed: a DSVAE adversary draws its latent and label-masking noise per user. Used with ``adversary-query-users =
+        "all"`` only (every user answers ``S - 1`` queries per round). Equal to the loop's mean up to float summation
+        order (tested); nothing is trained or saved.
+
+        Returns:
+            shared key -> float32 array, or ``None``.
+        """
+        cfg = self.runtime.config
+        if cfg.adversary != "mlp" or cfg.adversary_training != "server" or cfg.adversary_query_users != "all":
+            return None  # "sampled" keeps the per-user loop, so the runs measured with it stay bit-identical
+        self.load_shared(shared)
+        vectors, labels = [], []
+        for user in users:
+            client = self if int(user) == self.user else type(self)(self.runtime, int(user), self.state)
+            client.load_private()
+            vectors.append(user_vector(self.model).detach().clone())
+            labels.append(client.protected_label)
+        grads = mean_adversary_gradient(adversary_of(self.model), torch.cat(vectors), torch.tensor(labels),
+                                        log_prior=self._log_prior())
         return {key: grad.cpu().numpy() for key, grad in grads.items()}
 
     def save_private(self) -> None:

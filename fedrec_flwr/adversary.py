@@ -496,6 +496,40 @@ def adversary_gradient(model: RecModel, *, label: int, kl_weight: float, generat
     return out
 
 
+def mean_adversary_gradient(adversary: nn.Module, vectors: torch.Tensor, labels: torch.Tensor, *,
+                            log_prior: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The mean over ``n`` users of :func:`adversary_gradient` for a plain adversary (:class:`AttributeAdversary`,
+    ``adversary = "mlp"``), in one batched computation: its per-user loss ``CE(h_w(e_u) [+ log_prior], a_u)`` has no
+    randomness and no regulariser, so the mean of the per-user gradients is the gradient of the mean loss (equal up
+    to float summation order; tested). Ours, for speed: ``adversary-query-users = "all"`` asks every user of the
+    federation ``S - 1`` times per round, and the per-user loop costs ~1.5 ms per user.
+
+    Args:
+        adversary: an :class:`AttributeAdversary` (a DSVAE adversary draws a latent and label-masking noise per user:
+            use the per-user :func:`adversary_gradient`).
+        vectors: ``(n, D)`` users' embeddings (:func:`user_vector` rows; detached here). labels: ``(n,)`` classes.
+
+    Returns:
+        shared key (``"adversary.<name>"``) -> mean gradient, shaped as the parameter.
+
+    Raises:
+        ValueError: not a plain adversary, no users, shapes that do not match, or a label outside the classes.
+    """
+    if not isinstance(adversary, AttributeAdversary):
+        raise ValueError(f"mean_adversary_gradient: needs a plain AttributeAdversary, got {type(adversary).__name__}")
+    labels = torch.as_tensor(labels, dtype=torch.long, device=adversary.head.weight.device)
+    if vectors.dim() != 2 or len(vectors) == 0 or labels.shape != (len(vectors),):
+        raise ValueError(f"mean_adversary_gradient: vectors (n, D) with n >= 1 and labels (n,), got "
+                         f"{tuple(vectors.shape)} and {tuple(labels.shape)}")
+    if int(labels.min()) < 0 or int(labels.max()) >= adversary.num_classes:
+        raise ValueError(f"mean_adversary_gradient: labels outside [0, {adversary.num_classes})")
+    names, params = zip(*adversary.named_parameters())
+    loss = _cross_entropy(adversary(vectors.detach()), labels, log_prior)
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return {f"{ADVERSARY_MODULE}.{name}": torch.zeros_like(p) if g is None else g.detach()
+            for name, p, g in zip(names, params, grads)}
+
+
 # ---------------------------------------------------------------------------------------------------- diagnostics
 DIAGNOSTICS_FILE = "adversary-diagnostics.csv"
 

@@ -520,16 +520,20 @@ def adversary_gradient_query(message: Message, context: Context,
         raise ConfigError("adversary_gradient query: no users requested")
     shared = _shared_arrays(message)
     total: dict[str, np.ndarray] = {}
-    client = None
     with private_state(context, runtime, config, users):
-        for user in users:
+        client = make_client(runtime, users[0], context)
+        batched = getattr(client, "adversary_query_mean_gradient", None)  # one batched computation, where exact
+        mean = batched(shared, config, users) if batched is not None else None
+        for user in users if mean is None else ():
             client = make_client(runtime, user, context)
             if not hasattr(client, "adversary_query_gradient"):
                 raise ConfigError(f"client {_class_name(client)} does not answer the adversary_gradient query "
                                   "(use client = 'fedau2' or 'fedau2-gel')")
             for key, grad in client.adversary_query_gradient(shared, config).items():
                 total[key] = total.get(key, 0.0) + np.asarray(grad, dtype=np.float64)
-    arrays = ArrayRecord({k: Array((v / len(users)).astype(np.float32)) for k, v in total.items()})
+    if mean is None:
+        mean = {k: v / len(users) for k, v in total.items()}
+    arrays = ArrayRecord({k: Array(np.asarray(v).astype(np.float32)) for k, v in mean.items()})
     metrics = metric_record({NUM_EXAMPLES: float(len(users))}, client)
     return Message(content=RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=message)
 

@@ -132,3 +132,35 @@ def test_query_users_all_sends_every_extra_step_to_every_user_of_the_federation(
         u for r in sampled if r["type"] == "train" for u in r["users"])
     with pytest.raises(ConfigError, match="adversary-query-users"):
         make_run_config(adversary_query_users="some")
+
+
+@pytest.mark.parametrize("hidden", [0, 8])
+def test_batched_query_gradient_equals_the_per_user_loop_mean(tmp_path, hidden):
+    """adversary-query-users = "all" answers a query with one batched computation (clients/fedau2.py,
+    mean_adversary_gradient): the mean over the node's users of each one's h_w gradient, with the class prior, equal to
+    the per-user loop's (float summation order only); with "sampled" or a DSVAE adversary the loop is kept (None)."""
+    from clients.fedau2 import FedAU2Client
+    from flwr.app import RecordDict
+
+    config = _config(tmp_path, adversary_hidden=hidden, adversary_query_users="all",
+                     adversary_class_prior="0.3,0.7", adversary_server_steps=3)
+    runtime = get_runtime(config)
+    state = RecordDict()
+    shared = {k: v.numpy().copy() for k, v in runtime.model.shared_state().items()}
+    query = {"server-round": 1, "adversary-step": 1}
+    users = list(range(24))
+    for user in users[::2]:  # half the users have trained: a stored embedding unlike its initialisation
+        client = FedAU2Client(runtime, user, state)
+        client.load_private()
+        with torch.no_grad():
+            for table in runtime.model.user_embedding_modules().values():
+                table.weight.add_(0.3 * torch.randn(table.weight.shape))
+        client.save_private()
+    batched = FedAU2Client(runtime, 0, state).adversary_query_mean_gradient(shared, query, users)
+    loop = [FedAU2Client(runtime, u, state).adversary_query_gradient(shared, query) for u in users]
+    assert set(batched) == set(loop[0]) and len(batched) == (2 if hidden == 0 else 4)
+    for key, value in batched.items():
+        np.testing.assert_allclose(value, np.mean([g[key] for g in loop], axis=0), rtol=1e-5, atol=1e-7, err_msg=key)
+    for other in ({"adversary_query_users": "sampled"}, {"adversary": "dsvae", "adversary_query_users": "all"}):
+        runtime = get_runtime(_config(tmp_path / next(iter(other)), adversary_server_steps=3, **other))
+        assert FedAU2Client(runtime, 0, RecordDict()).adversary_query_mean_gradient(shared, query, users) is None
