@@ -1,0 +1,38 @@
+"""Issue 14: the eps of the FedAU² experiments is chosen on the validation item by a fixed rule
+(``experiments.fedau2.report.select_epsilon``): among the eps whose gender attacker AUCs are both within 0.05 of 0.5,
+the highest validation HR@10; the test item's HR@10 plays no part."""
+
+from __future__ import annotations
+
+import json
+
+from experiments.fedau2.report import select_epsilon
+
+
+def _run(root, model, eps, val_hr, test_hr, auc_lr, auc_mlp, seed=3):
+    folder = root / "runs" / "select-eps" / model / f"eps{eps}-seed{seed}"
+    folder.mkdir(parents=True)
+    client = "fedrec" if eps == 0 else "fedau2"
+    (folder / "config.json").write_text(json.dumps({"run-config": {"seed": seed, "client": client,
+                                                                   "adversary-epsilon": eps or 1.0}}))
+    (folder / "summary.json").write_text(json.dumps({"final": {"HR@10": test_hr, "val-HR@10": val_hr,
+                                                               "val-NDCG@10": val_hr / 2}}))
+    (folder / "attack.json").write_text(json.dumps({"attribute-inference": {"gender/logreg": {"auc": auc_lr},
+                                                                            "gender/mlp": {"auc": auc_mlp}}}))
+
+
+def test_the_in_band_eps_with_the_best_validation_hr_is_chosen_whatever_the_test_hr(tmp_path):
+    _run(tmp_path, "FedNCF", 0, 0.54, 0.52, 0.65, 0.63)
+    _run(tmp_path, "FedNCF", 0.03, 0.545, 0.60, 0.60, 0.58)   # best validation and test HR, but leaks: not chosen
+    _run(tmp_path, "FedNCF", 0.1, 0.53, 0.4321, 0.52, 0.54)     # in the band, best validation HR of those: chosen
+    _run(tmp_path, "FedNCF", 0.3, 0.52, 0.6111, 0.49, 0.51)     # in the band, the best test HR: not chosen
+    _run(tmp_path, "FedMF", 0, 0.40, 0.40, 0.60, 0.60)
+    _run(tmp_path, "FedMF", 0.1, 0.41, 0.40, 0.58, 0.52)      # no eps in the band: the closest is chosen
+    _run(tmp_path, "FedMF", 1.0, 0.39, 0.40, 0.56, 0.55)
+    table = select_epsilon(tmp_path)
+    chosen = table[table["chosen"]].set_index("model")["epsilon"].to_dict()
+    assert chosen == {"FedNCF": 0.1, "FedMF": 1.0}
+    text = (tmp_path / "select-eps.md").read_text()
+    assert "0.4321" not in text and "0.6111" not in text  # no test HR@10 in the selection table
+    assert abs(table.set_index(["model", "epsilon"]).loc[("FedNCF", 0.1), "val-HR@10-change-%"]
+               - 100 * (0.53 / 0.54 - 1)) < 1e-9
