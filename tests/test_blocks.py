@@ -199,3 +199,65 @@ def test_serial_run_with_block_training_on_equals_off(tmp_path, overrides):
     records = recorder.records()
     assert any(r["type"] == "train" for r in records)
     assert_no_private_value_in_replies(records, get_runtime(on_config).layout, extra=seeded_private_vectors(on_config))
+
+
+@pytest.mark.parametrize("overrides", [{}, {"loss": "bpr"}, {"model": "mf"}, {"model": "mf", "loss": "bpr"}],
+                         ids=["ncf-bce", "ncf-bpr", "mf-bce", "mf-bpr"])
+def test_analytic_gradients_equal_autograd(ml100k, overrides):
+    """The closed-form batched backward pass (``blocks.analytic_gradients``, the default) gives every key's gradient
+    and every user's loss as ``vmap`` + autograd does (float64, perturbed parameters so that no layer is at its
+    initial value; a padded mini-batch of unequal real users), also when writing into reused buffers."""
+    runtime = _runtime(ml100k, overrides, torch.float64)
+    assert blocks.analytic_model(runtime.model) == runtime.config.model
+    block = blocks.Block(runtime, USERS, RecordDict())
+    data = sorted((block.user_data(u, 1) for u in block.users), key=lambda d: -d.n)
+    params = {**block.load_private([d.user for d in data]), **block.shared_copies(_shared(runtime), data)}
+    generator = torch.Generator().manual_seed(0)
+    params = {k: v + 0.1 * torch.randn(v.shape, generator=generator, dtype=v.dtype) for k, v in params.items()}
+    orders = [torch.randperm(d.n, generator=d.generator) for d in data]
+    args = [a[:, 64:192] for a in block.padded(data, orders, max(d.n for d in data), 128)]  # a strided view
+    reference, ref_values = block.autograd_gradients(params, *args)
+    buffers = {key: torch.full_like(params[key], float("nan")) for key in runtime.layout.item_keys}
+    for kwargs in ({}, {"buffers": buffers}, {"buffers": buffers}):
+        grads, values = blocks.analytic_gradients(runtime.model, runtime.config.loss, params, *args, **kwargs)
+        assert sorted(grads) == sorted(reference)
+        torch.testing.assert_close(values, ref_values, rtol=1e-12, atol=1e-14)
+        for key in reference:
+            assert grads[key].shape == reference[key].shape, key
+            torch.testing.assert_close(grads[key], reference[key], rtol=1e-10, atol=1e-14, msg=key)
+    assert blocks.analytic_model(torch.nn.Linear(2, 2)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_block_adam_fused_equals_its_formula_and_torch_adam(dtype):
+    """``BlockAdam`` with one step count per block (torch's fused kernel) and with per-user step counts (the formula)
+    both follow ``torch.optim.Adam`` on each user's own parameters, over three steps of which the last moves only a
+    prefix of the users."""
+    generator = torch.Generator().manual_seed(1)
+    k, shape = 5, (7, 3)
+    start = torch.randn(k, *shape, generator=generator, dtype=dtype)
+    grads = [torch.randn(k, *shape, generator=generator, dtype=dtype) for _ in range(3)]
+    counts = [k, k, 3]
+    results = []
+    for fused in (True, False):
+        params = {"w": start.clone()}
+        optimizer = blocks.BlockAdam(params, lr=0.01)
+        old, blocks.FUSED_ADAM = blocks.FUSED_ADAM, fused
+        try:
+            for g, count in zip(grads, counts):
+                optimizer.step({"w": params["w"][:count]}, {"w": g[:count].contiguous()}, count)
+        finally:
+            blocks.FUSED_ADAM = old
+        results.append(params["w"])
+    reference = []
+    for user in range(k):
+        w = torch.nn.Parameter(start[user].clone())
+        optimizer = torch.optim.Adam([w], lr=0.01)
+        for g, count in zip(grads, counts):
+            if user < count:
+                w.grad = g[user].clone()
+                optimizer.step()
+        reference.append(w.detach())
+    tolerance = {"rtol": 1e-12, "atol": 1e-14} if dtype == torch.float64 else {"rtol": 1e-6, "atol": 1e-7}
+    for result in results:
+        torch.testing.assert_close(result, torch.stack(reference), **tolerance)
