@@ -23,7 +23,7 @@ from fedrec_flwr.krylov import CGResult, curvature_vector_product, flatten, grad
 from fedrec_flwr.influence import influence_objective
 from fedrec_flwr.runtime import Runtime
 from fedrec_flwr.seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
-from fedrec_flwr.training import LocalTrainer, evaluate_user
+from fedrec_flwr.training import LocalTrainer, ProximalTerm, evaluate_user
 from fedrec_flwr.wire import support_rows
 
 INFLUENCE_ROUND = 0
@@ -85,6 +85,12 @@ class FedRecClient(NumPyClient):
     uploads_gradients = False
     """Whether this client can answer a train message with ``"upload" = "gradient"`` (see
     :class:`strategies.server_optimizer.ServerOptimizerStrategy`)."""
+
+    strategy_config_keys = ("proximal-mu",)
+    """Train-config keys a wrapped Flower strategy may send that this client honours
+    (:mod:`strategies.flower_adapter` refuses a non-zero value of any other): FedProx's ``"proximal-mu"``, applied
+    to the shared parameters by :meth:`fit_named` (:class:`fedrec_flwr.training.ProximalTerm`, for every subclass's
+    trainer)."""
 
     unlearns_attributes = False
     """Whether this client trains an attribute adversary and applies ``user-embedding-noise``
@@ -215,10 +221,15 @@ class FedRecClient(NumPyClient):
         Args:
             shared: shared key -> array, as in :class:`fedrec_flwr.wire.ModelLayout` (``item_embedding*.weight``
                 ``(num_items, d)`` and the score function).
-            config: needs ``"server-round"`` (int, 1-based).
+            config: needs ``"server-round"`` (int, 1-based); a ``"proximal-mu"`` > 0 (FedProx through
+                :mod:`strategies.flower_adapter`) adds :class:`~fedrec_flwr.training.ProximalTerm` on the shared
+                parameters to every mini-batch loss (and so to the reported ``train-loss``).
 
         Returns:
             The user's :class:`UserUpdate`; its private parameters are saved to the state, not returned.
+
+        Raises:
+            ValueError: ``"proximal-mu"`` is negative or not finite.
         """
         server_round = int(config["server-round"])
         cfg, split = self.runtime.config, self.runtime.split
@@ -230,6 +241,9 @@ class FedRecClient(NumPyClient):
         items = np.union1d(positives, negatives).astype(np.int64)
         with self.model.item_subset(items):  # train on the user's rows only: O(rows) instead of O(catalogue)
             self.trainer = self.make_trainer(config)
+            mu = float(config.get("proximal-mu", 0.0) or 0.0)
+            if mu:  # FedProx (Li et al. 2020, Eq. 2): stay near the round's global shared parameters
+                self.trainer.loss_terms.append(ProximalTerm(self.model.shared_parameters(), mu))
             result = self.trainer.train(0, np.searchsorted(items, positives), np.searchsorted(items, negatives),
                                         generator)
             result.touched_items = items[result.touched_items]

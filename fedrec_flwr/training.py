@@ -121,6 +121,38 @@ class LocalTrainResult:
     touched_items: np.ndarray
 
 
+class ProximalTerm:
+    """FedProx's proximal term, a :attr:`LocalTrainer.loss_terms` entry: ``(mu/2) * sum_p ||p - p_0||^2`` over the
+    given parameters, with ``p_0`` their values when the term was made (the round's global model, loaded before local
+    training starts). Its gradient is ``mu (p - p_0)`` on every parameter at every step, pulling the local model
+    toward the global one.
+
+    Source: Li et al., "Federated Optimization in Heterogeneous Networks" (FedProx), MLSys 2020, Eq. (2): the local
+    objective ``h_k(w; w^t) = F_k(w) + (mu/2) ||w - w^t||^2``. (Flower 1.42's ``FedProx`` docstring sketches the
+    unsquared norm; we follow the paper.) Our clients apply it to the **shared** parameters only (the item rows the
+    user trains, in their compact copy, and the score function): those are what the server averages; the private user
+    embedding has no global value to stay near.
+
+    Args:
+        parameters: the tensors to keep near their current values (any shapes); snapshotted (detached copies) here.
+        mu: the proximal weight ``mu`` (the ``"proximal-mu"`` the strategy sends), finite and > 0.
+    Raises:
+        ValueError: ``mu`` is not a finite number > 0.
+    """
+
+    def __init__(self, parameters: Sequence[torch.Tensor], mu: float) -> None:
+        mu = float(mu)
+        if not math.isfinite(mu) or mu <= 0:
+            raise ValueError(f"proximal-mu must be a finite number > 0, got {mu!r}")
+        self.mu = mu
+        self.parameters = list(parameters)
+        self.anchors = [p.detach().clone() for p in self.parameters]
+
+    def __call__(self) -> torch.Tensor:
+        total = sum((p - a).pow(2).sum() for p, a in zip(self.parameters, self.anchors))
+        return 0.5 * self.mu * total
+
+
 def as_index_array(values, name: str, upper: int) -> np.ndarray:
     """``values`` as a 1-D int64 array with every entry in ``[0, upper)``.
 

@@ -205,13 +205,6 @@ def test_no_reply_carries_private_parameters_through_the_adapter(tmp_path):
     assert_no_private_value_in_replies(recorder.records(), get_runtime(config).layout)
 
 
-def test_fedprox_with_a_proximal_term_is_refused_because_our_clients_ignore_it(tmp_path):
-    config = tiny_run_config(tmp_path, strategy=FLOWER + "FedProx", strategy_args="proximal_mu=0.1",
-                             num_server_rounds=1, users_per_node=6)
-    with pytest.raises(ConfigError, match="'proximal-mu' = 0.1, which the client does not honour"):
-        run_serial(config)
-
-
 # ---------------------------------------------------------------------------------------------- strategy-args
 def test_strategy_args_parse_literals_and_keep_commas_inside_brackets():
     assert parse_strategy_args(" eta=1e-2, beta_1 = 0.9,flag=true, name='a,b', xs=[1, 2], s=flwr.x:Y") == {

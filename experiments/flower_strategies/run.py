@@ -10,8 +10,8 @@ is a user, as robust aggregation assumes (``item-fedavg`` gives the same model f
 Arms (:data:`ARMS`): ``item-fedavg`` (our default, ``"touched"`` rows) and, through
 :class:`strategies.flower_adapter.FlowerStrategyAdapter`, Flower's FedAvg, FedAvgM, FedAdam, FedYogi, FedProx,
 FedMedian and FedTrimmedAvg, each with Flower's default arguments except where :data:`ARMS` says (FedAvgM's default
-momentum 0 would make it FedAvg; FedProx's ``proximal_mu`` must be > 0 to differ from FedAvg, and our clients refuse
-it, which the table records). Poisoning (:data:`POISON_ARMS`): ML-100K plus 100 fake users who rate one unpopular
+momentum 0 would make it FedAvg; FedProx's ``proximal_mu`` must be > 0 to differ from FedAvg; our clients honour it
+with the paper's proximal term, :class:`fedrec_flwr.training.ProximalTerm`). Poisoning (:data:`POISON_ARMS`): ML-100K plus 100 fake users who rate one unpopular
 target item and the 10 most popular items (:func:`experiments.hfkcu.poison.poisoned_data`, target seed 0), FedMF,
 ``item-fedavg`` against FedMedian, FedTrimmedAvg and Krum; measured: the target's exposure (share of genuine users with
 it in their top 10 of the items they never rated) and mean percentile, and HR@10 of the genuine users.
