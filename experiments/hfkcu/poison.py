@@ -82,6 +82,11 @@ radius >= 0.02 step overshooting to percentile 0-0.23 and damping 1 doing too li
 
 DEV = {"dataset": "ml-100k", "model": "FedMF", "fakes": 100, "seed": 100, "target-seed": 100}
 
+DEV_EXTRA = (("ml-100k", "FedMF", 20), ("filmtrust", "FedMF", 100), ("filmtrust", "FedMF", 20))
+"""More development settings (issue 18, for a step rule that must transfer across attack sizes and datasets):
+``(dataset, model, fakes)`` with the development seed and target (``DEV["seed"]``, ``DEV["target-seed"]``), never
+a reported setting (``poison-dev --name extra``)."""
+
 
 def poisoned_data(dataset: str, data_dir: str, fakes: int, target_seed: int, cache: Path) -> tuple[Path, str]:
     """Write ``dataset`` plus ``fakes`` fake users as a generic CSV (user,item,rating,timestamp) in ``cache`` (never
@@ -321,18 +326,28 @@ RETIMED = {"re-timed: HF-KCU distributed (default)": {"method": "hfkcu"},
            "re-timed: HF-KCU distributed, line search on L_R": {"method": "hfkcu", "line_search": "remaining-loss"}}
 """The two arms of issue 18's acceptance, replayed back to back by :func:`retime`."""
 
+RETIMED_CAPPED = {
+    "re-timed: HF-KCU distributed (default)": {"method": "hfkcu"},
+    "re-timed: HF-KCU distributed, cg-iterations 1": {"method": "hfkcu", "cg_iterations": 1},
+    "re-timed: HF-KCU distributed, cg-iterations 2": {"method": "hfkcu", "cg_iterations": 2},
+}
+"""Issue 18's FedNCF speed question: the default solve against solves capped at one and two Gauss-Newton products
+(``cg-iterations``), replayed back to back by :func:`retime` (``poison-retime --name capped``)."""
+
 
 def retime(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, runs: Path, cache: Path,
-           rounds: int = 10) -> dict:
+           rounds: int = 10, variants: dict | None = None, name: str = "retime") -> dict:
     """Phase time against retraining's at the same machine load (the cached runs' timings came from different
-    loads): replay :data:`RETIMED` on the saved federation, then train the first ``rounds`` rounds of the retraining
-    run (the fakes never sampled) and scale its training seconds to the protocol's rounds. Writes ``retime.json``
-    (replayed rows) and ``retrain-rate.json`` under ``runs`` and returns the latter."""
+    loads): replay ``variants`` (default :data:`RETIMED`) on the saved federation, then train the first ``rounds``
+    rounds of the retraining run (the fakes never sampled) and scale its training seconds to the protocol's rounds.
+    Writes ``<name>.json`` (replayed rows) and ``retrain-rate.json`` (``<name>-rate.json`` for another ``name``)
+    under ``runs`` and returns the latter."""
     from experiments.hfkcu.run import base_config
     from fedrec_flwr.runtime import get_runtime
     from fedrec_flwr.serial import run_serial
 
-    rows = replay(dataset, model, fakes, seed, RETIMED, data_dir=data_dir, runs=runs, cache=cache, name="retime")
+    rows = replay(dataset, model, fakes, seed, RETIMED if variants is None else variants, data_dir=data_dir,
+                  runs=runs, cache=cache, name=name)
     path, _ = poisoned_data(dataset, data_dir, fakes, 0, cache)
     generic = {"generic-file": str(path), "generic-columns": "user,item,rating,timestamp"}
     scratch = cache / "replay-runs" / f"{dataset}-{model}-fakes{fakes}-seed{seed}-target0"
@@ -348,7 +363,8 @@ def retime(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, ru
            "phases": {r["variant"]: {"seconds": r["seconds"], "speedup": estimate / r["seconds"],
                                      "target-percentile": r.get("target-percentile")}
                       for r in rows if r["variant"] != "original"}}
-    atomic_write_json(runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}" / "retrain-rate.json", out)
+    rate = "retrain-rate.json" if name == "retime" else f"{name}-rate.json"
+    atomic_write_json(runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}" / rate, out)
     return out
 
 
@@ -375,3 +391,99 @@ def profile_phase(dataset: str, model: str, fakes: int, seed: int, *, data_dir: 
             pstats.Stats(profiler).sort_stats(order).print_stats(top)
 
     on_snapshot(dataset, model, fakes, seed, body, data_dir=data_dir, cache=cache, name="profile")
+
+
+def _bce(logits: np.ndarray, label: float) -> np.ndarray:
+    """Binary cross-entropy on logits, elementwise (the influence loss of BCE models)."""
+    return np.logaddexp(0.0, logits) - label * logits
+
+
+def level_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, runs: Path, cache: Path,
+                target_seed: int = 0, changes: dict | None = None, name: str = "level",
+                ladder: tuple = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)) -> dict:
+    """Issue 18's loss-level question (ours; a diagnostic that reads the retrained model and the target, never a
+    rule): along the phase's step ``x`` (``changes`` over the defaults), the forgotten users' mean influence loss
+    per example ``L_F(theta + a x)`` (their training positives and fixed negatives, BCE), and the same at the model
+    retrained without them. A rule "move until the forgotten users' loss reaches level ``c``" can only match
+    retraining if (i) the multiple ``a*`` at which ``L_F`` reaches the *retrained* model's level lands near the
+    retrained target percentile (recorded: the percentile at ``a*``), and (ii) some reference ``c`` computable without
+    the retrained model and without test items equals that level. For (ii) the candidate references are recorded at
+    ``a = 0``: the remaining users' training loss per example (every 4th remaining user), and, as a diagnostic only
+    (it reads test items, so it is no admissible rule), their held-out (test) positive's loss. Writes ``<name>.json``
+    next to the snapshot's ``phase.json``."""
+    from flwr.app import Context, RecordDict
+
+    from experiments.hfkcu.analysis import exposure, private_records, scores
+    from experiments.hfkcu.run import _settings
+    from fedrec_flwr.client_app import make_client
+    from strategies.unlearning import ClientUnlearning
+
+    folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
+    out: dict = {}
+
+    def body(restored, runtime, fake_users, target) -> None:
+        split, grid = runtime.split, restored.grid
+        remaining = np.setdiff1d(np.arange(split.num_users), fake_users)
+        records = private_records(grid, range(split.num_users))
+        theta = {k: v.numpy().astype(np.float64) for k, v in restored.arrays.items()}
+        settings = _settings(restored.config, fake_users, {"method": "hfkcu", **(changes or {})}, split.num_users)
+        new, report = ClientUnlearning(restored.strategy, settings).run(grid, restored.arrays, restored.server_round)
+        step = {k: new[k].numpy().astype(np.float64) - theta[k] for k in theta}
+
+        def examples(users, held_out: bool) -> dict:
+            got = {}
+            for user in users:
+                client = make_client(runtime, int(user), Context(run_id=0, node_id=0, node_config={},
+                                                                 state=RecordDict(), run_config={}))
+                positives, negatives = client.influence_examples()
+                got[int(user)] = (positives, negatives,
+                                  np.array([split.test_items[user]]) if held_out else np.zeros(0, np.int64))
+            return got
+
+        forgotten, reference = examples(fake_users, False), examples(remaining[::4], True)
+
+        def losses(arrays, group) -> dict:
+            got = scores(runtime, records, arrays, {u: np.concatenate(e) for u, e in group.items()})
+            per_user = []
+            for user, (positives, negatives, held) in group.items():
+                z = got[user]
+                zp, zn = z[:positives.size], z[positives.size:positives.size + negatives.size]
+                train = np.concatenate([_bce(zp, 1.0), _bce(zn, 0.0)])
+                zh = z[positives.size + negatives.size:]
+                per_user.append((train.mean(), _bce(zp, 1.0).mean(), float(_bce(zh, 1.0).mean()) if zh.size else 0.0))
+            mean = np.mean(per_user, axis=0)
+            return {"loss-per-example": float(mean[0]), "positive-loss": float(mean[1]),
+                    "held-out-positive-loss": float(mean[2])}
+
+        def percentile(arrays) -> float:
+            return exposure(runtime, records, arrays, remaining, target)["target-percentile"]
+
+        along = []
+        for a in ladder:
+            moved = {k: theta[k] + a * step[k] for k in theta}
+            along.append({"a": a, **{f"forgotten-{k}": v for k, v in losses(moved, forgotten).items()
+                                     if k != "held-out-positive-loss"}, "target-percentile": percentile(moved)})
+            print(f"  a {a:5.2f} {along[-1]}", flush=True)
+        retrained_npz = np.load(folder / "retrain-fake-users" / "retrained.npz")
+        retrained = {k: retrained_npz[k].astype(np.float64) for k in theta}
+        level = losses(retrained, forgotten)
+        levels = [row["forgotten-loss-per-example"] for row in along]
+        crossing = None
+        for (a0, l0), (a1, l1) in zip(zip(ladder, levels), zip(ladder[1:], levels[1:])):
+            if (l0 - level["loss-per-example"]) * (l1 - level["loss-per-example"]) <= 0 and l1 != l0:
+                crossing = a0 + (level["loss-per-example"] - l0) * (a1 - a0) / (l1 - l0)
+                break
+        at_crossing = None if crossing is None else percentile({k: theta[k] + crossing * step[k] for k in theta})
+        out.update({
+            "changes": changes or {}, "report": report, "along": along,
+            "retrained": {**{f"forgotten-{k}": v for k, v in level.items() if k != "held-out-positive-loss"},
+                          "target-percentile": percentile(retrained)},
+            "retrained-level-multiple": crossing, "target-percentile-at-retrained-level": at_crossing,
+            "references-at-0": {f"remaining-{k}": v for k, v in losses(theta, reference).items()},
+        })
+        print("  retrained", out["retrained"], "a*", crossing, "percentile", at_crossing,
+              "references", out["references-at-0"], flush=True)
+
+    on_snapshot(dataset, model, fakes, seed, body, data_dir=data_dir, cache=cache, target_seed=target_seed, name=name)
+    atomic_write_json(folder / "original" / f"{name}.json", out)
+    return out

@@ -242,7 +242,9 @@ def run_forget(job) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=["main", "forget", "poison", "poison-dev", "poison-replay",
-                                         "poison-dev-sweep", "poison-probe", "poison-retime", "poison-profile", "report"])
+                                         "poison-dev-sweep", "poison-probe", "poison-retime", "poison-profile",
+                                         "poison-level",
+                                         "report"])
     parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""),
                         help="folder holding <dataset>/ (default: $FEDREC_DATA_DIR; empty = download)")
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job from i")
@@ -274,13 +276,26 @@ def main(argv=None) -> None:
                       changes=json.loads(args.changes))
         return
     if args.part == "poison-retime":  # phase vs retraining time at one machine load (first --seeds only)
-        from experiments.hfkcu.poison import retime
+        from experiments.hfkcu.poison import RETIMED_CAPPED, retime
 
+        extra = {"variants": RETIMED_CAPPED, "name": "retime-capped"} if args.name == "capped" else {}
         for d in args.datasets.split(","):
             for m in args.models.split(","):
                 for f in args.fakes.split(","):
                     retime(d, m, int(f), int(args.seeds.split(",")[0]), data_dir=args.data_dir,
-                           runs=RESULTS / "runs" / "poison-retime", cache=CACHE)
+                           runs=RESULTS / "runs" / "poison-retime", cache=CACHE, **extra)
+        return
+    if args.part == "poison-level":  # the forgotten users' loss along the step vs the retrained model's (diagnostic)
+        from experiments.hfkcu.poison import DEV, level_probe
+
+        for d in args.datasets.split(","):
+            for m in args.models.split(","):
+                for f in args.fakes.split(","):
+                    for seed in args.seeds.split(","):
+                        dev = int(seed) == DEV["seed"]
+                        level_probe(d, m, int(f), int(seed), data_dir=args.data_dir, changes=json.loads(args.changes),
+                                    runs=RESULTS / "runs" / ("poison-dev" if dev else "poison"), cache=CACHE,
+                                    target_seed=DEV["target-seed"] if dev else 0, name=f"level-{args.name}")
         return
     if args.part == "poison-probe":  # the line search's loss and the target along the step (--seeds 100: dev)
         from experiments.hfkcu.poison import DEV, probe
@@ -315,10 +330,11 @@ def main(argv=None) -> None:
                                           name=args.name), args.shard, args.part)
         return
     if args.part in ("poison", "poison-dev"):
-        from experiments.hfkcu.poison import DEV, run_setting
+        from experiments.hfkcu.poison import DEV, DEV_EXTRA, run_setting
 
-        if args.part == "poison-dev":
-            jobs = [(DEV["dataset"], DEV["model"], DEV["fakes"], DEV["seed"], kind) for kind in ("original", "retrain")]
+        if args.part == "poison-dev":  # --name extra: the further development settings (DEV_EXTRA)
+            chosen = DEV_EXTRA if args.name == "extra" else ((DEV["dataset"], DEV["model"], DEV["fakes"]),)
+            jobs = [(d, m, f, DEV["seed"], kind) for d, m, f in chosen for kind in ("original", "retrain")]
             extra = {"target_seed": DEV["target-seed"], "variants": {}, "runs": RESULTS / "runs" / "poison-dev"}
         else:  # one setting at a time: every seed of the first setting before the next one
             jobs = [(d, m, int(f), int(seed), kind) for d in args.datasets.split(",") for m in args.models.split(",")
