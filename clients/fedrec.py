@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.app import ArrayRecord, RecordDict
 from flwr.client import NumPyClient
 
+from fedrec_flwr.arrays import decode_record, encode_array
 from fedrec_flwr.data import sample_train_negatives
 from fedrec_flwr.blocks import check_block_config
 from fedrec_flwr.errors import ConfigError
@@ -143,11 +144,11 @@ class FedRecClient(NumPyClient):
             generator = torch_generator(self.runtime.config.seed, TAG_USER_INIT, self.user)
             self.model.reset_private(generator)
         else:
-            self.model.load_private_state({k: v.numpy() for k, v in record.items()})
+            self.model.load_private_state(decode_record(record))
 
     def save_private(self) -> None:
         """Write the user's private parameters back to the state (only the user's own node ever holds them)."""
-        arrays = {k: Array(v.detach().cpu().numpy().copy()) for k, v in self.model.private_state().items()}
+        arrays = {k: encode_array(v.detach().cpu().numpy()) for k, v in self.model.private_state().items()}
         self.state[self.state_key] = ArrayRecord(arrays)
 
     def load_shared(self, shared: Mapping[str, np.ndarray], *, will_modify: Iterable[str] = ()) -> None:

@@ -50,9 +50,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.app import ArrayRecord, RecordDict
 from torch.func import functional_call, vmap
 
+from .arrays import decode_record, encode_array
 from .data import sample_train_negatives
 from .errors import ConfigError
 from .metrics import ranking_metrics_batch
@@ -250,7 +251,7 @@ class Block:
                 self.model.reset_private(torch_generator(self.runtime.config.seed, TAG_USER_INIT, user))
                 values = {k: v.detach().cpu().numpy() for k, v in self.model.private_state().items()}
             else:
-                values = {k: v.numpy() for k, v in record.items()}
+                values = decode_record(record, copy=False)
             for key in self.private_keys:
                 rows[key].append(values[key])
         return {key: torch.as_tensor(np.stack(v), dtype=self.dtype, device=self.device) for key, v in rows.items()}
@@ -260,7 +261,7 @@ class Block:
         arrays = {key: value.detach().cpu().numpy() for key, value in private.items()}
         for index, user in enumerate(users):
             self.state[f"{STATE_PREFIX}{user}"] = ArrayRecord(
-                {key: Array(np.ascontiguousarray(arrays[key][index])) for key in self.private_keys})
+                {key: encode_array(arrays[key][index]) for key in self.private_keys})
 
     # ------------------------------------------------------------------------------------------ data
     def user_data(self, user: int, server_round: int) -> _UserData:
@@ -706,7 +707,7 @@ def _load_private_optimizer(block: Block, users: Sequence[int]):
     zeros = {key: torch.zeros(block.layout_private_shapes[key], dtype=block.dtype).numpy() for key in keys}
     for user in users:
         record = block.state_record(f"{OPTIMIZER_PREFIX}{user}")
-        arrays = {} if record is None else {k: a.numpy() for k, a in record.items()}
+        arrays = {} if record is None else decode_record(record, copy=False)
         if "0/step" in arrays:
             steps.append(float(arrays["0/step"]))
             for index, key in enumerate(keys):
@@ -728,9 +729,9 @@ def _save_private_optimizer(block: Block, users: Sequence[int], optimizer: Block
     for row, user in enumerate(users):
         arrays = {}
         for index, key in enumerate(block.private_keys):
-            arrays[f"{index}/step"] = Array(np.array(steps[row], dtype=np.float32))
-            arrays[f"{index}/exp_avg"] = Array(np.ascontiguousarray(moments[key][0][row]))
-            arrays[f"{index}/exp_avg_sq"] = Array(np.ascontiguousarray(moments[key][1][row]))
+            arrays[f"{index}/step"] = encode_array(np.array(steps[row], dtype=np.float32))
+            arrays[f"{index}/exp_avg"] = encode_array(moments[key][0][row])
+            arrays[f"{index}/exp_avg_sq"] = encode_array(moments[key][1][row])
         block.state[f"{OPTIMIZER_PREFIX}{user}"] = ArrayRecord(arrays)
 
 
