@@ -21,7 +21,7 @@ from torch import nn
 from .errors import ConfigError, DataError
 from .losses import LOSSES, batch_loss
 from .metrics import DEFAULT_KS, ranking_metrics, ranking_metrics_batch
-from .models.base import RecModel
+from .models.base import RecModel, all_finite
 
 logger = logging.getLogger(__name__)
 
@@ -390,7 +390,7 @@ class LocalTrainer:
                 if not math.isfinite(value):
                     self._restore(snapshot, f"loss {value} at epoch {epoch + 1}, step {step_no + 1}")
                 total += value * idx.numel()
-            if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
+            if not all(all_finite(p.detach()) for p in self.model.parameters()):
                 self._restore(snapshot, f"parameters after epoch {epoch + 1}")
             mean_loss = total / n
         return mean_loss

@@ -261,3 +261,16 @@ def test_block_adam_fused_equals_its_formula_and_torch_adam(dtype):
     tolerance = {"rtol": 1e-12, "atol": 1e-14} if dtype == torch.float64 else {"rtol": 1e-6, "atol": 1e-7}
     for result in results:
         torch.testing.assert_close(result, torch.stack(reference), **tolerance)
+
+
+def test_all_finite_is_isfinite_all():
+    """The cheap finiteness test the per-user loop and every shared-array load use (a sum first) answers exactly as
+    ``torch.isfinite(t).all()``, also where finite values overflow the sum."""
+    from fedrec_flwr.models.base import all_finite
+
+    nan, inf = float("nan"), float("inf")
+    for values, dtype in [([1.0, 2.0], torch.float32), ([1.0, nan], torch.float32), ([inf, 1.0], torch.float64),
+                          ([inf, -inf], torch.float32), ([3e38, 3e38], torch.float32), ([6e4, 6e4], torch.float16),
+                          ([], torch.float32), ([-inf], torch.float16)]:
+        tensor = torch.tensor(values, dtype=dtype)
+        assert all_finite(tensor) == bool(torch.isfinite(tensor).all()), (values, dtype)
