@@ -57,6 +57,7 @@ from .arrays import decode_record, encode_array
 from .data import sample_train_negatives
 from .errors import ConfigError
 from .metrics import ranking_metrics_batch
+from .models.base import EMBEDDING_INIT_STD
 from .runtime import Runtime
 from .seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
 from .training import resolve_device
@@ -248,13 +249,24 @@ class Block:
         for user in users:
             record = self.state_record(f"{STATE_PREFIX}{user}")
             if record is None:
-                self.model.reset_private(torch_generator(self.runtime.config.seed, TAG_USER_INIT, user))
-                values = {k: v.detach().cpu().numpy() for k, v in self.model.private_state().items()}
+                values = self.initial_private(user)
             else:
                 values = decode_record(record, copy=False)
             for key in self.private_keys:
                 rows[key].append(values[key])
         return {key: torch.as_tensor(np.stack(v), dtype=self.dtype, device=self.device) for key, v in rows.items()}
+
+    def initial_private(self, user: int) -> dict[str, np.ndarray]:
+        """A first-visited user's private parameters, as :meth:`RecModel.reset_private` draws them from the stream
+        ``(seed, TAG_USER_INIT, user)``: for MF / NCF (user tables only, each ``N(0, 0.01²)`` in module order) drawn
+        directly into arrays of the tables' shape, otherwise by resetting the process's model and reading it back."""
+        generator = torch_generator(self.runtime.config.seed, TAG_USER_INIT, user)
+        tables = self.model.user_embedding_modules()
+        if analytic_model(self.model) is not None and {f"{n}.weight" for n in tables} == set(self.private_keys):
+            return {f"{name}.weight": torch.empty(module.weight.shape, dtype=module.weight.dtype).normal_(
+                0.0, EMBEDDING_INIT_STD, generator=generator).numpy() for name, module in tables.items()}
+        self.model.reset_private(generator)
+        return {k: v.detach().cpu().numpy() for k, v in self.model.private_state().items()}
 
     def save_private(self, users: Sequence[int], private: Mapping[str, torch.Tensor]) -> None:
         """Write each user's private parameters back to its record (the same keys as the per-user client)."""
