@@ -74,3 +74,42 @@ def test_centralized_both_records_test_and_validation_metrics_per_epoch():
     assert last["val-HR@2"] == evaluate_model(result.model, split, (1, 2), "val")["HR@2"]
     with pytest.raises(Exception, match="validation item"):
         train_centralized(tiny_split(), "mf", epochs=1, eval_which="both")
+
+
+def test_a_later_stage_keeps_the_incumbent_when_it_scores_best(tmp_path, monkeypatch):
+    """Stage 2 of FedRecGEL (rho-shared) must compare its values against stage 1's winner (rho-shared 0.05 at the
+    chosen server rate), not only against each other: on FilmTrust 0.05 scored 0.9128 and 0.02 0.9095, and the
+    search without the incumbent chose 0.02."""
+    from experiments.tuning import run as R
+
+    val = {"server-learning-rate": {0.001: 0.40, 0.003: 0.45, 0.01: 0.60, 0.03: 0.50, 0.1: 0.30},
+           "rho-shared": {0.02: 0.55, 0.1: 0.58}}
+
+    def score(setting):
+        if setting["rho-shared"] != 0.05:
+            return val["rho-shared"][setting["rho-shared"]]
+        return val["server-learning-rate"][setting["server-learning-rate"]]
+
+    ran = []
+
+    def fake_run_one(dataset, method, setting, seed, rounds, data_dir):
+        ran.append(G.setting_name(setting))
+        return tmp_path / G.setting_name(setting)
+
+    def fake_last_row(folder, rounds):
+        setting = dict((k, float(v)) for k, v in (kv.split("=") for kv in folder.name.split(",")))
+        # the test metrics would choose rho-shared 0.1; the selection must not read them
+        test = 0.9 if setting["rho-shared"] == 0.1 else 0.1
+        return {"HR@10": test, "NDCG@10": test, "val-HR@10": score(setting), "val-NDCG@10": 0.1}
+
+    monkeypatch.setattr(R, "run_one", fake_run_one)
+    monkeypatch.setattr(R, "last_row", fake_last_row)
+    monkeypatch.setattr(R, "RESULTS", tmp_path)
+    record = R.tune("ml-100k", "FedRecGEL", "")
+    assert record["setting"] == {"rho-shared": 0.05, "server-learning-rate": 0.01}
+    assert ran.count("rho-shared=0.05,server-learning-rate=0.01") == 2  # run (skipped when finished) in both stages
+    assert {p["stage"] for p in record["grid"] if p["setting"] == record["setting"]} == {0}
+    assert len(record["grid"]) == len(G.SERVER_RATES) + 2
+    # a later stage's better value still replaces the incumbent
+    val["rho-shared"][0.02] = 0.61
+    assert R.tune("ml-100k", "FedRecGEL", "")["setting"] == {"rho-shared": 0.02, "server-learning-rate": 0.01}

@@ -121,7 +121,7 @@ def tune(dataset: str, method: str, data_dir: str) -> dict:
         fixed = next(s for n, s, _ in stage_points if n == name)
         for n, s, r in stage_points:
             scores = {k: v for k, v in r.items() if k.startswith("val-")} if r is not None else {"failed": True}
-            points[n] = {"setting": s, "stage": stage, **scores}
+            points.setdefault(n, {"setting": s, "stage": stage, **scores})  # the incumbent keeps its first stage
     record = {"setting": fixed, "name": G.setting_name(fixed), "grid": list(points.values()),
               "selected-on": "val-HR@10 (then val-NDCG@10) at round %d, seed %d" % (G.GRID_ROUNDS, G.GRID_SEED)}
     path = RESULTS / f"selection-{dataset}.json"
