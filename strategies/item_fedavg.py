@@ -39,6 +39,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, aggregate_metricrecords
 
+from fedrec_flwr.arrays import decode_array, decode_record
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.io import atomic_save_npz, atomic_write_json
@@ -438,7 +439,7 @@ class ItemEmbeddingFedAvg(FedAvg):
         """Check one reply's content; returns it, or raises ``ReplyError`` / ``PrivacyViolation``."""
         if ARRAYS not in content.array_records or METRICS not in content.metric_records:
             raise ReplyError(f"reply must hold '{ARRAYS}' and '{METRICS}' records, got {list(content.keys())}")
-        arrays = {k: v.numpy() for k, v in content[ARRAYS].items()}
+        arrays = decode_record(content[ARRAYS], copy=False)
         check_reply_keys(arrays, self.layout)
         weight = content[METRICS].get(NUM_EXAMPLES, 0)
         if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
@@ -462,12 +463,14 @@ class ItemEmbeddingFedAvg(FedAvg):
         arrays, total = content[ARRAYS], 0.0
         for key in self.layout.shared_shapes:
             if key in self.layout.item_keys:
-                rows = arrays[key + ROWS].numpy()
-                sums = arrays[key + SUM].numpy().astype(np.float64)
-                counts = arrays[key + COUNT].numpy().astype(np.float64)
-                value, reference = sums / counts.reshape(-1, *[1] * (sums.ndim - 1)), self._current[key].numpy()[rows]
+                rows = decode_array(arrays[key + ROWS], copy=False)
+                sums = decode_array(arrays[key + SUM], copy=False).astype(np.float64)
+                counts = decode_array(arrays[key + COUNT], copy=False).astype(np.float64)
+                value = sums / counts.reshape(-1, *[1] * (sums.ndim - 1))
+                reference = decode_array(self._current[key], copy=False)[rows]
             else:
-                value, reference = arrays[key].numpy().astype(np.float64), self._current[key].numpy()
+                value = decode_array(arrays[key], copy=False).astype(np.float64)
+                reference = decode_array(self._current[key], copy=False)
             gradient = self.replies_carry_gradients or (self.adversary_step is not None
                                                         and key in self.adversary_step.keys)
             delta = value if gradient else value - reference
@@ -497,7 +500,7 @@ class ItemEmbeddingFedAvg(FedAvg):
     def row_updates(accepted: list[RecordDict], key: str) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """The ``(rows, sums, counts)`` of item table ``key`` in each accepted reply."""
         return [
-            (r[ARRAYS][key + ROWS].numpy(), r[ARRAYS][key + SUM].numpy(), r[ARRAYS][key + COUNT].numpy())
+            tuple(decode_array(r[ARRAYS][key + suffix], copy=False) for suffix in (ROWS, SUM, COUNT))
             for r in accepted
         ]
 
