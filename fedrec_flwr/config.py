@@ -151,6 +151,7 @@ class RunConfig:
     line_search: str = _key("line-search")
     line_search_max_step: float = _key("line-search-max-step", minimum=8.0)
     line_search_rounds: int = _key("line-search-rounds", minimum=1, maximum=20)
+    curvature_sample: float = _key("curvature-sample", positive=True, maximum=1.0)
     causal_weighting: bool = _key("causal-weighting")
     ascent_steps: int = _key("ascent-steps", minimum=1)
     ascent_learning_rate: float = _key("ascent-learning-rate", positive=True)

@@ -68,7 +68,10 @@ restriction to affected users is an approximation (``causal-weighting = false`` 
 
 * ``distributed``: the server runs CG; each iteration sends the direction to the affected users' nodes
   (``unlearn_hvp``), which return ``sum_u H_u p``; the server sums them. This solves the federated system exactly up
-  to CG's tolerance.
+  to CG's tolerance. With ``curvature-sample`` < 1 (ours; issue 18's cheaper product) only a seeded share of those
+  nodes answers every product and the sum is scaled by all users over the drawn nodes' users
+  (:func:`curvature_sample_nodes`; subsampled curvature as in Hessian-free optimisation, Martens 2010): a product
+  costs that share of a full one, and the solve is of a noisy, unbiased estimate of the curvature.
 * ``local`` (the paper's Algorithm 1 as the abstract and the issue describe it): each affected user ``u`` solves
   ``(H_u + damping I) x_u = g_F`` on its own Hessian (``unlearn_local_cg``) and the server takes ``x = sum_u w_u
   x_u`` with ``w_u = ||∇L_u|| / sum ||∇L_v||`` (causal weighting by gradient magnitude; uniform weights without it).
@@ -120,6 +123,9 @@ log = logging.getLogger(__name__)
 TAG_FORGET = 15
 """Seed tag of the stream that draws ``forget-fraction`` of the users."""
 
+TAG_CURVATURE_SAMPLE = 16
+"""Seed tag of the stream that draws the nodes whose users' curvature ``curvature-sample`` queries."""
+
 METHODS = ("none", "retrain", "continue", "hfkcu", "gradient-ascent")
 PHASE_METHODS = ("continue", "hfkcu", "gradient-ascent")
 """Methods that run a phase after ``unlearn-round`` (``retrain`` only changes sampling)."""
@@ -170,6 +176,8 @@ class UnlearningSettings:
     line_search: str = "none"
     line_search_max_step: float = 64.0
     line_search_rounds: int = 4
+    curvature_sample: float = 1.0
+    seed: int = 0
     causal_weighting: bool = True
     ascent_steps: int = 5
     ascent_learning_rate: float = 0.1
@@ -185,8 +193,8 @@ class UnlearningSettings:
             cg_iterations=config.cg_iterations, cg_tolerance=config.cg_tolerance, damping=config.damping,
             scale=config.unlearn_scale, adaptive_scale=config.adaptive_scale, max_step=config.unlearn_max_step,
             line_search=config.line_search, line_search_max_step=config.line_search_max_step,
-            line_search_rounds=config.line_search_rounds,
-            causal_weighting=config.causal_weighting, ascent_steps=config.ascent_steps,
+            line_search_rounds=config.line_search_rounds, curvature_sample=config.curvature_sample,
+            seed=config.seed, causal_weighting=config.causal_weighting, ascent_steps=config.ascent_steps,
             ascent_learning_rate=config.ascent_learning_rate, continue_rounds=config.continue_rounds,
         )
 
@@ -272,6 +280,8 @@ class ClientUnlearning:
         support = support_rows(g_forget, self.layout)
         affected = self.affected(grid, arrays, support, forget)
         nodes = [n for n, count in affected.items() if count > 0] if s.causal_weighting else list(affected)
+        # each queried node's users in the curvature sum (curvature-sample scales a sample of nodes by it)
+        self._curvature_users = {n: (affected[n] if s.causal_weighting else self._remaining[n]) for n in nodes}
         report.update({"krylov-mode": s.krylov_mode, "causal-weighting": s.causal_weighting,
                        "support-rows": int(support.size), "affected-users": int(sum(affected.values())),
                        "remaining-users": int(self.strategy._topology().num_users - forget.size),
@@ -292,6 +302,8 @@ class ClientUnlearning:
         if s.krylov_mode == "distributed":
             result = self.distributed_cg(grid, arrays, nodes, forget, support, g_forget, radius=radius)
             report.update(result.summary())
+            report.update({"curvature-sample": s.curvature_sample, "curvature-nodes": len(self.curvature_nodes),
+                           "curvature-factor": self.curvature_factor})
             if not result.converged and not result.boundary:
                 # ours: a residual within 1e-3 of |g| is an accurate solve for a step scaled by unlearn-scale; only a
                 # larger one (or a dropped step) is worth a warning
@@ -368,6 +380,8 @@ class ClientUnlearning:
         exclude = [int(u) for u in forget]
         replies = self._query(grid, UNLEARN_AFFECTED, {n: {"exclude": exclude} for n in nodes}, arrays,
                               support=support)
+        self._remaining = {int(r.metadata.src_node_id): int(r.content[CONFIG].get("remaining-users", 0))
+                           for r in replies}
         return {int(r.metadata.src_node_id): int(r.content[CONFIG]["affected-users"]) for r in replies}
 
     def _targets(self, nodes, forget: np.ndarray, extra: Mapping | None = None) -> dict[int, dict]:
@@ -378,18 +392,23 @@ class ClientUnlearning:
                        rhs: dict, radius: float | None = None) -> CGResult:
         """CG (``krylov-solver``: plain, or trust-region within ``radius``) on ``(sum_u C_u + damping I) x = rhs``
         over the remaining (with causal weighting: affected) users of ``nodes``, ``C_u`` the curvature of
-        ``curvature`` (Hessian or Gauss-Newton), one ``unlearn_hvp`` query round per product."""
+        ``curvature`` (Hessian or Gauss-Newton), one ``unlearn_hvp`` query round per product; with ``curvature-sample``
+        < 1 over the drawn nodes only, scaled up (:func:`curvature_sample_nodes`)."""
         shapes = self.layout.shared_shapes
-        targets = self._targets(nodes, forget, {"curvature": self.settings.curvature})
+        s = self.settings
+        counts = getattr(self, "_curvature_users", None) or {int(n): 1 for n in nodes}
+        sampled, factor = curvature_sample_nodes({int(n): counts.get(int(n), 1) for n in nodes},
+                                                 s.curvature_sample, s.seed)
+        self.curvature_nodes, self.curvature_factor = sampled, factor
+        targets = self._targets(sampled, forget, {"curvature": s.curvature})
 
         def matvec(flat: np.ndarray) -> np.ndarray:
             if not targets:
                 return np.zeros_like(flat)
             replies = self._query(grid, UNLEARN_HVP, targets, arrays, vector=unflatten(flat, shapes),
                                   support=support)
-            return flatten(self._sum(replies), shapes)
+            return factor * flatten(self._sum(replies), shapes)
 
-        s = self.settings
         return krylov_solve(matvec, flatten(rhs, shapes), solver=s.krylov_solver, iterations=s.cg_iterations,
                             damping=s.damping, tolerance=s.cg_tolerance, radius=radius)
 
@@ -501,6 +520,38 @@ class ClientUnlearning:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def curvature_sample_nodes(users: Mapping[int, int], fraction: float, seed: int) -> tuple[list[int], float]:
+    """The nodes whose users' curvature the distributed solve queries, and the factor its summed products are scaled
+    by (``curvature-sample``; ours).
+
+    A subsampled curvature, as Hessian-free optimisation computes its curvature-vector products on a part of the data
+    (Martens 2010, "Deep learning via Hessian-free optimization", Sec. 4.3; Byrd, Chin, Neveitt & Nocedal 2011,
+    "On the use of stochastic Hessian information in optimization methods for machine learning"): ``max(1,
+    round(fraction * n))`` of the ``n`` nodes are drawn without replacement from the stream ``(seed,
+    TAG_CURVATURE_SAMPLE)``, the same nodes for every product of the solve (so CG sees one fixed symmetric
+    operator), and each product is scaled by ``sum_all users / sum_drawn users`` (a ratio estimator of the full sum).
+    Nodes still answer only sums over all their (affected) users, so nothing per user is revealed.
+
+    Args:
+        users: node id -> its users in the curvature sum (affected users with causal weighting, else remaining).
+        fraction: the share of nodes to query, in ``(0, 1]``; 1 queries every node (factor 1).
+        seed: the run's seed.
+    Returns:
+        ``(sorted node ids, factor)``; ``([], 1.0)`` for no nodes.
+    Raises:
+        ValueError: ``fraction`` outside ``(0, 1]``.
+    """
+    if not (0.0 < fraction <= 1.0):
+        raise ValueError(f"curvature-sample must be in (0, 1], got {fraction!r}")
+    nodes = sorted(int(n) for n in users)
+    if not nodes or fraction >= 1.0:
+        return nodes, 1.0
+    size = max(1, int(round(fraction * len(nodes))))
+    drawn = sorted(int(n) for n in numpy_rng(seed, TAG_CURVATURE_SAMPLE).choice(nodes, size=size, replace=False))
+    total, sampled = sum(users[n] for n in nodes), sum(users[n] for n in drawn)
+    return drawn, (total / sampled) if sampled > 0 else 1.0
+
+
 def _payload_bytes(content: RecordDict) -> int:
     """Bytes of the arrays a message carries (every query re-sends the model; config records are not counted)."""
     return sum(len(array.data) for record in content.array_records.values() for array in record.values())

@@ -126,6 +126,7 @@ def _table(frame: pd.DataFrame) -> pd.DataFrame:
 def report(results: Path, data_dir: str) -> None:
     """Write ``main.csv`` / ``main.md``, ``ablation.*``, ``poison.*`` and the plots under ``results``."""
     poison_report(results)
+    level_report(results)
     forget_report(results, data_dir)
     frame = collect(results, data_dir)
     if frame.empty:
@@ -271,6 +272,93 @@ def poison_report(results: Path) -> None:
             "(`replay*.json`) ran when the replay did, and the machine's load varied 2-6x over the session; "
             "`runs/poison-retime/*/retrain-rate.json` compares both arms with retraining at one load. line search: "
             "the chosen multiple and how the search ended.", "", *summary_lines, "", markdown(pd.DataFrame(accept).fillna(""))]))
+
+
+def _crossing(steps, values, level) -> float | None:
+    """The first ``a`` at which the piecewise-linear ``values(steps)`` crosses ``level`` (``None`` if never)."""
+    for (a0, v0), (a1, v1) in zip(zip(steps, values), zip(steps[1:], values[1:])):
+        if (v0 - level) * (v1 - level) <= 0 and v1 != v0:
+            return a0 + (level - v0) * (a1 - a0) / (v1 - v0)
+    return None
+
+
+def _rating_share(results: Path, dataset: str, fakes: int, target_seed: int) -> float:
+    """The fake users' share of all ratings of the poisoned data (from the cached poisoned CSV; NaN without it)."""
+    from experiments.hfkcu.poison import FAKE_USER_BASE
+
+    path = results.parent / ".cache" / f"{dataset}-poisoned-{fakes}-target{target_seed}.csv"
+    if not path.is_file():
+        return float("nan")
+    users = pd.read_csv(path, usecols=["user"])["user"].to_numpy()
+    return float(np.mean(users >= FAKE_USER_BASE))
+
+
+def level_report(results: Path) -> None:
+    """``poison-level.md`` from ``poison-level`` (:func:`experiments.hfkcu.poison.level_probe`): for every setting
+    (development and reported), the forgotten users' loss per example along the default step against the retrained
+    model's level, where along the step the target reaches the retrained percentile (``a`` target, read from the
+    target: a diagnostic, never a rule), and the share-of-data rule ``a = c * share^p`` fitted on the development
+    settings only, with its in-sample outcome there."""
+    rows = []
+    for kind in ("poison-dev", "poison"):
+        for path in sorted((results / "runs" / kind).glob("*/*/fakes-*/seed-*/original/level-default.json")):
+            setting = path.parent.parent
+            data = json.loads(path.read_text())
+            along = data["along"]
+            steps = [r["a"] for r in along]
+            percentiles = [r["target-percentile"] for r in along]
+            original, retrained = percentiles[0], data["retrained"]["target-percentile"]
+            gap = original - retrained
+            dataset, fakes = setting.parts[-4], int(setting.parts[-2].split("-")[1])
+            seed = int(setting.parts[-1].split("-")[1])
+            oracle = data.get("target-percentile-at-retrained-level")
+            refs = data["references-at-0"]
+            rows.append({
+                "set": "dev" if kind == "poison-dev" else "reported", "dataset": dataset, "model": setting.parts[-3],
+                "fakes": fakes, "seed": seed,
+                "rating share": _rating_share(results, dataset, fakes, 100 if kind == "poison-dev" else 0),
+                "L_F(0)": along[0]["forgotten-loss-per-example"],
+                "L_F retrained": data["retrained"]["forgotten-loss-per-example"],
+                "L_R per example": refs["remaining-loss-per-example"],
+                "held-out positive (test items; diagnostic)": refs["remaining-held-out-positive-loss"],
+                "a at retrained L_F": data.get("retrained-level-multiple"),
+                "closed there": (original - oracle) / gap if oracle is not None and gap else float("nan"),
+                "a at L_F = L_R per example": _crossing(steps, [r["forgotten-loss-per-example"] for r in along],
+                                                        refs["remaining-loss-per-example"]),
+                "a target (reads the target)": _crossing(steps, percentiles, retrained),
+                "closed at a = 1 (default)": (original - percentiles[steps.index(1.0)]) / gap if gap else float("nan"),
+                "_steps": steps, "_percentiles": percentiles, "_gap": gap})
+    if not rows:
+        return
+    dev = [r for r in rows if r["set"] == "dev" and r["model"] == "FedMF" and r["a target (reads the target)"]
+           and r["rating share"] == r["rating share"]]
+    fit_lines = []
+    if len(dev) >= 2:
+        slope, intercept = np.polyfit(np.log([r["rating share"] for r in dev]),
+                                      np.log([r["a target (reads the target)"] for r in dev]), 1)
+        fit_lines.append(f"Share-of-data rule fitted on the {len(dev)} development settings (least squares in log-log): "
+                         f"a = {np.exp(intercept):.2f} * share^{slope:.2f}. In-sample outcome (closed share of the gap, "
+                         "interpolated along each development ladder):")
+        for r in dev:
+            a = float(np.exp(intercept) * r["rating share"] ** slope)
+            pct = float(np.interp(a, r["_steps"], r["_percentiles"]))
+            fit_lines.append(f"- {r['dataset']} {r['fakes']} fakes: a = {a:.2f}, closed "
+                             f"{(r['_percentiles'][0] - pct) / r['_gap']:.2f}")
+    table = pd.DataFrame([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows])
+    for column in table.columns:
+        if table[column].dtype.kind == "f" or table[column].dtype == object:
+            table[column] = table[column].map(lambda v: "-" if v is None or (isinstance(v, float) and v != v)
+                                              else f"{v:.3f}" if isinstance(v, float) else v)
+    atomic_write_text(results / "poison-level.md", "\n".join([
+        "# Issue 18: does a loss level or the share of data say how far to step? (generated)", "",
+        "From `python -m experiments.hfkcu.run poison-level` (every cached snapshot; seed 100 = development). Along "
+        "the default step x (trust radius 0.015): the forgotten users' mean influence loss per example L_F(theta + a "
+        "x) (BCE over their training positives and fixed negatives); 'L_F retrained': the same at the model retrained "
+        "without them (their own embeddings); 'a at retrained L_F': where along the step L_F reaches that level (an "
+        "oracle level rule) and the share of the percentile gap closed there; 'a at L_F = L_R per example': the "
+        "admissible reference (the remaining users' training loss per example); 'a target': where the target "
+        "reaches the retrained percentile (reads the target: a diagnostic, never a rule); 'closed at a = 1': the "
+        "default. rating share: the fakes' share of all ratings.", "", *fit_lines, "", markdown(table)]))
 
 
 def forget_report(results: Path, data_dir: str) -> None:

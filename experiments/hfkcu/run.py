@@ -276,9 +276,11 @@ def main(argv=None) -> None:
                       changes=json.loads(args.changes))
         return
     if args.part == "poison-retime":  # phase vs retraining time at one machine load (first --seeds only)
-        from experiments.hfkcu.poison import RETIMED_CAPPED, retime
+        from experiments.hfkcu.poison import RETIMED_CAPPED, RETIMED_SAMPLED, retime
 
-        extra = {"variants": RETIMED_CAPPED, "name": "retime-capped"} if args.name == "capped" else {}
+        # --name capped: cg-iterations 1 / 2; --name sampled: curvature-sample 0.5 / 0.25 (each against the default)
+        extra = {"capped": {"variants": RETIMED_CAPPED, "name": "retime-capped"},
+                 "sampled": {"variants": RETIMED_SAMPLED, "name": "retime-sampled"}}.get(args.name, {})
         for d in args.datasets.split(","):
             for m in args.models.split(","):
                 for f in args.fakes.split(","):
