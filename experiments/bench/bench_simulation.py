@@ -105,7 +105,8 @@ def bare_apps(num_users: int, users_per_node: int, sampled: int, rounds: int, ti
     return server, client
 
 
-def run_case(dataset: str, sampled: int, users_per_node: int, rounds: int, data_root: str, bare: str | None) -> dict:
+def run_case(dataset: str, sampled: int, users_per_node: int, rounds: int, data_root: str, bare: str | None,
+             overrides: dict | None = None) -> dict:
     from flwr.simulation import run_simulation
 
     from fedrec_flwr.config import default_mapping
@@ -117,6 +118,7 @@ def run_case(dataset: str, sampled: int, users_per_node: int, rounds: int, data_
     mapping.update({"dataset": dataset, "data-dir": str(Path(data_root) / dataset), "num-server-rounds": rounds,
                     "fraction-evaluate": 0.0, "users-per-node": users_per_node, "results-dir": tmp,
                     "run-name": "bench"})
+    mapping.update(overrides or {})
     num_users = load_split_for(RunConfig.from_mapping(mapping)).num_users
     mapping["fraction-train"] = min(1.0, sampled / num_users)
     num_nodes = -(-num_users // users_per_node)
@@ -143,7 +145,8 @@ def run_case(dataset: str, sampled: int, users_per_node: int, rounds: int, data_
         times = [r["seconds"] for r in rows]
     steady = times[1:] if len(times) > 1 else times  # the first round includes actor start-up
     per_round = statistics.median(steady)
-    return {"app": bare or "fedrec", "dataset": dataset, "users": num_users, "nodes": num_nodes,
+    label = "fedrec" + "".join(f" {k}={v}" for k, v in (overrides or {}).items())
+    return {"app": bare or label, "dataset": dataset, "users": num_users, "nodes": num_nodes,
             "sampled-users": sampled, "users-per-node": users_per_node, "rounds": rounds,
             "seconds-per-round": round(per_round, 2), "ms-per-user": round(1000 * per_round / sampled, 1),
             "peak-memory-MiB": round(memory.peak / 2**20)}
@@ -158,13 +161,17 @@ def main() -> int:
     parser.add_argument("--apps", nargs="+", default=["bare", "bare+model", "fedrec"],
                         help="bare: no payload; bare+model: the shared model in every message; fedrec: ours")
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="run-config overrides for our app; an app named 'fedrec+set' runs ours with them (e.g. "
+                             "--apps fedrec fedrec+set --set block-training=on)")
     args = parser.parse_args()
     rows = []
     for case in args.cases:
         dataset, sampled, upn = case.split(":")
+        overrides = dict(item.split("=", 1) for item in args.set)
         for app in args.apps:
             row = run_case(dataset, int(sampled), int(upn), args.rounds, args.data_root,
-                           None if app == "fedrec" else app)
+                           None if app.startswith("fedrec") else app, overrides if app == "fedrec+set" else None)
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("\n| app | dataset | nodes | sampled users | users/node | s/round | ms/user | peak MiB |")
