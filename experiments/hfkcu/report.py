@@ -344,6 +344,14 @@ def level_report(results: Path) -> None:
             pct = float(np.interp(a, r["_steps"], r["_percentiles"]))
             fit_lines.append(f"- {r['dataset']} {r['fakes']} fakes: a = {a:.2f}, closed "
                              f"{(r['_percentiles'][0] - pct) / r['_gap']:.2f}")
+        fit_lines.append("The same fitted rule on the reported FedMF settings (out of sample; interpolated along each "
+                         "ladder, not run as a phase):")
+        for r in rows:
+            if r["set"] == "reported" and r["model"] == "FedMF" and r["rating share"] == r["rating share"]:
+                a = float(np.exp(intercept) * r["rating share"] ** slope)
+                pct = float(np.interp(a, r["_steps"], r["_percentiles"]))
+                fit_lines.append(f"- {r['dataset']} {r['fakes']} fakes seed {r['seed']}: a = {a:.2f}, closed "
+                                 f"{(r['_percentiles'][0] - pct) / r['_gap']:.2f}")
     table = pd.DataFrame([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows])
     for column in table.columns:
         if table[column].dtype.kind == "f" or table[column].dtype == object:

@@ -288,13 +288,16 @@ def main(argv=None) -> None:
                            runs=RESULTS / "runs" / "poison-retime", cache=CACHE, **extra)
         return
     if args.part == "poison-level":  # the forgotten users' loss along the step vs the retrained model's (diagnostic)
-        from experiments.hfkcu.poison import DEV, level_probe
+        from experiments.hfkcu.poison import DEV, level_probe, snapshot_path
 
         for d in args.datasets.split(","):
             for m in args.models.split(","):
                 for f in args.fakes.split(","):
                     for seed in args.seeds.split(","):
                         dev = int(seed) == DEV["seed"]
+                        if not snapshot_path(CACHE, d, m, int(f), int(seed),
+                                             DEV["target-seed"] if dev else 0).is_file():
+                            continue  # no saved federation of this setting
                         level_probe(d, m, int(f), int(seed), data_dir=args.data_dir, changes=json.loads(args.changes),
                                     runs=RESULTS / "runs" / ("poison-dev" if dev else "poison"), cache=CACHE,
                                     target_seed=DEV["target-seed"] if dev else 0, name=f"level-{args.name}")
