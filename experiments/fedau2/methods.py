@@ -142,6 +142,21 @@ ARMS: dict[str, dict] = {
 }
 """Table rows. Arms without an adversary do not depend on the protected attribute (attacked on every attribute)."""
 
+CHOSEN_ARM = "FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1"
+"""Issue 14, third session: the arm whose eps (0.1) the validation item chose (``select-eps``, seed 3, FedNCF;
+``results/select-eps.md``); its variants below are run with it."""
+ARMS.update({
+    # the chosen arm on FedRecGEL's decoupled SAM client
+    "FedAU2-GEL-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1": {
+        **ARMS[CHOSEN_ARM], "client": "fedau2-gel"},
+    # the chosen arm with DSVAE (a linear encoder, adversary-hidden = 0) and its noise on every uploaded h_w gradient
+    "FedAU2-server, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1, noise on all of h_w": {
+        **ARMS[CHOSEN_ARM], "adversary": "dsvae", "dsvae-noise-placement": "all"},
+    # a competent h_w (item 11): full-batch extra steps over every user, with the chosen arm's pull
+    "FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, eps 0.1, all users": {
+        **ARMS[CHOSEN_ARM], "adversary-server-learning-rate": 0.01, "adversary-query-users": "all"},
+})
+
 EPSILONS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 """The trade-off sweep: FedAU2 on FedMF / gender with these GRL strengths (1.0 is the main table's)."""
 
