@@ -271,7 +271,10 @@ def poison_report(results: Path) -> None:
             "seconds, both on the same shared 2-core machine, but not at the same load: replayed phases "
             "(`replay*.json`) ran when the replay did, and the machine's load varied 2-6x over the session; "
             "`runs/poison-retime/*/retrain-rate.json` compares both arms with retraining at one load. line search: "
-            "the chosen multiple and how the search ended.", "", *summary_lines, "", markdown(pd.DataFrame(accept).fillna(""))]))
+            "the chosen multiple and how the search ended. Step rules tried after this table (a loss level, the share "
+            "of data: `poison-level.md`) and FedNCF's faster solves (`cg-iterations` 1-2, `curvature-sample`: "
+            "`runs/poison-retime/*/FedNCF/fakes-100/seed-0/retime-{capped,sampled}*.json`) did not change the "
+            "default; see `../README.md`.", "", *summary_lines, "", markdown(pd.DataFrame(accept).fillna(""))]))
 
 
 def _crossing(steps, values, level) -> float | None:
