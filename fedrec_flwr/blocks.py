@@ -2,10 +2,11 @@
 
 A node serving ``k`` users would otherwise run ``k`` tiny local trainings one after another, each costing PyTorch's
 per-call overhead on tensors of a few hundred rows (about 10 ms per user on one CPU core). Here the ``k`` users are
-stacked along a leading *user* dimension and trained together with :mod:`torch.func` (``vmap`` over
-a ``functional_call`` of the process's model, differentiated by autograd: the gradient of the sum of the users'
-losses with respect to the stacked parameters is each user's own gradient), so the per-call overhead is paid once per step
-for the whole block:
+stacked along a leading *user* dimension and trained together, so the per-call overhead is paid once per step for the
+whole block. MF and NCF are differentiated by a closed-form batched backward pass (:func:`analytic_gradients`: a few
+batched matrix products per layer); any other model by :mod:`torch.func` (``vmap`` over a ``functional_call`` of the
+process's model, differentiated by autograd: the gradient of the sum of the users' losses with respect to the stacked
+parameters is each user's own gradient; :meth:`Block.autograd_gradients`, also the tests' reference). A block holds:
 
 * per-user private parameters (user embeddings) stacked, ``(k, 1, d)``;
 * per-user copies of the shared parameters the step changes: each user's compact item rows (positives and sampled
@@ -14,7 +15,8 @@ for the whole block:
 * padded and masked mini-batches: each user's examples in the order its own shuffle stream gives, a per-example
   weight ``1 / (size of its mini-batch or chunk)`` (0 on padding); users are sorted by size, so the users with a
   mini-batch left at a step are a prefix of the block and only that prefix (a view) is stepped;
-* per-user optimizer state (:class:`BlockAdam` / SGD), including FedRecGEL's persistent Adam of the user embeddings.
+* per-user optimizer state (:class:`BlockAdam` / SGD), including FedRecGEL's persistent Adam of the user embeddings
+  (users sharing one step count are stepped by torch's fused Adam kernel, :data:`FUSED_ADAM`).
 
 The per-user ``NumPyClient`` subclasses stay the reference: the block path draws the same negatives
 (:func:`fedrec_flwr.data.sample_train_negatives`), the same shuffles (:func:`fedrec_flwr.seeding.torch_generator`,
