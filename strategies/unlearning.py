@@ -54,7 +54,10 @@ over its remaining (with causal weighting: affected) users, never a per-user val
 time count in the phase. If no ``a > 0`` lowers ``L_R`` the step is 0. ``"none"`` (the default) keeps the fixed
 radius. Measured (``experiments/hfkcu/README.md``): at the trained, non-stationary model ``L_R`` *rises* along the
 step from ``a = 0`` (the forgotten and the remaining users' gradients agree on the shared popular rows), so on the
-development setting the search takes no step; it is therefore an arm, not the default.
+development setting the search takes no step; it is therefore an arm, not the default. Two further rules were
+measured on four development settings and rejected before the benchmark (not keys): stopping where the forgotten
+users' loss per example reaches a reference level, and a radius scaled by their share of the data
+(``experiments/hfkcu/README.md``, ``results/poison-level.md``).
 
 **Causal weighting.** Only users whose loss shares rows with ``g_F`` are *affected*: the server sends ``g_F``'s row
 ids once to every node (``unlearn_affected``); each node answers how many of its users are affected (a node total,
