@@ -43,16 +43,17 @@ def _records(path: Path, users) -> dict:
     return {u: ArrayRecord(v) for u, v in out.items()}
 
 
-def _mia(runtime, records, arrays, users) -> float:
+def _mia(runtime, records, arrays, users, seed: int = _SEED) -> float:
     try:
-        return membership(runtime, records, arrays, users, _SEED)["auc"]
+        return membership(runtime, records, arrays, users, seed)["auc"]
     except ValueError as err:  # a diverged model (e.g. gradient ascent): no attack to score
         print(f"membership inference skipped: {err}")
         return float("nan")
 
 
-def collect(results: Path, data_dir: str) -> pd.DataFrame:
-    """One row per (dataset, model, forget set, model variant) with every measure of the module docstring."""
+def collect(results: Path, data_dir: str, seed: int = _SEED) -> pd.DataFrame:
+    """One row per (dataset, model, forget set, model variant) with every measure of the module docstring, for the runs
+    of training seed ``seed`` under ``results``."""
     from fedrec_flwr.runtime import get_runtime
 
     rows = []
@@ -66,7 +67,7 @@ def collect(results: Path, data_dir: str) -> pd.DataFrame:
                 print(f"skipped {folder}: its arrays (npz, never committed) are not on this machine")
                 continue
             phase = json.loads(phase_file.read_text())
-            runtime = get_runtime(base_config(dataset, model, data_dir, folder, "original").to_dict())
+            runtime = get_runtime(base_config(dataset, model, data_dir, folder, "original", seed=seed).to_dict())
             for set_name in FORGET_SETS:
                 users = np.asarray(phase["forget-sets"][set_name], dtype=np.int64)
                 records = _records(folder / "original" / "private-records.npz", users)
@@ -79,7 +80,7 @@ def collect(results: Path, data_dir: str) -> pd.DataFrame:
                     rows.append({**base, "variant": "retrained (gold standard)", "HR@10": retrain["HR@10"],
                                  "NDCG@10": retrain["NDCG@10"], "seconds": retrain["train-seconds"], "kl": 0.0,
                                  "parameter-gap": 0.0,
-                                 "mia-auc": _mia(runtime, records, ref_arrays, users)})
+                                 "mia-auc": _mia(runtime, records, ref_arrays, users, seed)})
                 for row in phase["rows"]:
                     if row["forget-set"] != set_name:
                         continue
@@ -87,7 +88,7 @@ def collect(results: Path, data_dir: str) -> pd.DataFrame:
                                                / f"{slug(row['variant'])}.npz")
                     out = {**base, "variant": row["variant"], "HR@10": row["HR@10"], "NDCG@10": row["NDCG@10"],
                            "seconds": row["seconds"] if row["variant"] != "original" else float("nan"),
-                           "mia-auc": _mia(runtime, records, arrays, users),
+                           "mia-auc": _mia(runtime, records, arrays, users, seed),
                            "messages": row.get("messages"), "affected-users": row.get("affected-users"),
                            "cg-iterations": row.get("cg-iterations"), "cg-residual": row.get("cg-residual"),
                            "cg-negative-curvature": row.get("cg-negative-curvature"), "scale": row.get("scale"),
@@ -339,9 +340,9 @@ def level_report(results: Path) -> None:
     if len(dev) >= 2:
         slope, intercept = np.polyfit(np.log([r["rating share"] for r in dev]),
                                       np.log([r["a target (reads the target)"] for r in dev]), 1)
-        fit_lines.append(f"Share-of-data rule fitted on the {len(dev)} development settings (least squares in log-log): "
-                         f"a = {np.exp(intercept):.2f} * share^{slope:.2f}. In-sample outcome (closed share of the gap, "
-                         "interpolated along each development ladder):")
+        fit_lines.append(f"Share-of-data rule fitted on the {len(dev)} development settings (least squares in "
+                         f"log-log): a = {np.exp(intercept):.2f} * share^{slope:.2f}. In-sample outcome (closed share "
+                         "of the gap, interpolated along each development ladder):")
         for r in dev:
             a = float(np.exp(intercept) * r["rating share"] ** slope)
             pct = float(np.interp(a, r["_steps"], r["_percentiles"]))
@@ -381,7 +382,7 @@ def forget_report(results: Path, data_dir: str) -> None:
              "the phase (every query re-sends the model).", ""]
     frames = []
     for seed_dir in sorted((results / "forget").glob("seed-*")):
-        frame = collect(seed_dir, data_dir)
+        frame = collect(seed_dir, data_dir, int(seed_dir.name.split("-")[1]))
         if frame.empty:
             continue
         frame.insert(0, "seed", int(seed_dir.name.split("-")[1]))
@@ -393,8 +394,30 @@ def forget_report(results: Path, data_dir: str) -> None:
             lines += [f"## {seed_dir.name}, {dataset}, {model}, forget {set_name} "
                       f"({int(block['forgotten'].iloc[0])} users)", "", markdown(table), ""]
     if frames:
-        write_csv(pd.concat(frames), results / "forget.csv")
+        every = pd.concat(frames)
+        write_csv(every, results / "forget.csv")
+        lines = lines[:4] + _forget_summary(every) + lines[4:]
         atomic_write_text(results / "forget.md", "\n".join(lines))
+
+
+def _forget_summary(frame: pd.DataFrame) -> list[str]:
+    """Mean ± std over the seeds run of KL to the retrained model, membership AUC and its absolute distance to the
+    retrained model's AUC of the same seed (``mia-auc-gap-to-retrained``; issue 18: both should move toward the
+    retrained model's), HR@10 / NDCG@10 and speedup."""
+    frame = frame.copy()
+    reference = frame[frame["variant"] == "retrained (gold standard)"].set_index(
+        ["seed", "dataset", "model", "forget-set"])["mia-auc"]
+    frame["mia-auc-gap-to-retrained"] = [
+        abs(row["mia-auc"] - reference.get((row["seed"], row["dataset"], row["model"], row["forget-set"]), float("nan")))
+        for _, row in frame.iterrows()]
+    keys = ["dataset", "model", "forget-set", "variant"]
+    columns = ["kl", "mia-auc", "mia-auc-gap-to-retrained", "HR@10", "NDCG@10", "speedup"]
+    summary = mean_std(frame, keys, columns)
+    shown = summary[keys + ["seeds"]].copy()
+    for column in columns:
+        digits = {"kl": 6, "speedup": 1}.get(column, 4)
+        shown[column] = [fmt(m, sd, digits) for m, sd in zip(summary[f"{column}-mean"], summary[f"{column}-std"])]
+    return ["## Mean ± std over the seeds run", "", markdown(shown), ""]
 
 
 def plot(main: pd.DataFrame, results: Path) -> None:

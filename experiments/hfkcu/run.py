@@ -55,13 +55,13 @@ def base_config(dataset: str, model: str, data_dir: str, folder: Path, name: str
     return make_run_config(**overrides)
 
 
-def forget_sets(num_users: int) -> dict[str, np.ndarray]:
+def forget_sets(num_users: int, seed: int = SEED) -> dict[str, np.ndarray]:
     """Forget-set name -> users (seeded; :func:`strategies.unlearning.forget_set`)."""
     from strategies.unlearning import forget_set
 
     out = {}
     for name, fraction in FORGET_SETS.items():
-        config = make_run_config(seed=SEED, forget_fraction=(1.0 / num_users) if fraction is None else fraction)
+        config = make_run_config(seed=seed, forget_fraction=(1.0 / num_users) if fraction is None else fraction)
         out[name] = forget_set(config, num_users)
     return out
 
@@ -205,9 +205,10 @@ FORGET_VARIANTS = {
 }
 """Issue 18's random forget sets (1% and 5%): the defaults against the issue-6 arm and the baselines."""
 
-FORGET_ROOT = RESULTS / "forget" / f"seed-{SEED}"
-"""Results of the ``forget`` part, laid out like ``main``'s (``runs/<dataset>/<model>/...``) so that
-:func:`experiments.hfkcu.report.collect` reads them."""
+def forget_root(seed: int) -> Path:
+    """Results of the ``forget`` part for one training seed, laid out like ``main``'s (``runs/<dataset>/<model>/...``)
+    so that :func:`experiments.hfkcu.report.collect` reads them."""
+    return RESULTS / "forget" / f"seed-{seed}"
 
 
 def run_forget(job) -> None:
@@ -215,11 +216,11 @@ def run_forget(job) -> None:
     to the 1% and 5% sets) or one retrained model, per dataset and model."""
     from fedrec_flwr.runtime import get_runtime
 
-    dataset, model, kind, data_dir = job
-    folder = FORGET_ROOT / "runs" / dataset / model
-    config = base_config(dataset, model, data_dir, folder, "original")
+    dataset, model, kind, data_dir, seed = job
+    folder = forget_root(seed) / "runs" / dataset / model
+    config = base_config(dataset, model, data_dir, folder, "original", seed=seed)
     runtime = get_runtime(config.to_dict())
-    every = forget_sets(runtime.split.num_users)
+    every = forget_sets(runtime.split.num_users, seed)
     chosen = {k: v for k, v in every.items() if k in ("1%", "5%")}
     if kind == "original":
         out = folder / "original"
@@ -234,7 +235,7 @@ def run_forget(job) -> None:
         return
     users = chosen[kind]
     name = f"retrain-{slug(kind)}"
-    config = base_config(dataset, model, data_dir, folder, name, unlearning="retrain",
+    config = base_config(dataset, model, data_dir, folder, name, seed=seed, unlearning="retrain",
                          forget_users=",".join(str(int(u)) for u in users))
     train_then(config, folder / name, "retrain.json", retrain_end(runtime, folder / name, kind, users))
 
@@ -263,9 +264,9 @@ def main(argv=None) -> None:
 
         report(RESULTS, args.data_dir)
         return
-    if args.part == "forget":
-        jobs = [(d, m, kind, args.data_dir) for d in args.datasets.split(",") for m in args.models.split(",")
-                for kind in ("original", "1%", "5%")]
+    if args.part == "forget":  # --seeds: training seeds (each seed also draws its own forget sets)
+        jobs = [(d, m, kind, args.data_dir, int(seed)) for seed in args.seeds.split(",")
+                for d in args.datasets.split(",") for m in args.models.split(",") for kind in ("original", "1%", "5%")]
         run_jobs(jobs, run_forget, args.shard, "forget")
         return
     if args.part == "poison-profile":  # cProfile of one phase (--changes, e.g. '{"cg_iterations": 2}')
