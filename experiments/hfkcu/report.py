@@ -408,7 +408,8 @@ def _forget_summary(frame: pd.DataFrame) -> list[str]:
     reference = frame[frame["variant"] == "retrained (gold standard)"].set_index(
         ["seed", "dataset", "model", "forget-set"])["mia-auc"]
     frame["mia-auc-gap-to-retrained"] = [
-        abs(row["mia-auc"] - reference.get((row["seed"], row["dataset"], row["model"], row["forget-set"]), float("nan")))
+        abs(row["mia-auc"] - reference.get((row["seed"], row["dataset"], row["model"], row["forget-set"]),
+                                           float("nan")))
         for _, row in frame.iterrows()]
     keys = ["dataset", "model", "forget-set", "variant"]
     columns = ["kl", "mia-auc", "mia-auc-gap-to-retrained", "HR@10", "NDCG@10", "speedup"]
