@@ -7,6 +7,7 @@ homomorphic encryption: updates travel in clear, as in the FedRecGEL and PFedRec
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +93,20 @@ class FedRecClient(NumPyClient):
     (:mod:`strategies.flower_adapter` refuses a non-zero value of any other): FedProx's ``"proximal-mu"``, applied
     to the shared parameters by :meth:`fit_named` (:class:`fedrec_flwr.training.ProximalTerm`, for every subclass's
     trainer)."""
+
+    @classmethod
+    def check_strategy_config(cls, config: Mapping[str, Any], strategy: str = "") -> None:
+        """Check the values of the :attr:`strategy_config_keys` a wrapped Flower strategy would send (the preflight's
+        dry round 1, :meth:`strategies.flower_adapter.FlowerStrategyAdapter.check_config`).
+
+        Raises:
+            ConfigError: ``"proximal-mu"`` is not a finite number >= 0 (names the strategy and ``strategy-args``).
+        """
+        if "proximal-mu" in config:
+            mu = config["proximal-mu"]
+            if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not math.isfinite(mu) or mu < 0:
+                raise ConfigError(f"run-config key 'strategy' = {strategy!r} sends 'proximal-mu' = {mu!r}: FedProx's "
+                                  "proximal weight must be a finite number >= 0 (run-config key 'strategy-args')")
 
     unlearns_attributes = False
     """Whether this client trains an attribute adversary and applies ``user-embedding-noise``

@@ -386,7 +386,11 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
                               f"{config.strategy}: it aggregates dense replies itself (see strategies/flower_adapter.py)")
         wrapped, _ = build_flower_strategy(resolve("strategy", config.strategy),
                                            parse_strategy_args(config.strategy_args))
-        check_sent_keys(wrapped, getattr(resolve("client", config.client), "strategy_config_keys", ()))
+        client = resolve("client", config.client)
+        sent = check_sent_keys(wrapped, getattr(client, "strategy_config_keys", ()))
+        if hasattr(client, "check_strategy_config"):  # the values of the keys it honours (e.g. proximal-mu >= 0)
+            for values in sent:
+                client.check_strategy_config(values, strategy=config.strategy)
 
     @classmethod
     def options_from_config(cls, config: RunConfig) -> dict:
@@ -545,11 +549,12 @@ def _refuse_unhonoured(name: str, sent: Mapping[str, Any], honoured: Iterable[st
             "honours it, or a value of 0 (run-config key 'strategy-args')")
 
 
-def check_sent_keys(wrapped: Strategy, honoured: Iterable[str]) -> None:
+def check_sent_keys(wrapped: Strategy, honoured: Iterable[str]) -> list[dict[str, Any]]:
     """Let ``wrapped`` configure a round-1 train and evaluate round for one node, without sending anything, and refuse
     a config key it would send that the client does not honour (:func:`_refuse_unhonoured`), so e.g. FedProx with
     ``proximal_mu > 0`` fails before the run starts, not in round 1. ``wrapped`` must be a fresh instance (its state
-    may change; :meth:`FlowerStrategyAdapter.check_config` builds one for this).
+    may change; :meth:`FlowerStrategyAdapter.check_config` builds one for this). Returns the config of each message
+    it would send (for the client's own check of the values, ``check_strategy_config``).
 
     Raises:
         ConfigError: as :func:`_refuse_unhonoured`.
@@ -558,13 +563,15 @@ def check_sent_keys(wrapped: Strategy, honoured: Iterable[str]) -> None:
 
     name = f"{type(wrapped).__module__}:{type(wrapped).__name__}"
     grid = RoundNodes(None, [0], name)
+    sent: list[dict[str, Any]] = []
     saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 0, 0, 0  # Message() needs one, even unsent
     try:
         with quiet():  # Flower's "Sampled 1 nodes" lines: nothing is sampled
             for configure in (wrapped.configure_train, wrapped.configure_evaluate):
                 for message in configure(1, ArrayRecord(), ConfigRecord(), grid):
-                    _refuse_unhonoured(name, dict(message.content[CONFIG]) if CONFIG in message.content else {},
-                                       honoured)
+                    sent.append(dict(message.content[CONFIG]) if CONFIG in message.content else {})
+                    _refuse_unhonoured(name, sent[-1], honoured)
     finally:
         TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+    return sent

@@ -55,9 +55,9 @@ CASES = {
     "forget-users-out-of-range": (lambda _: {"unlearning": "retrain", "forget-users": "3,24"},
                                   "'forget-users' = '3,24': partition id 24 is out of range"),
     "resume-from-without-checkpoint": (_empty_folder, "'resume-from' = "),
-    "fedprox-through-the-adapter": (lambda _: {"strategy": "flwr.serverapp.strategy:FedProx",
-                                               "strategy-args": "proximal_mu=0.1"},
-                                    "'proximal-mu' = 0.1, which the client does not honour"),
+    "fedprox-negative-mu": (lambda _: {"strategy": "flwr.serverapp.strategy:FedProx",
+                                       "strategy-args": "proximal_mu=-0.1"},
+                            "sends 'proximal-mu' = -0.1: FedProx's proximal weight must be a finite number >= 0"),
     "results-dir-is-a-file": (_results_dir_is_a_file, "'results-dir' = "),
 }
 """Each case: (its overrides, made in ``tmp_path``; the text the error must hold, naming the key and the value)."""
