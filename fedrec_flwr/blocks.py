@@ -3,10 +3,10 @@
 A node serving ``k`` users would otherwise run ``k`` tiny local trainings one after another, each costing PyTorch's
 per-call overhead on tensors of a few hundred rows (about 10 ms per user on one CPU core). Here the ``k`` users are
 stacked along a leading *user* dimension and trained together, so the per-call overhead is paid once per step for the
-whole block. MF and NCF are differentiated by a closed-form batched backward pass (:func:`analytic_gradients`: a few
-batched matrix products per layer); any other model by :mod:`torch.func` (``vmap`` over a ``functional_call`` of the
-process's model, differentiated by autograd: the gradient of the sum of the users' losses with respect to the stacked
-parameters is each user's own gradient; :meth:`Block.autograd_gradients`, also the tests' reference). A block holds:
+whole block. For MF and NCF the forward pass is written as a few batched matrix products over the stacked parameters
+(:func:`batched_loss`); any other model runs through :mod:`torch.func` (``vmap`` over a ``functional_call`` of the
+process's model; :meth:`Block.autograd_gradients`, also the tests' reference). Both are differentiated by autograd:
+the gradient of the sum of the users' losses with respect to the stacked parameters is each user's own gradient. A block holds:
 
 * per-user private parameters (user embeddings) stacked, ``(k, 1, d)``;
 * per-user copies of the shared parameters the step changes: each user's compact item rows (positives and sampled
@@ -264,7 +264,7 @@ class Block:
         directly into arrays of the tables' shape, otherwise by resetting the process's model and reading it back."""
         generator = torch_generator(self.runtime.config.seed, TAG_USER_INIT, user)
         tables = self.model.user_embedding_modules()
-        if analytic_model(self.model) is not None and {f"{n}.weight" for n in tables} == set(self.private_keys):
+        if batched_model(self.model) is not None and {f"{n}.weight" for n in tables} == set(self.private_keys):
             return {f"{name}.weight": torch.empty(module.weight.shape, dtype=module.weight.dtype).normal_(
                 0.0, EMBEDDING_INIT_STD, generator=generator).numpy() for name, module in tables.items()}
         self.model.reset_private(generator)
@@ -333,22 +333,19 @@ class Block:
 
         return per_user
 
-    def gradients(self, params: Mapping[str, torch.Tensor], *args: torch.Tensor, keys: Sequence[str] | None = None,
-                  buffers: Mapping[str, torch.Tensor] | None = None):
+    def gradients(self, params: Mapping[str, torch.Tensor], *args: torch.Tensor, keys: Sequence[str] | None = None):
         """``(gradients by key (k, ...), losses (k,))`` of each user's loss at ``params`` (``(k, ...)`` each; only
-        ``keys`` returned, default all): by the closed-form batched backward pass of :func:`analytic_gradients` where
-        the model is exactly :class:`~fedrec_flwr.models.mf.MF` or :class:`~fedrec_flwr.models.ncf.NCF` and
-        :data:`GRADIENTS` is ``"analytic"`` (item-table gradients written into ``buffers`` if given, see
-        :func:`analytic_gradients`), otherwise by :meth:`autograd_gradients`."""
-        if GRADIENTS == "analytic" and analytic_model(self.model) is not None:
-            grads, values = analytic_gradients(self.model, self.runtime.config.loss, params, *args, buffers=buffers)
-            return ({key: grads[key] for key in (list(params) if keys is None else keys)}, values)
+        ``keys`` returned, default all): by :func:`batched_gradients` where the model is exactly
+        :class:`~fedrec_flwr.models.mf.MF` or :class:`~fedrec_flwr.models.ncf.NCF` and :data:`GRADIENTS` is
+        ``"batched"``, otherwise by :meth:`autograd_gradients` (``vmap``)."""
+        if GRADIENTS == "batched" and batched_model(self.model) is not None:
+            return batched_gradients(self.model, self.runtime.config.loss, params, *args, keys=keys)
         return self.autograd_gradients(params, *args, keys=keys)
 
     def autograd_gradients(self, params: Mapping[str, torch.Tensor], *args: torch.Tensor,
                            keys: Sequence[str] | None = None):
         """:meth:`gradients` by reverse-mode autograd through the vmapped :meth:`loss_function` (any model; the
-        reference the analytic pass is tested against)."""
+        reference the batched forward pass is tested against)."""
         if not hasattr(self, "_loss"):
             self._loss = vmap(self.loss_function())
         keys = list(params) if keys is None else list(keys)
@@ -381,17 +378,17 @@ class Block:
         return to(first), to(second), to(labels, self.dtype), to(weights, self.dtype)
 
 
-GRADIENTS = "analytic"
-"""How a block differentiates its users' losses: ``"analytic"`` (:func:`analytic_gradients`, the closed-form batched
-backward pass of MF and NCF: a few batched matrix products per layer, no ``vmap``/autograd bookkeeping, and the user
-half of NCF's first layer computed once per user instead of once per example) or ``"autograd"``
-(:meth:`Block.autograd_gradients`, ``vmap`` + autograd, for any model). Both give the same gradients up to float
-rounding (``tests/test_blocks.py``); a module constant, not a run-config key, since it changes no result."""
+GRADIENTS = "batched"
+"""How a block differentiates its users' losses: ``"batched"`` (:func:`batched_gradients`: MF's and NCF's forward pass
+as a few batched matrix products, differentiated by autograd; the user half of NCF's first layer computed once per
+user) or ``"vmap"`` (:meth:`Block.autograd_gradients`: ``vmap`` of a ``functional_call`` of the process's model,
+differentiated by autograd, for any model). Both give the same gradients up to float rounding
+(``tests/test_blocks.py``); a module constant, not a run-config key, since it changes no result."""
 
 
-def analytic_model(model: torch.nn.Module) -> str | None:
+def batched_model(model: torch.nn.Module) -> str | None:
     """``"mf"`` or ``"ncf"`` when ``model`` is exactly that class with no attached module (its forward pass is the one
-    :func:`analytic_gradients` differentiates), else ``None``."""
+    :func:`batched_loss` computes), else ``None``."""
     from .models.mf import MF
     from .models.ncf import NCF
 
@@ -403,115 +400,69 @@ def analytic_model(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _gather(table: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``(a, N, d)`` of per-user tables ``table`` ``(a, T, d)`` at local rows ``index`` ``(a, N)``, and the flat
-    row numbers ``(a * N,)`` into ``table.reshape(a * T, d)`` (for :func:`_scatter`)."""
+def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``(a, N, d)`` of per-user tables ``table`` ``(a, T, d)`` at local rows ``index`` ``(a, N)`` (one
+    ``index_select`` on the flattened tables; autograd sums the gradients of repeated rows, as an embedding does)."""
     a, t, d = table.shape
     flat = (index + (torch.arange(a, device=index.device) * t).unsqueeze(1)).reshape(-1)
-    return table.reshape(a * t, d).index_select(0, flat).view(a, -1, d), flat
+    return table.reshape(a * t, d).index_select(0, flat).view(a, -1, d)
 
 
-def _scatter(rows: torch.Tensor, flat: torch.Tensor, shape: torch.Size, buffer: torch.Tensor | None = None):
-    """The gradient ``shape`` = ``(a, T, d)`` of a table from the gradients ``rows`` ``(a, N, d)`` of its gathered
-    rows (summed over repeated rows, as an embedding's backward pass); written into ``buffer`` (zeroed first) when
-    given and large enough."""
-    a, t, d = shape
-    if buffer is not None and buffer.numel() >= a * t * d:
-        out = buffer.view(-1)[: a * t * d].view(a * t, d).zero_()
-    else:
-        out = torch.zeros(a * t, d, dtype=rows.dtype, device=rows.device)
-    return out.index_add_(0, flat, rows.reshape(-1, d)).view(a, t, d)
-
-
-def analytic_gradients(model: torch.nn.Module, loss: str, params: Mapping[str, torch.Tensor], first: torch.Tensor,
-                       second: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                       buffers: Mapping[str, torch.Tensor] | None = None):
-    """Each user's weighted loss and its gradient with respect to all of ``params``, in closed form.
+def batched_loss(model: torch.nn.Module, loss: str, params: Mapping[str, torch.Tensor], first: torch.Tensor,
+                 second: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each user's weighted loss ``(a,)``: the model's forward pass on stacked per-user parameters as batched matrix
+    products, differentiable by autograd (:func:`batched_gradients`).
 
     The forward pass is the model's (MF: ``<p_u, q_i>``, Chai et al.; NCF: NeuMF, He et al. 2017, Sec. 3.4:
     ``h^T [p_u^G ⊙ q_i^G; MLP([p_u^M; q_i^M])] + b``), the loss that of :meth:`Block.loss_function` (BCE with logits,
-    or BPR ``-log σ(s_pos - s_neg)``; per-example ``weights``), and the backward pass the chain rule written out
-    (ours): ``dL/ds = w (σ(s) - y)`` (BCE) or ``∓ w σ(s_neg - s_pos)`` (BPR), then per layer ``dW = dZ^T X``,
-    ``db = Σ dZ``, ``dX = dZ W`` as batched products, ReLU masking where its output is 0, and the item rows'
-    gradients summed into the per-user tables with ``index_add_``. NCF's first layer splits ``W_1 = [W_u, W_i]``: the
-    user part ``W_u p_u^M`` is the same for all of a user's examples and is computed once per user.
+    or BPR ``-log σ(s_pos - s_neg)``; per-example ``weights``). NCF's first layer splits ``W_1 = [W_u, W_i]``: the user
+    part ``W_u p_u^M + b_1`` is the same for all of a user's examples and is computed once per user (ours).
 
     Args:
-        model: an :class:`~fedrec_flwr.models.mf.MF` or :class:`~fedrec_flwr.models.ncf.NCF` (only its class and
-            layer layout are used). loss: ``"bce"`` or ``"bpr"``.
+        model: an :class:`~fedrec_flwr.models.mf.MF` or :class:`~fedrec_flwr.models.ncf.NCF` (:func:`batched_model`;
+            only its class and layer layout are used). loss: ``"bce"`` or ``"bpr"``.
         params: state key -> ``(a, ...)`` stacked per-user parameters (user tables ``(a, 1, d)``, item tables
             ``(a, T, d)`` indexed by local rows, layers ``(a, out, in)`` / ``(a, out)``).
         first, second: ``(a, N)`` int64 local rows (BCE: the items, ``second`` unused; BPR: positives, negatives).
         labels, weights: ``(a, N)`` in the model's dtype (BCE labels; weight 0 on padding).
-        buffers: optional item-table key -> a tensor of at least ``a * T * d`` entries that the table's gradient is
-            written into (reused across a chunk's steps: a fresh multi-megabyte tensor per step costs more than the
-            step's arithmetic on it); the returned gradients are then views of it, valid until the next call.
-
-    Returns:
-        ``(gradients by key (a, ...), losses (a,))``.
     """
-    kind = analytic_model(model)
-    a = first.shape[0]
+    kind = batched_model(model)
     items = torch.cat([first, second], dim=1) if loss == "bpr" else first
     if kind == "mf":
-        user, table = params["user_embedding.weight"], params["item_embedding.weight"]
-        q, flat = _gather(table, items)
-        logits = torch.bmm(q, user.transpose(1, 2)).squeeze(-1)  # (a, N)
+        q = _gather(params["item_embedding.weight"], items)
+        logits = torch.bmm(q, params["user_embedding.weight"].transpose(1, 2)).squeeze(-1)  # (a, N)
     else:
         d = model.embedding_dim
-        ug, um = params["user_embedding_gmf.weight"], params["user_embedding_mlp.weight"]
-        qg, flat = _gather(params["item_embedding_gmf.weight"], items)
-        qm, _ = _gather(params["item_embedding_mlp.weight"], items)
-        gmf = ug * qg
+        gmf = params["user_embedding_gmf.weight"] * _gather(params["item_embedding_gmf.weight"], items)
+        qm = _gather(params["item_embedding_mlp.weight"], items)
         layers = [f"mlp.{i}" for i, m in enumerate(model.mlp) if isinstance(m, torch.nn.Linear)]
         w0, b0 = params[f"{layers[0]}.weight"], params[f"{layers[0]}.bias"]
-        user_part = torch.baddbmm(b0.unsqueeze(1), um, w0[:, :, :d].transpose(1, 2))  # (a, 1, L0)
-        hidden = [torch.baddbmm(user_part, qm, w0[:, :, d:].transpose(1, 2)).clamp_min_(0)]
+        user_part = torch.baddbmm(b0.unsqueeze(1), params["user_embedding_mlp.weight"], w0[:, :, :d].transpose(1, 2))
+        hidden = torch.relu(torch.baddbmm(user_part, qm, w0[:, :, d:].transpose(1, 2)))  # (a, N, L0)
         for name in layers[1:]:
             w, b = params[f"{name}.weight"], params[f"{name}.bias"]
-            hidden.append(torch.baddbmm(b.unsqueeze(1), hidden[-1], w.transpose(1, 2)).clamp_min_(0))
-        joint = torch.cat([gmf, hidden[-1]], dim=-1)  # (a, N, d + L)
-        wo, bo = params["output.weight"], params["output.bias"]
-        logits = torch.baddbmm(bo.unsqueeze(1), joint, wo.transpose(1, 2)).squeeze(-1)
+            hidden = torch.relu(torch.baddbmm(b.unsqueeze(1), hidden, w.transpose(1, 2)))
+        joint = torch.cat([gmf, hidden], dim=-1)  # (a, N, d + L)
+        logits = torch.baddbmm(params["output.bias"].unsqueeze(1), joint,
+                               params["output.weight"].transpose(1, 2)).squeeze(-1)
     if loss == "bpr":
         half = first.shape[1]
-        diff = logits[:, :half] - logits[:, half:]
-        values = (-F.logsigmoid(diff) * weights).sum(1)
-        dpos = -torch.sigmoid(-diff) * weights
-        dlogits = torch.cat([dpos, -dpos], dim=1)
-    else:
-        values = (F.binary_cross_entropy_with_logits(logits, labels, reduction="none") * weights).sum(1)
-        dlogits = (torch.sigmoid(logits) - labels) * weights
-    grads: dict[str, torch.Tensor] = {}
-    if kind == "mf":
-        grads["user_embedding.weight"] = torch.bmm(dlogits.unsqueeze(1), q)
-        grads["item_embedding.weight"] = _scatter(dlogits.unsqueeze(-1) * user, flat, table.shape,
-                                                  (buffers or {}).get("item_embedding.weight"))
-        return grads, values.detach()
-    grads["output.weight"] = torch.bmm(dlogits.unsqueeze(1), joint)
-    grads["output.bias"] = dlogits.sum(1, keepdim=True)
-    djoint = dlogits.unsqueeze(-1) * wo  # (a, N, d + L)
-    dgmf, dhidden = djoint[..., :d], djoint[..., d:]
-    for index in range(len(layers) - 1, -1, -1):
-        name = layers[index]
-        dz = torch.ops.aten.threshold_backward(dhidden, hidden[index], 0)  # ReLU's backward: 0 where its output is 0
-        grads[f"{name}.bias"] = dz.sum(1)
-        w = params[f"{name}.weight"]
-        if index > 0:
-            grads[f"{name}.weight"] = torch.bmm(dz.transpose(1, 2), hidden[index - 1])
-            dhidden = torch.bmm(dz, w)
-        else:
-            dz_sum = grads[f"{name}.bias"].unsqueeze(1)  # (a, 1, L0)
-            grads[f"{name}.weight"] = torch.cat([torch.bmm(dz_sum.transpose(1, 2), um),
-                                                 torch.bmm(dz.transpose(1, 2), qm)], dim=2)
-            grads["user_embedding_mlp.weight"] = torch.bmm(dz_sum, w[:, :, :d])
-            dqm = torch.bmm(dz, w[:, :, d:])
-    grads["user_embedding_gmf.weight"] = (dgmf * qg).sum(1, keepdim=True)
-    table_shape = params["item_embedding_gmf.weight"].shape
-    buffers = buffers or {}
-    grads["item_embedding_gmf.weight"] = _scatter(dgmf * ug, flat, table_shape, buffers.get("item_embedding_gmf.weight"))
-    grads["item_embedding_mlp.weight"] = _scatter(dqm, flat, table_shape, buffers.get("item_embedding_mlp.weight"))
-    return grads, values.detach()
+        return (-F.logsigmoid(logits[:, :half] - logits[:, half:]) * weights).sum(1)
+    return (F.binary_cross_entropy_with_logits(logits, labels, reduction="none") * weights).sum(1)
+
+
+def batched_gradients(model: torch.nn.Module, loss: str, params: Mapping[str, torch.Tensor], *args: torch.Tensor,
+                      keys: Sequence[str] | None = None):
+    """``(gradients by key (a, ...), losses (a,))``: each user's loss (:func:`batched_loss`) and its gradient with
+    respect to ``params`` (only ``keys``, default all), by one reverse-mode autograd pass over the sum of the users'
+    losses (a user's parameters enter only its own loss, so the gradient of the sum with respect to the stacked
+    parameters is each user's own gradient)."""
+    keys = list(params) if keys is None else list(keys)
+    with torch.enable_grad():
+        leaves = {key: value.detach().requires_grad_(key in keys) for key, value in params.items()}
+        values = batched_loss(model, loss, leaves, *args)
+        grads = torch.autograd.grad(values.sum(), [leaves[key] for key in keys])
+    return dict(zip(keys, grads)), values.detach()
 
 
 def as_tensor(array: np.ndarray, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -624,7 +575,6 @@ def _train_plain(block: Block, part: Sequence[_UserData], shared, upload: str):
     steps = math.ceil(max(d.n for d in part) / batch)
     totals = torch.zeros(len(part), dtype=torch.float64, device=block.device)
     active_users = [sum(1 for d in part if d.n > s * batch) for s in range(steps)]  # a prefix: sorted by size
-    buffers = {key: torch.empty_like(params[key]) for key in block.layout.item_keys}  # reused by every step
     for _ in range(cfg.local_epochs):
         orders = [torch.randperm(d.n, generator=d.generator) for d in part]
         first, second, labels, weights = block.padded(part, orders, steps * batch, batch)
@@ -632,8 +582,7 @@ def _train_plain(block: Block, part: Sequence[_UserData], shared, upload: str):
         for s, a in enumerate(active_users):
             sl = slice(s * batch, (s + 1) * batch)
             view = {key: value[:a] for key, value in params.items()}
-            grads, values = step_fn(view, first[:a, sl], second[:a, sl], labels[:a, sl], weights[:a, sl],
-                                    buffers=buffers)
+            grads, values = step_fn(view, first[:a, sl], second[:a, sl], labels[:a, sl], weights[:a, sl])
             _check_finite(users[:a], values, "loss")
             optimizer.step(view, grads, a)
             count = (sizes[:a] - s * batch).clamp(0, batch)

@@ -203,12 +203,12 @@ def test_serial_run_with_block_training_on_equals_off(tmp_path, overrides):
 
 @pytest.mark.parametrize("overrides", [{}, {"loss": "bpr"}, {"model": "mf"}, {"model": "mf", "loss": "bpr"}],
                          ids=["ncf-bce", "ncf-bpr", "mf-bce", "mf-bpr"])
-def test_analytic_gradients_equal_autograd(ml100k, overrides):
-    """The closed-form batched backward pass (``blocks.analytic_gradients``, the default) gives every key's gradient
-    and every user's loss as ``vmap`` + autograd does (float64, perturbed parameters so that no layer is at its
-    initial value; a padded mini-batch of unequal real users), also when writing into reused buffers."""
+def test_batched_forward_gradients_equal_vmap_of_the_model(ml100k, overrides):
+    """The batched forward pass of MF / NCF (``blocks.batched_loss``, the default) gives every user's loss and, by
+    autograd, every key's gradient as ``vmap`` of the process's own model does (float64, perturbed parameters so that
+    no layer is at its initial value; a padded mini-batch of unequal real users; a subset of keys too)."""
     runtime = _runtime(ml100k, overrides, torch.float64)
-    assert blocks.analytic_model(runtime.model) == runtime.config.model
+    assert blocks.batched_model(runtime.model) == runtime.config.model
     block = blocks.Block(runtime, USERS, RecordDict())
     data = sorted((block.user_data(u, 1) for u in block.users), key=lambda d: -d.n)
     params = {**block.load_private([d.user for d in data]), **block.shared_copies(_shared(runtime), data)}
@@ -217,15 +217,14 @@ def test_analytic_gradients_equal_autograd(ml100k, overrides):
     orders = [torch.randperm(d.n, generator=d.generator) for d in data]
     args = [a[:, 64:192] for a in block.padded(data, orders, max(d.n for d in data), 128)]  # a strided view
     reference, ref_values = block.autograd_gradients(params, *args)
-    buffers = {key: torch.full_like(params[key], float("nan")) for key in runtime.layout.item_keys}
-    for kwargs in ({}, {"buffers": buffers}, {"buffers": buffers}):
-        grads, values = blocks.analytic_gradients(runtime.model, runtime.config.loss, params, *args, **kwargs)
-        assert sorted(grads) == sorted(reference)
+    for keys in (None, runtime.layout.item_keys):
+        grads, values = blocks.batched_gradients(runtime.model, runtime.config.loss, params, *args, keys=keys)
+        assert sorted(grads) == sorted(keys or reference)
         torch.testing.assert_close(values, ref_values, rtol=1e-12, atol=1e-14)
-        for key in reference:
+        for key in grads:
             assert grads[key].shape == reference[key].shape, key
             torch.testing.assert_close(grads[key], reference[key], rtol=1e-10, atol=1e-14, msg=key)
-    assert blocks.analytic_model(torch.nn.Linear(2, 2)) is None
+    assert blocks.batched_model(torch.nn.Linear(2, 2)) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
