@@ -936,12 +936,14 @@ def _restore_interrupts(previous: dict) -> None:
         signal.signal(sig, handler)
 
 
-class _Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGHUP arrived: end the run like Ctrl-C does."""
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived: end the run like Ctrl-C does. ``args``: the signal's name and the exit status to
+    return (128 + its number)."""
 
 
-def _raise_stopped(signum, frame) -> None:
-    raise _Stopped(signal.Signals(signum).name, 128 + signum)
+def raise_stopped(signum, frame) -> None:
+    """A signal handler (SIGTERM, SIGHUP) that raises :class:`Stopped`, so ``finally`` / ``with`` cleanup runs."""
+    raise Stopped(signal.Signals(signum).name, 128 + signum)
 
 
 # ------------------------------------------------------------------------------------------ command line
@@ -1057,7 +1059,7 @@ def check_federation_config(federation: Mapping[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
-    previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, raise_stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         args, overrides, federation = parse_args(argv)
         if args.command == "stop":

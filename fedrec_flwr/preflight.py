@@ -13,7 +13,8 @@ Without the data (the ServerApp: the server never reads the interaction data) it
 * ``run-name``: a plain folder name (no path separator, not ``.`` or ``..``), so the results stay under
   ``results-dir``;
 * ``resume-from``: a readable checkpoint there, written with the same config (:mod:`fedrec_flwr.checkpoint`), in a
-  folder that holds no finished run (``summary.json``: a finished run is never rewritten);
+  folder that holds no finished run (``summary.json``: a finished run is never rewritten), from a run that kept its
+  clients' private state in files (else ``resume-resets-client-state`` must accept restarting it);
 * the results folder: not a finished run's (``summary.json``) nor an interrupted one's (``checkpoint.npz``: resume it
   with ``resume-from``), and creatable / writable under ``results-dir`` (probed with an empty folder, removed at once).
 
@@ -37,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import Checkpoint, check_resumable, load_checkpoint
+from .checkpoint import Checkpoint, check_client_state, check_resumable, load_checkpoint
 from .config import RunConfig
 from .errors import ConfigError
 from .results import check_results_folder
@@ -91,6 +92,9 @@ def preflight(config: RunConfig | Mapping[str, Any], *, with_data: bool = False)
     if config.resume_from:
         resume = load_checkpoint(config.resume_from)
         check_resumable(resume, config.to_dict())
+        # the interrupted run kept no state files: refused here already (the nodes' own settings are checked by the
+        # ServerApp, which asks them)
+        check_client_state(resume, [], config.resume_resets_client_state)
         folder = Path(resume.folder).resolve()
         if (folder / "summary.json").is_file():
             raise ConfigError(f"run-config key 'resume-from' = {config.resume_from!r}: {folder} holds a finished run "

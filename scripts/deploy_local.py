@@ -24,13 +24,16 @@ Example (MovieLens-100K, 10 SuperNodes of 95 users, 5 rounds, TLS and authentica
 
 Run outside the checkout's virtual environment (``python scripts/deploy_local.py``), it runs itself again with
 ``.venv/bin/python``. The exit status is 0 only when the run wrote its results; otherwise the run's own error is the
-last line printed (``--debug`` also prints the traceback of an error caught before the run).
+last line printed (``--debug`` also prints the traceback of an error caught before the run): 2 for bad input refused
+before any process starts, 1 for a run that failed, 128 + the signal's number when Ctrl-C (130), SIGTERM (143) or
+SIGHUP (129) stopped it, after every process it started was ended.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import signal
 import json
 import os
 import sys
@@ -54,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 from fedrec_flwr.deploy import Deployment, DeploymentError, app_snapshot  # noqa: E402
 from fedrec_flwr.errors import FedRecError  # noqa: E402
-from fedrec_flwr.launch import parse_override, run_error  # noqa: E402
+from fedrec_flwr.launch import parse_override, raise_stopped, run_error  # noqa: E402
 
 PATH_KEYS = ("data-dir", "cache-dir", "results-dir", "generic-file", "generic-attributes-file")
 
@@ -75,6 +78,23 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return overrides
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse flags that cannot work before anything starts.
+
+    Raises:
+        FedRecError: ``--supernodes`` below 1, a ``--timeout`` that is not a positive number of seconds, or a
+            ``--json`` file whose folder does not exist or is not writable (the message names the flag and value).
+    """
+    if args.supernodes is not None and args.supernodes < 1:
+        raise FedRecError(f"--supernodes {args.supernodes}: expected at least 1")
+    if not args.timeout > 0:
+        raise FedRecError(f"--timeout {args.timeout}: expected a positive number of seconds")
+    if args.json:
+        folder = Path(args.json).expanduser().resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise FedRecError(f"--json {args.json}: folder {folder} does not exist or is not writable")
+
+
 def plan_nodes(overrides: dict[str, Any], supernodes: int | None) -> int:
     """Number of SuperNodes, and ``users-per-node`` set in ``overrides``, consistent with the dataset's users."""
     from fedrec_flwr.config import RunConfig, default_mapping
@@ -91,7 +111,7 @@ def plan_nodes(overrides: dict[str, Any], supernodes: int | None) -> int:
             raise FedRecError(f"--supernodes {supernodes} does not match users-per-node = {overrides['users-per-node']}: "
                               f"{num_users} users need exactly {needed} SuperNodes")
         return needed
-    supernodes = supernodes or 3
+    supernodes = 3 if supernodes is None else supernodes
     per_node = -(-num_users // supernodes)
     if -(-num_users // per_node) != supernodes:
         raise FedRecError(f"{num_users} users cannot be split into exactly {supernodes} non-empty blocks of equal size "
@@ -148,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tls = args.tls or args.auth
     try:
+        check_flags(args)
         overrides = parse_overrides(args.overrides)
         supernodes = plan_nodes(overrides, args.supernodes)
     except FedRecError as err:
@@ -175,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'TLS' if tls else 'insecure'}{' + SuperNode auth' if args.auth else ''}; work folder {workdir}",
           file=sys.stderr, flush=True)
     started = time.monotonic()
+    # SIGTERM / SIGHUP end the deployment like Ctrl-C (the `with` below ends every process it started); exit 128 + signal
+    previous = {sig: signal.signal(sig, raise_stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
     deployment = Deployment(workdir, num_supernodes=supernodes, tls=tls, auth=args.auth,
                             **({"project": project} if project else {}))
     try:
@@ -189,10 +212,13 @@ def main(argv: list[str] | None = None) -> int:
         if own:
             print(f"error: the run did not finish: {own}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("\nstopped (Ctrl-C): every process of this deployment was ended", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        print(f"\nstopped ({stop.args[0] if stop.args else 'Ctrl-C'}): every process of this deployment was ended",
+              file=sys.stderr)
+        return stop.args[1] if len(stop.args) > 1 else 128 + signal.SIGINT
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         left = deployment.leftover()
         if left:
             print(f"warning: processes still running: {left}", file=sys.stderr)
@@ -200,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     result.update({"tls": tls, "auth": args.auth, "users-per-node": overrides["users-per-node"],
                    "total-seconds": round(time.monotonic() - started, 3), "workdir": str(workdir)})
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        from fedrec_flwr.io import atomic_write_json
+
+        atomic_write_json(Path(args.json).expanduser(), result)
     return 0
 
 

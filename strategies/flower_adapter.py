@@ -43,7 +43,8 @@ honoured by the client: a non-zero value for a key the configured client class d
 ``strategy_config_keys`` stops the run before it starts (:class:`~fedrec_flwr.errors.ConfigError`, from a dry round
 1 in :meth:`FlowerStrategyAdapter.check_config`, which :mod:`fedrec_flwr.preflight` runs; round 1 checks again). Our
 clients list FedProx's ``"proximal-mu"`` (:class:`clients.fedrec.FedRecClient`: the paper's proximal term on the shared
-parameters); the client-side DP wrappers are refused (their guarantee needs clipping on the client).
+parameters; PFedRec does not, see :class:`clients.pfedrec.PFedRecClient`); the client-side DP wrappers are refused
+(their guarantee needs clipping on the client).
 
 Bytes: what travels is unchanged (the server sends the full shared arrays, a node replies row-sparse); the dense
 replies exist only in the server's memory: per round ``num_nodes * sum_k size(k) * 4`` bytes, e.g. 10 replies of a

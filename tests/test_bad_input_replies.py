@@ -156,6 +156,10 @@ def test_resume_without_client_state_files_is_refused_or_warned(tmp_path, caplog
                                           r"private state: the interrupted run .* did not keep .*user embedding.*"
                                           r"Set 'resume-resets-client-state' = true"):
         run_serial(resume)
+    from fedrec_flwr.preflight import preflight
+
+    with pytest.raises(ConfigError, match="did not keep its clients' private state in files"):
+        preflight(resume)  # the launcher's check too: refused before Ray starts, exit 2
     # client-state-dir set only on the resumed run finds no files: the same
     with pytest.raises(ConfigError, match="did not keep its clients' private state in files"):
         run_serial({**resume, "client-state-dir": str(tmp_path / "device")})

@@ -81,3 +81,10 @@ def test_a_client_that_does_not_honour_proximal_mu_is_still_refused():
     check_sent_keys(fedprox(), FedRecClient.strategy_config_keys)  # ours: accepted
     with pytest.raises(ConfigError, match="'proximal-mu' = 0.1, which the client does not honour"):
         check_sent_keys(fedprox(), honoured=())
+
+
+def test_fedprox_is_refused_for_pfedrec_whose_item_rate_would_make_it_diverge(tmp_path):
+    config = tiny_run_config(tmp_path, model="pfedrec", client="pfedrec", optimizer="sgd", learning_rate=0.1,
+                             strategy=FLOWER + "FedProx", strategy_args="proximal_mu=0.1", num_server_rounds=1)
+    with pytest.raises(ConfigError, match="'proximal-mu' = 0.1, which the client does not honour"):
+        run_serial(config)

@@ -197,3 +197,19 @@ def test_deploy_local_runs_the_preflight_before_starting_any_process(tmp_path, m
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "holds a finished run" in lines[0], done.stderr
     assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--supernodes", "0"], "--supernodes 0: expected at least 1"),
+    (["--supernodes", "-1"], "--supernodes -1: expected at least 1"),
+    (["--timeout", "-5"], "--timeout -5.0: expected a positive number of seconds"),
+    (["--json", "/nonexistent/dir/t.json"], "--json /nonexistent/dir/t.json: folder /nonexistent/dir does not exist"),
+])
+def test_deploy_local_refuses_bad_flags_before_starting_any_process(tmp_path, ml100k_dir, flags, message):
+    done = subprocess.run([sys.executable, str(PROJECT_ROOT / "scripts" / "deploy_local.py"), f"data-dir={ml100k_dir}",
+                           f"cache-dir={tmp_path / 'cache'}", "--workdir", str(tmp_path / "work"), *flags],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], done.stderr
+    assert not (tmp_path / "work").exists()
