@@ -109,8 +109,8 @@ class RunRecorder:
 
     def write_metrics(self) -> None:
         """Write ``metrics.csv`` and ``metrics.json`` (all rounds so far)."""
-        columns: list[str] = []
-        for row in self.rows:
+        columns: list[str] = [c for c in ("round", "seconds") if any(c in row for row in self.rows)]
+        for row in self.rows:  # then in first-seen order (a resumed run's rows come back from a checkpoint sorted)
             columns += [c for c in row if c not in columns]
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")

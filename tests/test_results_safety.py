@@ -263,3 +263,13 @@ def test_the_learning_curve_marks_the_unlearning_phase(tmp_path, monkeypatch):
     drawn.clear()
     RunRecorder(tmp_path / "plain", {}, {}).finish({}, {})
     assert drawn == [] and (tmp_path / "plain" / "learning_curves.png").is_file()
+
+
+def test_metrics_csv_starts_with_round_and_seconds_also_for_rows_restored_from_a_checkpoint(tmp_path):
+    from fedrec_flwr.results import RunRecorder
+
+    restored = [{"HR@10": 0.1, "num-failures": 0, "round": 1, "seconds": 1.0, "train-loss": 0.6}]  # sorted keys
+    recorder = RunRecorder(tmp_path / "run", {}, {}, rows=restored)
+    recorder.record(2, {"train-loss": 0.5}, {})
+    header = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert header[:2] == ["round", "seconds"]
