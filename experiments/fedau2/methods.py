@@ -143,8 +143,9 @@ ARMS: dict[str, dict] = {
 """Table rows. Arms without an adversary do not depend on the protected attribute (attacked on every attribute)."""
 
 CHOSEN_ARM = "FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1"
-"""Issue 14, third session: the arm whose eps (0.1) the validation item chose (``select-eps``, seed 3, FedNCF;
-``results/select-eps.md``); its variants below are run with it."""
+"""Issue 14, third session: the arm whose eps (0.1) FedNCF's validation item chose (``select-eps``, seed 3;
+``results/select-eps.md``); its variants below are declared with it. FedMF's validation item chose eps = 1, i.e.
+:data:`NCF_SERVER_ARM` itself (run on FedMF seeds 0-2)."""
 ARMS.update({
     # the chosen arm on FedRecGEL's decoupled SAM client
     "FedAU2-GEL-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1": {
