@@ -147,6 +147,8 @@ CHOSEN_ARM = "FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entropy (
 ``results/select-eps.md``); its variants below are declared with it. FedMF's validation item chose eps = 1, i.e.
 :data:`NCF_SERVER_ARM` itself (run on FedMF seeds 0-2)."""
 ARMS.update({
+    # the unchanged model of the fedau2-gel arms: FedRecGEL's decoupled SAM client, no adversary, the same strategy
+    "original (FedRecGEL client)": {"client": "fedrecgel"},
     # the chosen arm on FedRecGEL's decoupled SAM client
     "FedAU2-GEL-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1": {
         **ARMS[CHOSEN_ARM], "client": "fedau2-gel"},
