@@ -109,11 +109,18 @@ def block_kind(cls: type, config) -> str | None:
     return kind
 
 
-def use_blocks(cls: type, config, num_users: int) -> bool:
+PER_USER_MESSAGE_KEYS = ("proximal-mu",)
+"""Train-config keys the block path does not implement: a message with a non-zero value of one (FedProx's proximal
+term, :class:`fedrec_flwr.training.ProximalTerm`) trains its users per user."""
+
+
+def use_blocks(cls: type, config, num_users: int, message_config: Mapping[str, Any] | None = None) -> bool:
     """Whether a message for ``num_users`` users of client class ``cls`` takes the block path (``block-training``,
-    :data:`BLOCK_MODES`)."""
+    :data:`BLOCK_MODES`; never when ``message_config`` sets one of :data:`PER_USER_MESSAGE_KEYS`)."""
     mode = config.block_training
     if mode == "off" or block_kind(cls, config) is None:
+        return False
+    if any((message_config or {}).get(key) for key in PER_USER_MESSAGE_KEYS):
         return False
     return mode == "on" or num_users >= 2
 

@@ -256,9 +256,9 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
 def _user_updates(runtime: Runtime, users: list[int], context: Context, shared: dict, config: dict):
     """``(client, UserUpdate)`` of each of ``users`` in order: from one vectorized block (:mod:`fedrec_flwr.blocks`;
     ``client`` is then the class) when ``block-training`` and the client class allow, else from each user's client.
-    A message with a FedProx ``"proximal-mu"`` > 0 is trained per user: the block path has no proximal term."""
+    A message with a FedProx ``"proximal-mu"`` > 0 is trained per user (:data:`fedrec_flwr.blocks.PER_USER_MESSAGE_KEYS`)."""
     cls = resolve("client", runtime.config.client)
-    if use_blocks(cls, runtime.config, len(users)) and not config.get("proximal-mu"):
+    if use_blocks(cls, runtime.config, len(users), config):
         for update in train_block(runtime, cls, users, context.state, shared, config):
             yield cls, update
         return

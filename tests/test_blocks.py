@@ -172,6 +172,8 @@ def test_block_path_selection_and_its_config_key(ml100k):
     assert use_blocks(fedrec.FedRecClient, config, 10) and not use_blocks(fedrec.FedRecClient, config, 1)
     assert use_blocks(fedrec.FedRecClient, config.replace(block_training="on"), 1)
     assert not use_blocks(fedrec.FedRecClient, config.replace(block_training="off"), 10)
+    assert not use_blocks(fedrec.FedRecClient, config, 10, {"proximal-mu": 0.1})  # FedProx: per user
+    assert use_blocks(fedrec.FedRecClient, config, 10, {"proximal-mu": 0.0})
     with pytest.raises(ConfigError, match="block-training"):
         check_components(config.replace(model="pfedrec", client="pfedrec", block_training="on"))
     with pytest.raises(ConfigError, match="block-training"):
