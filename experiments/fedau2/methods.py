@@ -155,6 +155,11 @@ ARMS.update({
     # the chosen arm with DSVAE (a linear encoder, adversary-hidden = 0) and its noise on every uploaded h_w gradient
     "FedAU2-server, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1, noise on all of h_w": {
         **ARMS[CHOSEN_ARM], "adversary": "dsvae", "dsvae-noise-placement": "all"},
+    # FedMF's validation-chosen arm (eps 1, NCF_SERVER_ARM) on FedRecGEL's decoupled SAM client (issue 14, fourth
+    # session): fedau2-gel on FedMF at the eps FedMF's validation item chose, not FedNCF's 0.1
+    "FedAU2-GEL-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001": {
+        **ARMS["FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001"],
+        "client": "fedau2-gel"},
     # a competent h_w (item 11): full-batch extra steps over every user, with the chosen arm's pull
     "FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, eps 0.1, all users": {
         **ARMS[CHOSEN_ARM], "adversary-server-learning-rate": 0.01, "adversary-query-users": "all"},
