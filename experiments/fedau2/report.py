@@ -55,6 +55,39 @@ def load_runs(folder: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def unchanged_model(arm: str) -> str:
+    """The arm an arm's HR@10 change is measured against: ``"original (FedRecGEL client)"`` for arms on
+    ``client = "fedau2-gel"`` (FedRecGEL's SAM client without the adversary), ``"original"`` for every other arm
+    (``"original (FedRecGEL client)"`` included, so the table shows what FedRecGEL's client costs against FedNCF's)."""
+    return "original (FedRecGEL client)" if ARMS.get(arm, {}).get("client") == "fedau2-gel" else "original"
+
+
+def paired_change(runs: pd.DataFrame, metric: str = "HR@10") -> dict[tuple[str, str], float]:
+    """Relative change (%) of ``metric`` of every (model, arm) against its :func:`unchanged_model`, paired by seed.
+
+    ``runs`` has one row per (model, arm, seed) of one attribute (columns ``model``, ``arm``, ``seed``, ``metric``).
+    The change is ``100 * (mean_s arm[s] / mean_s unchanged[s] - 1)`` over the seeds ``s`` both ran, so a single-seed
+    arm is compared with the unchanged model of that seed, not with its mean over other seeds (ours: a ratio of
+    means, the table's own means restricted to the shared seeds). NaN where no seed is shared. Returns
+    ``{(model, arm): change}``."""
+    values = runs.groupby(["model", "arm", "seed"])[metric].mean()
+    out = {}
+    for (model, arm), arm_values in values.groupby(level=["model", "arm"]):
+        seeds = arm_values.index.get_level_values("seed")
+        reference = unchanged_model(arm)
+        if (model, reference) not in values.index.droplevel("seed"):
+            out[(model, arm)] = np.nan
+            continue
+        base = values.loc[(model, reference)]
+        shared = sorted(set(seeds) & set(base.index))
+        if not shared:
+            out[(model, arm)] = np.nan
+            continue
+        mine = arm_values.droplevel(["model", "arm"]).loc[shared].mean()
+        out[(model, arm)] = 100.0 * (mine / base.loc[shared].mean() - 1.0)
+    return out
+
+
 def main_tables(results: Path) -> pd.DataFrame:
     runs = load_runs(results / "runs" / "main")
     if runs.empty:
@@ -67,9 +100,8 @@ def main_tables(results: Path) -> pd.DataFrame:
         summary = summary.merge(leakage, on=["model", "arm"], how="left")
         order = {a: i for i, a in enumerate(ARMS)}
         summary = summary.sort_values(["model", "arm"], key=lambda c: c.map(order) if c.name == "arm" else c)
-        original = summary[summary["arm"] == "original"].set_index("model")["HR@10-mean"]
-        summary["HR@10-change-%"] = [100.0 * (h / original.get(m, np.nan) - 1.0)
-                                     for m, h in zip(summary["model"], summary["HR@10-mean"])]
+        change = paired_change(part)
+        summary["HR@10-change-%"] = [change.get((m, a), np.nan) for m, a in zip(summary["model"], summary["arm"])]
         write_csv(summary, results / f"main-{attribute}.csv")
 
         def cell(column: str, row, digits: int = 3) -> str:
@@ -82,7 +114,7 @@ def main_tables(results: Path) -> pd.DataFrame:
             "model": summary["model"], "arm": summary["arm"],
             "HR@10": [cell("HR@10", r, 4) for _, r in summary.iterrows()],
             "NDCG@10": [cell("NDCG@10", r, 4) for _, r in summary.iterrows()],
-            "ΔHR@10": [f"{v:+.1f}%" for v in summary["HR@10-change-%"]],
+            "ΔHR@10": ["-" if v != v else f"{v:+.1f}%" for v in summary["HR@10-change-%"]],
             "AUC (LR)": [cell("logreg-auc", r) for _, r in summary.iterrows()],
             "AUC (MLP)": [cell("mlp-auc", r) for _, r in summary.iterrows()],
             "bal. acc. (LR)": [cell("logreg-balanced-accuracy", r) for _, r in summary.iterrows()],
@@ -100,7 +132,9 @@ def main_tables(results: Path) -> pd.DataFrame:
                           f"# FedAU² on MovieLens-100K, protected attribute: {attribute}\n\n"
                           "Mean ± std over seeds; attacks: 5 random halves per run (attacker knows half the users' "
                           f"attribute); iDLG/DLG: share of the server's label guesses that are right (seed 0 runs, one "
-                          f"user per node).\n\n{note}" + markdown(table))
+                          f"user per node). ΔHR@10: against the arm's unchanged model (`original`; `original (FedRecGEL "
+                          f"client)` for `fedau2-gel` arms), paired by seed: both means over the seeds both ran "
+                          f"(`report.paired_change`).\n\n{note}" + markdown(table))
     return runs
 
 
