@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError
-from .io import atomic_save_npz
+from .io import atomic_save_npz, load_npz
 
 CHECKPOINT_FILE = "checkpoint.npz"
 """The checkpoint's file name in the results folder."""
@@ -105,7 +105,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise ConfigError(f"run-config key 'resume-from' = {str(path)!r}: no checkpoint at {file} (a run writes one "
                           "every 'checkpoint-every' rounds)")
     try:
-        with np.load(file, allow_pickle=False) as data:
+        with load_npz(file) as data:
             manifest = json.loads(str(data[_MANIFEST]))
             groups: dict[str, dict[str, np.ndarray]] = {"arrays": {}, "strategy": {}}
             for name, (group, key) in manifest["arrays"].items():

@@ -33,7 +33,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
 from .errors import ConfigError
-from .io import atomic_save_npz
+from .io import atomic_save_npz, load_npz
 
 STATE_DIR_KEY = "client-state-dir"
 """Node-config (and run-config) key of the folder holding the clients' private state files."""
@@ -98,7 +98,7 @@ class ClientStateStore:
         if not path.is_file():
             return {}
         try:
-            with np.load(path, allow_pickle=False) as data:
+            with load_npz(path) as data:
                 manifest = json.loads(str(data[_MANIFEST]))
                 if int(manifest["user"]) != int(user):
                     raise ClientStateError(f"{path}: holds user {manifest['user']}'s state, not user {user}'s")

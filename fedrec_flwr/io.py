@@ -58,6 +58,26 @@ def atomic_save_npz(path: str | os.PathLike, **arrays: np.ndarray) -> Path:
     return atomic_write_bytes(path, buffer.getvalue())
 
 
+NPZ_MAGIC = b"PK\x03\x04"
+"""First bytes of every ``.npz`` file (a zip archive's local file header)."""
+
+
+def load_npz(path: str | os.PathLike):
+    """Open an ``.npz`` file with ``allow_pickle=False`` (use it as a context manager, like :func:`numpy.load`).
+
+    Raises:
+        ValueError: the file is not an ``.npz`` (zip) archive; the message says what it starts with, instead of
+            NumPy's "pickled data" message for any file that is neither a zip nor a ``.npy``.
+        OSError: the file cannot be opened.
+    """
+    with open(path, "rb") as handle:
+        head = handle.read(len(NPZ_MAGIC))
+    if head != NPZ_MAGIC:
+        what = "an empty file" if not head else f"a file starting with {head!r}"
+        raise ValueError(f"not an .npz archive: {what} (an .npz is a zip file starting with {NPZ_MAGIC!r})")
+    return np.load(path, allow_pickle=False)
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()

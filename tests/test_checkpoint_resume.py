@@ -99,6 +99,11 @@ def test_resume_refuses_a_different_config_a_missing_and_a_damaged_checkpoint(tm
     (folder / CHECKPOINT_FILE).write_bytes(b"PK\x03\x04 truncated")
     with pytest.raises(ConfigError, match=f"checkpoint {folder / CHECKPOINT_FILE} is unreadable"):
         run_serial({**config, "num-server-rounds": 2, "resume-from": str(folder)})
+    text = tmp_path / "notes.txt"
+    text.write_text("round 2 went fine\n")
+    with pytest.raises(ConfigError, match=r"notes.txt is unreadable \(ValueError: not an .npz archive: a file "
+                                          r"starting with b'roun'"):
+        run_serial({**config, "num-server-rounds": 2, "resume-from": str(text)})
 
 
 def test_checkpoints_are_off_by_default_and_a_new_run_keeps_an_interrupted_ones(tmp_path):

@@ -73,8 +73,12 @@ def test_a_damaged_or_foreign_state_file_is_a_clear_error(tmp_path):
     with pytest.raises(ClientStateError, match="user-3.npz: holds user 2"):
         store.read_versions(3)
     store.path(5).write_bytes(b"not a zip")
-    with pytest.raises(ClientStateError, match="user-5.npz: unreadable"):
+    with pytest.raises(ClientStateError, match="user-5.npz: unreadable client state file \\(ValueError: not an "
+                                                "\\.npz archive: a file starting with b'not '"):
         store.load(5, RecordDict(), as_of=None)
+    store.path(6).write_bytes(b"")
+    with pytest.raises(ClientStateError, match="user-6.npz: unreadable .*an empty file"):
+        store.load(6, RecordDict(), as_of=None)
 
 
 def test_state_folder_needs_a_safe_run_name(tmp_path):

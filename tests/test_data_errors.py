@@ -160,5 +160,7 @@ def test_corrupted_cache_is_rebuilt(tmp_path, caplog, damage):
     with caplog.at_level(logging.WARNING, logger="fedrec_flwr.data"):
         second = load_split("generic", cache_dir=cache, generic=source, num_test_negatives=5)
     assert any("discarding unusable cached split" in r.getMessage() for r in caplog.records)
+    if damage == "garbage":
+        assert any("not an .npz archive: a file starting with b'not '" in r.getMessage() for r in caplog.records)
     assert second.equals(first)
     assert cache_module.read_split(path).equals(first)  # the rebuilt file is valid again

@@ -19,7 +19,7 @@ import numpy as np
 from fedrec_flwr.data.loaders import GenericSource, default_cache_dir, locate_source, read_interactions
 from fedrec_flwr.data.split import FORMAT_VERSION, Split, check_params, preprocess, split_cache_key
 from fedrec_flwr.errors import DataError
-from fedrec_flwr.io import atomic_save_npz
+from fedrec_flwr.io import atomic_save_npz, load_npz
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def read_split(path: str | os.PathLike, *, expected_key: str | None = None) -> S
     shape, dtype or range.
     """
     try:
-        with np.load(path, allow_pickle=False) as npz:
+        with load_npz(path) as npz:
             arrays = {name: npz[name] for name in npz.files}
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
         raise DataError(f"{path}: cannot read cached split: {type(exc).__name__}: {exc}") from None
