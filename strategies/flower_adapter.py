@@ -116,7 +116,8 @@ def parse_strategy_args(text: str) -> dict[str, Any]:
     brackets or quotes do not split.
 
     Raises:
-        ConfigError: an entry is not ``name=value`` or a name repeats (names the entry).
+        ConfigError: an entry is not ``name=value``, is empty (``"a=1,,b=2"``, a trailing comma), a name repeats,
+            or a quote or bracket is left open (names the entry).
     """
     entries, depth, quote, current = [], 0, "", ""
     for char in str(text):
@@ -134,10 +135,17 @@ def parse_strategy_args(text: str) -> dict[str, Any]:
             continue
         current += char
     entries.append(current)
+    if quote or depth:
+        raise ConfigError(f"run-config key 'strategy-args' = {text!r}: "
+                          + (f"the quote {quote} is never closed" if quote else "its brackets do not balance"))
+    if not str(text).strip():
+        return {}
     out: dict[str, Any] = {}
-    for entry in (e.strip() for e in entries):
+    for number, entry in enumerate((e.strip() for e in entries), start=1):
         if not entry:
-            continue
+            raise ConfigError(f"run-config key 'strategy-args' = {text!r}: entry {number} of {len(entries)} is "
+                              "empty (two commas in a row, or a comma at an end); give name=value entries "
+                              "separated by single commas")
         name, sep, raw = entry.partition("=")
         name, raw = name.strip(), raw.strip()
         if not sep or not name.isidentifier():

@@ -210,6 +210,7 @@ def test_strategy_args_parse_literals_and_keep_commas_inside_brackets():
     assert parse_strategy_args(" eta=1e-2, beta_1 = 0.9,flag=true, name='a,b', xs=[1, 2], s=flwr.x:Y") == {
         "eta": 0.01, "beta_1": 0.9, "flag": True, "name": "a,b", "xs": [1, 2], "s": "flwr.x:Y"}
     assert parse_strategy_args("") == {}
+    assert parse_strategy_args("  ") == {}
 
 
 @pytest.mark.parametrize(("cls", "args", "message"), [
@@ -219,6 +220,11 @@ def test_strategy_args_parse_literals_and_keep_commas_inside_brackets():
     (flower.FedAvg, "train_metrics_aggr_fn=print", "takes a callable"),
     (flower.QFedAvg, "", r"needs \['client_learning_rate'\]"),
     (flower.FedAvg, "eta", "is not name=value"),
+    (flower.FedAdam, "eta=0.1,,beta_1=0.9", "entry 2 of 3 is empty"),
+    (flower.FedAdam, "eta=0.1,", "entry 2 of 2 is empty"),
+    (flower.FedAdam, "eta=0.1,name='a", "the quote ' is never closed"),
+    (flower.FedAdam, "xs=[1,2", "its brackets do not balance"),
+    (flower.FedAdam, "xs=1]", "its brackets do not balance"),
     (flower.FedXgbBagging, "", "XGBoost"),
 ])
 def test_bad_strategy_args_name_the_problem(cls, args, message):
