@@ -65,9 +65,17 @@ from .seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
 from .training import resolve_device
 
 BLOCK_MODES = ("auto", "on", "off")
-"""Values of the run-config key ``block-training``: ``auto`` (the block path for a message of >= 2 users whose client
-class supports it; one user takes the per-user path, which is the reference), ``on`` (the block path for every
-message, also of one user; a client that does not support it is refused at start), ``off`` (always per-user)."""
+"""Values of the run-config key ``block-training``: ``auto`` (the default: the block path for every message, one user
+included, whose client class and model support it, :func:`block_kind`; the others per-user), ``on`` (the same, but a
+client that does not support it is refused at start), ``off`` (always per-user: the per-user clients are the
+reference, kept as this named arm).
+
+One-user messages take the block path under ``auto`` because the per-user path's first ``torch.optim`` optimizer in a
+process imports ``torch._dynamo`` (``Optimizer.add_param_group`` is wrapped by ``torch._disable_dynamo``, which
+imports it on its first call: about 1.7 s on an idle core, 4 s under load), which every deployed train message (a new
+``flwr-clientapp`` process per message) and every Ray actor's first user paid; the block path steps its own
+:class:`BlockAdam` (``torch._fused_adam_``) and never creates a ``torch.optim`` optimizer. The two paths agree up to
+float32 rounding (``tests/test_blocks.py``), so ``auto`` changed the default runs' figures at that rounding."""
 
 BLOCK_KINDS = ("plain", "sam")
 """Block trainers: ``plain`` (:class:`~fedrec_flwr.training.LocalTrainer`'s loop) and ``sam`` (FedRecGEL's
@@ -115,14 +123,13 @@ term, :class:`fedrec_flwr.training.ProximalTerm`) trains its users per user."""
 
 
 def use_blocks(cls: type, config, num_users: int, message_config: Mapping[str, Any] | None = None) -> bool:
-    """Whether a message for ``num_users`` users of client class ``cls`` takes the block path (``block-training``,
-    :data:`BLOCK_MODES`; never when ``message_config`` sets one of :data:`PER_USER_MESSAGE_KEYS`)."""
-    mode = config.block_training
-    if mode == "off" or block_kind(cls, config) is None:
+    """Whether a message for ``num_users`` users of client class ``cls`` takes the block path: under ``auto`` and
+    ``on`` whenever the class and model have one (:func:`block_kind`), for any ``num_users`` >= 1 (one user
+    included: see :data:`BLOCK_MODES`); never under ``off``, for no users, or when ``message_config`` sets one of
+    :data:`PER_USER_MESSAGE_KEYS`."""
+    if config.block_training == "off" or num_users < 1 or block_kind(cls, config) is None:
         return False
-    if any((message_config or {}).get(key) for key in PER_USER_MESSAGE_KEYS):
-        return False
-    return mode == "on" or num_users >= 2
+    return not any((message_config or {}).get(key) for key in PER_USER_MESSAGE_KEYS)
 
 
 def check_block_config(cls: type, config) -> None:

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from fedrec_flwr.launch import PROJECT_ROOT
 
 HEAVY = ("sklearn", "matplotlib", "pandas", "experiments", "scipy")
@@ -34,15 +36,19 @@ def test_building_a_model_does_not_import_torch_dynamo():
                          ) == []
 
 
-def test_a_train_message_from_the_cached_split_stays_lean(tmp_path):
+@pytest.mark.parametrize(("users_per_node", "block_training", "expected"),
+                         [(4, "auto", []), (1, "auto", []), (1, "off", ["torch._dynamo"])])
+def test_a_train_message_from_the_cached_split_stays_lean(tmp_path, users_per_node, block_training, expected):
     """A whole train message through the ClientApp (tiny data, split cached beforehand as the ServerApp's identify
-    round leaves it) loads none of the heavy packages either."""
+    round leaves it) loads none of the heavy packages either, also for one user under the default ``block-training``
+    (the block path's own Adam); the per-user reference path (``off``) creates a ``torch.optim`` optimizer, which
+    imports ``torch._dynamo`` (``Optimizer.add_param_group`` is wrapped by ``torch._disable_dynamo``)."""
     from conftest import tiny_run_config
 
     from fedrec_flwr.runtime import load_split_for
     from fedrec_flwr.config import RunConfig
 
-    mapping = tiny_run_config(tmp_path, users_per_node=4)
+    mapping = tiny_run_config(tmp_path, users_per_node=users_per_node, block_training=block_training)
     load_split_for(RunConfig.from_mapping(mapping))  # writes the cache the child then reads
     code = f"""
 import json
@@ -62,6 +68,6 @@ message.metadata.__dict__["_message_id"] = "m1"
 context = Context(run_id=1, node_id=1, node_config={{"partition-id": 0}}, state=RecordDict(), run_config=run_config)
 reply = app(message, context)
 assert not reply.has_error(), reply.error
-assert reply.content["metrics"]["num-users"] == 4
+assert reply.content["metrics"]["num-users"] == {users_per_node}
 """
-    assert _loaded_after(code) == []
+    assert _loaded_after(code) == expected

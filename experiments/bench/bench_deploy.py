@@ -10,9 +10,10 @@ codec (``flwr.common.serde.message_to_proto``), and times each phase with wall-c
 ``app``      importing the app module (ours: ``fedrec_flwr.client_app``; bare: a ClientApp defined in place);
 ``decode``   the message's protobuf bytes -> ``Message`` (0.44 MB of arrays for ML-100K FedNCF);
 ``runtime``  ours: :func:`fedrec_flwr.runtime.get_runtime` (run config, cached split, one-user model); bare: none;
-``work``     the handler (ours: the message's users trained / scored / identified; bare: one metric reply); the
-             per-user training path uses ``torch.optim``, whose first step imports ``torch._dynamo`` (seconds), so
-             ``block-training = "on"`` (:mod:`fedrec_flwr.blocks`' own Adam) is measured as a further arm;
+``work``     the handler (ours: the message's users trained / scored / identified; bare: one metric reply); ours
+             runs the default ``block-training = "auto"`` (the block path, :mod:`fedrec_flwr.blocks`' own Adam, also
+             for one user) and, as a further arm, ``"off"`` (the per-user reference path and the default before:
+             its first ``torch.optim`` optimizer imports ``torch._dynamo``, seconds per process);
 ``reply``    the reply -> protobuf bytes;
 ``exit``     the child's last stamp -> the parent sees it exit (interpreter teardown).
 
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
         folder = Path(tmp)
         paths = _messages(folder, run_config, users)
         contexts = {}
-        for arm, block in (("ours", run_config["block-training"]), ("ours block-training=on", "on")):
+        for arm, block in (("ours", run_config["block-training"]), ("ours block-training=off", "off")):
             contexts[arm] = folder / f"context-{block}.json"
             contexts[arm].write_text(json.dumps({"run_config": {**run_config, "block-training": block},
                                                  "node_config": {"partition-id": 0, "num-partitions": 1}}))
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(args.repeats):  # interleaved, so load changes hit every arm alike
             for kind in KINDS:
                 for arm, context in contexts.items():
-                    if arm.endswith("=on") and kind not in ("train", "evaluate"):
+                    if arm.endswith("=off") and kind not in ("train", "evaluate"):
                         continue  # query handlers are always per-user
                     app_kind = "bare" if arm == "bare" else "ours"
                     rows.setdefault(f"{arm} {kind}", []).append(run_child(app_kind, paths[kind], context))
