@@ -5,18 +5,19 @@ strategies of ``flwr.serverapp.strategy`` cannot read, and it cannot receive cus
 here unpacks a message, calls the client algorithm by name (``fit_named`` / ``evaluate_named``), and packs the reply
 under the key scheme of :mod:`fedrec_flwr.wire`.
 
-Query handlers: ``identify`` (which users a node serves) and the four phases of client unlearning
-(:mod:`strategies.unlearning`): ``unlearn_gradient``, ``unlearn_affected``, ``unlearn_hvp`` and ``unlearn_local_cg``.
+Query handlers: ``identify`` (which users a node serves) and the queries of client unlearning
+(:mod:`strategies.unlearning`): ``unlearn_gradient``, ``unlearn_affected``, ``unlearn_hvp``, ``unlearn_local_cg``,
+``unlearn_loss`` and ``unlearn_diagonal``.
 Their replies carry row-sparse vectors over the shared parameters (:func:`fedrec_flwr.wire.pack_sparse`), never a
 private parameter. ``adversary_gradient`` (FedAU²'s extra server steps of ``h_w``) replies with ``h_w``'s mean
 gradient over the node's users.
 
 One node serves the users ``partition-id * users-per-node ..`` (:func:`fedrec_flwr.runtime.node_users`); each user is
 its own client object with its own private record in ``context.state``. Where the client class declares a vectorized
-block path and ``block-training`` allows (``"auto"``: messages of >= 2 users), train and evaluate messages run all of
-their users as one batched computation instead (:mod:`fedrec_flwr.blocks`; same updates up to float32 rounding, same
-private records); query handlers are always per-user. A train reply is the exact sum-and-count
-:class:`~fedrec_flwr.wire.Contribution` of the node's trained users.
+block path and ``block-training`` allows (``"auto"``, the default: every message, one user included), train and
+evaluate messages run all of their users as one batched computation instead (:mod:`fedrec_flwr.blocks`; same updates
+up to float32 rounding, same private records); query handlers are always per-user. A train reply is the exact
+sum-and-count :class:`~fedrec_flwr.wire.Contribution` of the node's trained users.
 
 With ``client-state-dir`` (node config, else run config) the users' private records live in files on the node's own
 disk instead, loaded before and saved after each message (:func:`private_state`, :mod:`fedrec_flwr.client_state`), so
@@ -45,7 +46,7 @@ from .arrays import decode_array, encode_array
 from .blocks import evaluate_block, train_block, use_blocks
 from .client_state import DURABLE_ROUND_KEY, STATE_DIR_KEY, ClientStateStore, state_folder, user_record_keys
 from .errors import ConfigError, FedRecError
-from .influence import can_batch, influence_loss_sums
+from .influence import can_batch, influence_gn_diagonal, influence_loss_sums
 from .registry import resolve
 from .runtime import Runtime, get_runtime, node_users
 from .wire import (
@@ -85,6 +86,8 @@ UNLEARN_LOCAL_CG = "unlearn_local_cg"
 UNLEARN_LOSS = "unlearn_loss"
 """Query: the summed influence loss of the node's remaining users at points ``theta + a_k d`` along the sent direction
 (one scalar sum per step; HF-KCU's line search)."""
+UNLEARN_DIAGONAL = "unlearn_diagonal"
+"""Query: the summed Gauss-Newton diagonal of the node's remaining users' losses (HF-KCU's preconditioner)."""
 ADVERSARY_GRADIENT = "adversary_gradient"
 """Query (FedAU², ``adversary-server-steps`` > 1): the mean gradient of ``h_w`` over the named users at the sent
 ``h_w`` and their current private embeddings (:func:`adversary_gradient_query`)."""
@@ -449,6 +452,22 @@ def unlearn_loss(message: Message, context: Context, run_config: Mapping[str, An
     return Message(content=RecordDict({METRICS: metrics}), reply_to=message)
 
 
+def unlearn_diagonal(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
+    """HF-KCU's preconditioner on this node (``krylov-preconditioner``): the diagonal of ``sum_u G_u`` over the
+    node's remaining (with ``causal``: affected) users, ``G_u`` the Gauss-Newton matrix
+    (:func:`fedrec_flwr.influence.influence_gn_diagonal`; config ``probes``, ``seed``). One row-sparse sum over the
+    node's users, as an HVP reply; no per-user value."""
+    runtime, clients, config = _remaining_users(message, context, run_config)
+    shared = _shared_arrays(message)
+    total = SparseSum(runtime.layout)
+    if clients:
+        with private_state(context, runtime, config, [c.user for c in clients]):
+            total.add(*influence_gn_diagonal(runtime, clients, shared, probes=int(config.get("probes", 8)),
+                                             seed=int(config.get("seed", 0))))
+    total.count = len(clients)
+    return _sparse_reply(message, total, {}, clients[0] if clients else None)
+
+
 def unlearn_local_cg(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
     """HF-KCU's Algorithm 1 on this node: each remaining (with ``causal``: affected) user ``u`` solves ``(H_u +
     damping I) x_u = rhs`` by CG on its own Hessian; the reply is ``sum_u w_u x_u`` and ``weight-sum = sum_u w_u``
@@ -548,7 +567,7 @@ def make_client_app(run_config: Mapping[str, Any] | None = None, mods: list | No
     client_app.query(IDENTIFY)(partial(_with_config, identify, run_config))
     for action, handler in ((UNLEARN_GRADIENT, unlearn_gradient), (UNLEARN_AFFECTED, unlearn_affected),
                             (UNLEARN_HVP, unlearn_hvp), (UNLEARN_LOCAL_CG, unlearn_local_cg),
-                            (UNLEARN_LOSS, unlearn_loss),
+                            (UNLEARN_LOSS, unlearn_loss), (UNLEARN_DIAGONAL, unlearn_diagonal),
                             (ADVERSARY_GRADIENT, adversary_gradient_query)):
         client_app.query(action)(partial(_with_config, handler, run_config))
     return client_app

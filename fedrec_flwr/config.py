@@ -73,6 +73,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "unlearning": ("none", "retrain", "continue", "hfkcu", "gradient-ascent"),
     "krylov-mode": ("distributed", "local"),
     "krylov-solver": ("steihaug", "cg"),
+    "krylov-preconditioner": ("none", "diagonal", "row"),
     "curvature": ("gauss-newton", "hessian"),
     "line-search": ("none", "remaining-loss"),
     "block-training": ("auto", "on", "off"),
@@ -140,6 +141,7 @@ class RunConfig:
     unlearn_round: int = _key("unlearn-round", minimum=0)
     krylov_mode: str = _key("krylov-mode")
     krylov_solver: str = _key("krylov-solver")
+    krylov_preconditioner: str = _key("krylov-preconditioner")
     curvature: str = _key("curvature")
     trust_radius: float = _key("trust-radius", positive=True)
     cg_iterations: int = _key("cg-iterations", minimum=1)
@@ -356,7 +358,7 @@ class RunConfig:
                     "adversary", "adversary-trigger", "adversary-objective", "adversary-training",
                     "adversary-server-optimizer", "adversary-embedding-optimizer", "adversary-query-users",
                     "dsvae-noise-placement", "unlearning", "krylov-mode",
-                    "krylov-solver", "curvature", "line-search", "block-training"):
+                    "krylov-solver", "krylov-preconditioner", "curvature", "line-search", "block-training"):
             value = getattr(self, key.replace("-", "_"))
             if value not in _CHOICES[key]:
                 raise ConfigError(f"run-config key '{key}' = {value!r}: must be one of {list(_CHOICES[key])}")
@@ -404,6 +406,12 @@ class RunConfig:
         if self.unlearning == "hfkcu" and self.krylov_mode == "local" and self.damping == 0:
             raise ConfigError("run-config key 'damping' = 0 with krylov-mode = 'local': one user's Hessian is singular "
                               "(zero on every row it never touches); set damping > 0")
+        if self.krylov_preconditioner != "none" and (self.krylov_solver != "steihaug"
+                                                     or self.krylov_mode != "distributed" or self.damping <= 0):
+            raise ConfigError(f"run-config key 'krylov-preconditioner' = {self.krylov_preconditioner!r} needs "
+                              "krylov-solver = 'steihaug', krylov-mode = 'distributed' and damping > 0 (M = diag(G) + "
+                              f"damping I), got {self.krylov_solver!r}, {self.krylov_mode!r}, damping {self.damping}; "
+                              "or set it to 'none'")
         if not self.client or not self.strategy:
             raise ConfigError("run-config keys 'client' and 'strategy' must name a registered entry or module:Class")
 

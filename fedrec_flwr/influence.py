@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .krylov import CompositeLoss
+from .krylov import CompositeLoss, gauss_newton_diagonal
 from .models import RecModel
 
 
@@ -160,18 +160,32 @@ def influence_objective(runtime, clients: Sequence, shared: Mapping[str, np.ndar
     with model.item_subset(items):
         if cfg.loss == "bpr":
             n = user_t.numel()
-
-            def outputs(params):  # (2n,) scores: positives then their sampled negatives
-                return torch.func.functional_call(model, params, (used_users, used_items))
+            output_users, output_items = used_users, used_items  # (2n,): positives then their sampled negatives
 
             def output_loss(scores):
                 return -(weight_t * F.logsigmoid(scores[:n] - scores[n:])).sum()
+
+            def output_curvature(scores):  # diag of H_z: w sigma(d)(1 - sigma(d)) for both scores of a pair
+                s = torch.sigmoid(scores[:n] - scores[n:])
+                c = weight_t * s * (1.0 - s)
+                return torch.cat([c, c])
         else:
-            def outputs(params):  # (n,) logits
-                return torch.func.functional_call(model, params, (user_t, item_t))
+            output_users, output_items = user_t, item_t  # (n,) logits
 
             def output_loss(logits):
                 return (weight_t * F.binary_cross_entropy_with_logits(logits, label_t, reduction="none")).sum()
+
+            def output_curvature(logits):  # diag of H_z: w sigma(z)(1 - sigma(z))
+                s = torch.sigmoid(logits)
+                return weight_t * s * (1.0 - s)
+
+        def outputs(params):
+            return torch.func.functional_call(model, params, (output_users, output_items))
+
+        each_row = torch.arange(output_items.numel(), device=output_items.device)
+
+        def example_outputs(params):  # item tables (n_out, ...): output j reads row j (gauss_newton_diagonal)
+            return torch.func.functional_call(model, params, (output_users, each_row))
 
         def regulariser(params):
             loss = 0.0
@@ -182,7 +196,9 @@ def influence_objective(runtime, clients: Sequence, shared: Mapping[str, np.ndar
                     loss = loss + 0.5 * decay * len(clients) * value.pow(2).sum()
             return loss
 
-        loss_fn = CompositeLoss(outputs, output_loss, regulariser if decay > 0 else None)
+        loss_fn = CompositeLoss(outputs, output_loss, regulariser if decay > 0 else None,
+                                output_curvature=output_curvature, row_keys=tuple(layout.item_keys),
+                                example_rows=output_items, example_outputs=example_outputs)
         params = {k: p.detach() for k, p in model.named_parameters() if k in layout.shared_shapes}
         yield loss_fn, params, items
 
@@ -221,3 +237,32 @@ def influence_loss_sums(runtime, clients: Sequence, shared: Mapping[str, np.ndar
                 for index, step in enumerate(steps):
                     totals[index] += float(loss_fn({k: params[k] + step * compact[k] for k in params}))
     return totals
+
+
+def influence_gn_diagonal(runtime, clients: Sequence, shared: Mapping[str, np.ndarray], *, probes: int,
+                          seed: int) -> tuple[dict, dict]:
+    """The diagonal of ``sum_u G_u`` over ``clients``, ``G_u`` the Gauss-Newton matrix of user ``u``'s influence loss
+    (:func:`fedrec_flwr.krylov.gauss_newton_diagonal`: exact on the item rows, a ``probes``-draw Monte Carlo estimate
+    on the dense parameters), for HF-KCU's preconditioner (``krylov-preconditioner``; issue 18, ours).
+
+    The node's users in one batched pass where :func:`can_batch` holds, else one at a time; the sign draws come from
+    a ``torch.Generator`` seeded with ``seed``. Returns ``(dense key -> array, item key -> (row ids (T,), values (T,
+    ...)))``: one sum over all of ``clients`` (:class:`fedrec_flwr.wire.SparseSum`'s form), never a per-user value.
+    """
+    dense_keys, item_keys = runtime.layout.dense_keys, runtime.layout.item_keys
+    dense = {k: np.zeros(runtime.layout.shared_shapes[k], dtype=np.float64) for k in dense_keys}
+    ids, values = {k: [] for k in item_keys}, {k: [] for k in item_keys}
+    generator = torch.Generator().manual_seed(int(seed))
+    groups = [list(clients)] if len(clients) > 1 and can_batch(runtime.model) else [[c] for c in clients]
+    for group in groups:
+        with influence_objective(runtime, group, shared) as (loss_fn, params, items):
+            diagonal = gauss_newton_diagonal(loss_fn, params, probes=probes, generator=generator)
+            for key in dense_keys:
+                dense[key] += diagonal[key].detach().cpu().numpy().astype(np.float64)
+            for key in item_keys:
+                ids[key].append(items)
+                values[key].append(diagonal[key].detach().cpu().numpy().astype(np.float64))
+    rows = {k: (np.concatenate(ids[k]) if ids[k] else np.zeros(0, dtype=np.int64),
+                np.concatenate(values[k]) if values[k] else np.zeros((0,) + tuple(runtime.layout.shared_shapes[k][1:])))
+            for k in item_keys}
+    return dense, rows

@@ -157,25 +157,35 @@ def conjugate_gradient(matvec: Callable[[np.ndarray], np.ndarray], b: np.ndarray
 
 
 def steihaug_cg(matvec: Callable[[np.ndarray], np.ndarray], b: np.ndarray, *, radius: float, iterations: int = 10,
-                damping: float = 0.0, tolerance: float = 1e-6) -> CGResult:
+                damping: float = 0.0, tolerance: float = 1e-6, preconditioner: np.ndarray | None = None) -> CGResult:
     """Approximately minimise the quadratic model ``m(x) = -b^T x + 1/2 x^T (A + damping I) x`` subject to
-    ``||x|| <= radius``, for a symmetric (possibly indefinite) operator ``A`` given only as ``matvec``.
+    ``||x||_M <= radius``, for a symmetric (possibly indefinite) operator ``A`` given only as ``matvec``.
 
     Steihaug (1983) / Toint (1981) truncated CG; Nocedal & Wright, *Numerical Optimization* (2nd ed.), Algorithm 7.2,
     started at ``x0 = 0``. While the curvature of each direction is positive and the iterates stay inside the radius
     it is plain CG (so on a positive definite system whose solution lies inside the radius it returns CG's answer).
     When a direction ``p`` has ``p^T (A + damping I) p <= 0`` (tested as in :func:`conjugate_gradient`), or the next
-    iterate would leave the radius, it returns ``x + tau p`` with ``tau >= 0`` such that ``||x + tau p|| = radius``:
+    iterate would leave the radius, it returns ``x + tau p`` with ``tau >= 0`` such that ``||x + tau p||_M = radius``:
     along a descent direction of ``m``, so ``m`` decreases monotonically over the iterates (N&W Theorem 7.3) and the
     step is never dropped.
+
+    With a ``preconditioner`` (a positive diagonal ``M``, given as its diagonal) this is Steihaug's preconditioned
+    algorithm (Steihaug 1983, Sec. 2; N&W Sec. 7.2, "Preconditioning"): CG on ``M^{-1/2} (A + damping I) M^{-1/2}``
+    in the variables ``M^{1/2} x``, written in ``x``: each new direction is built from ``y = M^{-1} r``, ``alpha =
+    r^T y / p^T A p``, and the trust region is measured in the norm ``||x||_M = sqrt(x^T M x)`` (an ellipsoid that is
+    long where ``M`` is small). Every iterate stays in the Krylov space of ``M^{-1} (A + damping I)`` and ``M^{-1}
+    b``, so inside the radius the answer is still the solve of ``(A + damping I) x = b``. ``M = I`` (or ``None``)
+    is the Euclidean algorithm, operation for operation.
 
     Args:
         matvec: ``v -> A v`` on float64 arrays shaped like ``b``.
         b: the right-hand side (any shape; float64 inside).
-        radius: the trust-region radius ``> 0`` (Euclidean norm of the step, in ``b``'s units divided by ``A``'s).
+        radius: the trust-region radius ``> 0`` (the ``M``-norm of the step; Euclidean without a preconditioner, in
+            ``b``'s units divided by ``A``'s).
         iterations: at most this many products (>= 1).
         damping: ``lambda >= 0`` added to the diagonal.
-        tolerance: stop when the relative residual ``||b - (A + damping I) x|| / ||b||`` is at most this.
+        tolerance: stop when the relative residual ``||b - (A + damping I) x|| / ||b||`` (Euclidean) is at most this.
+        preconditioner: ``M``'s diagonal, shaped like ``b``, finite and > 0; ``None`` for ``M = I``.
 
     Returns:
         :class:`CGResult` with ``boundary`` set when the step ends on the radius and ``negative_curvature`` when a
@@ -184,65 +194,86 @@ def steihaug_cg(matvec: Callable[[np.ndarray], np.ndarray], b: np.ndarray, *, ra
         step: ``r - tau A p``).
 
     Raises:
-        ValueError: ``radius`` not finite and > 0, or as :func:`conjugate_gradient`.
+        ValueError: ``radius`` not finite and > 0, a ``preconditioner`` of the wrong shape or not finite and > 0, or
+            as :func:`conjugate_gradient`.
     """
     if not (isinstance(radius, (int, float)) and math.isfinite(radius) and radius > 0):
         raise ValueError(f"steihaug_cg: radius must be a finite number > 0, got {radius!r}")
     b = _check_solver_args("steihaug_cg", iterations, damping, tolerance, b)
+    m = None
+    if preconditioner is not None:
+        m = np.asarray(preconditioner, dtype=np.float64)
+        if m.shape != b.shape:
+            raise ValueError(f"steihaug_cg: preconditioner has shape {m.shape}, expected {b.shape} (its diagonal)")
+        if not (np.isfinite(m).all() and (m > 0).all()):
+            raise ValueError("steihaug_cg: the preconditioner's diagonal must be finite and > 0")
     x = np.zeros_like(b)
     b_norm = float(np.linalg.norm(b))
     if b_norm == 0.0:
         return CGResult(x, 0, 0.0, True, False, termination="zero-rhs")
     r = b.copy()  # residual b - A x (the negative gradient of m)
-    p = r.copy()
-    rs = float(np.vdot(r, r))
+    y = r if m is None else r / m  # the preconditioned residual M^{-1} r
+    p = y.copy()
+    rs = float(np.vdot(r, y))
     largest, done = 0.0, 0
     for _ in range(int(iterations)):
         ap = _apply("steihaug_cg", matvec, p, damping)
         done += 1
         curvature, largest, non_positive = _curvature(p, ap, largest)
         if non_positive:
-            tau = _to_boundary(x, p, radius)
+            tau = _to_boundary(x, p, radius, m)
             x, r = x + tau * p, r - tau * ap
             return CGResult(x, done, float(np.linalg.norm(r)) / b_norm, False, True, True, "negative-curvature")
         alpha = rs / curvature
-        if float(np.linalg.norm(x + alpha * p)) >= radius:
-            tau = _to_boundary(x, p, radius)
+        if _m_norm(x + alpha * p, m) >= radius:
+            tau = _to_boundary(x, p, radius, m)
             x, r = x + tau * p, r - tau * ap
             residual = float(np.linalg.norm(r)) / b_norm
             return CGResult(x, done, residual, residual <= tolerance, False, True, "boundary")
         x = x + alpha * p
         r = r - alpha * ap
-        rs_new = float(np.vdot(r, r))
-        if math.sqrt(rs_new) <= tolerance * b_norm:
-            return CGResult(x, done, math.sqrt(rs_new) / b_norm, True, False, False, "tolerance")
-        p = r + (rs_new / rs) * p
+        y = r if m is None else r / m
+        rs_new = float(np.vdot(r, y))
+        r_norm = math.sqrt(rs_new) if m is None else float(np.linalg.norm(r))
+        if r_norm <= tolerance * b_norm:
+            return CGResult(x, done, r_norm / b_norm, True, False, False, "tolerance")
+        p = y + (rs_new / rs) * p
         rs = rs_new
-    residual = math.sqrt(rs) / b_norm
+    residual = (math.sqrt(rs) if m is None else float(np.linalg.norm(r))) / b_norm
     return CGResult(x, done, residual, residual <= tolerance, False, False, "iterations")
 
 
-def _to_boundary(x: np.ndarray, p: np.ndarray, radius: float) -> float:
-    """The ``tau >= 0`` with ``||x + tau p|| = radius`` (``||x|| <= radius``): the positive root of
-    ``||p||^2 tau^2 + 2 x.p tau + ||x||^2 - radius^2 = 0``."""
-    a, half_b = float(np.vdot(p, p)), float(np.vdot(x, p))
-    c = float(np.vdot(x, x)) - radius * radius
+def _m_norm(v: np.ndarray, m: np.ndarray | None) -> float:
+    """``||v||_M = sqrt(v^T M v)`` for a diagonal ``M`` (its diagonal ``m``); Euclidean for ``m = None``."""
+    return float(np.linalg.norm(v)) if m is None else math.sqrt(float(np.vdot(v, m * v)))
+
+
+def _to_boundary(x: np.ndarray, p: np.ndarray, radius: float, m: np.ndarray | None = None) -> float:
+    """The ``tau >= 0`` with ``||x + tau p||_M = radius`` (``||x||_M <= radius``; ``M`` diagonal, Euclidean for
+    ``m = None``): the positive root of ``p^T M p tau^2 + 2 x^T M p tau + x^T M x - radius^2 = 0``."""
+    mp = p if m is None else m * p
+    a, half_b = float(np.vdot(p, mp)), float(np.vdot(x, mp))
+    c = (float(np.vdot(x, x)) if m is None else float(np.vdot(x, m * x))) - radius * radius
     disc = max(half_b * half_b - a * c, 0.0)
     return (-half_b + math.sqrt(disc)) / a if a > 0 else 0.0
 
 
 def krylov_solve(matvec: Callable[[np.ndarray], np.ndarray], b: np.ndarray, *, solver: str, iterations: int,
-                 damping: float, tolerance: float, radius: float | None = None) -> CGResult:
+                 damping: float, tolerance: float, radius: float | None = None,
+                 preconditioner: np.ndarray | None = None) -> CGResult:
     """Dispatch to :func:`conjugate_gradient` (``solver = "cg"``; ``radius`` ignored) or :func:`steihaug_cg`
-    (``"steihaug"``; needs ``radius``).
+    (``"steihaug"``; needs ``radius``; ``preconditioner``: the diagonal of ``M``, or ``None``).
 
     Raises:
-        ValueError: an unknown solver, or as the solver does.
+        ValueError: an unknown solver, a ``preconditioner`` with ``"cg"`` (not built), or as the solver does.
     """
     if solver == "cg":
+        if preconditioner is not None:
+            raise ValueError("krylov_solve: a preconditioner is only built for solver 'steihaug'")
         return conjugate_gradient(matvec, b, iterations=iterations, damping=damping, tolerance=tolerance)
     if solver == "steihaug":
-        return steihaug_cg(matvec, b, radius=radius, iterations=iterations, damping=damping, tolerance=tolerance)
+        return steihaug_cg(matvec, b, radius=radius, iterations=iterations, damping=damping, tolerance=tolerance,
+                           preconditioner=preconditioner)
     raise ValueError(f"krylov_solve: solver must be one of {SOLVERS}, got {solver!r}")
 
 
@@ -449,6 +480,16 @@ class CompositeLoss:
     outputs: Callable[[Params], torch.Tensor]
     output_loss: Callable[[torch.Tensor], torch.Tensor]
     regulariser: Callable[[Params], torch.Tensor] | None = None
+    output_curvature: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """``z -> diag(H_z)`` (shaped like ``z``), the diagonal of ``output_loss``'s Hessian; needed by
+    :func:`gauss_newton_diagonal` only."""
+    row_keys: tuple = ()
+    """Keys of row tables (item embeddings) from which each output reads exactly one row, ``example_rows[j]``."""
+    example_rows: torch.Tensor | None = None
+    """``(n_out,)`` int64: the row of the ``row_keys`` tables output ``j`` reads."""
+    example_outputs: Callable[[Params], torch.Tensor] | None = None
+    """``outputs`` with every ``row_keys`` table replaced by an ``(n_out, ...)`` table whose row ``j`` is the row output
+    ``j`` reads: so ``∂z_j / ∂(row j)`` is the per-example Jacobian block, from one backward pass."""
 
     def __call__(self, params: Params) -> torch.Tensor:
         loss = self.output_loss(self.outputs(params))
@@ -493,6 +534,63 @@ def gauss_newton_vector_product(loss: CompositeLoss, params: Mapping[str, torch.
         extra = hessian_vector_product(loss.regulariser, params, vector)
         product = {k: product[k] + extra[k] for k in product}
     return product
+
+
+def gauss_newton_diagonal(loss: CompositeLoss, params: Mapping[str, torch.Tensor], *, probes: int = 8,
+                          generator: torch.Generator | None = None) -> Params:
+    """``diag(G)``: the diagonal of the generalised Gauss-Newton matrix ``G = J^T H_z J + ∇²R`` of
+    :func:`gauss_newton_vector_product`, for a preconditioner (ours; issue 18).
+
+    ``diag(J^T H_z J)_k = sum_j H_z[j, j] (∂z_j / ∂theta_k)^2`` wherever at most one output's row of ``theta`` is
+    touched per entry's cross term, which holds exactly on the ``row_keys`` tables: each output reads one row, so the
+    cross terms ``H_z[j, l] J_jk J_lk`` (``j != l``) of ``diag(J^T H_z J)`` vanish there unless outputs ``j, l`` read
+    the same row *and* ``H_z[j, l] != 0``; for BCE (diagonal ``H_z``) never; for BPR (``H_z`` couples a positive
+    with its negative) only if a pair's two items were the same row, which the negative sampler excludes. One
+    backward pass of ``sum_j eps_j z_j`` with respect to the per-example tables (``example_outputs``) gives
+    ``eps_j ∂z_j / ∂(row j)`` for every ``j`` at once; squared with ``eps_j^2 = H_z[j, j]`` and summed into the rows
+    read, it is the exact row diagonal. On the other (dense) keys, every output touches every entry, so the diagonal
+    is estimated by Monte Carlo: ``E[(J^T eps)^2] = diag(J^T E[eps eps^T] J)`` with ``eps_j = s_j sqrt(H_z[j, j])``
+    and Rademacher signs ``s`` (the MC Gauss-Newton diagonal, cf. Martens, Sutskever & Swersky 2012, "Estimating
+    the Hessian by back-propagating curvature"), averaged over ``probes`` draws: unbiased when ``H_z`` is diagonal
+    (BCE); for BPR it leaves out each pair's cross term ``2 H_z[+, -] J_+k J_-k`` (ours: a preconditioner only needs
+    the scale). The regulariser's diagonal is ``∇²R 1`` (exact for an L2 term, whose Hessian is diagonal).
+
+    Args:
+        loss: a :class:`CompositeLoss` with ``output_curvature``, ``example_rows`` and ``example_outputs`` set.
+        params: name -> tensor at which the matrix is taken (row tables ``(T, ...)``).
+        probes: sign draws for the dense keys (>= 1; one draw suffices when every key is a row table).
+        generator: the random stream of the signs (``None``: torch's global one).
+    Returns:
+        name -> ``diag(G)[name]`` (>= 0), shaped like ``params``.
+    Raises:
+        ValueError: ``loss`` lacks the per-example parts, or ``probes < 1``.
+    """
+    if loss.output_curvature is None or loss.example_outputs is None or loss.example_rows is None:
+        raise ValueError("gauss_newton_diagonal: the loss needs output_curvature, example_rows and example_outputs")
+    if isinstance(probes, bool) or int(probes) != probes or probes < 1:
+        raise ValueError(f"gauss_newton_diagonal: probes must be an int >= 1, got {probes!r}")
+    rows = loss.example_rows
+    with torch.no_grad():
+        z = loss.outputs(dict(params))
+        scale = loss.output_curvature(z).clamp_min(0.0).sqrt()
+    expanded = {k: (v.index_select(0, rows) if k in loss.row_keys else v) for k, v in params.items()}
+    _, pullback = torch.func.vjp(loss.example_outputs, expanded)
+    dense = [k for k in params if k not in loss.row_keys]
+    draws = int(probes) if dense else 1
+    out = {k: torch.zeros_like(v) for k, v in params.items()}
+    for draw in range(draws):
+        signs = torch.randint(0, 2, tuple(z.shape), generator=generator).to(z) * 2.0 - 1.0
+        (grads,) = pullback((signs * scale).detach())
+        for key, value in grads.items():
+            if key in loss.row_keys:
+                if draw == 0:  # exact: the same in every draw
+                    out[key].index_add_(0, rows, value.detach() ** 2)
+            else:
+                out[key] += value.detach() ** 2 / draws
+    if loss.regulariser is not None:
+        extra = hessian_vector_product(loss.regulariser, params, {k: torch.ones_like(v) for k, v in params.items()})
+        out = {k: out[k] + extra[k] for k in out}
+    return out
 
 
 def curvature_vector_product(loss_fn: Callable[[Params], torch.Tensor], params: Mapping[str, torch.Tensor],

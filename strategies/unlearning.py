@@ -111,7 +111,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Rec
 from flwr.serverapp import Grid
 
 from fedrec_flwr.client_app import (
-    SUPPORT, UNLEARN_AFFECTED, UNLEARN_GRADIENT, UNLEARN_HVP, UNLEARN_LOCAL_CG, UNLEARN_LOSS, VECTOR,
+    SUPPORT, UNLEARN_AFFECTED, UNLEARN_DIAGONAL, UNLEARN_GRADIENT, UNLEARN_HVP, UNLEARN_LOCAL_CG, UNLEARN_LOSS, VECTOR,
 )
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError
@@ -128,6 +128,10 @@ TAG_FORGET = 15
 
 TAG_CURVATURE_SAMPLE = 16
 """Seed tag of the stream that draws the nodes whose users' curvature ``curvature-sample`` queries."""
+
+PRECONDITIONER_PROBES = 8
+"""Sign draws of the Monte Carlo Gauss-Newton diagonal on the dense (non-item-row) parameters (``krylov-preconditioner``;
+ours: the item rows are exact, and a preconditioner needs only the scale of the dense entries)."""
 
 METHODS = ("none", "retrain", "continue", "hfkcu", "gradient-ascent")
 PHASE_METHODS = ("continue", "hfkcu", "gradient-ascent")
@@ -168,6 +172,7 @@ class UnlearningSettings:
     round: int
     krylov_mode: str = "distributed"
     krylov_solver: str = "steihaug"
+    preconditioner: str = "none"
     curvature: str = "gauss-newton"
     trust_radius: float = 0.015
     cg_iterations: int = 10
@@ -192,7 +197,7 @@ class UnlearningSettings:
         return cls(
             method=config.unlearning, forget=tuple(int(u) for u in forget_set(config, num_users)),
             round=config.effective_unlearn_round, krylov_mode=config.krylov_mode,
-            krylov_solver=config.krylov_solver, curvature=config.curvature, trust_radius=config.trust_radius,
+            krylov_solver=config.krylov_solver, preconditioner=config.krylov_preconditioner, curvature=config.curvature, trust_radius=config.trust_radius,
             cg_iterations=config.cg_iterations, cg_tolerance=config.cg_tolerance, damping=config.damping,
             scale=config.unlearn_scale, adaptive_scale=config.adaptive_scale, max_step=config.unlearn_max_step,
             line_search=config.line_search, line_search_max_step=config.line_search_max_step,
@@ -290,7 +295,8 @@ class ClientUnlearning:
                        "remaining-users": int(self.strategy._topology().num_users - forget.size),
                        "queried-nodes": len(nodes), "nodes": len(affected),
                        "damping": s.damping, "cg-max-iterations": s.cg_iterations,
-                       "krylov-solver": s.krylov_solver, "curvature": s.curvature})
+                       "krylov-solver": s.krylov_solver, "krylov-preconditioner": s.preconditioner,
+                       "curvature": s.curvature})
         radius = None
         if s.krylov_solver == "steihaug":
             radius = s.trust_radius * _norm(_restrict(theta, g_forget, self.layout))
@@ -303,7 +309,14 @@ class ClientUnlearning:
         if not nodes:
             log.warning("unlearning: no remaining user shares a row with the forgotten users; the step is g / damping")
         if s.krylov_mode == "distributed":
-            result = self.distributed_cg(grid, arrays, nodes, forget, support, g_forget, radius=radius)
+            preconditioner = None
+            if s.preconditioner != "none":
+                if s.krylov_solver != "steihaug" or s.damping <= 0:
+                    raise ValueError(f"preconditioner {s.preconditioner!r} needs krylov_solver 'steihaug' and "
+                                     f"damping > 0, got {s.krylov_solver!r}, {s.damping}")
+                preconditioner = self.preconditioner(grid, arrays, nodes, forget, support, g_forget, report)
+            result = self.distributed_cg(grid, arrays, nodes, forget, support, g_forget, radius=radius,
+                                         preconditioner=preconditioner)
             report.update(result.summary())
             report.update({"curvature-sample": s.curvature_sample, "curvature-nodes": len(self.curvature_nodes),
                            "curvature-factor": self.curvature_factor})
@@ -391,19 +404,64 @@ class ClientUnlearning:
         return {int(n): {"exclude": [int(u) for u in forget], "causal": self.settings.causal_weighting,
                          **(extra or {})} for n in nodes}
 
-    def distributed_cg(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
-                       rhs: dict, radius: float | None = None) -> CGResult:
-        """CG (``krylov-solver``: plain, or trust-region within ``radius``) on ``(sum_u C_u + damping I) x = rhs``
-        over the remaining (with causal weighting: affected) users of ``nodes``, ``C_u`` the curvature of
-        ``curvature`` (Hessian or Gauss-Newton), one ``unlearn_hvp`` query round per product; with ``curvature-sample``
-        < 1 over the drawn nodes only, scaled up (:func:`curvature_sample_nodes`)."""
-        shapes = self.layout.shared_shapes
+    def _curvature_targets(self, nodes, forget: np.ndarray, extra: Mapping) -> tuple[dict, float]:
+        """The nodes that answer curvature queries (with ``curvature-sample`` < 1 a seeded share of ``nodes``,
+        :func:`curvature_sample_nodes`) with their configs, and the factor their sums are scaled by."""
         s = self.settings
         counts = getattr(self, "_curvature_users", None) or {int(n): 1 for n in nodes}
         sampled, factor = curvature_sample_nodes({int(n): counts.get(int(n), 1) for n in nodes},
                                                  s.curvature_sample, s.seed)
         self.curvature_nodes, self.curvature_factor = sampled, factor
-        targets = self._targets(sampled, forget, {"curvature": s.curvature})
+        return self._targets(sampled, forget, dict(extra)), factor
+
+    def preconditioner(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
+                       rhs: dict, report: dict) -> np.ndarray:
+        """``krylov-preconditioner``: the diagonal of ``M`` for the trust-region solve (flattened in the layout's key
+        order), from one ``unlearn_diagonal`` query round (ours; issue 18).
+
+        Each queried node returns the diagonal of its remaining (affected) users' summed Gauss-Newton matrix, one
+        row-sparse sum over its users as an HVP reply (:func:`fedrec_flwr.influence.influence_gn_diagonal`: exact on
+        item rows, a :data:`PRECONDITIONER_PROBES`-draw Monte Carlo estimate on dense parameters); the server adds
+        them (scaled as the products are, :meth:`_curvature_targets`) and ``damping``: ``d = diag(sum_u G_u) +
+        damping``. ``"row"`` replaces ``d`` by its mean over each item row's entries (and over each dense key), a
+        block-diagonal ``M`` of scaled identities. ``M = d / mean_S(d)``, ``S`` the entries the forgotten users'
+        gradient touches (its item rows and the dense keys, the entries whose norm sets the radius): so a step spread
+        evenly over ``S`` has the same ``M``-norm as Euclidean norm, and the radius keeps its meaning on average,
+        while rows with little remaining curvature (e.g. a target item that few genuine users rate) get a longer
+        reach and stiff rows (popular fillers) a shorter one. The round's messages and bytes count in the phase and
+        are also reported as ``preconditioner-bytes-sent`` / ``-received``.
+        """
+        s = self.settings
+        shapes = self.layout.shared_shapes
+        targets, factor = self._curvature_targets(nodes, forget, {"probes": PRECONDITIONER_PROBES, "seed": s.seed})
+        sent, received = self.bytes_sent, self.bytes_received
+        replies = self._query(grid, UNLEARN_DIAGONAL, targets, arrays, support=support)
+        report["preconditioner-bytes-sent"] = self.bytes_sent - sent
+        report["preconditioner-bytes-received"] = self.bytes_received - received
+        diagonal = {k: factor * v + s.damping for k, v in self._sum(replies).items()}
+        if s.preconditioner == "row":
+            diagonal = {k: (np.broadcast_to(v.mean(axis=tuple(range(1, v.ndim)), keepdims=True), v.shape).copy()
+                            if k in self.layout.item_keys and v.ndim > 1 else np.full_like(v, v.mean()))
+                        for k, v in diagonal.items()}
+        touched = _restrict(diagonal, rhs, self.layout)
+        count = sum(v.size for v in touched.values())
+        mean = sum(float(v.sum()) for v in touched.values()) / count if count else 1.0
+        m = flatten(diagonal, shapes) / mean
+        on_support = np.concatenate([v.reshape(-1) for v in touched.values()]) / mean if count else m
+        report.update({"krylov-preconditioner": s.preconditioner, "preconditioner-mean": mean,
+                       "preconditioner-min": float(on_support.min()), "preconditioner-max": float(on_support.max())})
+        return m
+
+    def distributed_cg(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
+                       rhs: dict, radius: float | None = None, preconditioner: np.ndarray | None = None) -> CGResult:
+        """CG (``krylov-solver``: plain, or trust-region within ``radius``, in the ``M``-norm of ``preconditioner``
+        when given, :meth:`preconditioner`) on ``(sum_u C_u + damping I) x = rhs``
+        over the remaining (with causal weighting: affected) users of ``nodes``, ``C_u`` the curvature of
+        ``curvature`` (Hessian or Gauss-Newton), one ``unlearn_hvp`` query round per product; with ``curvature-sample``
+        < 1 over the drawn nodes only, scaled up (:func:`curvature_sample_nodes`)."""
+        shapes = self.layout.shared_shapes
+        s = self.settings
+        targets, factor = self._curvature_targets(nodes, forget, {"curvature": s.curvature})
 
         def matvec(flat: np.ndarray) -> np.ndarray:
             if not targets:
@@ -413,7 +471,7 @@ class ClientUnlearning:
             return factor * flatten(self._sum(replies), shapes)
 
         return krylov_solve(matvec, flatten(rhs, shapes), solver=s.krylov_solver, iterations=s.cg_iterations,
-                            damping=s.damping, tolerance=s.cg_tolerance, radius=radius)
+                            damping=s.damping, tolerance=s.cg_tolerance, radius=radius, preconditioner=preconditioner)
 
     def remaining_loss(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
                        direction: dict, steps: list) -> list[float]:
