@@ -407,11 +407,10 @@ class RunConfig:
             raise ConfigError("run-config key 'damping' = 0 with krylov-mode = 'local': one user's Hessian is singular "
                               "(zero on every row it never touches); set damping > 0")
         if self.krylov_preconditioner != "none" and (self.krylov_solver != "steihaug"
-                                                     or self.krylov_mode != "distributed" or self.damping <= 0):
+                                                     or self.krylov_mode != "distributed"):
             raise ConfigError(f"run-config key 'krylov-preconditioner' = {self.krylov_preconditioner!r} needs "
-                              "krylov-solver = 'steihaug', krylov-mode = 'distributed' and damping > 0 (M = diag(G) + "
-                              f"damping I), got {self.krylov_solver!r}, {self.krylov_mode!r}, damping {self.damping}; "
-                              "or set it to 'none'")
+                              f"krylov-solver = 'steihaug' and krylov-mode = 'distributed', got {self.krylov_solver!r} "
+                              f"and {self.krylov_mode!r}; or set it to 'none'")
         if not self.client or not self.strategy:
             raise ConfigError("run-config keys 'client' and 'strategy' must name a registered entry or module:Class")
 

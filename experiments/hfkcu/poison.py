@@ -82,6 +82,24 @@ radius >= 0.02 step overshooting to percentile 0-0.23 and damping 1 doing too li
 
 DEV = {"dataset": "ml-100k", "model": "FedMF", "fakes": 100, "seed": 100, "target-seed": 100}
 
+PRECONDITIONED_RADII = (0.0075, 0.01, 0.015, 0.02, 0.03)
+"""Radii tried with the preconditioned solve on the development settings (the M-norm radius keeps its Euclidean
+meaning only on average over the touched rows, so the Euclidean default 0.015 need not be the right one)."""
+
+
+def _preconditioned() -> dict:
+    out = {"steihaug GN euclidean radius 0.015 (default)": {"method": "hfkcu"}}
+    for kind in ("diagonal", "row"):
+        for radius in PRECONDITIONED_RADII:
+            out[f"steihaug GN {kind} radius {radius}"] = {"method": "hfkcu", "preconditioner": kind,
+                                                          "trust_radius": radius}
+    return out
+
+
+DEV_PRECONDITIONED = _preconditioned()
+"""The preconditioned trust-region solve (``krylov-preconditioner``, issue 18) against the Euclidean default, replayed
+on the four development settings (``poison-dev-precond``)."""
+
 DEV_EXTRA = (("ml-100k", "FedMF", 20), ("filmtrust", "FedMF", 100), ("filmtrust", "FedMF", 20))
 """More development settings (issue 18, for a step rule that must transfer across attack sizes and datasets):
 ``(dataset, model, fakes)`` with the development seed and target (``DEV["seed"]``, ``DEV["target-seed"]``), never

@@ -244,7 +244,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=["main", "forget", "poison", "poison-dev", "poison-replay",
                                          "poison-dev-sweep", "poison-probe", "poison-retime", "poison-profile",
-                                         "poison-level",
+                                         "poison-level", "poison-dev-precond",
                                          "report"])
     parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""),
                         help="folder holding <dataset>/ (default: $FEDREC_DATA_DIR; empty = download)")
@@ -315,6 +315,17 @@ def main(argv=None) -> None:
                         probe(d, m, int(f), int(seed), changes, data_dir=args.data_dir,
                               runs=RESULTS / "runs" / ("poison-dev" if dev else "poison"), cache=CACHE,
                               target_seed=DEV["target-seed"] if dev else 0, name=f"probe-{args.name}")
+        return
+    if args.part == "poison-dev-precond":  # the preconditioned solve on every development setting
+        from experiments.hfkcu.poison import DEV, DEV_EXTRA, DEV_PRECONDITIONED, replay
+
+        chosen = {k: v for k, v in DEV_PRECONDITIONED.items()
+                  if not args.only or any(w in k for w in args.only.split(","))}
+        for d, m, f in ((DEV["dataset"], DEV["model"], DEV["fakes"]),) + DEV_EXTRA:
+            if not (RESULTS / "runs" / "poison-dev" / d / m / f"fakes-{f}" / f"seed-{DEV['seed']}" / "original"
+                    / f"precond-{args.name}.json").is_file():
+                replay(d, m, f, DEV["seed"], chosen, data_dir=args.data_dir, runs=RESULTS / "runs" / "poison-dev",
+                       cache=CACHE, target_seed=DEV["target-seed"], name=f"precond-{args.name}")
         return
     if args.part == "poison-dev-sweep":
         from experiments.hfkcu.poison import DEV, DEV_REFINE, DEV_VARIANTS, replay
