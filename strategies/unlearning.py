@@ -42,6 +42,14 @@ trust-radius * ||theta_S||`` with ``theta_S`` the shared parameters ``g_F`` touc
 parameters), so the radius is a relative size (ours). ``"cg"`` is the issue-6 arm (plain CG, truncated at
 non-positive curvature).
 
+**Preconditioned trust region (issue 18; ours).** ``krylov-preconditioner = "diagonal"`` (or ``"row"``) measures the
+trust region in the norm ``||x||_M = sqrt(x^T M x)`` of a diagonal ``M`` built from the remaining users' Gauss-Newton
+diagonal (:meth:`ClientUnlearning.preconditioner`; Steihaug 1983's preconditioned CG, :func:`fedrec_flwr.krylov.
+steihaug_cg`): rows on which few remaining users' losses curve (a promoted target item) may move further than rows
+that many users pin (popular fillers). The diagonal costs one ``unlearn_diagonal`` query round in which each node
+returns one row-sparse sum over its users (exact on item rows; Monte Carlo on NCF's MLP). Inside the radius the
+answer is still the solve of the damped system. ``"none"`` (the default) is the Euclidean solve.
+
 **How far to go: a line search on the remaining users' loss (issue 18; ours).** With ``line-search =
 "remaining-loss"`` the solver's step ``x`` (times ``unlearn-scale``) is only a direction: the phase moves ``a x``
 with ``a`` chosen to minimise the remaining users' summed influence loss ``L_R(theta + a x)`` (the objective the

@@ -89,6 +89,8 @@ meaning only on average over the touched rows, so the Euclidean default 0.015 ne
 
 def _preconditioned() -> dict:
     out = {"steihaug GN euclidean radius 0.015 (default)": {"method": "hfkcu"}}
+    out.update({f"steihaug GN euclidean radius {radius}": {"method": "hfkcu", "trust_radius": radius}
+                for radius in PRECONDITIONED_RADII if radius != 0.015})
     for kind in ("diagonal", "row"):
         for radius in PRECONDITIONED_RADII:
             out[f"steihaug GN {kind} radius {radius}"] = {"method": "hfkcu", "preconditioner": kind,

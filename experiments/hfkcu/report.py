@@ -128,6 +128,8 @@ def report(results: Path, data_dir: str) -> None:
     """Write ``main.csv`` / ``main.md``, ``ablation.*``, ``poison.*`` and the plots under ``results``."""
     poison_report(results)
     level_report(results)
+    precond_report(results)
+    precond_report(results, "poison", "poison-precond.md")
     forget_report(results, data_dir)
     frame = collect(results, data_dir)
     if frame.empty:
@@ -464,3 +466,59 @@ def plot(main: pd.DataFrame, results: Path) -> None:
     if axes[0][0].get_legend():
         axes[0][0].legend(fontsize=6)
     save_figure(fig, results / "membership.png")
+
+
+def _radius_arm(variant: str) -> tuple[str, float] | None:
+    """``("euclidean" | "diagonal" | "row", radius)`` of a :data:`experiments.hfkcu.poison.DEV_PRECONDITIONED` name."""
+    words = variant.replace(" (default)", "").split()
+    if len(words) == 5 and words[:2] == ["steihaug", "GN"] and words[3] == "radius":
+        return words[2], float(words[4])
+    return None
+
+
+def precond_report(results: Path, folder: str = "poison-dev", out_name: str = "poison-precond-dev.md") -> None:
+    """``<out_name>``: the preconditioned trust-region solve (``krylov-preconditioner``) against the Euclidean one at
+    the radii of :data:`experiments.hfkcu.poison.PRECONDITIONED_RADII`, per setting of ``runs/<folder>``: target
+    percentile, share of the gap closed, overshoot, HR@10 against retrained, phase time and bytes; per arm the radius
+    at which the target reaches the retrained percentile (interpolated along the radii; its spread across settings
+    is what a single default radius must cover) and how many settings each radius meets (closed >= 0.70, overshoot
+    <= 0.10, |HR@10 - retrained| <= 1 pt; speed is reported, not counted, on the development settings)."""
+    rows = [r for r in _poison_rows(results / "runs" / folder) if _radius_arm(r["variant"])]
+    if not rows:
+        return
+    frame = pd.DataFrame(rows)
+    frame["arm"] = [_radius_arm(v)[0] for v in frame["variant"]]
+    frame["radius"] = [_radius_arm(v)[1] for v in frame["variant"]]
+    frame["met"] = ((frame["closed"] >= ACCEPT["closed"]) & (frame["overshoot"] <= ACCEPT["overshoot"])
+                    & (frame["HR@10-minus-retrained"].abs() <= ACCEPT["hr-points"]))
+    frame = frame.sort_values(["dataset", "model", "fakes", "seed", "arm", "radius"])
+    settings = frame.groupby(["dataset", "model", "fakes", "seed"], sort=True)
+    needed = []
+    for (dataset, model, fakes, seed), block in settings:
+        line = {"setting": f"{dataset} {model} {fakes} fakes seed {seed}"}
+        for arm, part in block.groupby("arm"):
+            part = part.drop_duplicates("radius").sort_values("radius")
+            closed = part["closed"].tolist()
+            radii = part["radius"].tolist()
+            r = _crossing(radii, closed, 1.0)
+            line[f"{arm}: radius reaching retrained"] = (f"{r:.4f}" if r is not None else
+                                                          (f"> {radii[-1]}" if closed[-1] < 1 else f"< {radii[0]}"))
+        needed.append(line)
+    counts = frame.groupby(["arm", "radius"])["met"].agg(["sum", "count"]).reset_index()
+    counts["settings met"] = [f"{int(s)} of {int(c)}" for s, c in zip(counts["sum"], counts["count"])]
+    shown = frame[["dataset", "model", "fakes", "seed", "arm", "radius", "target-percentile", "closed", "overshoot",
+                   "HR@10-minus-retrained", "seconds", "MB-sent", "cg-iterations", "termination", "met"]].copy()
+    for column in ("target-percentile", "closed", "overshoot"):
+        shown[column] = shown[column].map(lambda v: f"{v:.3f}")
+    for column in ("HR@10-minus-retrained", "seconds", "MB-sent"):
+        shown[column] = shown[column].map(lambda v: f"{v:.1f}" if column != "HR@10-minus-retrained" else f"{v:+.2f}")
+    atomic_write_text(results / out_name, "\n".join([
+        "# Preconditioned trust region (krylov-preconditioner) vs the Euclidean one (generated)", "",
+        f"Settings: `runs/{folder}`. Arms: euclidean (`krylov-preconditioner = \"none\"`, the default at radius "
+        "0.015), diagonal (trust region in the M-norm, M = the remaining users' Gauss-Newton diagonal, floored at "
+        "1% of its mean, scaled to mean 1 over the touched entries), row (M's mean per item row). met: closed >= "
+        "0.70, overshoot <= 0.10 and |HR@10 - retrained| <= 1 pt (speed is not counted here). The radius reaching "
+        "retrained: where the target's closed share crosses 1, interpolated linearly between the radii tried.", "",
+        "## Radius at which the target reaches the retrained percentile", "", markdown(pd.DataFrame(needed)), "",
+        "## Settings met per arm and radius", "", markdown(counts[["arm", "radius", "settings met"]]), "",
+        "## Every run", "", markdown(shown)]))
