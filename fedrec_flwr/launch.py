@@ -96,12 +96,17 @@ ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 # --------------------------------------------------------------------------------------------- environment
 def flwr_env(flwr_home: str | os.PathLike | None = None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment for ``flwr run``: no runtime dependency installation, no Ray accelerator warning."""
+    """The environment for ``flwr run``: no runtime dependency installation, no Ray accelerator warning, and Ray's
+    task events off (``RAY_task_events_report_interval_ms=0``, unless set): Ray's GCS otherwise keeps a record of
+    every actor call, up to 100,000 of them, for its dashboard's task list; one per message here, so the simulation's
+    memory grew about 2 MiB a round on Amazon-Video at 10 users per node (``experiments/bench/soak.py``). Set the
+    variable to Ray's default ``1000`` to have the task list back."""
     env = dict(os.environ)
     # flwr starts `flower-superlink` and `flwr-simulation` by name: they live beside this interpreter.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     env.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    env.setdefault("RAY_task_events_report_interval_ms", "0")
     env.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
     if flwr_home:
         env["FLWR_HOME"] = str(flwr_home)
