@@ -522,3 +522,51 @@ def level_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: st
     on_snapshot(dataset, model, fakes, seed, body, data_dir=data_dir, cache=cache, target_seed=target_seed, name=name)
     atomic_write_json(folder / "original" / f"{name}.json", out)
     return out
+
+
+def precond_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, runs: Path, cache: Path,
+                  target_seed: int = 0, name: str = "precond-probe") -> dict:
+    """Why the preconditioned trust region moves the target more or less than the Euclidean one (design diagnostic,
+    ours; the target is read, never used to choose anything): the preconditioner ``M`` of ``krylov-preconditioner =
+    "diagonal"`` (:meth:`strategies.unlearning.ClientUnlearning.preconditioner`) at the target's row against its
+    quartiles over the rows ``g_F`` touches, and the target row's share of the first Steihaug step in each norm: the
+    Euclidean solve's first step is ``g_F`` (share ``|g_T|^2 / |g|^2``), the preconditioned one's ``M^{-1} g_F``
+    (share of its ``M``-norm, ``g_T^T M_T^{-1} g_T / g^T M^{-1} g``); with the boundary hit on the first product,
+    the target row moves by ``radius * sqrt(share)`` in its own norm. Writes ``<name>.json`` next to ``phase.json``."""
+    from experiments.hfkcu.run import _settings
+    from fedrec_flwr.krylov import unflatten
+    from fedrec_flwr.wire import support_rows
+    from strategies.unlearning import ClientUnlearning
+
+    folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
+    out: dict = {}
+
+    def body(restored, runtime, fake_users, target) -> None:
+        layout, grid = runtime.layout, restored.grid
+        settings = _settings(restored.config, fake_users, {"method": "hfkcu", "preconditioner": "diagonal"},
+                             runtime.split.num_users)
+        unlearning = ClientUnlearning(restored.strategy, settings)
+        unlearning.server_round = restored.server_round
+        g_forget, _ = unlearning.gradient(grid, restored.arrays, fake_users)
+        support = support_rows(g_forget, layout)
+        affected = unlearning.affected(grid, restored.arrays, support, fake_users)
+        nodes = [n for n, c in affected.items() if c > 0]
+        unlearning._curvature_users = {n: affected[n] for n in nodes}
+        m = unflatten(unlearning.preconditioner(grid, restored.arrays, nodes, fake_users, support, g_forget, {}),
+                      layout.shared_shapes)
+        key = layout.item_keys[0]
+        row_m = m[key].mean(axis=1)
+        g = g_forget[key]
+        euclid = float(np.sum(g[target] ** 2) / sum(np.sum(v ** 2) for v in g_forget.values()))
+        scaled = float(np.sum(g[target] ** 2 / m[key][target])
+                       / sum(np.sum(g_forget[k] ** 2 / m[k]) for k in g_forget))
+        out.update({"dataset": dataset, "model": model, "fakes": fakes, "seed": seed, "target": int(target),
+                    "support-rows": int(support.size), "target-row-M": float(row_m[target]),
+                    "support-row-M-quartiles": [float(q) for q in np.quantile(row_m[support], [0.25, 0.5, 0.75])],
+                    "target-share-euclidean": euclid, "target-share-preconditioned": scaled,
+                    "target-reach-ratio": float(np.sqrt(scaled / euclid) / np.sqrt(row_m[target]))})
+        print(out, flush=True)
+
+    on_snapshot(dataset, model, fakes, seed, body, data_dir=data_dir, cache=cache, target_seed=target_seed, name=name)
+    atomic_write_json(folder / "original" / f"{name}.json", out)
+    return out

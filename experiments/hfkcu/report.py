@@ -486,7 +486,7 @@ def precond_report(results: Path, folder: str = "poison-dev", out_name: str = "p
     rows = [r for r in _poison_rows(results / "runs" / folder) if _radius_arm(r["variant"])]
     if not rows:
         return
-    frame = pd.DataFrame(rows)
+    frame = pd.DataFrame(rows).drop_duplicates(["dataset", "model", "fakes", "seed", "variant"])
     frame["arm"] = [_radius_arm(v)[0] for v in frame["variant"]]
     frame["radius"] = [_radius_arm(v)[1] for v in frame["variant"]]
     frame["met"] = ((frame["closed"] >= ACCEPT["closed"]) & (frame["overshoot"] <= ACCEPT["overshoot"])

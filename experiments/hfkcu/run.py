@@ -322,6 +322,12 @@ def main(argv=None) -> None:
         chosen = {k: v for k, v in DEV_PRECONDITIONED.items()
                   if not args.only or any(w in k for w in args.only.split(","))}
         for d, m, f in ((DEV["dataset"], DEV["model"], DEV["fakes"]),) + DEV_EXTRA:
+            if args.name == "probe":  # the target row's M and share of the first step (diagnostic)
+                from experiments.hfkcu.poison import precond_probe
+
+                precond_probe(d, m, f, DEV["seed"], data_dir=args.data_dir, runs=RESULTS / "runs" / "poison-dev",
+                              cache=CACHE, target_seed=DEV["target-seed"])
+                continue
             if not (RESULTS / "runs" / "poison-dev" / d / m / f"fakes-{f}" / f"seed-{DEV['seed']}" / "original"
                     / f"precond-{args.name}.json").is_file():
                 replay(d, m, f, DEV["seed"], chosen, data_dir=args.data_dir, runs=RESULTS / "runs" / "poison-dev",
