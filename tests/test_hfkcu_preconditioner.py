@@ -209,11 +209,13 @@ def test_the_key_is_validated_with_its_name():
             RunConfig.from_mapping({**default_mapping(), "krylov-preconditioner": "diagonal", **bad})
 
 
-def test_node_diagonal_is_the_sum_of_its_users_and_the_reply_a_sum(tmp_path):
-    """A serial FedMF run with HF-KCU and ``krylov-preconditioner = "diagonal"``, causal weighting off: each node's
-    ``unlearn_diagonal`` reply carries one summed vector and ``num-users`` = all its remaining users; and a node's
-    batched diagonal equals the sum of its users' one-user diagonals (MF: item rows only, exact)."""
-    mapping = tiny_run_config(tmp_path, model="mf", num_server_rounds=2, fraction_train=1.0, eval_every=2,
+@pytest.mark.parametrize("model", ["mf", "ncf"])
+def test_node_diagonal_is_the_sum_of_its_users_and_the_reply_a_sum(tmp_path, model):
+    """A serial FedMF / FedNCF run with HF-KCU and ``krylov-preconditioner = "diagonal"``, causal weighting off: each
+    node's ``unlearn_diagonal`` reply carries one summed vector and ``num-users`` = all its remaining users; and a
+    node's batched diagonal equals the sum of its users' one-user diagonals on the item rows (exact there; NCF's MLP
+    part is a Monte Carlo estimate whose draws differ between the two)."""
+    mapping = tiny_run_config(tmp_path, model=model, num_server_rounds=2, fraction_train=1.0, eval_every=2,
                               users_per_node=2)
     mapping.update({"unlearning": "hfkcu", "forget-users": "0", "krylov-preconditioner": "diagonal",
                     "causal-weighting": False, "cg-iterations": 3})
@@ -239,12 +241,14 @@ def test_node_diagonal_is_the_sum_of_its_users_and_the_reply_a_sum(tmp_path):
     shared = {k: v.detach().numpy().copy() for k, v in runtime.model.shared_state().items()}
     clients = [FedRecClient(runtime, user, RecordDict()) for user in (1, 2, 3)]
     together = influence_gn_diagonal(runtime, clients, shared, probes=1, seed=0)
-    key = runtime.layout.item_keys[0]
-    summed = np.zeros(runtime.layout.shared_shapes[key])
-    for client in clients:
-        _, rows = influence_gn_diagonal(runtime, [client], shared, probes=1, seed=0)
-        np.add.at(summed, rows[key][0], rows[key][1])
-    joint = np.zeros_like(summed)
-    np.add.at(joint, together[1][key][0], together[1][key][1])
-    np.testing.assert_allclose(joint, summed, rtol=1e-5, atol=1e-7)
-    assert joint.sum() > 0
+    singles = [influence_gn_diagonal(runtime, [client], shared, probes=1, seed=0) for client in clients]
+    for key in runtime.layout.item_keys:
+        summed = np.zeros(runtime.layout.shared_shapes[key])
+        for _, rows in singles:
+            np.add.at(summed, rows[key][0], rows[key][1])
+        joint = np.zeros_like(summed)
+        np.add.at(joint, together[1][key][0], together[1][key][1])
+        np.testing.assert_allclose(joint, summed, rtol=1e-5, atol=1e-7)
+        assert joint.sum() > 0
+    for key in runtime.layout.dense_keys:  # NCF's MLP: a non-negative estimate of the right shape
+        assert together[0][key].shape == runtime.layout.shared_shapes[key] and (together[0][key] >= 0).all()

@@ -186,7 +186,9 @@ def _poison_rows(folder: Path) -> list[dict]:
         variants = json.loads(phase_file.read_text())["rows"]
         for extra in sorted(original.glob("*.json")):
             if extra.name not in ("phase.json", "summary.json", "metrics.json", "config.json"):
-                variants += [r for r in json.loads(extra.read_text()).get("rows", []) if r["variant"] != "original"]
+                data = json.loads(extra.read_text())  # replays: {"rows": [...]}; other diagnostics are skipped
+                rows_of = data.get("rows", []) if isinstance(data, dict) else []
+                variants += [r for r in rows_of if isinstance(r, dict) and r.get("variant", "original") != "original"]
         base = {"dataset": dataset, "model": model, "fakes": fakes, "seed": seed}
         before = next(r for r in variants if r["variant"] == "original")
         gap = before["target-percentile"] - retrain["target-percentile"]
@@ -202,6 +204,9 @@ def _poison_rows(folder: Path) -> list[dict]:
                          "speedup": retrain["train-seconds"] / row["seconds"] if row.get("seconds") else float("nan"),
                          "messages": row.get("messages", float("nan")),
                          "MB-sent": row.get("bytes-sent", float("nan")) / 1e6,
+                         "MB-received": row.get("bytes-received", float("nan")) / 1e6,
+                         "preconditioner-MB": (row.get("preconditioner-bytes-sent", float("nan"))
+                                               + row.get("preconditioner-bytes-received", float("nan"))) / 1e6,
                          "cg-iterations": row.get("cg-iterations", float("nan")),
                          "termination": row.get("cg-termination", ""),
                          "line-search": (f"{row['line-search-step']:.3g} ({row['line-search-termination']}, "
@@ -496,7 +501,7 @@ def precond_report(results: Path, folder: str = "poison-dev", out_name: str = "p
     needed = []
     for (dataset, model, fakes, seed), block in settings:
         line = {"setting": f"{dataset} {model} {fakes} fakes seed {seed}"}
-        for arm, part in block.groupby("arm"):
+        for arm, part in sorted(block.groupby("arm"), key=lambda item: item[0] != "euclidean"):
             part = part.drop_duplicates("radius").sort_values("radius")
             closed = part["closed"].tolist()
             radii = part["radius"].tolist()
@@ -507,18 +512,22 @@ def precond_report(results: Path, folder: str = "poison-dev", out_name: str = "p
     counts = frame.groupby(["arm", "radius"])["met"].agg(["sum", "count"]).reset_index()
     counts["settings met"] = [f"{int(s)} of {int(c)}" for s, c in zip(counts["sum"], counts["count"])]
     shown = frame[["dataset", "model", "fakes", "seed", "arm", "radius", "target-percentile", "closed", "overshoot",
-                   "HR@10-minus-retrained", "seconds", "MB-sent", "cg-iterations", "termination", "met"]].copy()
+                   "HR@10-minus-retrained", "seconds", "MB-sent", "MB-received", "preconditioner-MB", "cg-iterations",
+                   "termination", "met"]].copy()
     for column in ("target-percentile", "closed", "overshoot"):
         shown[column] = shown[column].map(lambda v: f"{v:.3f}")
-    for column in ("HR@10-minus-retrained", "seconds", "MB-sent"):
-        shown[column] = shown[column].map(lambda v: f"{v:.1f}" if column != "HR@10-minus-retrained" else f"{v:+.2f}")
+    shown["HR@10-minus-retrained"] = shown["HR@10-minus-retrained"].map(lambda v: f"{v:+.2f}")
+    for column in ("seconds", "MB-sent", "MB-received", "preconditioner-MB"):
+        shown[column] = shown[column].map(lambda v: "" if v != v else f"{v:.1f}")
     atomic_write_text(results / out_name, "\n".join([
         "# Preconditioned trust region (krylov-preconditioner) vs the Euclidean one (generated)", "",
         f"Settings: `runs/{folder}`. Arms: euclidean (`krylov-preconditioner = \"none\"`, the default at radius "
         "0.015), diagonal (trust region in the M-norm, M = the remaining users' Gauss-Newton diagonal, floored at "
         "1% of its mean, scaled to mean 1 over the touched entries), row (M's mean per item row). met: closed >= "
         "0.70, overshoot <= 0.10 and |HR@10 - retrained| <= 1 pt (speed is not counted here). The radius reaching "
-        "retrained: where the target's closed share crosses 1, interpolated linearly between the radii tried.", "",
+        "retrained: where the target's closed share crosses 1, interpolated linearly between the radii tried. MB: "
+        "the phase's bytes sent / received by the server (every query re-sends the model); preconditioner-MB: the "
+        "`unlearn_diagonal` round's share of them (sent + received; each node replies one row-sparse sum).", "",
         "## Radius at which the target reaches the retrained percentile", "", markdown(pd.DataFrame(needed)), "",
         "## Settings met per arm and radius", "", markdown(counts[["arm", "radius", "settings met"]]), "",
         "## Every run", "", markdown(shown)]))
