@@ -103,6 +103,10 @@ DEV_PRECONDITIONED = _preconditioned()
 on the four development settings (``poison-dev-precond``)."""
 
 DEV_EXTRA = (("ml-100k", "FedMF", 20), ("filmtrust", "FedMF", 100), ("filmtrust", "FedMF", 20))
+
+DEV_NCF = (("ml-100k", "FedNCF", 100),)
+"""A FedNCF development setting (fourth session; ``poison-dev --name ncf``): the development seed and target, so the
+preconditioned solve is tried on a model with dense (MLP) parameters before any reported FedNCF setting."""
 """More development settings (issue 18, for a step rule that must transfer across attack sizes and datasets):
 ``(dataset, model, fakes)`` with the development seed and target (``DEV["seed"]``, ``DEV["target-seed"]``), never
 a reported setting (``poison-dev --name extra``)."""
@@ -554,11 +558,11 @@ def precond_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: 
         unlearning._curvature_users = {n: affected[n] for n in nodes}
         m = unflatten(unlearning.preconditioner(grid, restored.arrays, nodes, fake_users, support, g_forget, {}),
                       layout.shared_shapes)
-        key = layout.item_keys[0]
-        row_m = m[key].mean(axis=1)
-        g = g_forget[key]
-        euclid = float(np.sum(g[target] ** 2) / sum(np.sum(v ** 2) for v in g_forget.values()))
-        scaled = float(np.sum(g[target] ** 2 / m[key][target])
+        keys = layout.item_keys  # NCF: both item tables (GMF and MLP)
+        row_m = np.mean([m[k].mean(axis=1) for k in keys], axis=0)
+        euclid = float(sum(np.sum(g_forget[k][target] ** 2) for k in keys)
+                       / sum(np.sum(v ** 2) for v in g_forget.values()))
+        scaled = float(sum(np.sum(g_forget[k][target] ** 2 / m[k][target]) for k in keys)
                        / sum(np.sum(g_forget[k] ** 2 / m[k]) for k in g_forget))
         out.update({"dataset": dataset, "model": model, "fakes": fakes, "seed": seed, "target": int(target),
                     "support-rows": int(support.size), "target-row-M": float(row_m[target]),

@@ -317,19 +317,22 @@ def main(argv=None) -> None:
                               target_seed=DEV["target-seed"] if dev else 0, name=f"probe-{args.name}")
         return
     if args.part == "poison-dev-precond":  # the preconditioned solve on every development setting
-        from experiments.hfkcu.poison import DEV, DEV_EXTRA, DEV_PRECONDITIONED, replay
+        from experiments.hfkcu.poison import DEV, DEV_EXTRA, DEV_NCF, DEV_PRECONDITIONED, replay, snapshot_path
 
         chosen = {k: v for k, v in DEV_PRECONDITIONED.items()
                   if not args.only or any(w in k for w in args.only.split(","))}
-        for d, m, f in ((DEV["dataset"], DEV["model"], DEV["fakes"]),) + DEV_EXTRA:
-            if args.name == "probe":  # the target row's M and share of the first step (diagnostic)
+        for d, m, f in ((DEV["dataset"], DEV["model"], DEV["fakes"]),) + DEV_EXTRA + DEV_NCF:
+            folder = RESULTS / "runs" / "poison-dev" / d / m / f"fakes-{f}" / f"seed-{DEV['seed']}" / "original"
+            if m not in args.models.split(",") or not snapshot_path(CACHE, d, m, f, DEV["seed"],
+                                                                      DEV["target-seed"]).is_file():
+                continue  # not selected, or that development federation is not trained (poison-dev --name ncf)
+            if args.name == "probe" and not (folder / "precond-probe.json").is_file():
+                # the target row's M and share of the first step (diagnostic)
                 from experiments.hfkcu.poison import precond_probe
 
                 precond_probe(d, m, f, DEV["seed"], data_dir=args.data_dir, runs=RESULTS / "runs" / "poison-dev",
                               cache=CACHE, target_seed=DEV["target-seed"])
-                continue
-            if not (RESULTS / "runs" / "poison-dev" / d / m / f"fakes-{f}" / f"seed-{DEV['seed']}" / "original"
-                    / f"precond-{args.name}.json").is_file():
+            elif args.name != "probe" and not (folder / f"precond-{args.name}.json").is_file():
                 replay(d, m, f, DEV["seed"], chosen, data_dir=args.data_dir, runs=RESULTS / "runs" / "poison-dev",
                        cache=CACHE, target_seed=DEV["target-seed"], name=f"precond-{args.name}")
         return
@@ -353,10 +356,10 @@ def main(argv=None) -> None:
                                           name=args.name), args.shard, args.part)
         return
     if args.part in ("poison", "poison-dev"):
-        from experiments.hfkcu.poison import DEV, DEV_EXTRA, run_setting
+        from experiments.hfkcu.poison import DEV, DEV_EXTRA, DEV_NCF, run_setting
 
-        if args.part == "poison-dev":  # --name extra: the further development settings (DEV_EXTRA)
-            chosen = DEV_EXTRA if args.name == "extra" else ((DEV["dataset"], DEV["model"], DEV["fakes"]),)
+        if args.part == "poison-dev":  # --name extra / ncf: the further development settings (DEV_EXTRA / DEV_NCF)
+            chosen = {"extra": DEV_EXTRA, "ncf": DEV_NCF}.get(args.name, ((DEV["dataset"], DEV["model"], DEV["fakes"]),))
             jobs = [(d, m, f, DEV["seed"], kind) for d, m, f in chosen for kind in ("original", "retrain")]
             extra = {"target_seed": DEV["target-seed"], "variants": {}, "runs": RESULTS / "runs" / "poison-dev"}
         else:  # one setting at a time: every seed of the first setting before the next one
