@@ -58,20 +58,29 @@ def test_the_key_is_validated_with_its_name(value):
     assert RunConfig.from_mapping(default_mapping()).curvature_sample == 1.0  # every node by default
 
 
-def test_only_the_drawn_nodes_answer_the_products_as_sums(tmp_path):
-    """A serial FedMF run with HF-KCU, causal weighting off (every node holds remaining users) and
-    ``curvature-sample = 0.5``: the ``unlearn_hvp`` queries go to half of the nodes, every reply carries one summed
-    vector and ``num-users`` (all the node's remaining users), and the phase reports the factor all remaining users /
-    the drawn nodes' remaining users."""
-    mapping = tiny_run_config(tmp_path, model="mf", num_server_rounds=2, fraction_train=1.0, eval_every=2,
+def recorded_phase(tmp_path, model: str, keys: dict) -> tuple[list, dict, dict, dict]:
+    """A serial run (2 rounds, 2 users per node, every user trains) whose HF-KCU phase forgets user 0 with causal
+    weighting off (every node holds remaining users), 3 CG iterations and the run-config ``keys``, every reply
+    recorded: ``(records, partition id -> its remaining users, unlearning.json, the run config)``."""
+    mapping = tiny_run_config(tmp_path, model=model, num_server_rounds=2, fraction_train=1.0, eval_every=2,
                               users_per_node=2)
-    mapping.update({"unlearning": "hfkcu", "forget-users": "0", "curvature-sample": 0.5,
-                    "causal-weighting": False, "trust-radius": 1.0, "cg-iterations": 3})
+    mapping.update({"unlearning": "hfkcu", "forget-users": "0", "causal-weighting": False, "cg-iterations": 3,
+                    **keys})
     recorder = MessageRecorder(tmp_path / "messages")
     run_serial(mapping, client_app=make_client_app(mapping, mods=[recorder]))
     records = recorder.records()
     remaining = {r["partition-id"]: r["reply-configs"]["config"]["remaining-users"]
                  for r in records if r["type"] == "query.unlearn_affected"}
+    (report_file,) = (tmp_path / "results").rglob("unlearning.json")
+    return records, remaining, json.loads(report_file.read_text()), mapping
+
+
+def test_only_the_drawn_nodes_answer_the_products_as_sums(tmp_path):
+    """A serial FedMF run with HF-KCU, causal weighting off (every node holds remaining users) and
+    ``curvature-sample = 0.5``: the ``unlearn_hvp`` queries go to half of the nodes, every reply carries one summed
+    vector and ``num-users`` (all the node's remaining users), and the phase reports the factor all remaining users /
+    the drawn nodes' remaining users."""
+    records, remaining, report, _ = recorded_phase(tmp_path, "mf", {"curvature-sample": 0.5, "trust-radius": 1.0})
     hvp = [r for r in records if r["type"] == "query.unlearn_hvp"]
     asked = {r["partition-id"] for r in hvp}
     assert len(remaining) >= 4
@@ -79,8 +88,6 @@ def test_only_the_drawn_nodes_answer_the_products_as_sums(tmp_path):
     for record in hvp:
         (metrics,) = record["reply-metrics"].values()
         assert metrics["num-users"] == remaining[record["partition-id"]]
-    (report_file,) = (tmp_path / "results").rglob("unlearning.json")
-    report = json.loads(report_file.read_text())
     assert report["curvature-nodes"] == len(asked)
     assert report["curvature-factor"] == pytest.approx(sum(remaining.values())
                                                        / sum(remaining[p] for p in asked))

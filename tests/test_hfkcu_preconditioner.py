@@ -5,35 +5,22 @@ and in a phase every node's ``unlearn_diagonal`` reply is one sum over its users
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
+from flwr.app import RecordDict
 
 from clients.fedrec import FedRecClient
-from conftest import MessageRecorder, tiny_run_config
-from flwr.app import RecordDict
-from fedrec_flwr.client_app import make_client_app
 from fedrec_flwr.config import RunConfig, default_mapping
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.influence import influence_gn_diagonal
 from fedrec_flwr.krylov import CompositeLoss, gauss_newton_diagonal, krylov_solve, steihaug_cg
 from fedrec_flwr.models import build_model
 from fedrec_flwr.runtime import get_runtime
-from fedrec_flwr.serial import run_serial
+from test_hfkcu_curvature_sample import recorded_phase  # the recorded tiny phase (shared with that test)
+from test_hfkcu_trust_region import _model_value, _symmetric  # the small dense problems
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-def _symmetric(eigenvalues, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    q, _ = np.linalg.qr(rng.normal(size=(len(eigenvalues), len(eigenvalues))))
-    return (q * np.asarray(eigenvalues, dtype=np.float64)) @ q.T
-
-
-def _model_value(matrix, b, x) -> float:
-    return float(-b @ x + 0.5 * x @ matrix @ x)
 
 
 # ---------------------------------------------------------------------------------------------- preconditioned Steihaug
@@ -215,22 +202,12 @@ def test_node_diagonal_is_the_sum_of_its_users_and_the_reply_a_sum(tmp_path, mod
     node's ``unlearn_diagonal`` reply carries one summed vector and ``num-users`` = all its remaining users; and a
     node's batched diagonal equals the sum of its users' one-user diagonals on the item rows (exact there; NCF's MLP
     part is a Monte Carlo estimate whose draws differ between the two)."""
-    mapping = tiny_run_config(tmp_path, model=model, num_server_rounds=2, fraction_train=1.0, eval_every=2,
-                              users_per_node=2)
-    mapping.update({"unlearning": "hfkcu", "forget-users": "0", "krylov-preconditioner": "diagonal",
-                    "causal-weighting": False, "cg-iterations": 3})
-    recorder = MessageRecorder(tmp_path / "messages")
-    run_serial(mapping, client_app=make_client_app(mapping, mods=[recorder]))
-    records = recorder.records()
-    remaining = {r["partition-id"]: r["reply-configs"]["config"]["remaining-users"]
-                 for r in records if r["type"] == "query.unlearn_affected"}
+    records, remaining, report, mapping = recorded_phase(tmp_path, model, {"krylov-preconditioner": "diagonal"})
     diagonal = [r for r in records if r["type"] == "query.unlearn_diagonal"]
     assert len(diagonal) == len(remaining) >= 2  # one round, every node
     for record in diagonal:
         (metrics,) = record["reply-metrics"].values()
         assert metrics["num-users"] == remaining[record["partition-id"]]
-    (report_file,) = (tmp_path / "results").rglob("unlearning.json")
-    report = json.loads(report_file.read_text())
     assert report["krylov-preconditioner"] == "diagonal"
     assert report["preconditioner-bytes-received"] > 0 and report["preconditioner-bytes-sent"] > 0
     assert report["bytes-received"] >= report["preconditioner-bytes-received"]
