@@ -231,9 +231,10 @@ def curves(results: Path, dataset: str, selection: dict, pop: list[dict], ncf: l
                 frame = pd.concat(series, axis=1)
                 mean, std = frame.mean(axis=1), frame.std(axis=1).fillna(0)
                 for axis in (full, zoom):
-                    line, = axis.plot(mean.index, mean.values, marker=".",
-                                      label=f"{method} ({len(series)} seeds, {rounds} rounds)")
-                    axis.fill_between(mean.index, mean - std, mean + std, alpha=0.15, color=line.get_color())
+                    color = f"C{list(G.METHODS).index(method)}"  # one colour per method on every dataset's plot
+                    axis.plot(mean.index, mean.values, marker=".", color=color,
+                              label=f"{method} ({len(series)} seeds, {rounds} rounds)")
+                    axis.fill_between(mean.index, mean - std, mean + std, alpha=0.15, color=color)
                 drawn.extend([mean - std, mean + std])
                 last[method] = float(mean.iloc[-1])
                 break
