@@ -441,9 +441,9 @@ class ClientUnlearning:
         norm sets the radius): so a step spread evenly over ``S`` has the same ``M``-norm as Euclidean norm and the
         radius keeps its meaning on average, while rows with little remaining curvature (e.g. a target item that few
         genuine users rate) get a longer reach and stiff rows (popular fillers) a shorter one: the scaled trust region
-        of Nocedal & Wright Sec. 4.5 with the curvature's diagonal. ``damping`` is left out of ``M`` (ours): it is
-        about 10x the per-entry Gauss-Newton curvature of these per-user mean losses, and ``d + damping`` measured
-        within 0.97-1.15 of its mean on the development setting (no change of shape). With no curvature on ``S``
+        of Nocedal & Wright Sec. 4.5 with the curvature's diagonal. ``damping`` is left out of ``M`` (ours): on the development
+        setting the per-entry Gauss-Newton curvature of these per-user mean losses averaged 3e-4 against damping 0.01,
+        and ``d + damping`` lay within 0.97-1.15 of its mean (no change of shape). With no curvature on ``S``
         (``mean_S(d) = 0``) ``M = I``. The round's bytes are also reported as ``preconditioner-bytes-sent`` /
         ``-received``; they count in the phase's.
         """

@@ -4,6 +4,7 @@
     python -m experiments.hfkcu.run forget     # issue 18: the defaults on the 1% and 5% forget sets
     python -m experiments.hfkcu.run poison     # poisoning removal (experiments/hfkcu/poison.py; issue 18)
     python -m experiments.hfkcu.run poison-dev # the development setting the HF-KCU defaults were chosen on
+    python -m experiments.hfkcu.run poison-dev-precond --name 1   # krylov-preconditioner on the development settings
     python -m experiments.hfkcu.run report     # tables and plots from the finished runs
 
 Every run goes through the package's ServerApp, strategy and ClientApp (:func:`fedrec_flwr.serial.run_serial`):
