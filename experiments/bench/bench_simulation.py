@@ -163,7 +163,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="run-config overrides for our app; an app named 'fedrec+set' runs ours with them (e.g. "
-                             "--apps fedrec fedrec+set --set block-training=on)")
+                             "--apps fedrec fedrec+set --set block-training=off: the per-user reference path)")
     args = parser.parse_args()
     rows = []
     for case in args.cases:
