@@ -14,6 +14,7 @@ from fedrec_flwr.config import default_mapping
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.launch import (
     PROJECT_ROOT,
+    flwr_env,
     main,
     parse_args,
     parse_override,
@@ -213,3 +214,17 @@ def test_deploy_local_refuses_bad_flags_before_starting_any_process(tmp_path, ml
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], done.stderr
     assert not (tmp_path / "work").exists()
+
+
+def test_flwr_env_turns_ray_task_events_off_unless_the_user_set_them(monkeypatch, tmp_path):
+    """Ray's task events (one GCS record per actor call, i.e. per message) are off in ``flwr run``'s environment,
+    the user's own value wins, the interpreter's folder leads PATH, and FLWR_HOME / extra values are applied."""
+    monkeypatch.delenv("RAY_task_events_report_interval_ms", raising=False)
+    env = flwr_env(tmp_path / "home", {"FLWR_LOCAL_CONTROL_API_PORT": "40001"})
+    assert env["RAY_task_events_report_interval_ms"] == "0"
+    assert env["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
+    assert env["FLWR_HOME"] == str(tmp_path / "home")
+    assert env["FLWR_LOCAL_CONTROL_API_PORT"] == "40001"
+    assert env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] == "1"
+    monkeypatch.setenv("RAY_task_events_report_interval_ms", "1000")
+    assert flwr_env()["RAY_task_events_report_interval_ms"] == "1000"
