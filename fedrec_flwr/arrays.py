@@ -11,6 +11,7 @@ carries. The bytes are exactly those ``np.save`` writes (``tests/test_arrays.py`
 from __future__ import annotations
 
 from collections.abc import Mapping
+import functools
 from io import BytesIO
 
 import numpy as np
@@ -19,18 +20,18 @@ from flwr.app import Array, ArrayRecord
 NUMPY_STYPE = "numpy.ndarray"
 """``Array.stype`` of a ``.npy`` payload (``flwr.common.constant.SType.NUMPY``)."""
 
-_HEADERS: dict[tuple[str, tuple[int, ...]], bytes] = {}
-"""``(dtype.str, shape)`` -> the ``.npy`` header ``np.save`` writes for a C-ordered array (format 1.0)."""
+@functools.lru_cache(maxsize=4096)
+def _header_for(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """The ``.npy`` header ``np.save`` writes for a C-ordered array of ``dtype`` and ``shape`` (format 1.0); the most
+    recent 4,096 kept (shapes vary with the number of rows a user touched)."""
+    buffer = BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buffer, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape})
+    return buffer.getvalue()
 
 
 def _header(array: np.ndarray) -> bytes:
-    key = (array.dtype.str, array.shape)
-    header = _HEADERS.get(key)
-    if header is None:
-        buffer = BytesIO()
-        np.lib.format.write_array_header_1_0(buffer, np.lib.format.header_data_from_array_1_0(array))
-        header = _HEADERS.setdefault(key, buffer.getvalue())
-    return header
+    return _header_for(array.dtype, array.shape)
 
 
 def encode_array(value: np.ndarray) -> Array:

@@ -17,6 +17,8 @@ VALUES = [
     np.linspace(-1, 1, 6, dtype=np.float64).reshape(2, 3).T,  # not C-ordered: written as a C-ordered copy
     np.array([True, False]),
     np.arange(6, dtype=np.float32).reshape(1, 6)[:, ::2],  # a strided view
+    np.zeros(2, dtype=[("row", "<i4"), ("score", "<f8")]),  # a structured dtype: its fields go into the header
+    np.arange(4, dtype=">f4"),  # big-endian
 ]
 
 
