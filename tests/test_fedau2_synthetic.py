@@ -83,3 +83,13 @@ def test_server_trained_fedau2_drives_a_planted_linear_attribute_to_chance(tmp_p
     if before < 0.9:  # the federation must start leaking (a failure of the construction, not of the method)
         pytest.fail(f"the planted direction gives attacker AUC {before:.3f} < 0.9 at the start")
     assert after <= 0.6, (before, after)
+
+
+def test_the_same_federation_without_the_pull_keeps_the_planted_attribute_readable(tmp_path):
+    """The control of the test above: the same arm at ``adversary-epsilon = 0`` (``h_w`` still trained, the embedding
+    gets no adversarial step) leaves the planted direction readable, so the fall to chance above is the method's,
+    not the low local rate's or recommendation training's."""
+    before, after = _federation(tmp_path, adversary="mlp", adversary_objective="entropy", adversary_trigger="always",
+                                adversary_server_learning_rate=0.05, learning_rate=LEARNING_RATE,
+                                adversary_epsilon=0.0)
+    assert before >= 0.9 and after >= 0.9, (before, after)
