@@ -287,6 +287,19 @@ def test_curious_server_idlg_labels_equal_every_users_true_gender(tmp_path, monk
     assert truths == {0, 1}
 
 
+def test_a_node_of_several_users_that_trained_one_of_them_is_attacked_like_a_one_user_node(tmp_path):
+    """With two users per node and half of the users sampled, some nodes train one user in a round: that reply is
+    one user's, so the curious server attacks it and recovers that user's label; replies mixing two users are not
+    attacked."""
+    config = _fedau2_config(tmp_path, adversary="mlp", users_per_node=2)
+    rows = _leakage_rows(run_serial(config))
+    assert rows, "no node trained a single user in two rounds: the construction no longer tests anything"
+    assert len(rows) < 12 * 2  # fewer than the 12 sampled users a round: the mixed replies were not attacked
+    assert len({(r["round"], r["node"]) for r in rows}) == len(rows)
+    for row in rows:
+        assert row["user"] >= 0 and row["idlg-label"] == _true_class(config, row["user"]), row
+
+
 @pytest.fixture(scope="module")
 def dsvae_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dsvae")
