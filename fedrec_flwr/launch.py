@@ -845,6 +845,8 @@ def flwr_run(
     """
     overrides = dict(overrides or {})
     extra = {**({"RAY_ADDRESS": ray_address} if ray_address else {}), **(env_extra or {})}
+    if ray_address:
+        check_ray_address(ray_address)
     if check:
         num_supernodes = check_run(overrides, num_supernodes)
     elif num_supernodes is None:
@@ -1035,6 +1037,34 @@ def _once(pairs: Sequence[tuple[str, Any]], what: str) -> dict[str, Any]:
             raise ConfigError(f"{what} {key!r} is given twice ({key}={found[key]!r} and {key}={value!r}): give it once")
         found[key] = value
     return found
+
+
+RAY_CONNECT_TIMEOUT = 5.0
+"""Seconds :func:`check_ray_address` waits for a TCP connection to the Ray head."""
+
+
+def check_ray_address(address: str, timeout: float = RAY_CONNECT_TIMEOUT) -> None:
+    """Check that ``--ray-address`` (``host:port`` of a Ray head's GCS, or ``ray://host:port``; ``auto`` is left to
+    Ray) accepts a TCP connection, before anything starts: Ray's ``ray.init`` inside the simulation process retries
+    an unreachable address without end, so ``flwr run`` would wait silently.
+
+    Raises:
+        ConfigError: the address has no ``host:port`` form, or nothing answers there within ``timeout`` seconds
+            (names the address and the error).
+    """
+    if address == "auto":
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--ray-address {address!r}: expected host:port of a Ray head (as `ray start --head "
+                          "--port PORT` prints it), e.g. 127.0.0.1:6379")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as err:
+        raise ConfigError(f"--ray-address {address!r}: no Ray head answers there ({type(err).__name__}: {err}); start "
+                          f"one with `ray start --head --port {port}` on {host}, or leave --ray-address out to start "
+                          "a local Ray instance") from None
 
 
 def check_federation_config(federation: Mapping[str, Any]) -> None:

@@ -4,6 +4,7 @@ refusals before anything starts (one line, non-zero exit), the quiet log filter,
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from fedrec_flwr.config import default_mapping
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.launch import (
     PROJECT_ROOT,
+    check_ray_address,
     flwr_env,
     main,
     parse_args,
@@ -228,3 +230,28 @@ def test_flwr_env_turns_ray_task_events_off_unless_the_user_set_them(monkeypatch
     assert env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] == "1"
     monkeypatch.setenv("RAY_task_events_report_interval_ms", "1000")
     assert flwr_env()["RAY_task_events_report_interval_ms"] == "1000"
+
+
+def test_an_unreachable_or_malformed_ray_address_is_refused_before_anything_starts(tmp_path):
+    """Ray retries an unreachable address without end inside the simulation, so ``flwr run`` would wait silently:
+    the launcher refuses it first, in one line, exit 2 (a port nothing listens on: one we bound and closed)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(ConfigError, match=rf"--ray-address '127.0.0.1:{port}': no Ray head answers there"):
+        check_ray_address(f"127.0.0.1:{port}")
+    for bad in ("nothere", "host:", ":6379", "host:99999", "host:port"):
+        with pytest.raises(ConfigError, match="expected host:port of a Ray head"):
+            check_ray_address(bad)
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        check_ray_address("127.0.0.1:%d" % listening.getsockname()[1])
+        check_ray_address("ray://127.0.0.1:%d" % listening.getsockname()[1])
+    check_ray_address("auto")
+    done = subprocess.run([sys.executable, "-m", "fedrec_flwr.launch", "run", "--ray-address", f"127.0.0.1:{port}",
+                           f"results-dir={str(tmp_path)!r}"], capture_output=True, text=True, timeout=120,
+                          cwd=PROJECT_ROOT)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("error: --ray-address"), done.stderr
+    assert not any(tmp_path.iterdir())
