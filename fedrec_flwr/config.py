@@ -519,7 +519,8 @@ def _int_list(key: str, text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(p) for p in parts)
     except ValueError:
-        raise ConfigError(f"run-config key '{key}' = {text!r}: expected comma-separated integers") from None
+        raise ConfigError(f"run-config key '{key}' = {text!r}: expected comma-separated integers in one string, e.g. "
+                          f"{key}=\"5,10\" (--run-config) or {key}=5,10 (the launcher); not a TOML array") from None
     if any(v <= 0 for v in values):
         raise ConfigError(f"run-config key '{key}' = {text!r}: every value must be a positive integer")
     if any(v > INT_MAX for v in values):

@@ -40,6 +40,13 @@ def test_integer_lists_are_range_checked(key):
         make_run_config(**{key: "8,10000000000000000000"})
 
 
+@pytest.mark.parametrize("key", ["ks", "mlp-layers"])
+def test_an_integer_list_given_as_a_toml_array_names_the_string_form(key):
+    with pytest.raises(ConfigError, match=rf"run-config key '{key}' = '\[5, 10\]': expected comma-separated integers "
+                                          rf"in one string, e.g. {key}=\"5,10\""):
+        make_run_config(**{key: "[5, 10]"})
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"min_user_interactions": 1}, "'min-user-interactions' = 1: must be >= 2"),
     ({"min_user_interactions": 2, "holdout_validation": True},
