@@ -35,7 +35,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from fedrec_flwr.adversary import ADVERSARY_MODULE, parse_class_prior
-from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.errors import ConfigError, reply_error_line
 from fedrec_flwr.training import load_optimizer_state_arrays, optimizer_state_arrays
 from fedrec_flwr.wire import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, ModelLayout
 
@@ -166,7 +166,7 @@ class AdversaryServerStep:
             replies = strategy._canonical_order(grid.send_and_receive(messages, timeout=strategy.round_timeout))
             accepted = []
             for reply in replies:
-                problem = reply.error.reason if reply.has_error() else self._reply_problem(reply.content, arrays)
+                problem = reply_error_line(reply.error.reason) if reply.has_error() else self._reply_problem(reply.content, arrays)
                 if problem:
                     log.warning("round %d, adversary step %d: node %d left out: %s", server_round, step + 1,
                                 reply.metadata.src_node_id, problem)

@@ -41,7 +41,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, aggre
 
 from fedrec_flwr.arrays import decode_array, decode_record
 from fedrec_flwr.config import RunConfig
-from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.errors import ConfigError, reply_error_line
 from fedrec_flwr.io import atomic_save_npz, atomic_write_json
 from fedrec_flwr.wire import (
     ARRAYS, CONFIG, COUNT, GRADIENT_USERS, ITEM_AGGREGATIONS, METRICS, NUM_EXAMPLES, ROWS, SUM, ModelLayout, ReplyError,
@@ -375,6 +375,8 @@ class ItemEmbeddingFedAvg(FedAvg):
 
     def _count_failure(self, server_round: int, node: int, reason: str, reasons: list[str]) -> None:
         self.failures[node] = self.failures.get(node, 0) + 1
+        log.debug("round %d: node %d failed, whole reason: %s", server_round, node, reason)
+        reason = reply_error_line(reason)
         log.warning("round %d: node %d failed: %s", server_round, node, reason)
         reasons.append(f"node {node} failed: {reason}")
 
@@ -577,7 +579,9 @@ class ItemEmbeddingFedAvg(FedAvg):
         self.evaluation_failures[node] = self.evaluation_failures.get(node, 0) + 1
         users = self._evaluated_nodes.get(node, [])
         left_out = f" ({len(users)} users not evaluated: {users[0]}..{users[-1]})" if users else ""
-        log.warning("round %d: evaluation failed on node %d%s: %s", server_round, node, left_out, reason)
+        log.debug("round %d: evaluation failed on node %d, whole reason: %s", server_round, node, reason)
+        log.warning("round %d: evaluation failed on node %d%s: %s", server_round, node, left_out,
+                    reply_error_line(reason))
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _topology(self) -> Topology:

@@ -122,7 +122,7 @@ from fedrec_flwr.client_app import (
     SUPPORT, UNLEARN_AFFECTED, UNLEARN_DIAGONAL, UNLEARN_GRADIENT, UNLEARN_HVP, UNLEARN_LOCAL_CG, UNLEARN_LOSS, VECTOR,
 )
 from fedrec_flwr.config import RunConfig
-from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.errors import ConfigError, reply_error_line
 from fedrec_flwr.krylov import CGResult, LineSearchResult, flatten, krylov_solve, ladder_line_search, unflatten
 from fedrec_flwr.seeding import numpy_rng
 from fedrec_flwr.wire import (
@@ -583,7 +583,8 @@ class ClientUnlearning:
         self.bytes_received += sum(_payload_bytes(m.content) for m in replies if not m.has_error())
         failed = [m for m in replies if m.has_error()]
         if failed:
-            raise UnlearningFailed(f"{action}: node {failed[0].metadata.src_node_id} failed: {failed[0].error.reason}")
+            raise UnlearningFailed(f"{action}: node {failed[0].metadata.src_node_id} failed: "
+                                   f"{reply_error_line(failed[0].error.reason)}")
         if len(replies) != len(messages):
             raise UnlearningFailed(f"{action}: {len(replies)} of {len(messages)} nodes answered within "
                                    f"{self.timeout:.0f} s")
