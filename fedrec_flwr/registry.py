@@ -61,16 +61,15 @@ def resolve(kind: str, spec: str) -> type[Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
+        missing = getattr(err, "name", None)
+        if missing and missing != module_name and not module_name.startswith(missing + "."):
+            # the module was found, but an import inside it fails: name the line that imports it
+            raise ConfigError(f"run-config key '{kind}' = {spec!r}: module '{module_name}' fails on import: "
+                              f"{type(err).__name__}: {err}{_import_site(err)}") from err
         raise ConfigError(f"run-config key '{kind}' = {spec!r}: cannot import module '{module_name}': {err}") from err
     except Exception as err:  # the module itself fails (NameError, SyntaxError, ...): name its file and line
-        import traceback
-
-        frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith("<frozen")]
-        where = f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
-        if isinstance(err, SyntaxError) and err.filename:
-            where = f" ({err.filename}, line {err.lineno})"
         raise ConfigError(f"run-config key '{kind}' = {spec!r}: module '{module_name}' fails on import: "
-                          f"{type(err).__name__}: {err}{where}") from err
+                          f"{type(err).__name__}: {err}{_import_site(err)}") from err
     try:
         cls = getattr(module, class_name)
     except AttributeError:
@@ -78,6 +77,17 @@ def resolve(kind: str, spec: str) -> type[Any]:
     if not isinstance(cls, type):
         raise ConfigError(f"run-config key '{kind}' = {spec!r}: '{target}' is not a class")
     return cls
+
+
+def _import_site(err: BaseException) -> str:
+    """`` (file, line N)`` of the last frame of ``err``'s traceback outside Python's import machinery (a
+    ``SyntaxError``: its own file and line), else ``""``."""
+    import traceback
+
+    if isinstance(err, SyntaxError) and err.filename:
+        return f" ({err.filename}, line {err.lineno})"
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith("<frozen")]
+    return f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
 
 
 def resolve_strategy(spec: str) -> type[Any]:

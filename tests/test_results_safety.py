@@ -197,6 +197,22 @@ def test_a_plugin_that_fails_on_import_is_one_error_line(tmp_path, capsys, monke
     assert "NameError: name 'undefined_name' is not defined" in lines[0] and "line 3" in lines[0], lines
 
 
+def test_a_plugin_whose_own_import_is_missing_names_its_file_and_line(tmp_path, monkeypatch):
+    """A plug-in found but importing a package that is not installed: the error names the plug-in's file and the line
+    of that import, not only the missing package (a missing plug-in module keeps 'cannot import module')."""
+    from fedrec_flwr.errors import ConfigError
+    from fedrec_flwr.registry import resolve
+
+    (tmp_path / "plugin_missing_dependency.py").write_text("import math\nimport nonexistent_pkg_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"module 'plugin_missing_dependency' fails on import: "
+                                          r"ModuleNotFoundError: No module named 'nonexistent_pkg_xyz' "
+                                          r"\(.*plugin_missing_dependency.py, line 2\)"):
+        resolve("strategy", "plugin_missing_dependency:X")
+    with pytest.raises(ConfigError, match="cannot import module 'plugin_not_there_at_all'"):
+        resolve("strategy", "plugin_not_there_at_all:X")
+
+
 def test_the_readme_plugin_snippet_runs_as_copied(tmp_path, monkeypatch):
     """Defect 8, README: the ServerLrItemFedAvg snippet, copied into a file as it stands, imports and runs a round."""
     from fedrec_flwr.serial import run_serial
