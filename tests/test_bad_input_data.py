@@ -163,12 +163,13 @@ def test_short_rows_and_missing_timestamps_are_named(tmp_path, caplog):
     with pytest.raises(DataError, match=r"line 7: 1 field, expected 2: the item field \('item', field 2\) is missing"):
         load_interactions("generic", generic=GenericSource(str(path), user_col="user", item_col="item"))
 
-    data = _interactions_csv(tmp_path / "nots.csv", with_ts=False)
-    with pytest.raises(DataError, match=r"timestamp column 'timestamp' not found.*generic-columns.*\"user,item,rating\""
-                                        r".*seeded random order"):
-        load_interactions("generic", generic=GenericSource(str(data), "user", "item", "rating", "timestamp"))
-    caplog.set_level(logging.WARNING, logger="fedrec_flwr.data")
-    inter = load_interactions("generic", generic=GenericSource(str(data), "user", "item", "rating"))
-    split = preprocess(inter, min_user_interactions=2, num_test_negatives=5)
-    assert "no timestamps, so each user's held-out item is chosen by a seeded random order (seed 0)" in caplog.text
-    assert split.meta["held_out_order"].startswith("seeded random order")
+
+def test_a_short_row_of_a_headerless_file_names_the_field_by_position_only(tmp_path):
+    """A file without a header (like MovieLens' u.data): pandas labels its columns 0..3, and the message used to quote
+    the label ('2'), which read like a value; it names the field by its position only."""
+    path = tmp_path / "u.data"
+    path.write_text("".join(f"{u}\t{i}\t4\t88125{i}\n" for u in (1, 2) for i in range(1, 8)) + "3\t5\n")
+    source = GenericSource(str(path), user_col=0, item_col=1, rating_col=2, timestamp_col=3, sep="\t", header=False)
+    with pytest.raises(DataError, match=r"u.data, line 15: 2 fields, expected 4: the rating field \(field 3\) is "
+                                        r"missing"):
+        load_interactions("generic", generic=source)

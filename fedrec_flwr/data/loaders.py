@@ -309,7 +309,9 @@ def _empty_cell(table: _Table, path: Path, i: int, col, role: str) -> DataError:
         names = [str(c) for c in table.df.columns]
         key = table.df.columns.get_loc(col) if col in table.df.columns else col
         position = int(key) if isinstance(key, (int, np.integer)) else None
-        which = f"the {role} field ({names[position]!r}, field {position + 1})" if position is not None else \
+        headerless = position is not None and names[position] == str(position)  # pandas' default column labels
+        which = (f"the {role} field (field {position + 1})" if headerless else
+                 f"the {role} field ({names[position]!r}, field {position + 1})") if position is not None else \
             f"the {role} field"
         return DataError(f"{path}, line {line}: {found} field{'s' if found != 1 else ''}, expected {expected}: "
                          f"{which} is missing")
