@@ -251,7 +251,13 @@ def build_flower_strategy(cls: type, args: Mapping[str, Any]) -> tuple[Strategy,
             setattr(strategy, name, 1)
     bound = signature.bind_partial(None, **kwargs)
     bound.apply_defaults()
-    record = {n: _jsonable(v) for n, v in list(bound.arguments.items())[1:]}
+    record: dict[str, Any] = {}
+    for name, value in list(bound.arguments.items())[1:]:
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:  # **kwargs: the arguments it took, by their own names
+            record.update({n: _jsonable(v) for n, v in value.items()})
+        elif kind is not inspect.Parameter.VAR_POSITIONAL:
+            record[name] = _jsonable(value)
     return strategy, record
 
 

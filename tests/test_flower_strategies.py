@@ -237,3 +237,17 @@ def test_a_flower_strategy_resolves_to_the_adapter_and_strategy_args_need_one(tm
     assert resolve_strategy("item-fedavg") is ItemEmbeddingFedAvg
     with pytest.raises(ConfigError, match="'strategy-args'.*item-fedavg"):
         run_serial(tiny_run_config(tmp_path, strategy="item-fedavg", strategy_args="eta=0.1"))
+
+
+def test_a_subclass_taking_kwargs_records_the_arguments_by_their_own_names():
+    """A Flower strategy subclass with ``**kwargs``: the record (log line, config.json) lists what it took, e.g.
+    ``tag``, and no ``kwargs`` entry."""
+
+    class TaggedFedAvg(FedAvg):
+        def __init__(self, tag: str = "", **kwargs):
+            super().__init__(**kwargs)
+            self.tag = tag
+
+    strategy, record = build_flower_strategy(TaggedFedAvg, parse_strategy_args("tag=hello,min_evaluate_nodes=1"))
+    assert strategy.tag == "hello"
+    assert record["tag"] == "hello" and record["min_evaluate_nodes"] == 1 and "kwargs" not in record
