@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError
+from .client_state import ClientStateStore
 from .io import atomic_save_npz, load_npz
 
 CHECKPOINT_FILE = "checkpoint.npz"
@@ -147,20 +148,23 @@ RESET_STATE = ("every user's private parameters (its user embedding) and its cli
 """What a resume without the clients' saved state loses."""
 
 
-def check_client_state(checkpoint: Checkpoint, nodes_without_state: list, accept_reset: bool) -> str | None:
+def check_client_state(checkpoint: Checkpoint, nodes_without_state: list, accept_reset: bool,
+                       state_problems: list[dict] = ()) -> str | None:
     """Refuse a resume that would silently restart the clients' private state.
 
     The clients' private state survives a resume only through their files (``client-state-dir``); the server never
     holds it. It is lost when the interrupted run did not keep it in files (``checkpoint.client_state`` false; setting
-    ``client-state-dir`` only on the resumed run finds no files), or when some nodes of the resumed run do not
-    (``nodes_without_state``: their partition ids).
+    ``client-state-dir`` only on the resumed run finds no files), when some nodes of the resumed run do not
+    (``nodes_without_state``: their partition ids), or for single users whose files a node found damaged or missing
+    (``state_problems``: per node ``{"partition-id", "node", "folder", "damaged", "missing"}``, user ids only; see
+    :meth:`fedrec_flwr.client_state.ClientStateStore.resume_problems`).
 
     Returns:
         ``None`` when nothing is lost, else the warning to log (``accept_reset``: ``resume-resets-client-state``).
 
     Raises:
-        ConfigError: state would be lost and ``accept_reset`` is false; the message says what restarts and how to
-            accept it.
+        ConfigError: state would be lost and ``accept_reset`` is false; the message names the nodes and files, says
+            what restarts and how to accept it.
     """
     kept = checkpoint.client_state
     if kept is None:
@@ -172,14 +176,31 @@ def check_client_state(checkpoint: Checkpoint, nodes_without_state: list, accept
     if nodes_without_state:
         problems.append(f"the SuperNodes with partition-id {sorted(nodes_without_state)} keep no state files "
                         "('client-state-dir' in neither the run config nor their --node-config)")
+    users = []
+    for node in state_problems:
+        store = ClientStateStore(node["folder"])
+        where = f"node {node['node']} (partition-id {node['partition-id']})"
+        for kind, ids, what in (("damaged", node["damaged"], "has unreadable state files"),
+                                ("missing", node["missing"], f"has no state file of round <= "
+                                 f"{checkpoint.server_round} for users that trained in rounds 1.."
+                                 f"{checkpoint.server_round}")):
+            if ids:
+                files = [str(store.path(u)) for u in ids[:10]] + ([f"... ({len(ids)} in all)"] if len(ids) > 10 else [])
+                problems.append(f"{where} {what}: {', '.join(files)}")
+                users += ids
     if not problems:
         return None
+    lost = (f"users {sorted(users)} restart from their seeded initial state (their private parameters and other "
+            "private records)") if kept and not nodes_without_state else f"so {RESET_STATE}"
     message = (f"resuming after round {checkpoint.server_round} loses the clients' private state: "
-               + "; and ".join(problems) + f"; so {RESET_STATE}")
+               + "; and ".join(problems) + f"; {lost}")
     if not accept_reset:
-        raise ConfigError(f"run-config key 'resume-from': {message}. Set 'resume-resets-client-state' = true to "
+        fix = "Restore these files (e.g. from a backup of the node's client-state-dir), or set " if users else "Set "
+        raise ConfigError(f"run-config key 'resume-from': {message}. {fix}'resume-resets-client-state' = true to "
                           "resume anyway, or start a new run")
-    return message + " (resume-resets-client-state = true)"
+    aside = any(node["damaged"] for node in state_problems)
+    return message + " (resume-resets-client-state = true" + (
+        "; the nodes renamed the unreadable files to *.npz.damaged)" if aside else ")")
 
 
 def _json_default(value: Any) -> Any:

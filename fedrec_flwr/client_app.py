@@ -44,13 +44,15 @@ from flwr.common.constant import ErrorCode
 
 from .arrays import decode_array, encode_array
 from .blocks import evaluate_block, train_block, use_blocks
-from .client_state import DURABLE_ROUND_KEY, STATE_DIR_KEY, ClientStateStore, state_folder, user_record_keys
+from .client_state import (
+    DURABLE_ROUND_KEY, RESUME_ROUND_KEY, STATE_DIR_KEY, ClientStateStore, state_folder, user_record_keys,
+)
 from .errors import ConfigError, FedRecError
 from .influence import can_batch, influence_gn_diagonal, influence_loss_sums
 from .registry import resolve
 from .runtime import Runtime, get_runtime, node_users
 from .wire import (
-    ARRAYS, CONFIG, GRADIENT_USERS, METRICS, NUM_EXAMPLES, Contribution, SparseSum, unpack_sparse,
+    ARRAYS, CONFIG, GRADIENT_USERS, METRICS, NUM_EXAMPLES, Contribution, SparseSum, sample_users, unpack_sparse,
 )
 
 
@@ -363,7 +365,36 @@ def identify(message: Message, context: Context, run_config: Mapping[str, Any] |
             "client-state": bool(context.node_config.get(STATE_DIR_KEY, "") or runtime.config.client_state_dir),
         }
     )
+    try:
+        record.update(_resume_state_check(message, context, runtime, served))
+    except FedRecError as err:
+        return Message(error=Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(err)), reply_to=message)
     return Message(content=RecordDict({CONFIG: record}), reply_to=message)
+
+
+def _resume_state_check(message: Message, context: Context, runtime: Runtime, served: range) -> dict:
+    """On a resume (the identify query carries ``resume-round`` R), the ids of this node's users whose state files
+    are damaged, or missing although the seeded sampler (:func:`fedrec_flwr.wire.sample_users`, as the server's
+    strategy draws users, less the checkpoint's ``removed-users``) trained them in rounds 1..R
+    (:meth:`ClientStateStore.resume_problems`); ``{}`` when nothing is wrong, not resuming, or without state files."""
+    config = dict(message.content[CONFIG]) if CONFIG in message.content else {}
+    if RESUME_ROUND_KEY not in config:
+        return {}
+    folder = state_folder(context.node_config, runtime.config.client_state_dir, config)
+    if folder is None:
+        return {}
+    resume_round, num_users = int(config[RESUME_ROUND_KEY]), runtime.split.num_users
+    trained = set().union(*(sample_users(runtime.config.seed, r, num_users, runtime.config.fraction_train).tolist()
+                            for r in range(1, resume_round + 1)))
+    trained -= {int(u) for u in config.get("removed-users", [])}
+    damaged, missing = ClientStateStore(folder).resume_problems(
+        served, trained, resume_round, set_aside=bool(config.get("resume-resets-client-state", False)))
+    facts = {"client-state-folder": str(folder)} if damaged or missing else {}
+    if damaged:
+        facts["client-state-damaged"] = damaged
+    if missing:
+        facts["client-state-missing"] = missing
+    return facts
 
 
 def _query_setup(message: Message, context: Context, run_config):

@@ -44,6 +44,9 @@ RUN_KEY = "run"
 DURABLE_ROUND_KEY = "durable-round"
 """Message-config key: the round of the server's last checkpoint (``-1``: the server keeps none)."""
 
+RESUME_ROUND_KEY = "resume-round"
+"""Identify-query key of a resumed run: the checkpoint's round (each node then checks its users' state files)."""
+
 _MANIFEST = "__manifest__"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
@@ -128,6 +131,34 @@ class ClientStateStore:
         for record, arrays in versions[chosen].items():
             state[record] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
         return chosen
+
+    def resume_problems(self, users: Iterable[int], trained: Iterable[int], resume_round: int,
+                        set_aside: bool = False) -> tuple[list[int], list[int]]:
+        """The users whose state a resume after round ``resume_round`` would silently lose (ids only, no values).
+
+        Args:
+            users: the users this node serves.
+            trained: the users that trained in rounds ``1..resume_round`` (so have a version ``<= resume_round``).
+            set_aside: rename each damaged file to ``user-<id>.npz.damaged`` (kept for inspection), so the user
+                restarts from its seeded initial state (``resume-resets-client-state = true``).
+
+        Returns:
+            ``(damaged, missing)``: users whose file :meth:`read_versions` cannot read (or is another user's); users
+            of ``trained`` without a readable version of round ``<= resume_round`` (file deleted or never written).
+        """
+        trained = {int(u) for u in trained}
+        damaged, missing = [], []
+        for user in (int(u) for u in users):
+            try:
+                versions = self.read_versions(user)
+            except ClientStateError:
+                damaged.append(user)
+                if set_aside:
+                    self.path(user).replace(self.path(user).with_suffix(".npz.damaged"))
+                continue
+            if user in trained and not any(r <= resume_round for r in versions):
+                missing.append(user)
+        return damaged, missing
 
     def save(self, user: int, state: RecordDict, server_round: int, durable_round: int) -> Path:
         """Write the user's records in ``state`` as the version of ``server_round`` (atomically), keeping only the

@@ -38,7 +38,7 @@ from flwr.serverapp.strategy import Strategy
 
 from .checkpoint import CHECKPOINT_FILE, Checkpoint, check_client_state, save_checkpoint
 from .client_app import IDENTIFY
-from .client_state import DURABLE_ROUND_KEY, RUN_KEY
+from .client_state import DURABLE_ROUND_KEY, RESUME_ROUND_KEY, RUN_KEY
 from .config import RunConfig
 from .errors import ConfigError
 from .preflight import build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: was here
@@ -70,12 +70,15 @@ def _setup_logging() -> None:
         PROGRESS.setLevel(logging.INFO)
 
 
-def identify_nodes(grid: Grid, nodes, timeout: float) -> tuple[list[dict], list[tuple[int, str]]]:
+def identify_nodes(grid: Grid, nodes, timeout: float,
+                   query: Mapping[str, Any] | None = None) -> tuple[list[dict], list[tuple[int, str]]]:
     """Send the ``identify`` query to ``nodes``; returns ``(facts, errors)``: each answering node's reported facts
     (its ``partition-id``, ``first-user``, ``num-users``, the dataset's shape and fingerprint) with ``"node"`` added,
-    and ``(node, reason)`` for each node that answered with an error (e.g. a bad ``partition-id``)."""
+    and ``(node, reason)`` for each node that answered with an error (e.g. a bad ``partition-id``). ``query``: the
+    query's config (a resume's: the run, ``resume-round``, ... so each node checks its users' state files)."""
+    content = RecordDict({CONFIG: ConfigRecord(dict(query))}) if query else RecordDict()
     replies = list(grid.send_and_receive(
-        [Message(RecordDict(), dst_node_id=n, message_type=f"{MessageType.QUERY}.{IDENTIFY}") for n in nodes],
+        [Message(content, dst_node_id=n, message_type=f"{MessageType.QUERY}.{IDENTIFY}") for n in nodes],
         timeout=timeout,
     ))
     errors = [(int(m.metadata.src_node_id), _own_error(m.error.reason)) for m in replies if m.has_error()]
@@ -90,8 +93,10 @@ def _own_error(reason: str) -> str:
     return found[-1] if found else reason
 
 
-def discover_topology(grid: Grid, config: RunConfig, timeout: float):
-    """Ask every node which users it serves; returns ``(Topology, num_items, dataset facts)``.
+def discover_topology(grid: Grid, config: RunConfig, timeout: float, query: Mapping[str, Any] | None = None):
+    """Ask every node which users it serves; returns ``(Topology, num_items, dataset facts)``. ``query``: see
+    :func:`identify_nodes`; the facts' ``client-state-problems`` list the nodes reporting damaged or missing state
+    files (partition-id, node, folder, user ids).
 
     Raises:
         ConfigError: the number of nodes does not match ``ceil(users / users-per-node)``, a node reports a bad or
@@ -108,7 +113,7 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float):
         if nodes and (settled or time.monotonic() - last_change > 2.0 or time.monotonic() > deadline):
             break
         time.sleep(0.5)
-    facts, errors = identify_nodes(grid, nodes, timeout)
+    facts, errors = identify_nodes(grid, nodes, timeout, query)
     if errors:
         raise ConfigError(f"node {errors[0][0]} cannot serve this run: {errors[0][1]}")
     if not facts:
@@ -137,10 +142,15 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float):
         raise ConfigError(f"no SuperNode serves user {int(np.flatnonzero(~covered)[0])}")
     split = json.loads(facts[0].get("split-facts", "{}"))  # equal on every node: the fingerprint covers it
     without_state = sorted(int(f["partition-id"]) for f in facts if not f.get("client-state", False))
+    state_problems = [{"partition-id": int(f["partition-id"]), "node": int(f["node"]),
+                       "folder": f["client-state-folder"], "damaged": list(f.get("client-state-damaged", [])),
+                       "missing": list(f.get("client-state-missing", []))}
+                      for f in sorted(facts, key=lambda f: f["partition-id"]) if "client-state-folder" in f]
     return Topology(user_to_node, fingerprint), int(num_items), {"num-users": int(num_users), "num-items": int(num_items),
                                                       "split-fingerprint": fingerprint,
                                                       "num-attribute-classes": int(num_classes), "split": split,
-                                                      "nodes-without-client-state": without_state}
+                                                      "nodes-without-client-state": without_state,
+                                                      "client-state-problems": state_problems}
 
 
 @dataclass
@@ -170,10 +180,16 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     config, folder, resume = plan.config, plan.folder, plan.resume
     if resume is None:
         check_results_folder(folder)  # clears what an interrupted run of this name left
-    topology, num_items, facts = discover_topology(grid, config, timeout=max(config.round_timeout, IDENTIFY_TIMEOUT))
+    query = None if resume is None else {  # each node checks its users' state files (client_app.identify)
+        RUN_KEY: folder.name, RESUME_ROUND_KEY: resume.server_round,
+        "resume-resets-client-state": config.resume_resets_client_state,
+        "removed-users": [int(u) for u in resume.strategy_state.get("removed-users", [])]}
+    topology, num_items, facts = discover_topology(grid, config, timeout=max(config.round_timeout, IDENTIFY_TIMEOUT),
+                                                   query=query)
     without_state = facts.pop("nodes-without-client-state")
+    state_problems = facts.pop("client-state-problems")
     if resume is not None:
-        reset = check_client_state(resume, without_state, config.resume_resets_client_state)
+        reset = check_client_state(resume, without_state, config.resume_resets_client_state, state_problems)
         if reset is not None:
             log.warning("%s", reset)
     model = build_shared_model(config, num_items, num_classes=facts["num-attribute-classes"])

@@ -16,6 +16,7 @@ import pytest
 from fedrec_flwr.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.serial import run_serial
+from fedrec_flwr.wire import sample_users
 from tests.conftest import PROJECT_ROOT, tiny_run_config, without_timings
 
 # Runs the config in argv[1] serially and SIGKILLs its own process after the second train message of round argv[2]:
@@ -137,3 +138,44 @@ def test_a_moved_results_folder_resumes_with_its_new_results_dir(tmp_path):
     resumed = run_serial({**config, "results-dir": str(moved.parent), "resume-from": str(moved)})
     assert resumed == moved and (moved / "summary.json").is_file()
     assert not folder.exists()
+
+
+def test_a_resume_with_damaged_or_deleted_client_state_files_is_refused_before_round_one(tmp_path, caplog):
+    """A user's state file replaced by garbage, or deleted although the user trained before the checkpoint, made the
+    resumed run fail that user's node every round it was sampled (or silently restart the user): each node now
+    checks its users' files when identified, and the server refuses the resume naming node and files, unless
+    ``resume-resets-client-state`` accepts restarting exactly those users."""
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    config = {**_config(tmp_path, "damaged", model="mf"), "num-server-rounds": 3, "eval-every": 3}
+    folder = run_serial(config)
+    (folder / "summary.json").unlink()  # as if killed after the checkpoint of round 2
+    resume = {**config, "resume-from": str(folder)}
+    trained = sorted(set(sample_users(0, 1, 24, 0.5).tolist()) | set(sample_users(0, 2, 24, 0.5).tolist()))
+    state = tmp_path / "device" / "damaged"
+    garbage, deleted = state / f"user-{trained[0]}.npz", state / f"user-{trained[1]}.npz"
+    assert garbage.is_file() and deleted.is_file()
+    kept = deleted.read_bytes()
+
+    garbage.write_text("garbage\n")
+    with pytest.raises(ConfigError, match=rf"resuming after round 2 .*node \d+ \(partition-id \d\) has unreadable "
+                                          rf"state files: {garbage}; users \[{trained[0]}\] restart .*Restore these "
+                                          r"files .*'resume-resets-client-state' = true"):
+        run_serial(resume)
+    deleted.unlink()
+    with pytest.raises(ConfigError, match=rf"has no state file of round <= 2 for users that trained in rounds 1..2: "
+                                          rf"{deleted}"):
+        run_serial(resume)
+    deleted.write_bytes(kept)
+    garbage.unlink()
+    with pytest.raises(ConfigError, match=rf"users \[{trained[0]}\] restart"):
+        run_serial(resume)  # the garbage file deleted is a missing one
+    assert [r["round"] for r in json.loads((folder / "metrics.json").read_text())] == [1, 2, 3], "nothing ran"
+
+    garbage.write_text("garbage\n")
+    deleted.unlink()
+    caplog.set_level(logging.WARNING, logger="fedrec_flwr")
+    assert run_serial({**resume, "resume-resets-client-state": True}) == folder
+    assert f"users {trained[:2]} restart from their seeded initial state" in caplog.text
+    assert garbage.with_suffix(".npz.damaged").read_text() == "garbage\n", "kept for inspection, out of the way"
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary.get("evaluation-failures", {}) == {} and summary.get("client-failures", {}) == {}, summary
