@@ -164,7 +164,12 @@ def test_resume_without_client_state_files_is_refused_or_warned(tmp_path, caplog
     with pytest.raises(ConfigError, match="did not keep its clients' private state in files"):
         run_serial({**resume, "client-state-dir": str(tmp_path / "device")})
     caplog.set_level(logging.WARNING, logger="fedrec_flwr")
-    assert run_serial({**resume, "resume-resets-client-state": True}) == folder
+    package_logger = logging.getLogger("fedrec_flwr")  # the ServerApp's handler stops propagation to the root's
+    package_logger.addHandler(caplog.handler)
+    try:
+        assert run_serial({**resume, "resume-resets-client-state": True}) == folder
+    finally:
+        package_logger.removeHandler(caplog.handler)
     assert "loses the clients' private state" in caplog.text and "(resume-resets-client-state = true)" in caplog.text
     assert [r["round"] for r in json.loads((folder / "metrics.json").read_text())] == [1, 2, 3]
 
