@@ -15,8 +15,9 @@ Usage::
     FEDREC_DATA_DIR=/path/to/data python scripts/check_readme_numbers.py [--rounds 10] [--readme README.md]
 
 Exit status 0 when every quoted figure of the rounds run matches, 1 otherwise (each difference printed), 2 when the
-README quotes no line of those rounds. ``--rounds 10`` takes about 2 minutes on an idle 2-core machine; ``--rounds
-100`` (the README's final figures too) about 15.
+README quotes no line of those rounds. ``--rounds 10`` takes about 11 s at low load on a 2-core machine; ``--rounds
+100`` (the README's final figures too) about 1.5 minutes (since one-user messages take the block path by default;
+about 2 and 15 minutes on the per-user path).
 """
 
 from __future__ import annotations
