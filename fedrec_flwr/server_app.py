@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -40,7 +39,7 @@ from .checkpoint import CHECKPOINT_FILE, Checkpoint, check_client_state, save_ch
 from .client_app import IDENTIFY
 from .client_state import DURABLE_ROUND_KEY, RESUME_ROUND_KEY, RUN_KEY
 from .config import RunConfig
-from .errors import ConfigError
+from .errors import ConfigError, reply_error_line
 from .preflight import build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: was here
 from .results import PROGRESS, RunRecorder, check_results_folder
 from .runtime import build_shared_model
@@ -81,16 +80,9 @@ def identify_nodes(grid: Grid, nodes, timeout: float,
         [Message(content, dst_node_id=n, message_type=f"{MessageType.QUERY}.{IDENTIFY}") for n in nodes],
         timeout=timeout,
     ))
-    errors = [(int(m.metadata.src_node_id), _own_error(m.error.reason)) for m in replies if m.has_error()]
+    errors = [(int(m.metadata.src_node_id), reply_error_line(m.error.reason)) for m in replies if m.has_error()]
     facts = [dict(m.content[CONFIG]) | {"node": m.metadata.src_node_id} for m in replies if not m.has_error()]
     return facts, errors
-
-
-def _own_error(reason: str) -> str:
-    """The ClientApp's own error in an error reply's reason: its last ``SomeError: message`` line (under Ray the reason
-    is the actor's whole traceback, hundreds of characters around it), else the reason as it is."""
-    found = re.findall(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*Error: .+)$", reason, flags=re.MULTILINE)
-    return found[-1] if found else reason
 
 
 def discover_topology(grid: Grid, config: RunConfig, timeout: float, query: Mapping[str, Any] | None = None):
