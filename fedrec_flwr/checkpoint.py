@@ -182,8 +182,9 @@ def check_client_state(checkpoint: Checkpoint, nodes_without_state: list, accept
         where = f"node {node['node']} (partition-id {node['partition-id']})"
         for kind, ids, what in (("damaged", node["damaged"], "has unreadable state files"),
                                 ("missing", node["missing"], f"has no state file of round <= "
-                                 f"{checkpoint.server_round} for users that trained in rounds 1.."
-                                 f"{checkpoint.server_round}")):
+                                 f"{checkpoint.server_round} for users sampled in rounds 1.."
+                                 f"{checkpoint.server_round} (a user whose every sampled round failed, or whom a "
+                                 "wrapped Flower strategy left out, has none either, and restarting it loses nothing)")):
             if ids:
                 files = [str(store.path(u)) for u in ids[:10]] + ([f"... ({len(ids)} in all)"] if len(ids) > 10 else [])
                 problems.append(f"{where} {what}: {', '.join(files)}")
