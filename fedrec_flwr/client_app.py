@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
@@ -571,7 +571,7 @@ def adversary_gradient_query(message: Message, context: Context,
                 total[key] = total.get(key, 0.0) + np.asarray(grad, dtype=np.float64)
     if mean is None:
         mean = {k: v / len(users) for k, v in total.items()}
-    arrays = ArrayRecord({k: Array(np.asarray(v).astype(np.float32)) for k, v in mean.items()})
+    arrays = ArrayRecord({k: encode_array(np.asarray(v, dtype=np.float32)) for k, v in mean.items()})
     metrics = metric_record({NUM_EXAMPLES: float(len(users))}, client)
     return Message(content=RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=message)
 
