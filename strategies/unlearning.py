@@ -209,7 +209,8 @@ class UnlearningSettings:
         return cls(
             method=config.unlearning, forget=tuple(int(u) for u in forget_set(config, num_users)),
             round=config.effective_unlearn_round, krylov_mode=config.krylov_mode,
-            krylov_solver=config.krylov_solver, preconditioner=config.krylov_preconditioner, curvature=config.curvature, trust_radius=config.trust_radius,
+            krylov_solver=config.krylov_solver, preconditioner=config.krylov_preconditioner,
+            curvature=config.curvature, trust_radius=config.trust_radius,
             cg_iterations=config.cg_iterations, cg_tolerance=config.cg_tolerance, damping=config.damping,
             scale=config.unlearn_scale, adaptive_scale=config.adaptive_scale, max_step=config.unlearn_max_step,
             line_search=config.line_search, line_search_max_step=config.line_search_max_step,
