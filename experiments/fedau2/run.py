@@ -36,7 +36,8 @@ import pandas as pd
 from experiments.common import claimed, quiet_flower, run_jobs, slug
 from experiments.fedau2.methods import (
     ARMS, ATTRIBUTES, AUDIT_SEED, CLASS_PRIORS, EPSILONS, MODELS, NCF_SERVER_ARM, NCF_SERVER_EPSILONS, PROTOCOL,
-    SELECTION_EPSILONS, SELECTION_KEYS, SELECTION_SEED, SERVER_ARM, SERVER_EPSILONS, uses_attribute, uses_prior,
+    SELECTION_EPSILONS_BY_ATTRIBUTE, SELECTION_KEYS, SELECTION_SEED, SERVER_ARM, SERVER_EPSILONS, uses_attribute,
+    uses_prior,
 )
 from fedrec_flwr.attacks import attribute_inference, collect_user_embeddings
 from fedrec_flwr.attributes import encode_attribute
@@ -174,18 +175,20 @@ def jobs_tradeoff_server_ncf(args) -> list:
 
 def jobs_select_eps(args) -> list:
     """Issue 14: the eps of ``NCF_SERVER_ARM`` chosen on the validation item (``holdout-validation``): the original
-    model and the arm at each of ``SELECTION_EPSILONS``, gender, seed ``SELECTION_SEED`` (``--seeds`` overrides), per
-    ``--models``; the rule is :func:`experiments.fedau2.report.select_epsilon`."""
+    model and the arm at each eps of ``SELECTION_EPSILONS_BY_ATTRIBUTE`` per ``--attributes`` (default gender), seed
+    ``SELECTION_SEED`` (``--seeds`` overrides), per ``--models``; the rule is
+    :func:`experiments.fedau2.report.select_epsilon`. The original model has no adversary: one run serves every
+    attribute (it is attacked on all of them)."""
     jobs = []
     for seed in args.seeds:
         for model in args.models:
             folder = RUNS / "select-eps" / model
             jobs.append((run_config(model, "original", "gender", seed, args.data_dir, folder, f"original-seed{seed}",
                                     **SELECTION_KEYS), "gender"))
-            jobs += [(run_config(model, NCF_SERVER_ARM, "gender", seed, args.data_dir, folder,
-                                 f"{slug(NCF_SERVER_ARM)}-gender-eps{eps:g}-seed{seed}",
-                                 **{"adversary-epsilon": eps, **SELECTION_KEYS}), "gender")
-                     for eps in SELECTION_EPSILONS]
+            jobs += [(run_config(model, NCF_SERVER_ARM, attribute, seed, args.data_dir, folder,
+                                 f"{slug(NCF_SERVER_ARM)}-{attribute}-eps{eps:g}-seed{seed}",
+                                 **{"adversary-epsilon": eps, **SELECTION_KEYS}), attribute)
+                     for attribute in args.attributes for eps in SELECTION_EPSILONS_BY_ATTRIBUTE[attribute]]
     return jobs
 
 
