@@ -36,3 +36,32 @@ def test_the_in_band_eps_with_the_best_validation_hr_is_chosen_whatever_the_test
     assert "0.4321" not in text and "0.6111" not in text  # no test HR@10 in the selection table
     assert abs(table.set_index(["model", "epsilon"]).loc[("FedNCF", 0.1), "val-HR@10-change-%"]
                - 100 * (0.53 / 0.54 - 1)) < 1e-9
+
+
+def test_age_is_chosen_on_age_aucs_against_the_shared_original_run(tmp_path):
+    """``select-eps --attributes age``: the arm's runs are trained against age and read on age's AUCs; the original
+    model's single run is the reference row of both attributes (it is attacked on each)."""
+    def run(name, eps, val_hr, gender_aucs, age_aucs, attribute=None):
+        folder = tmp_path / "runs" / "select-eps" / "FedNCF" / name
+        folder.mkdir(parents=True)
+        config = {"seed": 3, "client": "fedrec" if eps == 0 else "fedau2", "adversary-epsilon": eps or 1.0}
+        if attribute:
+            config["protected-attribute"] = attribute
+        (folder / "config.json").write_text(json.dumps({"run-config": config}))
+        (folder / "summary.json").write_text(json.dumps({"final": {"HR@10": 0.5, "val-HR@10": val_hr,
+                                                                   "val-NDCG@10": val_hr / 2}}))
+        inference = {f"{a}/{c}": {"auc": v} for a, aucs in (("gender", gender_aucs), ("age", age_aucs))
+                     for c, v in zip(("logreg", "mlp"), aucs)}
+        (folder / "attack.json").write_text(json.dumps({"attribute-inference": inference}))
+
+    run("original", 0, 0.54, (0.65, 0.63), (0.64, 0.60))
+    run("gender-0.1", 0.1, 0.53, (0.49, 0.54), (0.60, 0.60), "gender")     # gender: in the band, chosen
+    run("age-0.1", 0.1, 0.535, (0.52, 0.52), (0.56, 0.56), "age")          # in gender's band, not age's: not chosen
+    run("age-0.3", 0.3, 0.52, (0.70, 0.70), (0.54, 0.53), "age")           # age in the band: chosen
+    table = select_epsilon(tmp_path)
+    chosen = table[table["chosen"]].set_index("attribute")["epsilon"].to_dict()
+    assert chosen == {"gender": 0.1, "age": 0.3}
+    assert len(table[table["epsilon"] == 0]) == 2  # the original's one run, a reference row per attribute
+    age = table[table["attribute"] == "age"].set_index("epsilon")
+    assert abs(age.loc[0.3, "val-HR@10-change-%"] - 100 * (0.52 / 0.54 - 1)) < 1e-9
+    assert age.loc[0.0, "logreg-auc"] == 0.64
