@@ -446,7 +446,7 @@ def batched_loss(model: torch.nn.Module, loss: str, params: Mapping[str, torch.T
         q = _gather(params["item_embedding.weight"], items)
         logits = torch.bmm(q, params["user_embedding.weight"].transpose(1, 2)).squeeze(-1)  # (a, N)
     else:
-        d = model.embedding_dim
+        d = model.mlp_embedding_dim  # the MLP embeddings' width: W_1 = [W_u, W_i] splits at it
         gmf = params["user_embedding_gmf.weight"] * _gather(params["item_embedding_gmf.weight"], items)
         qm = _gather(params["item_embedding_mlp.weight"], items)
         layers = [f"mlp.{i}" for i, m in enumerate(model.mlp) if isinstance(m, torch.nn.Linear)]

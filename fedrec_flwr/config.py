@@ -105,6 +105,7 @@ class RunConfig:
     model: str = _key("model")
     embedding_dim: int = _key("embedding-dim", minimum=1)
     mlp_layers: str = _key("mlp-layers")
+    mlp_embedding_dim: int = _key("mlp-embedding-dim", minimum=0)
     loss: str = _key("loss")
     client: str = _key("client")
     local_epochs: int = _key("local-epochs", minimum=1)

@@ -102,6 +102,7 @@ def build_shared_model(config: RunConfig, num_items: int, num_users: int = 1, nu
         num_items=num_items,
         embedding_dim=config.embedding_dim,
         mlp_layers=config.mlp_layer_sizes,
+        mlp_embedding_dim=config.mlp_embedding_dim,
         seed=config.seed * 1000 + TAG_MODEL_INIT,
     )
     if config.adversary != "none":

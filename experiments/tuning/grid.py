@@ -63,6 +63,37 @@ GRIDS: dict[str, list[dict[str, tuple]]] = {
 }
 
 
+PRESETS: dict[str, tuple[str, dict]] = {
+    # FedRecGEL's public code's NCF (models/fedrecgel.py with its defaults factor_num = 32, num_layers = 3): 32-wide
+    # GMF embeddings, 128-wide MLP embeddings, a 256-128-64-32 tower (Linear(2 x 128, 128), (128, 64), (64, 32)),
+    # output Linear(32 + 32, 1); and its final configuration's rho 0.02 (rho-shared; rho-private stays the base's).
+    "FedRecGEL, public NCF": ("FedRecGEL", {"embedding-dim": 32, "mlp-embedding-dim": 128, "mlp-layers": "128,64,32",
+                                            "rho-shared": 0.02}),
+}
+"""Named variants of a tuned method, run beside it: ``name -> (base method, overrides)``. A preset is not tuned: it
+runs at its base method's rates selected on the dataset's validation item (:func:`preset_setting`), with its own
+keys on top, for every seed of :data:`SEEDS`, so the two are compared paired by seed."""
+
+
+def method_config(method: str) -> dict:
+    """The run-config overrides of a method of :data:`METHODS` or a preset of :data:`PRESETS` (its base method's,
+    then the preset's keys). Raises ``KeyError`` naming the known ones for any other name."""
+    if method in METHODS:
+        return METHODS[method]
+    if method in PRESETS:
+        base, keys = PRESETS[method]
+        return {**METHODS[base], **keys}
+    raise KeyError(f"unknown method or preset {method!r}; known: {sorted(METHODS) + sorted(PRESETS)}")
+
+
+def preset_setting(preset: str, selected: dict) -> dict:
+    """The setting (folder name) of a preset's runs: its base method's selected setting ``selected``, with the
+    preset's value of any key that setting varies (e.g. ``rho-shared``); the preset's other keys (the architecture)
+    are in :func:`method_config`."""
+    keys = PRESETS[preset][1]
+    return {**selected, **{k: v for k, v in keys.items() if k in selected}}
+
+
 def default_setting(method: str) -> dict:
     """The method's base values of every key its grid varies (the starting point of the coordinate search)."""
     keys = [k for stage in GRIDS[method] for k in stage]
@@ -92,4 +123,5 @@ def setting_name(setting: dict) -> str:
 
 def run_overrides(method: str, setting: dict, dataset: str, seed: int, rounds: int) -> dict:
     """The complete run-config overrides of one run (the protocol, the method, the setting)."""
-    return {**PROTOCOL, **METHODS[method], **setting, "dataset": dataset, "seed": seed, "num-server-rounds": rounds}
+    return {**PROTOCOL, **method_config(method), **setting, "dataset": dataset, "seed": seed,
+            "num-server-rounds": rounds}

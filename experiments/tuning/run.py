@@ -5,6 +5,7 @@
     python -m experiments.tuning.run seeds                     # the selected settings with every seed, 100 rounds
     python -m experiments.tuning.run long                      # the selected settings with every seed, 300 rounds
     python -m experiments.tuning.run centralized               # centralized MF and NCF (epochs chosen on validation)
+    python -m experiments.tuning.run preset --rounds 100       # the presets (grid.PRESETS) at their base's selection
     python -m experiments.tuning.run report                    # tables and curves from whatever has finished
 
 Each federated run goes through :func:`fedrec_flwr.serial.run_serial` (the ServerApp, strategy and ClientApp of
@@ -179,10 +180,13 @@ at epochs 13-14 of 20 on ML-100K; MF was still rising at 20 (chosen 18, 20, 20),
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("all", "grid", "seeds", "long", "centralized", "report"))
+    parser.add_argument("command", choices=("all", "grid", "seeds", "long", "centralized", "preset", "report"))
     parser.add_argument("--datasets", nargs="+", default=["ml-100k"])
     parser.add_argument("--methods", nargs="+", default=list(G.METHODS), choices=list(G.METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=list(G.SEEDS))
+    parser.add_argument("--presets", nargs="+", default=list(G.PRESETS), choices=list(G.PRESETS))
+    parser.add_argument("--rounds", type=int, default=G.GRID_ROUNDS, choices=(G.GRID_ROUNDS, G.LONG_ROUNDS),
+                        help="the preset step's budget")
     parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""),
                         help="folder holding <dataset>/ folders (default $FEDREC_DATA_DIR; empty = download)")
     args = parser.parse_args(argv)
@@ -203,6 +207,14 @@ def main(argv: list[str] | None = None) -> None:
                             print(f"no selection for {method} on {dataset}: run 'grid' first", flush=True)
                             continue
                         run_one(dataset, method, setting, seed, rounds, args.data_dir)
+            elif step == "preset":
+                for seed in args.seeds:
+                    for preset in args.presets:
+                        setting = selected(dataset, G.PRESETS[preset][0])
+                        if setting is None:
+                            print(f"no selection for {G.PRESETS[preset][0]} on {dataset}: run 'grid' first", flush=True)
+                            continue
+                        run_one(dataset, preset, G.preset_setting(preset, setting), seed, args.rounds, args.data_dir)
             elif step == "centralized":
                 for seed in args.seeds:
                     for model in ("mf", "ncf"):

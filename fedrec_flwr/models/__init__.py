@@ -28,6 +28,7 @@ def build_model(
     *,
     embedding_dim: int = 32,
     mlp_layers: Sequence[int] = (64, 32, 16),
+    mlp_embedding_dim: int = 0,
     seed: int = 0,
 ) -> RecModel:
     """Build a model on the CPU with a deterministic initialisation drawn from ``torch.Generator().manual_seed(seed)``.
@@ -41,6 +42,7 @@ def build_model(
         num_users, num_items: table sizes (positive).
         embedding_dim: width d of every embedding table.
         mlp_layers: NCF only: widths of the MLP tower (ignored by MF).
+        mlp_embedding_dim: NCF only: width of the MLP embeddings; 0 = ``embedding_dim``.
         seed: initialisation seed (int).
 
     Raises:
@@ -52,7 +54,8 @@ def build_model(
     generator = torch.Generator().manual_seed(int(seed))
     try:
         if key == "ncf":
-            return NCF(num_users, num_items, embedding_dim, mlp_layers, generator=generator)
+            return NCF(num_users, num_items, embedding_dim, mlp_layers, mlp_embedding_dim=mlp_embedding_dim,
+                       generator=generator)
         return MODELS[key](num_users, num_items, embedding_dim, generator=generator)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

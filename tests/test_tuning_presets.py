@@ -1,0 +1,64 @@
+"""Issue 19's presets (``experiments/tuning/grid.py``): the public FedRecGEL code's wider NCF, declared by run-config
+keys only, builds that code's layer shapes, and the block path trains it like the model itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flwr.app import RecordDict
+
+from test_blocks import USERS, _runtime, _shared, ml100k  # noqa: F401 - ml100k is a fixture
+
+from experiments.tuning import grid as G
+from fedrec_flwr import blocks
+from fedrec_flwr.config import make_run_config
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.models import build_model
+
+PUBLIC = "FedRecGEL, public NCF"
+ARCHITECTURE = {k: v for k, v in G.PRESETS[PUBLIC][1].items() if k in ("embedding-dim", "mlp-embedding-dim",
+                                                                      "mlp-layers")}
+
+
+def test_the_public_ncf_preset_has_the_public_codes_layer_shapes():
+    """FedRecGEL's ``models/fedrecgel.py`` at its defaults (factor_num 32, num_layers 3): GMF 32, MLP embeddings 128,
+    Linear(256, 128), (128, 64), (64, 32), output Linear(64, 1); the preset is the base method's config plus its keys,
+    and its folder setting takes the preset's rho-shared over the selected one (the rates stay the selection's)."""
+    overrides = G.run_overrides(PUBLIC, G.preset_setting(PUBLIC, {"rho-shared": 0.05, "server-learning-rate": 0.01}),
+                                "ml-100k", 0, 100)
+    assert overrides["client"] == "fedrecgel" and overrides["rho-shared"] == 0.02
+    assert overrides["server-learning-rate"] == 0.01
+    cfg = make_run_config(**overrides)
+    model = build_model(cfg.model, 1, 7, embedding_dim=cfg.embedding_dim, mlp_layers=cfg.mlp_layer_sizes,
+                        mlp_embedding_dim=cfg.mlp_embedding_dim)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert shapes == {"user_embedding_gmf.weight": (1, 32), "user_embedding_mlp.weight": (1, 128),
+                      "item_embedding_gmf.weight": (7, 32), "item_embedding_mlp.weight": (7, 128),
+                      "mlp.0.weight": (128, 256), "mlp.0.bias": (128,), "mlp.2.weight": (64, 128), "mlp.2.bias": (64,),
+                      "mlp.4.weight": (32, 64), "mlp.4.bias": (32,), "output.weight": (1, 64), "output.bias": (1,)}
+    default = build_model("ncf", 1, 7, embedding_dim=32, mlp_layers=(64, 32, 16))  # 0 = embedding-dim: unchanged
+    assert default.mlp_embedding_dim == 32 and tuple(default.item_embedding_mlp.weight.shape) == (7, 32)
+    with pytest.raises(KeyError, match="unknown method or preset"):
+        G.method_config("FedRecGEL, wide")
+    with pytest.raises(ConfigError, match="mlp-embedding-dim"):
+        make_run_config(**{**overrides, "mlp-embedding-dim": -1})
+
+
+def test_block_path_gradients_of_the_wider_ncf_equal_the_models(ml100k):  # noqa: F811 - the fixture
+    """With MLP embeddings wider than the GMF ones, the block path's batched forward pass (which splits the first
+    tower layer at the MLP width) gives every user's loss and gradient as the model itself does (float64)."""
+    runtime = _runtime(ml100k, {**ARCHITECTURE, "embedding-dim": 8, "mlp-embedding-dim": 24, "mlp-layers": "16,8"},
+                       torch.float64)
+    assert runtime.model.mlp_embedding_dim == 24 and runtime.model.embedding_dim == 8
+    block = blocks.Block(runtime, USERS, RecordDict())
+    data = sorted((block.user_data(u, 1) for u in block.users), key=lambda d: -d.n)
+    params = {**block.load_private([d.user for d in data]), **block.shared_copies(_shared(runtime), data)}
+    generator = torch.Generator().manual_seed(0)
+    params = {k: v + 0.1 * torch.randn(v.shape, generator=generator, dtype=v.dtype) for k, v in params.items()}
+    orders = [torch.randperm(d.n, generator=d.generator) for d in data]
+    args = block.padded(data, orders, max(d.n for d in data), 128)
+    reference, ref_values = block.autograd_gradients(params, *args)
+    grads, values = blocks.batched_gradients(runtime.model, runtime.config.loss, params, *args)
+    torch.testing.assert_close(values, ref_values, rtol=1e-12, atol=1e-14)
+    for key in reference:
+        torch.testing.assert_close(grads[key], reference[key], rtol=1e-10, atol=1e-14, msg=key)
