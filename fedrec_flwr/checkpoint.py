@@ -22,6 +22,7 @@ from the server. With both, an interrupted and resumed run gives the same model 
 from __future__ import annotations
 
 import json
+import logging
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,12 @@ import numpy as np
 from .errors import ConfigError
 from .client_state import ClientStateStore
 from .io import atomic_save_npz, load_npz
+
+log = logging.getLogger(__name__)
+
+TRAINED_KEY = "trained-users"
+"""The strategy checkpoint array (``(num_users,)`` bool) of the users whose training replies the server accepted
+(:attr:`strategies.item_fedavg.ItemEmbeddingFedAvg.trained`)."""
 
 CHECKPOINT_FILE = "checkpoint.npz"
 """The checkpoint's file name in the results folder."""
@@ -156,8 +163,12 @@ def check_client_state(checkpoint: Checkpoint, nodes_without_state: list, accept
     holds it. It is lost when the interrupted run did not keep it in files (``checkpoint.client_state`` false; setting
     ``client-state-dir`` only on the resumed run finds no files), when some nodes of the resumed run do not
     (``nodes_without_state``: their partition ids), or for single users whose files a node found damaged or missing
-    (``state_problems``: per node ``{"partition-id", "node", "folder", "damaged", "missing"}``, user ids only; see
-    :meth:`fedrec_flwr.client_state.ClientStateStore.resume_problems`).
+    (``state_problems``: per node ``{"partition-id", "node", "folder", "damaged", "absent"}``, user ids only; see
+    :meth:`fedrec_flwr.client_state.ClientStateStore.resume_problems`). An absent file is lost state only for a user
+    whose training reply the server accepted before the checkpoint (the strategy's ``trained-users`` array,
+    :attr:`strategies.item_fedavg.ItemEmbeddingFedAvg.trained`) and that is still trained (not in ``removed-users``);
+    a checkpoint without that array (an older version's, or a strategy that does not record it) checks damaged files
+    only, and a warning says so.
 
     Returns:
         ``None`` when nothing is lost, else the warning to log (``accept_reset``: ``resume-resets-client-state``).
@@ -176,15 +187,24 @@ def check_client_state(checkpoint: Checkpoint, nodes_without_state: list, accept
     if nodes_without_state:
         problems.append(f"the SuperNodes with partition-id {sorted(nodes_without_state)} keep no state files "
                         "('client-state-dir' in neither the run config nor their --node-config)")
+    trained = checkpoint.strategy_arrays.get(TRAINED_KEY)
+    if trained is not None:
+        trained = np.asarray(trained, dtype=bool).copy()
+        trained[[int(u) for u in checkpoint.strategy_state.get("removed-users", []) if 0 <= int(u) < trained.size]] = False
+    elif any(node["absent"] for node in state_problems):
+        log.warning("checkpoint %s does not record which users trained (an older version's, or a strategy without "
+                    "'%s'): only damaged client-state files are checked, not missing ones", checkpoint.folder,
+                    TRAINED_KEY)
     users = []
     for node in state_problems:
+        node = {**node, "missing": [] if trained is None else
+                [int(u) for u in node["absent"] if 0 <= int(u) < trained.size and trained[int(u)]]}
         store = ClientStateStore(node["folder"])
         where = f"node {node['node']} (partition-id {node['partition-id']})"
         for kind, ids, what in (("damaged", node["damaged"], "has unreadable state files"),
                                 ("missing", node["missing"], f"has no state file of round <= "
-                                 f"{checkpoint.server_round} for users sampled in rounds 1.."
-                                 f"{checkpoint.server_round} (a user whose every sampled round failed, or whom a "
-                                 "wrapped Flower strategy left out, has none either, and restarting it loses nothing)")):
+                                 f"{checkpoint.server_round} for users whose training the server accepted in "
+                                 f"rounds 1..{checkpoint.server_round}")):
             if ids:
                 files = [str(store.path(u)) for u in ids[:10]] + ([f"... ({len(ids)} in all)"] if len(ids) > 10 else [])
                 problems.append(f"{where} {what}: {', '.join(files)}")
@@ -199,7 +219,7 @@ def check_client_state(checkpoint: Checkpoint, nodes_without_state: list, accept
         fix = "Restore these files (e.g. from a backup of the node's client-state-dir), or set " if users else "Set "
         raise ConfigError(f"run-config key 'resume-from': {message}. {fix}'resume-resets-client-state' = true to "
                           "resume anyway, or start a new run")
-    aside = any(node["damaged"] for node in state_problems)
+    aside = any(node["damaged"] for node in state_problems)  # the nodes renamed them (client_app.identify)
     return message + " (resume-resets-client-state = true" + (
         "; the nodes renamed the unreadable files to *.npz.damaged)" if aside else ")")
 

@@ -52,7 +52,7 @@ from .influence import can_batch, influence_gn_diagonal, influence_loss_sums
 from .registry import resolve
 from .runtime import Runtime, get_runtime, node_users
 from .wire import (
-    ARRAYS, CONFIG, GRADIENT_USERS, METRICS, NUM_EXAMPLES, Contribution, SparseSum, sample_users, unpack_sparse,
+    ARRAYS, CONFIG, GRADIENT_USERS, METRICS, NUM_EXAMPLES, Contribution, SparseSum, unpack_sparse,
 )
 
 
@@ -374,26 +374,22 @@ def identify(message: Message, context: Context, run_config: Mapping[str, Any] |
 
 def _resume_state_check(message: Message, context: Context, runtime: Runtime, served: range) -> dict:
     """On a resume (the identify query carries ``resume-round`` R), the ids of this node's users whose state files
-    are damaged, or missing although the seeded sampler (:func:`fedrec_flwr.wire.sample_users`, as the server's
-    strategy draws users, less the checkpoint's ``removed-users``) trained them in rounds 1..R
-    (:meth:`ClientStateStore.resume_problems`); ``{}`` when nothing is wrong, not resuming, or without state files."""
+    are damaged, and of those without a version of round <= R (:meth:`ClientStateStore.resume_problems`); the
+    server, which knows from its checkpoint which users trained, decides what is lost. ``{}`` when not resuming,
+    without state files, or when every served user has a readable version <= R."""
     config = dict(message.content[CONFIG]) if CONFIG in message.content else {}
     if RESUME_ROUND_KEY not in config:
         return {}
     folder = state_folder(context.node_config, runtime.config.client_state_dir, config)
     if folder is None:
         return {}
-    resume_round, num_users = int(config[RESUME_ROUND_KEY]), runtime.split.num_users
-    trained = set().union(*(sample_users(runtime.config.seed, r, num_users, runtime.config.fraction_train).tolist()
-                            for r in range(1, resume_round + 1)))
-    trained -= {int(u) for u in config.get("removed-users", [])}
-    damaged, missing = ClientStateStore(folder).resume_problems(
-        served, trained, resume_round, set_aside=bool(config.get("resume-resets-client-state", False)))
-    facts = {"client-state-folder": str(folder)} if damaged or missing else {}
+    damaged, absent = ClientStateStore(folder).resume_problems(
+        served, int(config[RESUME_ROUND_KEY]), set_aside=bool(config.get("resume-resets-client-state", False)))
+    facts = {"client-state-folder": str(folder)} if damaged or absent else {}
     if damaged:
         facts["client-state-damaged"] = damaged
-    if missing:
-        facts["client-state-missing"] = missing
+    if absent:
+        facts["client-state-absent"] = absent
     return facts
 
 

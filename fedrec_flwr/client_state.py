@@ -132,22 +132,22 @@ class ClientStateStore:
             state[record] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
         return chosen
 
-    def resume_problems(self, users: Iterable[int], trained: Iterable[int], resume_round: int,
+    def resume_problems(self, users: Iterable[int], resume_round: int,
                         set_aside: bool = False) -> tuple[list[int], list[int]]:
-        """The users whose state a resume after round ``resume_round`` would silently lose (ids only, no values).
+        """What this folder holds for a resume after round ``resume_round`` (ids only, no values).
 
         Args:
             users: the users this node serves.
-            trained: the users that trained in rounds ``1..resume_round`` (so have a version ``<= resume_round``).
             set_aside: rename each damaged file to ``user-<id>.npz.damaged`` (kept for inspection), so the user
                 restarts from its seeded initial state (``resume-resets-client-state = true``).
 
         Returns:
-            ``(damaged, missing)``: users whose file :meth:`read_versions` cannot read (or is another user's); users
-            of ``trained`` without a readable version of round ``<= resume_round`` (file deleted or never written).
+            ``(damaged, absent)``: users whose file :meth:`read_versions` cannot read (or is another user's); users
+            without a readable version of round ``<= resume_round`` (no file, or only later versions). The server
+            decides which absent users lose state: those its checkpoint says trained
+            (:func:`fedrec_flwr.checkpoint.check_client_state`).
         """
-        trained = {int(u) for u in trained}
-        damaged, missing = [], []
+        damaged, absent = [], []
         for user in (int(u) for u in users):
             try:
                 versions = self.read_versions(user)
@@ -156,9 +156,9 @@ class ClientStateStore:
                 if set_aside:
                     self.path(user).replace(self.path(user).with_suffix(".npz.damaged"))
                 continue
-            if user in trained and not any(r <= resume_round for r in versions):
-                missing.append(user)
-        return damaged, missing
+            if not any(r <= resume_round for r in versions):
+                absent.append(user)
+        return damaged, absent
 
     def save(self, user: int, state: RecordDict, server_round: int, durable_round: int) -> Path:
         """Write the user's records in ``state`` as the version of ``server_round`` (atomically), keeping only the

@@ -87,8 +87,8 @@ def identify_nodes(grid: Grid, nodes, timeout: float,
 
 def discover_topology(grid: Grid, config: RunConfig, timeout: float, query: Mapping[str, Any] | None = None):
     """Ask every node which users it serves; returns ``(Topology, num_items, dataset facts)``. ``query``: see
-    :func:`identify_nodes`; the facts' ``client-state-problems`` list the nodes reporting damaged or missing state
-    files (partition-id, node, folder, user ids).
+    :func:`identify_nodes`; the facts' ``client-state-problems`` list the nodes reporting damaged state files or
+    users without a state version of the resumed round (partition-id, node, folder, user ids).
 
     Raises:
         ConfigError: the number of nodes does not match ``ceil(users / users-per-node)``, a node reports a bad or
@@ -136,7 +136,7 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float, query: Mapp
     without_state = sorted(int(f["partition-id"]) for f in facts if not f.get("client-state", False))
     state_problems = [{"partition-id": int(f["partition-id"]), "node": int(f["node"]),
                        "folder": f["client-state-folder"], "damaged": list(f.get("client-state-damaged", [])),
-                       "missing": list(f.get("client-state-missing", []))}
+                       "absent": list(f.get("client-state-absent", []))}
                       for f in sorted(facts, key=lambda f: f["partition-id"]) if "client-state-folder" in f]
     return Topology(user_to_node, fingerprint), int(num_items), {"num-users": int(num_users), "num-items": int(num_items),
                                                       "split-fingerprint": fingerprint,
@@ -174,8 +174,7 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
         check_results_folder(folder)  # clears what an interrupted run of this name left
     query = None if resume is None else {  # each node checks its users' state files (client_app.identify)
         RUN_KEY: folder.name, RESUME_ROUND_KEY: resume.server_round,
-        "resume-resets-client-state": config.resume_resets_client_state,
-        "removed-users": [int(u) for u in resume.strategy_state.get("removed-users", [])]}
+        "resume-resets-client-state": config.resume_resets_client_state}
     topology, num_items, facts = discover_topology(grid, config, timeout=max(config.round_timeout, IDENTIFY_TIMEOUT),
                                                    query=query)
     without_state = facts.pop("nodes-without-client-state")

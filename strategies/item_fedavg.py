@@ -40,6 +40,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, aggregate_metricrecords
 
 from fedrec_flwr.arrays import decode_array, decode_record
+from fedrec_flwr.checkpoint import TRAINED_KEY
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError, reply_error_line
 from fedrec_flwr.io import atomic_save_npz, atomic_write_json
@@ -137,6 +138,10 @@ class ItemEmbeddingFedAvg(FedAvg):
             unlearning.forget if unlearning is not None and unlearning.method == "retrain" else ())
         """Users no longer sampled for training (the forgotten ones, once forgotten; from the start for ``retrain``)."""
         self.unlearning_report: dict | None = None
+        self.trained: np.ndarray | None = None
+        """``(num_users,)`` bool: the users whose training replies were accepted in some round so far (so their
+        clients saved private state, where nodes keep ``client-state-dir`` files); in server checkpoints, where a
+        resume checks the nodes' state files against it (:func:`fedrec_flwr.checkpoint.check_client_state`)."""
         self._grid: Grid | None = None
         self._train_started = 0.0
         self._results_folder: Path | None = None
@@ -197,6 +202,8 @@ class ItemEmbeddingFedAvg(FedAvg):
                  "unlearning-report": self.unlearning_report}
         arrays = {} if self.adversary_step is None else {
             f"adversary-step/{k}": v for k, v in self.adversary_step.state_arrays().items()}
+        if self.trained is not None:
+            arrays[TRAINED_KEY] = self.trained.copy()
         return state, arrays
 
     def restore_checkpoint_state(self, state: Mapping, arrays: Mapping[str, np.ndarray], shared: ArrayRecord) -> None:
@@ -212,6 +219,7 @@ class ItemEmbeddingFedAvg(FedAvg):
                             "counts start at 0", gone)
         self.removed_users = frozenset(int(u) for u in state.get("removed-users", []))
         self.unlearning_report = state.get("unlearning-report")
+        self.trained = np.asarray(arrays[TRAINED_KEY], dtype=bool).copy() if TRAINED_KEY in arrays else None
         if self.adversary_step is not None:
             prefix = "adversary-step/"
             self.adversary_step.load_state_arrays(shared, {k[len(prefix):]: v for k, v in arrays.items()
@@ -318,6 +326,7 @@ class ItemEmbeddingFedAvg(FedAvg):
         replies = self._canonical_order(replies)
         accepted: list[RecordDict] = []
         reasons: list[str] = []
+        accepted_nodes: list[int] = []
         answered: set[int] = set()
         unattributed: list[str] = []
         for message in replies:
@@ -332,6 +341,7 @@ class ItemEmbeddingFedAvg(FedAvg):
                 continue
             try:
                 accepted.append(self.validate_reply(message.content))
+                accepted_nodes.append(node)
             except ReplyError as err:
                 log.warning("round %d: rejected the reply of node %d: %s", server_round, node, err)
                 reasons.append(f"node {node}'s reply rejected: {err}")
@@ -347,6 +357,7 @@ class ItemEmbeddingFedAvg(FedAvg):
                 f"{len(answered)} nodes answered, {len(reasons)} failed or were rejected"
                 + (f"; first problem: {reasons[0]}" if reasons else "")
             )
+        self._record_trained(accepted_nodes)
         arrays = self.aggregate_arrays(accepted)
         if self.adversary_step is not None:  # h_w's keys carry gradients: one server step (strategies/adversary.py)
             arrays = self.adversary_step.apply(self._current, accepted, arrays)
@@ -372,6 +383,13 @@ class ItemEmbeddingFedAvg(FedAvg):
         if self._phase_due(server_round):
             arrays = self.run_unlearning(server_round, arrays)
         return arrays, metrics
+
+    def _record_trained(self, nodes: Iterable[int]) -> None:
+        """Mark the users these nodes were asked to train as trained (:attr:`trained`)."""
+        if self.trained is None:
+            self.trained = np.zeros(self._topology().num_users, dtype=bool)
+        for node in nodes:
+            self.trained[np.asarray(self._sampled_nodes[node], dtype=np.int64)] = True
 
     def _count_failure(self, server_round: int, node: int, reason: str, reasons: list[str]) -> None:
         self.failures[node] = self.failures.get(node, 0) + 1

@@ -140,6 +140,37 @@ def test_a_moved_results_folder_resumes_with_its_new_results_dir(tmp_path):
     assert not folder.exists()
 
 
+def test_users_whose_node_failed_every_round_before_the_checkpoint_are_not_reported_missing(tmp_path, caplog):
+    """The resume check recomputed "users who trained" on each node from the seeded sampler, so a user whose node
+    failed every round it was sampled in (no reply, no state file) was reported missing and the resume refused. The
+    server now records the users whose replies it accepted (the checkpoint's ``trained-users``) and only those count."""
+    from fedrec_flwr.checkpoint import TRAINED_KEY
+    from fedrec_flwr.client_app import make_client_app
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    config = {**_config(tmp_path, "failing", model="mf"), "num-server-rounds": 3, "eval-every": 3,
+              "min-train-fraction": 0.1}
+
+    def partition_1_fails_to_train(message, context, call_next):
+        if message.metadata.message_type == "train" and int(context.node_config["partition-id"]) == 1:
+            raise RuntimeError("this node's device is off")
+        return call_next(message, context)
+
+    folder = run_serial(config, client_app=make_client_app(config, mods=[partition_1_fails_to_train]))
+    (folder / "summary.json").unlink()  # as if killed after the checkpoint of round 2
+    sampled = set(sample_users(0, 1, 24, 0.5).tolist()) | set(sample_users(0, 2, 24, 0.5).tolist())
+    lost = sorted(u for u in sampled if 4 <= u < 8)  # partition 1 serves users 4..7
+    assert lost, "the seed must sample a user of partition 1 for the test to mean anything"
+    trained = load_checkpoint(folder).strategy_arrays[TRAINED_KEY]
+    assert sorted(np.flatnonzero(trained).tolist()) == sorted(sampled - set(lost))
+    state = tmp_path / "device" / "failing"
+    assert not any((state / f"user-{u}.npz").exists() for u in lost)
+    caplog.set_level(logging.WARNING, logger="fedrec_flwr")
+    assert run_serial({**config, "resume-from": str(folder)}) == folder  # not refused
+    assert "loses the clients' private state" not in caplog.text
+    assert [r["round"] for r in json.loads((folder / "metrics.json").read_text())] == [1, 2, 3]
+
+
 def test_a_resume_with_damaged_or_deleted_client_state_files_is_refused_before_round_one(tmp_path, caplog):
     """A user's state file replaced by garbage, or deleted although the user trained before the checkpoint, made the
     resumed run fail that user's node every round it was sampled (or silently restart the user): each node now
@@ -162,8 +193,8 @@ def test_a_resume_with_damaged_or_deleted_client_state_files_is_refused_before_r
                                           r"files .*'resume-resets-client-state' = true"):
         run_serial(resume)
     deleted.unlink()
-    with pytest.raises(ConfigError, match=rf"has no state file of round <= 2 for users sampled in rounds 1..2 "
-                                          rf"\(.*\): {deleted}"):
+    with pytest.raises(ConfigError, match=rf"has no state file of round <= 2 for users whose training the server "
+                                          rf"accepted in rounds 1..2: {deleted}"):
         run_serial(resume)
     deleted.write_bytes(kept)
     garbage.unlink()
@@ -179,3 +210,33 @@ def test_a_resume_with_damaged_or_deleted_client_state_files_is_refused_before_r
     assert garbage.with_suffix(".npz.damaged").read_text() == "garbage\n", "kept for inspection, out of the way"
     summary = json.loads((folder / "summary.json").read_text())
     assert summary.get("evaluation-failures", {}) == {} and summary.get("client-failures", {}) == {}, summary
+
+
+def test_the_client_state_check_counts_absent_files_only_for_users_the_server_saw_train(tmp_path, caplog):
+    """``check_client_state`` on the nodes' facts: an absent file is lost state only for a user in the checkpoint's
+    ``trained-users`` that was not forgotten since; without that array (an older checkpoint) absent files are not
+    judged, and a warning says so, while damaged files are still refused."""
+    from fedrec_flwr.checkpoint import TRAINED_KEY, Checkpoint, check_client_state
+
+    trained = np.zeros(8, dtype=bool)
+    trained[[1, 2, 5]] = True
+    checkpoint = Checkpoint(server_round=4, run_name="r", run_config={"client-state-dir": "x"}, arrays={},
+                            strategy_state={"removed-users": [5]}, strategy_arrays={TRAINED_KEY: trained},
+                            client_state=True, folder=tmp_path)
+    node = {"partition-id": 0, "node": 7, "folder": str(tmp_path), "damaged": [], "absent": [0, 2, 5, 6]}
+    with pytest.raises(ConfigError, match=r"node 7 \(partition-id 0\) has no state file .*user-2\.npz; users \[2\]"):
+        check_client_state(checkpoint, [], accept_reset=False, state_problems=[node])  # 0, 6 never trained; 5 forgotten
+    assert check_client_state(checkpoint, [], False, [{**node, "absent": [0, 5, 6]}]) is None
+
+    older = Checkpoint(server_round=4, run_name="r", run_config={"client-state-dir": "x"}, arrays={},
+                       client_state=True, folder=tmp_path)
+    caplog.set_level(logging.WARNING, logger="fedrec_flwr")
+    package_logger = logging.getLogger("fedrec_flwr")  # the ServerApp's handler may stop propagation
+    package_logger.addHandler(caplog.handler)
+    try:
+        assert check_client_state(older, [], False, [node]) is None
+    finally:
+        package_logger.removeHandler(caplog.handler)
+    assert "does not record which users trained" in caplog.text
+    with pytest.raises(ConfigError, match=r"has unreadable state files: .*user-3\.npz"):
+        check_client_state(older, [], False, [{**node, "damaged": [3]}])
