@@ -7,7 +7,7 @@ under the key scheme of :mod:`fedrec_flwr.wire`.
 
 Query handlers: ``identify`` (which users a node serves) and the queries of client unlearning
 (:mod:`strategies.unlearning`): ``unlearn_gradient``, ``unlearn_affected``, ``unlearn_hvp``, ``unlearn_local_cg``,
-``unlearn_loss`` and ``unlearn_diagonal``.
+``unlearn_loss``, ``unlearn_diagonal``, ``unlearn_counts`` and ``unlearn_margin``.
 Their replies carry row-sparse vectors over the shared parameters (:func:`fedrec_flwr.wire.pack_sparse`), never a
 private parameter. ``adversary_gradient`` (FedAU²'s extra server steps of ``h_w``) replies with ``h_w``'s mean
 gradient over the node's users.
@@ -51,6 +51,7 @@ from .errors import ConfigError, FedRecError
 from .influence import can_batch, influence_gn_diagonal, influence_loss_sums
 from .registry import resolve
 from .runtime import Runtime, get_runtime, node_users
+from .unlearn_margin import margin_sums, positive_counts
 from .wire import (
     ARRAYS, CONFIG, GRADIENT_USERS, METRICS, NUM_EXAMPLES, Contribution, SparseSum, unpack_sparse,
 )
@@ -90,6 +91,11 @@ UNLEARN_LOSS = "unlearn_loss"
 (one scalar sum per step; HF-KCU's line search)."""
 UNLEARN_DIAGONAL = "unlearn_diagonal"
 """Query: the summed Gauss-Newton diagonal of the node's remaining users' losses (HF-KCU's preconditioner)."""
+UNLEARN_COUNTS = "unlearn_counts"
+"""Query: the node's training positives per item over its remaining and over its forgotten users (two count vectors;
+HF-KCU's membership-margin step, :mod:`fedrec_flwr.unlearn_margin`)."""
+UNLEARN_MARGIN = "unlearn_margin"
+"""Query: the summed membership margins of the node's forgotten users at points ``theta + a_k d`` (one sum per step)."""
 ADVERSARY_GRADIENT = "adversary_gradient"
 """Query (FedAU², ``adversary-server-steps`` > 1): the mean gradient of ``h_w`` over the named users at the sent
 ``h_w`` and their current private embeddings (:func:`adversary_gradient_query`)."""
@@ -495,6 +501,38 @@ def unlearn_diagonal(message: Message, context: Context, run_config: Mapping[str
     return _sparse_reply(message, total, {}, clients[0] if clients else None)
 
 
+def unlearn_counts(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
+    """HF-KCU's membership-margin step (:mod:`fedrec_flwr.unlearn_margin`): ``remaining`` = training positives per
+    item over the node's remaining users (served minus ``exclude``), ``forgotten`` = the same over its users in
+    ``exclude``. Two ``(I,)`` node totals; no model is needed and no per-user value is sent."""
+    runtime = get_runtime(run_config or context.run_config)
+    served = node_users(runtime.config, context.node_config, runtime.split.num_users)
+    config = dict(message.content[CONFIG]) if CONFIG in message.content else {}
+    excluded = {int(u) for u in config.get("exclude", [])}
+    counts = {"remaining": positive_counts(runtime, [u for u in served if u not in excluded]),
+              "forgotten": positive_counts(runtime, [u for u in served if u in excluded])}
+    return Message(content=RecordDict({ARRAYS: ArrayRecord({k: encode_array(v) for k, v in counts.items()})}),
+                   reply_to=message)
+
+
+def unlearn_margin(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
+    """HF-KCU's membership-margin step on this node: ``margin-sums[k]`` = the sum of the requested (forgotten)
+    users' membership margins at ``theta + a_k d`` (config ``steps``, ``bins``, ``dominated``;
+    :func:`fedrec_flwr.unlearn_margin.margin_sums`) and ``margin-count``, their number. Node sums only."""
+    runtime, users, config = _query_setup(message, context, run_config)
+    shared = _shared_arrays(message)
+    direction = unpack_sparse({k: a.numpy() for k, a in message.content[VECTOR].items()}, runtime.layout)
+    steps = [float(a) for a in config.get("steps", [])]
+    with private_state(context, runtime, config, users):
+        clients = [make_client(runtime, u, context) for u in users]
+        sums, count = margin_sums(runtime, clients, shared, direction, steps,
+                                  np.asarray(config.get("bins", []), dtype=np.int64),
+                                  np.asarray(config.get("dominated", []), dtype=np.int64))
+    metrics = metric_record({"num-users": len(users), "margin-sums": [float(v) for v in sums],
+                             "margin-count": count}, clients[0] if clients else None)
+    return Message(content=RecordDict({METRICS: metrics}), reply_to=message)
+
+
 def unlearn_local_cg(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
     """HF-KCU's Algorithm 1 on this node: each remaining (with ``causal``: affected) user ``u`` solves ``(H_u +
     damping I) x_u = rhs`` by CG on its own Hessian; the reply is ``sum_u w_u x_u`` and ``weight-sum = sum_u w_u``
@@ -595,6 +633,7 @@ def make_client_app(run_config: Mapping[str, Any] | None = None, mods: list | No
     for action, handler in ((UNLEARN_GRADIENT, unlearn_gradient), (UNLEARN_AFFECTED, unlearn_affected),
                             (UNLEARN_HVP, unlearn_hvp), (UNLEARN_LOCAL_CG, unlearn_local_cg),
                             (UNLEARN_LOSS, unlearn_loss), (UNLEARN_DIAGONAL, unlearn_diagonal),
+                            (UNLEARN_COUNTS, unlearn_counts), (UNLEARN_MARGIN, unlearn_margin),
                             (ADVERSARY_GRADIENT, adversary_gradient_query)):
         client_app.query(action)(partial(_with_config, handler, run_config))
     return client_app

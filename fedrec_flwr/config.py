@@ -75,7 +75,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "krylov-solver": ("steihaug", "cg"),
     "krylov-preconditioner": ("none", "diagonal", "row"),
     "curvature": ("gauss-newton", "hessian"),
-    "line-search": ("none", "remaining-loss"),
+    "line-search": ("none", "remaining-loss", "membership-margin"),
     "block-training": ("auto", "on", "off"),
 }
 

@@ -67,6 +67,12 @@ measured on four development settings and rejected before the benchmark (not key
 users' loss per example reaches a reference level, and a radius scaled by their share of the data
 (``experiments/hfkcu/README.md``, ``results/poison-level.md``).
 
+**How far to go: membership calibration (issue 18, fifth session; ours).** With ``line-search =
+"membership-margin"`` the phase moves ``a x`` with ``a`` where the forgotten users' mean *membership margin* on the
+items they dominate (their logit of such an item minus their mean logit of the same-popularity items they never
+rated) reaches 0, the level of a model that never saw them (:mod:`fedrec_flwr.unlearn_margin`, with the derivation);
+nodes reply with item counts and margin sums only (:meth:`ClientUnlearning.margin_step`).
+
 **Causal weighting.** Only users whose loss shares rows with ``g_F`` are *affected*: the server sends ``g_F``'s row
 ids once to every node (``unlearn_affected``); each node answers how many of its users are affected (a node total,
 never a per-user answer); nodes with none are not queried again, and inside a queried node users with no shared row
@@ -119,12 +125,14 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Rec
 from flwr.serverapp import Grid
 
 from fedrec_flwr.client_app import (
-    SUPPORT, UNLEARN_AFFECTED, UNLEARN_DIAGONAL, UNLEARN_GRADIENT, UNLEARN_HVP, UNLEARN_LOCAL_CG, UNLEARN_LOSS, VECTOR,
+    SUPPORT, UNLEARN_AFFECTED, UNLEARN_COUNTS, UNLEARN_DIAGONAL, UNLEARN_GRADIENT, UNLEARN_HVP, UNLEARN_LOCAL_CG,
+    UNLEARN_LOSS, UNLEARN_MARGIN, VECTOR,
 )
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError, reply_error_line
 from fedrec_flwr.krylov import CGResult, LineSearchResult, flatten, krylov_solve, ladder_line_search, unflatten
 from fedrec_flwr.seeding import numpy_rng
+from fedrec_flwr.unlearn_margin import bracket_root, dominated_items, popularity_bins
 from fedrec_flwr.wire import (
     ARRAYS, CONFIG, METRICS, ReplyError, nonzero_rows, pack_sparse, support_rows, unpack_sparse,
 )
@@ -359,6 +367,10 @@ class ClientUnlearning:
             report.update(search.summary())
             report["scale"] = scale * search.step
             step = {k: search.step * v for k, v in step.items()}
+        elif s.line_search == "membership-margin":
+            multiple = self.margin_step(grid, arrays, forget, step, report)
+            report["scale"] = scale * multiple
+            step = {k: multiple * v for k, v in step.items()}
         return step
 
     def _gradient_ascent(self, grid: Grid, theta: dict, g_forget: dict) -> dict:
@@ -520,6 +532,53 @@ class ClientUnlearning:
         return ladder_line_search(
             lambda steps: self.remaining_loss(grid, arrays, nodes, forget, support, step, steps),
             max_step=s.line_search_max_step, max_rounds=s.line_search_rounds)
+
+    def margin_step(self, grid: Grid, arrays: ArrayRecord, forget: np.ndarray, step: dict, report: dict) -> float:
+        """``line-search = "membership-margin"``: the multiple ``a`` of the solver's step at which the forgotten
+        users' mean membership margin on the items they dominate reaches 0 (:mod:`fedrec_flwr.unlearn_margin`). One
+        ``unlearn_counts`` round (every node; no model sent), then :func:`fedrec_flwr.unlearn_margin.bracket_root`'s
+        ``unlearn_margin`` rounds (the forgotten users' nodes), at most ``line-search-rounds`` of them, up to
+        ``line-search-max-step``. Returns ``a`` (1 when no forgotten positive is a dominated item)."""
+        s = self.settings
+        topology = self.strategy._topology()
+        nodes = sorted({int(n) for n in topology.user_to_node.tolist()})
+        exclude = [int(u) for u in forget]
+        replies = self._query(grid, UNLEARN_COUNTS, {n: {"exclude": exclude} for n in nodes}, ArrayRecord())
+        counts = {"remaining": 0.0, "forgotten": 0.0}
+        for reply in replies:
+            for key in counts:
+                counts[key] = counts[key] + reply.content[ARRAYS][key].numpy().astype(np.float64)
+        bins = popularity_bins(counts["remaining"])
+        dominated = dominated_items(counts["remaining"], counts["forgotten"])
+        groups = topology.group(np.asarray(forget, dtype=np.int64))
+        common = {"bins": [int(b) for b in bins], "dominated": [int(i) for i in dominated]}
+        found: dict = {}
+
+        def evaluate(steps) -> list[float]:
+            if not steps:
+                return []
+            got = self._query(grid, UNLEARN_MARGIN, {n: {"users": us, "steps": [float(a) for a in steps], **common}
+                                                     for n, us in groups.items()}, arrays, vector=step)
+            sums = np.zeros(len(steps))
+            count = 0
+            for reply in got:
+                values = list(reply.content[METRICS].get("margin-sums", []))
+                if len(values) != len(steps):
+                    raise UnlearningFailed(f"{UNLEARN_MARGIN}: node {reply.metadata.src_node_id} sent {len(values)} "
+                                           f"sums for {len(steps)} steps")
+                sums += np.asarray(values, dtype=np.float64)
+                count += int(reply.content[METRICS]["margin-count"])
+            found["count"] = count
+            return (sums / count).tolist() if count else [0.0] * len(steps)
+
+        report["margin-dominated-items"] = int(dominated.size)
+        if not np.intersect1d(dominated, np.flatnonzero(counts["forgotten"])).size:
+            report.update({"margin-step": 1.0, "margin-termination": "no-dominated-items", "margin-rounds": 0})
+            return 1.0
+        result = bracket_root(evaluate, max_step=s.line_search_max_step, rounds=s.line_search_rounds)
+        report.update(result.summary())
+        report["margin-terms"] = int(found.get("count", 0))
+        return result.step
 
     def local_cg(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
                  rhs: dict, radius: float | None = None) -> tuple[dict, dict]:

@@ -42,6 +42,7 @@ VARIANTS = {
     "HF-KCU distributed, issue-6 arm (CG, Hessian, eta 0.01)": {
         "method": "hfkcu", "krylov_solver": "cg", "curvature": "hessian", "scale": 0.01, "adaptive_scale": True},
     "HF-KCU distributed, line search on L_R": {"method": "hfkcu", "line_search": "remaining-loss"},
+    "HF-KCU distributed, membership margin": {"method": "hfkcu", "line_search": "membership-margin"},
     "gradient ascent": {"method": "gradient-ascent"},
     "continued training (5 rounds)": {"method": "continue"},
 }
@@ -346,6 +347,12 @@ def probe(dataset: str, model: str, fakes: int, seed: int, changes: dict, *, dat
     return out
 
 
+DEV_MARGIN = {k: VARIANTS[k] for k in ("HF-KCU distributed (default)", "HF-KCU distributed, membership margin")}
+"""Issue 18, fifth session: the membership-margin step (``line-search = "membership-margin"``,
+:mod:`fedrec_flwr.unlearn_margin`) and the default side by side on each development federation
+(``poison-dev-margin``); the reported settings replay it with ``poison-replay --only "membership margin"``."""
+
+
 RETIMED = {"re-timed: HF-KCU distributed (default)": {"method": "hfkcu"},
            "re-timed: HF-KCU distributed, line search on L_R": {"method": "hfkcu", "line_search": "remaining-loss"}}
 """The two arms of issue 18's acceptance, replayed back to back by :func:`retime`."""
@@ -570,6 +577,83 @@ def precond_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: 
                     "target-share-euclidean": euclid, "target-share-preconditioned": scaled,
                     "target-reach-ratio": float(np.sqrt(scaled / euclid) / np.sqrt(row_m[target]))})
         print(out, flush=True)
+
+    on_snapshot(dataset, model, fakes, seed, body, data_dir=data_dir, cache=cache, target_seed=target_seed, name=name)
+    atomic_write_json(folder / "original" / f"{name}.json", out)
+    return out
+
+
+def calibration_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, runs: Path, cache: Path,
+                      target_seed: int = 0, name: str = "calibration", bins: int = 20,
+                      ladder: tuple = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)) -> dict:
+    """Issue 18, fifth session (design diagnostic on development settings; reads the target and the retrained model
+    only to judge, never to choose): the forgotten users' *membership margins* along the default step ``x``. For a
+    forgotten user ``f`` and its training positive ``j``, ``m_fj = s_f(j) - mean_k s_f(k)`` over the items ``k`` that
+    ``f`` never interacted with in ``j``'s popularity bin (``bins`` equal-size bins of the items ranked by the
+    *remaining* users' training counts). Recorded per ``a``: the mean margin over the forgotten positives weighted by
+    ``w_j`` = the forgotten users' share of ``j``'s training positives (``weighted``), unweighted (``plain``), over
+    the items the forgotten users dominate (``w_j > 0.5``, ``dominated``), and the proportional statistic
+    ``sum (m_fj(a) - (1 - w_j) m_fj(0)) / n`` (``proportional``); each at the retrained model too."""
+    from experiments.hfkcu.analysis import exposure, private_records, scores
+    from experiments.hfkcu.run import _settings
+    from fedrec_flwr.unlearn_margin import popularity_bins
+    from strategies.unlearning import ClientUnlearning
+
+    folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
+    out: dict = {}
+
+    def body(restored, runtime, fake_users, target) -> None:
+        split, grid = runtime.split, restored.grid
+        remaining = np.setdiff1d(np.arange(split.num_users), fake_users)
+        records = private_records(grid, range(split.num_users))
+        theta = {k: v.numpy().astype(np.float64) for k, v in restored.arrays.items()}
+        settings = _settings(restored.config, fake_users, {"method": "hfkcu"}, split.num_users)
+        new, report = ClientUnlearning(restored.strategy, settings).run(grid, restored.arrays, restored.server_round)
+        step = {k: new[k].numpy().astype(np.float64) - theta[k] for k in theta}
+        n_r = np.bincount(np.concatenate([split.positives(int(u)) for u in remaining]), minlength=split.num_items)
+        n_f = np.bincount(np.concatenate([split.positives(int(u)) for u in fake_users]), minlength=split.num_items)
+        share = n_f / np.maximum(n_f + n_r, 1)
+        binned = popularity_bins(n_r, bins)
+        everything = np.arange(split.num_items)
+
+        def margins(arrays) -> tuple[np.ndarray, np.ndarray]:
+            got = scores(runtime, records, arrays, {int(u): everything for u in fake_users})
+            m, w = [], []
+            for user in fake_users:
+                s = got[int(user)]
+                free = np.ones(split.num_items, bool)
+                free[split.interacted(int(user))] = False
+                sums = np.bincount(binned[free], weights=s[free], minlength=bins)
+                counts = np.bincount(binned[free], minlength=bins)
+                reference = sums / np.maximum(counts, 1)
+                positives = split.positives(int(user))
+                m.append(s[positives] - reference[binned[positives]])
+                w.append(share[positives])
+            return np.concatenate(m), np.concatenate(w)
+
+        m0, w = margins(theta)
+
+        def stats(m: np.ndarray) -> dict:
+            dominated = w > 0.5
+            return {"weighted": float(np.sum(w * m) / np.sum(w)), "plain": float(m.mean()),
+                    "dominated": float(m[dominated].mean()) if dominated.any() else float("nan"),
+                    "proportional": float(np.mean(m - (1 - w) * m0))}
+
+        def percentile(arrays) -> float:
+            return exposure(runtime, records, arrays, remaining, target)["target-percentile"]
+
+        along = []
+        for a in ladder:
+            moved = {k: theta[k] + a * step[k] for k in theta}
+            along.append({"a": a, **stats(margins(moved)[0]), "target-percentile": percentile(moved)})
+            print(f"  a {a:5.2f} {along[-1]}", flush=True)
+        out.update({"report": report, "along": along, "target": int(target),
+                    "target-share": float(share[target]), "target-bin": int(binned[target])})
+        if (folder / "retrain-fake-users" / "retrained.npz").is_file():  # not kept for every setting
+            retrained_npz = np.load(folder / "retrain-fake-users" / "retrained.npz")
+            retrained = {k: retrained_npz[k].astype(np.float64) for k in theta}
+            out["retrained"] = {**stats(margins(retrained)[0]), "target-percentile": percentile(retrained)}
+            print("  retrained", out["retrained"], flush=True)
 
     on_snapshot(dataset, model, fakes, seed, body, data_dir=data_dir, cache=cache, target_seed=target_seed, name=name)
     atomic_write_json(folder / "original" / f"{name}.json", out)

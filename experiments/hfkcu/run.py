@@ -245,7 +245,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=["main", "forget", "poison", "poison-dev", "poison-replay",
                                          "poison-dev-sweep", "poison-probe", "poison-retime", "poison-profile",
-                                         "poison-level", "poison-dev-precond",
+                                         "poison-level", "poison-dev-precond", "poison-calibration", "poison-dev-margin",
                                          "report"])
     parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""),
                         help="folder holding <dataset>/ (default: $FEDREC_DATA_DIR; empty = download)")
@@ -304,6 +304,21 @@ def main(argv=None) -> None:
                                     runs=RESULTS / "runs" / ("poison-dev" if dev else "poison"), cache=CACHE,
                                     target_seed=DEV["target-seed"] if dev else 0, name=f"level-{args.name}")
         return
+    if args.part == "poison-calibration":  # the forgotten users' membership margins along the step (diagnostic)
+        from experiments.hfkcu.poison import DEV, calibration_probe, snapshot_path
+
+        for d in args.datasets.split(","):
+            for m in args.models.split(","):
+                for f in args.fakes.split(","):
+                    for seed in args.seeds.split(","):
+                        dev = int(seed) == DEV["seed"]
+                        if not snapshot_path(CACHE, d, m, int(f), int(seed),
+                                             DEV["target-seed"] if dev else 0).is_file():
+                            continue  # no saved federation of this setting
+                        calibration_probe(d, m, int(f), int(seed), data_dir=args.data_dir,
+                                          runs=RESULTS / "runs" / ("poison-dev" if dev else "poison"), cache=CACHE,
+                                          target_seed=DEV["target-seed"] if dev else 0, name=f"calibration-{args.name}")
+        return
     if args.part == "poison-probe":  # the line search's loss and the target along the step (--seeds 100: dev)
         from experiments.hfkcu.poison import DEV, probe
 
@@ -336,6 +351,16 @@ def main(argv=None) -> None:
             elif args.name != "probe" and not (folder / f"precond-{args.name}.json").is_file():
                 replay(d, m, f, DEV["seed"], chosen, data_dir=args.data_dir, runs=RESULTS / "runs" / "poison-dev",
                        cache=CACHE, target_seed=DEV["target-seed"], name=f"precond-{args.name}")
+        return
+    if args.part == "poison-dev-margin":  # the membership-margin step and the default on every development setting
+        from experiments.hfkcu.poison import DEV, DEV_EXTRA, DEV_MARGIN, DEV_NCF, replay, snapshot_path
+
+        for d, m, f in ((DEV["dataset"], DEV["model"], DEV["fakes"]),) + DEV_EXTRA + DEV_NCF:
+            folder = RESULTS / "runs" / "poison-dev" / d / m / f"fakes-{f}" / f"seed-{DEV['seed']}" / "original"
+            if m in args.models.split(",") and snapshot_path(CACHE, d, m, f, DEV["seed"], DEV["target-seed"]).is_file() \
+                    and not (folder / f"margin-{args.name}.json").is_file():
+                replay(d, m, f, DEV["seed"], DEV_MARGIN, data_dir=args.data_dir, runs=RESULTS / "runs" / "poison-dev",
+                       cache=CACHE, target_seed=DEV["target-seed"], name=f"margin-{args.name}")
         return
     if args.part == "poison-dev-sweep":
         from experiments.hfkcu.poison import DEV, DEV_REFINE, DEV_VARIANTS, replay
