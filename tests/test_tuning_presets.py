@@ -3,10 +3,14 @@ keys only, builds that code's layer shapes, and the block path trains it like th
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 import torch
 from flwr.app import RecordDict
 
+from conftest import tiny_run_config
 from test_blocks import USERS, _runtime, _shared, ml100k  # noqa: F401 - ml100k is a fixture
 
 from experiments.tuning import grid as G
@@ -14,6 +18,7 @@ from fedrec_flwr import blocks
 from fedrec_flwr.config import make_run_config
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.models import build_model
+from fedrec_flwr.serial import run_serial
 
 PUBLIC = "FedRecGEL, public NCF"
 ARCHITECTURE = {k: v for k, v in G.PRESETS[PUBLIC][1].items() if k in ("embedding-dim", "mlp-embedding-dim",
@@ -62,3 +67,28 @@ def test_block_path_gradients_of_the_wider_ncf_equal_the_models(ml100k):  # noqa
     torch.testing.assert_close(values, ref_values, rtol=1e-12, atol=1e-14)
     for key in reference:
         torch.testing.assert_close(grads[key], reference[key], rtol=1e-10, atol=1e-14, msg=key)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"client": "fedrecgel", "strategy": "server-optimizer", "rho-private": 0.02,
+                                            "mlp-embedding-dim": 12}], ids=["fedncf", "fedrecgel-wide"])
+def test_a_sparser_evaluation_schedule_trains_the_same_model(tmp_path, overrides):
+    """The protocol's sparser evaluation on a large dataset (``grid.EVAL_EVERY``) is sound: training
+    does not depend on when the server evaluates (users are drawn from (seed, round)), so evaluating every round or
+    only after the last one gives the same final model and the same last-round metrics."""
+    every = run_serial(tiny_run_config(tmp_path / "every", eval_every=1, num_server_rounds=4, **overrides))
+    last = run_serial(tiny_run_config(tmp_path / "last", eval_every=4, num_server_rounds=4, **overrides))
+    a, b = np.load(every / "final_arrays.npz"), np.load(last / "final_arrays.npz")
+    assert set(a.files) == set(b.files)
+    for key in a.files:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    rows = [[r for r in json.loads((f / "metrics.json").read_text()) if "HR@10" in r] for f in (every, last)]
+    assert [r["round"] for r in rows[1]] == [4] and len(rows[0]) == 4
+    assert rows[0][-1]["HR@10"] == rows[1][-1]["HR@10"] and rows[0][-1]["NDCG@5"] == rows[1][-1]["NDCG@5"]
+
+
+def test_amazon_video_evaluates_every_50_rounds_and_keeps_the_rounds_the_protocol_reads():
+    """Only the datasets listed in ``grid.EVAL_EVERY`` change the interval, and it divides both budgets, so round
+    100 and round 300 are evaluated."""
+    assert G.run_overrides("FedNCF", G.default_setting("FedNCF"), "amazon-video", 0, 300)["eval-every"] == 50
+    assert G.run_overrides("FedNCF", G.default_setting("FedNCF"), "ml-100k", 0, 300)["eval-every"] == 10
+    assert all(G.GRID_ROUNDS % e == 0 and G.LONG_ROUNDS % e == 0 for e in G.EVAL_EVERY.values())

@@ -7,6 +7,8 @@ Writes to ``experiments/tuning/results/``:
   centralized MF and NCF at the epoch chosen on validation, popularity, and the random ranker's expected value;
   then paired-by-seed differences (SAM on - off; best federated - popularity) and the share of the
   popularity-to-centralized-NCF gap the best federated method closes;
+* ``preset-<dataset>.csv/.md``: each preset (e.g. the public FedRecGEL code's wider NCF) beside its base method,
+  paired by seed;
 * ``curves-<dataset>.png``: test HR@10 per round of the 300-round runs, with popularity and centralized NCF drawn,
   on the full range and zoomed to the curves from round 50 on.
 """
@@ -181,6 +183,39 @@ def main_table(results: Path, dataset: str, data_dir: str) -> None:
     curves(results, dataset, selection, pop, per.get(("centralized NCF", 0), []))
 
 
+def preset_table(results: Path, dataset: str) -> None:
+    """``preset-<dataset>.md/.csv``: each preset of :data:`grid.PRESETS` beside its base method, at round 100 and 300
+    (test metrics, mean ± std over the finished seeds), and the paired-by-seed difference preset - base of HR@10 and
+    NDCG@10. Nothing is written when no preset run has finished."""
+    selection = selection_of(results, dataset)
+    table, lines = [], []
+    for preset, (base, keys) in G.PRESETS.items():
+        if base not in selection:
+            continue
+        setting = G.preset_setting(preset, selection[base]["setting"])
+        extra = ", ".join(f"{k}={v}" for k, v in keys.items() if k not in setting)
+        for rounds in (G.GRID_ROUNDS, G.LONG_ROUNDS):
+            ours = federated_rows(results, dataset, base, selection[base]["setting"], rounds)
+            theirs = federated_rows(results, dataset, preset, setting, rounds)
+            if not theirs:
+                continue
+            table.append({"round": rounds, **summarise(base, ours, selection[base]["name"])})
+            table.append({"round": rounds, **summarise(preset, theirs, f"{G.setting_name(setting)}; {extra}")})
+            for key in ("HR@10", "NDCG@10"):
+                lines.append(f"| {rounds} | {preset} - {base}, {key} | {paired(theirs, ours, key)} |")
+    if not table:
+        return
+    frame = pd.DataFrame(table)
+    write_csv(frame[["round", "method", "seeds", "setting", *(f"{m}-mean" for m in METRICS)]],
+              results / f"preset-{dataset}.csv")
+    atomic_write_text(results / f"preset-{dataset}.md",
+                      f"# {dataset}: presets beside their base method (test, mean ± std over seeds; the base's rates "
+                      "selected on the validation item)\n\n" + markdown(frame[["round", "method", "seeds", *METRICS,
+                                                                               "setting"]])
+                      + "\n# Paired-by-seed differences (preset - base; mean ± std over seeds, per seed)\n\n"
+                      + "| round | comparison | value |\n|---|---|---|\n" + "\n".join(lines) + "\n")
+
+
 ZOOM_FROM_ROUND = 50
 """The zoomed panel of ``curves-<dataset>.png`` fits its y-axis to the curves from this round on (and to the
 popularity and centralized lines): the early rounds and the random ranker would otherwise set the scale, and on
@@ -271,4 +306,5 @@ def write_all(results: Path, datasets, data_dir: str) -> None:
     for dataset in datasets:
         grid_table(results, dataset)
         main_table(results, dataset, data_dir)
+        preset_table(results, dataset)
     print(f"tables written to {results}", flush=True)
