@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import time
 import types
 from pathlib import Path
 
@@ -403,9 +404,12 @@ def retime(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, ru
                          forget_users=",".join(str(int(u)) for u in fake_users), num_server_rounds=rounds,
                          eval_every=1, fraction_evaluate=0.0)
     seconds: list[float] = []
+    started = time.perf_counter()
     run_serial(config, on_round=lambda view: seconds.append(float(view.strategy.last_train.get("train-seconds", 0.0))))
+    wall = time.perf_counter() - started  # the whole run: setup, training, the per-round hook (no evaluation)
     estimate = ROUNDS * sum(seconds) / len(seconds)
     out = {"rounds-trained": rounds, "train-seconds": seconds, "retrain-estimate-seconds": estimate,
+           "retrain-wall-seconds": wall,
            "phases": {r["variant"]: {"seconds": r["seconds"], "speedup": estimate / r["seconds"],
                                      "target-percentile": r.get("target-percentile")}
                       for r in rows if r["variant"] != "original"}}
@@ -533,6 +537,15 @@ def level_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: st
     on_snapshot(dataset, model, fakes, seed, body, data_dir=data_dir, cache=cache, target_seed=target_seed, name=name)
     atomic_write_json(folder / "original" / f"{name}.json", out)
     return out
+
+
+RETIMED_MARGIN = {
+    **WARM_UP,
+    "re-timed: HF-KCU distributed (default)": {"method": "hfkcu"},
+    "re-timed: HF-KCU distributed, membership margin": {"method": "hfkcu", "line_search": "membership-margin"},
+}
+"""Issue 18, fifth session: both arms timed back to back against the whole 100-round retraining at the current
+training default (block training), ``poison-retime --name margin --rounds 100``."""
 
 
 def precond_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, runs: Path, cache: Path,

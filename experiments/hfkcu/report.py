@@ -130,6 +130,7 @@ def report(results: Path, data_dir: str) -> None:
     level_report(results)
     precond_report(results)
     precond_report(results, "poison", "poison-precond.md")
+    margin_report(results)
     forget_report(results, data_dir)
     frame = collect(results, data_dir)
     if frame.empty:
@@ -165,8 +166,10 @@ def report(results: Path, data_dir: str) -> None:
 
 DEFAULT_VARIANT = "HF-KCU distributed (default)"
 LINE_SEARCH_VARIANT = "HF-KCU distributed, line search on L_R"
-ACCEPTANCE_VARIANTS = (DEFAULT_VARIANT, LINE_SEARCH_VARIANT)
-"""The variants whose acceptance is tabulated side by side: the fixed trust radius and the line search."""
+MARGIN_VARIANT = "HF-KCU distributed, membership margin"
+ACCEPTANCE_VARIANTS = (DEFAULT_VARIANT, LINE_SEARCH_VARIANT, MARGIN_VARIANT)
+"""The variants whose acceptance is tabulated side by side: the fixed trust radius, the line search and the
+membership-margin step."""
 ACCEPT = {"closed": 0.70, "overshoot": 0.10, "hr-points": 1.0, "speedup": 10.0}
 """Issue 18's acceptance at the defaults: close >= 70% of the original -> retrained gap in target percentile, never
 overshoot past retrained by more than 10% of the gap, HR@10 within 1 point of retrained, >= 10x faster."""
@@ -211,6 +214,9 @@ def _poison_rows(folder: Path) -> list[dict]:
                          "termination": row.get("cg-termination", ""),
                          "line-search": (f"{row['line-search-step']:.3g} ({row['line-search-termination']}, "
                                          f"{row['line-search-rounds']} rounds)" if "line-search-step" in row else ""),
+                         "margin": (f"{row['margin-step']:.3g} ({row['margin-termination']}, {row['margin-rounds']} "
+                                    f"rounds, {row.get('margin-dominated-items', 0)} dominated)"
+                                    if "margin-step" in row else ""),
                          "dropped": row.get("local-cg-dropped", float("nan"))})
     return rows
 
@@ -265,7 +271,7 @@ def poison_report(results: Path) -> None:
                                                            f"{'yes' if checks['hr'] else 'NO'}",
                            "speedup >= 10x": f"{row['speedup']:.1f} {'yes' if checks['speedup'] else 'NO'}",
                            "solve ended by": row["termination"],
-                           "line search": row.get("line-search", "")})
+                           "line search": row.get("line-search", "") or row.get("margin", "")})
     if accept:
         summary_lines = [f"- {variant!r}: all four criteria met in {c['all']} of {c['settings']} settings (closed "
                          f"{c['closed']}, overshoot {c['overshoot']}, HR@10 {c['hr']}, speedup {c['speedup']})"
@@ -275,7 +281,9 @@ def poison_report(results: Path) -> None:
             f"Variants: {', '.join(repr(v) for v in ACCEPTANCE_VARIANTS)}. {DEFAULT_VARIANT!r} is the fixed trust "
             "radius (`line-search = \"none\"`, the run config's defaults); the line search chooses the multiple of "
             "the same trust-region step that minimises the remaining users' summed training loss "
-            "(`line-search = \"remaining-loss\"`). Speedup: retraining's training seconds over the phase's wall "
+            "(`line-search = \"remaining-loss\"`); the membership margin scales it until the forgotten users' mean "
+            "margin on the items they dominate reaches 0 (`line-search = \"membership-margin\"`, `poison-margin.md`). "
+            "Speedup: retraining's training seconds over the phase's wall "
             "seconds, both on the same shared 2-core machine, but not at the same load: replayed phases "
             "(`replay*.json`) ran when the replay did, and the machine's load varied 2-6x over the session; "
             "`runs/poison-retime/*/retrain-rate.json` compares both arms with retraining at one load. line search: "
@@ -531,3 +539,45 @@ def precond_report(results: Path, folder: str = "poison-dev", out_name: str = "p
         "## Radius at which the target reaches the retrained percentile", "", markdown(pd.DataFrame(needed)), "",
         "## Settings met per arm and radius", "", markdown(counts[["arm", "radius", "settings met"]]), "",
         "## Every run", "", markdown(shown)]))
+
+
+def margin_report(results: Path) -> None:
+    """``poison-margin.md``: the membership-margin step (``line-search = "membership-margin"``) against the default
+    (fixed radius) on the development settings (``runs/poison-dev``, ``margin-*.json``) and on the reported ones
+    (``runs/poison``), per setting: target percentile, closed share, overshoot, HR@10 against retrained, the chosen
+    multiple of the default step and how the search ended, phase seconds; and how many settings each arm meets
+    (closed >= 0.70, overshoot <= 0.10, |HR@10 - retrained| <= 1 pt; speed is reported, not counted: the phases ran
+    at other loads than the retraining, see ``runs/poison-retime/*/retime-margin-rate.json``)."""
+    tables, counts = [], []
+    for folder in ("poison-dev", "poison"):
+        rows = [r for r in _poison_rows(results / "runs" / folder) if r["variant"] in (DEFAULT_VARIANT, MARGIN_VARIANT)]
+        if not rows:
+            continue
+        frame = pd.DataFrame(rows).drop_duplicates(["dataset", "model", "fakes", "seed", "variant"])
+        frame["met"] = ((frame["closed"] >= ACCEPT["closed"]) & (frame["overshoot"] <= ACCEPT["overshoot"])
+                        & (frame["HR@10-minus-retrained"].abs() <= ACCEPT["hr-points"]))
+        frame["set"] = "development" if folder == "poison-dev" else "reported"
+        tables.append(frame)
+        for variant, block in frame.groupby("variant"):
+            counts.append({"set": frame["set"].iloc[0], "arm": variant,
+                           "settings met": f"{int(block['met'].sum())} of {len(block)}"})
+    if not tables:
+        return
+    frame = pd.concat(tables).sort_values(["set", "dataset", "model", "fakes", "seed", "variant"])
+    shown = frame[["set", "dataset", "model", "fakes", "seed", "variant", "target-percentile", "closed", "overshoot",
+                   "HR@10-minus-retrained", "margin", "seconds", "MB-sent", "met"]].copy()
+    for column in ("target-percentile", "closed", "overshoot"):
+        shown[column] = shown[column].map(lambda v: f"{v:.3f}")
+    shown["HR@10-minus-retrained"] = shown["HR@10-minus-retrained"].map(lambda v: f"{v:+.2f}")
+    for column in ("seconds", "MB-sent"):
+        shown[column] = shown[column].map(lambda v: "" if v != v else f"{v:.1f}")
+    atomic_write_text(results / "poison-margin.md", "\n".join([
+        "# Membership-margin step vs the fixed radius (generated)", "",
+        "Arms: 'HF-KCU distributed (default)' (Steihaug CG, Gauss-Newton, trust radius 0.015, `line-search = "
+        "\"none\"`) and 'HF-KCU distributed, membership margin' (`line-search = \"membership-margin\"`: the same "
+        "step times the multiple a at which the forgotten users' mean logit margin on the items they dominate, over "
+        "the same-popularity items they never rated, reaches 0; `fedrec_flwr/unlearn_margin.py`). margin: a, how "
+        "the search ended, its query rounds and the dominated items. met: closed >= 0.70, overshoot <= 0.10, "
+        "|HR@10 - retrained| <= 1 pt (speed reported, not counted). Development: seed and target 100 "
+        "(`poison-dev-margin`); reported: the acceptance settings (`poison-replay --only \"membership margin\"`).",
+        "", markdown(pd.DataFrame(counts)), "", markdown(shown.fillna(""))]))

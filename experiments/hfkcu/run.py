@@ -257,6 +257,7 @@ def main(argv=None) -> None:
     parser.add_argument("--only", default="", help="poison-replay: replay only the variants whose name contains "
                         "one of these comma-separated strings")
     parser.add_argument("--changes", default="{}", help="poison-probe: JSON of UnlearningSettings fields")
+    parser.add_argument("--rounds", type=int, default=10, help="poison-retime: retraining rounds timed (scaled to 100)")
     parser.add_argument("--name", default="replay", help="poison-replay / poison-dev-sweep: the output's name")
     args = parser.parse_args(argv)
     quiet_flower()
@@ -278,16 +279,17 @@ def main(argv=None) -> None:
                       changes=json.loads(args.changes))
         return
     if args.part == "poison-retime":  # phase vs retraining time at one machine load (first --seeds only)
-        from experiments.hfkcu.poison import RETIMED_CAPPED, RETIMED_SAMPLED, retime
+        from experiments.hfkcu.poison import RETIMED_CAPPED, RETIMED_MARGIN, RETIMED_SAMPLED, retime
 
         # --name capped: cg-iterations 1 / 2; --name sampled: curvature-sample 0.5 / 0.25 (each against the default)
         extra = {"capped": {"variants": RETIMED_CAPPED, "name": "retime-capped"},
-                 "sampled": {"variants": RETIMED_SAMPLED, "name": "retime-sampled"}}.get(args.name, {})
+                 "sampled": {"variants": RETIMED_SAMPLED, "name": "retime-sampled"},
+                 "margin": {"variants": RETIMED_MARGIN, "name": "retime-margin"}}.get(args.name, {})
         for d in args.datasets.split(","):
             for m in args.models.split(","):
                 for f in args.fakes.split(","):
                     retime(d, m, int(f), int(args.seeds.split(",")[0]), data_dir=args.data_dir,
-                           runs=RESULTS / "runs" / "poison-retime", cache=CACHE, **extra)
+                           runs=RESULTS / "runs" / "poison-retime", cache=CACHE, rounds=args.rounds, **extra)
         return
     if args.part == "poison-level":  # the forgotten users' loss along the step vs the retrained model's (diagnostic)
         from experiments.hfkcu.poison import DEV, level_probe, snapshot_path
