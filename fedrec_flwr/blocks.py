@@ -174,12 +174,14 @@ class BlockAdam:
         block sorted by size has its users with a mini-batch left at the front)."""
         beta1, beta2 = ADAM_BETAS
         self.steps[:count] += 1
-        if FUSED_ADAM and count and all(g.is_contiguous() for g in grads.values()):
+        if FUSED_ADAM and count and all(p.is_contiguous() for p in params.values()):
             steps = self.steps[:count]
             if bool((steps == steps[0]).all()):  # one step count (a fresh optimizer): torch's fused kernel
                 names = list(params)
                 step = [steps[0].clone() for _ in names]
-                torch._fused_adam_([params[n] for n in names], [grads[n] for n in names],
+                # the kernel needs contiguous tensors; autograd gives NCF's MLP weights (used transposed in
+                # batched_loss) transposed gradients, which took every NCF block to the eight-pass formula before
+                torch._fused_adam_([params[n] for n in names], [grads[n].contiguous() for n in names],
                                    [self.moments[n][0][:count] for n in names],
                                    [self.moments[n][1][:count] for n in names], [], step, lr=self.lr, beta1=beta1,
                                    beta2=beta2, weight_decay=0.0, eps=ADAM_EPS, amsgrad=False, maximize=False)
