@@ -30,7 +30,8 @@ Run-config keys:
   to the majority class and write the attribute into the embeddings, issue 14).
 * ``adversary-embedding-optimizer``: ``"local"`` (the adversarial gradient is part of the loss the local optimizer
   steps; Adam normalises its size away) or ``"sgd"`` (a plain SGD step of size ``learning-rate`` on the reversed
-  gradient, keeping its size; needs ``adversary-training = "server"`` and ``client = "fedau2"``).
+  gradient, or on the entropy pull with ``adversary-objective = "entropy"``, keeping its size; needs
+  ``adversary-training = "server"`` and ``client = "fedau2"``).
 * ``adversary-class-prior``: ``""`` or a public class prior (e.g. the dataset's published shares), the same for every
   user: ``h_w`` is trained with the logit-adjusted loss so its raw decision is balanced; no message carries a count.
 * ``adversary-warmup-rounds`` = k (ours): a GRL warm-up, ``eps = 0`` in rounds 1..k while ``h_w`` learns
@@ -83,13 +84,11 @@ class AttributeUnlearning:
             raise ConfigError(f"run-config key 'client' = {config.client!r}: attribute unlearning needs a model with a "
                               f"user embedding (model = 'mf' or 'ncf'), got model = 'pfedrec'")
         if config.adversary_embedding_optimizer == "sgd" and (
-                config.adversary_training != "server" or config.adversary_objective != "reverse"
-                or not issubclass(cls, FedAU2Client)):
+                config.adversary_training != "server" or not issubclass(cls, FedAU2Client)):
             raise ConfigError(
-                "run-config key 'adversary-embedding-optimizer' = 'sgd' needs adversary-training = 'server', "
-                f"adversary-objective = 'reverse' and client = 'fedau2' (got {config.adversary_training!r}, "
-                f"{config.adversary_objective!r}, {config.client!r}; FedRecGEL's SAM evaluates the loss three times per "
-                "step, so its adversarial term must stay a loss: use 'local')")
+                "run-config key 'adversary-embedding-optimizer' = 'sgd' needs adversary-training = 'server' and "
+                f"client = 'fedau2' (got {config.adversary_training!r}, {config.client!r}; FedRecGEL's SAM evaluates "
+                "the loss three times per step, so its adversarial term must stay a loss: use 'local')")
         if config.dsvae_noise_placement == "all" and (config.adversary != "dsvae"
                                                       or config.adversary_training != "server"):
             raise ConfigError(

@@ -45,8 +45,9 @@ its local copy of ``h_w`` on its own label with its local optimizer, and the str
 EMBEDDING_OPTIMIZERS = ("local", "sgd")
 """Who applies the adversarial term's gradient to the user embedding (``adversary-embedding-optimizer``): ``"local"``,
 the local trainer's optimizer (Adam by default: it normalises the reversed gradient away, so ``eps`` only decides which
-coordinates move), or ``"sgd"``: a plain SGD step of size ``learning-rate`` on the reversed gradient, which keeps its
-size (``eps`` then scales the step)."""
+coordinates move), or ``"sgd"``: a plain SGD step of size ``learning-rate`` on the reversed gradient (or, with
+``adversary-objective = "entropy"``, on the pull toward ``h_w``'s uniform prediction), which keeps its size (``eps``
+then scales the step; the pull's step shrinks to 0 as the embedding reaches the uniform point, where Adam's does not)."""
 NOISE_PLACEMENTS = ("head", "all")
 """Which parameters' uploaded gradients get DSVAE's label-masking noise (``dsvae-noise-placement``, server training):
 ``"head"``, the last layer only (as first built: iDLG reads the head's bias gradient ``p - onehot(a)``), or ``"all"``
@@ -344,7 +345,11 @@ class AdversarialTerm:
             steps; ``> 0`` (``"sgd"``, needs ``frozen``): at each call the term takes the plain SGD step
             ``e_u <- e_u + embedding_step * eps_u * dCE(h_w(e_u), a)/de_u`` itself (the GRL's reversed gradient at its
             full size; ours: an operator split, the recommendation step follows with the trainer's optimizer) and
-            returns 0.
+            returns 0. With ``objective = "entropy"`` the step is the pull's,
+            ``e_u <- e_u - embedding_step * eps_u * dH_x(uniform, softmax(h_w(e_u)))/de_u`` (ours, issue 14: Adam
+            moves each coordinate by about its rate whatever the pull's size, about 0.06 per local round on
+            MovieLens-100K against an embedding spread of about 0.1, so the pull can overshoot the uniform point;
+            SGD's step shrinks to 0 there).
         log_prior: ``(C,)`` log class prior for the logit-adjusted loss (:func:`_cross_entropy`), or ``None``.
 
     Attributes:
@@ -377,9 +382,9 @@ class AdversarialTerm:
         self.steps = self.triggered = 0
         if embedding_step < 0 or not math.isfinite(embedding_step):
             raise ValueError(f"AdversarialTerm: embedding_step must be a finite number >= 0, got {embedding_step!r}")
-        if embedding_step > 0 and not (frozen and objective == "reverse"):
+        if embedding_step > 0 and not frozen:
             raise ValueError("AdversarialTerm: an SGD embedding step needs the frozen global adversary "
-                             "(adversary-training = 'server') and objective = 'reverse'")
+                             "(adversary-training = 'server')")
         self.frozen, self.embedding_step = bool(frozen), float(embedding_step)
         self.log_prior = None if log_prior is None else log_prior.to(adversary.head.weight.device)
 
@@ -389,9 +394,16 @@ class AdversarialTerm:
         return torch.func.functional_call(self.adversary, params, (u,))
 
     def _sgd_step(self, u: torch.Tensor, strength: float) -> None:
-        """``e_u <- e_u + embedding_step * strength * dCE/de_u`` on the model's user rows, in place."""
+        """``e_u <- e_u + embedding_step * strength * dCE/de_u`` (``"reverse"``) or ``e_u <- e_u - embedding_step *
+        strength * dH_x(uniform, softmax(h_w(e_u)))/de_u`` (``"entropy"``) on the model's user rows, in place."""
         leaf = u.detach().requires_grad_(True)
-        (grad,) = torch.autograd.grad(_cross_entropy(self._frozen_logits(leaf), self._target, self.log_prior), leaf)
+        if self.objective == "entropy":
+            uniform_ce = -F.log_softmax(self.adversary.predict_logits(leaf), dim=-1).mean()  # as the local pull's
+            (grad,) = torch.autograd.grad(uniform_ce, leaf)
+            grad = -grad  # the step below adds: descend H_x
+        else:
+            (grad,) = torch.autograd.grad(_cross_entropy(self._frozen_logits(leaf), self._target, self.log_prior),
+                                          leaf)
         step = self.embedding_step * strength * grad[0]
         with torch.no_grad():
             start = 0
@@ -415,6 +427,10 @@ class AdversarialTerm:
         if self.objective == "reverse":
             logits = self.adversary(grad_reverse(u, strength))
             return _cross_entropy(logits, self._target, self.log_prior) + self.kl_weight * self.adversary.regulariser()
+        if self.frozen and self.embedding_step > 0:  # the pull's own SGD step (entropy); nothing for the optimizer
+            if strength > 0:
+                self._sgd_step(u, strength)
+            return u.new_zeros(())
         if self.frozen:  # h_w is trained by the server: only the embedding's pull below
             loss = u.new_zeros(())
         else:

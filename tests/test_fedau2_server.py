@@ -207,3 +207,39 @@ def test_server_step_state_survives_a_checkpoint_round_trip():
                                   expected[keys[0]].numpy())
     fresh = AdversaryServerStep(keys, optimizer="adam", learning_rate=0.1).apply(first, replies[1], first)
     assert not np.array_equal(fresh[keys[0]].numpy(), expected[keys[0]].numpy())  # the moments matter
+
+
+def test_sgd_entropy_pull_steps_by_exactly_lr_eps_grad_and_not_at_the_uniform_point():
+    """Issue 14, fifth session (``adversary-embedding-optimizer = "sgd"`` with ``adversary-objective = "entropy"``):
+    the term takes the plain step ``e_u <- e_u - lr * eps * dH_x(uniform, softmax(W e_u + b))/de_u`` itself, which for
+    a linear ``h_w`` is ``-lr * eps * W^T (softmax(W e_u + b) - 1/C)`` (hand-computed in float64), returns a constant
+    0 for the local optimizer, and does not move an embedding where ``h_w`` already predicts every class equally
+    (Adam's step there would still be about its rate)."""
+    from fedrec_flwr.adversary import AdversarialTerm
+    from fedrec_flwr.models import build_model
+
+    lr, eps, classes = 0.1, 3.0, 3
+    model = build_model("mf", 1, 10, embedding_dim=4, seed=5)
+    gen = torch.Generator().manual_seed(7)
+    model.attach_shared_module(ADVERSARY_MODULE, AttributeAdversary(4, classes, 0, generator=gen))
+    w = model.adversary.head.weight.detach().double().numpy()
+    b = model.adversary.head.bias.detach().double().numpy()
+    u0 = model.user_embedding.weight.detach().double().numpy()[0].copy()
+    logits = w @ u0 + b
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    expected = -lr * eps * w.T @ (p - 1.0 / classes)
+    assert np.abs(expected).max() > 1e-4
+    term = AdversarialTerm(model, label=1, epsilon=eps, trigger="always", kl_weight=0.0,
+                           generator=torch.Generator().manual_seed(0), objective="entropy", frozen=True,
+                           embedding_step=lr)
+    loss = term()
+    assert float(loss) == 0.0 and not loss.requires_grad
+    change = model.user_embedding.weight.detach().double().numpy()[0] - u0
+    np.testing.assert_allclose(change, expected, rtol=1e-5, atol=5e-8)  # float32 embedding: ulp ~ 7e-9 at 0.1
+    with torch.no_grad():  # h_w constant in e_u: uniform prediction everywhere, so the pull's step is 0
+        model.adversary.head.weight.zero_()
+        model.adversary.head.bias.zero_()
+    before = model.user_embedding.weight.detach().clone()
+    term()
+    assert torch.equal(model.user_embedding.weight.detach(), before)

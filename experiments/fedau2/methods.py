@@ -189,6 +189,20 @@ any of its selection runs, drops 0.03 (on gender's validation runs 0.03 left Fed
 and the eps-0.1 arm's age AUCs on seed 1 are 0.564 / 0.575, so a weaker pull cannot be in the band; the 2-core
 machine's clock allows three runs) and starts at 0.3, the likeliest in the band. Same rule
 (:func:`experiments.fedau2.report.select_epsilon`), read on age's attacker AUCs."""
+SGD_PULL_ARM = f"{NCF_SERVER_ARM}, SGD embedding step"
+"""Issue 14, fifth session: :data:`NCF_SERVER_ARM` with the entropy pull applied by its own plain SGD step
+(``adversary-embedding-optimizer = "sgd"``: ``e_u <- e_u - learning-rate * eps * dH/de_u``) instead of inside the
+local Adam step. Adam moves each coordinate by about its rate (0.01) per step whatever the pull's size, comparable to the
+embeddings' spread (~0.1), so the pull can overshoot the uniform point and cost HR@10 (age on FedNCF, validation seed
+3: eps 0.3 cost 11% validation HR@10 and still left the MLP attacker at 0.557); SGD's step shrinks to 0 there and moves
+the embedding only in ``h_w``'s row space (7 of 64 directions for age)."""
+SELECTION_GRIDS = {(NCF_SERVER_ARM, attribute): grid for attribute, grid in SELECTION_EPSILONS_BY_ATTRIBUTE.items()}
+SELECTION_GRIDS[(SGD_PULL_ARM, "age")] = (10.0, 30.0)
+"""eps grid of ``select-eps`` per (arm, attribute). The SGD pull's, fixed before its runs from the step's scale (not
+from any HR@10): with FedNCF's age ``h_w`` of seed 1 (eps 0.1 run; top singular value 5.5, the pull's gradient about
+0.05 per coordinate at embeddings of spread 0.1), eps = 10 moves a coordinate by about 0.005 per step (half of Adam's
+quantum) and eps = 30 by 0.015; both below the SGD stability limit ``2 / L`` (``L`` about 4.3, i.e. eps < 46)."""
+ARMS[SGD_PULL_ARM] = {**ARMS[NCF_SERVER_ARM], "adversary-embedding-optimizer": "sgd"}
 SELECTION_KEYS = {"holdout-validation": True, "evaluate-validation": True}
 """The selection runs hold out each user's second-latest interaction as a validation item and rank it at every
 evaluation: eps is chosen on it, never on the test item (:func:`experiments.fedau2.report.select_epsilon`)."""

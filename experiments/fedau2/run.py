@@ -36,7 +36,7 @@ import pandas as pd
 from experiments.common import claimed, quiet_flower, run_jobs, slug
 from experiments.fedau2.methods import (
     ARMS, ATTRIBUTES, AUDIT_SEED, CLASS_PRIORS, EPSILONS, MODELS, NCF_SERVER_ARM, NCF_SERVER_EPSILONS, PROTOCOL,
-    SELECTION_EPSILONS_BY_ATTRIBUTE, SELECTION_KEYS, SELECTION_SEED, SERVER_ARM, SERVER_EPSILONS, uses_attribute,
+    SELECTION_GRIDS, SELECTION_KEYS, SELECTION_SEED, SERVER_ARM, SERVER_EPSILONS, uses_attribute,
     uses_prior,
 )
 from fedrec_flwr.attacks import attribute_inference, collect_user_embeddings
@@ -174,9 +174,9 @@ def jobs_tradeoff_server_ncf(args) -> list:
 
 
 def jobs_select_eps(args) -> list:
-    """Issue 14: the eps of ``NCF_SERVER_ARM`` chosen on the validation item (``holdout-validation``): the original
-    model and the arm at each eps of ``SELECTION_EPSILONS_BY_ATTRIBUTE`` per ``--attributes`` (default gender), seed
-    ``SELECTION_SEED`` (``--seeds`` overrides), per ``--models``; the rule is
+    """Issue 14: the eps of each ``--selection-arms`` arm (default ``NCF_SERVER_ARM``) chosen on the validation item
+    (``holdout-validation``): the original model and the arm at each eps of ``SELECTION_GRIDS[arm, attribute]`` per
+    ``--attributes`` (default gender), seed ``SELECTION_SEED`` (``--seeds`` overrides), per ``--models``; the rule is
     :func:`experiments.fedau2.report.select_epsilon`. The original model has no adversary: one run serves every
     attribute (it is attacked on all of them)."""
     jobs = []
@@ -185,10 +185,15 @@ def jobs_select_eps(args) -> list:
             folder = RUNS / "select-eps" / model
             jobs.append((run_config(model, "original", "gender", seed, args.data_dir, folder, f"original-seed{seed}",
                                     **SELECTION_KEYS), "gender"))
-            jobs += [(run_config(model, NCF_SERVER_ARM, attribute, seed, args.data_dir, folder,
-                                 f"{slug(NCF_SERVER_ARM)}-{attribute}-eps{eps:g}-seed{seed}",
-                                 **{"adversary-epsilon": eps, **SELECTION_KEYS}), attribute)
-                     for attribute in args.attributes for eps in SELECTION_EPSILONS_BY_ATTRIBUTE[attribute]]
+            for arm in args.selection_arms:
+                for attribute in args.attributes:
+                    if (arm, attribute) not in SELECTION_GRIDS:
+                        raise SystemExit(f"select-eps: no eps grid declared for arm {arm!r} and attribute "
+                                         f"{attribute!r} (methods.SELECTION_GRIDS)")
+                    jobs += [(run_config(model, arm, attribute, seed, args.data_dir, folder,
+                                         f"{slug(arm)}-{attribute}-eps{eps:g}-seed{seed}",
+                                         **{"adversary-epsilon": eps, **SELECTION_KEYS}), attribute)
+                             for eps in SELECTION_GRIDS[arm, attribute]]
     return jobs
 
 
@@ -208,6 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="default: 0 1 2 (main), 0 (tradeoff)")
     parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""),
                         help="folder holding ml-100k/ (default $FEDREC_DATA_DIR; empty = download)")
+    parser.add_argument("--selection-arms", nargs="+", default=[NCF_SERVER_ARM], choices=sorted({a for a, _ in
+                                                                                              SELECTION_GRIDS}),
+                        help="select-eps: the arms whose eps is chosen (grids: methods.SELECTION_GRIDS)")
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job starting at i")
     args = parser.parse_args(argv)
     if args.seeds is None:
