@@ -51,8 +51,9 @@ STABILITY_EVERY = 10
 
 def run_config(model: str, arm: str, attribute: str, seed: int, data_dir: str, folder: Path, name: str, **extra):
     """The validated run config of one job (``attribute`` is the protected one; ignored by arms without adversary)."""
-    overrides = {**PROTOCOL, **MODELS[model], **ARMS[arm], **extra, "seed": seed,
-                 "users-per-node": 1 if seed == AUDIT_SEED else 100, "results-dir": str(folder), "run-name": name}
+    overrides = {**PROTOCOL, **MODELS[model], **ARMS[arm], "seed": seed,
+                 "users-per-node": 1 if seed == AUDIT_SEED else 100, **extra, "results-dir": str(folder),
+                 "run-name": name}
     if uses_attribute(arm):
         overrides["protected-attribute"] = attribute
         if uses_prior(arm):
@@ -128,6 +129,9 @@ def run_job(job) -> Path:
 
 
 def jobs_main(args) -> list:
+    """``main``'s jobs; ``--users-per-node k`` overrides the protocol's (1 for the audit seed, else 100), e.g. to run
+    seed 0 without the one-user audit when the clock is short (the run's config.json records it)."""
+    extra = {} if args.users_per_node is None else {"users-per-node": args.users_per_node}
     jobs = []
     for seed in args.seeds:
         for model in args.models:
@@ -135,11 +139,11 @@ def jobs_main(args) -> list:
                 if not uses_attribute(arm):
                     if "gender" in args.attributes:  # attacked on every attribute; tracked on gender
                         jobs.append((run_config(model, arm, "gender", seed, args.data_dir, RUNS / "main" / model,
-                                                f"{slug(arm)}-seed{seed}"), "gender"))
+                                                f"{slug(arm)}-seed{seed}", **extra), "gender"))
                     continue
                 for attribute in args.attributes:
                     jobs.append((run_config(model, arm, attribute, seed, args.data_dir, RUNS / "main" / model,
-                                            f"{slug(arm)}-{attribute}-seed{seed}"), attribute))
+                                            f"{slug(arm)}-{attribute}-seed{seed}", **extra), attribute))
     return jobs
 
 
@@ -216,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--selection-arms", nargs="+", default=[NCF_SERVER_ARM], choices=sorted({a for a, _ in
                                                                                               SELECTION_GRIDS}),
                         help="select-eps: the arms whose eps is chosen (grids: methods.SELECTION_GRIDS)")
+    parser.add_argument("--users-per-node", type=int, default=None,
+                        help="main: users per node for every seed (default: 1 for the audit seed 0, else 100)")
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job starting at i")
     args = parser.parse_args(argv)
     if args.seeds is None:
