@@ -77,3 +77,25 @@ def test_the_servers_fedavg_of_dense_keys_is_flowers_bit_for_bit():
     for key in ("w", "b"):
         assert ours[key].dtype == reference[key].numpy().dtype
         np.testing.assert_array_equal(ours[key], reference[key].numpy())
+
+
+@pytest.mark.parametrize(("rows", "ok"), [([1, 4, 7], True), ([7, 1, 4], True), ([1, 4, 4], False),
+                                          ([4, 1, 4], False), ([2], True)])
+def test_a_contribution_refuses_repeated_rows_sorted_or_not(tmp_path, rows, ok):
+    """``Contribution.add_user`` skips the sort for strictly increasing rows (what clients send) and still refuses a
+    repeated row in any order."""
+    from fedrec_flwr.wire import ROWS, Contribution, ReplyError
+
+    layout = get_runtime(tiny_run_config(tmp_path)).layout
+    dense = {key: np.zeros(layout.shared_shapes[key], np.float32) for key in layout.dense_keys}
+    ids = np.asarray(rows, dtype=np.int64)
+    item_rows = {key: (ids, np.ones((len(ids), layout.shared_shapes[key][1]), np.float32)) for key in layout.item_keys}
+    contribution = Contribution(layout)
+    if ok:
+        contribution.add_user(dense, item_rows, 3, 0.5)
+        packed = contribution.pack()
+        key = layout.item_keys[0]
+        np.testing.assert_array_equal(packed[key + ROWS], np.sort(ids))
+    else:
+        with pytest.raises(ReplyError, match="unique"):
+            contribution.add_user(dense, item_rows, 3, 0.5)
