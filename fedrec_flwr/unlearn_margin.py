@@ -14,8 +14,10 @@ popularity bin of ``j``: :data:`MARGIN_BINS` equal-size bins of the items ranked
 training positives per item). Before unlearning ``m_fj > 0`` (``f`` trained ``j`` up: membership); a model that never
 saw ``f`` gives ``m_fj ≈ 0`` on the dominated items, because nothing but ``f``'s data singled ``j`` out from its
 popularity peers. (On the four FedMF development federations of ``experiments/hfkcu``, seed and target 100, the
-mean margin over the dominated positives was 1.3 / 0.60 / 2.9 / 1.0 at the trained model and 0.11 / 0.02 / -0.18 /
--0.09 at the model retrained without the fakes: a diagnostic that read the retrained model, ``results/poison-margin.md``.)
+mean margin over the dominated positives was 2.3 / 0.60 / 2.9 / 1.0 at the trained model and 0.11 / 0.02 / -0.18 /
+-0.09 at the model retrained without the fakes; over *all* their positives it stayed 0.66 / 0.58 / 1.8 / 1.8 after
+retraining, because the fakes' popular fillers keep their fit: a diagnostic that read the retrained model,
+``experiments/hfkcu/results/runs/poison-dev/*/FedMF/*/seed-100/original/calibration-1.json``.)
 
 **The rule.** With the solver's step ``x`` (Steihaug CG at the trust radius) as a direction, choose ``a >= 0`` with
 
@@ -27,7 +29,7 @@ nothing to forget by this measure, no step. No dominated item among the forgotte
 set, whose items all have many remaining raters): the rule has nothing to calibrate on and the phase keeps the
 solver's step (``a = 1``), reported as ``margin-termination = "no-dominated-items"``.
 
-**Protocol and privacy.** Two query rounds kinds, each answered with sums only:
+**Protocol and privacy.** Two kinds of query round, each answered with sums only:
 ``unlearn_counts`` (every node: ``n_R`` over its remaining users and ``n_F`` over its forgotten users, two
 ``(I,)`` count vectors, node totals as the item rows a training reply touches; no model is sent) and
 ``unlearn_margin`` (only the forgotten users' nodes: for each step ``a_k`` the sum of ``m_fj`` over their forgotten
@@ -200,22 +202,44 @@ def margin_sums(runtime, clients: Sequence, shared, direction, steps: Sequence[f
     Returns:
         ``((K,) float64 sums, count)``: node totals only.
     """
+    import torch
+
+    from fedrec_flwr.influence import can_batch, node_model
     from fedrec_flwr.training import score_candidates
 
     split = runtime.split
-    everything = np.arange(split.num_items)[None, :]
     bins = np.asarray(bins, dtype=np.int64)
     totals = np.zeros(len(steps), dtype=np.float64)
+    if not clients:
+        return totals, 0
+    clients = list(clients)
+    batched = len(clients) > 1 and can_batch(runtime.model)
+    if batched:  # every user's private rows in one model: one scoring pass per step (as the HVP queries batch)
+        model = node_model(runtime, len(clients))
+        rows: dict[str, list] = {}
+        for client in clients:
+            client.load_private()
+            for key, value in runtime.model.private_state().items():
+                rows.setdefault(key, []).append(value)
+        model.load_private_state({k: torch.cat(v) for k, v in rows.items()})
+    everything = np.broadcast_to(np.arange(split.num_items), (len(clients) if batched else 1, split.num_items))
     count = 0
     for index, step in enumerate(steps):
-        moved = {k: np.asarray(shared[k], np.float64) + float(step) * np.asarray(direction[k], np.float64)
-                 for k in shared}
-        moved = {k: v.astype(np.asarray(shared[k]).dtype) for k, v in moved.items()}
-        for client in clients:
-            client.load_shared(moved)
-            client.load_private()
-            got = score_candidates(runtime.model, np.array([0]), everything)[0]
-            margins = user_margins(got, split.positives(client.user), split.interacted(client.user), bins, dominated)
+        moved = {k: (np.asarray(shared[k], np.float64) + float(step) * np.asarray(direction[k], np.float64))
+                 .astype(np.asarray(shared[k]).dtype) for k in shared}
+        if batched:
+            model.load_shared_state(moved)
+            model._influence_shared = moved  # the cached node model no longer holds an earlier query's parameters
+            got = score_candidates(model, np.arange(len(clients)), everything)
+        for row, client in enumerate(clients):
+            if batched:
+                user_scores = got[row]
+            else:
+                client.load_shared(moved)
+                client.load_private()
+                user_scores = score_candidates(runtime.model, np.array([0]), everything)[0]
+            margins = user_margins(user_scores, split.positives(client.user), split.interacted(client.user), bins,
+                                   dominated)
             totals[index] += float(margins.sum())
             if index == 0:
                 count += int(margins.size)

@@ -179,3 +179,38 @@ def test_membership_margin_is_a_valid_line_search_value_and_not_the_default():
     assert RunConfig.from_mapping(default_mapping()).line_search == "none"
     with pytest.raises(ConfigError, match="line-search"):
         RunConfig.from_mapping({**default_mapping(), "line-search": "membership"})
+
+
+@pytest.mark.parametrize("model", ["mf", "ncf"])
+def test_node_margin_sums_batched_equal_the_users_one_at_a_time(tmp_path, model):
+    """``margin_sums`` over a node's users in one batched model equals the sum of each user's own margins."""
+    from flwr.app import Array, ArrayRecord, Context, RecordDict
+
+    from fedrec_flwr.client_app import make_client
+    from fedrec_flwr.config import RunConfig
+    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.unlearn_margin import margin_sums
+
+    mapping = RunConfig.from_mapping(tiny_run_config(tmp_path, model=model)).to_dict()
+    runtime = get_runtime(mapping)
+    split = runtime.split
+    rng = np.random.default_rng(1)
+    context = Context(run_id=1, node_id=1000, node_config={"partition-id": 0, "num-partitions": 1},
+                      state=RecordDict(), run_config=mapping)
+    for user in range(4):
+        context.state[f"user:{user}"] = ArrayRecord({k: Array(rng.normal(scale=0.7, size=v.shape).astype(np.float32))
+                                                     for k, v in runtime.model.private_state().items()})
+    shared = {k: rng.normal(scale=0.5, size=s).astype(np.float32) for k, s in runtime.layout.shared_shapes.items()}
+    direction = {k: rng.normal(scale=0.1, size=s) for k, s in runtime.layout.shared_shapes.items()}
+    bins = popularity_bins(rng.integers(0, 9, size=split.num_items), bins=5)
+    dominated = np.unique(np.concatenate([split.positives(u)[:3] for u in range(4)]))
+    clients = [make_client(runtime, user, context) for user in range(4)]
+    steps = [0.0, 0.7, 2.0]
+    got, count = margin_sums(runtime, clients, shared, direction, steps, bins, dominated)
+    expected, expected_count = np.zeros(3), 0
+    for client in clients:
+        sums, n = margin_sums(runtime, [client], shared, direction, steps, bins, dominated)
+        expected += sums
+        expected_count += n
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    assert count == expected_count > 0 and got[0] != got[2]
