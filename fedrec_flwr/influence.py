@@ -42,6 +42,19 @@ def node_model(runtime, num_users: int) -> RecModel:
     return cache[num_users]
 
 
+def node_users_model(runtime, clients: Sequence) -> RecModel:
+    """:func:`node_model` for ``clients`` with their private rows loaded, in order (row ``i`` is ``clients[i]``'s
+    user; the model's shared parameters are whatever it held last: the caller loads them)."""
+    model = node_model(runtime, len(clients))
+    rows: dict[str, list] = {}
+    for client in clients:
+        client.load_private()
+        for key, value in runtime.model.private_state().items():
+            rows.setdefault(key, []).append(value)
+    model.load_private_state({k: torch.cat(v) for k, v in rows.items()})
+    return model
+
+
 INDEX_CACHE_SIZE = 64
 """How many node groups' example indexes :func:`example_index` keeps per runtime (a node's group is the same in every
 query of a phase, so one entry per node and query kind suffices; a node's entry is about 1 MB on ML-100K; the cache is
@@ -140,16 +153,10 @@ def influence_objective(runtime, clients: Sequence, shared: Mapping[str, np.ndar
     else:
         if not can_batch(runtime.model):
             raise ValueError(f"model {cfg.model!r} has private parameters other than user tables: one user at a time")
-        model = node_model(runtime, len(clients))
+        model = node_users_model(runtime, clients)
         if getattr(model, "_influence_shared", None) is not shared:
             model.load_shared_state(dict(shared))
             model._influence_shared = shared
-        rows: dict[str, list] = {}
-        for client in clients:
-            client.load_private()
-            for key, value in runtime.model.private_state().items():
-                rows.setdefault(key, []).append(value)
-        model.load_private_state({k: torch.cat(v) for k, v in rows.items()})
     device = next(model.parameters()).device
     index = example_index(runtime, clients, extra_rows, device)
     items, user_t, weight_t = index.items, index.user_t, index.weight_t

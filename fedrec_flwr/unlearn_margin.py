@@ -202,9 +202,7 @@ def margin_sums(runtime, clients: Sequence, shared, direction, steps: Sequence[f
     Returns:
         ``((K,) float64 sums, count)``: node totals only.
     """
-    import torch
-
-    from fedrec_flwr.influence import can_batch, node_model
+    from fedrec_flwr.influence import can_batch, node_users_model
     from fedrec_flwr.training import score_candidates
 
     split = runtime.split
@@ -215,13 +213,7 @@ def margin_sums(runtime, clients: Sequence, shared, direction, steps: Sequence[f
     clients = list(clients)
     batched = len(clients) > 1 and can_batch(runtime.model)
     if batched:  # every user's private rows in one model: one scoring pass per step (as the HVP queries batch)
-        model = node_model(runtime, len(clients))
-        rows: dict[str, list] = {}
-        for client in clients:
-            client.load_private()
-            for key, value in runtime.model.private_state().items():
-                rows.setdefault(key, []).append(value)
-        model.load_private_state({k: torch.cat(v) for k, v in rows.items()})
+        model = node_users_model(runtime, clients)
     everything = np.broadcast_to(np.arange(split.num_items), (len(clients) if batched else 1, split.num_items))
     count = 0
     for index, step in enumerate(steps):

@@ -96,21 +96,27 @@ def test_ladder_search_refuses_bad_replies(reply, message):
 
 
 # ---------------------------------------------------------------------------------------------- the query
-def test_node_loss_sums_equal_the_users_summed_influence_losses(tmp_path):
-    """``influence_loss_sums`` over a batched node is the sum of each user's own influence loss at theta + a d."""
-    mapping = RunConfig.from_mapping(tiny_run_config(tmp_path, model="ncf", num_train_negatives=2)).to_dict()
-    runtime = get_runtime(mapping)
+def random_node(folder, model: str, seed: int, users: int = 4, **overrides):
+    """A node serving the tiny dataset's first ``users`` users with random private embeddings, random shared
+    parameters and a random direction: ``(runtime, clients, shared, direction)``."""
     from flwr.app import Array, ArrayRecord, Context, RecordDict
 
-    rng = np.random.default_rng(0)
+    mapping = RunConfig.from_mapping(tiny_run_config(folder, model=model, **overrides)).to_dict()
+    runtime = get_runtime(mapping)
+    rng = np.random.default_rng(seed)
     context = Context(run_id=1, node_id=1000, node_config={"partition-id": 0, "num-partitions": 1},
                       state=RecordDict(), run_config=mapping)
-    for user in range(4):
+    for user in range(users):
         context.state[f"user:{user}"] = ArrayRecord({k: Array(rng.normal(scale=0.7, size=v.shape).astype(np.float32))
                                                      for k, v in runtime.model.private_state().items()})
     shared = {k: rng.normal(scale=0.5, size=s).astype(np.float32) for k, s in runtime.layout.shared_shapes.items()}
     direction = {k: rng.normal(scale=0.1, size=s) for k, s in runtime.layout.shared_shapes.items()}
-    clients = [make_client(runtime, user, context) for user in range(4)]
+    return runtime, [make_client(runtime, user, context) for user in range(users)], shared, direction
+
+
+def test_node_loss_sums_equal_the_users_summed_influence_losses(tmp_path):
+    """``influence_loss_sums`` over a batched node is the sum of each user's own influence loss at theta + a d."""
+    runtime, clients, shared, direction = random_node(tmp_path, "ncf", seed=0, num_train_negatives=2)
     steps = [0.0, 0.5, 2.0]
     got = influence_loss_sums(runtime, clients, shared, direction, steps)
     expected = np.zeros(3)

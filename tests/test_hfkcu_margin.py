@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import MessageRecorder, tiny_run_config
+from conftest import MessageRecorder
 from fedrec_flwr.unlearn_margin import bracket_root, dominated_items, popularity_bins, user_margins
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -95,24 +95,16 @@ def test_margin_step_on_a_poisoned_federation_replies_with_sums_and_reaches_zero
     else, ``unlearn_margin`` replies carry no array and only node sums (one per step) and a term count; the chosen
     multiple makes the forgotten users' mean margin on their dominated items 0 (recomputed here from their private
     records), the promoted item is dominated, and its genuine users' percentile falls."""
-    from test_hfkcu_poison import FAKES, ROUNDS, TARGET, _poisoned_file
+    from test_hfkcu_poison import FAKES, ROUNDS, poisoned_setting
 
     from experiments.hfkcu.analysis import exposure, private_records, scores
     from fedrec_flwr.client_app import make_client_app
     from fedrec_flwr.config import RunConfig
-    from fedrec_flwr.runtime import get_runtime
     from fedrec_flwr.serial import run_serial
     from strategies.unlearning import ClientUnlearning, UnlearningSettings
 
-    path = _poisoned_file(tmp_path)
-    mapping = tiny_run_config(tmp_path, model="mf", num_server_rounds=ROUNDS, fraction_train=1.0,
-                              eval_every=ROUNDS, learning_rate=0.05, users_per_node=10)
-    mapping["generic-file"] = str(path)
-    runtime = get_runtime(RunConfig.from_mapping(mapping).to_dict())
+    mapping, runtime, fakes, target, genuine = poisoned_setting(tmp_path, "mf")
     split = runtime.split
-    fakes = np.flatnonzero([str(u).startswith("fake") for u in split.user_ids]).astype(np.int64)
-    target = int(np.flatnonzero(split.item_ids.astype(str) == TARGET)[0])
-    genuine = np.setdiff1d(np.arange(split.num_users), fakes)
     assert fakes.size == FAKES
     recorder = MessageRecorder(tmp_path / "messages")
     seen = {}
@@ -184,27 +176,15 @@ def test_membership_margin_is_a_valid_line_search_value_and_not_the_default():
 @pytest.mark.parametrize("model", ["mf", "ncf"])
 def test_node_margin_sums_batched_equal_the_users_one_at_a_time(tmp_path, model):
     """``margin_sums`` over a node's users in one batched model equals the sum of each user's own margins."""
-    from flwr.app import Array, ArrayRecord, Context, RecordDict
+    from test_hfkcu_line_search import random_node
 
-    from fedrec_flwr.client_app import make_client
-    from fedrec_flwr.config import RunConfig
-    from fedrec_flwr.runtime import get_runtime
     from fedrec_flwr.unlearn_margin import margin_sums
 
-    mapping = RunConfig.from_mapping(tiny_run_config(tmp_path, model=model)).to_dict()
-    runtime = get_runtime(mapping)
+    runtime, clients, shared, direction = random_node(tmp_path, model, seed=1)
     split = runtime.split
-    rng = np.random.default_rng(1)
-    context = Context(run_id=1, node_id=1000, node_config={"partition-id": 0, "num-partitions": 1},
-                      state=RecordDict(), run_config=mapping)
-    for user in range(4):
-        context.state[f"user:{user}"] = ArrayRecord({k: Array(rng.normal(scale=0.7, size=v.shape).astype(np.float32))
-                                                     for k, v in runtime.model.private_state().items()})
-    shared = {k: rng.normal(scale=0.5, size=s).astype(np.float32) for k, s in runtime.layout.shared_shapes.items()}
-    direction = {k: rng.normal(scale=0.1, size=s) for k, s in runtime.layout.shared_shapes.items()}
+    rng = np.random.default_rng(2)
     bins = popularity_bins(rng.integers(0, 9, size=split.num_items), bins=5)
     dominated = np.unique(np.concatenate([split.positives(u)[:3] for u in range(4)]))
-    clients = [make_client(runtime, user, context) for user in range(4)]
     steps = [0.0, 0.7, 2.0]
     got, count = margin_sums(runtime, clients, shared, direction, steps, bins, dominated)
     expected, expected_count = np.zeros(3), 0

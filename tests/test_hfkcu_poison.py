@@ -40,17 +40,22 @@ def _poisoned_file(folder):
     return path
 
 
-@pytest.mark.parametrize("model", ["mf", "ncf"])
-def test_default_phase_moves_the_poisoned_target_toward_the_retrained_model(tmp_path, model):
-    path = _poisoned_file(tmp_path)
-    mapping = tiny_run_config(tmp_path, model=model, num_server_rounds=ROUNDS, fraction_train=1.0,
+def poisoned_setting(folder, model: str):
+    """``(mapping, runtime, fakes, target, genuine)`` of the tiny poisoned federation (:func:`_poisoned_file`)."""
+    mapping = tiny_run_config(folder, model=model, num_server_rounds=ROUNDS, fraction_train=1.0,
                               eval_every=ROUNDS, learning_rate=0.05, users_per_node=10)
-    mapping["generic-file"] = str(path)
+    mapping["generic-file"] = str(_poisoned_file(folder))
     runtime = get_runtime(RunConfig.from_mapping(mapping).to_dict())
     split = runtime.split
     fakes = np.flatnonzero([str(u).startswith("fake") for u in split.user_ids]).astype(np.int64)
     target = int(np.flatnonzero(split.item_ids.astype(str) == TARGET)[0])
-    genuine = np.setdiff1d(np.arange(split.num_users), fakes)
+    return mapping, runtime, fakes, target, np.setdiff1d(np.arange(split.num_users), fakes)
+
+
+@pytest.mark.parametrize("model", ["mf", "ncf"])
+def test_default_phase_moves_the_poisoned_target_toward_the_retrained_model(tmp_path, model):
+    mapping, runtime, fakes, target, genuine = poisoned_setting(tmp_path, model)
+    split = runtime.split
     assert fakes.size == FAKES and target in split.interacted(int(fakes[0]))
     forget = ",".join(str(int(u)) for u in fakes)
 

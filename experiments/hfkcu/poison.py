@@ -448,6 +448,23 @@ def _bce(logits: np.ndarray, label: float) -> np.ndarray:
     return np.logaddexp(0.0, logits) - label * logits
 
 
+def _default_step(restored, runtime, fake_users, changes: dict | None = None):
+    """The probes' common start on a restored federation: ``(remaining users, every user's private record, theta,
+    the phase's step, its report)`` for the phase of ``changes`` over the defaults (float64 arrays by key)."""
+    from experiments.hfkcu.analysis import private_records
+    from experiments.hfkcu.run import _settings
+    from strategies.unlearning import ClientUnlearning
+
+    split = runtime.split
+    remaining = np.setdiff1d(np.arange(split.num_users), fake_users)
+    records = private_records(restored.grid, range(split.num_users))
+    theta = {k: v.numpy().astype(np.float64) for k, v in restored.arrays.items()}
+    settings = _settings(restored.config, fake_users, {"method": "hfkcu", **(changes or {})}, split.num_users)
+    new, report = ClientUnlearning(restored.strategy, settings).run(restored.grid, restored.arrays,
+                                                                    restored.server_round)
+    return remaining, records, theta, {k: new[k].numpy().astype(np.float64) - theta[k] for k in theta}, report
+
+
 def level_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, runs: Path, cache: Path,
                 target_seed: int = 0, changes: dict | None = None, name: str = "level",
                 ladder: tuple = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)) -> dict:
@@ -463,22 +480,15 @@ def level_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: st
     next to the snapshot's ``phase.json``."""
     from flwr.app import Context, RecordDict
 
-    from experiments.hfkcu.analysis import exposure, private_records, scores
-    from experiments.hfkcu.run import _settings
+    from experiments.hfkcu.analysis import exposure, scores
     from fedrec_flwr.client_app import make_client
-    from strategies.unlearning import ClientUnlearning
 
     folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
     out: dict = {}
 
     def body(restored, runtime, fake_users, target) -> None:
-        split, grid = runtime.split, restored.grid
-        remaining = np.setdiff1d(np.arange(split.num_users), fake_users)
-        records = private_records(grid, range(split.num_users))
-        theta = {k: v.numpy().astype(np.float64) for k, v in restored.arrays.items()}
-        settings = _settings(restored.config, fake_users, {"method": "hfkcu", **(changes or {})}, split.num_users)
-        new, report = ClientUnlearning(restored.strategy, settings).run(grid, restored.arrays, restored.server_round)
-        step = {k: new[k].numpy().astype(np.float64) - theta[k] for k in theta}
+        split = runtime.split
+        remaining, records, theta, step, report = _default_step(restored, runtime, fake_users, changes)
 
         def examples(users, held_out: bool) -> dict:
             got = {}
@@ -607,22 +617,15 @@ def calibration_probe(dataset: str, model: str, fakes: int, seed: int, *, data_d
     ``w_j`` = the forgotten users' share of ``j``'s training positives (``weighted``), unweighted (``plain``), over
     the items the forgotten users dominate (``w_j > 0.5``, ``dominated``), and the proportional statistic
     ``sum (m_fj(a) - (1 - w_j) m_fj(0)) / n`` (``proportional``); each at the retrained model too."""
-    from experiments.hfkcu.analysis import exposure, private_records, scores
-    from experiments.hfkcu.run import _settings
+    from experiments.hfkcu.analysis import exposure, scores
     from fedrec_flwr.unlearn_margin import popularity_bins
-    from strategies.unlearning import ClientUnlearning
 
     folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
     out: dict = {}
 
     def body(restored, runtime, fake_users, target) -> None:
-        split, grid = runtime.split, restored.grid
-        remaining = np.setdiff1d(np.arange(split.num_users), fake_users)
-        records = private_records(grid, range(split.num_users))
-        theta = {k: v.numpy().astype(np.float64) for k, v in restored.arrays.items()}
-        settings = _settings(restored.config, fake_users, {"method": "hfkcu"}, split.num_users)
-        new, report = ClientUnlearning(restored.strategy, settings).run(grid, restored.arrays, restored.server_round)
-        step = {k: new[k].numpy().astype(np.float64) - theta[k] for k in theta}
+        split = runtime.split
+        remaining, records, theta, step, report = _default_step(restored, runtime, fake_users)
         n_r = np.bincount(np.concatenate([split.positives(int(u)) for u in remaining]), minlength=split.num_items)
         n_f = np.bincount(np.concatenate([split.positives(int(u)) for u in fake_users]), minlength=split.num_items)
         share = n_f / np.maximum(n_f + n_r, 1)

@@ -291,9 +291,12 @@ def main(argv=None) -> None:
                     retime(d, m, int(f), int(args.seeds.split(",")[0]), data_dir=args.data_dir,
                            runs=RESULTS / "runs" / "poison-retime", cache=CACHE, rounds=args.rounds, **extra)
         return
-    if args.part == "poison-level":  # the forgotten users' loss along the step vs the retrained model's (diagnostic)
-        from experiments.hfkcu.poison import DEV, level_probe, snapshot_path
+    if args.part in ("poison-level", "poison-calibration"):  # along the default step, every cached snapshot
+        # poison-level: the forgotten users' loss vs the retrained model's; poison-calibration: their membership
+        # margins (diagnostics)
+        from experiments.hfkcu.poison import DEV, calibration_probe, level_probe, snapshot_path
 
+        level = args.part == "poison-level"
         for d in args.datasets.split(","):
             for m in args.models.split(","):
                 for f in args.fakes.split(","):
@@ -302,24 +305,14 @@ def main(argv=None) -> None:
                         if not snapshot_path(CACHE, d, m, int(f), int(seed),
                                              DEV["target-seed"] if dev else 0).is_file():
                             continue  # no saved federation of this setting
-                        level_probe(d, m, int(f), int(seed), data_dir=args.data_dir, changes=json.loads(args.changes),
-                                    runs=RESULTS / "runs" / ("poison-dev" if dev else "poison"), cache=CACHE,
-                                    target_seed=DEV["target-seed"] if dev else 0, name=f"level-{args.name}")
-        return
-    if args.part == "poison-calibration":  # the forgotten users' membership margins along the step (diagnostic)
-        from experiments.hfkcu.poison import DEV, calibration_probe, snapshot_path
-
-        for d in args.datasets.split(","):
-            for m in args.models.split(","):
-                for f in args.fakes.split(","):
-                    for seed in args.seeds.split(","):
-                        dev = int(seed) == DEV["seed"]
-                        if not snapshot_path(CACHE, d, m, int(f), int(seed),
-                                             DEV["target-seed"] if dev else 0).is_file():
-                            continue  # no saved federation of this setting
-                        calibration_probe(d, m, int(f), int(seed), data_dir=args.data_dir,
-                                          runs=RESULTS / "runs" / ("poison-dev" if dev else "poison"), cache=CACHE,
-                                          target_seed=DEV["target-seed"] if dev else 0, name=f"calibration-{args.name}")
+                        common = {"data_dir": args.data_dir, "cache": CACHE,
+                                  "runs": RESULTS / "runs" / ("poison-dev" if dev else "poison"),
+                                  "target_seed": DEV["target-seed"] if dev else 0}
+                        if level:
+                            level_probe(d, m, int(f), int(seed), changes=json.loads(args.changes),
+                                        name=f"level-{args.name}", **common)
+                        else:
+                            calibration_probe(d, m, int(f), int(seed), name=f"calibration-{args.name}", **common)
         return
     if args.part == "poison-probe":  # the line search's loss and the target along the step (--seeds 100: dev)
         from experiments.hfkcu.poison import DEV, probe
