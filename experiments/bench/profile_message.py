@@ -72,7 +72,7 @@ def bare_app(decode: bool):
 
 def replay(app, recorded: list[tuple[bytes, bytes]], profiler: cProfile.Profile | None = None) -> dict:
     """Median milliseconds of each phase over ``recorded`` (and bytes shipped back)."""
-    phases: dict[str, list[float]] = {"unpickle": [], "app": [], "pickle-reply": [], "total": []}
+    phases: dict[str, list[float]] = {"unpickle": [], "handler": [], "pickle-reply": [], "total": []}
     sizes = []
     for message_bytes, context_bytes in recorded:
         t0 = time.perf_counter()
@@ -88,7 +88,7 @@ def replay(app, recorded: list[tuple[bytes, bytes]], profiler: cProfile.Profile 
         t3 = time.perf_counter()
         if reply.has_error():
             raise RuntimeError(reply.error.reason)
-        for name, value in (("unpickle", t1 - t0), ("app", t2 - t1), ("pickle-reply", t3 - t2), ("total", t3 - t0)):
+        for name, value in (("unpickle", t1 - t0), ("handler", t2 - t1), ("pickle-reply", t3 - t2), ("total", t3 - t0)):
             phases[name].append(1000 * value)
         sizes.append(len(out))
     result = {name: round(statistics.median(values), 3) for name, values in phases.items()}
@@ -101,6 +101,9 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=200, help="train messages recorded (evaluate: the same)")
     parser.add_argument("--repeats", type=int, default=3, help="replays of the recorded messages per app (interleaved)")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of our train handler")
+    parser.add_argument("--before", action="store_true",
+                        help="add the arm 'ours, formula Adam': blocks.FUSED_ADAM off, which is what every NCF block "
+                             "ran before commit 914133e (the fused kernel was skipped for NCF's transposed gradients)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config overrides")
     args = parser.parse_args()
 
@@ -120,13 +123,25 @@ def main() -> int:
           f"in {time.perf_counter() - started:.1f} s; load average {os.getloadavg()}", flush=True)
     ours = make_client_app(None)
     apps = {"ours": ours, "bare": bare_app(False), "bare+decode": bare_app(True)}
+    if args.before:
+        apps["ours, formula Adam"] = ours
     rows = []
+    from fedrec_flwr import blocks
+
     for kind in ("train", "evaluate"):
         for rep in range(args.repeats):
             for name, app in apps.items():
+                blocks.FUSED_ADAM = name != "ours, formula Adam"
                 row = {"kind": kind, "app": name, "repeat": rep, **replay(app, recorded[kind])}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    blocks.FUSED_ADAM = True
+    print("\n| message | app | handler ms (median of repeats) | unpickle + handler + pickle ms |\n|---|---|---|---|")
+    for kind in ("train", "evaluate"):
+        for name in apps:
+            mine = [r for r in rows if r["kind"] == kind and r["app"] == name]
+            print(f"| {kind} | {name} | {statistics.median(r['handler'] for r in mine):.2f} | "
+                  f"{statistics.median(r['total'] for r in mine):.2f} |")
     if args.profile:
         profiler = cProfile.Profile()
         replay(ours, recorded["train"], profiler)
