@@ -188,7 +188,10 @@ SELECTION_EPSILONS_BY_ATTRIBUTE = {"gender": SELECTION_EPSILONS, "age": (0.3, 0.
 any of its selection runs, drops 0.03 (on gender's validation runs 0.03 left FedNCF outside the band, MLP AUC 0.568,
 and the eps-0.1 arm's age AUCs on seed 1 are 0.564 / 0.575, so a weaker pull cannot be in the band; the 2-core
 machine's clock allows three runs) and starts at 0.3, the likeliest in the band. Same rule
-(:func:`experiments.fedau2.report.select_epsilon`), read on age's attacker AUCs."""
+(:func:`experiments.fedau2.report.select_epsilon`), read on age's attacker AUCs. Only 0.3 ran (fifth session): it
+cost 11.4% validation HR@10 with the MLP attacker still at 0.557; 0.1 pulls less (its seed-1 attacker AUCs are
+0.564 / 0.575) and 1 costs more (8.2% on gender's validation), so neither was expected to meet both targets, and the
+clock went to :data:`SGD_PULL_ARM` instead (0.1 was stopped at round 34 of 100, 1 never started)."""
 SGD_PULL_ARM = f"{NCF_SERVER_ARM}, SGD embedding step"
 """Issue 14, fifth session: :data:`NCF_SERVER_ARM` with the entropy pull applied by its own plain SGD step
 (``adversary-embedding-optimizer = "sgd"``: ``e_u <- e_u - learning-rate * eps * dH/de_u``) instead of inside the
@@ -203,6 +206,9 @@ from any HR@10): with FedNCF's age ``h_w`` of seed 1 (eps 0.1 run; top singular 
 0.05 per coordinate at embeddings of spread 0.1), eps = 10 moves a coordinate by about 0.005 per step (half of Adam's
 quantum) and eps = 30 by 0.015; both below the SGD stability limit ``2 / L`` (``L`` about 4.3, i.e. eps < 46)."""
 ARMS[SGD_PULL_ARM] = {**ARMS[NCF_SERVER_ARM], "adversary-embedding-optimizer": "sgd"}
+# the SGD pull at each eps of its grid: the test seeds (0-2) run the one its validation item chose
+ARMS.update({f"{SGD_PULL_ARM}, eps {eps:g}": {**ARMS[SGD_PULL_ARM], "adversary-epsilon": eps}
+             for eps in SELECTION_GRIDS[(SGD_PULL_ARM, "age")]})
 SELECTION_KEYS = {"holdout-validation": True, "evaluate-validation": True}
 """The selection runs hold out each user's second-latest interaction as a validation item and rank it at every
 evaluation: eps is chosen on it, never on the test item (:func:`experiments.fedau2.report.select_epsilon`)."""
