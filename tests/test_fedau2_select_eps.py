@@ -41,12 +41,14 @@ def test_the_in_band_eps_with_the_best_validation_hr_is_chosen_whatever_the_test
 def test_age_is_chosen_on_age_aucs_against_the_shared_original_run(tmp_path):
     """``select-eps --attributes age``: the arm's runs are trained against age and read on age's AUCs; the original
     model's single run is the reference row of both attributes (it is attacked on each)."""
-    def run(name, eps, val_hr, gender_aucs, age_aucs, attribute=None):
+    def run(name, eps, val_hr, gender_aucs, age_aucs, attribute=None, step=None):
         folder = tmp_path / "runs" / "select-eps" / "FedNCF" / name
         folder.mkdir(parents=True)
         config = {"seed": 3, "client": "fedrec" if eps == 0 else "fedau2", "adversary-epsilon": eps or 1.0}
         if attribute:
             config["protected-attribute"] = attribute
+        if step:
+            config["adversary-embedding-optimizer"] = step
         (folder / "config.json").write_text(json.dumps({"run-config": config}))
         (folder / "summary.json").write_text(json.dumps({"final": {"HR@10": 0.5, "val-HR@10": val_hr,
                                                                    "val-NDCG@10": val_hr / 2}}))
@@ -58,10 +60,12 @@ def test_age_is_chosen_on_age_aucs_against_the_shared_original_run(tmp_path):
     run("gender-0.1", 0.1, 0.53, (0.49, 0.54), (0.60, 0.60), "gender")     # gender: in the band, chosen
     run("age-0.1", 0.1, 0.535, (0.52, 0.52), (0.56, 0.56), "age")          # in gender's band, not age's: not chosen
     run("age-0.3", 0.3, 0.52, (0.70, 0.70), (0.54, 0.53), "age")           # age in the band: chosen
+    run("age-sgd-10", 10, 0.53, (0.60, 0.60), (0.53, 0.54), "age", "sgd")  # the SGD pull's arm: chosen on its own
+    run("age-sgd-30", 30, 0.525, (0.60, 0.60), (0.51, 0.52), "age", "sgd")
     table = select_epsilon(tmp_path)
-    chosen = table[table["chosen"]].set_index("attribute")["epsilon"].to_dict()
-    assert chosen == {"gender": 0.1, "age": 0.3}
-    assert len(table[table["epsilon"] == 0]) == 2  # the original's one run, a reference row per attribute
-    age = table[table["attribute"] == "age"].set_index("epsilon")
+    chosen = table[table["chosen"]].set_index(["attribute", "embedding-step"])["epsilon"].to_dict()
+    assert chosen == {("gender", "local"): 0.1, ("age", "local"): 0.3, ("age", "sgd"): 10.0}
+    assert len(table[table["epsilon"] == 0]) == 3  # the original's one run, a reference row per attribute and arm
+    age = table[(table["attribute"] == "age") & (table["embedding-step"] == "local")].set_index("epsilon")
     assert abs(age.loc[0.3, "val-HR@10-change-%"] - 100 * (0.52 / 0.54 - 1)) < 1e-9
     assert age.loc[0.0, "logreg-auc"] == 0.64

@@ -273,7 +273,8 @@ def select_epsilon(results: Path) -> pd.DataFrame:
     regression and MLP, mean over 5 halves; one-vs-rest for age) are both within :data:`BAND` of 0.5, the one with the
     highest validation HR@10 at round 100 (ties: the smaller eps); if none is, the one whose larger distance
     ``|AUC - 0.5|`` is smallest. Chosen per model, protected attribute (``protected-attribute`` of the run's config;
-    gender where absent) and seed; the original model's run (no adversary, attacked on every attribute) is the
+    gender where absent), pull's step (``adversary-embedding-optimizer``: the local Adam, or its own SGD step in
+    :data:`~experiments.fedau2.methods.SGD_PULL_ARM`) and seed; the original model's run (no adversary, attacked on every attribute) is the
     reference row of every attribute with a run of the arm. Test items are not read: the table ``select-eps.md`` has
     validation metrics and attacker AUCs only. Writes ``select-eps.csv`` / ``.md``; returns the table (column
     ``chosen``)."""
@@ -284,17 +285,20 @@ def select_epsilon(results: Path) -> pd.DataFrame:
             continue
         config = json.loads((run / "config.json").read_text())["run-config"]
         runs.append((run, config, config["client"] == "fedrec"))
-    attributes = {run.parent.name: set() for run, _, _ in runs}
+    def variant(config) -> tuple[str, str]:
+        return config.get("protected-attribute", "gender"), config.get("adversary-embedding-optimizer", "local")
+
+    variants = {run.parent.name: set() for run, _, _ in runs}
     for run, config, original in runs:
         if not original:
-            attributes[run.parent.name].add(config.get("protected-attribute", "gender"))
+            variants[run.parent.name].add(variant(config))
     rows = []
     for run, config, original in runs:
         final = json.loads((run / "summary.json").read_text())["final"]
         attack = json.loads((run / "attack.json").read_text())["attribute-inference"]
-        for attribute in (sorted(attributes[run.parent.name]) if original
-                          else [config.get("protected-attribute", "gender")]):
-            rows.append({"model": run.parent.name, "attribute": attribute, "seed": config["seed"],
+        for attribute, step in (sorted(variants[run.parent.name]) if original else [variant(config)]):
+            rows.append({"model": run.parent.name, "attribute": attribute, "embedding-step": step,
+                         "seed": config["seed"],
                          "epsilon": 0.0 if original else config["adversary-epsilon"],
                          "val-HR@10": final.get("val-HR@10"), "val-NDCG@10": final.get("val-NDCG@10"),
                          "logreg-auc": attack[f"{attribute}/logreg"]["auc"],
@@ -303,38 +307,40 @@ def select_epsilon(results: Path) -> pd.DataFrame:
     if table.empty:
         return table
     order = {"gender": 0, "age": 1}
-    table = table.sort_values(["model", "attribute", "seed", "epsilon"],
+    table = table.sort_values(["model", "attribute", "embedding-step", "seed", "epsilon"],
                               key=lambda c: c.map(order) if c.name == "attribute" else c).reset_index(drop=True)
     table["distance"] = (table[["logreg-auc", "mlp-auc"]] - 0.5).abs().max(axis=1)
-    original = table[table["epsilon"] == 0.0].set_index(["model", "attribute", "seed"])["val-HR@10"]
-    table["val-HR@10-change-%"] = [100.0 * (v / original.get((m, a, s), np.nan) - 1.0) for m, a, s, v in
-                                   zip(table["model"], table["attribute"], table["seed"], table["val-HR@10"])]
+    reference = ["model", "attribute", "embedding-step", "seed"]
+    original = table[table["epsilon"] == 0.0].set_index(reference)["val-HR@10"]
+    table["val-HR@10-change-%"] = [100.0 * (row["val-HR@10"] / original.get(tuple(row[reference]), np.nan) - 1.0)
+                                   for _, row in table.iterrows()]
     table["chosen"] = False
-    for _, part in table[table["epsilon"] > 0].groupby(["model", "attribute", "seed"]):
+    for _, part in table[table["epsilon"] > 0].groupby(reference):
         inside = part[part["distance"] <= BAND]
         best = (inside.sort_values(["val-HR@10", "epsilon"], ascending=[False, True]).index[0] if not inside.empty
                 else part.sort_values(["distance", "epsilon"]).index[0])
         table.loc[best, "chosen"] = True
     write_csv(table, results / "select-eps.csv")
     shown = pd.DataFrame({
-        "model": table["model"], "attribute": table["attribute"], "seed": table["seed"],
+        "model": table["model"], "attribute": table["attribute"],
+        "pull's step": ["SGD" if e == "sgd" else "local Adam" for e in table["embedding-step"]], "seed": table["seed"],
         "eps": ["0 (original)" if e == 0 else f"{e:g}" for e in table["epsilon"]],
         "val HR@10": [f"{v:.4f}" for v in table["val-HR@10"]],
         "val ΔHR@10": [f"{v:+.1f}%" for v in table["val-HR@10-change-%"]],
         "val NDCG@10": [f"{v:.4f}" for v in table["val-NDCG@10"]],
         "AUC (LR)": [f"{v:.3f}" for v in table["logreg-auc"]], "AUC (MLP)": [f"{v:.3f}" for v in table["mlp-auc"]],
         "chosen": ["**chosen**" if c else "" for c in table["chosen"]]})
-    from experiments.fedau2.methods import NCF_SERVER_ARM
+    from experiments.fedau2.methods import NCF_SERVER_ARM, SGD_PULL_ARM
 
     atomic_write_text(results / "select-eps.md",
                       "# FedAU²: eps chosen on the validation item (issue 14)\n\n"
-                      f"Arm: `{NCF_SERVER_ARM}` at each eps, trained against the row's attribute (the original "
+                      f"Arm: `{NCF_SERVER_ARM}` (pull's step: local Adam) or `{SGD_PULL_ARM}` (SGD) at each "
+                      "eps, trained against the row's attribute (the original "
                       "model's row is the same run for every attribute, attacked on each); `holdout-validation = "
                       "true` (each user's second-latest interaction held out as a validation item, ranked against 99 "
                       "negatives at round 100). Rule (fixed before the runs, `report.select_epsilon`): among the eps "
                       f"with both attacker AUCs on the row's attribute (one-vs-rest for age) within {BAND} of 0.5, "
-                      "the highest validation HR@10; no test item is read. Grids: `methods."
-                      "SELECTION_EPSILONS_BY_ATTRIBUTE`.\n\n"
+                      "the highest validation HR@10; no test item is read. Grids: `methods.SELECTION_GRIDS`.\n\n"
                       + markdown(shown))
     return table
 
