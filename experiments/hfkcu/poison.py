@@ -558,6 +558,17 @@ RETIMED_MARGIN = {
 training default (block training), ``poison-retime --name margin --rounds 100``."""
 
 
+RETIMED_REPEATED = {
+    **WARM_UP,
+    **{name: variant for i in (1, 2, 3) for name, variant in (
+        (f"re-timed: HF-KCU distributed (default), repeat {i}", {"method": "hfkcu"}),
+        (f"re-timed: HF-KCU distributed, membership margin, repeat {i}",
+         {"method": "hfkcu", "line_search": "membership-margin"}))},
+}
+"""The arms of :data:`RETIMED_MARGIN` three times each, interleaved (``poison-retime --name repeated``): a phase of a
+few seconds on the shared machine varies several-fold with the load, so the median of three is reported."""
+
+
 def precond_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, runs: Path, cache: Path,
                   target_seed: int = 0, name: str = "precond-probe") -> dict:
     """Why the preconditioned trust region moves the target more or less than the Euclidean one (design diagnostic,

@@ -279,12 +279,15 @@ def main(argv=None) -> None:
                       changes=json.loads(args.changes))
         return
     if args.part == "poison-retime":  # phase vs retraining time at one machine load (first --seeds only)
-        from experiments.hfkcu.poison import RETIMED_CAPPED, RETIMED_MARGIN, RETIMED_SAMPLED, retime
+        from experiments.hfkcu.poison import (
+            RETIMED_CAPPED, RETIMED_MARGIN, RETIMED_REPEATED, RETIMED_SAMPLED, retime,
+        )
 
         # --name capped: cg-iterations 1 / 2; --name sampled: curvature-sample 0.5 / 0.25 (each against the default)
         extra = {"capped": {"variants": RETIMED_CAPPED, "name": "retime-capped"},
                  "sampled": {"variants": RETIMED_SAMPLED, "name": "retime-sampled"},
-                 "margin": {"variants": RETIMED_MARGIN, "name": "retime-margin"}}.get(args.name, {})
+                 "margin": {"variants": RETIMED_MARGIN, "name": "retime-margin"},
+                 "repeated": {"variants": RETIMED_REPEATED, "name": "retime-repeated"}}.get(args.name, {})
         for d in args.datasets.split(","):
             for m in args.models.split(","):
                 for f in args.fakes.split(","):
