@@ -131,6 +131,7 @@ def report(results: Path, data_dir: str) -> None:
     precond_report(results)
     precond_report(results, "poison", "poison-precond.md")
     margin_report(results)
+    speed_report(results)
     forget_report(results, data_dir)
     frame = collect(results, data_dir)
     if frame.empty:
@@ -581,3 +582,49 @@ def margin_report(results: Path) -> None:
         "|HR@10 - retrained| <= 1 pt (speed reported, not counted). Development: seed and target 100 "
         "(`poison-dev-margin`); reported: the acceptance settings (`poison-replay --only \"membership margin\"`).",
         "", markdown(pd.DataFrame(counts)), "", markdown(shown.fillna(""))]))
+
+
+SPEED_RUNS = {"retrain-rate.json": "third session (before block training)",
+              "retime-margin-run1-rate.json": "fifth session, run 1 (margin scored one user at a time)",
+              "retime-margin-rate.json": "fifth session, run 2",
+              "retime-repeated-rate.json": "fifth session, run 3 (median of 3 phases per arm)"}
+"""``runs/poison-retime`` files of :func:`speed_report` and what each run was."""
+
+
+def speed_report(results: Path) -> None:
+    """``poison-speed.md``: each arm's phase seconds against the whole retraining's training seconds measured in the
+    same process right after the phases (``poison-retime``), per setting and run; repeated phases (``..., repeat
+    i``) are summarised by their median. Speedup = retraining's training seconds / phase wall seconds."""
+    lines = []
+    for path in sorted((results / "runs" / "poison-retime").glob("*/*/fakes-*/seed-*/*.json")):
+        if path.name not in SPEED_RUNS:
+            continue
+        data = json.loads(path.read_text())
+        dataset, model = path.parts[-5], path.parts[-4]
+        retrain = data["retrain-estimate-seconds"]
+        arms: dict[str, list] = {}
+        for name, phase in data["phases"].items():
+            if "warm-up" in name or "cg-iterations" in name or "curvature-sample" in name:
+                continue
+            arm = "membership margin" if "margin" in name else ("line search" if "line search" in name else "default")
+            arms.setdefault(arm, []).append(phase["seconds"])
+        row = {"dataset": dataset, "model": model, "run": SPEED_RUNS[path.name],
+               "retraining s (rounds timed)": f"{retrain:.1f} ({data['rounds-trained']})"}
+        for arm in ("default", "membership margin", "line search"):
+            if arm in arms:
+                seconds = float(np.median(arms[arm]))
+                row[f"{arm}: s"] = f"{seconds:.1f}" + (f" ({min(arms[arm]):.1f}-{max(arms[arm]):.1f})"
+                                                       if len(arms[arm]) > 1 else "")
+                row[f"{arm}: speedup"] = f"{retrain / seconds:.1f}x"
+        lines.append(row)
+    if not lines:
+        return
+    frame = pd.DataFrame(lines).sort_values(["model", "dataset", "run"]).fillna("")
+    atomic_write_text(results / "poison-speed.md", "\n".join([
+        "# Phase time against retraining at one load (generated)", "",
+        "From `python -m experiments.hfkcu.run poison-retime` (100 fake users, seed 0): each run replays the arms on "
+        "the saved federation and then trains the retraining run in the same process (`--rounds` rounds, scaled to "
+        "100; the fifth session's runs time all 100). Retraining s: its training seconds (evaluation excluded); an "
+        "arm's s: the phase's wall seconds (median and range when repeated). Same shared 2-core machine, whose load "
+        "(average 6-9 in the fifth session, from other jobs) changes within a run: a phase of a few seconds varies "
+        "several-fold.", "", markdown(frame)]))
