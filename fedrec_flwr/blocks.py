@@ -518,6 +518,10 @@ def _check_finite(users: Sequence[int], values: torch.Tensor, what: str) -> None
 
 
 def _check_finite_parameters(users: Sequence[int], params: Mapping[str, torch.Tensor], what: str) -> None:
+    # first one norm per tensor (torch._foreach_norm: finite when every entry is, unless the norm overflows); only a
+    # non-finite norm needs the per-user check (a third of the check's cost on a one-user message)
+    if bool(torch.isfinite(torch.stack(torch._foreach_norm(list(params.values())))).all()):
+        return
     # p * 0 is NaN exactly where p is NaN or infinite, and a sum of zeros cannot overflow: (k,) NaN for a bad user
     _check_finite(users, sum(torch.mul(p, 0).flatten(1).sum(1) for p in params.values()), what)
 

@@ -99,3 +99,16 @@ def test_a_contribution_refuses_repeated_rows_sorted_or_not(tmp_path, rows, ok):
     else:
         with pytest.raises(ReplyError, match="unique"):
             contribution.add_user(dense, item_rows, 3, 0.5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), None])
+def test_the_parameter_check_names_exactly_the_non_finite_users(bad):
+    """The block's parameter check (a fused norm first, the per-user check only when a norm is not finite) raises
+    for a NaN or infinite entry naming that user, and not for finite entries whose norm overflows float32."""
+    params = {"a": torch.full((3, 4, 2), 3e30), "b": torch.zeros(3, 5)}  # ||a|| overflows float32: finite entries
+    if bad is None:
+        blocks._check_finite_parameters([10, 11, 12], params, "parameters")
+        return
+    params["b"][1, 2] = bad
+    with pytest.raises(FloatingPointError, match=r"users \[11\]"):
+        blocks._check_finite_parameters([10, 11, 12], params, "parameters")
