@@ -340,7 +340,9 @@ def select_epsilon(results: Path) -> pd.DataFrame:
                       "true` (each user's second-latest interaction held out as a validation item, ranked against 99 "
                       "negatives at round 100). Rule (fixed before the runs, `report.select_epsilon`): among the eps "
                       f"with both attacker AUCs on the row's attribute (one-vs-rest for age) within {BAND} of 0.5, "
-                      "the highest validation HR@10; no test item is read. Grids: `methods.SELECTION_GRIDS`.\n\n"
+                      "the highest validation HR@10 (if none is, the closest to the band: then **chosen** meets no "
+                      "target); no test item is read. Grids: `methods.SELECTION_GRIDS` (age with the local Adam pull: "
+                      "only eps 0.3 ran, `methods.SELECTION_EPSILONS_BY_ATTRIBUTE`).\n\n"
                       + markdown(shown))
     return table
 
