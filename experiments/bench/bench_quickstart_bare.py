@@ -39,35 +39,13 @@ from pathlib import Path
 BEFORE_SECONDS = 17 * 60
 """The default quickstart's wall time at commit daae3bd, before issue 17's work (the issue's text)."""
 
-PYPROJECT = """[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_deploy import BARE_PYPROJECT  # noqa: E402  (bench_deploy's bare project; here another module and more keys)
 
-[project]
-name = "barequickstart"
-version = "1.0.0"
-dependencies = ["flwr"]
-
-[tool.hatch.build.targets.wheel]
-packages = ["."]
-
-[tool.flwr.app]
-publisher = "bench"
-
-[tool.flwr.app.components]
-serverapp = "bare_quickstart:server"
-clientapp = "bare_quickstart:client"
-
-[tool.flwr.app.config]
-results-dir = ""
-run-name = "bare"
-num-server-rounds = 100
-fraction-train = 0.1
-eval-every = 10
-num-users = 943
-seed = 0
-reply-floats = REPLY_FLOATS
-"""
+PYPROJECT = BARE_PYPROJECT.replace('"bare_app:', '"bare_quickstart:').replace(
+    "num-server-rounds = 3\n", "num-server-rounds = 100\nfraction-train = 0.1\neval-every = 10\nnum-users = 943\n"
+    "seed = 0\nreply-floats = REPLY_FLOATS\n")
+assert "bare_quickstart:client" in PYPROJECT and "REPLY_FLOATS" in PYPROJECT, "bench_deploy.BARE_PYPROJECT changed"
 
 APP = """\"\"\"A bare Flower app with the default quickstart's message pattern (experiments/bench/bench_quickstart_bare.py).\"\"\"
 import json
@@ -196,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     load = [round(v, 2) for v in os.getloadavg()]
     started = time.monotonic()
-    result = flwr_run({"results-dir": str(work / "results"), "num-server-rounds": args.rounds,
+    result = flwr_run({"results-dir": str(work / "results"), "run-name": "bare", "num-server-rounds": args.rounds,
                        "eval-every": args.eval_every},
                       num_supernodes=943, flwr_home=work / ".flwr", project=project, check=False, capture=True,
                       timeout=args.timeout)
