@@ -100,13 +100,20 @@ def flwr_env(flwr_home: str | os.PathLike | None = None, extra: Mapping[str, str
     task events off (``RAY_task_events_report_interval_ms=0``, unless set): Ray's GCS otherwise keeps a record of
     every actor call, up to 100,000 of them, for its dashboard's task list; one per message here, so the simulation's
     memory grew about 2 MiB a round on Amazon-Video at 10 users per node (``experiments/bench/soak.py``). Set the
-    variable to Ray's default ``1000`` to have the task list back."""
+    variable to Ray's default ``1000`` to have the task list back.
+
+    Also glibc's ``MALLOC_ARENA_MAX=2`` (unless set): Flower's simulation process runs many threads, each of which may
+    get a malloc arena of its own (up to 8 per core), and an evaluation round's extra messages left a high-water mark
+    in them (+7 to +60 MiB at round 10 in three Amazon-Video soaks, simulation process and actors). With two arenas
+    the step at round 10 was +2.5 MiB and the round times unchanged (one 20-round soak, ``experiments/bench/README.md``).
+    Set the variable yourself to override it."""
     env = dict(os.environ)
     # flwr starts `flower-superlink` and `flwr-simulation` by name: they live beside this interpreter.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     env.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     env.setdefault("RAY_task_events_report_interval_ms", "0")
+    env.setdefault("MALLOC_ARENA_MAX", "2")
     env.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
     if flwr_home:
         env["FLWR_HOME"] = str(flwr_home)
