@@ -71,7 +71,10 @@ users' loss per example reaches a reference level, and a radius scaled by their 
 "membership-margin"`` the phase moves ``a x`` with ``a`` where the forgotten users' mean *membership margin* on the
 items they dominate (their logit of such an item minus their mean logit of the same-popularity items they never
 rated) reaches 0, the level of a model that never saw them (:mod:`fedrec_flwr.unlearn_margin`, with the derivation);
-nodes reply with item counts and margin sums only (:meth:`ClientUnlearning.margin_step`).
+nodes reply with item counts and margin sums only (:meth:`ClientUnlearning.margin_step`). Measured
+(``experiments/hfkcu/README.md``, ``results/poison-margin.md``): 2 of 5 development settings met (the fixed radius
+1), 4 of 8 reported ones (the fixed radius 4; it fixes ML-100K's 20-fake overshoot, loses FilmTrust FedMF with 20
+fakes and overshoots FilmTrust FedNCF), so it is an arm, not the default.
 
 **Causal weighting.** Only users whose loss shares rows with ``g_F`` are *affected*: the server sends ``g_F``'s row
 ids once to every node (``unlearn_affected``); each node answers how many of its users are affected (a node total,
