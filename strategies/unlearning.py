@@ -517,14 +517,7 @@ class ClientUnlearning:
         per step)."""
         replies = self._query(grid, UNLEARN_LOSS, self._targets(nodes, forget, {"steps": [float(a) for a in steps]}),
                               arrays, vector=direction, support=support)
-        totals = np.zeros(len(steps), dtype=np.float64)
-        for reply in replies:
-            sums = list(reply.content[METRICS].get("loss-sums", []))
-            if len(sums) != len(steps):
-                raise UnlearningFailed(f"{UNLEARN_LOSS}: node {reply.metadata.src_node_id} sent {len(sums)} sums "
-                                       f"for {len(steps)} steps")
-            totals += np.asarray(sums, dtype=np.float64)
-        return totals.tolist()
+        return _step_sums(replies, UNLEARN_LOSS, "loss-sums", len(steps)).tolist()
 
     def line_search(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
                     step: dict) -> LineSearchResult:
@@ -562,16 +555,8 @@ class ClientUnlearning:
                 return []
             got = self._query(grid, UNLEARN_MARGIN, {n: {"users": us, "steps": [float(a) for a in steps], **common}
                                                      for n, us in groups.items()}, arrays, vector=step)
-            sums = np.zeros(len(steps))
-            count = 0
-            for reply in got:
-                values = list(reply.content[METRICS].get("margin-sums", []))
-                if len(values) != len(steps):
-                    raise UnlearningFailed(f"{UNLEARN_MARGIN}: node {reply.metadata.src_node_id} sent {len(values)} "
-                                           f"sums for {len(steps)} steps")
-                sums += np.asarray(values, dtype=np.float64)
-                count += int(reply.content[METRICS]["margin-count"])
-            found["count"] = count
+            sums = _step_sums(got, UNLEARN_MARGIN, "margin-sums", len(steps))
+            count = found["count"] = sum(int(reply.content[METRICS]["margin-count"]) for reply in got)
             return (sums / count).tolist() if count else [0.0] * len(steps)
 
         report["margin-dominated-items"] = int(dominated.size)
@@ -696,6 +681,22 @@ def curvature_sample_nodes(users: Mapping[int, int], fraction: float, seed: int)
     drawn = sorted(int(n) for n in numpy_rng(seed, TAG_CURVATURE_SAMPLE).choice(nodes, size=size, replace=False))
     total, sampled = sum(users[n] for n in nodes), sum(users[n] for n in drawn)
     return drawn, (total / sampled) if sampled > 0 else 1.0
+
+
+def _step_sums(replies: list[Message], action: str, key: str, steps: int) -> np.ndarray:
+    """``(steps,)`` float64: the nodes' per-step sums under metric ``key`` added up.
+
+    Raises:
+        UnlearningFailed: a node sent another number of sums than steps asked.
+    """
+    totals = np.zeros(steps, dtype=np.float64)
+    for reply in replies:
+        sums = list(reply.content[METRICS].get(key, []))
+        if len(sums) != steps:
+            raise UnlearningFailed(f"{action}: node {reply.metadata.src_node_id} sent {len(sums)} sums for {steps} "
+                                   "steps")
+        totals += np.asarray(sums, dtype=np.float64)
+    return totals
 
 
 def _payload_bytes(content: RecordDict) -> int:
