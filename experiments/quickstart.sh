@@ -30,4 +30,9 @@ fi
 export OMP_NUM_THREADS=1
 # Flower's state (config, installed app copies, local SuperLink database and log) stays in this checkout.
 export FLWR_HOME="${FLWR_HOME:-$PWD/.flwr}"
-exec .venv/bin/python -m fedrec_flwr.launch run "results-dir=$PWD/results" "$@"
+# results under ./results unless the command line names a results-dir of its own
+results=("results-dir=$PWD/results")
+for arg in "$@"; do
+  case "$arg" in results-dir=*) results=() ;; esac
+done
+exec .venv/bin/python -m fedrec_flwr.launch run ${results[@]+"${results[@]}"} "$@"

@@ -137,7 +137,8 @@ def check_resumable(checkpoint: Checkpoint, run_config: dict[str, Any]) -> None:
         ConfigError: a key outside :data:`MAY_DIFFER` differs (all such keys are listed with both values), or the
             checkpoint's round is not before ``num-server-rounds``.
     """
-    keys = (set(checkpoint.run_config) | set(run_config)) - set(MAY_DIFFER)
+    # plugin-config only carries plug-in keys through flwr run; their unpacked values are compared as keys of their own
+    keys = (set(checkpoint.run_config) | set(run_config)) - set(MAY_DIFFER) - {"plugin-config"}
     differ = sorted(k for k in keys if checkpoint.run_config.get(k) != run_config.get(k))
     if differ:
         detail = ", ".join(f"{k}: {checkpoint.run_config.get(k)!r} -> {run_config.get(k)!r}" for k in differ[:8])

@@ -470,6 +470,10 @@ def _plugin_values(declared: Mapping[str, tuple[Any, str, str]], mapping: Mappin
     if stray:
         raise ConfigError(f"run-config key 'plugin-config' names {stray}, which no configured plug-in declares "
                           f"(declared: {sorted(declared) or 'none'})")
+    twice = sorted(k for k in set(given) & set(mapping) if given[k] != mapping[k])
+    if twice:
+        raise ConfigError(f"run-config key '{twice[0]}' is given twice: {twice[0]}={mapping[twice[0]]!r} and in "
+                          f"plugin-config ({twice[0]}={given[twice[0]]!r}); give it once")
     values = {}
     for key, (default, _, owner) in declared.items():
         value = mapping.get(key, given.get(key, default))

@@ -503,6 +503,18 @@ def run_config_args(overrides: Mapping[str, Any], declared: Iterable[str] | None
         if "plugin-config" not in known:
             raise ConfigError(f"run-config key(s) {sorted(packed)} are not in [tool.flwr.app.config]")
         given = str(plain.get("plugin-config") or "")
+        if given:
+            from flwr.common.config import parse_config_args
+
+            try:
+                inside = parse_config_args([given])
+            except Exception:  # malformed: RunConfig.from_mapping names the problem in the preflight
+                inside = {}
+            packed = {k: v for k, v in packed.items() if k not in inside or inside[k] != v}
+            twice = sorted(set(packed) & set(inside))
+            if twice:
+                raise ConfigError(f"run-config key '{twice[0]}' is given twice: {twice[0]}={packed[twice[0]]!r} and "
+                                  f"in plugin-config ({twice[0]}={inside[twice[0]]!r}); give it once")
         plain["plugin-config"] = " ".join([*([given] if given else []),
                                            *(f"{k}={_toml_value(v)}" for k, v in packed.items())])
     return ["--run-config", " ".join(f"{k}={_toml_value(v)}" for k, v in plain.items())]

@@ -129,6 +129,15 @@ def check_components(config) -> None:
         raise ConfigError(f"run-config key 'strategy-args' = {config.strategy_args!r} is for a Flower strategy's "
                           f"constructor; strategy {config.strategy!r} takes its settings from its own keys")
     for kind, spec in (("client", config.client), ("strategy", config.strategy)):
-        check = getattr(resolve_strategy(spec) if kind == "strategy" else resolve(kind, spec), "check_config", None)
-        if check is not None:
+        cls = resolve_strategy(spec) if kind == "strategy" else resolve(kind, spec)
+        check = getattr(cls, "check_config", None)
+        if check is None:
+            continue
+        try:
             check(config)
+        except ConfigError:
+            raise
+        except Exception as err:  # a plug-in's hook that raised something else: still one clear line, exit 2
+            raise ConfigError(f"{kind} {spec!r} refused the run config in {cls.__qualname__}.check_config: "
+                              f"{type(err).__name__}: {err} (a check_config hook should raise "
+                              f"fedrec_flwr.errors.ConfigError)") from err

@@ -418,6 +418,9 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
         if config.resume_from:
             log.warning("resuming with %s: its own state (e.g. optimizer moments) is not in checkpoints and restarts",
                         config.strategy)
+        warning = node_level_dp_warning(wrapped, config.users_per_node)
+        if warning:
+            log.warning("%s", warning)
         return {**options, "wrapped": wrapped, "arguments": arguments, "client_config_keys": client_keys}
 
     def run_info(self) -> dict[str, Any]:
@@ -543,6 +546,29 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
                  self.name, self.arguments, self.fraction_train, self.fraction_evaluate, self.min_train_fraction,
                  self.eval_every, len(self.layout.item_keys))
         self.wrapped.summary()
+
+
+def node_level_dp_warning(wrapped: Strategy, users_per_node: int) -> str | None:
+    """The warning for a server-side DP wrapper (Flower's ``DifferentialPrivacyServerSide*Clipping``, found anywhere in
+    the chain of wrapped strategies) when a node serves several users, else ``None``.
+
+    Such a wrapper clips each *reply* and calibrates its noise to one reply's bounded contribution (McMahan et al.
+    2018, DP-FedAvg). A reply here is a node's mean over its trained users, so with ``users-per-node`` > 1 the
+    protected unit is a node's group of users, not one user: user-level DP needs ``users-per-node = 1``."""
+    from flwr.serverapp.strategy import (
+        DifferentialPrivacyServerSideAdaptiveClipping, DifferentialPrivacyServerSideFixedClipping,
+    )
+
+    seen, strategy = set(), wrapped
+    while strategy is not None and id(strategy) not in seen:
+        seen.add(id(strategy))
+        if isinstance(strategy, (DifferentialPrivacyServerSideFixedClipping,
+                                 DifferentialPrivacyServerSideAdaptiveClipping)) and users_per_node > 1:
+            return (f"{type(strategy).__name__} clips and noises each reply, and with users-per-node = {users_per_node} "
+                    f"a reply is the mean of up to {users_per_node} users' updates: its guarantee is per node (a group "
+                    "of users), not per user; use users-per-node = 1 for user-level differential privacy")
+        strategy = getattr(strategy, "strategy", None)
+    return None
 
 
 def _refuse_unhonoured(name: str, sent: Mapping[str, Any], honoured: Iterable[str]) -> None:

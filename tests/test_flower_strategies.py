@@ -251,3 +251,16 @@ def test_a_subclass_taking_kwargs_records_the_arguments_by_their_own_names():
     strategy, record = build_flower_strategy(TaggedFedAvg, parse_strategy_args("tag=hello,min_evaluate_nodes=1"))
     assert strategy.tag == "hello"
     assert record["tag"] == "hello" and record["min_evaluate_nodes"] == 1 and "kwargs" not in record
+
+
+def test_server_side_dp_with_several_users_per_node_warns_that_its_unit_is_the_node():
+    """Flower's server-side DP wrappers clip and noise each reply; a reply of a node serving k > 1 users is their
+    mean, so the guarantee is per node. That ran with no warning (the tester's finding); now it is named."""
+    from strategies.flower_adapter import node_level_dp_warning
+
+    dp, _ = build_flower_strategy(flower.DifferentialPrivacyServerSideFixedClipping, parse_strategy_args(
+        "strategy=flwr.serverapp.strategy:FedAvg,noise_multiplier=0.1,clipping_norm=1.0,num_sampled_clients=19"))
+    warning = node_level_dp_warning(dp, users_per_node=50)
+    assert warning is not None and "per node (a group of users), not per user" in warning and "= 50" in warning
+    assert node_level_dp_warning(dp, users_per_node=1) is None
+    assert node_level_dp_warning(FedAvg(), users_per_node=50) is None

@@ -78,3 +78,44 @@ def test_plugin_strategy_with_its_own_key_runs_and_is_recorded(tmp_path):
     assert any(not np.allclose(damped[k], plain[k]) for k in plain)
     assert json.loads((folder / "config.json").read_text())["run-config"]["server-lr"] == 0.3
 
+
+
+def test_a_plugin_key_given_flat_or_packed_resumes_and_is_refused_when_given_twice_differently(tmp_path):
+    """A launcher run of a plug-in records plugin-config = "server-lr=0.3" (how its key travels through flwr run),
+    while the resuming command's preflight sees server-lr=0.3 and an empty plugin-config: the resume was refused as
+    'other settings'. plugin-config is now compared through the keys it carries; a key given both ways with two
+    values is refused before anything starts (it failed at round 0 with exit 1)."""
+    from fedrec_flwr.checkpoint import Checkpoint, check_resumable
+
+    launched = make_run_config(strategy=PLUGIN, plugin_config="server-lr=0.3").to_dict()
+    resuming = make_run_config(strategy=PLUGIN, **{"server-lr": 0.3}).to_dict()
+    checkpoint = Checkpoint(server_round=2, run_name="r", run_config=launched, arrays={}, folder=tmp_path)
+    check_resumable(checkpoint, resuming)
+    with pytest.raises(ConfigError, match=r"other settings \(server-lr: 0.3 -> 0.5\)"):
+        check_resumable(checkpoint, make_run_config(strategy=PLUGIN, **{"server-lr": 0.5}).to_dict())
+
+    both = {"strategy": PLUGIN, "plugin-config": "server-lr=0.3", "server-lr": 0.3}
+    assert parse_config_args([run_config_args(both)[1]])["plugin-config"] == "server-lr=0.3"  # once, not twice
+    assert make_run_config(**both).extra == {"server-lr": 0.3}
+    for where in (lambda: run_config_args({**both, "server-lr": 0.5}), lambda: make_run_config(**{**both, "server-lr": 0.5})):
+        with pytest.raises(ConfigError, match=r"run-config key 'server-lr' is given twice: server-lr=0.5 and in "
+                                              r"plugin-config \(server-lr=0.3\)"):
+            where()
+
+
+def test_a_plugin_check_config_that_raises_another_exception_is_one_config_error(monkeypatch):
+    """A plug-in's check_config raising ValueError gave a launcher traceback and exit 1 ("the run started")."""
+    from strategies.item_fedavg import ItemEmbeddingFedAvg
+
+    class Picky(ItemEmbeddingFedAvg):
+        @classmethod
+        def check_config(cls, config):
+            raise ValueError("median-min-nodes must be >= 1")
+
+    module = types.ModuleType("t_picky_strategy")
+    module.Picky = Picky
+    monkeypatch.setitem(__import__("sys").modules, "t_picky_strategy", module)
+    with pytest.raises(ConfigError, match=r"strategy 't_picky_strategy:Picky' refused the run config in "
+                                          r".*Picky.check_config: ValueError: median-min-nodes must be >= 1 \(a "
+                                          r"check_config hook should raise fedrec_flwr.errors.ConfigError\)"):
+        check_components(make_run_config(strategy="t_picky_strategy:Picky"))
