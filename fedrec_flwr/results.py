@@ -63,7 +63,11 @@ def check_results_folder(folder: str | Path, clear: bool = True) -> None:
         raise ConfigError(f"run-config key 'run-name' = {folder.name!r}: results folder {folder} holds an interrupted "
                           f"run's checkpoint (checkpoint.npz); continue it with resume-from={str(folder)!r}, or set "
                           "another 'run-name' (or delete the folder) to start afresh")
-    for name in RESULT_FILES if clear else ():  # an interrupted run's partial files: this run replaces them
+    left = [name for name in RESULT_FILES if (folder / name).is_file()] if clear else []
+    if left:  # an interrupted run's partial files, without a checkpoint to resume from: this run replaces them
+        log.warning("results folder %s held an interrupted run without a checkpoint (%s, no summary.json): this run "
+                    "replaces its files", folder, ", ".join(left))
+    for name in left:
         (folder / name).unlink(missing_ok=True)
 
 

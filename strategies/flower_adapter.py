@@ -245,7 +245,8 @@ def build_flower_strategy(cls: type, args: Mapping[str, Any]) -> tuple[Strategy,
     try:
         strategy = cls(**kwargs)
     except (TypeError, ValueError) as err:
-        raise ConfigError(f"strategy {cls.__name__}({kwargs}) refused its arguments: {err}") from None
+        raise ConfigError(f"run-config key 'strategy-args': strategy {cls.__name__}({kwargs}) refused its arguments: "
+                          f"{err}") from None
     for name in ("min_train_nodes", "min_evaluate_nodes", "min_available_nodes"):
         if getattr(strategy, name, 1) > 1:  # a constructor that fixes it (FedXgbCyclic: 2) would wait for nodes
             setattr(strategy, name, 1)

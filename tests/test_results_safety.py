@@ -289,3 +289,22 @@ def test_metrics_csv_starts_with_round_and_seconds_also_for_rows_restored_from_a
     recorder.record(2, {"train-loss": 0.5}, {})
     header = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0].split(",")
     assert header[:2] == ["round", "seconds"]
+
+
+def test_a_new_run_replacing_an_interrupted_run_without_a_checkpoint_says_so(tmp_path, caplog):
+    """An interrupted run's partial metrics (no summary.json, no checkpoint) were replaced silently."""
+    import logging
+
+    from fedrec_flwr.results import check_results_folder
+
+    (tmp_path / "metrics.csv").write_text("round,HR@10\n1,0.3\n")
+    caplog.set_level(logging.WARNING, logger="fedrec_flwr")
+    package_logger = logging.getLogger("fedrec_flwr")  # the ServerApp's handler may stop propagation
+    package_logger.addHandler(caplog.handler)
+    try:
+        check_results_folder(tmp_path)
+        check_results_folder(tmp_path)  # nothing left: no second warning
+    finally:
+        package_logger.removeHandler(caplog.handler)
+    assert not (tmp_path / "metrics.csv").exists()
+    assert caplog.text.count("held an interrupted run without a checkpoint (metrics.csv, no summary.json)") == 1
