@@ -37,10 +37,16 @@ reaches 0 after the genuine users' ranking has fallen past retrained (FilmTrust:
 
 **Protocol and privacy.** Two kinds of query round, each answered with sums only:
 ``unlearn_counts`` (every node: ``n_R`` over its remaining users and ``n_F`` over its forgotten users, two
-``(I,)`` count vectors, node totals as the item rows a training reply touches; no model is sent) and
+``(I,)`` count vectors, node totals; no model is sent) and
 ``unlearn_margin`` (only the forgotten users' nodes: for each step ``a_k`` the sum of ``m_fj`` over their forgotten
 users' dominated positives and the number of terms; never a per-user value). The forgotten users' nodes already
 answer ``unlearn_gradient`` for them; their margins stay on the node.
+
+**Privacy cost (a reason this stays an arm).** A node total of training positives is a per-user value when the node
+serves one user: with ``users-per-node = 1`` the ``unlearn_counts`` reply *is* that user's set of training items,
+which a training reply does not reveal by itself (its touched rows mix the positives with sampled negatives). With
+k users per node it is the union of k users' counts. Secure aggregation or noisy (differentially private) counts
+would remove this; neither is built. The phase logs a warning when it runs this query.
 """
 
 from __future__ import annotations

@@ -539,6 +539,11 @@ class ClientUnlearning:
         topology = self.strategy._topology()
         nodes = sorted({int(n) for n in topology.user_to_node.tolist()})
         exclude = [int(u) for u in forget]
+        smallest = int(np.unique(topology.user_to_node, return_counts=True)[1].min())
+        log.warning("line-search = 'membership-margin': every node sends its users' training-positive counts per item "
+                    "(unlearn_counts); a node serving %d user%s reveals %s (fedrec_flwr/unlearn_margin.py, 'Privacy "
+                    "cost')", smallest, "" if smallest == 1 else "s",
+                    "that user's training items" if smallest == 1 else "the sum of its users' training items")
         replies = self._query(grid, UNLEARN_COUNTS, {n: {"exclude": exclude} for n in nodes}, ArrayRecord())
         counts = {"remaining": 0.0, "forgotten": 0.0}
         for reply in replies:

@@ -4,6 +4,8 @@ tiny poisoned federation stopping where the forgotten users' mean margin on thei
 
 from __future__ import annotations
 
+import logging
+
 import math
 
 import numpy as np
@@ -89,7 +91,7 @@ def test_bracket_root_refuses_bad_replies(reply, message):
 
 
 # ---------------------------------------------------------------------------------------------- the phase
-def test_margin_step_on_a_poisoned_federation_replies_with_sums_and_reaches_zero_margin(tmp_path):
+def test_margin_step_on_a_poisoned_federation_replies_with_sums_and_reaches_zero_margin(tmp_path, caplog):
     """A tiny poisoned MF federation (fakes push one item, ``tests/test_hfkcu_poison.py``'s data) unlearned with
     ``line-search = "membership-margin"``: ``unlearn_counts`` replies carry two ``(I,)`` count vectors and nothing
     else, ``unlearn_margin`` replies carry no array and only node sums (one per step) and a term count; the chosen
@@ -125,8 +127,13 @@ def test_margin_step_on_a_poisoned_federation_replies_with_sums_and_reaches_zero
                     scores={k: scores(runtime, records, a, {int(u): np.arange(split.num_items) for u in fakes})
                             for k, a in (("before", theta), ("after", moved))})
 
-    run_serial(RunConfig.from_mapping(mapping), on_round=on_round,
-               client_app=make_client_app(mapping, mods=[recorder]))
+    caplog.set_level(logging.WARNING, logger="strategies")
+    logging.getLogger("strategies").addHandler(caplog.handler)  # the ServerApp's logging setup stops propagation
+    try:
+        run_serial(RunConfig.from_mapping(mapping), on_round=on_round,
+                   client_app=make_client_app(mapping, mods=[recorder]))
+    finally:
+        logging.getLogger("strategies").removeHandler(caplog.handler)
     report = seen["report"]
     assert report["margin-termination"] == "root", report
     assert 0 < report["margin-step"] < report["margin-steps"][-1]
@@ -145,7 +152,8 @@ def test_margin_step_on_a_poisoned_federation_replies_with_sums_and_reaches_zero
     assert mean_margin("before") == pytest.approx(report["margin-values"][0], rel=1e-4)
     assert abs(mean_margin("after")) < 0.02 * mean_margin("before")  # MF: affine in a, float32 model
     assert seen["after"] < seen["before"]
-    # privacy: sums only
+    # privacy: sums only, and the counts' cost is said (one user per node: that user's training items)
+    assert "every node sends its users' training-positive counts per item" in caplog.text
     counts = [r for r in recorder.records() if r["type"] == "query.unlearn_counts"]
     margins = [r for r in recorder.records() if r["type"] == "query.unlearn_margin"]
     assert counts and margins
