@@ -83,7 +83,8 @@ def decode_record(record: ArrayRecord, copy: bool = True) -> dict[str, np.ndarra
     return {key: decode_array(array, copy) for key, array in record.items()}
 
 
-def weighted_mean(records: Sequence[ArrayRecord], weights: Sequence[float], keys: Sequence[str]) -> dict[str, np.ndarray]:
+def weighted_mean(records: Sequence[ArrayRecord], weights: Sequence[float],
+                  keys: Sequence[str]) -> dict[str, np.ndarray]:
     """The example-weighted mean of ``keys`` over ``records``: Flower's FedAvg aggregation
     (:func:`flwr.serverapp.strategy.strategy_utils.aggregate_arrayrecords`, McMahan et al. 2017) with the same
     arithmetic in the same order (``w_i / sum(w)`` factors, ``value * factor`` accumulated in record order, in the

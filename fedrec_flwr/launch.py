@@ -105,8 +105,8 @@ def flwr_env(flwr_home: str | os.PathLike | None = None, extra: Mapping[str, str
     Also glibc's ``MALLOC_ARENA_MAX=2`` (unless set): Flower's simulation process runs many threads, each of which may
     get a malloc arena of its own (up to 8 per core), and an evaluation round's extra messages left a high-water mark
     in them (+7 to +60 MiB at round 10 in three Amazon-Video soaks, simulation process and actors). With two arenas
-    the step at round 10 was +2.5 MiB and the round times unchanged (one 20-round soak, ``experiments/bench/README.md``).
-    Set the variable yourself to override it."""
+    the step at round 10 was +2.5 MiB and the round times unchanged (one 20-round soak,
+    ``experiments/bench/README.md``). Set the variable yourself to override it."""
     env = dict(os.environ)
     # flwr starts `flower-superlink` and `flwr-simulation` by name: they live beside this interpreter.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])

@@ -64,7 +64,8 @@ def main(argv: list[str]) -> int:
     row = bench_simulation.run_case("ml-100k", 100, 1, 4, os.environ.get("FEDREC_DATA_DIR", "../shared/data"), app)
     print(row, f"load {load[0]:.1f} -> {os.getloadavg()[0]:.1f}")
     for label, values in sorted(TIMES.items()):
-        print(f"{label:32s} calls {len(values):8d}  total {sum(values):8.2f} s  mean {1000 * sum(values) / len(values):8.3f} ms")
+        mean = 1000 * sum(values) / len(values)
+        print(f"{label:32s} calls {len(values):8d}  total {sum(values):8.2f} s  mean {mean:8.3f} ms")
     return 0
 
 
