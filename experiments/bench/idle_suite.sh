@@ -42,7 +42,7 @@ step() {  # step NAME COMMAND...: run, keep stdout+stderr in $OUT/NAME.log, neve
 log "suite start (SMALL=$SMALL) -> $OUT"
 
 # 1. One message in a simulation worker: ours against a bare ClientApp, by phase (issue 17's profile; ~1 min).
-step profile_message $PY experiments/bench/profile_message.py --messages "$PROFILE_MESSAGES" --repeats 3
+step profile_message $PY experiments/bench/profile_message.py --messages "$PROFILE_MESSAGES" --repeats 3 --before
 
 # 2. Per message on Flower's simulation engine, one user per node, vs a bare app sending the same 0.44 MB model:
 #    100 sampled users of 943 nodes (twice, the second in reverse order), then all 943 (~7 min).
