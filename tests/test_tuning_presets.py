@@ -8,21 +8,18 @@ import json
 import numpy as np
 import pytest
 import torch
-from flwr.app import RecordDict
 
 from conftest import tiny_run_config
-from test_blocks import USERS, _runtime, _shared, ml100k  # noqa: F401 - ml100k is a fixture
+import test_blocks
+from test_blocks import _runtime, ml100k  # noqa: F401 - ml100k is a fixture
 
 from experiments.tuning import grid as G
-from fedrec_flwr import blocks
 from fedrec_flwr.config import make_run_config
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.models import build_model
 from fedrec_flwr.serial import run_serial
 
 PUBLIC = "FedRecGEL, public NCF"
-ARCHITECTURE = {k: v for k, v in G.PRESETS[PUBLIC][1].items() if k in ("embedding-dim", "mlp-embedding-dim",
-                                                                      "mlp-layers")}
 
 
 def test_the_public_ncf_preset_has_the_public_codes_layer_shapes():
@@ -51,22 +48,12 @@ def test_the_public_ncf_preset_has_the_public_codes_layer_shapes():
 
 def test_block_path_gradients_of_the_wider_ncf_equal_the_models(ml100k):  # noqa: F811 - the fixture
     """With MLP embeddings wider than the GMF ones, the block path's batched forward pass (which splits the first
-    tower layer at the MLP width) gives every user's loss and gradient as the model itself does (float64)."""
-    runtime = _runtime(ml100k, {**ARCHITECTURE, "embedding-dim": 8, "mlp-embedding-dim": 24, "mlp-layers": "16,8"},
-                       torch.float64)
+    tower layer at the MLP width) gives every user's loss and gradient as the model itself does (float64; the check
+    of ``tests/test_blocks.py``, run on this architecture)."""
+    overrides = {"embedding-dim": 8, "mlp-embedding-dim": 24, "mlp-layers": "16,8"}
+    runtime = _runtime(ml100k, overrides, torch.float64)
     assert runtime.model.mlp_embedding_dim == 24 and runtime.model.embedding_dim == 8
-    block = blocks.Block(runtime, USERS, RecordDict())
-    data = sorted((block.user_data(u, 1) for u in block.users), key=lambda d: -d.n)
-    params = {**block.load_private([d.user for d in data]), **block.shared_copies(_shared(runtime), data)}
-    generator = torch.Generator().manual_seed(0)
-    params = {k: v + 0.1 * torch.randn(v.shape, generator=generator, dtype=v.dtype) for k, v in params.items()}
-    orders = [torch.randperm(d.n, generator=d.generator) for d in data]
-    args = block.padded(data, orders, max(d.n for d in data), 128)
-    reference, ref_values = block.autograd_gradients(params, *args)
-    grads, values = blocks.batched_gradients(runtime.model, runtime.config.loss, params, *args)
-    torch.testing.assert_close(values, ref_values, rtol=1e-12, atol=1e-14)
-    for key in reference:
-        torch.testing.assert_close(grads[key], reference[key], rtol=1e-10, atol=1e-14, msg=key)
+    test_blocks.test_batched_forward_gradients_equal_vmap_of_the_model(ml100k, overrides)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"client": "fedrecgel", "strategy": "server-optimizer", "rho-private": 0.02,
