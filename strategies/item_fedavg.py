@@ -37,9 +37,9 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
-from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, aggregate_metricrecords
 
-from fedrec_flwr.arrays import decode_array, decode_record, weighted_mean
+from fedrec_flwr.arrays import decode_array, decode_record
 from fedrec_flwr.checkpoint import TRAINED_KEY
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError, reply_error_line
@@ -500,9 +500,12 @@ class ItemEmbeddingFedAvg(FedAvg):
     def aggregate_arrays(self, accepted: list[RecordDict]) -> ArrayRecord:
         """The new shared arrays from accepted replies (pure math; subclasses may post-process the result)."""
         assert self._current is not None, "configure_train must run before aggregate_train"
-        # FedAvg of the dense keys: Flower's aggregate_arrayrecords, bit for bit, without np.load per array
-        dense = weighted_mean([r[ARRAYS] for r in accepted], [r[METRICS][NUM_EXAMPLES] for r in accepted],
-                              self.layout.dense_keys)
+        dense_keys = self.layout.dense_keys
+        dense_records = [
+            RecordDict({ARRAYS: ArrayRecord({k: r[ARRAYS][k] for k in dense_keys}), METRICS: r[METRICS]})
+            for r in accepted
+        ]
+        dense = aggregate_arrayrecords(dense_records, NUM_EXAMPLES) if dense_keys else ArrayRecord()
         num_users = self.replied_users(accepted)
         out: dict[str, np.ndarray] = {}
         for key in self.layout.shared_shapes:
@@ -510,7 +513,7 @@ class ItemEmbeddingFedAvg(FedAvg):
                 out[key], _ = merge_rows(self._current[key].numpy(), self.row_updates(accepted, key),
                                          self.item_aggregation, num_users)
             else:
-                out[key] = dense[key].astype(np.float32)
+                out[key] = dense[key].numpy().astype(np.float32)
         return ArrayRecord({k: Array(v) for k, v in out.items()})
 
     @staticmethod

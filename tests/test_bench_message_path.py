@@ -59,26 +59,6 @@ def test_ncf_blocks_step_with_the_fused_adam_kernel(tmp_path, monkeypatch, users
             np.testing.assert_allclose(values, b.rows[key][1], rtol=2e-4, atol=2e-6, err_msg=key)
 
 
-def test_the_servers_fedavg_of_dense_keys_is_flowers_bit_for_bit():
-    """``arrays.weighted_mean`` (the strategy's FedAvg of the dense keys, read without ``np.load``) gives exactly
-    Flower's ``aggregate_arrayrecords``: same values and dtype, bit for bit, over replies of unequal weights."""
-    from flwr.app import ArrayRecord, MetricRecord
-    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
-
-    from fedrec_flwr.arrays import encode_array, weighted_mean
-
-    rng = np.random.default_rng(0)
-    replies = [RecordDict({"arrays": ArrayRecord({
-        "w": encode_array(rng.standard_normal((64, 48)).astype(np.float32)),
-        "b": encode_array(rng.standard_normal(16).astype(np.float32))}),
-        "metrics": MetricRecord({"num-examples": float(rng.integers(1, 900))})}) for _ in range(95)]
-    reference = aggregate_arrayrecords(replies, "num-examples")
-    ours = weighted_mean([r["arrays"] for r in replies], [r["metrics"]["num-examples"] for r in replies], ["w", "b"])
-    for key in ("w", "b"):
-        assert ours[key].dtype == reference[key].numpy().dtype
-        np.testing.assert_array_equal(ours[key], reference[key].numpy())
-
-
 @pytest.mark.parametrize(("rows", "ok"), [([1, 4, 7], True), ([7, 1, 4], True), ([1, 4, 4], False),
                                           ([4, 1, 4], False), ([2], True)])
 def test_a_contribution_refuses_repeated_rows_sorted_or_not(tmp_path, rows, ok):
