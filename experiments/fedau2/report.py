@@ -347,8 +347,125 @@ def select_epsilon(results: Path) -> pd.DataFrame:
     return table
 
 
+ROBUST_BAND = 0.04
+"""The sixth session's AUC band for the mean validation AUCs: issue 14's :data:`BAND` (0.05) less a 0.01 margin."""
+ROBUST_MIN_CHANGE = -4.0
+"""The sixth session's bound on the validation HR@10 change (%): issue 14's 5% target less a 1-point margin."""
+
+
+def robust_choice(table: pd.DataFrame, seeds, band: float = ROBUST_BAND,
+                  min_change: float = ROBUST_MIN_CHANGE) -> pd.DataFrame:
+    """Issue 14, sixth session (ours): eps chosen on the validation items of several seeds, with safety margins.
+
+    ``table`` is :func:`select_epsilon`'s (one row per model, attribute, pull's step, seed and eps; eps 0 = the
+    original model; columns ``val-HR@10``, ``logreg-auc``, ``mlp-auc``); ``seeds`` the validation seeds. Per model,
+    attribute and pull's step, and per eps > 0 with a finished run on **every** seed in ``seeds`` (an eps missing on a
+    seed is not eligible; the original must have run on every seed too):
+
+    * ``mean-logreg-auc`` / ``mean-mlp-auc``: the mean over ``seeds`` of each attacker's AUC; ``distance`` the larger
+      of their two ``|mean - 0.5|``;
+    * ``val-HR@10-change-%``: ``100 * (mean_s val HR@10 / mean_s original's val HR@10 - 1)`` over ``seeds`` (a ratio
+      of means paired by seed, as :func:`paired_change`).
+
+    Rule: among the eps with ``distance <= band`` and ``val-HR@10-change-% >= min_change``, the highest mean
+    validation HR@10 (ties: the smaller eps); ``meets-rule`` is then True. If none: among the eps with
+    ``val-HR@10-change-% >= min_change``, the smallest ``distance`` (the strongest pull the HR@10 margin allows),
+    else the highest mean validation HR@10; ``meets-rule`` False (the choice is then not expected to meet issue 14's
+    targets). Test items are never read (``table`` has validation metrics only).
+
+    Why (ours): one validation seed (3) chose eps 10 in the fifth session, and on the test seeds 0-2 that eps's LR AUC
+    was about 0.03 above seed 3's, enough to leave the band. A seed's AUC moves that much from seed to seed, so the
+    rule reads the mean over two validation seeds (3, 4; none a test seed), which halves one seed's deviation, and
+    keeps a margin of 0.01 on the AUC band and of 1 point on the HR@10 loss, about that halved deviation (0.015) and
+    the validation-to-test HR@10 shift of the fifth session's choice (-2.4% vs -2.2%) plus the spread of one seed's
+    HR@10 change. These margins were fixed before any sixth-session run, knowing the fifth session's published test
+    outcome (that is what the rule responds to); the eps itself is ranked on validation items only.
+
+    Returns one row per (model, attribute, embedding-step, epsilon) with the per-seed AUCs (``logreg-auc-seed<k>``,
+    ``mlp-auc-seed<k>``), the means, ``distance``, ``val-HR@10-change-%``, ``meets-rule`` and ``chosen``; empty if no
+    group has the original on every seed."""
+    seeds = sorted(int(s) for s in seeds)
+    group = ["model", "attribute", "embedding-step"]
+    rows = []
+    if table.empty:
+        return pd.DataFrame(rows)
+    for key, part in table[table["seed"].isin(seeds)].groupby(group):
+        original = part[part["epsilon"] == 0.0].set_index("seed")
+        if sorted(original.index) != seeds:
+            continue
+        for eps, runs in part[part["epsilon"] > 0].groupby("epsilon"):
+            runs = runs.set_index("seed")
+            if sorted(runs.index) != seeds:
+                continue
+            row = dict(zip(group, key), epsilon=float(eps), seeds=len(seeds),
+                       **{"mean-val-HR@10": runs["val-HR@10"].mean(),
+                          "original-val-HR@10": original["val-HR@10"].mean(),
+                          "mean-logreg-auc": runs["logreg-auc"].mean(), "mean-mlp-auc": runs["mlp-auc"].mean()})
+            for seed in seeds:
+                row[f"val-HR@10-seed{seed}"] = runs.loc[seed, "val-HR@10"]
+                row[f"logreg-auc-seed{seed}"] = runs.loc[seed, "logreg-auc"]
+                row[f"mlp-auc-seed{seed}"] = runs.loc[seed, "mlp-auc"]
+            rows.append(row)
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return out
+    out["val-HR@10-change-%"] = 100.0 * (out["mean-val-HR@10"] / out["original-val-HR@10"] - 1.0)
+    out["distance"] = (out[["mean-logreg-auc", "mean-mlp-auc"]] - 0.5).abs().max(axis=1)
+    out["meets-rule"] = (out["distance"] <= band) & (out["val-HR@10-change-%"] >= min_change)
+    out["chosen"] = False
+    for _, part in out.groupby(group):
+        inside = part[part["meets-rule"]]
+        kept = part[part["val-HR@10-change-%"] >= min_change]
+        if not inside.empty:
+            best = inside.sort_values(["mean-val-HR@10", "epsilon"], ascending=[False, True]).index[0]
+        elif not kept.empty:
+            best = kept.sort_values(["distance", "epsilon"]).index[0]
+        else:
+            best = part.sort_values(["mean-val-HR@10", "epsilon"], ascending=[False, True]).index[0]
+        out.loc[best, "chosen"] = True
+    return out.sort_values([*group, "epsilon"]).reset_index(drop=True)
+
+
+def write_robust_choice(results: Path, table: pd.DataFrame) -> pd.DataFrame:
+    """``select-eps-robust.csv`` / ``.md``: :func:`robust_choice` over
+    :data:`~experiments.fedau2.methods.SGD_PULL_SELECTION_SEEDS` for the SGD pull against age (the other arms'
+    choices stay single-seed, :func:`select_epsilon`). Returns the table (empty: nothing written)."""
+    from experiments.fedau2.methods import SGD_PULL_ARM, SGD_PULL_SELECTION_SEEDS
+
+    if table.empty:
+        return table
+    part = table[(table["attribute"] == "age") & (table["embedding-step"] == "sgd")]
+    robust = robust_choice(part, SGD_PULL_SELECTION_SEEDS)
+    if robust.empty:
+        return robust
+    write_csv(robust, results / "select-eps-robust.csv")
+    seeds = list(SGD_PULL_SELECTION_SEEDS)
+    shown = pd.DataFrame({
+        "model": robust["model"], "eps": [f"{e:g}" for e in robust["epsilon"]],
+        **{f"val HR@10 seed {s}": [f"{v:.4f}" for v in robust[f"val-HR@10-seed{s}"]] for s in seeds},
+        "mean val ΔHR@10": [f"{v:+.1f}%" for v in robust["val-HR@10-change-%"]],
+        **{f"AUC LR / MLP seed {s}": [f"{a:.3f} / {b:.3f}" for a, b in
+                                      zip(robust[f"logreg-auc-seed{s}"], robust[f"mlp-auc-seed{s}"])] for s in seeds},
+        "mean AUC (LR)": [f"{v:.3f}" for v in robust["mean-logreg-auc"]],
+        "mean AUC (MLP)": [f"{v:.3f}" for v in robust["mean-mlp-auc"]],
+        "meets rule": ["yes" if m else "no" for m in robust["meets-rule"]],
+        "chosen": ["**chosen**" if c else "" for c in robust["chosen"]]})
+    atomic_write_text(results / "select-eps-robust.md",
+                      "# FedAU²: the SGD pull's eps against age, chosen on two validation seeds (issue 14, sixth "
+                      "session)\n\n"
+                      f"Arm: `{SGD_PULL_ARM}`; validation seeds {', '.join(map(str, seeds))} (`select-eps`, "
+                      "`holdout-validation = true`). Rule (ours, fixed before the sixth session's runs, "
+                      f"`report.robust_choice`): among the eps run on every validation seed whose mean LR and mean MLP "
+                      f"AUCs (age, one-vs-rest) are both within {ROBUST_BAND} of 0.5 and whose validation HR@10 change "
+                      f"(ratio of the means over the seeds, against the original of the same seeds) is >= "
+                      f"{ROBUST_MIN_CHANGE:g}%, the highest mean validation HR@10; if none, the smallest AUC distance "
+                      "among those within the HR@10 margin (`meets rule` no: not expected to meet the targets). No "
+                      "test item is read.\n\n" + markdown(shown))
+    return robust
+
+
 def write_all(results: Path) -> None:
-    select_epsilon(results)
+    write_robust_choice(results, select_epsilon(results))
     main = main_tables(results)
     tradeoff_plot(results, main)
     stability_plot(results)
@@ -356,4 +473,4 @@ def write_all(results: Path) -> None:
     print(f"tables and plots written to {results}")
 
 
-__all__ = ["EPSILONS", "load_runs", "write_all"]
+__all__ = ["EPSILONS", "load_runs", "robust_choice", "write_all"]
