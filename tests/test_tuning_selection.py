@@ -82,7 +82,7 @@ def test_a_later_stage_keeps_the_incumbent_when_it_scores_best(tmp_path, monkeyp
     search without the incumbent chose 0.02."""
     from experiments.tuning import run as R
 
-    val = {"server-learning-rate": {0.001: 0.40, 0.003: 0.45, 0.01: 0.60, 0.03: 0.50, 0.1: 0.30},
+    val = {"server-learning-rate": {0.0003: 0.35, 0.001: 0.40, 0.003: 0.45, 0.01: 0.60, 0.03: 0.50, 0.1: 0.30},
            "rho-shared": {0.02: 0.55, 0.1: 0.58}}
 
     def score(setting):
