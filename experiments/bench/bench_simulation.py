@@ -1,5 +1,8 @@
 """Benchmark: seconds per round, milliseconds per sampled user and peak memory of the simulation, next to a bare
-Flower app that does no training (same engine, same number of nodes and messages, empty payloads).
+Flower app that does no training (same engine, same number of nodes and messages, empty payloads). Every app of a run
+gets the launcher's Ray inline-object limit (``fedrec_flwr.launch.RAY_INLINE_BYTES``, what ``python -m
+fedrec_flwr.launch run`` sets) unless ``--ray-default-inline`` keeps Ray's 100 KiB; each row records which, and the
+load average when it ended.
 
 Run by hand (not a test), e.g.::
 
@@ -161,10 +164,22 @@ def main() -> int:
     parser.add_argument("--apps", nargs="+", default=["bare", "bare+model", "fedrec"],
                         help="bare: no payload; bare+model: the shared model in every message; fedrec: ours")
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--ray-default-inline", action="store_true",
+                        help="keep Ray's own 100 KiB inline-object limit instead of the launcher's "
+                             "RAY_max_direct_call_object_size (fedrec_flwr.launch.RAY_INLINE_BYTES); either way every "
+                             "app of the run gets the same setting")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="run-config overrides for our app; an app named 'fedrec+set' runs ours with them (e.g. "
                              "--apps fedrec fedrec+set --set block-training=off: the per-user reference path)")
     args = parser.parse_args()
+    from fedrec_flwr.launch import RAY_INLINE_BYTES, RAY_INLINE_ENV
+
+    if args.ray_default_inline:
+        os.environ.pop(RAY_INLINE_ENV, None)
+    else:  # what `python -m fedrec_flwr.launch run` gives Flower's simulation (launch.flwr_env), unless set
+        os.environ.setdefault(RAY_INLINE_ENV, str(RAY_INLINE_BYTES))
+    inline = os.environ.get(RAY_INLINE_ENV, "ray default (102400)")
+    print(f"{RAY_INLINE_ENV} = {inline}; load average {os.getloadavg()}", flush=True)
     rows = []
     for case in args.cases:
         dataset, sampled, upn = case.split(":")
@@ -172,6 +187,7 @@ def main() -> int:
         for app in args.apps:
             row = run_case(dataset, int(sampled), int(upn), args.rounds, args.data_root,
                            None if app.startswith("fedrec") else app, overrides if app == "fedrec+set" else None)
+            row.update({"ray-inline-bytes": inline, "load-average": [round(v, 2) for v in os.getloadavg()]})
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("\n| app | dataset | nodes | sampled users | users/node | s/round | ms/user | peak MiB |")
