@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 import functools
+import math
 from io import BytesIO
 
 import numpy as np
@@ -34,6 +35,21 @@ def _header(array: np.ndarray) -> bytes:
     return _header_for(array.dtype, array.shape)
 
 
+@functools.lru_cache(maxsize=256)
+def _dtype_name(dtype: np.dtype) -> str:
+    """``str(dtype)``, as ``Array.dtype`` records it (cached: numpy builds the string on every call)."""
+    return str(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed_dtype(name: str) -> np.dtype | None:
+    """``np.dtype(name)``, or ``None`` for a name NumPy does not parse (a structured dtype's ``str()``)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return None
+
+
 def encode_array(value: np.ndarray) -> Array:
     """``Array(value)`` (Flower's ``.npy`` payload, byte for byte), without ``np.save``.
 
@@ -48,8 +64,9 @@ def encode_array(value: np.ndarray) -> Array:
         header = _header(value)
     except ValueError:  # header too long for format 1.0: np.save writes 2.0
         return Array(value)
-    return Array(dtype=str(value.dtype), shape=tuple(int(n) for n in value.shape), stype=NUMPY_STYPE,
-                 data=header + value.tobytes())
+    # one copy of the values (``header + value.tobytes()`` made two); a C-contiguous array's buffer is its C order
+    return Array(dtype=_dtype_name(value.dtype), shape=tuple(int(n) for n in value.shape), stype=NUMPY_STYPE,
+                 data=b"".join((header, value.reshape(-1).view(np.uint8))))
 
 
 def decode_array(array: Array, copy: bool = True) -> np.ndarray:
@@ -61,14 +78,14 @@ def decode_array(array: Array, copy: bool = True) -> np.ndarray:
             payload (for callers that only read it, e.g. to stack many users' records).
     """
     if array.stype == NUMPY_STYPE:
-        try:
-            dtype = np.dtype(array.dtype)
-        except TypeError:  # a structured dtype's str() is not a dtype string: Flower's own reader parses the header
+        dtype = _parsed_dtype(array.dtype)
+        if dtype is None:  # a structured dtype's str() is not a dtype string: Flower's own reader parses the header
             return array.numpy()
-        nbytes = int(np.prod(array.shape, dtype=np.int64)) * dtype.itemsize
-        header = array.data[: len(array.data) - nbytes]
-        if not dtype.hasobject and header.startswith(b"\x93NUMPY") and b"'fortran_order': False" in header:
-            value = np.frombuffer(array.data, dtype=dtype, offset=len(header)).reshape(array.shape)
+        data = array.data
+        offset = len(data) - math.prod(array.shape) * dtype.itemsize  # the header's length
+        if not dtype.hasobject and offset > 0 and data.startswith(b"\x93NUMPY") and \
+                data.find(b"'fortran_order': False", 0, offset) >= 0:
+            value = np.frombuffer(data, dtype=dtype, offset=offset).reshape(array.shape)
             return value.copy() if copy else value
     return array.numpy()
 

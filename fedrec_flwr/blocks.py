@@ -176,9 +176,9 @@ class BlockAdam:
         self.steps[:count] += 1
         if FUSED_ADAM and count and all(p.is_contiguous() for p in params.values()):
             steps = self.steps[:count]
-            if bool((steps == steps[0]).all()):  # one step count (a fresh optimizer): torch's fused kernel
+            if count == 1 or bool((steps == steps[0]).all()):  # one step count (a fresh optimizer): fused kernel
                 names = list(params)
-                step = [steps[0].clone() for _ in names]
+                step = [steps[0].clone()] * len(names)  # the kernel reads each parameter's step count, never writes it
                 # the kernel needs contiguous tensors; autograd gives NCF's MLP weights (used transposed in
                 # batched_loss) transposed gradients, which took every NCF block to the eight-pass formula before
                 torch._fused_adam_([params[n] for n in names], [grads[n].contiguous() for n in names],
@@ -252,8 +252,11 @@ class Block:
         self.private_keys = list(self.layout.private_keys)
         self.dtype = next(self.model.parameters()).dtype
         """The model's dtype (float32 as deployed; the tests also run both paths in float64)."""
-        self.layout_private_shapes = {key: tuple(p.shape) for key, p in zip(
-            self.private_keys, self.model.private_parameters())}
+        model, shapes = runtime.derived.get("block-private-shapes", (None, None))
+        if model is not self.model:  # once per process and model (a test's float64 copy has its own)
+            shapes = {key: tuple(p.shape) for key, p in zip(self.private_keys, self.model.private_parameters())}
+            runtime.derived["block-private-shapes"] = (self.model, shapes)
+        self.layout_private_shapes = shapes
 
     # ------------------------------------------------------------------------------------------ private state
     def state_record(self, key: str) -> ArrayRecord | None:
@@ -510,6 +513,8 @@ def _chunks(sizes: Sequence[int]) -> list[list[int]]:
 
 
 def _check_finite(users: Sequence[int], values: torch.Tensor, what: str) -> None:
+    if bool(torch.isfinite(values).all()):
+        return
     bad = ~torch.isfinite(values)
     if bool(bad.any()):
         which = [users[i] for i in torch.nonzero(bad).flatten().tolist()]
@@ -601,7 +606,7 @@ def _train_plain(block: Block, part: Sequence[_UserData], shared, upload: str):
         totals.zero_()
         for s, a in enumerate(active_users):
             sl = slice(s * batch, (s + 1) * batch)
-            view = {key: value[:a] for key, value in params.items()}
+            view = params if a == len(part) else {key: value[:a] for key, value in params.items()}
             grads, values = step_fn(view, first[:a, sl], second[:a, sl], labels[:a, sl], weights[:a, sl])
             _check_finite(users[:a], values, "loss")
             optimizer.step(view, grads, a)

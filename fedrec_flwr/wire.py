@@ -125,8 +125,11 @@ class Topology:
 class Contribution:
     """One node's train contribution: the sum-and-count form of the reply, before packing.
 
-    ``dense_sum[k]`` is ``sum_u n_u * theta_u[k]``; ``row_sum[k]`` is a full ``(num_items, d)`` table of summed updated
-    rows, ``row_count[k]`` ``(num_items,)`` counts how many users updated each row.
+    ``dense_sum[k]`` is ``sum_u n_u * theta_u[k]``; ``row_updates[k]`` keeps each user's ``(row ids (T_u,), values
+    (T_u, d) float64)`` of item table ``k`` in the order they were added, summed over the touched rows only when the
+    reply is packed (:meth:`pack`): a node whose users touch a few hundred of the table's rows never builds the full
+    ``(num_items, d)`` table (about 1 ms per one-user message before; the float64 sums are added in the same order, so
+    the packed reply is bit for bit the one a full table gives).
     """
 
     layout: ModelLayout
@@ -134,8 +137,7 @@ class Contribution:
     num_users: int = 0
     loss_sum: float = 0.0
     dense_sum: dict[str, np.ndarray] = field(default_factory=dict)
-    row_sum: dict[str, np.ndarray] = field(default_factory=dict)
-    row_count: dict[str, np.ndarray] = field(default_factory=dict)
+    row_updates: dict[str, list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
 
     def add_user(
         self,
@@ -144,13 +146,17 @@ class Contribution:
         num_examples: int,
         loss: float,
     ) -> None:
-        """Add one user's update.
+        """Add one user's update (its values are copied: the caller may reuse its arrays).
 
         Args:
             dense: dense key -> the user's updated value (shape as in the layout).
-            rows: item key -> ``(row_ids (T,) int64 unique, values (T, d))``: the rows this user updated.
+            rows: item key -> ``(row_ids (T,) int unique, values (T, d))``: the rows this user updated.
             num_examples: the user's example count ``n_u`` (> 0): the weight of its dense update.
             loss: the user's mean training loss (averaged over users with weight ``n_u``).
+
+        Raises:
+            ReplyError: ``num_examples`` <= 0, repeated row ids, row ids outside the table, or values whose shape does
+                not match the ids and the table's row width.
         """
         if num_examples <= 0:
             raise ReplyError(f"a user's num_examples must be > 0, got {num_examples}")
@@ -159,32 +165,42 @@ class Contribution:
             self.dense_sum[key] = self.dense_sum[key] + value if key in self.dense_sum else value
         for key in self.layout.item_keys:
             ids, values = rows[key]
-            if key not in self.row_sum:
-                shape = self.layout.shared_shapes[key]
-                self.row_sum[key] = np.zeros(shape, dtype=np.float64)
-                self.row_count[key] = np.zeros(shape[0], dtype=np.float64)
+            shape = self.layout.shared_shapes[key]
             ids = np.asarray(ids)
             # strictly increasing rows (what the clients send: np.union1d's output) are unique without a sort
             if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()) and len(np.unique(ids)) != len(ids):
                 raise ReplyError(f"rows of '{key}' must be unique")
-            self.row_sum[key][ids] += values
-            self.row_count[key][ids] += 1.0
+            if len(ids) and (ids.min() < 0 or ids.max() >= shape[0]):
+                raise ReplyError(f"rows of '{key}' must be in [0, {shape[0]})")
+            values = np.array(values, dtype=np.float64)  # a copy; float32 -> float64 is exact
+            if values.shape != (len(ids), *shape[1:]):
+                raise ReplyError(f"values of '{key}' have shape {values.shape}, expected {(len(ids), *shape[1:])}")
+            self.row_updates.setdefault(key, []).append((ids.astype(np.int64, copy=False), values))
         self.num_examples += num_examples
         self.num_users += 1
         self.loss_sum += loss * num_examples
 
     def pack(self) -> dict[str, np.ndarray]:
-        """The reply's arrays under the documented key scheme (float32 values, int64 rows)."""
+        """The reply's arrays under the documented key scheme (float32 values, int64 rows): per item table the sorted
+        rows some user touched, the float64 sum of the users' values there (added user by user, in order) and the
+        number of users per row, each cast to float32."""
         if self.num_users == 0:
             raise ReplyError("no user contributed: nothing to pack")
         out: dict[str, np.ndarray] = {}
         for key in self.layout.dense_keys:
             out[key] = (self.dense_sum[key] / self.num_examples).astype(np.float32)
         for key in self.layout.item_keys:
-            touched = np.flatnonzero(self.row_count[key] > 0).astype(np.int64)
+            updates = self.row_updates[key]
+            touched = np.unique(np.concatenate([ids for ids, _ in updates])).astype(np.int64)
+            sums = np.zeros((len(touched), *self.layout.shared_shapes[key][1:]), dtype=np.float64)
+            counts = np.zeros(len(touched), dtype=np.float64)
+            for ids, values in updates:
+                where = np.searchsorted(touched, ids)
+                sums[where] += values
+                counts[where] += 1.0
             out[key + ROWS] = touched
-            out[key + SUM] = self.row_sum[key][touched].astype(np.float32)
-            out[key + COUNT] = self.row_count[key][touched].astype(np.float32)
+            out[key + SUM] = sums.astype(np.float32)
+            out[key + COUNT] = counts.astype(np.float32)
         return out
 
     @property
