@@ -320,14 +320,16 @@ class Block:
         index = np.zeros((k, t_max), dtype=np.int64)
         for row, d in enumerate(data):
             index[row, : len(d.items)] = d.items
-        lengths = torch.as_tensor([len(d.items) for d in data], device=self.device)
-        valid = torch.arange(t_max, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
         index_t = torch.as_tensor(index, device=self.device)
+        padded = any(len(d.items) < t_max for d in data)  # without padding (one user) the mask is all ones: skipped
+        if padded:
+            lengths = torch.as_tensor([len(d.items) for d in data], device=self.device)
+            valid = torch.arange(t_max, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
         out = {}
         for key in self.layout.shared_shapes:
             full = as_tensor(shared[key], self.device, self.dtype)
             if key in self.layout.item_keys:
-                out[key] = full[index_t] * valid.unsqueeze(-1)
+                out[key] = full[index_t] * valid.unsqueeze(-1) if padded else full[index_t]
             else:
                 out[key] = full.unsqueeze(0).expand(k, *full.shape).clone()
         return out
@@ -423,7 +425,8 @@ def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Rows ``(a, N, d)`` of per-user tables ``table`` ``(a, T, d)`` at local rows ``index`` ``(a, N)`` (one
     ``index_select`` on the flattened tables; autograd sums the gradients of repeated rows, as an embedding does)."""
     a, t, d = table.shape
-    flat = (index + (torch.arange(a, device=index.device) * t).unsqueeze(1)).reshape(-1)
+    # one user (every one-user message): no offsets to add
+    flat = index.reshape(-1) if a == 1 else (index + (torch.arange(a, device=index.device) * t).unsqueeze(1)).reshape(-1)
     return table.reshape(a * t, d).index_select(0, flat).view(a, -1, d)
 
 

@@ -202,3 +202,33 @@ def test_one_user_block_steps_equal_with_one_shared_step_tensor(tmp_path):
             assert np.array_equal(a.dense[key], b.dense[key])
         for key in a.rows:
             assert np.array_equal(a.rows[key][1], b.rows[key][1])
+
+
+@pytest.mark.parametrize(("rows", "ok"), [([1, 4, 7], True), ([7, 1, 4], True), ([1, 4, 4], False), ([4, 1, 4], False),
+                                          ([0], True), ([9], True), ([10], False), ([-1, 3], False), ([3, 10], False),
+                                          ([10, 3], False), ([-1], False)])
+def test_the_reply_check_takes_sorted_rows_without_a_sort_and_still_refuses_bad_ones(rows, ok):
+    """``check_reply_keys`` reads the extremes of strictly increasing rows (what nodes send) off their ends instead of
+    sorting them; repeated or out-of-range rows are refused in any order."""
+    from fedrec_flwr.wire import ROWS, SUM, COUNT, ModelLayout, ReplyError, check_reply_keys
+
+    layout = ModelLayout(shared_shapes={"items.weight": (10, 2)}, item_keys=("items.weight",), private_keys=())
+    ids = np.asarray(rows, dtype=np.int64)
+    reply = {"items.weight" + ROWS: ids, "items.weight" + SUM: np.ones((len(ids), 2), np.float32),
+             "items.weight" + COUNT: np.ones(len(ids), np.float32)}
+    if ok:
+        check_reply_keys(reply, layout)
+    else:
+        with pytest.raises(ReplyError, match="unique row ids"):
+            check_reply_keys(reply, layout)
+
+
+@pytest.mark.parametrize("users", [1, 3])
+def test_the_block_gather_is_each_users_rows(users):
+    """``_gather`` (one user: no offsets) returns each user's table rows at its local indices, bit for bit."""
+    generator = torch.Generator().manual_seed(users)
+    table = torch.randn(users, 7, 4, generator=generator)
+    index = torch.randint(0, 7, (users, 11), generator=generator)
+    out = blocks._gather(table, index)
+    expected = torch.stack([table[u][index[u]] for u in range(users)])
+    assert torch.equal(out, expected)
