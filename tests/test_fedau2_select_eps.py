@@ -132,3 +132,17 @@ def test_the_robust_rule_falls_back_to_the_strongest_pull_within_the_hr_margin(t
     robust = robust_choice(select_epsilon(tmp_path), (3, 4)).set_index("epsilon")
     assert robust.index[robust["chosen"]].tolist() == [20.0]
     assert not robust["meets-rule"].any()
+
+
+def test_the_protocol_check_refuses_the_test_seeds():
+    """``protocol-check`` is a diagnostic on the validation seeds: asking it for a test seed (0-2) is an error."""
+    import argparse
+
+    import pytest
+
+    from experiments.fedau2.run import jobs_protocol_check
+
+    with pytest.raises(SystemExit):
+        jobs_protocol_check(argparse.Namespace(seeds=[4, 1], data_dir=""))
+    names = [config.run_name for config, _ in jobs_protocol_check(argparse.Namespace(seeds=[3, 4], data_dir=""))]
+    assert len(names) == 4 and all(n.endswith(("-seed3", "-seed4")) for n in names)

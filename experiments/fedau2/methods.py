@@ -223,6 +223,12 @@ ARMS[SGD_PULL_ARM] = {**ARMS[NCF_SERVER_ARM], "adversary-embedding-optimizer": "
 # the SGD pull at each eps of its grid: the test seeds (0-2) run the one its validation item chose
 ARMS.update({f"{SGD_PULL_ARM}, eps {eps:g}": {**ARMS[SGD_PULL_ARM], "adversary-epsilon": eps}
              for eps in sorted(SELECTION_GRIDS[(SGD_PULL_ARM, "age")])})
+PROTOCOL_CHECK_ARMS = ("original", f"{SGD_PULL_ARM}, eps 10")
+"""Issue 14, sixth session (``protocol-check``): the original FedNCF and the SGD pull at the eps both selections chose
+(10), trained against age on the validation seeds :data:`SGD_PULL_SELECTION_SEEDS` with the test items' protocol (no
+``holdout-validation``). Their attacker AUCs tell whether the validation runs' lower AUC (seeds 3 / 4: 0.533 / 0.528
+against 0.558-0.565 on seeds 0-2) comes from the validation protocol or from the seeds. A diagnostic run after the
+choice: it chooses nothing, and no test seed runs in it."""
 SELECTION_KEYS = {"holdout-validation": True, "evaluate-validation": True}
 """The selection runs hold out each user's second-latest interaction as a validation item and rank it at every
 evaluation: eps is chosen on it, never on the test item (:func:`experiments.fedau2.report.select_epsilon`)."""

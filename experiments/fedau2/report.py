@@ -464,8 +464,61 @@ def write_robust_choice(results: Path, table: pd.DataFrame) -> pd.DataFrame:
     return robust
 
 
+def protocol_check(results: Path) -> pd.DataFrame:
+    """Issue 14, sixth session: ``protocol-check.csv`` / ``.md``, a diagnostic after the eps choice. Per validation
+    seed, the age attacker AUCs (LR / MLP) of :data:`~experiments.fedau2.methods.PROTOCOL_CHECK_ARMS` trained with the
+    test items' protocol (``runs/protocol-check/FedNCF``) next to the same seed's ``select-eps`` runs (validation
+    protocol: ``holdout-validation``) of the same arms, and the HR@10 change of the arm against the original under
+    each protocol (test item / validation item of that seed; seeds 3-4 are not test seeds). Returns the table (one
+    row per seed and protocol; empty: nothing written)."""
+    from experiments.fedau2.methods import PROTOCOL_CHECK_ARMS
+
+    arm = PROTOCOL_CHECK_ARMS[1]
+    eps = ARMS[arm]["adversary-epsilon"]
+    selection = results / "runs" / "select-eps" / "FedNCF"
+    selected = f"{slug(arm.rsplit(', eps', 1)[0])}-age-eps{eps:g}"  # the select-eps run name of the same arm
+    rows = []
+    for folder in sorted((results / "runs" / "protocol-check" / "FedNCF").glob(f"{slug(arm)}-age-seed*")):
+        if not (folder / "attack.json").is_file():
+            continue
+        seed = int(folder.name.rsplit("-seed", 1)[1])
+        pairs = {"test protocol": (folder, folder.parent / f"original-seed{seed}", "HR@10"),
+                 "validation protocol": (selection / f"{selected}-seed{seed}", selection / f"original-seed{seed}",
+                                         "val-HR@10")}
+        for protocol, (mine, base, metric) in pairs.items():
+            if not ((mine / "attack.json").is_file() and (base / "attack.json").is_file()):
+                continue
+            a, b = (json.loads((p / "attack.json").read_text())["attribute-inference"] for p in (mine, base))
+            hr, hr0 = (json.loads((p / "summary.json").read_text())["final"][metric] for p in (mine, base))
+            rows.append({"seed": seed, "protocol": protocol, "epsilon": eps, "metric": metric, "HR@10": hr,
+                         "HR@10-change-%": 100.0 * (hr / hr0 - 1.0),
+                         "logreg-auc": a["age/logreg"]["auc"], "mlp-auc": a["age/mlp"]["auc"],
+                         "original-logreg-auc": b["age/logreg"]["auc"], "original-mlp-auc": b["age/mlp"]["auc"]})
+    table = pd.DataFrame(rows)
+    if table.empty:
+        return table
+    write_csv(table, results / "protocol-check.csv")
+    shown = pd.DataFrame({
+        "seed": table["seed"], "protocol": table["protocol"],
+        "HR@10 (item)": [f"{v:.4f} ({'test' if m == 'HR@10' else 'validation'})"
+                         for v, m in zip(table["HR@10"], table["metric"])],
+        "ΔHR@10 vs original": [f"{v:+.1f}%" for v in table["HR@10-change-%"]],
+        "AUC (LR)": [f"{v:.3f}" for v in table["logreg-auc"]], "AUC (MLP)": [f"{v:.3f}" for v in table["mlp-auc"]],
+        "original AUC (LR / MLP)": [f"{a:.3f} / {b:.3f}" for a, b in
+                                    zip(table["original-logreg-auc"], table["original-mlp-auc"])]})
+    atomic_write_text(results / "protocol-check.md",
+                      "# FedAU²: the SGD pull at eps 10 against age, validation vs test protocol (issue 14, sixth "
+                      "session)\n\n"
+                      f"Arm: `{arm}` and the original FedNCF on the validation seeds, trained with the test items' "
+                      "protocol (`protocol-check`) and with the validation protocol (`select-eps`, "
+                      "`holdout-validation = true`). A diagnostic after the eps choice: it chooses nothing.\n\n"
+                      + markdown(shown))
+    return table
+
+
 def write_all(results: Path) -> None:
     write_robust_choice(results, select_epsilon(results))
+    protocol_check(results)
     main = main_tables(results)
     tradeoff_plot(results, main)
     stability_plot(results)

@@ -6,6 +6,7 @@
     python -m experiments.fedau2.run tradeoff-server          # the server-adversary arm across eps (seed 1)
     python -m experiments.fedau2.run tradeoff-server-ncf      # FedNCF's server-adversary arm across eps (seed 1)
     python -m experiments.fedau2.run select-eps               # eps chosen on the validation item (seed 3)
+    python -m experiments.fedau2.run protocol-check           # the eps-10 SGD pull, age, test protocol, seeds 3 4
     python -m experiments.fedau2.run diagnostics              # the per-client arm again, with adversary-diagnostics.csv
     python -m experiments.fedau2.run report                   # tables and plots from the finished runs
 
@@ -36,8 +37,8 @@ import pandas as pd
 from experiments.common import claimed, quiet_flower, run_jobs, slug
 from experiments.fedau2.methods import (
     ARMS, ATTRIBUTES, AUDIT_SEED, CLASS_PRIORS, EPSILONS, MODELS, NCF_SERVER_ARM, NCF_SERVER_EPSILONS, PROTOCOL,
-    SELECTION_GRIDS, SELECTION_KEYS, SELECTION_SEED, SERVER_ARM, SERVER_EPSILONS, uses_attribute,
-    uses_prior,
+    PROTOCOL_CHECK_ARMS, SELECTION_GRIDS, SELECTION_KEYS, SELECTION_SEED, SERVER_ARM, SERVER_EPSILONS,
+    SGD_PULL_SELECTION_SEEDS, uses_attribute, uses_prior,
 )
 from fedrec_flwr.attacks import attribute_inference, collect_user_embeddings
 from fedrec_flwr.attributes import encode_attribute
@@ -201,6 +202,19 @@ def jobs_select_eps(args) -> list:
     return jobs
 
 
+def jobs_protocol_check(args) -> list:
+    """Issue 14, sixth session: ``PROTOCOL_CHECK_ARMS`` on FedNCF against age with the test items' protocol (no
+    ``holdout-validation``) on the validation seeds (``--seeds``, default ``SGD_PULL_SELECTION_SEEDS``), in
+    ``runs/protocol-check/FedNCF`` (read by :func:`experiments.fedau2.report.protocol_check`). Raises ``SystemExit``
+    for a test seed (0-2): this check must not add runs of the reported seeds."""
+    if set(args.seeds) & {0, 1, 2}:
+        raise SystemExit("protocol-check: seeds 0-2 are the test seeds; use validation seeds (default 3 4)")
+    folder = RUNS / "protocol-check" / "FedNCF"
+    return [(run_config("FedNCF", arm, "age", seed, args.data_dir, folder,
+                        f"{slug(arm)}-age-seed{seed}" if uses_attribute(arm) else f"{slug(arm)}-seed{seed}"), "age")
+            for seed in args.seeds for arm in PROTOCOL_CHECK_ARMS]
+
+
 def jobs_diagnostics(args) -> list:
     """The per-client arm re-run (its first runs predate the diagnostics file) on FedMF / gender, ``--seeds``."""
     return [(run_config("FedMF", "FedAU2", "gender", seed, args.data_dir, RUNS / "diagnostics" / "FedMF",
@@ -210,7 +224,7 @@ def jobs_diagnostics(args) -> list:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("main", "tradeoff", "tradeoff-server", "tradeoff-server-ncf", "select-eps",
-                                            "diagnostics", "report"))
+                                            "protocol-check", "diagnostics", "report"))
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--attributes", nargs="+", default=["gender"], choices=list(ATTRIBUTES))
@@ -225,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job starting at i")
     args = parser.parse_args(argv)
     if args.seeds is None:
-        args.seeds = {"main": [0, 1, 2], "tradeoff": [0], "select-eps": [SELECTION_SEED]}.get(args.command, [1])
+        args.seeds = {"main": [0, 1, 2], "tradeoff": [0], "select-eps": [SELECTION_SEED],
+                      "protocol-check": list(SGD_PULL_SELECTION_SEEDS)}.get(args.command, [1])
     quiet_flower()
     if args.command == "report":
         from experiments.fedau2.report import write_all
@@ -234,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     jobs = {"main": jobs_main, "tradeoff": jobs_tradeoff, "tradeoff-server": jobs_tradeoff_server,
             "tradeoff-server-ncf": jobs_tradeoff_server_ncf, "select-eps": jobs_select_eps,
-            "diagnostics": jobs_diagnostics}[args.command](args)
+            "protocol-check": jobs_protocol_check, "diagnostics": jobs_diagnostics}[args.command](args)
     run_jobs(jobs, run_job, args.shard, args.command)
 
 
