@@ -342,7 +342,10 @@ def select_epsilon(results: Path) -> pd.DataFrame:
                       f"with both attacker AUCs on the row's attribute (one-vs-rest for age) within {BAND} of 0.5, "
                       "the highest validation HR@10 (if none is, the closest to the band: then **chosen** meets no "
                       "target); no test item is read. Grids: `methods.SELECTION_GRIDS` (age with the local Adam pull: "
-                      "only eps 0.3 ran, `methods.SELECTION_EPSILONS_BY_ATTRIBUTE`).\n\n"
+                      "only eps 0.3 ran, `methods.SELECTION_EPSILONS_BY_ATTRIBUTE`). The SGD pull against age ran on seeds 3 "
+                      "and 4 (sixth session): its choice is `select-eps-robust.md`'s two-seed rule "
+                      "(`report.robust_choice`); **chosen** here is the single-seed rule per seed, for the record."
+                      "\n\n"
                       + markdown(shown))
     return table
 
