@@ -110,7 +110,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         one("value = np.asarray(dense[key], dtype=np.float64) * num_examples",
             "value = np.asarray(dense[key], dtype=np.float64)"),), WIRE_TESTS),
     Mutation("contribution-row-count-not-summed", "fedrec_flwr/wire.py", (
-        one("self.row_count[key][ids] += 1.0", "self.row_count[key][ids] = 1.0"),), WIRE_TESTS),
+        one("counts[where] += 1.0", "counts[where] = 1.0"),), WIRE_TESTS),
+    Mutation("contribution-row-sum-not-summed", "fedrec_flwr/wire.py", (
+        one("sums[where] += values", "sums[where] = values"),), WIRE_TESTS),
     Mutation("merge-touched-divides-by-all", "fedrec_flwr/wire.py", (
         one("(total[touched] / count[touched].reshape(shape))", "(total[touched] / count.sum())"),), WIRE_TESTS),
     Mutation("merge-selected-ignores-count", "fedrec_flwr/wire.py", (
