@@ -66,6 +66,7 @@ from typing import Any, Iterator, TextIO
 
 from .config import default_mapping
 from .errors import ConfigError, FedRecError
+from .registry import LOGGER_ROOTS
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -681,7 +682,7 @@ def shown_quietly(line: str) -> bool:
         return False
     if re.match(r"round\s+\d+ \|", text) or ERROR_LINE.match(text):
         return True
-    if re.match(r"(INFO|WARNING|ERROR|CRITICAL) (fedrec_flwr|strategies|clients|experiments|plugins)\b", text):
+    if re.match(rf"(INFO|WARNING|ERROR|CRITICAL) ({'|'.join(LOGGER_ROOTS)})\b", text):
         return True
     return bool(re.match(r"(WARNING|ERROR|CRITICAL)\s*:", text))
 

@@ -15,6 +15,11 @@ from typing import Any
 
 from .errors import ConfigError
 
+LOGGER_ROOTS = ("fedrec_flwr", "strategies", "clients", "experiments", "plugins")
+"""The top-level packages whose loggers are ours: this package, its client and strategy folders, the experiments and
+the ``plugins/`` folder where third-party clients and strategies live. The ServerApp prints their records as
+``LEVEL logger: message`` (INFO and above) and the launcher's default output keeps those lines."""
+
 CLIENTS: dict[str, str] = {
     "fedrec": "clients.fedrec:FedRecClient",
     "fedrecgel": "clients.fedrecgel:FedRecGELClient",

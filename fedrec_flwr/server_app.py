@@ -40,6 +40,7 @@ from .client_app import IDENTIFY
 from .client_state import DURABLE_ROUND_KEY, RESUME_ROUND_KEY, RUN_KEY
 from .config import RunConfig
 from .errors import ConfigError, reply_error_line
+from .registry import LOGGER_ROOTS
 from .preflight import build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: was here
 from .results import PROGRESS, RunRecorder, check_results_folder
 from .runtime import build_shared_model
@@ -53,7 +54,7 @@ app and loading the dataset, which can take longer than ``round-timeout`` allows
 
 
 def _setup_logging() -> None:
-    for name in ("fedrec_flwr", "strategies", "clients"):
+    for name in LOGGER_ROOTS:  # a plug-in's logger too, or its lines reach no handler with a level
         root = logging.getLogger(name)
         if not root.handlers:
             handler = logging.StreamHandler(sys.stdout)

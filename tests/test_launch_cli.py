@@ -141,6 +141,23 @@ def test_quiet_log_keeps_progress_warnings_and_errors():
     assert not any(shown_quietly(line) for line in hidden)
 
 
+def test_a_plugin_loggers_lines_are_printed_with_their_level_and_kept_by_the_quiet_log(capsys):
+    """A plug-in's own ``logging`` lines (a ``plugins.*`` module, as the README's plug-in section places them) get the
+    ServerApp's ``LEVEL logger: message`` handler, so the launcher's default output keeps them (they used to reach
+    only Python's last-resort handler: no level, no logger name, hidden by the quiet filter, INFO lost)."""
+    import logging
+
+    from fedrec_flwr.server_app import _setup_logging
+
+    _setup_logging()
+    logging.getLogger("plugins.my_strategy").warning("norm-log: aggregation %d", 1)
+    logging.getLogger("plugins.my_strategy").info("an info line")
+    lines = capsys.readouterr().out.splitlines()
+    assert "WARNING plugins.my_strategy: norm-log: aggregation 1" in lines
+    assert "INFO plugins.my_strategy: an info line" in lines
+    assert all(shown_quietly(line) for line in lines)
+
+
 def test_run_error_is_the_end_of_the_last_traceback():
     log = ("INFO :      starting\nERROR :     ServerApp raised an exception\nTraceback (most recent call last):\n"
            '  File "x.py", line 1, in <module>\n'
