@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,7 @@ def save_checkpoint(folder: str | Path, checkpoint: Checkpoint) -> Path:
         "format": FORMAT, "round": int(checkpoint.server_round), "run-name": checkpoint.run_name,
         "run-config": checkpoint.run_config, "strategy": checkpoint.strategy_state, "rows": checkpoint.rows,
         "sampler": checkpoint.sampler, "arrays": index, "client-state": checkpoint.client_state,
+        "row-columns": [list(row) for row in checkpoint.rows],  # sort_keys reorders the rows: their order, kept
     }
     text = json.dumps(manifest, sort_keys=True, default=_json_default)
     return atomic_save_npz(Path(folder) / CHECKPOINT_FILE, **arrays, **{_MANIFEST: np.array(text)})
@@ -123,7 +125,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         return Checkpoint(
             server_round=int(manifest["round"]), run_name=str(manifest["run-name"]),
             run_config=dict(manifest["run-config"]), arrays=groups["arrays"], strategy_state=manifest["strategy"],
-            strategy_arrays=groups["strategy"], rows=list(manifest["rows"]), sampler=dict(manifest["sampler"]),
+            strategy_arrays=groups["strategy"], rows=_rows_in_order(manifest), sampler=dict(manifest["sampler"]),
             client_state=manifest.get("client-state"), folder=file.parent,
         )
     except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, json.JSONDecodeError) as err:
@@ -223,6 +225,17 @@ def check_client_state(checkpoint: Checkpoint, nodes_without_state: list, accept
     aside = any(node["damaged"] for node in state_problems)  # the nodes renamed them (client_app.identify)
     return message + " (resume-resets-client-state = true" + (
         "; the nodes renamed the unreadable files to *.npz.damaged)" if aside else ")")
+
+
+def _rows_in_order(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The manifest's metrics rows with each row's keys in the order the run recorded them (``row-columns``), so a
+    resumed run writes ``metrics.csv`` with the columns of an uninterrupted one; a checkpoint written before that
+    field keeps JSON's sorted order."""
+    rows = [dict(row) for row in manifest["rows"]]
+    orders = manifest.get("row-columns")
+    if not isinstance(orders, list) or len(orders) != len(rows):
+        return rows
+    return [{key: row[key] for key in order if key in row} | row for row, order in zip(rows, orders)]
 
 
 def _json_default(value: Any) -> Any:

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from fedrec_flwr.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from fedrec_flwr.checkpoint import CHECKPOINT_FILE, Checkpoint, load_checkpoint, save_checkpoint
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.serial import run_serial
 from fedrec_flwr.wire import sample_users
@@ -82,10 +82,30 @@ def test_a_run_killed_mid_round_resumes_to_the_same_result(tmp_path, case):
     rows = json.loads((folder / "metrics.json").read_text())
     assert [r["round"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert without_timings(rows) == without_timings(json.loads((uninterrupted / "metrics.json").read_text()))
+    header = (folder / "metrics.csv").read_text().splitlines()[0]
+    assert header == (uninterrupted / "metrics.csv").read_text().splitlines()[0], "the same columns, in order"
     whole, again = _final(uninterrupted), _final(folder)
     assert whole.keys() == again.keys()
     for key in whole:
         np.testing.assert_array_equal(whole[key], again[key], err_msg=key)
+
+
+def test_a_checkpoint_keeps_the_order_of_each_metrics_rows_keys(tmp_path):
+    """The manifest is written with sorted keys; the rows come back in the order the run recorded them (a resumed
+    run's metrics.csv then has an uninterrupted run's columns), and a checkpoint without ``row-columns`` (older
+    format) keeps the sorted order."""
+    rows = [{"round": 1, "seconds": 0.5, "train-loss": 0.6, "num-replies": 3}, {"round": 2, "seconds": 0.4,
+            "train-loss": 0.5, "num-replies": 3, "HR@10": 0.3, "HR@5": 0.2}]
+    checkpoint = Checkpoint(server_round=2, run_name="r", run_config={}, arrays={"w": np.zeros(2)}, rows=rows)
+    save_checkpoint(tmp_path, checkpoint)
+    assert [list(r) for r in load_checkpoint(tmp_path).rows] == [list(r) for r in rows]
+    with np.load(tmp_path / "checkpoint.npz") as data:
+        files = {k: data[k] for k in data.files}
+    manifest = json.loads(str(files["__manifest__"]))
+    del manifest["row-columns"]
+    files["__manifest__"] = np.array(json.dumps(manifest, sort_keys=True))
+    np.savez(tmp_path / "checkpoint.npz", **files)
+    assert [list(r) for r in load_checkpoint(tmp_path).rows] == [sorted(r) for r in rows]
 
 
 def test_resume_refuses_a_different_config_a_missing_and_a_damaged_checkpoint(tmp_path):
