@@ -210,7 +210,8 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     # a split without timestamps has no ties to break: config.json says what ordered the held-out items instead
     tie_rule = config.tie_rule if split_facts.get("tie-rule-applied", True) else \
         f"not applied: {split_facts.get('held-out-order', 'no timestamps')}"
-    info = {"dataset": facts, "split": split_facts, "tie-rule": tie_rule}
+    # the folder's name: the run config's run-name, or the generated one when that is empty
+    info = {"run-folder": folder.name, "dataset": facts, "split": split_facts, "tie-rule": tie_rule}
     if hasattr(strategy, "run_info"):  # e.g. a wrapped Flower strategy's class and constructor arguments
         info["strategy"] = strategy.run_info()
     recorder = RunRecorder(folder, config.to_dict(), info, rows=resume.rows if resume is not None else ())

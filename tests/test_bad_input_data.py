@@ -130,6 +130,9 @@ def test_config_json_records_what_the_split_did(tmp_path):
     assert split["tie-rule-applied"] is False and split["users-with-tied-latest"] == 0
     assert written["tie-rule"].startswith("not applied: seeded random order")
     assert split["min-user-interactions"] == 3
+    assert written["run-folder"] == "facts" == folder.name
+    generated = run_serial({**config, "run-name": ""})  # an empty run-name: the generated folder name is recorded
+    assert json.loads((generated / "config.json").read_text())["run-folder"] == generated.name != ""
 
 
 def test_generic_data_dir_is_the_file_or_the_folder_relative_names_resolve_in(tmp_path, caplog):
