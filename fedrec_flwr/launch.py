@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import math
 import os
 import re
 import signal
@@ -1028,8 +1029,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                      help="host:port of an existing Ray cluster's head (ray start --head) to run the client actors on")
     run.add_argument("--federation-config", action="append", default=[], metavar="KEY=VALUE",
                      help="another flwr simulation-config key, e.g. client-resources-num-cpus=1 (repeatable)")
-    run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                     help="stop the whole run after SECONDS (exit 124), naming what was still running")
+    run.add_argument("--timeout", default=None, metavar="SECONDS",  # checked in parse_args: one error line
+                     help="stop the run SECONDS after flwr run starts (exit 124), naming what was still running")
     run.add_argument("--verbose", action="store_true", help="print Flower's whole log (default: progress, warnings, "
                                                             "errors; the whole log is always in <FLWR_HOME>/logs/)")
     run.add_argument("--debug", action="store_true", help="print tracebacks of errors caught before the run starts")
@@ -1052,8 +1053,14 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any],
     args.command = argv[0]
     if args.command != "run":
         return args, {}, {}
-    if args.timeout is not None and not args.timeout > 0:
-        raise ConfigError(f"--timeout {args.timeout:g}: must be a positive number of seconds")
+    if args.timeout is not None:
+        try:
+            seconds = float(args.timeout)
+        except ValueError:
+            seconds = math.nan
+        if not seconds > 0:
+            raise ConfigError(f"--timeout {args.timeout}: must be a positive number of seconds")
+        args.timeout = seconds
     defaults = default_mapping(PROJECT_ROOT / "pyproject.toml")
     overrides = _once([parse_override(pair, defaults) for pair in args.overrides], "run-config key")
     federation = _once([parse_override(pair, {}, "--federation-config") for pair in args.federation_config],
