@@ -149,9 +149,15 @@ def test_a_plugin_loggers_lines_are_printed_with_their_level_and_kept_by_the_qui
 
     from fedrec_flwr.server_app import _setup_logging
 
-    _setup_logging()
-    logging.getLogger("plugins.my_strategy").warning("norm-log: aggregation %d", 1)
-    logging.getLogger("plugins.my_strategy").info("an info line")
+    root = logging.getLogger("plugins")
+    saved = root.handlers[:], root.level, root.propagate
+    root.handlers.clear()  # an earlier test's ServerApp may have set it up, writing to that test's captured stdout
+    try:
+        _setup_logging()
+        logging.getLogger("plugins.my_strategy").warning("norm-log: aggregation %d", 1)
+        logging.getLogger("plugins.my_strategy").info("an info line")
+    finally:
+        root.handlers[:], root.level, root.propagate = saved[0], saved[1], saved[2]
     lines = capsys.readouterr().out.splitlines()
     assert "WARNING plugins.my_strategy: norm-log: aggregation 1" in lines
     assert "INFO plugins.my_strategy: an info line" in lines
