@@ -165,7 +165,8 @@ class Runtime:
     """The users' ``protected-attribute`` labels (private data of each client; ``None`` without the key)."""
     derived: dict = field(default_factory=dict)
     """Facts derived once from :attr:`model` and :attr:`config` by the code that needs them on every message (e.g.
-    :class:`fedrec_flwr.blocks.Block`'s device, dtype and private shapes); never per-user state."""
+    :class:`fedrec_flwr.blocks.Block`'s private parameter shapes, with the model they were read from); never per-user
+    state."""
 
 
 _RUNTIMES: dict[tuple, Runtime] = {}
