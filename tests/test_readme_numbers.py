@@ -6,6 +6,8 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +49,54 @@ def test_readme_quickstart_figures_match_a_fresh_10_round_run(ml100k_dir, tmp_pa
                           capture_output=True, text=True, timeout=1800,
                           env={**os.environ, "FEDREC_DATA_DIR": str(ml100k_dir.parent)})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def _fake_run(monkeypatch, hr10: float):
+    """Replace the 10-round training by a run that writes one metrics row (round 10, HR@10 ``hr10``)."""
+    import json
+
+    import fedrec_flwr.serial
+
+    def fake_run_serial(config):
+        folder = Path(config.results_dir) / config.run_name
+        folder.mkdir(parents=True)
+        (folder / "metrics.json").write_text(json.dumps([{"round": 10, "HR@10": hr10, "NDCG@10": 0.1967,
+                                                          "train-loss": 0.3764}]))
+        return folder
+
+    monkeypatch.setattr(fedrec_flwr.serial, "run_serial", fake_run_serial)
+
+
+README_ROUND_10 = "round   10 | HR@10 0.3807 | NDCG@10 0.1967 | train loss 0.3764 | 14.9 s\n"
+
+
+def test_readme_check_removes_its_temp_folder_when_every_figure_matches(monkeypatch, tmp_path, capsys):
+    _fake_run(monkeypatch, 0.3807)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    readme = tmp_path / "README.md"
+    readme.write_text(README_ROUND_10)
+    assert _script().main(["--rounds", "10", "--readme", str(readme)]) == 0
+    assert list(tmp_path.glob("readme-check-*")) == []
+    assert "all match" in capsys.readouterr().out
+
+
+def test_readme_check_keeps_its_temp_folder_and_prints_it_when_a_figure_differs(monkeypatch, tmp_path, capsys):
+    _fake_run(monkeypatch, 0.3796)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    readme = tmp_path / "README.md"
+    readme.write_text(README_ROUND_10)
+    assert _script().main(["--rounds", "10", "--readme", str(readme)]) == 1
+    kept = list(tmp_path.glob("readme-check-*"))
+    assert len(kept) == 1
+    out = capsys.readouterr().out
+    assert "round 10 HR@10: README 0.3807, fresh run 0.3796" in out
+    assert f"results kept in {kept[0]}" in out
+
+
+def test_readme_check_leaves_a_given_results_dir_alone(monkeypatch, tmp_path):
+    _fake_run(monkeypatch, 0.3807)
+    readme = tmp_path / "README.md"
+    readme.write_text(README_ROUND_10)
+    results = tmp_path / "results"
+    assert _script().main(["--rounds", "10", "--readme", str(readme), "--results-dir", str(results)]) == 0
+    assert (results / "readme-check" / "metrics.json").is_file()
