@@ -110,13 +110,19 @@ def bare_apps(num_users: int, users_per_node: int, sampled: int, rounds: int, ti
 
 def run_case(dataset: str, sampled: int, users_per_node: int, rounds: int, data_root: str, bare: str | None,
              overrides: dict | None = None) -> dict:
+    """One benchmark row; the run's results folder lives in a ``fedrec-bench-*`` temp folder, removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="fedrec-bench-", ignore_cleanup_errors=True) as tmp:
+        return _run_case_in(tmp, dataset, sampled, users_per_node, rounds, data_root, bare, overrides)
+
+
+def _run_case_in(tmp: str, dataset: str, sampled: int, users_per_node: int, rounds: int, data_root: str,
+                 bare: str | None, overrides: dict | None) -> dict:
     from flwr.simulation import run_simulation
 
     from fedrec_flwr.config import default_mapping
     from fedrec_flwr.runtime import load_split_for
     from fedrec_flwr.config import RunConfig
 
-    tmp = tempfile.mkdtemp(prefix="fedrec-bench-")
     mapping = default_mapping()
     mapping.update({"dataset": dataset, "data-dir": str(Path(data_root) / dataset), "num-server-rounds": rounds,
                     "fraction-evaluate": 0.0, "users-per-node": users_per_node, "results-dir": tmp,
