@@ -160,6 +160,19 @@ def plot_learning_curves(rows: list[Mapping[str, Any]], path: str | Path, title:
 
     ``marks`` maps a label to a round after which something happened (e.g. ``{"unlearning (hfkcu)": 50}``): a dashed
     vertical line at that round + 0.5 on both panels, named in the left panel's legend."""
+    import matplotlib.pyplot as plt
+
+    fig = learning_curves_figure(rows, title, marks)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def learning_curves_figure(rows: list[Mapping[str, Any]], title: str = "", marks: Mapping[str, float] | None = None):
+    """The figure :func:`plot_learning_curves` saves (a ``matplotlib.figure.Figure``, Agg backend; close it with
+    ``plt.close``): left panel HR@10 and NDCG@10 with their legend below it (outside the axes, so that no point,
+    e.g. a short run's last evaluation at the right edge, is hidden), right panel the train loss."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -167,7 +180,7 @@ def plot_learning_curves(rows: list[Mapping[str, Any]], path: str | Path, title:
 
     from matplotlib.ticker import MaxNLocator
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
     evaluated = [r for r in rows if "HR@10" in r]
     if evaluated:
         rounds = [r["round"] for r in evaluated]
@@ -176,7 +189,7 @@ def plot_learning_curves(rows: list[Mapping[str, Any]], path: str | Path, title:
             left.plot(rounds, values, marker=marker, label=f"{key} (last {values[-1]:.3f})")
     last_round = max((r["round"] for r in rows), default=1)
     for axis in (left, right):
-        axis.set_xlim(0, last_round + 0.5)
+        axis.set_xlim(0, last_round + max(0.5, 0.03 * last_round))  # room for the last marker
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     for label, after in (marks or {}).items():
         for axis in (left, right):
@@ -186,7 +199,8 @@ def plot_learning_curves(rows: list[Mapping[str, Any]], path: str | Path, title:
     left.set_xlabel("round")
     left.set_ylabel("metric on held-out items")
     left.grid(alpha=0.3)
-    left.legend()
+    if left.get_legend_handles_labels()[1]:  # below the panel, outside the axes: it never hides a point
+        left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize="small", frameon=False)
     trained = [r for r in rows if "train-loss" in r]
     right.plot([r["round"] for r in trained], [r["train-loss"] for r in trained], color="tab:red")
     right.set_xlabel("round")
@@ -195,7 +209,4 @@ def plot_learning_curves(rows: list[Mapping[str, Any]], path: str | Path, title:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buffer.getvalue())
+    return fig

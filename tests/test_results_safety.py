@@ -308,3 +308,34 @@ def test_a_new_run_replacing_an_interrupted_run_without_a_checkpoint_says_so(tmp
         package_logger.removeHandler(caplog.handler)
     assert not (tmp_path / "metrics.csv").exists()
     assert caplog.text.count("held an interrupted run without a checkpoint (metrics.csv, no summary.json)") == 1
+
+
+@pytest.mark.parametrize("evaluated_rounds", [(5,), (1, 2, 3, 4, 5), (2, 4)])
+def test_the_learning_curve_legend_covers_no_plotted_point_of_a_short_run(evaluated_rounds):
+    """A 5-round run's points (the last one at the right edge, evaluated after the last round) stay visible: the
+    legend's box, in display coordinates, holds no marker of either panel, with or without an unlearning mark."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from fedrec_flwr.results import learning_curves_figure
+
+    rows = [{"round": r, "train-loss": 0.69 - 0.05 * r} for r in range(1, 6)]
+    for row in rows:
+        if row["round"] in evaluated_rounds:
+            row.update({"HR@10": 0.2 + 0.02 * row["round"], "NDCG@10": 0.1 + 0.01 * row["round"]})
+    for marks in ({}, {"unlearning (hfkcu)": 3}):
+        fig = learning_curves_figure(rows, title="short", marks=marks)
+        try:
+            renderer = fig.canvas.get_renderer()
+            fig.canvas.draw()
+            legends = [axis.get_legend() for axis in fig.axes if axis.get_legend() is not None] + fig.legends
+            assert legends, "the HR@10 / NDCG@10 panel has a legend"
+            boxes = [legend.get_window_extent(renderer) for legend in legends]
+            points = [axis.transData.transform(np.column_stack(line.get_data()))  # the curves, not the dashed mark
+                      for axis in fig.axes for line in axis.lines if line.get_linestyle() != "--"]
+            assert sum(len(block) for block in points) == 2 * len(evaluated_rounds) + 5
+            covered = [(x, y) for block in points for x, y in block for box in boxes
+                       if box.x0 - 6 <= x <= box.x1 + 6 and box.y0 - 6 <= y <= box.y1 + 6]  # 6 px: a marker's radius
+            assert covered == []
+        finally:
+            plt.close(fig)
