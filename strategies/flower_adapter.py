@@ -58,7 +58,7 @@ import inspect
 import logging
 import math
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -99,6 +99,29 @@ DEFAULTS: dict[str, Any] = {"weighted_by_key": NUM_EXAMPLES, "train_loss_key": "
 
 OUR_CONFIG_KEYS = frozenset({"server-round", "users", "split", RUN_KEY, DURABLE_ROUND_KEY})
 """Message-config keys our clients read (any other key a strategy adds must be honoured by the client)."""
+
+REPLY_WEIGHT_KEYS = (NUM_EXAMPLES, "num-users")
+"""The counts every train and evaluate reply carries in its metrics (an evaluate reply gets ``num-users`` from
+:func:`_with_users`): what a Flower strategy's ``weighted_by_key`` may name."""
+
+ARGUMENT_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "weighted_by_key": (lambda v: v in REPLY_WEIGHT_KEYS,
+                        f"must name a count every reply carries, {' or '.join(map(repr, REPLY_WEIGHT_KEYS))}"),
+    "train_loss_key": (lambda v: v == "train-loss", "must be 'train-loss', the train replies' loss metric"),
+    "eta": (lambda v: v > 0, "must be > 0 (the server learning rate)"),
+    "tau": (lambda v: v > 0, "must be > 0 (it keeps the step's denominator sqrt(v) + tau away from 0)"),
+    "beta_1": (lambda v: 0 <= v < 1, "must be in [0, 1) (the first moment's decay)"),
+    "beta_2": (lambda v: 0 <= v < 1, "must be in [0, 1) (the second moment's decay)"),
+    "server_learning_rate": (lambda v: v > 0, "must be > 0"),
+    "server_momentum": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "client_learning_rate": (lambda v: v > 0, "must be > 0 (QFedAvg's Lipschitz constant is 1 / client_learning_rate)"),
+    "q": (lambda v: v >= 0, "must be >= 0 (q = 0 is FedAvg)"),
+    "num_malicious_nodes": (lambda v: v >= 0, "must be >= 0"),
+    "num_nodes_to_select": (lambda v: v >= 1, "must be >= 1 (MultiKrum averages that many replies)"),
+}
+"""Values a constructor argument of Flower's own strategies must have here, by the argument's name (checked only for
+arguments a ``flwr`` class declares): each passes the signature's type, but would fail once replies arrive (a metric
+our replies do not carry, a division by zero) or quietly do something else (a negative learning rate)."""
 
 REFUSED = {
     "FedXgbBagging": "FedXgbBagging aggregates XGBoost boosters serialized in one byte array (it refuses any "
@@ -212,8 +235,8 @@ def build_flower_strategy(cls: type, args: Mapping[str, Any]) -> tuple[Strategy,
 
     Raises:
         ConfigError: ``cls`` cannot serve our models (:data:`REFUSED`); an argument is unknown, set by the adapter,
-            of the wrong type or a callable; a required argument is missing; or the constructor rejects a value (its
-            message is passed on).
+            of the wrong type, a callable or a value :data:`ARGUMENT_RULES` rules out; a required argument is
+            missing; or the constructor rejects a value (its message is passed on).
     """
     for base in cls.__mro__:
         if base.__name__ in REFUSED:
@@ -235,6 +258,7 @@ def build_flower_strategy(cls: type, args: Mapping[str, Any]) -> tuple[Strategy,
             raise ConfigError(f"run-config key 'strategy-args': {cls.__name__} has no argument {name!r}; it takes "
                               f"{sorted(n for n in params if n not in SET_BY_ADAPTER)}")
         kwargs[name] = _coerce(cls, name, value, hints.get(name, params[name].annotation if name in params else Any))
+        _check_value(cls, name, kwargs[name])
     for name, value in {**DEFAULTS, **SET_BY_ADAPTER}.items():
         if name in params and name not in kwargs:
             kwargs[name] = value
@@ -260,6 +284,26 @@ def build_flower_strategy(cls: type, args: Mapping[str, Any]) -> tuple[Strategy,
         elif kind is not inspect.Parameter.VAR_POSITIONAL:
             record[name] = _jsonable(value)
     return strategy, record
+
+
+def _check_value(cls: type, name: str, value: Any) -> None:
+    """Refuse a value :data:`ARGUMENT_RULES` rules out, for an argument that a Flower class in ``cls``'s MRO declares.
+
+    Raises:
+        ConfigError: naming the strategy, the argument, the value and the rule.
+    """
+    rule = ARGUMENT_RULES.get(name)
+    if rule is None or value is None or not any(
+            base.__module__.startswith("flwr.") and name in inspect.signature(base.__init__).parameters
+            for base in cls.__mro__ if base is not object):
+        return
+    check, text = rule
+    try:
+        ok = bool(check(value))
+    except TypeError:  # e.g. a str where a number is compared (an argument without a usable annotation)
+        ok = False
+    if not ok:
+        raise ConfigError(f"run-config key 'strategy-args': {cls.__name__}({name}={value!r}) {text}")
 
 
 def _jsonable(value: Any) -> Any:

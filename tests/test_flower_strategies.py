@@ -264,3 +264,41 @@ def test_server_side_dp_with_several_users_per_node_warns_that_its_unit_is_the_n
     assert warning is not None and "per node (a group of users), not per user" in warning and "= 50" in warning
     assert node_level_dp_warning(dp, users_per_node=1) is None
     assert node_level_dp_warning(FedAvg(), users_per_node=50) is None
+
+
+# ---------------------------------------------------------------------------------------------- values refused up front
+@pytest.mark.parametrize(("name", "args", "argument", "value"), [
+    ("FedAvg", "weighted_by_key=foo", "weighted_by_key", "'foo'"),  # was: InconsistentMessageReplies in round 1
+    ("FedMedian", "weighted_by_key=train-loss", "weighted_by_key", "'train-loss'"),
+    ("QFedAvg", "client_learning_rate=0.1,train_loss_key=train_loss", "train_loss_key", "'train_loss'"),
+    ("QFedAvg", "client_learning_rate=0", "client_learning_rate", "0.0"),  # was: ZeroDivisionError in round 1
+    ("QFedAvg", "client_learning_rate=0.1,q=-1", "q", "-1.0"),
+    ("FedAdam", "tau=0", "tau", "0.0"),
+    ("FedAdam", "eta=-0.1", "eta", "-0.1"),
+    ("FedYogi", "beta_2=1.5", "beta_2", "1.5"),
+    ("FedAdam", "beta_1=1", "beta_1", "1.0"),
+    ("FedAvgM", "server_momentum=1", "server_momentum", "1.0"),
+    ("FedAvgM", "server_learning_rate=0", "server_learning_rate", "0.0"),
+    ("Krum", "num_malicious_nodes=-1", "num_malicious_nodes", "-1"),
+    ("MultiKrum", "num_nodes_to_select=0", "num_nodes_to_select", "0"),  # was: "returned arrays {}" in round 1
+])
+def test_flower_strategy_args_that_break_in_round_1_are_refused_by_the_preflight(tmp_path, name, args, argument, value):
+    """Values that pass the signature and type checks but break (or silently mislead) once replies arrive are refused
+    when the run config is checked (the launcher's, run_serial's and the ServerApp's preflight, no data needed): one
+    line naming the strategy, the argument and the value."""
+    from fedrec_flwr.preflight import preflight
+
+    with pytest.raises(ConfigError) as caught:
+        preflight(tiny_run_config(tmp_path, strategy=FLOWER + name, strategy_args=args))
+    message = str(caught.value)
+    assert f"{name}({argument}={value})" in message and "'strategy-args'" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("args", ["weighted_by_key=num-users", "weighted_by_key=num-examples"])
+def test_flower_strategies_may_weight_by_either_count_every_reply_carries(tmp_path, args):
+    from fedrec_flwr.preflight import preflight
+
+    preflight(tiny_run_config(tmp_path, strategy=FLOWER + "FedAvg", strategy_args=args))
+    preflight(tiny_run_config(tmp_path, strategy=FLOWER + "QFedAvg",
+                              strategy_args="client_learning_rate=0.1,train_loss_key=train-loss,q=0"))
+
