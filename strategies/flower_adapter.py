@@ -29,7 +29,9 @@ What the wrapped strategy sees, per round:
   than half of the sampled users trained, mostly the global value, so such rows barely move; distance rules (Krum)
   compare full tables.
 * Its hooks, state and Flower's ``Strategy.start`` loop run untouched; the adapter casts the arrays it returns back to
-  the model's dtypes, and a round where it returns no arrays (e.g. Bulyan with too few replies) keeps the model.
+  the model's dtypes, and a round where it returns no arrays keeps the model. Krum, MultiKrum and Bulyan need enough
+  replies per round (:func:`robust_aggregation_shortfall`): a config whose rounds sample too few nodes is refused
+  before round 1, a round left with too few by failures fails (Bulyan would silently skip it).
 
 What stays around it (inherited from :class:`strategies.item_fedavg.ItemEmbeddingFedAvg`): user sampling by
 ``(seed, round)``, reply validation (key scheme, shapes, NaN, ``max-update-norm``) and the privacy check before
@@ -77,7 +79,7 @@ from fedrec_flwr.wire import ARRAYS, CONFIG, COUNT, GRADIENT_USERS, METRICS, NUM
 from .item_fedavg import ItemEmbeddingFedAvg, RoundFailed
 
 __all__ = ["FlowerStrategyAdapter", "RoundNodes", "build_flower_strategy", "check_sent_keys", "dense_reply",
-           "parse_strategy_args"]
+           "parse_strategy_args", "robust_aggregation_shortfall"]
 
 log = logging.getLogger(__name__)
 
@@ -453,6 +455,37 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
                 client.check_strategy_config(values, strategy=config.strategy)
 
     @classmethod
+    def from_run_config(cls, config: RunConfig, layout: ModelLayout, topology: Topology | None = None):
+        """As :meth:`ItemEmbeddingFedAvg.from_run_config`; with the topology known (the preflight with the data, the
+        ServerApp after its identify query), a round too small for a Byzantine-robust strategy is refused here,
+        before round 1 (:meth:`check_round_sizes`)."""
+        strategy = super().from_run_config(config, layout, topology)
+        if topology is not None:
+            strategy.check_round_sizes(config.users_per_node)
+        return strategy
+
+    def check_round_sizes(self, users_per_node: int) -> None:
+        """Refuse a run in which some round's train replies (one per node serving a sampled user: the sampling is
+        fixed by ``(seed, round)``) would be too few for the wrapped strategy (:func:`robust_aggregation_shortfall`).
+
+        Raises:
+            ConfigError: naming the condition, the first such round and its numbers of users and nodes.
+        """
+        if robust_aggregation_shortfall(self.wrapped, 0) is None:  # not a robust rule: nothing to count
+            return
+        num_users = self._topology().num_users
+        for server_round in range(1, self.num_rounds + 1):
+            users = self.sample_train_users(server_round)
+            nodes = len(self._topology().group(users))
+            problem = robust_aggregation_shortfall(self.wrapped, nodes)
+            if problem:
+                raise ConfigError(
+                    f"strategy {self.name}: {problem}, but round {server_round} trains {len(users)} users on {nodes} "
+                    f"nodes (fraction-train {self.fraction_train:g} of {num_users} users, users-per-node "
+                    f"{users_per_node}); raise 'fraction-train' (or lower 'users-per-node'), or change the "
+                    "strategy's arguments in 'strategy-args'")
+
+    @classmethod
     def options_from_config(cls, config: RunConfig) -> dict:
         """Our options, plus the Flower strategy ``config.strategy`` built with ``config.strategy_args``
         (:func:`build_flower_strategy`) and the client's ``strategy_config_keys``."""
@@ -522,6 +555,10 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
         for content in accepted:
             reply = self._replies[id(content)]  # the reply's own metadata (its node) stays with it
             dense.append(Message(content=dense_reply(content, self.layout, self._current), metadata=reply.metadata))
+        problem = robust_aggregation_shortfall(self.wrapped, len(dense))
+        if problem:  # the start-up check counted the sampled nodes; failed or rejected replies make fewer
+            raise RoundFailed(f"round {self._round}: {self.name}: {problem}, but this round has {len(dense)} "
+                              f"accepted replies of the {len(self._sampled_nodes)} sampled nodes")
         new, self.wrapped_metrics = self.wrapped.aggregate_train(self._round, dense)
         if new is None:
             log.warning("round %d: %s returned no arrays; the model stays as it was", self._round, self.name)
@@ -593,6 +630,44 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
         self.wrapped.summary()
 
 
+def _chain(wrapped: Strategy) -> Iterable[Strategy]:
+    """``wrapped`` and the strategies it wraps (a DP wrapper's ``strategy``, and so on)."""
+    seen, strategy = set(), wrapped
+    while strategy is not None and id(strategy) not in seen:
+        seen.add(id(strategy))
+        yield strategy
+        strategy = getattr(strategy, "strategy", None)
+
+
+def robust_aggregation_shortfall(wrapped: Strategy, replies: int) -> str | None:
+    """What a Byzantine-robust Flower strategy in ``wrapped``'s chain needs that ``replies`` train replies (``n``)
+    miss, as a phrase naming the condition and its numbers, or ``None`` when nothing is missing.
+
+    * Krum and MultiKrum (Blanchard et al. 2017, Prop. 1): ``n > 2f + 2`` for ``f = num_malicious_nodes``. Flower
+      1.42 does not check it: ``select_multikrum`` scores each reply by its ``max(1, n - f - 2)`` nearest neighbours,
+      so a smaller round silently scores against fewer neighbours than the rule's guarantee assumes. MultiKrum also
+      needs ``num_nodes_to_select <= n`` (it takes the ``num_nodes_to_select`` best; with more it averages every
+      reply, plain FedAvg).
+    * Bulyan (El Mhamdi et al. 2018): ``n >= 4f + 3``; below it Flower's ``Bulyan.aggregate_train`` skips the
+      aggregation (logs a warning, returns no arrays: the round leaves the model as it was).
+    """
+    from flwr.serverapp.strategy import Bulyan, Krum, MultiKrum
+
+    for strategy in _chain(wrapped):
+        name, f = type(strategy).__name__, getattr(strategy, "num_malicious_nodes", 0)
+        if isinstance(strategy, Bulyan) and replies < 4 * f + 3:
+            return (f"{name} needs at least 4 * num_malicious_nodes + 3 = {4 * f + 3} train replies per round "
+                    f"(num_malicious_nodes = {f}; El Mhamdi et al. 2018; with fewer Flower skips the aggregation)")
+        if isinstance(strategy, MultiKrum):
+            if replies <= 2 * f + 2:
+                return (f"{name} needs more than 2 * num_malicious_nodes + 2 = {2 * f + 2} train replies per round "
+                        f"(num_malicious_nodes = {f}; Blanchard et al. 2017)")
+            if not isinstance(strategy, Krum) and strategy.num_nodes_to_select > replies:
+                return (f"{name} with num_nodes_to_select = {strategy.num_nodes_to_select} needs at least that many "
+                        "train replies per round (with fewer it averages all of them, plain FedAvg)")
+    return None
+
+
 def node_level_dp_warning(wrapped: Strategy, users_per_node: int) -> str | None:
     """The warning for a server-side DP wrapper (Flower's ``DifferentialPrivacyServerSide*Clipping``, found anywhere in
     the chain of wrapped strategies) when a node serves several users, else ``None``.
@@ -604,15 +679,12 @@ def node_level_dp_warning(wrapped: Strategy, users_per_node: int) -> str | None:
         DifferentialPrivacyServerSideAdaptiveClipping, DifferentialPrivacyServerSideFixedClipping,
     )
 
-    seen, strategy = set(), wrapped
-    while strategy is not None and id(strategy) not in seen:
-        seen.add(id(strategy))
+    for strategy in _chain(wrapped):
         if isinstance(strategy, (DifferentialPrivacyServerSideFixedClipping,
                                  DifferentialPrivacyServerSideAdaptiveClipping)) and users_per_node > 1:
             return (f"{type(strategy).__name__} clips and noises each reply, and with users-per-node = {users_per_node} "
                     f"a reply is the mean of up to {users_per_node} users' updates: its guarantee is per node (a group "
                     "of users), not per user; use users-per-node = 1 for user-level differential privacy")
-        strategy = getattr(strategy, "strategy", None)
     return None
 
 

@@ -105,11 +105,14 @@ REPLIES = {10: (2, [0], [[10.0, 10.0]], [1], [[3.0, 3.0]]),
            12: (1, [3], [[1.0, 1.0]], [1], [[0.0, 0.0]])}
 
 
-def _round(strategy, examples: dict[int, float], extra=None):
+def _round(strategy, examples: dict[int, float], extra=None, silent=()):
+    """One round over :data:`REPLIES`; the nodes in ``silent`` send no reply."""
     arrays = ArrayRecord({ITEMS: Array(TABLE), SCORE: Array(SENT_SCORE)})
     requests = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, arrays, ConfigRecord(), grid=None)}
     replies = []
     for node, (users, rows, sums, counts, dense) in REPLIES.items():
+        if node in silent:
+            continue
         reply = {ITEMS + "#rows": np.asarray(rows, np.int64), ITEMS + "#sum": np.asarray(sums, np.float32),
                  ITEMS + "#count": np.asarray(counts, np.float32), SCORE: np.asarray(dense, np.float32),
                  **(extra or {})}
@@ -302,3 +305,52 @@ def test_flower_strategies_may_weight_by_either_count_every_reply_carries(tmp_pa
     preflight(tiny_run_config(tmp_path, strategy=FLOWER + "QFedAvg",
                               strategy_args="client_learning_rate=0.1,train_loss_key=train-loss,q=0"))
 
+
+# ---------------------------------------------------------------------------------------------- Krum, MultiKrum, Bulyan
+def test_robust_strategies_name_the_reply_count_they_need():
+    """Krum / MultiKrum: n > 2f + 2 (Blanchard et al. 2017; Flower does not check it), MultiKrum also selects at most
+    n; Bulyan: n >= 4f + 3 (Flower skips the aggregation below it). Found through a DP wrapper too."""
+    from strategies.flower_adapter import robust_aggregation_shortfall as shortfall
+
+    krum, _ = build_flower_strategy(flower.Krum, {"num_malicious_nodes": 2})
+    assert "more than 2 * num_malicious_nodes + 2 = 6" in shortfall(krum, 6)
+    assert shortfall(krum, 7) is None
+    multi, _ = build_flower_strategy(flower.MultiKrum, {"num_malicious_nodes": 1, "num_nodes_to_select": 6})
+    assert "more than 2 * num_malicious_nodes + 2 = 4" in shortfall(multi, 4)
+    assert "num_nodes_to_select = 6" in shortfall(multi, 5)
+    assert shortfall(multi, 6) is None
+    bulyan, _ = build_flower_strategy(flower.Bulyan, {"num_malicious_nodes": 1})
+    assert "at least 4 * num_malicious_nodes + 3 = 7" in shortfall(bulyan, 6)
+    assert shortfall(bulyan, 7) is None
+    dp, _ = build_flower_strategy(flower.DifferentialPrivacyServerSideFixedClipping, parse_strategy_args(
+        "strategy=flwr.serverapp.strategy:Bulyan,noise_multiplier=0.1,clipping_norm=1.0,num_sampled_clients=2"))
+    assert "at least 4 * num_malicious_nodes + 3 = 3" in shortfall(dp, 2)
+    assert shortfall(FedAvg(), 1) is None
+
+
+@pytest.mark.parametrize(("name", "args", "condition"), [
+    ("Krum", "num_malicious_nodes=5", "more than 2 * num_malicious_nodes + 2 = 12"),
+    ("Bulyan", "num_malicious_nodes=3", "at least 4 * num_malicious_nodes + 3 = 15"),
+    ("MultiKrum", "num_nodes_to_select=13", "num_nodes_to_select = 13"),
+])
+def test_a_round_too_small_for_a_robust_strategy_is_refused_before_any_round(tmp_path, name, args, condition):
+    """fraction-train 0.5 of the tiny data's 24 users samples 12 users, one per node: too few for these arguments.
+    That ran (Krum, MultiKrum: silently scoring with fewer neighbours or averaging everyone; Bulyan: skipping every
+    aggregation) or failed in round 1; now the preflight with the data refuses it, naming the numbers."""
+    config = tiny_run_config(tmp_path, strategy=FLOWER + name, strategy_args=args, users_per_node=1)
+    with pytest.raises(ConfigError) as caught:
+        run_serial(config)
+    message = str(caught.value)
+    assert condition in message and "12 users on 12 nodes" in message and "fraction-train 0.5 of 24 users" in message
+    assert not (tmp_path / "results" / "run").exists()  # refused before the run's folder and its first round
+
+
+def test_a_robust_strategy_whose_round_loses_replies_fails_it_with_the_numbers(task_identity):
+    """Krum over the 3 nodes of TOPOLOGY is fine (n = 3 > 2); with one node silent, 2 replies are too few for it
+    (the round would otherwise score each reply against a single neighbour)."""
+    from strategies.item_fedavg import RoundFailed
+
+    _round(_adapter(flower.Krum), {10: 6.0, 11: 2.0, 12: 4.0})
+    with pytest.raises(RoundFailed, match=r"round 1: .*Krum.* more than 2 \* num_malicious_nodes \+ 2 = 2 .* 2 "
+                                          r"accepted replies of the 3 sampled nodes"):
+        _round(_adapter(flower.Krum), {10: 6.0, 11: 2.0, 12: 4.0}, silent=(12,))
