@@ -63,8 +63,9 @@ GRIDS: dict[str, list[dict[str, tuple]]] = {
     # session because 0.1 was chosen at the lower edge on ML-100K and FilmTrust, where 0.3 diverged; 0.003 because
     # Lastfm-2K then chose 0.01, the new edge; not run on ML-100K and FilmTrust, where 0.01 is below 0.1; 0.001 in
     # the fourth session because Lastfm-2K chose 0.003, again the edge; run on Lastfm-2K only; 0.0003 in the sixth
-    # session because Lastfm-2K and Amazon-Video chose 0.001, again the edge; run on those two only)
-    "PFedRec": [{"learning-rate": (0.1, 0.03, 0.01, 0.3, 0.003, 0.001, 0.0003)}],
+    # session because Lastfm-2K and Amazon-Video chose 0.001, again the edge; run on those two only; 0.0001 because
+    # both then chose 0.0003, again the edge)
+    "PFedRec": [{"learning-rate": (0.1, 0.03, 0.01, 0.3, 0.003, 0.001, 0.0003, 0.0001)}],
     # server Adam rate at the public rho 0.05, then rho-shared in {0.02, 0.05, 0.1} at the chosen rate (rho-private
     # stays 0.05; rho 0 on both is the "w/o SAM" method, tuned on its own); the client's private Adam 0.1 is the
     # public code's, not tuned (time: one FedRecGEL run costs about 4 minutes here)
