@@ -40,6 +40,7 @@ from .client_app import IDENTIFY
 from .client_state import DURABLE_ROUND_KEY, RESUME_ROUND_KEY, RUN_KEY
 from .config import RunConfig
 from .errors import ConfigError, reply_error_line
+from .message_window import windowed
 from .registry import LOGGER_ROOTS
 from .preflight import build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: was here
 from .results import PROGRESS, RunRecorder, check_results_folder
@@ -171,6 +172,7 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     _setup_logging()
     plan = preflight(RunConfig.from_mapping(context.run_config or run_config or {}))  # no data here: the nodes have it
     config, folder, resume = plan.config, plan.folder, plan.resume
+    grid = windowed(grid, config.max_in_flight)  # every phase's messages, ours and a wrapped Flower strategy's
     if resume is None:
         check_results_folder(folder)  # clears what an interrupted run of this name left
     query = None if resume is None else {  # each node checks its users' state files (client_app.identify)

@@ -74,10 +74,17 @@ class PeakMemory:
         self._thread.join()
 
 
+REPLY_BYTES = 110_000
+"""``bare+model+reply``'s reply: one float32 array of about a one-user FedNCF train reply on ML-100K (104-116 KB of
+touched item rows)."""
+
+
 def bare_apps(num_users: int, users_per_node: int, sampled: int, rounds: int, times: list[float],
-              payload: dict | None = None):
+              payload: dict | None = None, reply: bool = False, window: int = 0):
     """A ServerApp/ClientApp pair with the same messaging pattern and no training; with ``payload`` (name -> array)
-    each train message also carries those arrays, as ours carry the shared model."""
+    each train message also carries those arrays, as ours carry the shared model; with ``reply`` each reply carries
+    :data:`REPLY_BYTES` of array; with ``window`` the ServerApp keeps at most that many messages in flight
+    (:mod:`fedrec_flwr.message_window`, as ours does by default on this engine)."""
     import numpy as np
     from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
@@ -85,9 +92,14 @@ def bare_apps(num_users: int, users_per_node: int, sampled: int, rounds: int, ti
 
     server, client = ServerApp(), ClientApp()
 
+    reply_arrays = np.zeros(REPLY_BYTES // 4, dtype=np.float32) if reply else None
+
     @client.train()
     def train(message, context):
-        return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1.0})}), reply_to=message)
+        content = {"metrics": MetricRecord({"num-examples": 1.0})}
+        if reply_arrays is not None:
+            content["arrays"] = ArrayRecord({"rows": Array(reply_arrays)})
+        return Message(RecordDict(content), reply_to=message)
 
     @server.main()
     def main(grid, context):
@@ -102,7 +114,12 @@ def bare_apps(num_users: int, users_per_node: int, sampled: int, rounds: int, ti
             if payload:
                 content["arrays"] = ArrayRecord({k: Array(v) for k, v in payload.items()})
             messages = [Message(RecordDict(content), dst_node_id=n, message_type="train") for n in chosen]
-            list(grid.send_and_receive(messages, timeout=600))
+            if window:
+                from fedrec_flwr.message_window import WindowedGrid
+
+                list(WindowedGrid(grid, window).send_and_receive(messages, timeout=600))
+            else:
+                list(grid.send_and_receive(messages, timeout=600))
             times.append(time.monotonic() - start)
 
     return server, client
@@ -135,14 +152,16 @@ def _run_case_in(tmp: str, dataset: str, sampled: int, users_per_node: int, roun
     times: list[float] = []
     with PeakMemory() as memory:
         if bare:
+            kind, _, window = bare.partition("/w")
             payload = None
-            if bare == "bare+model":
+            if kind in ("bare+model", "bare+model+reply"):
                 from fedrec_flwr.runtime import build_shared_model
 
                 config = RunConfig.from_mapping(mapping)
                 model = build_shared_model(config, load_split_for(config).num_items)
                 payload = {k: v.detach().numpy() for k, v in model.shared_state().items()}
-            server, client = bare_apps(num_users, users_per_node, sampled, rounds, times, payload)
+            server, client = bare_apps(num_users, users_per_node, sampled, rounds, times, payload,
+                                       reply=kind == "bare+model+reply", window=int(window or 0))
         else:
             from fedrec_flwr.client_app import make_client_app
             from fedrec_flwr.server_app import make_server_app
@@ -161,6 +180,16 @@ def _run_case_in(tmp: str, dataset: str, sampled: int, users_per_node: int, roun
             "peak-memory-MiB": round(memory.peak / 2**20)}
 
 
+def toml_value(text: str):
+    """``--set``'s value as a TOML literal (``128``, ``0.5``, ``true``, ``"on"``), else the text itself."""
+    import tomllib
+
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-root", default=str(Path(__file__).resolve().parents[3] / "shared" / "data"))
@@ -168,7 +197,11 @@ def main() -> int:
                                                         "amazon-video:3000:1"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--apps", nargs="+", default=["bare", "bare+model", "fedrec"],
-                        help="bare: no payload; bare+model: the shared model in every message; fedrec: ours")
+                        help="bare: no payload; bare+model: the shared model in every message; bare+model+reply: "
+                             "and a 110 KB reply (a one-user train reply's size); a bare app's name + '/w<N>': its "
+                             "ServerApp keeps at most N messages in flight; fedrec: ours (its max-in-flight: the run "
+                             "config's, auto by default); fedrec+set: ours with --set; fedrec@KEY=VALUE,...: ours with those overrides "
+                             "(several such apps may run interleaved in one invocation)")
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
     parser.add_argument("--ray-default-inline", action="store_true",
                         help="keep Ray's own 100 KiB inline-object limit instead of the launcher's "
@@ -189,10 +222,13 @@ def main() -> int:
     rows = []
     for case in args.cases:
         dataset, sampled, upn = case.split(":")
-        overrides = dict(item.split("=", 1) for item in args.set)
+        overrides = {k: toml_value(v) for k, v in (item.split("=", 1) for item in args.set)}
         for app in args.apps:
+            app_overrides = overrides if app == "fedrec+set" else None
+            if app.startswith("fedrec@"):  # ours with its own overrides: fedrec@max-in-flight=64,block-training=off
+                app_overrides = {k: toml_value(v) for k, v in (i.split("=", 1) for i in app[7:].split(","))}
             row = run_case(dataset, int(sampled), int(upn), args.rounds, args.data_root,
-                           None if app.startswith("fedrec") else app, overrides if app == "fedrec+set" else None)
+                           None if app.startswith("fedrec") else app, app_overrides)
             row.update({"ray-inline-bytes": inline, "load-average": [round(v, 2) for v in os.getloadavg()]})
             rows.append(row)
             print(json.dumps(row), flush=True)
