@@ -112,16 +112,16 @@ def window_for(grid: Grid, max_in_flight: int) -> int | None:
     return simulation_window() if isinstance(grid, InMemoryGrid) else None
 
 
-class WindowedGrid(Grid):
-    """A grid whose ``send_and_receive`` keeps at most ``window`` messages in flight (module docstring); everything
-    else (nodes, runs, ``push_messages`` / ``pull_messages`` themselves) is the wrapped grid's."""
+class GridProxy(Grid):
+    """A grid that forwards every call, and any other attribute (e.g. ``SerialGrid.nodes_settled``,
+    ``InMemoryGrid.pull_interval``), to ``self.grid``; subclasses override what they change (:class:`WindowedGrid`,
+    :class:`strategies.flower_adapter.RoundNodes`)."""
 
-    def __init__(self, grid: Grid, window: int) -> None:
-        if window < 1:
-            raise ValueError(f"max-in-flight window must be >= 1, got {window}")
-        self.grid, self.window = grid, window
+    grid: Grid
 
-    def __getattr__(self, name):  # the wrapped grid's own attributes (e.g. SerialGrid.nodes_settled, pull_interval)
+    def __getattr__(self, name):
+        if name == "grid":  # not set yet (e.g. while unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.grid, name)
 
     def set_run(self, run_id: int) -> None:
@@ -142,6 +142,19 @@ class WindowedGrid(Grid):
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         return self.grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self.grid.send_and_receive(messages, timeout=timeout)
+
+
+class WindowedGrid(GridProxy):
+    """A grid whose ``send_and_receive`` keeps at most ``window`` messages in flight (module docstring); everything
+    else (nodes, runs, ``push_messages`` / ``pull_messages`` themselves) is the wrapped grid's."""
+
+    def __init__(self, grid: Grid, window: int) -> None:
+        if window < 1:
+            raise ValueError(f"max-in-flight window must be >= 1, got {window}")
+        self.grid, self.window = grid, window
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         return send_and_receive(self.grid.push_messages, self.grid.pull_messages, messages, window=self.window,

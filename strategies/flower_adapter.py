@@ -71,6 +71,7 @@ from flwr.serverapp.strategy import Strategy
 from fedrec_flwr.client_state import DURABLE_ROUND_KEY, RUN_KEY
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.message_window import GridProxy
 from fedrec_flwr.preflight import quiet
 from fedrec_flwr.registry import resolve
 from fedrec_flwr.wire import ARRAYS, CONFIG, COUNT, GRADIENT_USERS, METRICS, NUM_EXAMPLES, ROWS, SUM, ModelLayout, \
@@ -319,7 +320,7 @@ def _jsonable(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- the round's nodes
-class RoundNodes(Grid):
+class RoundNodes(GridProxy):
     """The grid a wrapped strategy sees while it configures a round: :meth:`get_node_ids` returns the nodes that serve
     the round's sampled users; everything else is the real grid's.
 
@@ -340,25 +341,6 @@ class RoundNodes(Grid):
             raise ConfigError(f"strategy {self.strategy_name} keeps waiting for more nodes than the {len(self.nodes)} "
                               "serving this round's users (does it fix min_available_nodes above that?)")
         return list(self.nodes)
-
-    def set_run(self, run) -> None:
-        self.grid.set_run(run)
-
-    @property
-    def run(self):
-        return self.grid.run
-
-    def create_message(self, *args, **kwargs) -> Message:
-        return self.grid.create_message(*args, **kwargs)
-
-    def push_messages(self, messages):
-        return self.grid.push_messages(messages)
-
-    def pull_messages(self, message_ids):
-        return self.grid.pull_messages(message_ids)
-
-    def send_and_receive(self, messages, *, timeout=None):
-        return self.grid.send_and_receive(messages, timeout=timeout)
 
 
 # ---------------------------------------------------------------------------------------------- sparse -> dense

@@ -70,22 +70,24 @@ def _fake_run(monkeypatch, hr10: float):
 README_ROUND_10 = "round   10 | HR@10 0.3807 | NDCG@10 0.1967 | train loss 0.3764 | 14.9 s\n"
 
 
-def test_readme_check_removes_its_temp_folder_when_every_figure_matches(monkeypatch, tmp_path, capsys):
-    _fake_run(monkeypatch, 0.3807)
+def _check_in_temp(monkeypatch, tmp_path, fresh_hr10: float) -> int:
+    """The script on a one-line README (HR@10 0.3807 at round 10) against a fake run giving ``fresh_hr10``, with its
+    temp folder under ``tmp_path``; returns its exit code."""
+    _fake_run(monkeypatch, fresh_hr10)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     readme = tmp_path / "README.md"
     readme.write_text(README_ROUND_10)
-    assert _script().main(["--rounds", "10", "--readme", str(readme)]) == 0
+    return _script().main(["--rounds", "10", "--readme", str(readme)])
+
+
+def test_readme_check_removes_its_temp_folder_when_every_figure_matches(monkeypatch, tmp_path, capsys):
+    assert _check_in_temp(monkeypatch, tmp_path, 0.3807) == 0
     assert list(tmp_path.glob("readme-check-*")) == []
     assert "all match" in capsys.readouterr().out
 
 
 def test_readme_check_keeps_its_temp_folder_and_prints_it_when_a_figure_differs(monkeypatch, tmp_path, capsys):
-    _fake_run(monkeypatch, 0.3796)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    readme = tmp_path / "README.md"
-    readme.write_text(README_ROUND_10)
-    assert _script().main(["--rounds", "10", "--readme", str(readme)]) == 1
+    assert _check_in_temp(monkeypatch, tmp_path, 0.3796) == 1
     kept = list(tmp_path.glob("readme-check-*"))
     assert len(kept) == 1
     out = capsys.readouterr().out
