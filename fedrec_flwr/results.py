@@ -195,7 +195,8 @@ def learning_curves_figure(rows: list[Mapping[str, Any]], title: str = "", marks
         for axis in (left, right):
             axis.axvline(float(after) + 0.5, color="0.35", linestyle="--", linewidth=1,
                          label=label if axis is left else None)
-    left.set_ylim(bottom=0)
+    peak = max((r[k] for r in evaluated for k in ("HR@10", "NDCG@10")), default=0.0)
+    left.set_ylim(0, max(left.get_ylim()[1], 1.06 * peak))  # room for the highest marker (a single point, HR 1.0)
     left.set_xlabel("round")
     left.set_ylabel("metric on held-out items")
     left.grid(alpha=0.3)

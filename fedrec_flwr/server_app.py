@@ -213,12 +213,17 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     tie_rule = config.tie_rule if split_facts.get("tie-rule-applied", True) else \
         f"not applied: {split_facts.get('held-out-order', 'no timestamps')}"
     # the folder's name: the run config's run-name, or the generated one when that is empty
-    info = {"run-folder": folder.name, "dataset": facts, "split": split_facts, "tie-rule": tie_rule}
+    window = getattr(grid, "window", None)  # max-in-flight as applied (fedrec_flwr.message_window); None: no window
+    info = {"run-folder": folder.name, "dataset": facts, "split": split_facts, "tie-rule": tie_rule,
+            "messages-in-flight": window if window is not None else "all"}
     if hasattr(strategy, "run_info"):  # e.g. a wrapped Flower strategy's class and constructor arguments
         info["strategy"] = strategy.run_info()
     recorder = RunRecorder(folder, config.to_dict(), info, rows=resume.rows if resume is not None else ())
     log.info("%s: %d users on %d nodes, %d items; results in %s", config.dataset, facts["num-users"],
              len(set(topology.user_to_node.tolist())), num_items, folder)
+    if window is not None:
+        log.info("at most %d messages in flight (max-in-flight = %d%s)", window, config.max_in_flight,
+                 ": auto on Flower's simulation engine" if config.max_in_flight == 0 else "")
 
     def record_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         if server_round >= first_round:

@@ -215,7 +215,10 @@ def _coerce(cls: type, name: str, value: Any, annotation: Any) -> Any:
         if kind is str and isinstance(value, str):
             return value
         if isinstance(kind, type) and issubclass(kind, Strategy) and isinstance(value, str):
-            inner = resolve("strategy", value)
+            try:
+                inner = resolve("strategy", value)
+            except ConfigError as err:  # resolve names the outer key 'strategy'; the bad value is in strategy-args
+                raise ConfigError(f"{where}: {value!r}: {str(err).split(': ', 1)[-1]}") from None
             if not issubclass(inner, Strategy):
                 raise ConfigError(f"{where}: {value!r} is not a flwr.serverapp.strategy.Strategy")
             return build_flower_strategy(inner, {})[0]
@@ -456,6 +459,12 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
         if robust_aggregation_shortfall(self.wrapped, 0) is None:  # not a robust rule: nothing to count
             return
         num_users = self._topology().num_users
+        all_nodes = len(set(self._topology().user_to_node.tolist()))
+        if robust_aggregation_shortfall(self.wrapped, all_nodes):  # no fraction-train can help
+            raise ConfigError(
+                f"strategy {self.name}: {robust_aggregation_shortfall(self.wrapped, all_nodes)}, but the federation "
+                f"has only {all_nodes} nodes ({num_users} users, users-per-node {users_per_node}); lower "
+                "'users-per-node' (more nodes), or change the strategy's arguments in 'strategy-args'")
         for server_round in range(1, self.num_rounds + 1):
             users = self.sample_train_users(server_round)
             nodes = len(self._topology().group(users))

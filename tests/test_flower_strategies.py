@@ -354,3 +354,23 @@ def test_a_robust_strategy_whose_round_loses_replies_fails_it_with_the_numbers(t
     with pytest.raises(RoundFailed, match=r"round 1: .*Krum.* more than 2 \* num_malicious_nodes \+ 2 = 2 .* 2 "
                                           r"accepted replies of the 3 sampled nodes"):
         _round(_adapter(flower.Krum), {10: 6.0, 11: 2.0, 12: 4.0}, silent=(12,))
+
+
+def test_a_federation_with_too_few_nodes_for_a_robust_strategy_is_told_to_lower_users_per_node(tmp_path):
+    """24 users, 6 per node: 4 nodes, fewer than Krum with num_malicious_nodes 1 ever gets (n > 4); raising
+    fraction-train cannot help, so the error says so instead of suggesting it (a new user's finding)."""
+    config = tiny_run_config(tmp_path, strategy=FLOWER + "Krum", strategy_args="num_malicious_nodes=1",
+                             users_per_node=6)
+    with pytest.raises(ConfigError) as caught:
+        run_serial(config)
+    message = str(caught.value)
+    assert "only 4 nodes" in message and "lower 'users-per-node'" in message and "raise 'fraction-train'" not in message
+
+
+def test_a_bad_inner_strategy_is_blamed_on_strategy_args_not_on_strategy(tmp_path):
+    config = tiny_run_config(tmp_path, strategy=FLOWER + "DifferentialPrivacyServerSideFixedClipping", strategy_args=(
+        "strategy=flwr.serverapp.strategy:NoSuch,noise_multiplier=0.1,clipping_norm=1.0,num_sampled_clients=2"))
+    with pytest.raises(ConfigError) as caught:
+        run_serial(config)
+    message = str(caught.value)
+    assert message.startswith("run-config key 'strategy-args'") and "NoSuch" in message

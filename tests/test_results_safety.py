@@ -339,3 +339,23 @@ def test_the_learning_curve_legend_covers_no_plotted_point_of_a_short_run(evalua
             assert covered == []
         finally:
             plt.close(fig)
+
+
+@pytest.mark.parametrize("hr10", [0.935, 1.0])
+def test_the_highest_learning_curve_marker_stays_inside_the_panel(hr10):
+    """A short run's single evaluated point near or at HR@10 1.0 (FilmTrust) was cut by the panel's top edge: the
+    marker's centre must lie at least a marker's radius (6 px) below the top of the axes."""
+    import matplotlib.pyplot as plt
+
+    from fedrec_flwr.results import learning_curves_figure
+
+    rows = [{"round": 1, "train-loss": 0.6}, {"round": 2, "train-loss": 0.5, "HR@10": hr10, "NDCG@10": 0.73}]
+    fig = learning_curves_figure(rows, title="short")
+    try:
+        fig.canvas.draw()
+        left = fig.axes[0]
+        top = left.get_window_extent().y1
+        y = left.transData.transform((2, hr10))[1]
+        assert top - y >= 6
+    finally:
+        plt.close(fig)

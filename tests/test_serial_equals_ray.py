@@ -50,3 +50,12 @@ def test_metrics_are_identical(ray_and_serial):
     rows = without_timings(json.loads((ray / "metrics.json").read_text()))
     assert [r["round"] for r in rows] == [1, 2]
     assert rows == without_timings(json.loads((serial / "metrics.json").read_text()))
+
+
+def test_config_json_records_the_window_each_run_used(ray_and_serial, request):
+    ray, serial = ray_and_serial
+    family = request.node.callspec.params["ray_and_serial"]
+    ray_window = json.loads((ray / "config.json").read_text())["messages-in-flight"]
+    # the family run with max-in-flight 2 records it; the others the auto window (at least 32) of Flower's engine
+    assert ray_window == 2 if family in RAY_ONLY else ray_window >= 32
+    assert json.loads((serial / "config.json").read_text())["messages-in-flight"] == "all"  # no window on run_serial
