@@ -24,6 +24,7 @@ one slot of the window until then.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 from itertools import islice
@@ -44,8 +45,6 @@ MIN_WINDOW = 32
 
 def simulation_window() -> int:
     """The auto window on this machine: ``max(MIN_WINDOW, WINDOW_PER_CPU x usable CPU cores)``."""
-    import os
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(MIN_WINDOW, WINDOW_PER_CPU * cores)
 
