@@ -31,7 +31,9 @@ What the wrapped strategy sees, per round:
 * Its hooks, state and Flower's ``Strategy.start`` loop run untouched; the adapter casts the arrays it returns back to
   the model's dtypes, and a round where it returns no arrays keeps the model. Krum, MultiKrum and Bulyan need enough
   replies per round (:func:`robust_aggregation_shortfall`): a config whose rounds sample too few nodes is refused
-  before round 1, a round left with too few by failures fails (Bulyan would silently skip it).
+  before round 1, a round left with too few by failures fails (Bulyan would silently skip it). The server-side DP
+  wrappers calibrate their noise to ``num_sampled_clients`` replies (Flower only warns each round they differ): a
+  config whose rounds do not all have that many nodes is refused before round 1 (:func:`dp_sample_size_mismatch`).
 
 What stays around it (inherited from :class:`strategies.item_fedavg.ItemEmbeddingFedAvg`): user sampling by
 ``(seed, round)``, reply validation (key scheme, shapes, NaN, ``max-update-norm``) and the privacy check before
@@ -80,7 +82,7 @@ from fedrec_flwr.wire import ARRAYS, CONFIG, COUNT, GRADIENT_USERS, METRICS, NUM
 from .item_fedavg import ItemEmbeddingFedAvg, RoundFailed
 
 __all__ = ["FlowerStrategyAdapter", "RoundNodes", "build_flower_strategy", "check_sent_keys", "dense_reply",
-           "parse_strategy_args", "robust_aggregation_shortfall"]
+           "dp_sample_size_mismatch", "parse_strategy_args", "robust_aggregation_shortfall", "server_side_dp"]
 
 log = logging.getLogger(__name__)
 
@@ -451,30 +453,39 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
 
     def check_round_sizes(self, users_per_node: int) -> None:
         """Refuse a run in which some round's train replies (one per node serving a sampled user: the sampling is
-        fixed by ``(seed, round)``) would be too few for the wrapped strategy (:func:`robust_aggregation_shortfall`).
+        fixed by ``(seed, round)``) would be too few for the wrapped strategy (:func:`robust_aggregation_shortfall`),
+        or would not number a server-side DP wrapper's ``num_sampled_clients`` (:func:`dp_sample_size_mismatch`).
 
         Raises:
             ConfigError: naming the condition, the first such round and its numbers of users and nodes.
         """
-        if robust_aggregation_shortfall(self.wrapped, 0) is None:  # not a robust rule: nothing to count
+        robust = robust_aggregation_shortfall(self.wrapped, 0) is not None
+        dp = server_side_dp(self.wrapped)
+        if not robust and dp is None:  # nothing that counts the replies
             return
         num_users = self._topology().num_users
         all_nodes = len(set(self._topology().user_to_node.tolist()))
-        if robust_aggregation_shortfall(self.wrapped, all_nodes):  # no fraction-train can help
+        if robust and robust_aggregation_shortfall(self.wrapped, all_nodes):  # no fraction-train can help
             raise ConfigError(
                 f"strategy {self.name}: {robust_aggregation_shortfall(self.wrapped, all_nodes)}, but the federation "
                 f"has only {all_nodes} nodes ({num_users} users, users-per-node {users_per_node}); lower "
                 "'users-per-node' (more nodes), or change the strategy's arguments in 'strategy-args'")
+        rounds: dict[int, tuple[int, int]] = {}  # nodes -> (the first round with that many, its users)
         for server_round in range(1, self.num_rounds + 1):
             users = self.sample_train_users(server_round)
             nodes = len(self._topology().group(users))
-            problem = robust_aggregation_shortfall(self.wrapped, nodes)
+            rounds.setdefault(nodes, (server_round, len(users)))
+            problem = robust_aggregation_shortfall(self.wrapped, nodes) if robust else None
             if problem:
                 raise ConfigError(
                     f"strategy {self.name}: {problem}, but round {server_round} trains {len(users)} users on {nodes} "
                     f"nodes (fraction-train {self.fraction_train:g} of {num_users} users, users-per-node "
                     f"{users_per_node}); raise 'fraction-train' (or lower 'users-per-node'), or change the "
                     "strategy's arguments in 'strategy-args'")
+        problem = dp_sample_size_mismatch(dp, rounds, num_users=num_users, fraction_train=self.fraction_train,
+                                          users_per_node=users_per_node) if dp is not None else None
+        if problem:
+            raise ConfigError(problem)
 
     @classmethod
     def options_from_config(cls, config: RunConfig) -> dict:
@@ -659,23 +670,66 @@ def robust_aggregation_shortfall(wrapped: Strategy, replies: int) -> str | None:
     return None
 
 
-def node_level_dp_warning(wrapped: Strategy, users_per_node: int) -> str | None:
-    """The warning for a server-side DP wrapper (Flower's ``DifferentialPrivacyServerSide*Clipping``, found anywhere in
-    the chain of wrapped strategies) when a node serves several users, else ``None``.
-
-    Such a wrapper clips each *reply* and calibrates its noise to one reply's bounded contribution (McMahan et al.
-    2018, DP-FedAvg). A reply here is a node's mean over its trained users, so with ``users-per-node`` > 1 the
-    protected unit is a node's group of users, not one user: user-level DP needs ``users-per-node = 1``."""
+def server_side_dp(wrapped: Strategy) -> Strategy | None:
+    """The first of Flower's server-side DP wrappers (``DifferentialPrivacyServerSide{Fixed,Adaptive}Clipping``) in
+    ``wrapped``'s chain of wrapped strategies, or ``None``."""
     from flwr.serverapp.strategy import (
         DifferentialPrivacyServerSideAdaptiveClipping, DifferentialPrivacyServerSideFixedClipping,
     )
 
     for strategy in _chain(wrapped):
         if isinstance(strategy, (DifferentialPrivacyServerSideFixedClipping,
-                                 DifferentialPrivacyServerSideAdaptiveClipping)) and users_per_node > 1:
-            return (f"{type(strategy).__name__} clips and noises each reply, and with users-per-node = {users_per_node} "
-                    f"a reply is the mean of up to {users_per_node} users' updates: its guarantee is per node (a group "
-                    "of users), not per user; use users-per-node = 1 for user-level differential privacy")
+                                 DifferentialPrivacyServerSideAdaptiveClipping)):
+            return strategy
+    return None
+
+
+def dp_sample_size_mismatch(dp: Strategy, rounds: Mapping[int, tuple[int, int]], *, num_users: int,
+                            fraction_train: float, users_per_node: int) -> str | None:
+    """Why the server-side DP wrapper ``dp`` would not get ``num_sampled_clients`` train replies in every round, as
+    one message naming the keys, the values and what to change, or ``None`` when every round gets exactly that many.
+
+    The wrapper calibrates its Gaussian noise to ``num_sampled_clients`` replies (``stdv = noise_multiplier *
+    clipping_norm / num_sampled_clients``; McMahan et al. 2018, DP-FedAvg), and Flower 1.42 only logs a warning in
+    each round where the number of replies differs, so a wrong value silently releases an aggregate whose noise does
+    not match the claimed guarantee. A round's replies are the nodes serving its sampled users (one per node).
+
+    Args:
+        dp: a server-side DP wrapper (:func:`server_side_dp`).
+        rounds: the run's numbers of train nodes per round: ``{nodes: (first round with that many, its users)}``.
+        num_users, fraction_train, users_per_node: the run's, for the message.
+    """
+    expected = int(dp.num_sampled_clients)
+    if set(rounds) <= {expected}:
+        return None
+    name = type(dp).__name__
+    where = (f"run-config key 'strategy-args': {name}(num_sampled_clients={expected}) must be the number of train "
+             f"replies per round (one per node serving a sampled user: fraction-train {fraction_train:g} of "
+             f"{num_users} users, users-per-node {users_per_node})")
+    if len(rounds) == 1:
+        nodes, (server_round, users) = next(iter(rounds.items()))
+        return (f"{where}, but every round has {nodes} (round {server_round}: {users} users on {nodes} nodes); with "
+                f"{expected} its noise "
+                f"would be calibrated to the wrong number of replies (Flower only warns, each round): set "
+                f"num_sampled_clients={nodes} in 'strategy-args'")
+    low, high = min(rounds), max(rounds)
+    return (f"{where}, but the rounds have from {low} (round {rounds[low][0]}) to {high} (round {rounds[high][0]}) "
+            "nodes, so no num_sampled_clients fits every round; make every round reach the same number of nodes: "
+            "users-per-node = 1 (one reply per sampled user) or fraction-train = 1 (every node every round)")
+
+
+def node_level_dp_warning(wrapped: Strategy, users_per_node: int) -> str | None:
+    """The warning for a server-side DP wrapper (Flower's ``DifferentialPrivacyServerSide*Clipping``, found anywhere in
+    the chain of wrapped strategies, :func:`server_side_dp`) when a node serves several users, else ``None``.
+
+    Such a wrapper clips each *reply* and calibrates its noise to one reply's bounded contribution (McMahan et al.
+    2018, DP-FedAvg). A reply here is a node's mean over its trained users, so with ``users-per-node`` > 1 the
+    protected unit is a node's group of users, not one user: user-level DP needs ``users-per-node = 1``."""
+    strategy = server_side_dp(wrapped)
+    if strategy is not None and users_per_node > 1:
+        return (f"{type(strategy).__name__} clips and noises each reply, and with users-per-node = {users_per_node} "
+                f"a reply is the mean of up to {users_per_node} users' updates: its guarantee is per node (a group "
+                "of users), not per user; use users-per-node = 1 for user-level differential privacy")
     return None
 
 

@@ -269,6 +269,70 @@ def test_server_side_dp_with_several_users_per_node_warns_that_its_unit_is_the_n
     assert node_level_dp_warning(FedAvg(), users_per_node=50) is None
 
 
+DP_SERVER_SIDE = {"DifferentialPrivacyServerSideFixedClipping": "clipping_norm=1.0,",
+                  "DifferentialPrivacyServerSideAdaptiveClipping": ""}
+"""Flower's server-side DP wrappers, with the arguments each needs beyond the inner strategy, noise and sample size."""
+
+
+def _dp_args(name: str, sampled: int) -> str:
+    return (f"strategy=flwr.serverapp.strategy:FedAvg,noise_multiplier=0.1,{DP_SERVER_SIDE[name]}"
+            f"num_sampled_clients={sampled}")
+
+
+@pytest.mark.parametrize("name", sorted(DP_SERVER_SIDE))
+def test_server_side_dp_whose_num_sampled_clients_is_not_the_rounds_replies_is_refused_before_round_1(tmp_path, name):
+    """fraction-train 0.5 of the tiny data's 24 users, one user per node: 12 replies every round. With
+    num_sampled_clients = 10 the wrapper's noise is calibrated to 10 replies and Flower only warns, every round (a new
+    user's finding); now the preflight with the data refuses it, naming the keys, the values and the value to set.
+    With 12 it passes."""
+    from fedrec_flwr.preflight import preflight
+
+    config = tiny_run_config(tmp_path, strategy=FLOWER + name, strategy_args=_dp_args(name, 10), users_per_node=1)
+    with pytest.raises(ConfigError) as caught:
+        run_serial(config)
+    message = str(caught.value)
+    assert message.startswith(f"run-config key 'strategy-args': {name}(num_sampled_clients=10)"), message
+    assert "fraction-train 0.5 of 24 users, users-per-node 1" in message and "every round has 12" in message
+    assert "set num_sampled_clients=12 in 'strategy-args'" in message and "\n" not in message
+    assert not (tmp_path / "results" / "run").exists()  # refused before the run's folder and its first round
+    preflight(tiny_run_config(tmp_path, strategy=FLOWER + name, strategy_args=_dp_args(name, 12), users_per_node=1),
+              with_data=True)
+
+
+def test_server_side_dp_whose_rounds_reach_different_numbers_of_nodes_is_refused(tmp_path):
+    """fraction-train 0.25 samples 6 of 24 users; with 6 users per node they fall on 4, 4 and 3 nodes in rounds 1-3,
+    so no num_sampled_clients fits every round: the message says so and how to make the count constant."""
+    name = "DifferentialPrivacyServerSideFixedClipping"
+    config = tiny_run_config(tmp_path, strategy=FLOWER + name, strategy_args=_dp_args(name, 4), users_per_node=6,
+                             fraction_train=0.25)
+    with pytest.raises(ConfigError) as caught:
+        run_serial(config)
+    message = str(caught.value)
+    assert "from 3 (round 3) to 4 (round 1) nodes" in message and "no num_sampled_clients fits every round" in message
+    assert "users-per-node = 1" in message and "fraction-train = 1" in message
+    with pytest.raises(ConfigError, match="from 3 .* to 4"):  # around a robust rule too (Krum: 3 and 4 are enough)
+        run_serial({**config, "strategy-args": _dp_args(name, 4).replace(":FedAvg", ":Krum")})
+
+
+def test_the_readme_dp_example_passes_the_sample_size_check():
+    """The README's server-side DP command (the default experiment: 943 users, fraction-train 0.1, one per node)
+    names num_sampled_clients=94, every round's number of replies."""
+    from strategies.flower_adapter import dp_sample_size_mismatch, server_side_dp
+    from fedrec_flwr.wire import sample_users
+
+    dp, _ = build_flower_strategy(flower.DifferentialPrivacyServerSideFixedClipping, parse_strategy_args(
+        _dp_args("DifferentialPrivacyServerSideFixedClipping", 94)))
+    assert server_side_dp(dp) is dp and server_side_dp(FedAvg()) is None
+    rounds = {}
+    for server_round in range(1, 101):
+        rounds.setdefault(len(sample_users(0, server_round, 943, 0.1)), (server_round, 94))
+    assert dp_sample_size_mismatch(dp, rounds, num_users=943, fraction_train=0.1, users_per_node=1) is None
+    assert "set num_sampled_clients=94" in dp_sample_size_mismatch(
+        build_flower_strategy(flower.DifferentialPrivacyServerSideFixedClipping, parse_strategy_args(
+            _dp_args("DifferentialPrivacyServerSideFixedClipping", 95)))[0],
+        rounds, num_users=943, fraction_train=0.1, users_per_node=1)
+
+
 # ---------------------------------------------------------------------------------------------- values refused up front
 @pytest.mark.parametrize(("name", "args", "argument", "value"), [
     ("FedAvg", "weighted_by_key=foo", "weighted_by_key", "'foo'"),  # was: InconsistentMessageReplies in round 1
