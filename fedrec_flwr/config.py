@@ -541,11 +541,13 @@ def _coerce(key: str, value: Any, annotation: Any, meta: Mapping[str, Any]) -> A
             raise ConfigError(f"run-config key '{key}' = {value!r}: expected true or false")
         return value
     if type_name == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)
-            else:
-                raise ConfigError(f"run-config key '{key}' = {value!r}: expected an integer")
+        if isinstance(value, bool):
+            raise ConfigError(f"run-config key '{key}' = {str(value).lower()}: expected an integer, got a boolean")
+        if isinstance(value, float):  # TOML's 10.0 or 1e9 is a float: never silently taken as an integer
+            hint = f"; write {int(value)}" if value.is_integer() else ""
+            raise ConfigError(f"run-config key '{key}' = {value!r}: expected an integer, got the float {value!r}{hint}")
+        if not isinstance(value, int):
+            raise ConfigError(f"run-config key '{key}' = {value!r}: expected an integer")
     elif type_name == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"run-config key '{key}' = {value!r}: expected a number")

@@ -33,6 +33,31 @@ def test_every_integer_key_is_range_checked(key):
         RunConfig.from_mapping(mapping)
 
 
+@pytest.mark.parametrize("key", INT_KEYS)
+def test_every_integer_key_refuses_a_float_even_an_integral_one(key):
+    """A new user's finding: ``num-server-rounds = 10.0`` (or ``1e9``, a TOML float) was silently taken as the integer
+    10. Now every integer key refuses any float, naming the key and the value and, for an integral one, the integer
+    to write; the default's own value as an int still passes."""
+    mapping = default_mapping()
+    default = mapping[key]
+    assert type(default) is int  # pyproject.toml declares every integer key's default as an integer
+    with pytest.raises(ConfigError) as caught:
+        RunConfig.from_mapping({**mapping, key: float(default)})
+    assert str(caught.value) == (f"run-config key '{key}' = {float(default)!r}: expected an integer, got the float "
+                                 f"{float(default)!r}; write {default}")
+    with pytest.raises(ConfigError, match=rf"^run-config key '{key}' = {default + 0.5!r}: expected an integer, got "
+                                          rf"the float {default + 0.5!r}$"):
+        RunConfig.from_mapping({**mapping, key: default + 0.5})
+    assert getattr(RunConfig.from_mapping(mapping), key.replace("-", "_")) == default
+
+
+@pytest.mark.parametrize("key", INT_KEYS)
+def test_every_integer_key_refuses_a_boolean(key):
+    """``true`` is an ``int`` in Python (``True == 1``); an integer key refuses it, in TOML's spelling."""
+    with pytest.raises(ConfigError, match=rf"^run-config key '{key}' = true: expected an integer, got a boolean$"):
+        RunConfig.from_mapping({**default_mapping(), key: True})
+
+
 @pytest.mark.parametrize("key", ["ks", "mlp-layers"])
 def test_integer_lists_are_range_checked(key):
     with pytest.raises(ConfigError, match=f"run-config key '{key}' = '8,10000000000000000000': every value must be "

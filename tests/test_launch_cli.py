@@ -90,6 +90,8 @@ def _launch(*argv, env=None):
 
 @pytest.mark.parametrize("argv, expected", [
     (["num-server-rounds=abc"], "run-config key 'num-server-rounds' = 'abc': expected an integer"),
+    (["num-server-rounds=1e9"], "run-config key 'num-server-rounds' = 1000000000.0: expected an integer, got the "
+                                "float 1000000000.0; write 1000000000"),  # was: taken as 10**9 rounds
     (["strategy=my_module:MyStrategy"], "cannot import module 'my_module'"),
     (["num-supernodes=1000"], "use --num-supernodes 1000"),
     (["server-lr=0.3"], "unknown run-config key(s) ['server-lr']"),
