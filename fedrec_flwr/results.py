@@ -1,17 +1,22 @@
 """The results folder of a run: config, per-round metrics (CSV and JSON), final shared arrays, learning-curve PNG.
 
 Every file is written atomically (:mod:`fedrec_flwr.io`), so an interrupted run leaves complete files from its last
-finished round, never half-written ones.
+finished round, never half-written ones. ``summary.json``, written last, marks a finished run; a run that failed once
+its folder existed holds ``failed.json`` instead (:func:`write_failure`). Reusing a ``run-name``
+(:func:`check_results_folder`): a finished run's folder, or one holding an interrupted run's ``checkpoint.npz``, is
+refused; a failed or interrupted run's folder without either is replaced, with a warning naming what it held.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 import logging
 import math
 import time
 from collections.abc import Iterable, Mapping
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +44,19 @@ def _cell(key: str, value: Any) -> float | int:
     return number
 
 
-RESULT_FILES = ("metrics.csv", "metrics.json", "final_arrays.npz", "summary.json", "learning_curves.png",
-                "unlearning.json", "before-unlearning.npz", "checkpoint.npz")
+FAILED_FILE = "failed.json"
+"""Written (atomically) in a run's results folder when the run fails once that folder exists; see
+:func:`write_failure`."""
+
+RESULT_FILES = ("config.json", "metrics.csv", "metrics.json", "final_arrays.npz", "summary.json",
+                "learning_curves.png", "unlearning.json", "before-unlearning.npz", "checkpoint.npz", FAILED_FILE)
+"""The files a run writes in its results folder (a new run of the same ``run-name`` replaces them)."""
 
 
 def check_results_folder(folder: str | Path, clear: bool = True) -> None:
-    """Refuse to write into a folder that holds a finished run or a resumable one, and (``clear``) delete what an
-    unfinished run without a checkpoint left.
+    """Refuse to write into a folder that holds a finished run or a resumable one, and (``clear``) delete what a
+    failed or interrupted run without a checkpoint left (:data:`RESULT_FILES`; other files stay), logging a warning
+    that names those files and, for a failed run, its error (``failed.json``).
 
     Raises:
         ConfigError: ``folder/summary.json`` exists (a finished run): choose another ``run-name`` or delete it, so
@@ -64,11 +75,50 @@ def check_results_folder(folder: str | Path, clear: bool = True) -> None:
                           f"run's checkpoint (checkpoint.npz); continue it with resume-from={str(folder)!r}, or set "
                           "another 'run-name' (or delete the folder) to start afresh")
     left = [name for name in RESULT_FILES if (folder / name).is_file()] if clear else []
-    if left:  # an interrupted run's partial files, without a checkpoint to resume from: this run replaces them
-        log.warning("results folder %s held an interrupted run without a checkpoint (%s, no summary.json): this run "
-                    "replaces its files", folder, ", ".join(left))
+    if left:  # a failed or interrupted run's files, without a checkpoint to resume from: this run replaces them
+        failure = read_failure(folder)
+        held = "an interrupted run without a checkpoint" if failure is None else \
+            f"a failed run ({describe_failure(failure)})"
+        log.warning("results folder %s held %s (%s, no summary.json): this run replaces its files", folder, held,
+                    ", ".join(left))
     for name in left:
         (folder / name).unlink(missing_ok=True)
+
+
+def write_failure(folder: str | Path, error: BaseException, *, server_round: int | None, rounds_completed: int,
+                  num_server_rounds: int) -> Path:
+    """Record in ``folder/failed.json`` (atomically) why the run failed; returns its path.
+
+    The record: ``error`` (``"<type>: <message>"``, one line), ``error-type``, ``message``, ``round`` (the round
+    that was running, ``None`` before round 1 or after the last: the unlearning phase, the final files),
+    ``rounds-completed`` (the last round whose metrics are in ``metrics.csv``), ``num-server-rounds`` and
+    ``failed-at`` (UTC, ISO 8601).
+    """
+    message = " ".join(str(error).split())
+    record = {"error": f"{type(error).__name__}: {message}", "error-type": type(error).__name__, "message": message,
+              "round": server_round, "rounds-completed": int(rounds_completed),
+              "num-server-rounds": int(num_server_rounds),
+              "failed-at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    return atomic_write_json(Path(folder) / FAILED_FILE, record)
+
+
+def read_failure(folder: str | Path) -> dict | None:
+    """The failure record of ``folder`` (:func:`write_failure`), ``None`` without one; a ``failed.json`` that is not a
+    JSON object gives ``{"error": "unreadable failed.json"}``."""
+    path = Path(folder) / FAILED_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        record = None
+    return record if isinstance(record, dict) else {"error": f"unreadable {FAILED_FILE}"}
+
+
+def describe_failure(record: Mapping[str, Any]) -> str:
+    """One line for a failure record: ``"failed in round 1: RoundFailed: ..."`` (the round when it has one)."""
+    where = f"failed in round {record['round']}" if isinstance(record.get("round"), int) else "failed"
+    return f"{where}: {record.get('error', 'unknown error')}"
 
 
 class RunRecorder:
@@ -124,20 +174,20 @@ class RunRecorder:
         atomic_write_json(self.folder / "metrics.json", self.rows)
 
     def finish(self, arrays: Mapping[str, np.ndarray], summary: Mapping[str, Any]) -> Path:
-        """Write the final shared arrays, the summary and the learning-curve plot; returns the folder."""
+        """Write the final shared arrays, the learning-curve plot and, last, the summary; returns the folder."""
         atomic_save_npz(self.folder / "final_arrays.npz", **{k.replace("/", "_"): v for k, v in arrays.items()})
-        evaluated = [r for r in self.rows if "HR@10" in r]
-        final = dict(evaluated[-1]) if evaluated else {}
-        selected = select_on_validation(self.rows)
-        atomic_write_json(
-            self.folder / "summary.json",
-            {"final": final, "selected-on-validation": selected,
-             "total-seconds": round(time.monotonic() - self._start, 3), **dict(summary)},
-        )
         unlearning = summary.get("unlearning")
         marks = {f"unlearning ({unlearning.get('method', '')})": unlearning["round"]} \
             if isinstance(unlearning, Mapping) and "round" in unlearning else {}
         plot_learning_curves(self.rows, self.folder / "learning_curves.png", title=self.folder.name, marks=marks)
+        evaluated = [r for r in self.rows if "HR@10" in r]
+        final = dict(evaluated[-1]) if evaluated else {}
+        selected = select_on_validation(self.rows)
+        atomic_write_json(  # last: summary.json marks a finished run
+            self.folder / "summary.json",
+            {"final": final, "selected-on-validation": selected,
+             "total-seconds": round(time.monotonic() - self._start, 3), **dict(summary)},
+        )
         return self.folder
 
 

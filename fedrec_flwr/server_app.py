@@ -10,7 +10,10 @@ Phases of :func:`main`:
 3. The strategy (registry name or ``module:Class``) runs ``num-server-rounds``; federated evaluation on the clients
    every ``eval-every`` rounds and after the last; one progress line per round.
 4. The results folder (``results-dir/<run-name>/``) holds ``config.json``, ``metrics.csv``, ``metrics.json``,
-   ``final_arrays.npz``, ``summary.json`` and ``learning_curves.png``, each written atomically.
+   ``final_arrays.npz``, ``summary.json`` and ``learning_curves.png``, each written atomically. A run that fails
+   (raises) once its folder exists writes ``failed.json`` there instead of ``summary.json``: the error and the round
+   (:func:`fedrec_flwr.results.write_failure`); a later run of the same ``run-name`` replaces such a folder
+   (:func:`fedrec_flwr.results.check_results_folder`).
 
 Every ``checkpoint-every`` rounds a server checkpoint (``checkpoint.npz``, :mod:`fedrec_flwr.checkpoint`) is written
 there too; ``resume-from`` continues an interrupted run from it (Flower's round loop over the later rounds,
@@ -42,8 +45,9 @@ from .config import RunConfig
 from .errors import ConfigError, reply_error_line
 from .message_window import windowed
 from .registry import LOGGER_ROOTS
-from .preflight import build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: was here
-from .results import PROGRESS, RunRecorder, check_results_folder
+from .preflight import Preflight, build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: was here
+from .results import FAILED_FILE, PROGRESS, RunRecorder, check_results_folder, describe_failure, read_failure, \
+    write_failure
 from .runtime import build_shared_model
 from .wire import CONFIG, ModelLayout, Topology
 
@@ -161,6 +165,16 @@ class RoundView:
     folder: Path
 
 
+@dataclass
+class Progress:
+    """Where a run is, for its failure record (:func:`fedrec_flwr.results.write_failure`)."""
+
+    round: int | None = None
+    """The round running now; ``None`` before round 1 and after the last."""
+    completed: int = 0
+    """The last round whose metrics are recorded."""
+
+
 def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = None, *,
          on_round: Callable[[RoundView], None] | None = None) -> Path:
     """Run one federated experiment (see the module docstring); returns the results folder.
@@ -168,9 +182,30 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     ``on_round(view)``, if given (in-process callers only, e.g. an experiment's per-round attack on a
     :class:`~fedrec_flwr.serial.SerialGrid`), is called after every round, once its metrics are recorded, with a
     :class:`RoundView`.
+
+    A run that raises once its results folder exists records why in ``failed.json`` there
+    (:func:`fedrec_flwr.results.write_failure`: the error, the round) before the error goes on; a ``KeyboardInterrupt``
+    or ``SystemExit`` (Ctrl-C, SIGTERM) is an interruption and writes none.
     """
     _setup_logging()
     plan = preflight(RunConfig.from_mapping(context.run_config or run_config or {}))  # no data here: the nodes have it
+    progress = Progress(completed=plan.resume.server_round if plan.resume is not None else 0)
+    try:
+        return _run(plan, grid, on_round, progress)
+    except Exception as err:  # noqa: BLE001 - recorded, then raised as it was (Ctrl-C / SIGTERM: interrupted, not failed)
+        if plan.folder.is_dir():  # a run refused before its folder existed leaves none
+            try:
+                write_failure(plan.folder, err, server_round=progress.round, rounds_completed=progress.completed,
+                              num_server_rounds=plan.config.num_server_rounds)
+                log.info("the run failed%s: %s records it", f" in round {progress.round}" if progress.round else "",
+                         plan.folder / FAILED_FILE)
+            except OSError as problem:  # the run's own error matters more than its record
+                log.warning("could not write %s: %s", plan.folder / FAILED_FILE, problem)
+        raise
+
+
+def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | None, progress: Progress) -> Path:
+    """:func:`main` after the preflight: identify, build, run the rounds, write the results; keeps ``progress``."""
     config, folder, resume = plan.config, plan.folder, plan.resume
     grid = windowed(grid, config.max_in_flight)  # every phase's messages, ours and a wrapped Flower strategy's
     if resume is None:
@@ -201,6 +236,11 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
             strategy.restore_checkpoint_state(resume.strategy_state, resume.strategy_arrays, initial)
         first_round = resume.server_round + 1
         log.info("resuming %s after round %d (checkpoint %s)", folder.name, resume.server_round, resume.folder)
+        failure = read_failure(folder)
+        if failure is not None:  # the interrupted run failed after its last checkpoint; this run goes on from it
+            log.warning("results folder %s held a failed run (%s): its failed.json is removed", folder,
+                        describe_failure(failure))
+            (folder / FAILED_FILE).unlink(missing_ok=True)
     # Sent with every message: the run's name (clients' state files) and the last checkpoint's round (which of their
     # saved versions clients may drop; -1 = no checkpoints, keep the newest only).
     message_config = {RUN_KEY: folder.name,
@@ -234,7 +274,11 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
                 message_config[DURABLE_ROUND_KEY] = server_round
             if on_round is not None:
                 on_round(RoundView(server_round, grid, strategy, arrays, config, folder))
+            progress.completed = server_round
+            progress.round = server_round + 1 if server_round < config.num_server_rounds else None
         return None
+
+    progress.round = first_round if first_round <= config.num_server_rounds else None
 
     runner = strategy if first_round == 1 else ShiftedRounds(strategy, first_round - 1)
     result = runner.start(

@@ -359,3 +359,128 @@ def test_the_highest_learning_curve_marker_stays_inside_the_panel(hr10):
         assert top - y >= 6
     finally:
         plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- failed runs
+def _fail_in_round(failing_round: int, kind=RuntimeError):
+    """A client mod that raises ``kind`` in every train message of ``failing_round`` (every reply an error: with
+    min-train-fraction 0.5 the round fails with RoundFailed; the serial grid raises a KeyboardInterrupt through)."""
+    def mod(message, context, call_next):
+        config = message.content["config"] if "config" in message.content else {}
+        if message.metadata.message_type == "train" and config.get("server-round") == failing_round:
+            raise kind(f"injected failure in round {failing_round}")
+        return call_next(message, context)
+    return mod
+
+
+def _read(path: Path):
+    import json
+
+    return json.loads(path.read_text())
+
+
+def _warnings_of(caplog, action):
+    """Run ``action()`` with the package's warnings captured (the ServerApp's handler may stop propagation)."""
+    caplog.set_level(logging.WARNING, logger="fedrec_flwr")
+    package_logger = logging.getLogger("fedrec_flwr")
+    package_logger.addHandler(caplog.handler)
+    try:
+        return action()
+    finally:
+        package_logger.removeHandler(caplog.handler)
+
+
+def test_a_run_that_fails_in_a_round_records_it_and_its_run_name_is_replaced_by_the_next_run(tmp_path, caplog):
+    """A new user's finding: a run failing in round 2 left config.json and the metrics (nothing said it failed), and
+    the same run-name was accepted again with no word. Now the folder holds failed.json (the error, the round, the
+    rounds completed; no summary.json), and the next run of that name replaces it with a warning naming the
+    failure, then holds a finished run, which a third run may not overwrite."""
+    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.serial import run_serial
+    from strategies.item_fedavg import RoundFailed
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    config = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, num_server_rounds=3, run_name="flaky")
+    folder = tmp_path / "results" / "flaky"
+    with pytest.raises(RoundFailed, match="round 2"):
+        run_serial(config, client_app=make_client_app(config, mods=[_fail_in_round(2)]))
+    record = _read(folder / "failed.json")
+    assert record["round"] == 2 and record["rounds-completed"] == 1 and record["num-server-rounds"] == 3
+    assert record["error-type"] == "RoundFailed" and record["error"].startswith("RoundFailed: round 2")
+    assert "injected failure in round 2" in record["error"] and "\n" not in record["error"]
+    assert not (folder / "summary.json").exists() and [r["round"] for r in _read(folder / "metrics.json")] == [1]
+    (folder / "provenance.json").write_text("{}")  # not a file of the run's: it stays
+
+    caplog.clear()
+    assert _warnings_of(caplog, lambda: run_serial(config)) == folder.resolve()
+    assert caplog.text.count(f"results folder {folder.resolve()} held a failed run (failed in round 2: RoundFailed: "
+                             "round 2") == 1, caplog.text
+    assert "config.json, metrics.csv, metrics.json, failed.json, no summary.json): this run replaces its files" \
+        in caplog.text
+    assert not (folder / "failed.json").exists() and (folder / "summary.json").is_file()
+    assert [r["round"] for r in _read(folder / "metrics.json")] == [1, 2, 3]
+    assert (folder / "provenance.json").read_text() == "{}"
+    with pytest.raises(ConfigError, match="already holds a finished run"):
+        run_serial(config)
+
+
+def test_a_failed_run_with_a_checkpoint_is_resumed_and_its_failure_record_removed(tmp_path, caplog):
+    """The failure record does not change the checkpoint rule: the same run-name without resume-from is refused,
+    resume-from continues after the checkpoint, says it drops the record, and the folder ends as a finished run."""
+    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.serial import run_serial
+    from strategies.item_fedavg import RoundFailed
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    config = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, num_server_rounds=3, checkpoint_every=1,
+                             run_name="flaky")
+    folder = (tmp_path / "results" / "flaky").resolve()
+    with pytest.raises(RoundFailed):
+        run_serial(config, client_app=make_client_app(config, mods=[_fail_in_round(3)]))
+    assert _read(folder / "failed.json")["round"] == 3 and (folder / "checkpoint.npz").is_file()
+    with pytest.raises(ConfigError, match="holds an interrupted run's checkpoint"):
+        run_serial(config)
+    resume = {**config, "resume-from": str(folder), "resume-resets-client-state": True}
+    caplog.clear()
+    assert _warnings_of(caplog, lambda: run_serial(resume)) == folder
+    assert "held a failed run (failed in round 3: RoundFailed: " in caplog.text and "failed.json is removed" \
+        in caplog.text
+    assert not (folder / "failed.json").exists() and (folder / "summary.json").is_file()
+    assert [r["round"] for r in _read(folder / "metrics.json")] == [1, 2, 3]
+
+
+def test_an_interrupted_run_writes_no_failure_record(tmp_path):
+    """Ctrl-C (KeyboardInterrupt) stops a run; it did not fail, so no failed.json (the experiments' grids skip
+    failed points for good, and must redo interrupted ones)."""
+    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.serial import run_serial
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    config = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, num_server_rounds=2, run_name="stopped")
+    with pytest.raises(KeyboardInterrupt):
+        run_serial(config, client_app=make_client_app(config, mods=[_fail_in_round(2, KeyboardInterrupt)]))
+    folder = tmp_path / "results" / "stopped"
+    assert (folder / "config.json").is_file() and not (folder / "failed.json").exists()
+
+
+def test_a_folder_holding_only_a_config_is_replaced_with_a_warning(tmp_path, caplog):
+    """What an earlier version left of a run that failed in round 1 (config.json alone) was reused with no word."""
+    from fedrec_flwr.results import check_results_folder
+
+    (tmp_path / "config.json").write_text("{}")
+    _warnings_of(caplog, lambda: check_results_folder(tmp_path))
+    assert not (tmp_path / "config.json").exists()
+    assert "held an interrupted run without a checkpoint (config.json, no summary.json)" in caplog.text
+
+
+def test_a_failure_record_is_one_atomic_json_object(tmp_path):
+    from fedrec_flwr.results import read_failure, write_failure
+
+    path = write_failure(tmp_path, ValueError("two\nlines"), server_round=None, rounds_completed=3,
+                         num_server_rounds=3)
+    record = read_failure(tmp_path)
+    assert path == tmp_path / "failed.json" and record["error"] == "ValueError: two lines" and record["round"] is None
+    assert record["rounds-completed"] == 3 and record["failed-at"].endswith("Z")
+    assert [p.name for p in tmp_path.iterdir()] == ["failed.json"]  # no temporary file left
+    path.write_text("not json")
+    assert read_failure(tmp_path) == {"error": "unreadable failed.json"}
