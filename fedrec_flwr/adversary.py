@@ -25,6 +25,7 @@ embeddings, ``2d``; MF: ``d``), :func:`user_vector`.
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -33,8 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attributes import published_class_prior
 from .models.base import RecModel, init_linear, new_linear
 from .training import LocalTrainConfig, LocalTrainer
+
+log = logging.getLogger(__name__)
 
 ADVERSARY_MODULE = "adversary"
 TRAININGS = ("server", "per-client")
@@ -293,6 +297,34 @@ def _cross_entropy(logits: torch.Tensor, target: torch.Tensor, log_prior: torch.
     """``CE(logits + log_prior, target)``: with a class prior, the logit-adjusted loss of Menon et al. (2021, "Long-tail
     learning via logit adjustment", Eq. 10), whose minimiser's raw ``argmax`` is the balanced (prior-free) decision."""
     return F.cross_entropy(logits if log_prior is None else logits + log_prior, target)
+
+
+def class_prior_text(config, classes: tuple[str, ...] | None = None, *, warn: bool = False) -> str:
+    """``adversary-class-prior`` as shares: ``"published"`` (the default) resolves to the dataset's published class
+    shares (:func:`fedrec_flwr.attributes.published_class_prior`: MovieLens-100K's gender, age and occupation), or to
+    ``""`` (no prior) for a dataset / attribute without published shares, a generic attributes file for instance; any
+    other value is returned as given.
+
+    Args:
+        config: the run config (``adversary_class_prior``, ``dataset``, ``protected_attribute``).
+        classes: the split's encoded classes, if known (checked against the published ones).
+        warn: log a warning when ``"published"`` falls back to no prior (the client's config check does, once).
+
+    Raises:
+        ConfigError: the split's classes differ from the published ones.
+    """
+    text = str(config.adversary_class_prior).strip()
+    if text != "published":
+        return text
+    shares = published_class_prior(config.dataset, config.protected_attribute, classes)
+    if shares is None:
+        if warn:
+            log.warning("adversary-class-prior = 'published': no published class shares for protected-attribute = "
+                        "%r of dataset = %r, so h_w trains without a prior (its decision leans to the majority "
+                        "class); give public shares, e.g. '0.3,0.7' in class order, to balance it",
+                        config.protected_attribute, config.dataset)
+        return ""
+    return shares
 
 
 def parse_class_prior(text: str, num_classes: int) -> torch.Tensor | None:

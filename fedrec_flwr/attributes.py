@@ -26,6 +26,46 @@ AGE_BUCKETS: tuple[tuple[str, float, float], ...] = (
 MAX_CLASSES = 32
 """A categorical attribute with more distinct values than this is refused (bucket it first)."""
 
+PUBLISHED_CLASS_COUNTS: dict[tuple[str, str], dict[str, int]] = {
+    ("ml-100k", "gender"): {"F": 273, "M": 670},
+    ("ml-100k", "age"): {"<18": 36, "18-24": 198, "25-34": 310, "35-44": 194, "45-49": 80, "50-55": 73, "56+": 52},
+    ("ml-100k", "occupation"): {
+        "administrator": 79, "artist": 28, "doctor": 7, "educator": 95, "engineer": 67, "entertainment": 18,
+        "executive": 32, "healthcare": 16, "homemaker": 7, "lawyer": 12, "librarian": 51, "marketing": 26,
+        "none": 9, "other": 105, "programmer": 66, "retired": 14, "salesman": 12, "scientist": 31, "student": 196,
+        "technician": 27, "writer": 45},
+}
+"""Users per class of each attribute in a dataset's published user file: ``(dataset, attribute) -> {class: users}``,
+classes in :func:`encode_attribute`'s order. MovieLens-100K: the 943 users of GroupLens' ``u.user`` (its ages
+bucketed by :data:`AGE_BUCKETS`), counted once from the official file (sha256 in ``fedrec_flwr/data/download.py``).
+They are the dataset's public statistics, the same for every user, so a prior built from them reveals nothing about
+any user of a run; they are never counted from a federation (``adversary-class-prior = "published"``)."""
+
+
+def published_class_prior(dataset: str, attribute: str, classes: tuple[str, ...] | None = None) -> str | None:
+    """The published class shares of ``attribute`` in ``dataset`` as ``adversary-class-prior`` text
+    (``"0.2895,0.7105"``-style, in :func:`encode_attribute`'s class order), from :data:`PUBLISHED_CLASS_COUNTS`;
+    ``None`` when the package knows no published shares for them.
+
+    Args:
+        dataset: run-config ``dataset``.
+        attribute: run-config ``protected-attribute``.
+        classes: the encoded classes of the run's split, if known; they must be the table's.
+
+    Raises:
+        ConfigError: the split's classes differ from the published ones (the message says to give the shares
+            explicitly or ``""``).
+    """
+    counts = PUBLISHED_CLASS_COUNTS.get((dataset, attribute))
+    if counts is None:
+        return None
+    if classes is not None and tuple(classes) != tuple(counts):
+        raise ConfigError(f"run-config key 'adversary-class-prior' = 'published': the split's classes of "
+                          f"{attribute!r} are {list(classes)}, the published shares' {list(counts)}; give the shares "
+                          f"explicitly or ''")
+    total = sum(counts.values())
+    return ",".join(f"{n / total:.6g}" for n in counts.values())
+
 
 @dataclass(frozen=True)
 class AttributeLabels:

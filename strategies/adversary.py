@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
-from fedrec_flwr.adversary import ADVERSARY_MODULE, parse_class_prior
+from fedrec_flwr.adversary import ADVERSARY_MODULE, class_prior_text, parse_class_prior
 from fedrec_flwr.errors import ConfigError, reply_error_line
 from fedrec_flwr.training import load_optimizer_state_arrays, optimizer_state_arrays
 from fedrec_flwr.wire import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, ModelLayout
@@ -107,7 +107,7 @@ class AdversaryServerStep:
             return None
         keys = adversary_keys(layout)
         try:
-            parse_class_prior(config.adversary_class_prior, layout.shared_shapes[PREFIX + "head.bias"][0])
+            parse_class_prior(class_prior_text(config), layout.shared_shapes[PREFIX + "head.bias"][0])
         except ValueError as err:
             raise ConfigError(str(err)) from None
         return cls(keys, optimizer=config.adversary_server_optimizer,
@@ -164,7 +164,7 @@ class AdversaryServerStep:
                  "adversary-step": step})}), message_type=f"{MessageType.QUERY}.{ADVERSARY_GRADIENT}",
                 dst_node_id=node) for node, users in nodes.items() if len(users)]
             replies = strategy._canonical_order(grid.send_and_receive(messages, timeout=strategy.round_timeout))
-            accepted = []
+            accepted, observed = [], []
             for reply in replies:
                 problem = reply_error_line(reply.error.reason) if reply.has_error() else self._reply_problem(reply.content, arrays)
                 if problem:
@@ -172,6 +172,11 @@ class AdversaryServerStep:
                                 reply.metadata.src_node_id, problem)
                 else:
                     accepted.append(reply.content)
+                    node = int(reply.metadata.src_node_id)
+                    observed.append((node, reply.content[ARRAYS], len(nodes.get(node, ()))))
+            observe = getattr(strategy, "observe_adversary_replies", None)  # a curious server links them (curious.py)
+            if observe is not None and observed:
+                observe(server_round, observed)
             if not accepted:
                 log.warning("round %d: no valid adversary_gradient reply; %d of %d server steps of h_w taken",
                             server_round, step, self.steps)

@@ -14,7 +14,17 @@ replies in 100 rounds, all 3 labels recovered). Replies that mix several users a
 ``label-leakage.csv`` columns: ``round``; ``node`` (Flower node id); ``user`` (the user's index in the split, i.e. its
 partition id with one user per node; -1 if unknown); ``idlg-label`` and ``dlg-label``: the guessed class, an index into
 ``fedrec_flwr.attributes.encode_attribute(split.attributes, protected_attribute).classes`` (``dlg-label`` is -1 where
-DLG was not run). Score it with ``labels[user] == idlg-label``; compare with the majority-class rate, not only 1/C.
+DLG was not run); ``idlg-linked-label``: iDLG on the mean of *every* single-user ``h_w`` upload the server has had from
+that node so far (this round's train reply, earlier rounds' train replies and, with ``adversary-server-steps`` > 1,
+every ``adversary_gradient`` query reply; -1 where the node's uploads are not all one user's). Score it with
+``labels[user] == idlg-label``; compare with the majority-class rate, not only 1/C.
+
+The linked attack is ours (issue 14, seventh session). A server knows which node sent what, so it can average a node's
+uploads; DSVAE's label-masking noise is drawn afresh for each upload, and the label's term ``-onehot(a)`` of the head's
+bias gradient is the same in all of them, so averaging ``k`` uploads divides the noise's std by ``sqrt(k)``: for two
+classes iDLG is right with probability about ``Phi(sqrt(k / 2) / noise)`` (0.76 for one upload at std 1, 0.9992 for
+the 20 uploads a round of ``adversary-server-steps = 20`` brings). The per-upload rates (``idlg-label``) are what
+FedAU² reports; this column is what a curious server can read.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ from .item_fedavg import ItemEmbeddingFedAvg
 log = logging.getLogger(__name__)
 
 LEAKAGE_FILE = "label-leakage.csv"
-LEAKAGE_COLUMNS = ("round", "node", "user", "idlg-label", "dlg-label")
+LEAKAGE_COLUMNS = ("round", "node", "user", "idlg-label", "dlg-label", "idlg-linked-label")
 
 
 class LabelLeakageAudit:
@@ -68,6 +78,7 @@ class LabelLeakageAudit:
         self._audit_folder: Path | None = None
         self._adversary = None
         self.leakage_records: list[dict] = []
+        self._linked: dict[int, list] = {}  # node -> [sum of its single-user head-bias uploads, count, all single-user]
 
     def attach_results(self, folder: Path) -> None:
         """Called by the ServerApp with the run's results folder."""
@@ -80,13 +91,17 @@ class LabelLeakageAudit:
         """The strategy's checkpoint state plus the label-leakage records so far, so a resumed run's
         ``label-leakage.csv`` keeps the rounds before the checkpoint."""
         state, arrays = super().checkpoint_state()
-        return {**state, "label-leakage": [dict(r) for r in self.leakage_records]}, arrays
+        linked = {str(node): [total.tolist(), count, single] for node, (total, count, single) in self._linked.items()}
+        return {**state, "label-leakage": [dict(r) for r in self.leakage_records],
+                "label-leakage-linked": linked}, arrays
 
     def restore_checkpoint_state(self, state, arrays, shared) -> None:
         """Inverse of :meth:`checkpoint_state`; rewrites ``label-leakage.csv`` with the restored records (a crash after
         the checkpoint may have left later rounds' records in it, which the resumed run attacks again)."""
         super().restore_checkpoint_state(state, arrays, shared)
         self.leakage_records = [dict(r) for r in state.get("label-leakage", [])]
+        self._linked = {int(node): [np.asarray(total, dtype=np.float64), int(count), bool(single)]
+                        for node, (total, count, single) in state.get("label-leakage-linked", {}).items()}
         if "label-leakage" not in state:
             log.warning("curious server: the checkpoint holds no label-leakage records (written by an older version); "
                         "%s restarts with the resumed rounds only", LEAKAGE_FILE)
@@ -107,6 +122,25 @@ class LabelLeakageAudit:
                 param.copy_(torch.as_tensor(sent[prefix + name].numpy()))
         return self._adversary
 
+    def _link(self, node: int, bias_gradient: np.ndarray | None) -> int:
+        """Add one upload of ``node`` to its running sum (``None``: a reply that mixes users, which marks the node as
+        not linkable); returns iDLG's guess on the node's mean upload, or -1."""
+        entry = self._linked.setdefault(node, [None, 0, True])
+        if bias_gradient is None:
+            entry[2] = False
+        else:
+            entry[0] = np.asarray(bias_gradient, dtype=np.float64) + (0.0 if entry[0] is None else entry[0])
+            entry[1] += 1
+        return idlg_label(entry[0] / entry[1]) if entry[2] and entry[1] else -1
+
+    def observe_adversary_replies(self, server_round: int, replies: list[tuple[int, ArrayRecord, int]]) -> None:
+        """Called by :meth:`strategies.adversary.AdversaryServerStep.extra_steps` with each accepted
+        ``adversary_gradient`` reply as ``(node, arrays, users answered)``: the linked attack's further uploads."""
+        bias_key = f"{ADVERSARY_MODULE}.head.bias"
+        for node, arrays, users in replies:
+            if bias_key in arrays:
+                self._link(int(node), arrays[bias_key].numpy() if users == 1 else None)
+
     def audit(self, server_round: int, replies: list[Message]) -> None:
         """Attack every single-user reply (see the class docstring)."""
         sent = self._current
@@ -120,9 +154,12 @@ class LabelLeakageAudit:
             if message.has_error() or ARRAYS not in message.content.array_records:
                 continue
             arrays = message.content[ARRAYS]
-            if bias_key not in arrays or float(message.content[METRICS].get("num-users", 0)) != 1:
+            if bias_key not in arrays:
                 continue
             node = int(message.metadata.src_node_id)
+            if float(message.content[METRICS].get("num-users", 0)) != 1:
+                self._link(node, None)
+                continue
             trained = self._sampled_nodes.get(node, [])
             user = int(trained[0]) if len(trained) == 1 else -1
             if self._audit_config.adversary_training == "server":  # the reply carries h_w's gradient itself
@@ -133,7 +170,8 @@ class LabelLeakageAudit:
             if not all(np.isfinite(v).all() for v in update.values()):
                 continue
             record = {"round": server_round, "node": node, "user": user,
-                      "idlg-label": idlg_label(update["head.bias"]), "dlg-label": -1}
+                      "idlg-label": idlg_label(update["head.bias"]), "dlg-label": -1,
+                      "idlg-linked-label": self._link(node, update["head.bias"])}
             if run_dlg and dlg_done < self.dlg_per_round:
                 record["dlg-label"] = dlg_label(self._adversary_template(sent), update,
                                                 iterations=self.dlg_iterations, seed=server_round * 100003 + node % 100003)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from flwr.app import RecordDict
 
 from conftest import tiny_run_config
-from fedrec_flwr.adversary import ADVERSARY_MODULE, AttributeAdversary, DSVAEAdversary, build_adversary
+from experiments.fedau2.methods import FIRST_RELEASE_ADVERSARY
+from fedrec_flwr.adversary import ADVERSARY_MODULE, AttributeAdversary, DSVAEAdversary, adversary_gradient, build_adversary
 from fedrec_flwr.config import make_run_config
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.runtime import get_runtime
@@ -26,8 +27,8 @@ def _config(folder, **overrides):
     attributes = folder / "attributes.csv"
     attributes.write_text("user,gender\n" + "".join(f"u{u},{'FM'[u % 3 == 0]}\n" for u in range(24)))
     options = dict(client="fedau2", adversary="mlp", protected_attribute="gender", users_per_node=1,
-                   generic_attributes_file=str(attributes), adversary_trigger="always", optimizer="sgd",
-                   learning_rate=0.5, adversary_epsilon=3.0)
+                   generic_attributes_file=str(attributes), **FIRST_RELEASE_ADVERSARY)
+    options.update(adversary_trigger="always", optimizer="sgd", learning_rate=0.5, adversary_epsilon=3.0)
     options.update(overrides)
     return tiny_run_config(folder, **options)
 
@@ -158,10 +159,18 @@ def test_dsvae_noise_on_all_of_h_w_adds_one_draw_per_entry_after_the_heads(tmp_p
                 differences.append((b[name] - a[name]).ravel())
     differences = np.concatenate(differences)
     assert differences.size > 1000 and abs(differences.std() - 1.0) < 0.05 and abs(differences.mean()) < 0.05
-    with pytest.raises(ConfigError, match="dsvae-noise-placement"):
-        from clients.fedau2 import FedAU2Client
 
-        FedAU2Client.check_config(make_run_config(**_config(tmp_path / "mlp", dsvae_noise_placement="all")))
+
+def test_dsvae_noise_placement_changes_nothing_without_dsvae(tmp_path):
+    """A plain adversary (``adversary = "mlp"``) has no DSVAE noise, so ``"all"`` (the package default since issue
+    14's seventh session) uploads exactly the ``"head"`` placement's gradient."""
+    model = get_runtime(_config(tmp_path, adversary_hidden=8)).model
+    grads = {placement: adversary_gradient(model, label=1, kl_weight=0.0, noise_placement=placement,
+                                           generator=torch.Generator().manual_seed(3))
+             for placement in ("head", "all")}
+    assert any(not name.startswith(PREFIX + "head.") for name in grads["all"])
+    for name, value in grads["head"].items():
+        torch.testing.assert_close(grads["all"][name], value, rtol=0, atol=0, msg=name)
 
 
 def test_dsvae_noise_on_all_of_h_w_stops_dlg_reading_the_label_from_the_encoder(tmp_path):

@@ -10,6 +10,15 @@ tested), which is 5x faster and leaves the audit out.
 
 from __future__ import annotations
 
+FIRST_RELEASE_ADVERSARY = {
+    "adversary-trigger": "sut", "adversary-objective": "reverse", "adversary-epsilon": 1.0, "adversary-hidden": 32,
+    "adversary-server-learning-rate": 0.01, "adversary-server-steps": 1, "adversary-class-prior": "",
+    "dsvae-noise-placement": "head",
+}
+"""The adversary keys' package defaults until issue 14's seventh session (FedAU²'s own SUT + gradient reversal, a
+32-wide ``h_w``, one server step per round, no prior, DSVAE noise on the head). Since then the package defaults are the
+protective arm (:data:`DEFAULTS_ARM`); the arms of the tables were declared against these values and keep them."""
+
 PROTOCOL = {
     "dataset": "ml-100k",
     "num-server-rounds": 100,
@@ -25,7 +34,10 @@ PROTOCOL = {
     "learning-rate": 0.01,
     "batch-size": 256,
     "strategy": "curious-item-fedavg",
+    **FIRST_RELEASE_ADVERSARY,
 }
+"""Every arm below starts from it; an arm that says nothing about an adversary key keeps the first release's value
+(:data:`FIRST_RELEASE_ADVERSARY`), so the committed runs' configs are what these arms build today."""
 
 AUDIT_SEED = 0
 """The seed whose runs use one user per node, so the server's label-leakage audit sees every user's own upload."""
@@ -141,6 +153,17 @@ ARMS: dict[str, dict] = {
     )},
 }
 """Table rows. Arms without an adversary do not depend on the protected attribute (attacked on every attribute)."""
+
+DEFAULTS_ARM = "FedAU2, package defaults (adversary = dsvae)"
+"""Issue 14, seventh session: ``client = "fedau2"`` with ``adversary = "dsvae"`` and every other adversary key at the
+package's default (pyproject.toml: the entropy pull on every step, eps 0.1, a linear ``h_w`` with 20 server Adam steps
+of 0.001 per round, the published class prior, DSVAE's noise on every uploaded ``h_w`` gradient). Those defaults are
+the arm "FedAU2-server, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1, noise on all of
+h_w" (eps 0.1 chosen on FedNCF's validation item, item 11; DSVAE's placement measured in items 10 and 13) with the
+prior resolved from the dataset (``adversary-class-prior = "published"``, the same shares as :data:`CLASS_PRIORS`).
+This arm measures what a user gets who sets only the client, the adversary and the attribute."""
+ARMS[DEFAULTS_ARM] = {"client": "fedau2", "adversary": "dsvae",
+                      **{key: None for key in FIRST_RELEASE_ADVERSARY}}  # None: the package default (run.run_config)
 
 CHOSEN_ARM = "FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1"
 """Issue 14, third session: the arm whose eps (0.1) FedNCF's validation item chose (``select-eps``, seed 3;

@@ -50,7 +50,8 @@ def load_runs(folder: Path) -> pd.DataFrame:
                     row[f"{classifier}-{metric}"] = result.get(metric)
             leakage = attack.get("label-leakage") or {}
             row.update({k: leakage.get(k) for k in ("idlg-recovery", "dlg-recovery", "chance-uniform",
-                                                    "chance-majority", "idlg-attacks", "dlg-attacks")})
+                                                    "chance-majority", "idlg-attacks", "dlg-attacks",
+                                                    "idlg-linked-recovery")})
             rows.append(row)
     return pd.DataFrame(rows)
 
@@ -96,7 +97,8 @@ def main_tables(results: Path) -> pd.DataFrame:
         summary = mean_std(part, ["model", "arm"], [*METRICS, *ATTACK_COLUMNS])
         audited = part[part["seed"] == AUDIT_SEED]  # one user per node: every upload is one user's
         leakage = audited.groupby(["model", "arm"], sort=False)[["idlg-recovery", "dlg-recovery", "chance-uniform",
-                                                                 "chance-majority"]].mean().reset_index()
+                                                                 "chance-majority", "idlg-linked-recovery"]
+                                                                ].mean().reset_index()
         summary = summary.merge(leakage, on=["model", "arm"], how="left")
         order = {a: i for i, a in enumerate(ARMS)}
         summary = summary.sort_values(["model", "arm"], key=lambda c: c.map(order) if c.name == "arm" else c)
@@ -121,6 +123,7 @@ def main_tables(results: Path) -> pd.DataFrame:
             "F1 (LR)": [cell("logreg-macro-f1", r) for _, r in summary.iterrows()],
             "iDLG": [rate(v) for v in summary["idlg-recovery"]],
             "DLG": [rate(v) for v in summary["dlg-recovery"]],
+            "iDLG, linked": [rate(v) for v in summary["idlg-linked-recovery"]],
             "seeds": summary["seeds"],
         })
         chance = part[["chance-uniform", "chance-majority"]].dropna()
@@ -132,7 +135,9 @@ def main_tables(results: Path) -> pd.DataFrame:
                           f"# FedAU² on MovieLens-100K, protected attribute: {attribute}\n\n"
                           "Mean ± std over seeds; attacks: 5 random halves per run (attacker knows half the users' "
                           f"attribute); iDLG/DLG: share of the server's label guesses that are right (seed 0 runs, one "
-                          f"user per node). ΔHR@10: against the arm's unchanged model (`original`; `original (FedRecGEL "
+                          f"user per node); iDLG, linked: share of users whose label iDLG reads from the mean of all "
+                          f"their uploads (train replies and adversary-gradient queries; runs since issue 14's seventh "
+                          f"session). ΔHR@10: against the arm's unchanged model (`original`; `original (FedRecGEL "
                           f"client)` for `fedau2-gel` arms), paired by seed: both means over the seeds both ran "
                           f"(`report.paired_change`).\n\n{note}" + markdown(table))
     return runs

@@ -61,7 +61,7 @@ def run_config(model: str, arm: str, attribute: str, seed: int, data_dir: str, f
             overrides["adversary-class-prior"] = CLASS_PRIORS[attribute]
     if data_dir:
         overrides["data-dir"] = str(Path(data_dir) / PROTOCOL["dataset"])
-    return make_run_config(**overrides)
+    return make_run_config(**{key: value for key, value in overrides.items() if value is not None})
 
 
 def leakage_rates(folder: Path, labels: np.ndarray, num_classes: int) -> dict[str, float]:
@@ -76,7 +76,15 @@ def leakage_rates(folder: Path, labels: np.ndarray, num_classes: int) -> dict[st
     truth = labels[log["user"].to_numpy()]
     dlg = log["dlg-label"].to_numpy() >= 0
     prior = np.bincount(labels, minlength=num_classes) / len(labels)
+    linked = {}
+    if "idlg-linked-label" in log.columns:  # the server's guess from the mean of each node's uploads, at its last one
+        last = log[log["idlg-linked-label"] >= 0].drop_duplicates("user", keep="last")
+        if not last.empty:
+            linked = {"idlg-linked-recovery": float((last["idlg-linked-label"].to_numpy()
+                                                     == labels[last["user"].to_numpy()]).mean()),
+                      "idlg-linked-users": int(len(last))}
     return {
+        **linked,
         "idlg-recovery": float((log["idlg-label"].to_numpy() == truth).mean()), "idlg-attacks": int(len(log)),
         "dlg-recovery": float((log["dlg-label"].to_numpy()[dlg] == truth[dlg]).mean()) if dlg.any() else float("nan"),
         "dlg-attacks": int(dlg.sum()), "chance-uniform": 1.0 / num_classes, "chance-majority": float(prior.max()),

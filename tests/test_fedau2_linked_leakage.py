@@ -1,0 +1,60 @@
+"""The curious server's linked label attack (issue 14, seventh session): iDLG on the mean of all of a node's ``h_w``
+uploads defeats DSVAE's per-upload noise, which the per-upload rate hides (``strategies/curious.py``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from conftest import tiny_run_config
+
+
+def _run(tmp_path, **overrides):
+    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.serial import run_serial
+
+    attributes = tmp_path / "attributes.csv"
+    labels = np.array([int(u % 3 == 0) for u in range(24)])  # class 1 ("M") for a third of the users
+    attributes.write_text("user,gender\n" + "".join(f"u{u},{'FM'[label]}\n" for u, label in enumerate(labels)))
+    options = dict(client="fedau2", adversary="dsvae", protected_attribute="gender", users_per_node=1,
+                   generic_attributes_file=str(attributes), strategy="curious-item-fedavg", num_server_rounds=6,
+                   eval_every=6, adversary_class_prior="")
+    options.update(overrides)
+    config = tiny_run_config(tmp_path, **options)
+    folder = run_serial(config)
+    return pd.read_csv(folder / "label-leakage.csv"), get_runtime(config).protected.labels  # in the split's user order
+
+
+def test_linking_a_nodes_twenty_uploads_a_round_reads_the_labels_dsvae_masks_in_each(tmp_path):
+    """Package defaults (20 server steps of h_w a round, DSVAE noise of std 1 on every upload): each single upload's
+    iDLG guess is right about as often as a noisy coin allows, but the mean of a node's 20-per-round uploads gives
+    the label away (the noise std falls by sqrt(20)); the server needs nothing but node ids to do it."""
+    log, labels = _run(tmp_path)
+    assert list(log.columns) == ["round", "node", "user", "idlg-label", "dlg-label", "idlg-linked-label"]
+    truth = labels[log["user"].to_numpy()]
+    per_upload = float((log["idlg-label"].to_numpy() == truth).mean())
+    last = log.drop_duplicates("user", keep="last")
+    linked = float((last["idlg-linked-label"].to_numpy() == labels[last["user"].to_numpy()]).mean())
+    assert (last["idlg-linked-label"] >= 0).all() and len(last) >= 12
+    majority = max(labels.mean(), 1 - labels.mean())
+    assert per_upload <= 0.85 and linked >= 0.95 and linked >= per_upload + 0.1, (per_upload, linked, majority)
+
+
+def test_one_server_step_links_only_the_train_replies(tmp_path):
+    """With one server step a node's first linked guess is its first upload's iDLG guess."""
+    log, _ = _run(tmp_path, adversary_server_steps=1)
+    first = log.drop_duplicates("node", keep="first")
+    assert len(first) >= 12 and (first["idlg-linked-label"] == first["idlg-label"]).all()
+
+
+def test_a_node_whose_reply_mixed_users_is_not_linked():
+    """The running mean is iDLG's input (argmin of the mean head-bias gradient); one reply that mixes several users
+    marks the node as not linkable for good (-1), since its sum is no longer one user's."""
+    from strategies.curious import LabelLeakageAudit
+
+    audit = LabelLeakageAudit.__new__(LabelLeakageAudit)
+    audit._linked = {}
+    assert audit._link(7, np.array([0.3, -0.1])) == 1
+    assert audit._link(7, np.array([-0.9, 0.4])) == 0  # mean (-0.3, 0.15)
+    assert audit._link(8, np.array([0.2, -0.2])) == 1  # another node keeps its own sum
+    assert audit._link(7, None) == -1 and audit._link(7, np.array([0.0, -5.0])) == -1
