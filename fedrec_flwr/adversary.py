@@ -321,7 +321,8 @@ def class_prior_text(config, classes: tuple[str, ...] | None = None, *, warn: bo
         if warn:
             log.warning("adversary-class-prior = 'published': no published class shares for protected-attribute = "
                         "%r of dataset = %r, so h_w trains without a prior (its decision leans to the majority "
-                        "class); give public shares, e.g. '0.3,0.7' in class order, to balance it",
+                        "class); give public shares, e.g. '0.3,0.7', in class order (the attribute's sorted values; "
+                        "age: its age groups), to balance it",
                         config.protected_attribute, config.dataset)
         return ""
     return shares
