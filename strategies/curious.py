@@ -185,7 +185,7 @@ class LabelLeakageAudit:
         if self._audit_folder is None:
             return
         buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=LEAKAGE_COLUMNS, lineterminator="\n")
+        writer = csv.DictWriter(buffer, fieldnames=LEAKAGE_COLUMNS, lineterminator="\n", restval=-1)  # -1: not run
         writer.writeheader()
         writer.writerows(self.leakage_records)
         atomic_write_text(self._audit_folder / LEAKAGE_FILE, buffer.getvalue())

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from conftest import tiny_run_config, write_tiny_dataset
+from experiments.fedau2.methods import FIRST_RELEASE_ADVERSARY
 from fedrec_flwr.attacks import attribute_inference, collect_user_embeddings
 from fedrec_flwr.runtime import get_runtime
 
@@ -49,7 +50,8 @@ def _federation(folder, **overrides):
     attributes.write_text("user,gender\n" + "".join(f"u{u},{'FM'[labels[u]]}\n" for u in range(USERS)))
     config = tiny_run_config(folder / "run", generic_file=str(data), client="fedau2", protected_attribute="gender",
                              generic_attributes_file=str(attributes), model="mf", users_per_node=USERS,
-                             fraction_train=1.0, num_server_rounds=ROUNDS, eval_every=ROUNDS, **overrides)
+                             fraction_train=1.0, num_server_rounds=ROUNDS, eval_every=ROUNDS,
+                             **{**FIRST_RELEASE_ADVERSARY, **overrides})  # the settings its numbers were measured at
     runtime = get_runtime(config)
     direction = torch.full((runtime.config.embedding_dim,), runtime.config.embedding_dim ** -0.5)
     truth = runtime.protected.labels
