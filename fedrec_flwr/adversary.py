@@ -25,6 +25,7 @@ embeddings, ``2d``; MF: ``d``), :func:`user_vector`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from pathlib import Path
@@ -328,8 +329,12 @@ def class_prior_text(config, classes: tuple[str, ...] | None = None, *, warn: bo
     return shares
 
 
+@functools.lru_cache(maxsize=64)
 def parse_class_prior(text: str, num_classes: int) -> torch.Tensor | None:
     """``adversary-class-prior``: ``""`` -> ``None``; ``"0.71,0.29"`` -> ``(C,)`` log-probabilities (normalised).
+
+    Cached: every user's train step and ``adversary_gradient`` query asks for it (19 queries a round at the
+    defaults), so the same tensor is returned each time; callers only add it to logits and must not change it.
 
     Raises:
         ValueError: not ``C`` comma-separated positive finite numbers (the message names the key and value).
