@@ -125,11 +125,17 @@ class FedRecClient(NumPyClient):
         ``super().check_config(config)`` first. The base client refuses only the attribute-unlearning keys
         (``adversary``, ``user-embedding-noise``) unless :attr:`unlearns_attributes`: they would be silently ignored.
         """
-        if not cls.unlearns_attributes and (config.adversary != "none" or config.user_embedding_noise > 0):
-            raise ConfigError(
-                f"run-config keys 'adversary' = {config.adversary!r} / 'user-embedding-noise' = "
-                f"{config.user_embedding_noise!r} need an attribute-unlearning client ('fedau2' or 'fedau2-gel'); "
-                f"client {config.client!r} would ignore them")
+        if not cls.unlearns_attributes:
+            given = [f"'{key}' = {value!r}" for key, value, unset in (
+                ("adversary", config.adversary, config.adversary == "none"),
+                ("user-embedding-noise", config.user_embedding_noise, config.user_embedding_noise == 0))
+                if not unset]  # only the keys this run sets: the other one's default would mislead
+            if given:
+                keys, them = ("keys", "them") if len(given) > 1 else ("key", "it")
+                raise ConfigError(
+                    f"run-config {keys} {' and '.join(given)} need{'s' if len(given) == 1 else ''} an "
+                    f"attribute-unlearning client (client = 'fedau2' or 'fedau2-gel'); client {config.client!r} "
+                    f"would ignore {them}")
         check_block_config(cls, config)
 
     def __init__(self, runtime: Runtime, user: int, state: RecordDict) -> None:

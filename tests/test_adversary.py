@@ -334,6 +334,27 @@ def test_clients_without_attribute_unlearning_refuse_its_keys(client, keys):
         check_components(make_run_config(client=client, model=model, **keys))
 
 
+@pytest.mark.parametrize(("keys", "named", "unnamed"), [
+    ({"adversary": "dsvae", "protected_attribute": "gender"}, "run-config key 'adversary' = 'dsvae' needs",
+     "user-embedding-noise"),
+    ({"user_embedding_noise": 0.1}, "run-config key 'user-embedding-noise' = 0.1 needs", "'adversary'"),
+    ({"adversary": "mlp", "protected_attribute": "gender", "user_embedding_noise": 0.1},
+     "run-config keys 'adversary' = 'mlp' and 'user-embedding-noise' = 0.1 need", None),
+])
+def test_a_plain_client_names_only_the_attribute_unlearning_keys_the_user_set(keys, named, unnamed):
+    """``adversary = "dsvae"`` with ``client = "fedrec"`` was refused naming ``'user-embedding-noise' = 0.0`` too, a
+    key the user never set (a fresh user's finding); the message names the keys set and the clients they need."""
+    from fedrec_flwr.config import make_run_config
+    from fedrec_flwr.registry import check_components
+
+    with pytest.raises(ConfigError) as caught:
+        check_components(make_run_config(client="fedrec", model="ncf", **keys))
+    message = str(caught.value)
+    assert message.startswith(named), message
+    assert "client = 'fedau2' or 'fedau2-gel'" in message and "client 'fedrec' would ignore" in message
+    assert unnamed is None or unnamed not in message, message
+
+
 # ---------------------------------------------------------------------------------------------------- composition
 def test_adversarial_term_composes_with_fedrecgel_sam_client(tmp_path):
     """client = "fedau2-gel": the adversarial term rides on FedRecGEL's SAM trainer (once per chunk of each of the 3
