@@ -38,7 +38,8 @@ Command line::
 
 ``key=value`` pairs are run-config overrides; flags may come before, between or after them. Values are TOML
 (``num-server-rounds=20``, ``fraction-train=0.5``, ``dataset='filmtrust'``); a key whose default is a string also
-takes the bare text (``dataset=filmtrust``, ``data-dir=/data/o'brien/ml-100k``), passed on exactly.
+takes the bare text (``dataset=filmtrust``, ``data-dir=/data/o'brien/ml-100k``), passed on exactly. Spaces around
+``=`` and around the value are dropped (``"model = ncf"``); to keep them, quote the value (``run-name=" a "``).
 """
 
 from __future__ import annotations
@@ -542,10 +543,12 @@ def run_config_args(overrides: Mapping[str, Any], declared: Iterable[str] | None
 def parse_override(pair: str, defaults: Mapping[str, Any] | None = None, what: str = "run-config") -> tuple[str, Any]:
     """``"key=value"`` -> ``(key, value)``.
 
-    A value starting with a quote is a TOML string and must be one. Otherwise a key whose default (in ``defaults``)
-    is a string takes the text as it is (``dataset=filmtrust``, ``run-name=2024``, ``data-dir=/a/o'b``); other
-    values are TOML (``20``, ``0.5``, ``true``), and text that is not TOML stays a string, which the run config's
-    validation then refuses by key if the key needs a number.
+    Spaces around the ``=`` (and around the whole pair) are dropped, ``"model = ncf"`` being ``model=ncf``: Flower's
+    own ``--run-config`` parser (``flwr.common.config.parse_config_args``) would silently skip such a pair. A value
+    starting with a quote is a TOML string and must be one; the spaces inside its quotes are kept (``run-name=" a "``).
+    Otherwise a key whose default (in ``defaults``) is a string takes the text as it is (``dataset=filmtrust``,
+    ``run-name=2024``, ``data-dir=/a/o'b``); other values are TOML (``20``, ``0.5``, ``true``), and text that is not
+    TOML stays a string, which the run config's validation then refuses by key if the key needs a number.
 
     Raises:
         ConfigError: no ``=``, an empty key, a federation setting given as a run-config key (with the flag to use),
@@ -554,7 +557,7 @@ def parse_override(pair: str, defaults: Mapping[str, Any] | None = None, what: s
     import tomllib
 
     key, sep, text = pair.partition("=")
-    key = key.strip()
+    key, text = key.strip(), text.strip()
     if not sep or not key:
         raise ConfigError(f"{what} override {pair!r} is not key=value")
     if what == "run-config" and key in FEDERATION_KEYS:
