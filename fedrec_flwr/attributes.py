@@ -42,6 +42,33 @@ They are the dataset's public statistics, the same for every user, so a prior bu
 any user of a run; they are never counted from a federation (``adversary-class-prior = "published"``)."""
 
 
+DATASET_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "ml-100k": ("age", "gender", "occupation"),
+    "filmtrust": (),
+    "lastfm-2k": (),
+    "amazon-video": (),
+}
+"""The user attributes each named dataset's loader reads (:mod:`fedrec_flwr.data.loaders`: MovieLens-100K's ``u.user``
+columns; the other three have none), known without the data, so a ``protected-attribute`` they lack is refused with
+the run config (:meth:`fedrec_flwr.config.RunConfig.from_mapping`), before any component's check runs. ``generic``'s
+come from its attributes file, checked when the split is loaded (:func:`encode_attribute`)."""
+
+
+def check_attribute_name(name: str, available) -> None:
+    """Refuse a ``protected-attribute`` that is not among the dataset's user attributes ``available``.
+
+    Raises:
+        ConfigError: naming the key and value and listing the attributes the dataset has (or saying it has none).
+    """
+    if name in available:
+        return
+    if not available:
+        raise ConfigError(f"run-config key 'protected-attribute' = {name!r}: the dataset has no user attributes "
+                          "(for dataset = 'generic', give them in 'generic-attributes-file')")
+    raise ConfigError(f"run-config key 'protected-attribute' = {name!r}: the dataset's user attributes are "
+                      f"{sorted(available)}")
+
+
 def published_class_prior(dataset: str, attribute: str, classes: tuple[str, ...] | None = None) -> str | None:
     """The published class shares of ``attribute`` in ``dataset`` as ``adversary-class-prior`` text
     (``"0.2895,0.7105"``-style, in :func:`encode_attribute`'s class order), from :data:`PUBLISHED_CLASS_COUNTS`;
@@ -101,12 +128,7 @@ def encode_attribute(attributes: dict[str, np.ndarray], name: str) -> AttributeL
         ConfigError: the split has no such attribute (the message lists the ones it has), the attribute has fewer
             than 2 classes, or more than ``MAX_CLASSES``.
     """
-    if name not in attributes:
-        if not attributes:
-            raise ConfigError(f"run-config key 'protected-attribute' = {name!r}: the dataset has no user attributes "
-                              "(for dataset = 'generic', give them in 'generic-attributes-file')")
-        raise ConfigError(f"run-config key 'protected-attribute' = {name!r}: the dataset's user attributes are "
-                          f"{sorted(attributes)}")
+    check_attribute_name(name, tuple(attributes))
     values = np.asarray(attributes[name])
     if name == "age" and values.dtype.kind in "iuf":
         bucket = np.full(values.shape, -1, dtype=np.int64)

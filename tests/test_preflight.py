@@ -142,3 +142,39 @@ def test_an_interrupted_runs_files_stay_until_the_run_starts(tmp_path):
     (tmp_path / "results" / "again" / "metrics.csv").write_text("round\n1\n")
     preflight(mapping, with_data=True)
     assert (tmp_path / "results" / "again" / "metrics.csv").is_file()
+
+
+@pytest.mark.parametrize(("dataset", "expected"), [
+    ("ml-100k", "'protected-attribute' = 'zodiac': the dataset's user attributes are ['age', 'gender', 'occupation']"),
+    ("filmtrust", "'protected-attribute' = 'zodiac': the dataset has no user attributes"),
+])
+def test_an_attribute_a_named_dataset_lacks_is_refused_alone_before_the_published_prior_warning(
+        tmp_path, caplog, dataset, expected):
+    """FedAU² with ``adversary-class-prior = "published"`` (the default) and an attribute the dataset lacks first
+    warned that the published prior falls back to none for it, then refused the attribute (a fresh user's finding).
+    A named dataset's attributes are known without its files, so the run config refuses it, with the data-less
+    ServerApp's preflight too, and nothing is logged before the error."""
+    from fedrec_flwr.config import make_run_config
+
+    overrides = {"dataset": dataset, "client": "fedau2", "adversary": "dsvae", "protected-attribute": "zodiac",
+                 "results-dir": str(tmp_path / "results")}
+    for attempt in (lambda: make_run_config(**overrides),
+                    lambda: preflight({**launch.default_mapping(launch.PROJECT_ROOT / "pyproject.toml"), **overrides})):
+        caplog.clear()
+        with caplog.at_level("INFO"), pytest.raises(ConfigError) as caught:
+            attempt()
+        assert expected in str(caught.value) and str(caught.value).startswith("run-config key"), caught.value
+        assert [r.getMessage() for r in caplog.records if r.levelname != "DEBUG"] == []
+    assert not (tmp_path / "results").exists()
+
+
+def test_the_named_datasets_attributes_are_the_ones_their_loaders_read():
+    """:data:`fedrec_flwr.attributes.DATASET_ATTRIBUTES` (checked without the data) against the real files."""
+    from conftest import dataset_dir
+    from fedrec_flwr.attributes import DATASET_ATTRIBUTES
+    from fedrec_flwr.data import DATASETS, load_interactions
+
+    assert set(DATASET_ATTRIBUTES) == set(DATASETS) - {"generic"}
+    for name, expected in DATASET_ATTRIBUTES.items():
+        table = load_interactions(name, dataset_dir(name), download=False).attributes
+        assert tuple(sorted(table.columns) if table is not None else ()) == expected, name
