@@ -54,6 +54,19 @@ on MovieLens-100K (loss 0.683 / 0.657 / 0.647 in rounds 1 / 3 / 5). On the three
 stays near ln 2 for about 8 rounds at 0.03 (an initialisation effect, see README). Set ``learning-rate = 0.3`` on
 MovieLens-100K for its validation-best FedMF, ``0.01`` for the first release's."""
 
+FIRST_RELEASE_ADVERSARY: dict[str, Any] = {
+    "adversary-trigger": "sut", "adversary-objective": "reverse", "adversary-epsilon": 1.0, "adversary-hidden": 32,
+    "adversary-server-learning-rate": 0.01, "adversary-server-steps": 1, "adversary-class-prior": "",
+    "dsvae-noise-placement": "head",
+}
+"""FedAU²'s adversary keys as the first release's package defaults had them, until issue 14's seventh session:
+FedAU²'s own selective unlearning trigger and gradient reversal, a 32-wide ``h_w``, one server step of 0.01 per round,
+no class prior, DSVAE's noise on the head gradient only; FedAU² as its paper states it. The package defaults are now
+the protective arm of ``experiments/fedau2`` (``pyproject.toml``; :mod:`clients.fedau2`). Run-config overrides
+(``make_run_config(**FIRST_RELEASE_ADVERSARY, ...)``, or as launcher ``key=value`` pairs): every arm of the FedAU²
+experiment tables starts from them (``experiments.fedau2.methods.PROTOCOL``) and the mechanism tests pin them, so
+their numbers stay those measured with these values."""
+
 _CHOICES: dict[str, tuple[str, ...]] = {
     "dataset": ("ml-100k", "filmtrust", "lastfm-2k", "amazon-video", "generic"),
     "tie-rule": ("random", "fedrecgel", "smallest-item", "largest-item"),

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import tiny_run_config
-from experiments.fedau2.methods import ARMS, CLASS_PRIORS, FIRST_RELEASE_ADVERSARY, PROTOCOL
+from experiments.fedau2.methods import ARMS, CLASS_PRIORS, PROTOCOL
 from fedrec_flwr.adversary import class_prior_text, parse_class_prior
 from fedrec_flwr.attributes import PUBLISHED_CLASS_COUNTS, encode_attribute, published_class_prior
-from fedrec_flwr.config import default_mapping, make_run_config
+from fedrec_flwr.config import FIRST_RELEASE_ADVERSARY, default_mapping, make_run_config
 from fedrec_flwr.errors import ConfigError
 
 MEASURED_ARM = ("FedAU2-server, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1, "
@@ -34,6 +34,18 @@ def test_package_defaults_are_the_measured_protective_arm_not_the_first_release(
         assert defaults[key] != first_release, key
     assert ARMS[MEASURED_ARM]["adversary"] == "dsvae" and defaults["adversary-training"] == "server"
     assert defaults["adversary"] == "none"  # only a client that unlearns attributes reads these keys
+
+
+def test_the_first_release_adversary_keys_are_a_package_constant_of_valid_run_config_values():
+    """``FIRST_RELEASE_ADVERSARY`` lives in the package (``fedrec_flwr.config``: tests and the README rely on it, and
+    the package cannot import ``experiments``); the experiments' old name is the same object, and every key is a
+    run-config key whose value the config takes as given."""
+    from experiments.fedau2 import methods
+
+    assert methods.FIRST_RELEASE_ADVERSARY is FIRST_RELEASE_ADVERSARY
+    config = make_run_config(**FIRST_RELEASE_ADVERSARY).to_dict()
+    assert {key: config[key] for key in FIRST_RELEASE_ADVERSARY} == FIRST_RELEASE_ADVERSARY
+    assert all(PROTOCOL[key] == value for key, value in FIRST_RELEASE_ADVERSARY.items())
 
 
 @pytest.mark.parametrize("attribute", ["gender", "age"])

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
 from conftest import MessageRecorder, assert_no_private_value_in_replies, seeded_private_vectors, tiny_run_config
-from experiments.fedau2.methods import FIRST_RELEASE_ADVERSARY
 from fedrec_flwr.adversary import ADVERSARY_MODULE, AttributeAdversary, adversary_diagnostics
+from fedrec_flwr.config import FIRST_RELEASE_ADVERSARY
 from fedrec_flwr.runtime import get_runtime
 from fedrec_flwr.wire import ARRAYS, METRICS, NUM_EXAMPLES
 from strategies.adversary import AdversaryServerStep

@@ -11,9 +11,8 @@ import torch.nn.functional as F
 from flwr.app import RecordDict
 
 from conftest import tiny_run_config
-from experiments.fedau2.methods import FIRST_RELEASE_ADVERSARY
 from fedrec_flwr.adversary import ADVERSARY_MODULE, AttributeAdversary, DSVAEAdversary, adversary_gradient, build_adversary
-from fedrec_flwr.config import make_run_config
+from fedrec_flwr.config import FIRST_RELEASE_ADVERSARY, make_run_config
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.runtime import get_runtime
 

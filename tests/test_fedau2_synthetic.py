@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from conftest import tiny_run_config, write_tiny_dataset
-from experiments.fedau2.methods import FIRST_RELEASE_ADVERSARY
 from fedrec_flwr.attacks import attribute_inference, collect_user_embeddings
+from fedrec_flwr.config import FIRST_RELEASE_ADVERSARY
 from fedrec_flwr.runtime import get_runtime
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

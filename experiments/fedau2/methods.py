@@ -10,14 +10,11 @@ tested), which is 5x faster and leaves the audit out.
 
 from __future__ import annotations
 
-FIRST_RELEASE_ADVERSARY = {
-    "adversary-trigger": "sut", "adversary-objective": "reverse", "adversary-epsilon": 1.0, "adversary-hidden": 32,
-    "adversary-server-learning-rate": 0.01, "adversary-server-steps": 1, "adversary-class-prior": "",
-    "dsvae-noise-placement": "head",
-}
-"""The adversary keys' package defaults until issue 14's seventh session (FedAU²'s own SUT + gradient reversal, a
-32-wide ``h_w``, one server step per round, no prior, DSVAE noise on the head). Since then the package defaults are the
-protective arm (:data:`DEFAULTS_ARM`); the arms of the tables were declared against these values and keep them."""
+from fedrec_flwr.config import FIRST_RELEASE_ADVERSARY  # its home is the package; also importable from here
+
+# FIRST_RELEASE_ADVERSARY (fedrec_flwr.config): FedAU²'s adversary keys as the first release's package defaults had
+# them. Since issue 14's seventh session the package defaults are the protective arm (DEFAULTS_ARM); the arms of the
+# tables were declared against these values and keep them (PROTOCOL carries them).
 
 PROTOCOL = {
     "dataset": "ml-100k",
@@ -37,7 +34,7 @@ PROTOCOL = {
     **FIRST_RELEASE_ADVERSARY,
 }
 """Every arm below starts from it; an arm that says nothing about an adversary key keeps the first release's value
-(:data:`FIRST_RELEASE_ADVERSARY`), so the committed runs' configs are what these arms build today."""
+(:data:`fedrec_flwr.config.FIRST_RELEASE_ADVERSARY`), so the committed runs' configs are what these arms build today."""
 
 AUDIT_SEED = 0
 """The seed whose runs use one user per node, so the server's label-leakage audit sees every user's own upload."""
