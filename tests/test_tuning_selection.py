@@ -113,3 +113,46 @@ def test_a_later_stage_keeps_the_incumbent_when_it_scores_best(tmp_path, monkeyp
     # a later stage's better value still replaces the incumbent
     val["rho-shared"][0.02] = 0.61
     assert R.tune("ml-100k", "FedRecGEL", "")["setting"] == {"rho-shared": 0.02, "server-learning-rate": 0.01}
+
+
+def test_a_failed_grid_point_keeps_the_runs_own_failure_record_in_its_own_folder(tmp_path, monkeypatch):
+    """Each grid point runs in its own folder (results-dir its parent, run-name its setting and seed), so no two
+    points share a failure record; but the grid then wrote its own ``failed.json`` (the error only) over the one the
+    run had just written there (:func:`fedrec_flwr.results.write_failure`: the round, the rounds completed). Now the
+    run's record stays, the grid writes its own only for a run that left none (refused before its folder was used),
+    and ``tune`` counts both points as failed."""
+    import json
+
+    import fedrec_flwr.serial
+    from experiments.tuning import run as R
+    from fedrec_flwr.errors import ConfigError
+    from fedrec_flwr.results import write_failure
+
+    def run_serial(config, **_):
+        folder = tmp_path / "runs" / "ml-100k" / "fedmf" / f"r{G.GRID_ROUNDS}"
+        assert (config.results_dir, config.run_name) == (str(folder), f"learning-rate={config.learning_rate:g}-seed0")
+        if config.learning_rate == 0.3:
+            raise ConfigError("run-config key 'learning-rate' = 0.3: refused")  # before the run wrote anything
+        if config.learning_rate != 0.01:
+            error = FloatingPointError(f"non-finite train loss at learning-rate {config.learning_rate:g}")
+            write_failure(folder / config.run_name, error, server_round=42, rounds_completed=41,
+                          num_server_rounds=config.num_server_rounds)
+            raise error
+        (folder / config.run_name / "summary.json").write_text("{}")
+
+    monkeypatch.setattr(fedrec_flwr.serial, "run_serial", run_serial)
+    monkeypatch.setattr(R, "RESULTS", tmp_path)
+    monkeypatch.setattr(R, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(R, "last_row", lambda folder, rounds: {"val-HR@10": 0.5, "val-NDCG@10": 0.3}
+                        if (folder / "summary.json").is_file() else None)
+    monkeypatch.setitem(G.GRIDS, "FedMF", [{"learning-rate": (0.01, 0.03, 0.1, 0.3)}])
+    record = R.tune("ml-100k", "FedMF", "")
+    folders = {p.parent.name: json.loads(p.read_text()) for p in tmp_path.rglob("failed.json")}
+    assert sorted(folders) == ["learning-rate=0.03-seed0", "learning-rate=0.1-seed0", "learning-rate=0.3-seed0"]
+    for rate in ("0.03", "0.1"):
+        failure = folders[f"learning-rate={rate}-seed0"]
+        assert failure["round"] == 42 and failure["rounds-completed"] == 41, failure  # the run's own record
+        assert failure["error"] == f"FloatingPointError: non-finite train loss at learning-rate {rate}"
+    assert folders["learning-rate=0.3-seed0"] == {"error": "ConfigError: run-config key 'learning-rate' = 0.3: refused"}
+    assert record["name"] == "learning-rate=0.01"
+    assert sorted(p["setting"]["learning-rate"] for p in record["grid"] if p.get("failed")) == [0.03, 0.1, 0.3]

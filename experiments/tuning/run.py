@@ -31,6 +31,7 @@ from experiments.tuning import grid as G
 from experiments.tuning.selection import row_at_round, select_setting
 from fedrec_flwr.config import make_run_config
 from fedrec_flwr.io import atomic_write_json
+from fedrec_flwr.results import FAILED_FILE, read_failure
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = RESULTS / "runs"
@@ -87,14 +88,17 @@ def run_one(dataset: str, method: str, setting: dict, seed: int, rounds: int, da
             try:
                 run_serial(config)
             except Exception as exc:  # noqa: BLE001 - a diverging grid point is a result, not a crash of the grid
-                atomic_write_json(folder / FAILED, {"error": f"{type(exc).__name__}: {exc}"[:500]})
+                if read_failure(folder) is None:  # the run's own record (error, round, rounds completed) is kept
+                    atomic_write_json(folder / FAILED, {"error": f"{type(exc).__name__}: {exc}"[:500]})
                 print(f"FAILED {folder}: {type(exc).__name__}: {exc}", flush=True)
     return folder
 
 
-FAILED = "failed.json"
-"""Written in a run's folder when the run raised (e.g. training diverged to non-finite values); the grid records the
-point as failed (never selected) and later commands skip it (delete the file to retry)."""
+FAILED = FAILED_FILE
+"""``failed.json`` in a run's own folder (``results-dir`` is the point's parent folder, ``run-name`` its setting and
+seed, so no two points share one): the run's own record (:func:`fedrec_flwr.results.write_failure`: the error, the
+round, the rounds completed) when it failed once its folder existed, else ours (the error only, e.g. a config the
+preflight refused). A point with it is failed (never selected) and later commands skip it (delete it to retry)."""
 
 
 def last_row(folder: Path, rounds: int) -> dict | None:
