@@ -34,6 +34,9 @@ What the wrapped strategy sees, per round:
   before round 1, a round left with too few by failures fails (Bulyan would silently skip it). The server-side DP
   wrappers calibrate their noise to ``num_sampled_clients`` replies (Flower only warns each round they differ): a
   config whose rounds do not all have that many nodes is refused before round 1 (:func:`dp_sample_size_mismatch`).
+  Both checks count every round the strategy aggregates as the run is configured
+  (:meth:`~strategies.item_fedavg.ItemEmbeddingFedAvg.planned_train_users`): after ``unlearn-round`` without the
+  forgotten users, and ``unlearning = "continue"``'s own rounds.
 
 What stays around it (inherited from :class:`strategies.item_fedavg.ItemEmbeddingFedAvg`): user sampling by
 ``(seed, round)``, reply validation (key scheme, shapes, NaN, ``max-update-norm``) and the privacy check before
@@ -471,8 +474,8 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
                 f"has only {all_nodes} nodes ({num_users} users, users-per-node {users_per_node}); lower "
                 "'users-per-node' (more nodes), or change the strategy's arguments in 'strategy-args'")
         rounds: dict[int, tuple[int, int]] = {}  # nodes -> (the first round with that many, its users)
-        for server_round in range(1, self.num_rounds + 1):
-            users = self.sample_train_users(server_round)
+        for server_round in self.planned_train_rounds():  # after unlearn-round: without the forgotten users
+            users = self.planned_train_users(server_round)
             nodes = len(self._topology().group(users))
             rounds.setdefault(nodes, (server_round, len(users)))
             problem = robust_aggregation_shortfall(self.wrapped, nodes) if robust else None
@@ -480,12 +483,43 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
                 raise ConfigError(
                     f"strategy {self.name}: {problem}, but round {server_round} trains {len(users)} users on {nodes} "
                     f"nodes (fraction-train {self.fraction_train:g} of {num_users} users, users-per-node "
-                    f"{users_per_node}); raise 'fraction-train' (or lower 'users-per-node'), or change the "
-                    "strategy's arguments in 'strategy-args'")
+                    f"{users_per_node}{self._forgotten_note(server_round)}); raise 'fraction-train' (or lower "
+                    "'users-per-node'), or change the strategy's arguments in 'strategy-args'")
         problem = dp_sample_size_mismatch(dp, rounds, num_users=num_users, fraction_train=self.fraction_train,
-                                          users_per_node=users_per_node) if dp is not None else None
+                                          users_per_node=users_per_node, remedy=self._forgetting_remedy(rounds)) \
+            if dp is not None else None
         if problem:
             raise ConfigError(problem)
+
+    def _forgetting_remedy(self, rounds: Mapping[int, tuple[int, int]]) -> str | None:
+        """What to change when only the rounds after the unlearning phase (trained without the forgotten users) have
+        another number of train nodes than the rounds before it, which all have one; ``None`` otherwise."""
+        u = self.unlearning
+        late = sorted((first, nodes) for nodes, (first, _) in rounds.items() if self._forgotten_note(first))
+        early = {nodes for nodes, (first, _) in rounds.items() if not self._forgotten_note(first)}
+        if not late or len(early) != 1:
+            return None
+        first, nodes = late[0]
+        which = f"round {first}" if first <= self.num_rounds else f"its continue round {first - self.num_rounds}"
+        why = (f"the rounds after the unlearning phase of round {u.round} train without its {len(u.forget)} forgotten "
+               f"users ({which}: {nodes} nodes)")
+        if u.method == "continue":
+            return (f"{why}; unlearning = 'continue' always trains rounds without them (its own, after the last), so "
+                    "with a server-side DP wrapper use another unlearning method and unlearn-round = 0")
+        return f"{why}: set unlearn-round = 0 (the phase after the last round, so every round trains the same users)"
+
+    def _forgotten_note(self, server_round: int) -> str:
+        """``", without the N forgotten users after the unlearning phase of round U"`` for a round that
+        :meth:`planned_train_users` trains without the forget set, else ``""`` (for the messages above)."""
+        from strategies.unlearning import PHASE_METHODS
+
+        u = self.unlearning
+        if u is None or u.method not in PHASE_METHODS or not u.forget or server_round <= u.round:
+            return ""
+        if server_round > self.num_rounds:  # one of unlearning = "continue"'s own rounds
+            return (f", round {server_round - self.num_rounds} of the {u.continue_rounds} continue-rounds of the "
+                    f"unlearning phase after round {u.round}, without its {len(u.forget)} forgotten users")
+        return f", without the {len(u.forget)} forgotten users after the unlearning phase of round {u.round}"
 
     @classmethod
     def options_from_config(cls, config: RunConfig) -> dict:
@@ -685,7 +719,7 @@ def server_side_dp(wrapped: Strategy) -> Strategy | None:
 
 
 def dp_sample_size_mismatch(dp: Strategy, rounds: Mapping[int, tuple[int, int]], *, num_users: int,
-                            fraction_train: float, users_per_node: int) -> str | None:
+                            fraction_train: float, users_per_node: int, remedy: str | None = None) -> str | None:
     """Why the server-side DP wrapper ``dp`` would not get ``num_sampled_clients`` train replies in every round, as
     one message naming the keys, the values and what to change, or ``None`` when every round gets exactly that many.
 
@@ -698,6 +732,8 @@ def dp_sample_size_mismatch(dp: Strategy, rounds: Mapping[int, tuple[int, int]],
         dp: a server-side DP wrapper (:func:`server_side_dp`).
         rounds: the run's numbers of train nodes per round: ``{nodes: (first round with that many, its users)}``.
         num_users, fraction_train, users_per_node: the run's, for the message.
+        remedy: what to change when the rounds differ, in place of "make every round reach the same number of nodes"
+            (the caller's, e.g. when the rounds after an unlearning phase train without the forgotten users).
     """
     expected = int(dp.num_sampled_clients)
     if set(rounds) <= {expected}:
@@ -714,8 +750,9 @@ def dp_sample_size_mismatch(dp: Strategy, rounds: Mapping[int, tuple[int, int]],
                 f"num_sampled_clients={nodes} in 'strategy-args'")
     low, high = min(rounds), max(rounds)
     return (f"{where}, but the rounds have from {low} (round {rounds[low][0]}) to {high} (round {rounds[high][0]}) "
-            "nodes, so no num_sampled_clients fits every round; make every round reach the same number of nodes: "
-            "users-per-node = 1 (one reply per sampled user) or fraction-train = 1 (every node every round)")
+            "nodes, so no num_sampled_clients fits every round; " + (remedy or (
+                "make every round reach the same number of nodes: users-per-node = 1 (one reply per sampled user) or "
+                "fraction-train = 1 (every node every round)")))
 
 
 def node_level_dp_warning(wrapped: Strategy, users_per_node: int) -> str | None:

@@ -294,6 +294,30 @@ class ItemEmbeddingFedAvg(FedAvg):
             users = users[~np.isin(users, np.fromiter(self.removed_users, dtype=np.int64))]
         return users
 
+    def planned_train_rounds(self) -> list[int]:
+        """Every round whose train replies the strategy will aggregate, as the run is configured: ``1 ..
+        num_rounds``, and with ``unlearning = "continue"`` its phase's ``continue-rounds`` rounds, numbered after the
+        last (:meth:`strategies.unlearning.ClientUnlearning._continue`)."""
+        rounds = list(range(1, self.num_rounds + 1))
+        u = self.unlearning
+        if u is not None and u.method == "continue":
+            rounds += range(self.num_rounds + 1, self.num_rounds + u.continue_rounds + 1)
+        return rounds
+
+    def planned_train_users(self, server_round: int) -> np.ndarray:
+        """The users ``server_round`` will train as the run is configured, known before round 1:
+        :meth:`sample_train_users`, less the forget set after the unlearning phase's round (``unlearn-round``), whose
+        end removes them (:meth:`run_unlearning`; ``retrain`` removes them from the start, already in
+        :attr:`removed_users`). The reply-count checks count these
+        (:meth:`strategies.flower_adapter.FlowerStrategyAdapter.check_round_sizes`)."""
+        from .unlearning import PHASE_METHODS
+
+        users = self.sample_train_users(server_round)
+        u = self.unlearning
+        if u is not None and u.method in PHASE_METHODS and u.forget and server_round > u.round:
+            users = users[~np.isin(users, np.asarray(u.forget, dtype=np.int64))]
+        return users
+
     def evaluation_users(self, server_round: int) -> np.ndarray:
         """The users evaluated in ``server_round``: the seeded draw, less the forget set when one is configured (so
         every method is scored on the same remaining users)."""

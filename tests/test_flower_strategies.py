@@ -409,6 +409,67 @@ def test_a_round_too_small_for_a_robust_strategy_is_refused_before_any_round(tmp
     assert not (tmp_path / "results" / "run").exists()  # refused before the run's folder and its first round
 
 
+FORGET_AFTER_ROUND_1 = {"users_per_node": 1, "forget_users": "0,1,2,3,4,5", "unlearning": "gradient-ascent",
+                        "unlearn_round": 1}
+"""The tiny data's 24 users, fraction-train 0.5: 12 train per round; forgetting users 0-5 after round 1 leaves 10 in
+rounds 2 and 3 (the seeded draws), one per node."""
+
+
+def test_a_round_after_the_unlearning_phase_too_small_for_a_robust_strategy_is_refused_before_any_round(tmp_path):
+    """The reply-count checks counted every round's sampled users, the forgotten ones too, so rounds after
+    ``unlearn-round`` (which train without them) were checked with replies they never get: Krum with
+    num_malicious_nodes = 4 (n > 10) passed with 12 replies in round 1 and ran rounds 2-3 on 10. Now refused,
+    naming the round and the forgotten users; with the phase after the last round (unlearn-round = 0) it passes."""
+    from fedrec_flwr.preflight import preflight
+
+    config = tiny_run_config(tmp_path, strategy=FLOWER + "Krum", strategy_args="num_malicious_nodes=4",
+                             **FORGET_AFTER_ROUND_1)
+    with pytest.raises(ConfigError) as caught:
+        preflight(config, with_data=True)
+    message = str(caught.value)
+    assert "more than 2 * num_malicious_nodes + 2 = 10" in message and "round 2 trains 10 users on 10 nodes" in message
+    assert "without the 6 forgotten users after the unlearning phase of round 1" in message and "\n" not in message
+    preflight({**config, "unlearn-round": 0}, with_data=True)
+
+
+@pytest.mark.parametrize(("unlearning", "remedy"), [
+    ("gradient-ascent", "set unlearn-round = 0"),
+    ("continue", "use another unlearning method and unlearn-round = 0"),
+])
+def test_server_side_dp_whose_rounds_after_the_unlearning_phase_have_fewer_replies_is_refused(
+        tmp_path, unlearning, remedy):
+    """num_sampled_clients = 12 fits rounds 1..unlearn-round, not the rounds after it (10 replies: the forgotten users
+    train no more), nor unlearning = "continue"'s own rounds; the check took every round as 12 and passed."""
+    from fedrec_flwr.preflight import preflight
+
+    name = "DifferentialPrivacyServerSideFixedClipping"
+    config = tiny_run_config(tmp_path, strategy=FLOWER + name, strategy_args=_dp_args(name, 12),
+                             **{**FORGET_AFTER_ROUND_1, "unlearning": unlearning})
+    with pytest.raises(ConfigError) as caught:
+        preflight(config, with_data=True)
+    message = str(caught.value)
+    assert message.startswith(f"run-config key 'strategy-args': {name}(num_sampled_clients=12)"), message
+    assert "the unlearning phase of round 1 train without its 6 forgotten users (round 2: 10 nodes)" in message
+    assert remedy in message and "users-per-node = 1" not in message
+    if unlearning != "continue":
+        preflight({**config, "unlearn-round": 0}, with_data=True)
+
+
+def test_the_checked_users_of_each_round_are_the_ones_it_trains(tmp_path):
+    """:meth:`ItemEmbeddingFedAvg.planned_train_users`, which the reply-count checks count before round 1, against
+    a run: 12 users in round 1, 10 after the unlearning phase of round 1 removed users 0-5."""
+    from fedrec_flwr.config import RunConfig
+    from fedrec_flwr.preflight import _block_topology
+
+    config = tiny_run_config(tmp_path, eval_every=3, **FORGET_AFTER_ROUND_1)
+    runtime = get_runtime(config)
+    strategy = ItemEmbeddingFedAvg.from_run_config(RunConfig.from_mapping(config), runtime.layout,
+                                                   _block_topology(RunConfig.from_mapping(config), 24))
+    planned = [len(strategy.planned_train_users(r)) for r in strategy.planned_train_rounds()]
+    rows = json.loads((run_serial(config) / "metrics.json").read_text())
+    assert planned == [row["train-users"] for row in rows if "train-users" in row] == [12, 10, 10]
+
+
 def test_a_robust_strategy_whose_round_loses_replies_fails_it_with_the_numbers(task_identity):
     """Krum over the 3 nodes of TOPOLOGY is fine (n = 3 > 2); with one node silent, 2 replies are too few for it
     (the round would otherwise score each reply against a single neighbour)."""
