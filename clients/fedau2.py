@@ -18,7 +18,7 @@ chosen on a validation item), a linear ``h_w`` (``adversary-hidden = 0``) traine
 ``h_w`` gradient. FedAU² as the paper states it (SUT, GRL, a 32-wide ``h_w``, one server step, no prior, noise on the
 head) is ``adversary-trigger = "sut"``, ``adversary-objective = "reverse"``, ``adversary-epsilon = 1``,
 ``adversary-hidden = 32``, ``adversary-server-steps = 1``, ``adversary-server-learning-rate = 0.01``,
-``adversary-class-prior = ""``, ``dsvae-noise-placement = "head"`` (``experiments.fedau2.methods.FIRST_RELEASE_ADVERSARY``).
+``adversary-class-prior = ""``, ``dsvae-noise-placement = "head"`` (``fedrec_flwr.config.FIRST_RELEASE_ADVERSARY``).
 
 * ``protected-attribute``: the user attribute to unlearn (``gender``, ``age`` for MovieLens-100K). The user's class
   is private data of the client: it is read from the client's own copy of the dataset, used only in the local loss,
@@ -76,6 +76,7 @@ from fedrec_flwr.adversary import (
     AdversarialTerm, adversary_gradient, adversary_of, class_prior_text, mean_adversary_gradient, parse_class_prior,
     user_vector,
 )
+from fedrec_flwr.blocks import Block
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.seeding import TAG_CLIENT_EXTRA, torch_generator
 from fedrec_flwr.training import LocalTrainer
@@ -109,9 +110,11 @@ class AttributeUnlearning:
             log.warning("client %r with adversary = 'none' and user-embedding-noise = 0 trains the original model",
                         config.client)
 
-    def _generator(self, config: Mapping[str, Any], stream: int, *keys: int) -> torch.Generator:
-        return torch_generator(self.runtime.config.seed, TAG_CLIENT_EXTRA, self.user, int(config["server-round"]),
-                               stream, *keys)
+    def _generator(self, config: Mapping[str, Any], stream: int, *keys: int, user: int | None = None
+                   ) -> torch.Generator:
+        """This user's (or ``user``'s) seeded stream ``stream`` of the round ``config["server-round"]``."""
+        return torch_generator(self.runtime.config.seed, TAG_CLIENT_EXTRA, self.user if user is None else int(user),
+                               int(config["server-round"]), stream, *keys)
 
     @property
     def protected_label(self) -> int:
@@ -192,27 +195,44 @@ class AttributeUnlearning:
 
     def adversary_query_mean_gradient(self, shared: Mapping[str, Any], config: Mapping[str, Any],
                                       users) -> dict[str, Any] | None:
-        """The mean of :meth:`adversary_query_gradient` over ``users`` (this node's, in the same state), batched
-        (:func:`fedrec_flwr.adversary.mean_adversary_gradient`; ours, for speed), or ``None`` where a per-user loop is
-        needed: a DSVAE adversary draws its latent and label-masking noise per user. Used with ``adversary-query-users =
-        "all"`` only (every user answers ``S - 1`` queries per round). Equal to the loop's mean up to float summation
-        order (tested); nothing is trained or saved.
+        """The mean of :meth:`adversary_query_gradient` over ``users`` (this node's, in the same state), in one batched
+        computation (:func:`fedrec_flwr.adversary.mean_adversary_gradient`; ours, for speed), or ``None`` with
+        ``block-training = "off"``, which keeps the per-user loop as the reference arm. A DSVAE adversary's draws come
+        from each user's own stream, as in the loop. Equal to the loop's mean up to float summation order (tested);
+        nothing is trained or saved.
 
         Returns:
             shared key -> float32 array, or ``None``.
+
+        Raises:
+            ConfigError: no adversary, or ``adversary-training`` is not ``"server"``.
         """
         cfg = self.runtime.config
-        if cfg.adversary != "mlp" or cfg.adversary_training != "server" or cfg.adversary_query_users != "all":
-            return None  # "sampled" keeps the per-user loop, so the runs measured with it stay bit-identical
+        if cfg.block_training == "off":
+            return None
+        if cfg.adversary == "none" or cfg.adversary_training != "server":
+            raise ConfigError("the adversary_gradient query needs an adversary and adversary-training = 'server' "
+                              f"(got adversary = {cfg.adversary!r}, adversary-training = {cfg.adversary_training!r})")
         self.load_shared(shared)
-        vectors, labels = [], []
-        for user in users:
-            client = self if int(user) == self.user else type(self)(self.runtime, int(user), self.state)
-            client.load_private()
-            vectors.append(user_vector(self.model).detach().clone())
-            labels.append(client.protected_label)
-        grads = mean_adversary_gradient(adversary_of(self.model), torch.cat(vectors), torch.tensor(labels),
-                                        log_prior=self._log_prior())
+        users = [int(u) for u in users]
+        tables = [f"{name}.weight" for name in self.model.user_embedding_modules()]
+        block = Block(self.runtime, users, self.state)
+        if set(tables) == set(block.private_keys):  # the users' embedding rows, read from their records at once
+            private = block.load_private(users)
+            vectors = torch.cat([private[key][:, 0, :] for key in tables], dim=1)
+        else:  # other private parameters: each user's vector through the model, as the per-user query reads it
+            vectors = []
+            for user in users:
+                (self if user == self.user else type(self)(self.runtime, user, self.state)).load_private()
+                vectors.append(user_vector(self.model).detach().clone())
+            vectors = torch.cat(vectors)
+        self.protected_label  # noqa: B018 (raises the ConfigError when no protected-attribute is configured)
+        labels = torch.as_tensor(self.runtime.protected.labels[users], dtype=torch.long)
+        step = int(config["adversary-step"])
+        generators = [self._generator(config, _QUERY_STREAM, step, user=user) for user in users]
+        grads = mean_adversary_gradient(adversary_of(self.model), vectors, labels,
+                                        log_prior=self._log_prior(), kl_weight=cfg.dsvae_kl_weight,
+                                        generators=generators, noise_placement=cfg.dsvae_noise_placement)
         return {key: grad.cpu().numpy() for key, grad in grads.items()}
 
     def save_private(self) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -235,20 +236,44 @@ class DSVAEAdversary(nn.Module):
         mu, logvar = self.encoder(u if self.hidden is None else F.relu(self.hidden(u))).chunk(2, dim=-1)
         return mu, logvar.clamp(-10.0, 10.0)
 
-    def _draw(self, shape) -> torch.Tensor:
-        if self.generator is None:
-            raise RuntimeError("DSVAEAdversary.generator is not set: the client must seed its randomness")
-        return torch.randn(shape, generator=self.generator).to(self.head.weight.device)
+    def draw(self, generator: torch.Generator | None, rows: int, *, head_noise: bool
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One training forward's randomness, in the order :meth:`forward` draws it from ``generator``: ``xi``
+        ``(rows, latent)`` (randomness 1), then, if ``head_noise``, the head weight's ``(C, latent)`` and bias's
+        ``(C,)`` gradient perturbations, already scaled by ``gradient_noise`` (randomness 2; else ``None``).
 
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        """``(B, D)`` -> ``(B, C)`` logits with a sampled latent and a noisy last-layer gradient (the training forward)."""
+        Raises:
+            RuntimeError: ``generator`` is ``None`` (the client must seed its randomness).
+        """
+        if generator is None:
+            raise RuntimeError("DSVAEAdversary.generator is not set: the client must seed its randomness")
+        device = self.head.weight.device
+        xi = torch.randn((rows, self.latent), generator=generator).to(device)
+        if not head_noise:
+            return xi, None, None
+        weight = self.gradient_noise * torch.randn(self.head.weight.shape, generator=generator).to(device)
+        bias = self.gradient_noise * torch.randn(self.head.bias.shape, generator=generator).to(device)
+        return xi, weight, bias
+
+    def forward(self, u: torch.Tensor, draws: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+                ) -> torch.Tensor:
+        """``(B, D)`` -> ``(B, C)`` logits with a sampled latent and a noisy last-layer gradient (the training forward).
+
+        ``draws``: this forward's randomness as :meth:`draw` returns it (``xi`` ``(B, latent)``, head perturbations or
+        ``None``); by default drawn here from :attr:`generator` (a frozen head, ``adversary-training = "server"``'s
+        local copy, gets no perturbation). :func:`mean_adversary_gradient` passes several users' ``xi`` and the mean
+        of their perturbations."""
         mu, logvar = self._encode(u)
-        z = mu + torch.exp(0.5 * logvar) * self._draw(mu.shape)
+        if draws is None:
+            draws = self.draw(self.generator, mu.shape[0],
+                              head_noise=self.gradient_noise > 0 and self.head.weight.requires_grad)
+        xi, weight_noise, bias_noise = draws
+        z = mu + torch.exp(0.5 * logvar) * xi
         self._kl = 0.5 * (mu.pow(2) + logvar.exp() - 1.0 - logvar).sum(dim=-1).mean()
         weight, bias = self.head.weight, self.head.bias
-        if self.gradient_noise > 0 and weight.requires_grad:  # a frozen copy (adversary-training = "server") gets none
-            weight = noisy_gradient(weight, self.gradient_noise * self._draw(weight.shape))
-            bias = noisy_gradient(bias, self.gradient_noise * self._draw(bias.shape))
+        if weight_noise is not None:
+            weight = noisy_gradient(weight, weight_noise)
+            bias = noisy_gradient(bias, bias_noise)
         return F.linear(z, weight, bias)
 
     def predict_logits(self, u: torch.Tensor) -> torch.Tensor:
@@ -531,6 +556,7 @@ def adversary_gradient(model: RecModel, *, label: int, kl_weight: float, generat
         raise ValueError("adversary_gradient: the model has no adversary module")
     if not 0 <= int(label) < adversary.num_classes:
         raise ValueError(f"adversary_gradient: label {label} outside [0, {adversary.num_classes})")
+    _check_placement(noise_placement)
     adversary.generator = generator
     target = torch.tensor([int(label)], dtype=torch.long, device=adversary.head.weight.device)
     names, params = zip(*adversary.named_parameters())
@@ -539,38 +565,69 @@ def adversary_gradient(model: RecModel, *, label: int, kl_weight: float, generat
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     out = {f"{ADVERSARY_MODULE}.{name}": torch.zeros_like(p) if g is None else g.detach()
            for name, p, g in zip(names, params, grads)}
-    if noise_placement not in NOISE_PLACEMENTS:
-        raise ValueError(f"dsvae-noise-placement must be one of {NOISE_PLACEMENTS}, got {noise_placement!r}")
-    noise = float(getattr(adversary, "gradient_noise", 0.0))
-    if noise_placement == "all" and noise > 0:
-        for name, p in zip(names, params):
-            if not name.startswith("head."):  # the head's noise was drawn in the forward (noisy_gradient)
-                key = f"{ADVERSARY_MODULE}.{name}"
-                out[key] = out[key] + noise * torch.randn(p.shape, generator=generator).to(p.device)
+    for key, noise in _encoder_noise(adversary, generator, noise_placement).items():
+        out[key] = out[key] + noise
     return out
 
 
+def _check_placement(noise_placement: str) -> None:
+    if noise_placement not in NOISE_PLACEMENTS:
+        raise ValueError(f"dsvae-noise-placement must be one of {NOISE_PLACEMENTS}, got {noise_placement!r}")
+
+
+def _encoder_noise(adversary: nn.Module, generator: torch.Generator, noise_placement: str,
+                   encoder: list[tuple[str, torch.Size, torch.device]] | None = None) -> dict[str, torch.Tensor]:
+    """``dsvae-noise-placement = "all"``'s draws for one upload: ``N(0, noise^2)`` per entry of every parameter of a
+    DSVAE ``h_w`` but the head's (whose noise :meth:`DSVAEAdversary.forward` drew), in ``named_parameters`` order,
+    from ``generator`` after the forward's draws; ``{}`` for ``"head"``, a plain ``h_w`` or ``noise = 0``.
+    ``encoder``: :func:`_encoder_parameters` of ``adversary``, if already listed."""
+    noise = float(getattr(adversary, "gradient_noise", 0.0))
+    if noise_placement != "all" or noise <= 0:
+        return {}
+    return {key: noise * torch.randn(shape, generator=generator).to(device)
+            for key, shape, device in (encoder if encoder is not None else _encoder_parameters(adversary))}
+
+
+def _encoder_parameters(adversary: nn.Module) -> list[tuple[str, torch.Size, torch.device]]:
+    """``(shared key, shape, device)`` of every parameter of ``h_w`` but the head's, in ``named_parameters`` order."""
+    return [(f"{ADVERSARY_MODULE}.{name}", p.shape, p.device) for name, p in adversary.named_parameters()
+            if not name.startswith("head.")]
+
+
 def mean_adversary_gradient(adversary: nn.Module, vectors: torch.Tensor, labels: torch.Tensor, *,
-                            log_prior: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """The mean over ``n`` users of :func:`adversary_gradient` for a plain adversary (:class:`AttributeAdversary`,
-    ``adversary = "mlp"``), in one batched computation: its per-user loss ``CE(h_w(e_u) [+ log_prior], a_u)`` has no
-    randomness and no regulariser, so the mean of the per-user gradients is the gradient of the mean loss (equal up
-    to float summation order; tested). Ours, for speed: ``adversary-query-users = "all"`` asks every user of the
-    federation ``S - 1`` times per round, and the per-user loop costs ~1.5 ms per user.
+                            log_prior: torch.Tensor | None = None, kl_weight: float = 0.0,
+                            generators: Sequence[torch.Generator] | None = None,
+                            noise_placement: str = "head") -> dict[str, torch.Tensor]:
+    """The mean over ``n`` users of :func:`adversary_gradient`, in one batched computation (ours, for speed: a
+    node answers each of the ``S - 1`` ``adversary_gradient`` queries of a round for all its users at once; the
+    per-user loop costs about 1 ms per user and query).
+
+    Each user's loss ``CE(h_w(e_u) [+ log_prior], a_u) [+ kl_weight * KL_u]`` depends on that user alone, so the mean
+    of the per-user gradients is the gradient of the mean loss. A DSVAE ``h_w`` also draws per user: its latent
+    ``xi_u`` and its head perturbations (:meth:`DSVAEAdversary.draw`), then, with ``noise_placement = "all"``, the
+    encoder's, each from the user's own ``generators[u]`` in the order the per-user forward draws them; the batched
+    forward takes every ``xi_u`` and the *mean* of the head perturbations (a constant added to the gradient: the mean
+    of the per-user sums), and the encoder's mean perturbation is added after. Equal to the mean of the per-user
+    :func:`adversary_gradient` calls up to float summation order (tested for both adversaries).
 
     Args:
-        adversary: an :class:`AttributeAdversary` (a DSVAE adversary draws a latent and label-masking noise per user:
-            use the per-user :func:`adversary_gradient`).
+        adversary: an :class:`AttributeAdversary` or a :class:`DSVAEAdversary`.
         vectors: ``(n, D)`` users' embeddings (:func:`user_vector` rows; detached here). labels: ``(n,)`` classes.
+        kl_weight: DSVAE's ``dsvae-kl-weight`` (its KL term is per user, so the mean's is the batch's mean).
+        generators: DSVAE only: ``n`` seeded generators, user ``u``'s stream for this upload.
+        noise_placement: ``dsvae-noise-placement``.
 
     Returns:
         shared key (``"adversary.<name>"``) -> mean gradient, shaped as the parameter.
 
     Raises:
-        ValueError: not a plain adversary, no users, shapes that do not match, or a label outside the classes.
+        ValueError: another adversary, no users, shapes that do not match, a label outside the classes, a DSVAE
+            adversary without one generator per user, or an unknown placement.
     """
-    if not isinstance(adversary, AttributeAdversary):
-        raise ValueError(f"mean_adversary_gradient: needs a plain AttributeAdversary, got {type(adversary).__name__}")
+    if not isinstance(adversary, (AttributeAdversary, DSVAEAdversary)):
+        raise ValueError(f"mean_adversary_gradient: needs an AttributeAdversary or a DSVAEAdversary, got "
+                         f"{type(adversary).__name__}")
+    _check_placement(noise_placement)
     labels = torch.as_tensor(labels, dtype=torch.long, device=adversary.head.weight.device)
     if vectors.dim() != 2 or len(vectors) == 0 or labels.shape != (len(vectors),):
         raise ValueError(f"mean_adversary_gradient: vectors (n, D) with n >= 1 and labels (n,), got "
@@ -578,10 +635,30 @@ def mean_adversary_gradient(adversary: nn.Module, vectors: torch.Tensor, labels:
     if int(labels.min()) < 0 or int(labels.max()) >= adversary.num_classes:
         raise ValueError(f"mean_adversary_gradient: labels outside [0, {adversary.num_classes})")
     names, params = zip(*adversary.named_parameters())
-    loss = _cross_entropy(adversary(vectors.detach()), labels, log_prior)
+    extra: dict[str, torch.Tensor] = {}
+    if isinstance(adversary, DSVAEAdversary):
+        if generators is None or len(generators) != len(vectors):
+            raise ValueError(f"mean_adversary_gradient: a DSVAE adversary needs one generator per user ({len(vectors)}),"
+                             f" got {None if generators is None else len(generators)}")
+        head_noise = adversary.gradient_noise > 0 and adversary.head.weight.requires_grad
+        draws, encoder, listed = [], [], _encoder_parameters(adversary)
+        for generator in generators:  # each user's stream in the per-user forward's order, then the encoder's
+            draws.append(adversary.draw(generator, 1, head_noise=head_noise))
+            encoder.append(_encoder_noise(adversary, generator, noise_placement, listed))
+        xi = torch.cat([d[0] for d in draws])
+        mean_of = (lambda tensors: torch.stack(tensors).mean(dim=0))
+        head = (mean_of([d[1] for d in draws]), mean_of([d[2] for d in draws])) if head_noise else (None, None)
+        logits = adversary(vectors.detach(), draws=(xi, *head))
+        loss = _cross_entropy(logits, labels, log_prior) + kl_weight * adversary.regulariser()
+        extra = {key: mean_of([e[key] for e in encoder]) for key in encoder[0]}
+    else:
+        loss = _cross_entropy(adversary(vectors.detach()), labels, log_prior)
     grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return {f"{ADVERSARY_MODULE}.{name}": torch.zeros_like(p) if g is None else g.detach()
-            for name, p, g in zip(names, params, grads)}
+    out = {f"{ADVERSARY_MODULE}.{name}": torch.zeros_like(p) if g is None else g.detach()
+           for name, p, g in zip(names, params, grads)}
+    for key, noise in extra.items():
+        out[key] = out[key] + noise
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- diagnostics

@@ -594,7 +594,7 @@ def adversary_gradient_query(message: Message, context: Context,
     total: dict[str, np.ndarray] = {}
     with private_state(context, runtime, config, users):
         client = make_client(runtime, users[0], context)
-        batched = getattr(client, "adversary_query_mean_gradient", None)  # one batched computation, where exact
+        batched = getattr(client, "adversary_query_mean_gradient", None)  # one batched computation (not "off")
         mean = batched(shared, config, users) if batched is not None else None
         for user in users if mean is None else ():
             client = make_client(runtime, user, context)

@@ -134,20 +134,25 @@ def test_query_users_all_sends_every_extra_step_to_every_user_of_the_federation(
         make_run_config(adversary_query_users="some")
 
 
-@pytest.mark.parametrize("hidden", [0, 8])
-def test_batched_query_gradient_equals_the_per_user_loop_mean(tmp_path, hidden):
-    """adversary-query-users = "all" answers a query with one batched computation (clients/fedau2.py,
-    mean_adversary_gradient): the mean over the node's users of each one's h_w gradient, with the class prior, equal to
-    the per-user loop's (float summation order only); with "sampled" or a DSVAE adversary the loop is kept (None)."""
+@pytest.mark.parametrize("adversary, hidden, placement, noise", [
+    ("mlp", 0, "all", 1.0), ("mlp", 8, "all", 1.0), ("dsvae", 0, "all", 1.0), ("dsvae", 8, "head", 1.0),
+    ("dsvae", 8, "all", 1.0), ("dsvae", 0, "all", 0.0)])
+@pytest.mark.parametrize("query_users", ["sampled", "all"])
+def test_batched_query_gradient_equals_the_per_user_loop_mean(tmp_path, adversary, hidden, placement, noise, query_users):
+    """A node answers an adversary_gradient query with one batched computation (clients/fedau2.py,
+    mean_adversary_gradient): the mean over its users of each one's h_w gradient, with the class prior, and for DSVAE
+    each user's latent and label-masking noise from the user's own stream, equal to the per-user loop's mean (float
+    summation order only; noise 0 checks the noiseless gradient on its own). block-training = "off" keeps the loop."""
     from clients.fedau2 import FedAU2Client
     from flwr.app import RecordDict
 
-    config = _config(tmp_path, adversary_hidden=hidden, adversary_query_users="all",
-                     adversary_class_prior="0.3,0.7", adversary_server_steps=3)
-    runtime = get_runtime(config)
+    keys = dict(adversary=adversary, adversary_hidden=hidden, adversary_query_users=query_users,
+                adversary_class_prior="0.3,0.7", adversary_server_steps=3, dsvae_noise_placement=placement,
+                dsvae_gradient_noise=noise, dsvae_kl_weight=0.5)
+    runtime = get_runtime(_config(tmp_path, **keys))
     state = RecordDict()
     shared = {k: v.numpy().copy() for k, v in runtime.model.shared_state().items()}
-    query = {"server-round": 1, "adversary-step": 1}
+    query = {"server-round": 2, "adversary-step": 1}
     users = list(range(24))
     for user in users[::2]:  # half the users have trained: a stored embedding unlike its initialisation
         client = FedAU2Client(runtime, user, state)
@@ -158,9 +163,15 @@ def test_batched_query_gradient_equals_the_per_user_loop_mean(tmp_path, hidden):
         client.save_private()
     batched = FedAU2Client(runtime, 0, state).adversary_query_mean_gradient(shared, query, users)
     loop = [FedAU2Client(runtime, u, state).adversary_query_gradient(shared, query) for u in users]
-    assert set(batched) == set(loop[0]) and len(batched) == (2 if hidden == 0 else 4)
+    layers = (1 if hidden == 0 else 2) + (adversary == "dsvae")
+    assert set(batched) == set(loop[0]) and len(batched) == 2 * layers
     for key, value in batched.items():
-        np.testing.assert_allclose(value, np.mean([g[key] for g in loop], axis=0), rtol=1e-5, atol=1e-7, err_msg=key)
-    for other in ({"adversary_query_users": "sampled"}, {"adversary": "dsvae", "adversary_query_users": "all"}):
-        runtime = get_runtime(_config(tmp_path / next(iter(other)), adversary_server_steps=3, **other))
-        assert FedAU2Client(runtime, 0, RecordDict()).adversary_query_mean_gradient(shared, query, users) is None
+        expected = np.mean([g[key] for g in loop], axis=0)
+        assert np.abs(expected).max() > 1e-4, key  # a gradient, not zeros
+        np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6, err_msg=key)
+    if adversary == "dsvae" and noise > 0:  # the users' own draws: another round's streams give another mean
+        other = FedAU2Client(runtime, 0, state).adversary_query_mean_gradient(shared, {**query, "server-round": 3},
+                                                                                users)
+        assert any(not np.allclose(other[k], batched[k]) for k in batched)
+    off = get_runtime(_config(tmp_path / "off", block_training="off", **keys))
+    assert FedAU2Client(off, 0, RecordDict()).adversary_query_mean_gradient(shared, query, users) is None
