@@ -69,10 +69,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from clients.fedrec import FedRecClient
 from clients.fedrecgel import FedRecGELClient
 from fedrec_flwr.adversary import (
+    ADVERSARY_MODULE,
     AdversarialTerm, adversary_gradient, adversary_of, class_prior_text, mean_adversary_gradient, parse_class_prior,
     user_vector,
 )
@@ -252,7 +254,96 @@ class AttributeUnlearning:
 
 
 class FedAU2Client(AttributeUnlearning, FedRecClient):
-    """FedAU² on FedMF / FedNCF (``client = "fedau2"``); see the module docstring."""
+    """FedAU² on FedMF / FedNCF (``client = "fedau2"``); see the module docstring. Its users of one message train
+    as one vectorized block (:mod:`fedrec_flwr.blocks`) in the arms :meth:`block_supports` names, per user otherwise."""
+
+    block_training = "plain"
+
+    @classmethod
+    def block_supports(cls, config) -> bool:
+        """Whether the block path reproduces this client under ``config``: no adversary, or the package's default arm
+        (``adversary-training = "server"``, ``adversary-objective = "entropy"`` with either trigger,
+        ``adversary-embedding-optimizer = "local"``), without ``user-embedding-noise``. The reversal objective (a
+        DSVAE latent drawn per step), the SGD pull and per-client ``h_w`` training stay per user."""
+        if config.user_embedding_noise > 0:
+            return False
+        return config.adversary == "none" or (
+            config.adversary_training == "server" and config.adversary_objective == "entropy"
+            and config.adversary_embedding_optimizer == "local")
+
+    @classmethod
+    def block_term(cls, runtime, users, state, shared, config) -> "EntropyPullBlock | None":
+        """The block form of :meth:`make_trainer`'s term for a chunk of ``users`` (``None`` without an adversary)."""
+        if runtime.config.adversary == "none":
+            return None
+        return EntropyPullBlock(cls(runtime, int(users[0]), state), users, shared, config)
+
+
+class EntropyPullBlock:
+    """FedAU²'s default adversarial term (:class:`fedrec_flwr.adversary.AdversarialTerm` with ``objective =
+    "entropy"``, a frozen server ``h_w`` and the local optimizer) and its ``h_w`` upload (:meth:`shared_update`) for a
+    chunk of a vectorized block (:class:`fedrec_flwr.blocks.BlockTerm`).
+
+    At every step each user ``k``'s embedding ``e_k`` (its user tables' rows concatenated, :func:`user_vector`'s
+    layout) gets the gradient ``eps_k * pull_k``, ``pull_k = d/de_k H_x(uniform, softmax(h_w(e_k)))`` (the mean
+    over classes of ``-log softmax``; Roy & Boddeti 2019, Eq. 4), ``eps_k`` = the round's ``eps``, or with ``adversary-
+    trigger = "sut"`` ``eps`` where ``h_w`` predicts the user's class; and its loss value ``eps_k <e_k, pull_k>``, as
+    the per-user term adds. One autograd pass over the sum of the users' terms gives every ``pull_k`` (each depends
+    on its own row only). After training, each user's upload under ``h_w``'s keys is its own gradient at the global
+    ``h_w`` and its final embedding (:func:`mean_adversary_gradient` of one user: DSVAE's draws from the user's upload
+    stream), as the per-user client uploads. Equal to the per-user path to float32 rounding (``tests/test_blocks.py``).
+
+    Args:
+        client: one :class:`AttributeUnlearning` client of the chunk (its run config, round ``eps``, prior, streams).
+        users: the chunk's users, in block order. shared: the message's arrays (the global ``h_w``). config: the train
+            message's config (``"server-round"``).
+    """
+
+    def __init__(self, client: AttributeUnlearning, users, shared, config: Mapping[str, Any]) -> None:
+        runtime, cfg = client.runtime, client.runtime.config
+        model = runtime.model
+        keys = [k for k in runtime.layout.shared_shapes if k.startswith(f"{ADVERSARY_MODULE}.")]
+        model.load_shared_state({k: shared[k] for k in keys}, partial=True)
+        self.adversary = adversary_of(model)
+        self.frozen_keys = frozenset(keys)
+        modules = model.user_embedding_modules()
+        self.tables = [(f"{name}.weight", module.embedding_dim) for name, module in modules.items()]
+        device = self.adversary.head.weight.device
+        client.protected_label  # noqa: B018 (raises the ConfigError when no protected-attribute is configured)
+        self.labels = torch.as_tensor(runtime.protected.labels[[int(u) for u in users]], dtype=torch.long,
+                                      device=device)
+        self.epsilon, self.trigger = client.round_epsilon(config), cfg.adversary_trigger
+        self.generators = [client._generator(config, _UPLOAD_STREAM, user=int(u)) for u in users]
+        self.log_prior, self.kl_weight, self.placement = client._log_prior(), cfg.dsvae_kl_weight, cfg.dsvae_noise_placement
+
+    def _vectors(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([params[key][:, 0, :] for key, _ in self.tables], dim=1)
+
+    def add(self, params, grads, values, active):
+        u = self._vectors(params).detach().requires_grad_(True)
+        with torch.enable_grad():
+            logits = self.adversary.predict_logits(u)
+            uniform_ce = -F.log_softmax(logits, dim=-1).mean(dim=-1).sum()
+            (pull,) = torch.autograd.grad(uniform_ce, u)
+        strength = torch.full((active,), self.epsilon, dtype=pull.dtype, device=pull.device)
+        if self.trigger == "sut":
+            strength = strength * (logits.detach().argmax(dim=-1) == self.labels[:active]).to(pull.dtype)
+        step = strength.unsqueeze(1) * pull
+        grads, start = dict(grads), 0
+        for key, width in self.tables:
+            grads[key] = grads[key] + step[:, start:start + width].unsqueeze(1)
+            start += width
+        return grads, values + strength * (u.detach() * pull).sum(dim=-1)
+
+    def uploads(self, params):
+        u = self._vectors(params).detach()
+        out = []
+        for k in range(len(u)):
+            grads = mean_adversary_gradient(self.adversary, u[k:k + 1], self.labels[k:k + 1], log_prior=self.log_prior,
+                                            kl_weight=self.kl_weight, generators=self.generators[k:k + 1],
+                                            noise_placement=self.placement)
+            out.append({key: grad.cpu().numpy() for key, grad in grads.items()})
+        return out
 
 
 class FedAU2GELClient(AttributeUnlearning, FedRecGELClient):

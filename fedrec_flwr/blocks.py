@@ -33,8 +33,12 @@ Supported (a client class declares it with its own ``block_training`` attribute,
   (``rho-shared`` / ``rho-private``, full-batch chunked loss, persistent private optimizer, gradient or parameter
   uploads).
 
-Per-user only (for now): PFedRec (a personalised item table and its own item learning rate), FedAU² (its adversary's
-loss term and diagnostics), and any subclass or plug-in client that does not declare ``block_training`` itself, since
+* ``"plain"`` with a :class:`BlockTerm`: :class:`clients.fedau2.FedAU2Client` in its default arm (the entropy pull
+  toward ``h_w``'s uniform prediction at every step, ``h_w`` frozen on the server's copy, its gradient uploaded:
+  :class:`clients.fedau2.EntropyPullBlock`; :meth:`~clients.fedau2.FedAU2Client.block_supports` names the arm).
+
+Per-user only (for now): PFedRec (a personalised item table and its own item learning rate), FedAU²'s other arms
+(the gradient reversal, the SGD pull, per-client ``h_w``, ``user-embedding-noise``) and FedAU² on FedRecGEL, and any subclass or plug-in client that does not declare ``block_training`` itself, since
 it may override hooks (``make_trainer``, ``shared_update``, ``prepare_evaluation``, ...) the block path does not call.
 
 The block path runs on the run's ``device`` (``"cuda"`` included): every tensor of a block lives there; only the
@@ -45,9 +49,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -107,12 +111,16 @@ def block_kind(cls: type, config) -> str | None:
 
     Only the class's own declaration counts (``"block_training"`` in ``cls.__dict__``): a subclass that does not
     declare it may override hooks the block path does not call, so it is served per-user. The model must be one of
-    :data:`BLOCK_MODELS` and no attribute-unlearning key may be set.
+    :data:`BLOCK_MODELS`, and no attribute-unlearning key may be set unless the class decides itself with a
+    classmethod ``block_supports(config) -> bool`` (FedAU²: :meth:`clients.fedau2.AttributeUnlearning.block_supports`).
     """
     kind = cls.__dict__.get("block_training")
-    if kind not in BLOCK_KINDS:
+    if kind not in BLOCK_KINDS or config.model not in BLOCK_MODELS:
         return None
-    if config.model not in BLOCK_MODELS or config.adversary != "none" or config.user_embedding_noise > 0:
+    supports = getattr(cls, "block_supports", None)  # a class with its own rule (FedAU²: which arms it reproduces)
+    if supports is not None:
+        return kind if supports(config) else None
+    if config.adversary != "none" or config.user_embedding_noise > 0:
         return None
     return kind
 
@@ -138,7 +146,9 @@ def check_block_config(cls: type, config) -> None:
         raise ConfigError(
             f"run-config key 'block-training' = 'on': client {config.client!r} (model {config.model!r}) has no "
             f"vectorized block path (supported: clients declaring block_training {list(BLOCK_KINDS)}, models "
-            f"{list(BLOCK_MODELS)}, no adversary); use 'auto' or 'off'")
+            f"{list(BLOCK_MODELS)}, no adversary or user-embedding-noise except client 'fedau2''s default arm: "
+            f"adversary-training 'server', adversary-objective 'entropy', adversary-embedding-optimizer 'local'); "
+            f"use 'auto' or 'off'")
 
 
 # ---------------------------------------------------------------------------------------------------- optimizers
@@ -313,9 +323,10 @@ class Block:
         labels = np.concatenate([np.ones(len(pos), np.float32), np.zeros(len(neg), np.float32)])
         return _UserData(user, items, np.concatenate([pos, neg]), None, labels, generator)
 
-    def shared_copies(self, shared: Mapping[str, np.ndarray], data: Sequence[_UserData]) -> dict[str, torch.Tensor]:
+    def shared_copies(self, shared: Mapping[str, np.ndarray], data: Sequence[_UserData],
+                      exclude: Iterable[str] = ()) -> dict[str, torch.Tensor]:
         """Shared key -> per-user copies: item tables ``(k, T_max, d)`` (each user's compact rows, zero padding), the
-        score function ``(k, ...)``."""
+        score function ``(k, ...)``; not the keys in ``exclude`` (a :class:`BlockTerm`'s frozen ones)."""
         k, t_max = len(data), max(len(d.items) for d in data)
         index = np.zeros((k, t_max), dtype=np.int64)
         for row, d in enumerate(data):
@@ -326,7 +337,10 @@ class Block:
             lengths = torch.as_tensor([len(d.items) for d in data], device=self.device)
             valid = torch.arange(t_max, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
         out = {}
+        exclude = set(exclude)
         for key in self.layout.shared_shapes:
+            if key in exclude:
+                continue
             full = as_tensor(shared[key], self.device, self.dtype)
             if key in self.layout.item_keys:
                 out[key] = full[index_t] * valid.unsqueeze(-1) if padded else full[index_t]
@@ -408,14 +422,19 @@ differentiated by autograd, for any model). Both give the same gradients up to f
 
 
 def batched_model(model: torch.nn.Module) -> str | None:
-    """``"mf"`` or ``"ncf"`` when ``model`` is exactly that class with no attached module (its forward pass is the one
-    :func:`batched_loss` computes), else ``None``."""
+    """``"mf"`` or ``"ncf"`` when ``model`` is exactly that class with no attached module but FedAU²'s adversary
+    ``h_w`` (which the forward pass never reads: the recommendation score is the one :func:`batched_loss` computes;
+    a :class:`BlockTerm` keeps ``h_w`` out of the block's parameters), else ``None``."""
+    from .adversary import ADVERSARY_MODULE
     from .models.mf import MF
     from .models.ncf import NCF
 
-    if type(model) is MF and tuple(model._shared_names) == MF._shared_names:
+    names = tuple(model._shared_names) if hasattr(model, "_shared_names") else None
+    if names is not None and names[-1:] == (ADVERSARY_MODULE,):
+        names = names[:-1]
+    if type(model) is MF and names == MF._shared_names:
         return "mf"
-    if type(model) is NCF and tuple(model._shared_names) == NCF._shared_names and all(
+    if type(model) is NCF and names == NCF._shared_names and all(
             isinstance(m, (torch.nn.Linear, torch.nn.ReLU)) for m in model.mlp):
         return "ncf"
     return None
@@ -569,9 +588,14 @@ def train_block(runtime: Runtime, cls: type, users: Sequence[int], state: Record
     cfg = runtime.config
     groups = _chunks([d.n for d in data])
     updates: list = [None] * len(data)
+    make_term = getattr(cls, "block_term", None)
     for group in groups:
         part = [data[i] for i in group]
-        trained = (_train_plain if kind == "plain" else _train_sam)(block, part, shared, upload)
+        if kind == "plain":
+            term = make_term(runtime, [d.user for d in part], state, shared, config) if make_term else None
+            trained = _train_plain(block, part, shared, upload, term)
+        else:
+            trained = _train_sam(block, part, shared, upload)
         for i, (dense, rows, n, loss, weight, is_gradient) in zip(group, trained):
             updates[i] = UserUpdate(dense=dense, rows=rows, num_examples=n, loss=loss, weight=weight,
                                     is_gradient=is_gradient)
@@ -583,19 +607,38 @@ def _split_updates(block: Block, part: Sequence[_UserData], values: Mapping[str,
     arrays = {key: value.detach().cpu().numpy() for key, value in values.items()}
     out = []
     for row, d in enumerate(part):
-        dense = {key: arrays[key][row] for key in block.layout.dense_keys}
+        dense = {key: arrays[key][row] for key in block.layout.dense_keys if key in arrays}
         rows = {key: (d.items, arrays[key][row, : len(d.items)]) for key in block.layout.item_keys}
         out.append((dense, rows))
     return out
 
 
-def _train_plain(block: Block, part: Sequence[_UserData], shared, upload: str):
+class BlockTerm(Protocol):
+    """A client's extra loss term on a chunk of a block (its own ``block_term`` classmethod builds one per chunk, for
+    the chunk's users in block order; FedAU²'s entropy pull: :class:`clients.fedau2.EntropyPullBlock`), the block
+    form of a :attr:`~fedrec_flwr.training.LocalTrainer.loss_terms` entry."""
+
+    frozen_keys: frozenset[str]
+    """Shared keys the term keeps fixed (the server's ``h_w``): left out of the block's per-user copies; their upload
+    comes from :meth:`uploads`."""
+
+    def add(self, params: Mapping[str, torch.Tensor], grads: dict[str, torch.Tensor], values: torch.Tensor,
+            active: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """At one step, for the first ``active`` users (``params`` their current values): ``grads`` and the loss
+        ``values`` ``(active,)`` with the term's gradient and value added."""
+
+    def uploads(self, params: Mapping[str, torch.Tensor]) -> list[dict[str, np.ndarray]]:
+        """After training: per user, the values uploaded under :attr:`frozen_keys`."""
+
+
+def _train_plain(block: Block, part: Sequence[_UserData], shared, upload: str, term: BlockTerm | None = None):
     """:class:`~fedrec_flwr.training.LocalTrainer`'s loop for a chunk of users: ``local-epochs`` epochs of shuffled
-    mini-batches of ``batch-size`` examples (pairs, BPR), one optimizer step each, fresh optimizer state."""
+    mini-batches of ``batch-size`` examples (pairs, BPR), one optimizer step each, fresh optimizer state; ``term``:
+    a client's extra loss term (:class:`BlockTerm`) added at every step."""
     cfg = block.runtime.config
     users = [d.user for d in part]
     private = block.load_private(users)
-    params = {**private, **block.shared_copies(shared, part)}
+    params = {**private, **block.shared_copies(shared, part, exclude=term.frozen_keys if term else ())}
     optimizer = make_optimizer(cfg.optimizer, params, cfg.learning_rate)
     step_fn = block.gradients
     sizes = torch.as_tensor([d.n for d in part], device=block.device)
@@ -611,6 +654,8 @@ def _train_plain(block: Block, part: Sequence[_UserData], shared, upload: str):
             sl = slice(s * batch, (s + 1) * batch)
             view = params if a == len(part) else {key: value[:a] for key, value in params.items()}
             grads, values = step_fn(view, first[:a, sl], second[:a, sl], labels[:a, sl], weights[:a, sl])
+            if term is not None:
+                grads, values = term.add(view, grads, values, a)
             _check_finite(users[:a], values, "loss")
             optimizer.step(view, grads, a)
             count = (sizes[:a] - s * batch).clamp(0, batch)
@@ -618,9 +663,12 @@ def _train_plain(block: Block, part: Sequence[_UserData], shared, upload: str):
         _check_finite_parameters(users, params, f"parameters after epoch {_ + 1}")
     losses = (totals / sizes).tolist()
     block.save_private(users, {key: params[key] for key in block.private_keys})
-    shared_values = {key: params[key] for key in block.layout.shared_shapes}
-    return [(dense, rows, d.n, loss, None, False)
-            for (dense, rows), d, loss in zip(_split_updates(block, part, shared_values), part, losses)]
+    shared_values = {key: params[key] for key in block.layout.shared_shapes if key in params}
+    split = _split_updates(block, part, shared_values)
+    if term is not None:
+        for (dense, _), frozen in zip(split, term.uploads(params)):
+            dense.update(frozen)
+    return [(dense, rows, d.n, loss, None, False) for (dense, rows), d, loss in zip(split, part, losses)]
 
 
 def _train_sam(block: Block, part: Sequence[_UserData], shared, upload: str):

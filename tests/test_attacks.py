@@ -361,8 +361,10 @@ def test_dp_baseline_adds_laplace_noise_of_scale_b_to_the_stored_embedding(tmp_p
     b = 0.3
     runs = {}
     for scale in (0.0, b):
+        # both per user (user-embedding-noise has no block path; without it FedAU2 would take the block path, equal
+        # only to float32 rounding): the comparison below is bit for bit
         config = tiny_run_config(tmp_path / str(scale), client="fedau2", user_embedding_noise=scale,
-                                 num_server_rounds=1, fraction_train=1.0, users_per_node=1)
+                                 num_server_rounds=1, fraction_train=1.0, users_per_node=1, block_training="off")
         folder, grid = run_serial(config, return_grid=True)
         states = {k: {n: a.numpy() for n, a in rec.items()} for c in grid.contexts.values()
                   for k, rec in c.state.array_records.items() if k.startswith("user:")}

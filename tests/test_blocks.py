@@ -30,6 +30,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 FEDRECGEL = {"client": "fedrecgel", "rho-shared": 0.1, "rho-private": 0.02, "batch-size": 128,
              "learning-rate": 0.1}
+FEDAU2 = {"client": "fedau2", "protected-attribute": "gender"}
 CASES = {
     "fedncf": ({}, "parameters"),
     "fedncf-2-epochs-batch-64": ({"local-epochs": 2, "batch-size": 64}, "parameters"),
@@ -38,6 +39,10 @@ CASES = {
     "fedrecgel-gradient": (FEDRECGEL, "gradient"),
     "fedrecgel-parameters-2-steps": ({**FEDRECGEL, "local-epochs": 2}, "parameters"),
     "fedrecgel-sgd": ({**FEDRECGEL, "optimizer": "sgd"}, "gradient"),
+    # FedAU2's default arm (entropy pull on every step, frozen server h_w, local Adam) with its h_w upload
+    "fedau2-dsvae": ({**FEDAU2, "adversary": "dsvae"}, "parameters"),
+    "fedau2-mf-mlp-sut": ({**FEDAU2, "model": "mf", "adversary": "mlp", "adversary-trigger": "sut",
+                           "adversary-epsilon": 1.0}, "parameters"),
 }
 USERS = [0, 1, 2, 3, 4, 5, 6, 7, 12, 404]
 """Real ML-100K users (index 404 has several hundred positives: a block with very unequal users, padded)."""
@@ -148,7 +153,8 @@ ONE_USER_CASES = {**CASES, "fedncf-sgd": ({"optimizer": "sgd"}, "parameters")}
 
 @pytest.mark.parametrize(("case", "dtype"), [("fedncf-sgd", torch.float32), ("fedncf", torch.float64),
                                              ("fedmf", torch.float32), ("fedrecgel-gradient", torch.float32),
-                                             ("fedrecgel-parameters-2-steps", torch.float32)])
+                                             ("fedrecgel-parameters-2-steps", torch.float32),
+                                             ("fedau2-mf-mlp-sut", torch.float32), ("fedau2-dsvae", torch.float64)])
 def test_one_user_messages_on_the_block_path_equal_the_per_user_path(ml100k, case, dtype):
     """The default ``auto`` trains a one-user message (one user per node) on the block path; ``off`` keeps the
     per-user client. On real ML-100K users, one message each, two rounds: every upload and the private records after
@@ -175,7 +181,7 @@ def test_one_user_messages_on_the_block_path_equal_the_per_user_path(ml100k, cas
         _assert_states_equal(per_user_state, block_state, rtol, atol)
 
 
-@pytest.mark.parametrize("case", ["fedncf", "fedmf", "fedrecgel-gradient"])
+@pytest.mark.parametrize("case", ["fedncf", "fedmf", "fedrecgel-gradient", "fedau2-dsvae"])
 def test_block_evaluation_gives_the_per_user_metrics(ml100k, case):
     """After a round of training (and for a user never trained: its seeded embedding), one batched scoring call gives
     each user's HR@K / NDCG@K as its own client does, for the test and the validation item."""
@@ -200,7 +206,14 @@ def test_block_path_selection_and_its_config_key(ml100k):
     assert block_kind(fedrec.FedRecClient, config) == "plain"
     assert block_kind(fedrecgel.FedRecGELClient, config.replace(client="fedrecgel")) == "sam"
     assert block_kind(resolve("client", "pfedrec"), config.replace(model="pfedrec", client="pfedrec")) is None
-    assert block_kind(resolve("client", "fedau2"), config.replace(client="fedau2")) is None
+    fedau2 = resolve("client", "fedau2")
+    assert block_kind(fedau2, config.replace(client="fedau2")) == "plain"  # no adversary
+    default_arm = config.replace(client="fedau2", adversary="dsvae", protected_attribute="gender")
+    assert block_kind(fedau2, default_arm) == "plain"
+    for per_user in ({"adversary_objective": "reverse"}, {"adversary_embedding_optimizer": "sgd"},
+                     {"adversary_training": "per-client"}, {"user_embedding_noise": 0.1}):
+        assert block_kind(fedau2, default_arm.replace(**per_user)) is None, per_user
+    assert block_kind(resolve("client", "fedau2-gel"), default_arm.replace(client="fedau2-gel")) is None
 
     class PlugIn(fedrec.FedRecClient):  # inherits no block support: it may override hooks the block path skips
         pass
