@@ -51,6 +51,11 @@ head) is ``adversary-trigger = "sut"``, ``adversary-objective = "reverse"``, ``a
 * ``dsvae-noise-placement``: ``"all"`` (default: on every uploaded ``h_w`` gradient;
   :func:`fedrec_flwr.adversary.adversary_gradient`) or ``"head"`` (DSVAE's noise on the uploaded head gradient only, as
   first built); without DSVAE or with per-client training there is no such noise and the key changes nothing.
+* ``dsvae-noise-stream``: ``"per-user"`` (default: one noise draw per user for the whole run, so the train reply and
+  every ``adversary_gradient`` query of the user carry the same noise and a server that averages a node's uploads,
+  the curious server's linked iDLG, gets no more than from one), ``"per-round"`` (one draw per user and round) or
+  ``"per-upload"`` (a fresh draw per upload, as first built: averaging a node's 20 uploads a round read every label,
+  issue 14); the latent ``xi`` is drawn afresh for every upload in all three.
 * ``adversary-epsilon``, ``adversary-hidden`` (0: a linear ``h_w``), ``dsvae-latent-dim``, ``dsvae-kl-weight``, ``dsvae-gradient-noise``.
 * ``user-embedding-noise``: the DP baseline (ours in detail: FedAU² compares against DP noise on the user embedding
   without giving its mechanism): after each local training the user embedding is replaced by ``e + Laplace(0, b)``
@@ -85,7 +90,7 @@ from fedrec_flwr.training import LocalTrainer
 
 log = logging.getLogger(__name__)
 
-_ADVERSARY_STREAM, _NOISE_STREAM, _UPLOAD_STREAM, _QUERY_STREAM = 0, 1, 2, 3
+_ADVERSARY_STREAM, _NOISE_STREAM, _UPLOAD_STREAM, _QUERY_STREAM, _DSVAE_NOISE_STREAM = 0, 1, 2, 3, 4
 
 
 class AttributeUnlearning:
@@ -117,6 +122,17 @@ class AttributeUnlearning:
         """This user's (or ``user``'s) seeded stream ``stream`` of the round ``config["server-round"]``."""
         return torch_generator(self.runtime.config.seed, TAG_CLIENT_EXTRA, self.user if user is None else int(user),
                                int(config["server-round"]), stream, *keys)
+
+    def _noise_generator(self, config: Mapping[str, Any], user: int | None = None) -> torch.Generator | None:
+        """The stream of an upload's DSVAE gradient noise (``dsvae-noise-stream``): seeded from the user alone
+        (``"per-user"``) or the user and round (``"per-round"``), so every such upload draws the same noise;
+        ``None`` for ``"per-upload"`` (the upload's own stream, a fresh draw each time)."""
+        stream = self.runtime.config.dsvae_noise_stream
+        if stream == "per-upload":
+            return None
+        key = 0 if stream == "per-user" else int(config["server-round"])  # rounds are 1-based: 0 is no round's
+        return torch_generator(self.runtime.config.seed, TAG_CLIENT_EXTRA, self.user if user is None else int(user),
+                               key, _DSVAE_NOISE_STREAM)
 
     @property
     def protected_label(self) -> int:
@@ -165,7 +181,8 @@ class AttributeUnlearning:
         if cfg.adversary != "none" and cfg.adversary_training == "server":
             grads = adversary_gradient(self.model, label=self.protected_label, kl_weight=cfg.dsvae_kl_weight,
                                        generator=self._generator(config, _UPLOAD_STREAM), log_prior=self._log_prior(),
-                                       noise_placement=cfg.dsvae_noise_placement)
+                                       noise_placement=cfg.dsvae_noise_placement,
+                                       noise_generator=self._noise_generator(config))
             for key, grad in grads.items():
                 update.dense[key] = grad.cpu().numpy()
         return update
@@ -192,7 +209,8 @@ class AttributeUnlearning:
         self.load_private()
         grads = adversary_gradient(self.model, label=self.protected_label, kl_weight=cfg.dsvae_kl_weight,
                                    generator=self._generator(config, _QUERY_STREAM, int(config["adversary-step"])),
-                                   log_prior=self._log_prior(), noise_placement=cfg.dsvae_noise_placement)
+                                   log_prior=self._log_prior(), noise_placement=cfg.dsvae_noise_placement,
+                                   noise_generator=self._noise_generator(config))
         return {key: grad.cpu().numpy() for key, grad in grads.items()}
 
     def adversary_query_mean_gradient(self, shared: Mapping[str, Any], config: Mapping[str, Any],
@@ -234,7 +252,8 @@ class AttributeUnlearning:
         generators = [self._generator(config, _QUERY_STREAM, step, user=user) for user in users]
         grads = mean_adversary_gradient(adversary_of(self.model), vectors, labels,
                                         log_prior=self._log_prior(), kl_weight=cfg.dsvae_kl_weight,
-                                        generators=generators, noise_placement=cfg.dsvae_noise_placement)
+                                        generators=generators, noise_placement=cfg.dsvae_noise_placement,
+                                        noise_generators=[self._noise_generator(config, user) for user in users])
         return {key: grad.cpu().numpy() for key, grad in grads.items()}
 
     def save_private(self) -> None:
@@ -314,6 +333,7 @@ class EntropyPullBlock:
                                       device=device)
         self.epsilon, self.trigger = client.round_epsilon(config), cfg.adversary_trigger
         self.generators = [client._generator(config, _UPLOAD_STREAM, user=int(u)) for u in users]
+        self.noise_generators = [client._noise_generator(config, int(u)) for u in users]
         self.log_prior, self.kl_weight, self.placement = client._log_prior(), cfg.dsvae_kl_weight, cfg.dsvae_noise_placement
 
     def _vectors(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -341,7 +361,8 @@ class EntropyPullBlock:
         for k in range(len(u)):
             grads = mean_adversary_gradient(self.adversary, u[k:k + 1], self.labels[k:k + 1], log_prior=self.log_prior,
                                             kl_weight=self.kl_weight, generators=self.generators[k:k + 1],
-                                            noise_placement=self.placement)
+                                            noise_placement=self.placement,
+                                            noise_generators=self.noise_generators[k:k + 1])
             out.append({key: grad.cpu().numpy() for key, grad in grads.items()})
         return out
 

@@ -226,6 +226,8 @@ class DSVAEAdversary(nn.Module):
                 init_linear(layer, generator)
         self.generator: torch.Generator | None = None
         """The client's seeded CPU generator for ``xi`` and the gradient noise (set by the trainer; required)."""
+        self.noise_generator: torch.Generator | None = None
+        """Where set (an upload, ``dsvae-noise-stream``), the gradient noise is drawn from it instead."""
         self._kl: torch.Tensor | None = None
 
     @property
@@ -236,11 +238,13 @@ class DSVAEAdversary(nn.Module):
         mu, logvar = self.encoder(u if self.hidden is None else F.relu(self.hidden(u))).chunk(2, dim=-1)
         return mu, logvar.clamp(-10.0, 10.0)
 
-    def draw(self, generator: torch.Generator | None, rows: int, *, head_noise: bool
+    def draw(self, generator: torch.Generator | None, rows: int, *, head_noise: bool,
+             noise_generator: torch.Generator | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """One training forward's randomness, in the order :meth:`forward` draws it from ``generator``: ``xi``
-        ``(rows, latent)`` (randomness 1), then, if ``head_noise``, the head weight's ``(C, latent)`` and bias's
-        ``(C,)`` gradient perturbations, already scaled by ``gradient_noise`` (randomness 2; else ``None``).
+        """One training forward's randomness, in the order :meth:`forward` draws it: ``xi`` ``(rows, latent)`` from
+        ``generator`` (randomness 1), then, if ``head_noise``, the head weight's ``(C, latent)`` and bias's ``(C,)``
+        gradient perturbations, already scaled by ``gradient_noise`` (randomness 2; else ``None``), from
+        ``noise_generator`` (``dsvae-noise-stream``'s stream), or from ``generator`` after ``xi`` when it is ``None``.
 
         Raises:
             RuntimeError: ``generator`` is ``None`` (the client must seed its randomness).
@@ -251,8 +255,9 @@ class DSVAEAdversary(nn.Module):
         xi = torch.randn((rows, self.latent), generator=generator).to(device)
         if not head_noise:
             return xi, None, None
-        weight = self.gradient_noise * torch.randn(self.head.weight.shape, generator=generator).to(device)
-        bias = self.gradient_noise * torch.randn(self.head.bias.shape, generator=generator).to(device)
+        source = generator if noise_generator is None else noise_generator
+        weight = self.gradient_noise * torch.randn(self.head.weight.shape, generator=source).to(device)
+        bias = self.gradient_noise * torch.randn(self.head.bias.shape, generator=source).to(device)
         return xi, weight, bias
 
     def forward(self, u: torch.Tensor, draws: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
@@ -266,7 +271,8 @@ class DSVAEAdversary(nn.Module):
         mu, logvar = self._encode(u)
         if draws is None:
             draws = self.draw(self.generator, mu.shape[0],
-                              head_noise=self.gradient_noise > 0 and self.head.weight.requires_grad)
+                              head_noise=self.gradient_noise > 0 and self.head.weight.requires_grad,
+                              noise_generator=self.noise_generator)
         xi, weight_noise, bias_noise = draws
         z = mu + torch.exp(0.5 * logvar) * xi
         self._kl = 0.5 * (mu.pow(2) + logvar.exp() - 1.0 - logvar).sum(dim=-1).mean()
@@ -529,7 +535,8 @@ class AdversarialTrainer(LocalTrainer):
 
 # ---------------------------------------------------------------------------------------------------- server training
 def adversary_gradient(model: RecModel, *, label: int, kl_weight: float, generator: torch.Generator,
-                       log_prior: torch.Tensor | None = None, noise_placement: str = "head") -> dict[str, torch.Tensor]:
+                       log_prior: torch.Tensor | None = None, noise_placement: str = "head",
+                       noise_generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     """One user's contribution to the server's step of ``h_w`` (``adversary-training = "server"``, ours; the paper
     does not say how ``h_w`` is aggregated): the gradient of ``CE(h_w(e_u), a) [+ kl_weight * KL]`` with respect to
     ``h_w``'s parameters, at the model's current ``h_w`` (the round's global copy, which the frozen local training
@@ -545,6 +552,12 @@ def adversary_gradient(model: RecModel, *, label: int, kl_weight: float, generat
     also gets one ``N(0, noise^2)`` draw per entry from the same generator, after the head's; ``"head"``: only the
     head's, as first built. Without DSVAE (``gradient_noise`` absent) the placement changes nothing.
 
+    ``noise_generator`` (``dsvae-noise-stream``, ours): the gradient noise (head and encoder) comes from it, the latent
+    from ``generator``; a client seeds it from ``(user)`` or ``(user, round)`` alone, so every upload of the user (of
+    the round) carries the same noise, and the mean of a user's uploads keeps the noise of one (a server linking a
+    node's uploads learns no more than from one, :class:`strategies.curious.LabelLeakageAudit`). ``None``: both from
+    ``generator``, a fresh draw per upload (as first built).
+
     Returns:
         shared key (``"adversary.<name>"``) -> gradient, shaped as the parameter.
 
@@ -557,15 +570,17 @@ def adversary_gradient(model: RecModel, *, label: int, kl_weight: float, generat
     if not 0 <= int(label) < adversary.num_classes:
         raise ValueError(f"adversary_gradient: label {label} outside [0, {adversary.num_classes})")
     _check_placement(noise_placement)
-    adversary.generator = generator
+    adversary.generator, adversary.noise_generator = generator, noise_generator
     target = torch.tensor([int(label)], dtype=torch.long, device=adversary.head.weight.device)
     names, params = zip(*adversary.named_parameters())
     loss = _cross_entropy(adversary(user_vector(model).detach()), target, log_prior)
     loss = loss + kl_weight * adversary.regulariser()
+    adversary.noise_generator = None  # the local training's forwards draw from ``generator`` alone
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     out = {f"{ADVERSARY_MODULE}.{name}": torch.zeros_like(p) if g is None else g.detach()
            for name, p, g in zip(names, params, grads)}
-    for key, noise in _encoder_noise(adversary, generator, noise_placement).items():
+    source = generator if noise_generator is None else noise_generator
+    for key, noise in _encoder_noise(adversary, source, noise_placement).items():
         out[key] = out[key] + noise
     return out
 
@@ -597,7 +612,8 @@ def _encoder_parameters(adversary: nn.Module) -> list[tuple[str, torch.Size, tor
 def mean_adversary_gradient(adversary: nn.Module, vectors: torch.Tensor, labels: torch.Tensor, *,
                             log_prior: torch.Tensor | None = None, kl_weight: float = 0.0,
                             generators: Sequence[torch.Generator] | None = None,
-                            noise_placement: str = "head") -> dict[str, torch.Tensor]:
+                            noise_placement: str = "head",
+                            noise_generators: Sequence[torch.Generator | None] | None = None) -> dict[str, torch.Tensor]:
     """The mean over ``n`` users of :func:`adversary_gradient`, in one batched computation (ours, for speed: a
     node answers each of the ``S - 1`` ``adversary_gradient`` queries of a round for all its users at once; the
     per-user loop costs about 1 ms per user and query).
@@ -616,6 +632,8 @@ def mean_adversary_gradient(adversary: nn.Module, vectors: torch.Tensor, labels:
         kl_weight: DSVAE's ``dsvae-kl-weight`` (its KL term is per user, so the mean's is the batch's mean).
         generators: DSVAE only: ``n`` seeded generators, user ``u``'s stream for this upload.
         noise_placement: ``dsvae-noise-placement``.
+        noise_generators: DSVAE only: ``n`` streams of the users' gradient noise (``dsvae-noise-stream``, as in
+            :func:`adversary_gradient`), or ``None`` (each from its ``generators`` entry after the latent).
 
     Returns:
         shared key (``"adversary.<name>"``) -> mean gradient, shaped as the parameter.
@@ -642,9 +660,13 @@ def mean_adversary_gradient(adversary: nn.Module, vectors: torch.Tensor, labels:
                              f" got {None if generators is None else len(generators)}")
         head_noise = adversary.gradient_noise > 0 and adversary.head.weight.requires_grad
         draws, encoder, listed = [], [], _encoder_parameters(adversary)
-        for generator in generators:  # each user's stream in the per-user forward's order, then the encoder's
-            draws.append(adversary.draw(generator, 1, head_noise=head_noise))
-            encoder.append(_encoder_noise(adversary, generator, noise_placement, listed))
+        noise_generators = [None] * len(generators) if noise_generators is None else list(noise_generators)
+        if len(noise_generators) != len(generators):
+            raise ValueError(f"mean_adversary_gradient: {len(noise_generators)} noise generators for "
+                             f"{len(generators)} users")
+        for generator, noise in zip(generators, noise_generators):  # each user's draws in the per-user order
+            draws.append(adversary.draw(generator, 1, head_noise=head_noise, noise_generator=noise))
+            encoder.append(_encoder_noise(adversary, generator if noise is None else noise, noise_placement, listed))
         xi = torch.cat([d[0] for d in draws])
         mean_of = (lambda tensors: torch.stack(tensors).mean(dim=0))
         head = (mean_of([d[1] for d in draws]), mean_of([d[2] for d in draws])) if head_noise else (None, None)

@@ -57,11 +57,12 @@ MovieLens-100K for its validation-best FedMF, ``0.01`` for the first release's."
 FIRST_RELEASE_ADVERSARY: dict[str, Any] = {
     "adversary-trigger": "sut", "adversary-objective": "reverse", "adversary-epsilon": 1.0, "adversary-hidden": 32,
     "adversary-server-learning-rate": 0.01, "adversary-server-steps": 1, "adversary-class-prior": "",
-    "dsvae-noise-placement": "head",
+    "dsvae-noise-placement": "head", "dsvae-noise-stream": "per-upload",
 }
 """FedAU²'s adversary keys as the first release's package defaults had them, until issue 14's seventh session:
 FedAU²'s own selective unlearning trigger and gradient reversal, a 32-wide ``h_w``, one server step of 0.01 per round,
-no class prior, DSVAE's noise on the head gradient only; FedAU² as its paper states it. The package defaults are now
+no class prior, DSVAE's noise on the head gradient only and drawn afresh for every upload; FedAU² as its paper states
+it. The package defaults are now
 the protective arm of ``experiments/fedau2`` (``pyproject.toml``; :mod:`clients.fedau2`). Run-config overrides
 (``make_run_config(**FIRST_RELEASE_ADVERSARY, ...)``, or as launcher ``key=value`` pairs): every arm of the FedAU²
 experiment tables starts from them (``experiments.fedau2.methods.PROTOCOL``) and the mechanism tests pin them, so
@@ -82,6 +83,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "adversary-server-optimizer": ("adam", "sgd"),
     "adversary-embedding-optimizer": ("local", "sgd"),
     "dsvae-noise-placement": ("head", "all"),
+    "dsvae-noise-stream": ("per-user", "per-round", "per-upload"),
     "adversary-query-users": ("sampled", "all"),
     "unlearning": ("none", "retrain", "continue", "hfkcu", "gradient-ascent"),
     "krylov-mode": ("distributed", "local"),
@@ -148,6 +150,7 @@ class RunConfig:
     dsvae_kl_weight: float = _key("dsvae-kl-weight", minimum=0.0)
     dsvae_gradient_noise: float = _key("dsvae-gradient-noise", minimum=0.0)
     dsvae_noise_placement: str = _key("dsvae-noise-placement")  # server uploads: noise on the head only, or all of h_w
+    dsvae_noise_stream: str = _key("dsvae-noise-stream")  # server uploads: one noise draw per user, per round, or per upload
     user_embedding_noise: float = _key("user-embedding-noise", minimum=0.0)
     unlearning: str = _key("unlearning")
     forget_users: str = _key("forget-users")
@@ -212,17 +215,18 @@ class RunConfig:
 
     @property
     def forget_user_ids(self) -> tuple[int, ...]:
-        """The partition ids of ``forget-users`` (sorted, unique), e.g. ``(3, 17)``; ``()`` when empty."""
+        """The user indices of ``forget-users`` (sorted, unique), e.g. ``(3, 17)``; ``()`` when empty (the split's
+        user order: with ``users-per-node`` 1 a user's index is its node's ``partition-id``)."""
         parts = [p.strip() for p in str(self.forget_users).split(",") if p.strip()]
         try:
             values = sorted({int(p) for p in parts})
         except ValueError:
             raise ConfigError(f"run-config key 'forget-users' = {self.forget_users!r}: expected comma-separated "
-                              "partition ids (integers)") from None
+                              "user indices (integers, e.g. \"3,17\")") from None
         if values and values[0] < 0:
-            raise ConfigError(f"run-config key 'forget-users' = {self.forget_users!r}: partition ids are >= 0")
+            raise ConfigError(f"run-config key 'forget-users' = {self.forget_users!r}: user indices are >= 0")
         if values and values[-1] > INT_MAX:
-            raise ConfigError(f"run-config key 'forget-users' = {self.forget_users!r}: partition id {values[-1]} is "
+            raise ConfigError(f"run-config key 'forget-users' = {self.forget_users!r}: user index {values[-1]} is "
                               f"out of range (at most {INT_MAX})")
         return tuple(values)
 
@@ -372,7 +376,7 @@ class RunConfig:
         for key in ("dataset", "tie-rule", "model", "loss", "optimizer", "item-aggregation", "server-optimizer",
                     "adversary", "adversary-trigger", "adversary-objective", "adversary-training",
                     "adversary-server-optimizer", "adversary-embedding-optimizer", "adversary-query-users",
-                    "dsvae-noise-placement", "unlearning", "krylov-mode",
+                    "dsvae-noise-placement", "dsvae-noise-stream", "unlearning", "krylov-mode",
                     "krylov-solver", "krylov-preconditioner", "curvature", "line-search", "block-training"):
             value = getattr(self, key.replace("-", "_"))
             if value not in _CHOICES[key]:
@@ -420,7 +424,7 @@ class RunConfig:
         forget = self.forget_user_ids  # validates the list
         if self.unlearning != "none" and not forget and self.forget_fraction == 0:
             raise ConfigError(f"run-config key 'unlearning' = {self.unlearning!r} needs users to forget: set "
-                              "'forget-users' (partition ids) or 'forget-fraction'")
+                              "'forget-users' (user indices) or 'forget-fraction'")
         if self.unlearn_round > self.num_server_rounds:
             raise ConfigError(f"run-config key 'unlearn-round' = {self.unlearn_round} is after the last round "
                               f"(num-server-rounds = {self.num_server_rounds})")

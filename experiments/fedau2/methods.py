@@ -160,7 +160,15 @@ h_w" (eps 0.1 chosen on FedNCF's validation item, item 11; DSVAE's placement mea
 prior resolved from the dataset (``adversary-class-prior = "published"``, the same shares as :data:`CLASS_PRIORS`).
 This arm measures what a user gets who sets only the client, the adversary and the attribute."""
 ARMS[DEFAULTS_ARM] = {"client": "fedau2", "adversary": "dsvae",
-                      **{key: None for key in FIRST_RELEASE_ADVERSARY}}  # None: the package default (run.run_config)
+                      **{key: None for key in FIRST_RELEASE_ADVERSARY},  # None: the package default (run.run_config)
+                      "dsvae-noise-stream": "per-upload"}  # as measured in item 17, before the per-user stream
+
+DEFAULTS_STREAM_ARM = "FedAU2, package defaults (adversary = dsvae), per-user noise stream"
+"""Issue 14, eighth session (item 19): :data:`DEFAULTS_ARM` with the package's new default ``dsvae-noise-stream =
+"per-user"`` (one DSVAE noise draw per user for the whole run, shared by all of the user's ``h_w`` uploads), every
+other adversary key at the package default."""
+ARMS[DEFAULTS_STREAM_ARM] = {"client": "fedau2", "adversary": "dsvae",
+                             **{key: None for key in FIRST_RELEASE_ADVERSARY}}
 
 CHOSEN_ARM = "FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1"
 """Issue 14, third session: the arm whose eps (0.1) FedNCF's validation item chose (``select-eps``, seed 3;
