@@ -7,6 +7,7 @@ homomorphic encryption: updates travel in clear, as in the FedRecGEL and PFedRec
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from fedrec_flwr.runtime import Runtime
 from fedrec_flwr.seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
 from fedrec_flwr.training import LocalTrainer, ProximalTerm, evaluate_user
 from fedrec_flwr.wire import support_rows
+
+log = logging.getLogger(__name__)
 
 INFLUENCE_ROUND = 0
 """Round tag of the fixed negative sample in a user's influence loss (training rounds are 1-based, so never 0)."""
@@ -136,6 +139,10 @@ class FedRecClient(NumPyClient):
                     f"run-config {keys} {' and '.join(given)} need{'s' if len(given) == 1 else ''} an "
                     f"attribute-unlearning client (client = 'fedau2' or 'fedau2-gel'); client {config.client!r} "
                     f"would ignore {them}")
+            if config.protected_attribute:
+                log.warning("run-config key 'protected-attribute' = %r is unused: client %r trains no adversary "
+                            "(the attribute is read by client = 'fedau2' or 'fedau2-gel')", config.protected_attribute,
+                            config.client)
         check_block_config(cls, config)
 
     def __init__(self, runtime: Runtime, user: int, state: RecordDict) -> None:

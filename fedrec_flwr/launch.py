@@ -1019,12 +1019,14 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     """The parser of ``run`` or ``stop``."""
     prog = f"python -m fedrec_flwr.launch {command}"
     if command == "stop":
-        stop = argparse.ArgumentParser(prog=prog, description="stop SuperLinks left by launchers that were killed "
-                                                              "(never a running run)")
+        stop = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
+                                       description="stop SuperLinks left by launchers that were killed "
+                                                   "(never a running run)")
         stop.add_argument("--flwr-home", default=None, help="Flower home (default $FLWR_HOME, else ~/.flwr)")
         return stop
-    run = argparse.ArgumentParser(prog=prog, description="flwr run the app on a fresh local SuperLink, then stop it. "
-                                                         "Flags may come anywhere among the key=value overrides.")
+    run = argparse.ArgumentParser(prog=prog, allow_abbrev=False,  # --verbos is refused, not read as --verbose
+                                  description="flwr run the app on a fresh local SuperLink, then stop it. "
+                                              "Flags may come anywhere among the key=value overrides.")
     run.add_argument("--num-supernodes", type=int, default=None,
                      help="simulated SuperNodes (default: ceil(users / users-per-node); another number is refused)")
     run.add_argument("--flwr-home", default=None, help="Flower home (default $FLWR_HOME, else ~/.flwr)")

@@ -174,12 +174,15 @@ _LAST_RUNTIME: list = [None, None]
 """``[a copy of the run config last looked up, its Runtime]``: every message of a run carries the same config."""
 
 
-def get_runtime(run_config: Mapping[str, Any]) -> Runtime:
-    """The process-wide :class:`Runtime` for Flower's ``run_config`` (validated once, cached).
+def get_runtime(run_config: Mapping[str, Any] | RunConfig) -> Runtime:
+    """The process-wide :class:`Runtime` for Flower's ``run_config`` (validated once, cached); a validated
+    :class:`~fedrec_flwr.config.RunConfig` (``make_run_config(...)``) is taken as its mapping.
 
     The config of the previous call is kept: a message whose config equals it, value for value and type for type
     (``1``, ``1.0`` and ``True`` are equal in Python but not the same config), gets its runtime without the sorted
     key of every entry (a 91-key config took about 0.1 ms per message that way)."""
+    if isinstance(run_config, RunConfig):
+        run_config = run_config.to_dict()
     last, cached = _LAST_RUNTIME
     if cached is not None and run_config == last and all(type(v) is type(last[k]) for k, v in run_config.items()):
         return cached

@@ -170,11 +170,11 @@ def forget_set(config: RunConfig, num_users: int) -> np.ndarray:
     fraction is > 0) drawn without replacement from the stream ``(seed, TAG_FORGET)``; ``(n,)`` int64 sorted.
 
     Raises:
-        ConfigError: a partition id of ``forget-users`` is out of range, or every user would be forgotten.
+        ConfigError: a user index of ``forget-users`` is out of range, or every user would be forgotten.
     """
     explicit = np.asarray(config.forget_user_ids, dtype=np.int64)
     if explicit.size and explicit.max() >= num_users:
-        raise ConfigError(f"run-config key 'forget-users' = {config.forget_users!r}: partition id "
+        raise ConfigError(f"run-config key 'forget-users' = {config.forget_users!r}: user index "
                           f"{int(explicit.max())} is out of range (the dataset has {num_users} users)")
     drawn = np.zeros(0, dtype=np.int64)
     if config.forget_fraction > 0:

@@ -489,3 +489,21 @@ def test_adversarial_trainer_step_differs_from_the_plain_step_by_exactly_lr_eps_
     expected = lr * eps * _hand_ce_gradient_wrt_u(start.adversary, start.user_embedding.weight.detach().double()
                                                   .numpy()[0], 0)
     np.testing.assert_allclose(step(eps) - step(0.0), expected, rtol=1e-4, atol=1e-7)
+
+
+def test_a_protected_attribute_without_an_attribute_unlearning_client_is_named_as_unused(caplog):
+    """``protected-attribute`` is read only by the FedAU² clients: a plain client's run says it is unused (a fresh
+    user set it with ``client = "fedrec"`` and got no word)."""
+    import logging
+
+    from fedrec_flwr.config import make_run_config
+    from fedrec_flwr.registry import resolve
+
+    config = make_run_config(protected_attribute="gender")
+    with caplog.at_level(logging.WARNING):
+        resolve("client", "fedrec").check_config(config)
+    assert "'protected-attribute' = 'gender' is unused: client 'fedrec'" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        resolve("client", "fedrec").check_config(make_run_config())
+    assert "protected-attribute" not in caplog.text

@@ -17,7 +17,7 @@ INT_KEYS = [f.metadata["key"] for f in dataclasses.fields(RunConfig) if f.metada
 
 def test_forget_users_beyond_a_c_long_is_a_config_error():
     """Case 5: ``forget-users = "10000000000000000000"`` ended in a raw OverflowError in strategies/unlearning.py."""
-    with pytest.raises(ConfigError, match=r"'forget-users' = '10000000000000000000': partition id "
+    with pytest.raises(ConfigError, match=r"'forget-users' = '10000000000000000000': user index "
                                           r"10000000000000000000 is out of range \(at most 2147483647\)"):
         make_run_config(unlearning="retrain", forget_users="10000000000000000000")
     assert make_run_config(unlearning="retrain", forget_users=f"3,{INT_MAX}").forget_user_ids == (3, INT_MAX)

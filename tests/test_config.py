@@ -68,3 +68,14 @@ def test_unknown_and_missing_keys_are_errors():
 
 def test_make_run_config_accepts_snake_case():
     assert make_run_config(num_server_rounds=3, users_per_node=10).users_per_node == 10
+
+
+def test_get_runtime_takes_a_validated_run_config_as_its_mapping(tmp_path):
+    """``get_runtime(make_run_config(...))`` (the README's attack snippet) is the runtime of the same mapping (it
+    raised AttributeError: 'RunConfig' object has no attribute 'items')."""
+    from conftest import tiny_run_config
+    from fedrec_flwr.config import RunConfig
+    from fedrec_flwr.runtime import get_runtime
+
+    mapping = tiny_run_config(tmp_path)
+    assert get_runtime(RunConfig.from_mapping(mapping)) is get_runtime(RunConfig.from_mapping(mapping).to_dict())

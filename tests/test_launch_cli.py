@@ -98,6 +98,13 @@ def test_flags_anywhere():
     assert federation == {"client-resources-num-cpus": 1}
 
 
+def test_an_abbreviated_flag_is_refused_not_read_as_the_flag_it_begins(capsys):
+    """argparse reads an unambiguous prefix as the flag by default (``--verbos`` as ``--verbose``): refused here."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["run", "--verbos", "num-server-rounds=2"])
+    assert exit_info.value.code == 2 and "--verbos" in capsys.readouterr().err
+
+
 def _launch(*argv, env=None):
     return subprocess.run([sys.executable, "-m", "fedrec_flwr.launch", *argv], capture_output=True, text=True,
                           cwd=PROJECT_ROOT, timeout=300, env={**os.environ, **(env or {})})

@@ -53,7 +53,7 @@ CASES = {
                                             "protected-attribute": "zodiac"},
                                  "'protected-attribute' = 'zodiac': the dataset's user attributes are ['gender']"),
     "forget-users-out-of-range": (lambda _: {"unlearning": "retrain", "forget-users": "3,24"},
-                                  "'forget-users' = '3,24': partition id 24 is out of range"),
+                                  "'forget-users' = '3,24': user index 24 is out of range"),
     "resume-from-without-checkpoint": (_empty_folder, "'resume-from' = "),
     "fedprox-negative-mu": (lambda _: {"strategy": "flwr.serverapp.strategy:FedProx",
                                        "strategy-args": "proximal_mu=-0.1"},
