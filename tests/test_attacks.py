@@ -440,7 +440,8 @@ def test_the_readmes_attack_your_own_run_snippet_runs(tmp_path):
     code = "\n".join(line[2:] if line.startswith("  ") else line for line in block.splitlines())
     assert 'data_dir="../shared/data/ml-100k"' in code and "num_server_rounds=3" in code
     code = code.replace('"../shared/data/ml-100k"', repr(str(dataset_dir("ml-100k")))).replace(
-        "num_server_rounds=3", f"num_server_rounds=1, results_dir={str(tmp_path)!r}, cache_dir={str(tmp_path / 'cache')!r}")
+        "num_server_rounds=3",
+        f"num_server_rounds=1, results_dir={str(tmp_path)!r}, cache_dir={str(tmp_path / 'cache')!r}")
     script = tmp_path / "attack_your_own_run.py"
     script.write_text(code)
     done = subprocess.run([sys.executable, str(script)], cwd=Path(__file__).resolve().parents[1], capture_output=True,
