@@ -74,14 +74,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from clients.fedrec import FedRecClient
 from clients.fedrecgel import FedRecGELClient
 from fedrec_flwr.adversary import (
-    ADVERSARY_MODULE,
-    AdversarialTerm, adversary_gradient, adversary_of, class_prior_text, mean_adversary_gradient, parse_class_prior,
-    user_vector,
+    ADVERSARY_MODULE, AdversarialTerm, adversary_gradient, adversary_of, class_prior_text, entropy_pull,
+    mean_adversary_gradient, parse_class_prior, user_vectors,
 )
 from fedrec_flwr.blocks import Block
 from fedrec_flwr.errors import ConfigError
@@ -235,17 +233,7 @@ class AttributeUnlearning:
                               f"(got adversary = {cfg.adversary!r}, adversary-training = {cfg.adversary_training!r})")
         self.load_shared(shared)
         users = [int(u) for u in users]
-        tables = [f"{name}.weight" for name in self.model.user_embedding_modules()]
-        block = Block(self.runtime, users, self.state)
-        if set(tables) == set(block.private_keys):  # the users' embedding rows, read from their records at once
-            private = block.load_private(users)
-            vectors = torch.cat([private[key][:, 0, :] for key in tables], dim=1)
-        else:  # other private parameters: each user's vector through the model, as the per-user query reads it
-            vectors = []
-            for user in users:
-                (self if user == self.user else type(self)(self.runtime, user, self.state)).load_private()
-                vectors.append(user_vector(self.model).detach().clone())
-            vectors = torch.cat(vectors)
+        vectors = user_vectors(self.model, Block(self.runtime, users, self.state).load_private(users))
         self.protected_label  # noqa: B018 (raises the ConfigError when no protected-attribute is configured)
         labels = torch.as_tensor(self.runtime.protected.labels[users], dtype=torch.long)
         step = int(config["adversary-step"])
@@ -325,8 +313,9 @@ class EntropyPullBlock:
         model.load_shared_state({k: shared[k] for k in keys}, partial=True)
         self.adversary = adversary_of(model)
         self.frozen_keys = frozenset(keys)
-        modules = model.user_embedding_modules()
-        self.tables = [(f"{name}.weight", module.embedding_dim) for name, module in modules.items()]
+        self.model = model
+        self.tables = [(f"{name}.weight", module.embedding_dim)
+                       for name, module in model.user_embedding_modules().items()]
         device = self.adversary.head.weight.device
         client.protected_label  # noqa: B018 (raises the ConfigError when no protected-attribute is configured)
         self.labels = torch.as_tensor(runtime.protected.labels[[int(u) for u in users]], dtype=torch.long,
@@ -334,29 +323,24 @@ class EntropyPullBlock:
         self.epsilon, self.trigger = client.round_epsilon(config), cfg.adversary_trigger
         self.generators = [client._generator(config, _UPLOAD_STREAM, user=int(u)) for u in users]
         self.noise_generators = [client._noise_generator(config, int(u)) for u in users]
-        self.log_prior, self.kl_weight, self.placement = client._log_prior(), cfg.dsvae_kl_weight, cfg.dsvae_noise_placement
-
-    def _vectors(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return torch.cat([params[key][:, 0, :] for key, _ in self.tables], dim=1)
+        self.log_prior, self.kl_weight = client._log_prior(), cfg.dsvae_kl_weight
+        self.placement = cfg.dsvae_noise_placement
 
     def add(self, params, grads, values, active):
-        u = self._vectors(params).detach().requires_grad_(True)
-        with torch.enable_grad():
-            logits = self.adversary.predict_logits(u)
-            uniform_ce = -F.log_softmax(logits, dim=-1).mean(dim=-1).sum()
-            (pull,) = torch.autograd.grad(uniform_ce, u)
+        u = user_vectors(self.model, params).detach()
+        pull, logits = entropy_pull(self.adversary, u)
         strength = torch.full((active,), self.epsilon, dtype=pull.dtype, device=pull.device)
         if self.trigger == "sut":
-            strength = strength * (logits.detach().argmax(dim=-1) == self.labels[:active]).to(pull.dtype)
+            strength = strength * (logits.argmax(dim=-1) == self.labels[:active]).to(pull.dtype)
         step = strength.unsqueeze(1) * pull
         grads, start = dict(grads), 0
         for key, width in self.tables:
             grads[key] = grads[key] + step[:, start:start + width].unsqueeze(1)
             start += width
-        return grads, values + strength * (u.detach() * pull).sum(dim=-1)
+        return grads, values + strength * (u * pull).sum(dim=-1)
 
     def uploads(self, params):
-        u = self._vectors(params).detach()
+        u = user_vectors(self.model, params).detach()
         out = []
         for k in range(len(u)):
             grads = mean_adversary_gradient(self.adversary, u[k:k + 1], self.labels[k:k + 1], log_prior=self.log_prior,

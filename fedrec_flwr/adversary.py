@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +114,24 @@ def user_vector(model: RecModel, row: int = 0) -> torch.Tensor:
     """
     index = torch.tensor([row], dtype=torch.long, device=next(model.parameters()).device)
     return torch.cat([table(index) for table in model.user_embedding_modules().values()], dim=1)
+
+
+def user_vectors(model: RecModel, private: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`user_vector` of several users at once: ``(n, D)`` from their stacked private parameters ``private``
+    (key -> ``(n, 1, d)``, e.g. :meth:`fedrec_flwr.blocks.Block.load_private`), in the same table order."""
+    return torch.cat([private[f"{name}.weight"][:, 0, :] for name in model.user_embedding_modules()], dim=1)
+
+
+def entropy_pull(adversary: nn.Module, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entropy objective's pull on ``n`` users' vectors ``u`` ``(n, D)``: ``(pull (n, D), logits (n, C))``, row
+    ``k`` of ``pull`` the gradient of ``H_x(uniform, softmax(h_w(u_k)))`` (the mean over classes of ``-log softmax``
+    of ``h_w``'s deterministic logits; Roy & Boddeti 2019, Eq. 4) with respect to ``u_k`` alone (``h_w`` frozen in
+    it; one autograd pass over the sum of the rows, each depending on its own row only)."""
+    leaf = u.detach().requires_grad_(True)
+    with torch.enable_grad():
+        logits = adversary.predict_logits(leaf)
+        (pull,) = torch.autograd.grad(-F.log_softmax(logits, dim=-1).mean(dim=-1).sum(), leaf)
+    return pull, logits.detach()
 
 
 def user_vector_dim(model: RecModel) -> int:
@@ -226,8 +244,6 @@ class DSVAEAdversary(nn.Module):
                 init_linear(layer, generator)
         self.generator: torch.Generator | None = None
         """The client's seeded CPU generator for ``xi`` and the gradient noise (set by the trainer; required)."""
-        self.noise_generator: torch.Generator | None = None
-        """Where set (an upload, ``dsvae-noise-stream``), the gradient noise is drawn from it instead."""
         self._kl: torch.Tensor | None = None
 
     @property
@@ -271,8 +287,7 @@ class DSVAEAdversary(nn.Module):
         mu, logvar = self._encode(u)
         if draws is None:
             draws = self.draw(self.generator, mu.shape[0],
-                              head_noise=self.gradient_noise > 0 and self.head.weight.requires_grad,
-                              noise_generator=self.noise_generator)
+                              head_noise=self.gradient_noise > 0 and self.head.weight.requires_grad)
         xi, weight_noise, bias_noise = draws
         z = mu + torch.exp(0.5 * logvar) * xi
         self._kl = 0.5 * (mu.pow(2) + logvar.exp() - 1.0 - logvar).sum(dim=-1).mean()
@@ -467,9 +482,7 @@ class AdversarialTerm:
         strength * dH_x(uniform, softmax(h_w(e_u)))/de_u`` (``"entropy"``) on the model's user rows, in place."""
         leaf = u.detach().requires_grad_(True)
         if self.objective == "entropy":
-            uniform_ce = -F.log_softmax(self.adversary.predict_logits(leaf), dim=-1).mean()  # as the local pull's
-            (grad,) = torch.autograd.grad(uniform_ce, leaf)
-            grad = -grad  # the step below adds: descend H_x
+            grad = -entropy_pull(self.adversary, u)[0]  # the step below adds: descend H_x
         else:
             (grad,) = torch.autograd.grad(_cross_entropy(self._frozen_logits(leaf), self._target, self.log_prior),
                                           leaf)
@@ -506,10 +519,8 @@ class AdversarialTerm:
             logits = self.adversary(u.detach())
             loss = _cross_entropy(logits, self._target, self.log_prior) + self.kl_weight * self.adversary.regulariser()
         if strength > 0:
-            u_leaf = u.detach().requires_grad_(True)
-            uniform_ce = -F.log_softmax(self.adversary.predict_logits(u_leaf), dim=-1).mean()
-            (pull,) = torch.autograd.grad(uniform_ce, u_leaf)
-            loss = loss + strength * (u * pull.detach()).sum()  # gradient strength * pull on e_u only
+            pull = entropy_pull(self.adversary, u)[0]
+            loss = loss + strength * (u * pull).sum()  # gradient strength * pull on e_u only
         return loss
 
 
@@ -569,20 +580,9 @@ def adversary_gradient(model: RecModel, *, label: int, kl_weight: float, generat
         raise ValueError("adversary_gradient: the model has no adversary module")
     if not 0 <= int(label) < adversary.num_classes:
         raise ValueError(f"adversary_gradient: label {label} outside [0, {adversary.num_classes})")
-    _check_placement(noise_placement)
-    adversary.generator, adversary.noise_generator = generator, noise_generator
-    target = torch.tensor([int(label)], dtype=torch.long, device=adversary.head.weight.device)
-    names, params = zip(*adversary.named_parameters())
-    loss = _cross_entropy(adversary(user_vector(model).detach()), target, log_prior)
-    loss = loss + kl_weight * adversary.regulariser()
-    adversary.noise_generator = None  # the local training's forwards draw from ``generator`` alone
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-    out = {f"{ADVERSARY_MODULE}.{name}": torch.zeros_like(p) if g is None else g.detach()
-           for name, p, g in zip(names, params, grads)}
-    source = generator if noise_generator is None else noise_generator
-    for key, noise in _encoder_noise(adversary, source, noise_placement).items():
-        out[key] = out[key] + noise
-    return out
+    return mean_adversary_gradient(adversary, user_vector(model), torch.tensor([int(label)]), log_prior=log_prior,
+                                   kl_weight=kl_weight, generators=[generator], noise_placement=noise_placement,
+                                   noise_generators=[noise_generator])
 
 
 def _check_placement(noise_placement: str) -> None:
