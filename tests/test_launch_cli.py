@@ -171,17 +171,21 @@ def test_a_plugin_loggers_lines_are_printed_with_their_level_and_kept_by_the_qui
     only Python's last-resort handler: no level, no logger name, hidden by the quiet filter, INFO lost)."""
     import logging
 
-    from fedrec_flwr.server_app import _setup_logging
+    from fedrec_flwr.server_app import LOGGER_ROOTS, PROGRESS, _setup_logging
 
-    root = logging.getLogger("plugins")
-    saved = root.handlers[:], root.level, root.propagate
-    root.handlers.clear()  # an earlier test's ServerApp may have set it up, writing to that test's captured stdout
+    # _setup_logging gives every logger root (and the progress logger) a handler on this test's captured stdout,
+    # which pytest closes after the test: restore all of them, or a later test's log line hits a closed file
+    loggers = [logging.getLogger(name) for name in LOGGER_ROOTS] + [PROGRESS]
+    saved = [(lg.handlers[:], lg.level, lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.handlers.clear()  # an earlier test's ServerApp may have set them up, writing to that test's stdout
     try:
         _setup_logging()
         logging.getLogger("plugins.my_strategy").warning("norm-log: aggregation %d", 1)
         logging.getLogger("plugins.my_strategy").info("an info line")
     finally:
-        root.handlers[:], root.level, root.propagate = saved[0], saved[1], saved[2]
+        for lg, (handlers, level, propagate) in zip(loggers, saved):
+            lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate
     lines = capsys.readouterr().out.splitlines()
     assert "WARNING plugins.my_strategy: norm-log: aggregation 1" in lines
     assert "INFO plugins.my_strategy: an info line" in lines
