@@ -415,12 +415,13 @@ class RunConfig:
         if self.adversary != "none" and not self.protected_attribute:
             raise ConfigError(f"run-config key 'adversary' = {self.adversary!r} needs 'protected-attribute' "
                               "(the user attribute to unlearn, e.g. \"gender\")")
-        if self.protected_attribute and self.dataset != "generic":
-            # a named dataset's attributes are known without its files: refused here, before the clients' checks
-            # (FedAU²'s warned first that the "published" prior falls back to none for such an attribute)
+        if self.protected_attribute and (self.dataset != "generic" or not self.generic_attributes_file):
+            # a named dataset's attributes are known without its files, and 'generic' without an attributes file
+            # has none: refused here, before the clients' checks (FedAU²'s warned first that the "published" prior
+            # falls back to none for such an attribute); a generic attributes file is checked when it is read
             from .attributes import DATASET_ATTRIBUTES, check_attribute_name
 
-            check_attribute_name(self.protected_attribute, DATASET_ATTRIBUTES[self.dataset])
+            check_attribute_name(self.protected_attribute, DATASET_ATTRIBUTES.get(self.dataset, ()))
         forget = self.forget_user_ids  # validates the list
         if self.unlearning != "none" and not forget and self.forget_fraction == 0:
             raise ConfigError(f"run-config key 'unlearning' = {self.unlearning!r} needs users to forget: set "

@@ -91,3 +91,15 @@ def test_published_prior_refuses_a_split_whose_classes_differ():
     with pytest.raises(ConfigError, match="adversary-class-prior.*published.*'<18'"):
         class_prior_text(config, classes=("18-24", "25-34", "35-44", "45-49", "50-55", "56+"))
     assert published_class_prior("filmtrust", "gender") is None
+
+
+def test_an_attribute_of_a_generic_dataset_without_an_attributes_file_is_refused_before_any_prior_warning(
+        tmp_path, caplog):
+    """'generic' without 'generic-attributes-file' has no user attributes: the run config refuses the protected
+    attribute itself, so FedAU²'s "no published class shares" warning (about a prior it would never use) is not
+    printed before the error."""
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(ConfigError, match="'protected-attribute' = 'gender': the dataset has no user attributes"):
+            make_run_config(**tiny_run_config(tmp_path, client="fedau2", adversary="dsvae",
+                                              protected_attribute="gender"))
+    assert not any("published class shares" in r.getMessage() for r in caplog.records)
