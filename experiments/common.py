@@ -122,9 +122,10 @@ def pyplot():
     return plt
 
 
-def save_figure(fig, path: Path) -> None:
-    """Save a figure as PNG atomically and close it."""
-    fig.tight_layout()
+def save_figure(fig, path: Path, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> None:
+    """Save a figure as PNG atomically and close it; ``rect`` is the part of the figure (left, bottom, right, top, as
+    fractions) the axes are laid out in, leaving the rest to a figure legend or title."""
+    fig.tight_layout(rect=rect)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
     pyplot().close(fig)

@@ -51,3 +51,25 @@ def test_hr_change_pairs_each_arm_with_its_unchanged_model_on_the_same_seeds(tmp
     age = pd.read_csv(tmp_path / "main-age.csv").set_index("arm")["HR@10-change-%"]
     assert age[CHOSEN_ARM] != age[CHOSEN_ARM]  # NaN: no shared seed
     assert f"| {CHOSEN_ARM} | 0.7000 | 0.3500 | - |" in (tmp_path / "main-age.md").read_text()
+
+
+def test_the_tradeoff_plot_pairs_each_point_by_seed_and_shows_the_validation_sweep(tmp_path):
+    """``tradeoff.png``'s points: the arm's mean LR AUC (std over seeds) and its HR@10 change against the original
+    of the same seeds; the plot is written with the FedNCF validation sweep's panel."""
+    from experiments.fedau2.report import _change_points, load_runs, tradeoff_plot
+
+    for seed, hr in enumerate((0.40, 0.50, 0.60)):
+        _run(tmp_path, "FedNCF", "original", seed, hr)
+    _run(tmp_path, "FedNCF", CHOSEN_ARM, 1, 0.45, "gender")
+    _run(tmp_path, "FedNCF", CHOSEN_ARM, 2, 0.66, "gender")
+    runs = load_runs(tmp_path / "runs" / "main")
+    points = {arm: rest for arm, *rest in _change_points(runs, "FedNCF", ("original", CHOSEN_ARM, "DP b=0.1"))}
+    assert set(points) == {"original", CHOSEN_ARM}                    # an arm without runs is left out
+    auc, std, change, seeds = points[CHOSEN_ARM]
+    assert (auc, std, seeds) == (pytest.approx(0.5), pytest.approx(0.0), 2)
+    assert change == pytest.approx(100 * (1.11 / 1.10 - 1))           # seeds 1-2 only: (0.45 + 0.66) / (0.5 + 0.6)
+    selection = pd.DataFrame({"model": "FedNCF", "attribute": "gender", "embedding-step": "local", "seed": 3,
+                              "epsilon": [0.0, 0.1, 1.0], "logreg-auc": [0.65, 0.5, 0.46],
+                              "val-HR@10-change-%": [0.0, -2.0, -8.0], "chosen": [False, True, False]})
+    tradeoff_plot(tmp_path, runs, selection)
+    assert (tmp_path / "tradeoff.png").stat().st_size > 10_000

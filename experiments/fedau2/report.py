@@ -143,23 +143,57 @@ def main_tables(results: Path) -> pd.DataFrame:
     return runs
 
 
-def tradeoff_plot(results: Path, main: pd.DataFrame) -> None:
-    sweep = load_runs(results / "runs" / "tradeoff")
-    plt = pyplot()
-    fig, axis = plt.subplots(figsize=(6.5, 4.5))
-    points = main[(main["model"] == "FedMF") & (main["attribute"] == "gender")] if not main.empty else main
-    if not points.empty:
-        fedau2 = pd.concat([sweep, points[points["arm"] == "FedAU2"]]) if not sweep.empty else points[points["arm"] == "FedAU2"]
-        curve = fedau2.groupby("epsilon")[["HR@10", "logreg-auc"]].mean().reset_index().sort_values("epsilon")
-        axis.plot(curve["logreg-auc"], curve["HR@10"], "o-", label="FedAU2 across eps")
-        for _, row in curve.iterrows():
-            axis.annotate(f"eps={row['epsilon']:g}", (row["logreg-auc"], row["HR@10"]), fontsize=8,
-                          textcoords="offset points", xytext=(4, 4))
-        others = points[points["arm"] != "FedAU2"].groupby("arm")[["HR@10", "logreg-auc"]].mean()
-        for arm, row in others.iterrows():
-            axis.scatter(row["logreg-auc"], row["HR@10"], marker="s", label=arm)
-    from experiments.fedau2.methods import NCF_SERVER_ARM, SERVER_ARM
+TRADEOFF_POINTS = {
+    "original": "no defence (original)",
+    "DP b=0.02": "DP noise b = 0.02",
+    "DP b=0.1": "DP noise b = 0.1",
+    "FedAU2": "FedAU2, per-client h_w (as first implemented)",
+}
+"""Arms shown as points in ``tradeoff.png`` (name in the tables -> legend label); the package-default arms are added
+in :func:`tradeoff_plot` (their names live in :mod:`experiments.fedau2.methods`)."""
 
+
+def _change_points(runs: pd.DataFrame, model: str, arms) -> list[tuple[str, float, float, float, int]]:
+    """``(arm, mean LR AUC, its std over seeds, HR@10 change % paired by seed, seeds)`` of each of ``arms`` with
+    runs of ``model`` against gender (``runs``: one row per run, :func:`load_runs`)."""
+    part = runs[(runs["model"] == model) & (runs["attribute"] == "gender")]
+    change = paired_change(part)
+    out = []
+    for arm in arms:
+        mine = part[part["arm"] == arm]
+        if mine.empty:
+            continue
+        auc = mine.groupby("seed")["logreg-auc"].mean()
+        out.append((arm, float(auc.mean()), float(auc.std()) if auc.size > 1 else 0.0,
+                    change.get((model, arm), np.nan), int(auc.size)))
+    return out
+
+
+def _eps_curve(sweep: pd.DataFrame, original: pd.DataFrame) -> pd.DataFrame:
+    """Mean LR AUC and HR@10 change (%) per eps of a sweep's runs (FedMF, gender), each against the original of
+    its own seeds."""
+    rows = []
+    for eps, part in sweep.groupby("epsilon"):
+        seeds = sorted(set(part["seed"]) & set(original["seed"]))
+        if not seeds:
+            continue
+        base = original[original["seed"].isin(seeds)]["HR@10"].mean()
+        rows.append({"epsilon": eps, "logreg-auc": part["logreg-auc"].mean(),
+                     "change": 100.0 * (part[part["seed"].isin(seeds)]["HR@10"].mean() / base - 1.0)})
+    return pd.DataFrame(rows)
+
+
+def tradeoff_plot(results: Path, main: pd.DataFrame, selection: pd.DataFrame | None = None) -> None:
+    """``tradeoff.png``: recommendation quality against gender leakage, one panel per model on the test items
+    (HR@10 change against the original model of the same seeds, paired by seed; attacker AUC by logistic
+    regression, mean ± std over seeds) for the main arms and, on FedMF, the eps sweeps of the first release's FedAU²
+    and of the server-trained arm; and a third panel with the eps sweep the FedNCF default eps was chosen on
+    (validation item of seed :data:`~experiments.fedau2.methods.SELECTION_SEED`, ``select-eps.md``), where the
+    AUC falls with eps. Also writes ``tradeoff-server.csv`` (the server arm's sweep per model)."""
+    from experiments.fedau2.methods import CHOSEN_ARM, DEFAULTS_STREAM_ARM, NCF_SERVER_ARM, SERVER_ARM
+
+    labels = {**TRADEOFF_POINTS, DEFAULTS_STREAM_ARM: "package defaults, adversary = dsvae",
+              CHOSEN_ARM: "package defaults, adversary = mlp"}
     sweeps = load_runs(results / "runs" / "tradeoff-server")
     curves = []
     for model, arm in (("FedMF", SERVER_ARM), ("FedNCF", NCF_SERVER_ARM)):
@@ -170,23 +204,71 @@ def tradeoff_plot(results: Path, main: pd.DataFrame) -> None:
                 same = same[same["seed"].isin(swept["seed"].unique())]
             swept = pd.concat([swept, same]) if not swept.empty else same
         curves.append(swept)
-    server = curves[0]
-    every = pd.concat([c for c in curves if not c.empty]) if any(not c.empty for c in curves) else server
+    every = pd.concat([c for c in curves if not c.empty]) if any(not c.empty for c in curves) else curves[0]
     if not every.empty:
         write_csv(every.groupby(["model", "epsilon"])[["HR@10", "logreg-auc", "mlp-auc"]].agg(["mean", "count"])
                   .reset_index(), results / "tradeoff-server.csv")  # one arm per model (methods: SERVER_ARM ...)
-    if not server.empty:
-        curve = server.groupby("epsilon")[["HR@10", "logreg-auc"]].mean().reset_index().sort_values("epsilon")
-        axis.plot(curve["logreg-auc"], curve["HR@10"], "^-", label="FedAU2-server, entropy (ours), always, across eps")
+    if main.empty:
+        return
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 6.2))
+    colors = {label: f"C{i}" for i, label in enumerate(labels.values())}  # the sweeps below take C7-C9
+    for axis, model in zip(axes[:2], MODELS):
+        axis.axvspan(0.45, 0.55, color="green", alpha=0.08)
+        axis.axhline(-5.0, color="grey", linestyle="--", linewidth=0.8)
+        for arm, auc, std, change, seeds in _change_points(main, model, labels):
+            axis.errorbar(auc, change, xerr=std, fmt="s", color=colors[labels[arm]], capsize=3,
+                          label=labels[arm])
+            if seeds < 3:  # the main arms ran seeds 0-2; say where fewer did
+                axis.annotate(f"{seeds} seed{'s' * (seeds > 1)}", (auc, change), fontsize=7,
+                              textcoords="offset points", xytext=(5, 3))
+        if model == "FedMF":
+            gender = main[(main["model"] == "FedMF") & (main["attribute"] == "gender")]
+            original = gender[gender["arm"] == "original"]
+            first = load_runs(results / "runs" / "tradeoff")
+            first = pd.concat([first, gender[gender["arm"] == "FedAU2"]]) if not first.empty else gender[
+                gender["arm"] == "FedAU2"]
+            for sweep, marker, color, label in ((first, "o-", "C8", "FedAU2 as first implemented, across eps"),
+                                                (curves[0], "^-", "C9", "server-trained h_w, entropy arm, across eps "
+                                                 "(seed 1)")):
+                curve = _eps_curve(sweep, original) if not sweep.empty else pd.DataFrame()
+                if curve.empty:
+                    continue
+                axis.plot(curve["logreg-auc"], curve["change"], marker, color=color, alpha=0.6, label=label)
+                for _, row in curve.iterrows():
+                    axis.annotate(f"{row['epsilon']:g}", (row["logreg-auc"], row["change"]), fontsize=7,
+                                  textcoords="offset points", xytext=(3, -9))
+        axis.set_title(f"{model}, test items", fontsize=10)
+        axis.set_xlabel("gender attacker AUC (logistic regression)")
+        axis.set_ylabel("HR@10 change vs original (%)")
+    axis = axes[2]
+    chosen = (selection[(selection["model"] == "FedNCF") & (selection["attribute"] == "gender")
+                        & (selection["embedding-step"] == "local")]
+              if selection is not None and not selection.empty else pd.DataFrame())
+    if not chosen.empty:
+        seed = int(chosen["seed"].min())
+        curve = chosen[chosen["seed"] == seed].sort_values("epsilon")
+        axis.axvspan(0.45, 0.55, color="green", alpha=0.08, label="attacker AUC within 0.05 of 0.5")
+        axis.axhline(-5.0, color="grey", linestyle="--", linewidth=0.8, label="5% HR@10 loss")
+        axis.plot(curve["logreg-auc"], curve["val-HR@10-change-%"], "o-", color="C7",
+                  label="FedNCF default arm across eps (validation item)")
         for _, row in curve.iterrows():
-            axis.annotate(f"eps={row['epsilon']:g}", (row["logreg-auc"], row["HR@10"]), fontsize=8,
-                          textcoords="offset points", xytext=(4, -10))
-    axis.axvline(0.5, color="grey", linestyle=":", label="attacker AUC 0.5")
-    axis.set_xlabel("gender attacker AUC (logistic regression)")
-    axis.set_ylabel("HR@10")
-    axis.set_title("FedMF on MovieLens-100K: utility vs attribute leakage")
-    axis.legend(fontsize=7)
-    save_figure(fig, results / "tradeoff.png")
+            axis.annotate(f"eps {row['epsilon']:g}" + (" (chosen)" if row["chosen"] else ""),
+                          (row["logreg-auc"], row["val-HR@10-change-%"]), fontsize=7, textcoords="offset points",
+                          xytext=(4, 3))
+        axis.set_title(f"FedNCF: eps sweep on the validation item (seed {seed})", fontsize=10)
+        axis.set_xlabel("gender attacker AUC (logistic regression)")
+        axis.set_ylabel("validation HR@10 change vs original (%)")
+    handles, names = [], []
+    for ax in axes:
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            if name not in names:
+                handles.append(handle)
+                names.append(name)
+    fig.legend(handles, names, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.suptitle("FedAU² on MovieLens-100K: recommendation quality against gender leakage (target: green band, "
+                 "above the dashed line)", fontsize=11)
+    save_figure(fig, results / "tradeoff.png", rect=(0, 0.14, 1, 0.96))
 
 
 def stability_plot(results: Path) -> None:
@@ -525,10 +607,11 @@ def protocol_check(results: Path) -> pd.DataFrame:
 
 
 def write_all(results: Path) -> None:
-    write_robust_choice(results, select_epsilon(results))
+    selection = select_epsilon(results)
+    write_robust_choice(results, selection)
     protocol_check(results)
     main = main_tables(results)
-    tradeoff_plot(results, main)
+    tradeoff_plot(results, main, selection)
     stability_plot(results)
     diagnostics_plot(results)
     print(f"tables and plots written to {results}")
