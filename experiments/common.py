@@ -108,8 +108,9 @@ def markdown(frame: pd.DataFrame) -> str:
 
 
 def write_csv(frame: pd.DataFrame, path: Path) -> None:
-    """Write a table atomically (5 decimals)."""
-    atomic_write_text(path, frame.to_csv(index=False, float_format="%.5f"))
+    """Write a table atomically, floats to 6 significant digits (fixed decimals would write a KL of 3e-4 with one
+    digit and a relative update of 1e-8 as 0)."""
+    atomic_write_text(path, frame.to_csv(index=False, float_format="%.6g"))
 
 
 def pyplot():

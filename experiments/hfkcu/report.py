@@ -193,6 +193,8 @@ def _poison_rows(folder: Path) -> list[dict]:
                 data = json.loads(extra.read_text())  # replays: {"rows": [...]}; other diagnostics are skipped
                 rows_of = data.get("rows", []) if isinstance(data, dict) else []
                 variants += [r for r in rows_of if isinstance(r, dict) and r.get("variant", "original") != "original"]
+        seen: set[str] = set()  # a variant replayed twice (a replay of every variant, then one by name): the first
+        variants = [r for r in variants if not (r["variant"] in seen or seen.add(r["variant"]))]
         base = {"dataset": dataset, "model": model, "fakes": fakes, "seed": seed}
         before = next(r for r in variants if r["variant"] == "original")
         gap = before["target-percentile"] - retrain["target-percentile"]
@@ -303,12 +305,17 @@ def _crossing(steps, values, level) -> float | None:
 
 
 def _rating_share(results: Path, dataset: str, fakes: int, target_seed: int) -> float:
-    """The fake users' share of all ratings of the poisoned data (from the cached poisoned CSV; NaN without it)."""
-    from experiments.hfkcu.poison import FAKE_USER_BASE
+    """The fake users' share of all ratings of the poisoned data: from the cached poisoned CSV, rebuilt from the
+    dataset under ``$FEDREC_DATA_DIR`` where the cache is gone (NaN where neither is on this machine)."""
+    from experiments.hfkcu.poison import FAKE_USER_BASE, poisoned_data
 
-    path = results.parent / ".cache" / f"{dataset}-poisoned-{fakes}-target{target_seed}.csv"
+    cache = results.parent / ".cache"
+    path = cache / f"{dataset}-poisoned-{fakes}-target{target_seed}.csv"
     if not path.is_file():
-        return float("nan")
+        try:
+            path, _ = poisoned_data(dataset, "", fakes, target_seed, cache)
+        except OSError:
+            return float("nan")
     users = pd.read_csv(path, usecols=["user"])["user"].to_numpy()
     return float(np.mean(users >= FAKE_USER_BASE))
 
@@ -397,11 +404,18 @@ def forget_report(results: Path, data_dir: str) -> None:
              "forgotten users (compare with the retrained model's, not 0.5); MB-sent: megabytes the server sent in "
              "the phase (every query re-sends the model).", ""]
     frames = []
+    previous = pd.read_csv(results / "forget.csv") if (results / "forget.csv").is_file() else pd.DataFrame()
     for seed_dir in sorted((results / "forget").glob("seed-*")):
-        frame = collect(seed_dir, data_dir, int(seed_dir.name.split("-")[1]))
+        seed = int(seed_dir.name.split("-")[1])
+        frame = collect(seed_dir, data_dir, seed)
+        if not previous.empty:  # runs whose arrays (never committed) are not here keep their committed rows
+            done = set(map(tuple, frame[["dataset", "model"]].drop_duplicates().to_numpy())) if not frame.empty else set()
+            kept = previous[(previous["seed"] == seed)
+                            & np.array([(d, m) not in done for d, m in zip(previous["dataset"], previous["model"])])]
+            frame = pd.concat([kept.drop(columns="seed"), frame], ignore_index=True)
         if frame.empty:
             continue
-        frame.insert(0, "seed", int(seed_dir.name.split("-")[1]))
+        frame.insert(0, "seed", seed)
         frames.append(frame)
         for (dataset, model, set_name), block in frame.groupby(["dataset", "model", "forget-set"], sort=False):
             table = _table(block)
@@ -588,7 +602,10 @@ SPEED_RUNS = {"retrain-rate.json": "third session (before block training)",
               "retime-margin-run1-rate.json": "fifth session, run 1 (margin scored one user at a time)",
               "retime-margin-rate.json": "fifth session, run 2",
               "retime-repeated-rate.json": "fifth session, run 3 (median of 3 phases per arm)"}
-"""``runs/poison-retime`` files of :func:`speed_report` and what each run was."""
+"""``runs/poison-retime`` files of :func:`speed_report` and what each run was (seed 0, 100 fakes)."""
+
+SIXTH_SESSION_RUN = "sixth session, idle machine (median of 3 phases per arm)"
+"""The sixth session's ``retime-repeated`` runs (seed 1: a setting of its own) on the otherwise idle machine."""
 
 
 def speed_report(results: Path) -> None:
@@ -601,6 +618,7 @@ def speed_report(results: Path) -> None:
             continue
         data = json.loads(path.read_text())
         dataset, model = path.parts[-5], path.parts[-4]
+        fakes, seed = int(path.parts[-3].split("-")[1]), int(path.parts[-2].split("-")[1])
         retrain = data["retrain-estimate-seconds"]
         arms: dict[str, list] = {}
         for name, phase in data["phases"].items():
@@ -608,7 +626,8 @@ def speed_report(results: Path) -> None:
                 continue
             arm = "membership margin" if "margin" in name else ("line search" if "line search" in name else "default")
             arms.setdefault(arm, []).append(phase["seconds"])
-        row = {"dataset": dataset, "model": model, "run": SPEED_RUNS[path.name],
+        run = SPEED_RUNS[path.name] if seed == 0 else SIXTH_SESSION_RUN  # seed 0: the earlier sessions' setting
+        row = {"dataset": dataset, "model": model, "fakes": fakes, "seed": seed, "run": run,
                "retraining s (rounds timed)": f"{retrain:.1f} ({data['rounds-trained']})"}
         for arm in ("default", "membership margin", "line search"):
             if arm in arms:
@@ -622,9 +641,10 @@ def speed_report(results: Path) -> None:
     frame = pd.DataFrame(lines).sort_values(["model", "dataset", "run"]).fillna("")
     atomic_write_text(results / "poison-speed.md", "\n".join([
         "# Phase time against retraining at one load (generated)", "",
-        "From `python -m experiments.hfkcu.run poison-retime` (100 fake users, seed 0): each run replays the arms on "
-        "the saved federation and then trains the retraining run in the same process (`--rounds` rounds, scaled to "
-        "100; the fifth session's runs time all 100). Retraining s: its training seconds (evaluation excluded); an "
-        "arm's s: the phase's wall seconds (median and range when repeated). Same shared 2-core machine, whose load "
-        "(average 6-9 in the fifth session, from other jobs) changes within a run: a phase of a few seconds varies "
-        "several-fold.", "", markdown(frame)]))
+        "From `python -m experiments.hfkcu.run poison-retime`: each run replays the arms on the saved federation "
+        "and then trains the retraining run in the same process (`--rounds` rounds, scaled to 100; the fifth and "
+        "sixth sessions' runs time all 100). Retraining s: its training seconds (evaluation excluded); an arm's s: "
+        "the phase's wall seconds (median and range when repeated; a discarded warm-up phase first pays the "
+        "process's one-time `torch.func` import). Same 2-core machine: in the fifth session shared with other jobs "
+        "(load average 6-9, changing within a run: a phase of a few seconds varies several-fold), in the sixth idle "
+        "(load 0.4-1.1, nothing else running).", "", markdown(frame)]))
