@@ -101,7 +101,8 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float, query: Mapp
             missing ``partition-id`` (its message is passed on), two nodes serve the same users, or nodes disagree
             on the dataset.
     """
-    deadline = time.monotonic() + timeout
+    started = deadline = time.monotonic()
+    deadline += timeout
     last_count, last_change = -1, time.monotonic()
     while True:
         nodes = sorted(grid.get_node_ids())
@@ -111,7 +112,10 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float, query: Mapp
         if nodes and (settled or time.monotonic() - last_change > 2.0 or time.monotonic() > deadline):
             break
         time.sleep(0.5)
+    connected = time.monotonic()
     facts, errors = identify_nodes(grid, nodes, timeout, query)
+    log.info("identify: %d of %d SuperNodes answered in %.1f s (%.1f s waiting for them to connect)", len(facts),
+             len(nodes), time.monotonic() - connected, connected - started)
     if errors:
         raise ConfigError(f"node {errors[0][0]} cannot serve this run: {errors[0][1]}")
     if not facts:
