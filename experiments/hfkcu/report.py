@@ -193,8 +193,11 @@ def _poison_rows(folder: Path) -> list[dict]:
                 data = json.loads(extra.read_text())  # replays: {"rows": [...]}; other diagnostics are skipped
                 rows_of = data.get("rows", []) if isinstance(data, dict) else []
                 variants += [r for r in rows_of if isinstance(r, dict) and r.get("variant", "original") != "original"]
-        seen: set[str] = set()  # a variant replayed twice (a replay of every variant, then one by name): the first
-        variants = [r for r in variants if not (r["variant"] in seen or seen.add(r["variant"]))]
+        first: dict[str, dict] = {}  # a variant replayed twice (in replay.json and a by-name replay) counts once:
+        # phase.json's row, else the first replay file's in name order (the same phase; only its seconds differ)
+        for row in variants:
+            first.setdefault(row["variant"], row)
+        variants = list(first.values())
         base = {"dataset": dataset, "model": model, "fakes": fakes, "seed": seed}
         before = next(r for r in variants if r["variant"] == "original")
         gap = before["target-percentile"] - retrain["target-percentile"]
