@@ -101,8 +101,8 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float, query: Mapp
             missing ``partition-id`` (its message is passed on), two nodes serve the same users, or nodes disagree
             on the dataset.
     """
-    started = deadline = time.monotonic()
-    deadline += timeout
+    started = time.monotonic()
+    deadline = started + timeout
     last_count, last_change = -1, time.monotonic()
     while True:
         nodes = sorted(grid.get_node_ids())
