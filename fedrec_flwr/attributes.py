@@ -54,18 +54,27 @@ the run config (:meth:`fedrec_flwr.config.RunConfig.from_mapping`), before any c
 come from its attributes file, checked when the split is loaded (:func:`encode_attribute`)."""
 
 
-def check_attribute_name(name: str, available) -> None:
+def check_attribute_name(name: str, available, dataset: str | None = None) -> None:
     """Refuse a ``protected-attribute`` that is not among the dataset's user attributes ``available``.
 
+    Args:
+        name: the run-config value of ``protected-attribute``.
+        available: the attribute names the dataset has.
+        dataset: the run-config value of ``dataset``, named in the message when given.
+
     Raises:
-        ConfigError: naming the key and value and listing the attributes the dataset has (or saying it has none).
+        ConfigError: naming the key and value (and the dataset) and listing the attributes the dataset has (or saying
+            it has none).
     """
     if name in available:
         return
+    which = f"the dataset {dataset!r}" if dataset else "the dataset"
     if not available:
-        raise ConfigError(f"run-config key 'protected-attribute' = {name!r}: the dataset has no user attributes "
-                          "(for dataset = 'generic', give them in 'generic-attributes-file')")
-    raise ConfigError(f"run-config key 'protected-attribute' = {name!r}: the dataset's user attributes are "
+        having = ", ".join(f"{key!r} ({', '.join(names)})" for key, names in DATASET_ATTRIBUTES.items() if names)
+        raise ConfigError(f"run-config key 'protected-attribute' = {name!r}: {which} has no user attributes "
+                          f"(datasets with user attributes: {having}; for dataset = 'generic', give them in "
+                          "'generic-attributes-file')")
+    raise ConfigError(f"run-config key 'protected-attribute' = {name!r}: {which}'s user attributes are "
                       f"{sorted(available)}")
 
 

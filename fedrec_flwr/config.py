@@ -421,7 +421,7 @@ class RunConfig:
             # falls back to none for such an attribute); a generic attributes file is checked when it is read
             from .attributes import DATASET_ATTRIBUTES, check_attribute_name
 
-            check_attribute_name(self.protected_attribute, DATASET_ATTRIBUTES.get(self.dataset, ()))
+            check_attribute_name(self.protected_attribute, DATASET_ATTRIBUTES.get(self.dataset, ()), self.dataset)
         forget = self.forget_user_ids  # validates the list
         if self.unlearning != "none" and not forget and self.forget_fraction == 0:
             raise ConfigError(f"run-config key 'unlearning' = {self.unlearning!r} needs users to forget: set "
@@ -580,7 +580,10 @@ def _coerce(key: str, value: Any, annotation: Any, meta: Mapping[str, Any]) -> A
             raise ConfigError(f"run-config key '{key}' = {value!r}: expected a finite number")
     elif type_name == "str":
         if not isinstance(value, str):
-            raise ConfigError(f"run-config key '{key}' = {value!r}: expected a string")
+            hint = ""
+            if isinstance(value, (list, tuple)):  # e.g. forget-users = [3, 17]: Flower's run config holds no lists
+                hint = f"; write the list as one string, {key} = \"{','.join(str(v) for v in value)}\""
+            raise ConfigError(f"run-config key '{key}' = {value!r}: expected a string{hint}")
         return value
     if type_name == "int" and meta.get("max") is None and value > INT_MAX:
         raise ConfigError(f"run-config key '{key}' = {value!r}: must be <= {INT_MAX}")

@@ -72,6 +72,15 @@ def test_an_integer_list_given_as_a_toml_array_names_the_string_form(key):
         make_run_config(**{key: "[5, 10]"})
 
 
+@pytest.mark.parametrize("key", ["ks", "mlp-layers", "forget-users"])
+def test_a_list_value_names_the_one_string_form(key):
+    """A TOML array given to the launcher (``forget-users=[3,17]``) arrives as a Python list, which Flower's run
+    config cannot hold: refused naming the key, the value and the string to write instead."""
+    with pytest.raises(ConfigError, match=rf"run-config key '{key}' = \[3, 17\]: expected a string; write the list "
+                                          rf"as one string, {key} = \"3,17\""):
+        make_run_config(**{key: [3, 17]})
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"min_user_interactions": 1}, "'min-user-interactions' = 1: must be >= 2"),
     ({"min_user_interactions": 2, "holdout_validation": True},

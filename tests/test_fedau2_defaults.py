@@ -99,7 +99,7 @@ def test_an_attribute_of_a_generic_dataset_without_an_attributes_file_is_refused
     attribute itself, so FedAU²'s "no published class shares" warning (about a prior it would never use) is not
     printed before the error."""
     with caplog.at_level(logging.WARNING):
-        with pytest.raises(ConfigError, match="'protected-attribute' = 'gender': the dataset has no user attributes"):
+        with pytest.raises(ConfigError, match="'protected-attribute' = 'gender': the dataset 'generic' has no user attributes"):
             make_run_config(**tiny_run_config(tmp_path, client="fedau2", adversary="dsvae",
                                               protected_attribute="gender"))
     assert not any("published class shares" in r.getMessage() for r in caplog.records)

@@ -48,7 +48,7 @@ def _results_dir_is_a_file(tmp_path: Path) -> dict:
 CASES = {
     "finished-run-name": (_finished_run, "'run-name' = 'done'"),
     "fedau2-without-attributes": (lambda _: {"client": "fedau2", "adversary": "mlp", "protected-attribute": "gender"},
-                                  "'protected-attribute' = 'gender': the dataset has no user attributes"),
+                                  "'protected-attribute' = 'gender': the dataset 'generic' has no user attributes"),
     "fedau2-unknown-attribute": (lambda p: {**_with_attributes(p), "client": "fedau2", "adversary": "mlp",
                                             "protected-attribute": "zodiac"},
                                  "'protected-attribute' = 'zodiac': the dataset's user attributes are ['gender']"),
@@ -147,8 +147,9 @@ def test_an_interrupted_runs_files_stay_until_the_run_starts(tmp_path):
 
 
 @pytest.mark.parametrize(("dataset", "expected"), [
-    ("ml-100k", "'protected-attribute' = 'zodiac': the dataset's user attributes are ['age', 'gender', 'occupation']"),
-    ("filmtrust", "'protected-attribute' = 'zodiac': the dataset has no user attributes"),
+    ("ml-100k", "'protected-attribute' = 'zodiac': the dataset 'ml-100k''s user attributes are ['age', 'gender', 'occupation']"),
+    ("filmtrust", "'protected-attribute' = 'zodiac': the dataset 'filmtrust' has no user attributes "
+                  "(datasets with user attributes: 'ml-100k' (age, gender, occupation)"),
 ])
 def test_an_attribute_a_named_dataset_lacks_is_refused_alone_before_the_published_prior_warning(
         tmp_path, caplog, dataset, expected):
