@@ -434,9 +434,7 @@ class ItemEmbeddingFedAvg(FedAvg):
         """The unlearning phase after ``server_round`` (:class:`strategies.unlearning.ClientUnlearning`): evaluate the
         model, unlearn, write ``unlearning.json`` (report, metrics before) and ``before-unlearning.npz``; from then on
         the forgotten users are not trained. Returns the new arrays."""
-        from .unlearning import ClientUnlearning
-
-        from .unlearning import UnlearningFailed
+        from .unlearning import ClientUnlearning, UnlearningFailed, describe_before
 
         assert self._grid is not None and self.unlearning is not None
         if self._results_folder is not None:
@@ -457,6 +455,8 @@ class ItemEmbeddingFedAvg(FedAvg):
         self.removed_users = frozenset(self.removed_users) | set(self.unlearning.forget)
         self.adopt_arrays(new)
         report["before"] = before
+        if describe_before(before, server_round):
+            log.info("%s", describe_before(before, server_round))
         self.unlearning_report = report
         if self._results_folder is not None:
             atomic_write_json(self._results_folder / "unlearning.json", report)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ from fedrec_flwr.training import LocalTrainer
 from fedrec_flwr.wire import (
     ModelLayout, PrivacyViolation, ReplyError, SparseSum, pack_sparse, sample_users, unpack_sparse,
 )
-from strategies.unlearning import ClientUnlearning, UnlearningSettings, forget_set
+from strategies.unlearning import ClientUnlearning, UnlearningSettings, describe_before, describe_unlearning, forget_set
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -509,7 +510,8 @@ def _arrays(path) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize(("method", "extra"), METHODS, ids=["hfkcu-distributed", "hfkcu-local", "gradient-ascent",
                                                             "continue", "retrain"])
-def test_serial_run_unlearns_and_leaves_the_forgotten_users_out(tmp_path, reference_run, method, extra):
+def test_serial_run_unlearns_and_leaves_the_forgotten_users_out(tmp_path, reference_run, method, extra, caplog):
+    caplog.set_level(logging.INFO)
     config = _run_config(tmp_path, unlearning=method, unlearn_round=PHASE_ROUND, **extra)
     recorder = MessageRecorder(tmp_path / "messages")
     after_phase = {}
@@ -564,6 +566,15 @@ def test_serial_run_unlearns_and_leaves_the_forgotten_users_out(tmp_path, refere
     for key in ("HR@10", "NDCG@10"):
         assert report["before"][key] == pytest.approx(reference_metrics[PHASE_ROUND][key], abs=1e-9)
     assert report["before"]["eval-users"] == 24 - len(FORGET)
+    # --- the console says what the phase did, why the solve stopped, and that later metrics are after it
+    console = [r.getMessage() for r in caplog.records]
+    assert describe_unlearning(report) in console, console
+    assert (f"before unlearning: HR@10 {report['before']['HR@10']:.4f}" in describe_before(report["before"], PHASE_ROUND)
+            and describe_before(report["before"], PHASE_ROUND) in console), console
+    assert describe_before(report["before"], PHASE_ROUND).endswith(
+        f"; every evaluation from round {PHASE_ROUND} on is of the unlearned model")
+    if "cg-termination" in report:
+        assert f"stopped on {report['cg-termination']}" in describe_unlearning(report)
     before = _arrays(folder / "before-unlearning.npz")
     reference = _arrays(reference_run / "final_arrays.npz")
     assert set(before) == set(reference) == set(_arrays(folder / "final_arrays.npz"))
