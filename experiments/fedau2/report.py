@@ -217,8 +217,12 @@ def tradeoff_plot(results: Path, main: pd.DataFrame, selection: pd.DataFrame | N
         axis.axvspan(0.45, 0.55, color="green", alpha=0.08)
         axis.axhline(-5.0, color="grey", linestyle="--", linewidth=0.8)
         for arm, auc, std, change, seeds in _change_points(main, model, labels):
+            # the reference point (no defence) as a larger hollow square on top, so an arm at the same spot
+            # (FedMF's DSVAE arm) shows inside it instead of hiding it
+            style = dict(markersize=11, markerfacecolor="none", markeredgewidth=1.8, zorder=5) \
+                if arm == "original" else {}
             axis.errorbar(auc, change, xerr=std, fmt="s", color=colors[labels[arm]], capsize=3,
-                          label=labels[arm])
+                          label=labels[arm], **style)
             if seeds < 3:  # the main arms ran seeds 0-2; say where fewer did
                 axis.annotate(f"{seeds} seed{'s' * (seeds > 1)}", (auc, change), fontsize=7,
                               textcoords="offset points", xytext=(5, 3))
@@ -228,16 +232,16 @@ def tradeoff_plot(results: Path, main: pd.DataFrame, selection: pd.DataFrame | N
             first = load_runs(results / "runs" / "tradeoff")
             first = pd.concat([first, gender[gender["arm"] == "FedAU2"]]) if not first.empty else gender[
                 gender["arm"] == "FedAU2"]
-            for sweep, marker, color, label in ((first, "o-", "C8", "FedAU2 as first implemented, across eps"),
-                                                (curves[0], "^-", "C9", "server-trained h_w, entropy arm, across eps "
-                                                 "(seed 1)")):
+            for sweep, marker, color, label, offset in (
+                    (first, "o-", "C8", "FedAU2 as first implemented, across eps", (3, -9)),
+                    (curves[0], "^-", "C9", "server-trained h_w, entropy arm, across eps (seed 1)", (5, 3))):
                 curve = _eps_curve(sweep, original) if not sweep.empty else pd.DataFrame()
                 if curve.empty:
                     continue
                 axis.plot(curve["logreg-auc"], curve["change"], marker, color=color, alpha=0.6, label=label)
                 for _, row in curve.iterrows():
                     axis.annotate(f"{row['epsilon']:g}", (row["logreg-auc"], row["change"]), fontsize=7,
-                                  textcoords="offset points", xytext=(3, -9))
+                                  textcoords="offset points", xytext=offset, color=color)
         axis.set_title(f"{model}, test items", fontsize=10)
         axis.set_xlabel("gender attacker AUC (logistic regression)")
         axis.set_ylabel("HR@10 change vs original (%)")
