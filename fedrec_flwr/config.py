@@ -189,6 +189,7 @@ class RunConfig:
     eval_every: int = _key("eval-every", minimum=1)
     round_timeout: float = _key("round-timeout", positive=True, maximum=MESSAGE_TTL)
     max_in_flight: int = _key("max-in-flight", minimum=0)
+    fast_link_state: bool = _key("fast-link-state")
     users_per_node: int = _key("users-per-node", minimum=1)
     block_training: str = _key("block-training")
     seed: int = _key("seed", minimum=0)

@@ -106,9 +106,15 @@ def window_for(grid: Grid, max_in_flight: int) -> int | None:
     on Flower's simulation engine (``InMemoryGrid``) and ``None`` (no window) on any other grid."""
     if max_in_flight > 0:
         return max_in_flight
+    return simulation_window() if is_simulation_grid(grid) else None
+
+
+def is_simulation_grid(grid: Grid) -> bool:
+    """Whether ``grid`` is Flower's in-process simulation engine's (``InMemoryGrid``, what ``flwr run`` with the Ray
+    backend gives the ServerApp)."""
     from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
-    return simulation_window() if isinstance(grid, InMemoryGrid) else None
+    return isinstance(grid, InMemoryGrid)
 
 
 class GridProxy(Grid):

@@ -43,7 +43,7 @@ from .client_app import IDENTIFY
 from .client_state import DURABLE_ROUND_KEY, RESUME_ROUND_KEY, RUN_KEY
 from .config import RunConfig
 from .errors import ConfigError, reply_error_line
-from .message_window import windowed
+from .message_window import is_simulation_grid, windowed
 from .registry import LOGGER_ROOTS
 from .preflight import Preflight, build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: was here
 from .results import FAILED_FILE, PROGRESS, RunRecorder, check_results_folder, describe_failure, read_failure, \
@@ -194,6 +194,7 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     _setup_logging()
     plan = preflight(RunConfig.from_mapping(context.run_config or run_config or {}))  # no data here: the nodes have it
     progress = Progress(completed=plan.resume.server_round if plan.resume is not None else 0)
+    patched = _fast_link_state(plan.config, grid)
     try:
         return _run(plan, grid, on_round, progress)
     except Exception as err:  # noqa: BLE001 - recorded, then raised as it was (Ctrl-C / SIGTERM: interrupted, not failed)
@@ -206,11 +207,37 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
             except OSError as problem:  # the run's own error matters more than its record
                 log.warning("could not write %s: %s", plan.folder / FAILED_FILE, problem)
         raise
+    finally:
+        if patched:  # Flower's own method back for whatever runs next in this process (a test, a second app)
+            from . import flower_patches
+
+            flower_patches.restore()
+
+
+def _fast_link_state(config: RunConfig, grid: Grid) -> bool:
+    """Apply :mod:`fedrec_flwr.flower_patches` on Flower's simulation engine when ``fast-link-state`` is on (logs
+    it, or why Flower's own lookup is kept); returns whether this call put it in place."""
+    if not (config.fast_link_state and is_simulation_grid(grid)):
+        return False
+    from . import flower_patches
+
+    if flower_patches.active():
+        return False
+    if flower_patches.apply():
+        log.info("fast-link-state: each node's next message is looked up by its destination first "
+                 "(fedrec_flwr/flower_patches.py)")
+        return True
+    return False
 
 
 def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | None, progress: Progress) -> Path:
     """:func:`main` after the preflight: identify, build, run the rounds, write the results; keeps ``progress``."""
     config, folder, resume = plan.config, plan.folder, plan.resume
+    lookup = "none (no simulation link state)"  # config.json: how Flower's engine found each node's messages
+    if is_simulation_grid(grid):
+        from . import flower_patches
+
+        lookup = "by destination (fast-link-state)" if flower_patches.active() else "Flower's own"
     grid = windowed(grid, config.max_in_flight)  # every phase's messages, ours and a wrapped Flower strategy's
     if resume is None:
         check_results_folder(folder)  # clears what an interrupted run of this name left
@@ -259,7 +286,7 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
     # the folder's name: the run config's run-name, or the generated one when that is empty
     window = getattr(grid, "window", None)  # max-in-flight as applied (fedrec_flwr.message_window); None: no window
     info = {"run-folder": folder.name, "dataset": facts, "split": split_facts, "tie-rule": tie_rule,
-            "messages-in-flight": window if window is not None else "all"}
+            "messages-in-flight": window if window is not None else "all", "link-state-lookup": lookup}
     if hasattr(strategy, "run_info"):  # e.g. a wrapped Flower strategy's class and constructor arguments
         info["strategy"] = strategy.run_info()
     recorder = RunRecorder(folder, config.to_dict(), info, rows=resume.rows if resume is not None else ())

@@ -22,9 +22,11 @@ FEDRECGEL = {"client": "fedrecgel", "strategy": "server-optimizer", "learning-ra
 PFEDREC = {"model": "pfedrec", "client": "pfedrec", "optimizer": "sgd", "learning-rate": 0.1,
            "item-aggregation": "selected"}
 FAMILIES = {"fedrec": {}, "fedrecgel": FEDRECGEL, "pfedrec": PFEDREC}
-RAY_ONLY = {"fedrec": {"max_in_flight": 2}}
+RAY_ONLY = {"fedrec": {"max_in_flight": 2}, "pfedrec": {"fast_link_state": False}}
 """The Ray run of one family keeps at most two messages in flight (fedrec_flwr.message_window; the auto window is
-larger than these tiny rounds): the window changes when messages are sent, never what comes back."""
+larger than these tiny rounds): the window changes when messages are sent, never what comes back. Another runs on
+Flower's own link-state lookup (the others on fedrec_flwr/flower_patches.py's, the default): the same runs either
+way."""
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -57,5 +59,16 @@ def test_config_json_records_the_window_each_run_used(ray_and_serial, request):
     family = request.node.callspec.params["ray_and_serial"]
     ray_window = json.loads((ray / "config.json").read_text())["messages-in-flight"]
     # the family run with max-in-flight 2 records it; the others the auto window (at least 32) of Flower's engine
-    assert ray_window == 2 if family in RAY_ONLY else ray_window >= 32
+    assert ray_window == 2 if "max_in_flight" in RAY_ONLY.get(family, {}) else ray_window >= 32
     assert json.loads((serial / "config.json").read_text())["messages-in-flight"] == "all"  # no window on run_serial
+
+
+def test_config_json_records_the_link_state_lookup_and_the_patch_is_undone(ray_and_serial, request):
+    from fedrec_flwr import flower_patches
+
+    ray, serial = ray_and_serial
+    family = request.node.callspec.params["ray_and_serial"]
+    lookup = json.loads((ray / "config.json").read_text())["link-state-lookup"]
+    assert lookup == ("Flower's own" if family == "pfedrec" else "by destination (fast-link-state)")
+    assert json.loads((serial / "config.json").read_text())["link-state-lookup"] == "none (no simulation link state)"
+    assert not flower_patches.active()  # the ServerApp put Flower's method back when it ended

@@ -150,9 +150,12 @@ def _run_case_in(tmp: str, dataset: str, sampled: int, users_per_node: int, roun
     num_nodes = -(-num_users // users_per_node)
     backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"include_dashboard": False}}
     times: list[float] = []
+    from fedrec_flwr import flower_patches
+
+    fast = bool(bare) and bare.endswith("@fast")  # the bare app on the patched link state, as ours by default
     with PeakMemory() as memory:
         if bare:
-            kind, _, window = bare.partition("/w")
+            kind, _, window = bare.removesuffix("@fast").partition("/w")
             payload = None
             if kind in ("bare+model", "bare+model+reply"):
                 from fedrec_flwr.runtime import build_shared_model
@@ -167,7 +170,12 @@ def _run_case_in(tmp: str, dataset: str, sampled: int, users_per_node: int, roun
             from fedrec_flwr.server_app import make_server_app
 
             server, client = make_server_app(mapping), make_client_app(mapping)
-        run_simulation(server, client, num_supernodes=num_nodes, backend_config=backend)
+        if fast and not flower_patches.apply():
+            raise SystemExit(f"{bare}: the link-state patch does not apply here: {flower_patches.why_not()}")
+        try:
+            run_simulation(server, client, num_supernodes=num_nodes, backend_config=backend)
+        finally:  # ours applies it in this process too (fast-link-state): every app starts from Flower's own
+            flower_patches.restore()
     if not bare:
         rows = json.loads((Path(tmp) / "bench" / "metrics.json").read_text())
         times = [r["seconds"] for r in rows]
@@ -199,7 +207,8 @@ def main() -> int:
     parser.add_argument("--apps", nargs="+", default=["bare", "bare+model", "fedrec"],
                         help="bare: no payload; bare+model: the shared model in every message; bare+model+reply: "
                              "and a 110 KB reply (a one-user train reply's size); a bare app's name + '/w<N>': its "
-                             "ServerApp keeps at most N messages in flight; fedrec: ours (its max-in-flight: the run "
+                             "ServerApp keeps at most N messages in flight; a bare app's name + '@fast' (last): on Flower's link state "
+                             "with fedrec_flwr/flower_patches.py, as ours by default (fast-link-state); fedrec: ours (its max-in-flight: the run "
                              "config's, auto by default); fedrec+set: ours with --set; fedrec@KEY=VALUE,...: ours with those overrides "
                              "(several such apps may run interleaved in one invocation)")
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
