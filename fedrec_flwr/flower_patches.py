@@ -78,6 +78,51 @@ def get_message_ins_by_destination(self: InMemoryLinkState, node_id: int, limit:
     return found
 
 
+def simulation_link_state(num_nodes: int, run_ids: tuple[int, ...] = (1,)) -> tuple[InMemoryLinkState, list[int]]:
+    """A link state built as ``flwr.simulation.run_simulation`` builds it: ``num_nodes`` registered nodes (returned
+    in partition-id order) and the runs ``run_ids`` pre-registered with their primary tasks. For the tests and
+    ``experiments/bench/bench_link_state.py``, which store messages in it and poll it as Flower's engine does."""
+    from dataclasses import replace
+
+    from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
+    from flwr.server.superlink.fleet.vce.vce_api import _register_nodes
+    from flwr.server.superlink.linkstate import LinkStateFactory
+    from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
+    from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.supercore.run import Run
+    from flwr.superlink.federation import NoOpFederationManager
+
+    factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
+    state = factory.state()
+    for run_id in run_ids:
+        task_id = 1000 + run_id
+        state.run_ids[run_id] = RunRecord(run=replace(Run.create_empty(run_id=run_id), primary_task_id=task_id,
+                                                      federation_id=NOOP_FEDERATION_ID))
+        state.task_store[task_id] = Task(task_id=task_id, run_id=run_id)
+    mapping = _register_nodes(num_nodes, factory)
+    return state, sorted(mapping, key=mapping.get)
+
+
+def store_message(state: InMemoryLinkState, message_id: str, dst_node_id: int, run_id: int) -> Message:
+    """Store a small query message for ``dst_node_id`` under our own ``message_id`` as ``InMemoryGrid.push_messages``
+    would (Flower's ``store_message_ins`` checks); returns it. Needs Flower's task identity set (a running app's, or
+    ``flwr.supercore.task_identity.TaskIdentity`` set by hand).
+
+    Raises:
+        ValueError: Flower refused to store it.
+    """
+    from flwr.app import ConfigRecord, RecordDict
+    from flwr.common.constant import SUPERLINK_NODE_ID
+
+    message = Message(RecordDict({"c": ConfigRecord({"id": message_id})}), dst_node_id=dst_node_id,
+                      message_type="query.link_state")
+    message.metadata.__dict__.update({"_message_id": message_id, "_run_id": run_id, "_src_node_id": SUPERLINK_NODE_ID})
+    if state.store_message_ins(message) != message_id:
+        raise ValueError(f"Flower's link state refused message {message_id!r} for node {dst_node_id}")
+    return message
+
+
 def source_digest() -> str:
     """SHA-256 of the source of Flower's own ``InMemoryLinkState.get_message_ins`` as installed."""
     return hashlib.sha256(inspect.getsource(ORIGINAL_GET_MESSAGE_INS).encode()).hexdigest()

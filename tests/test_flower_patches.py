@@ -4,19 +4,9 @@ looked up by destination first returns what Flower's own lookup returns, on the 
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import pytest
-from flwr.app import ConfigRecord, Message, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID
-from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
-from flwr.server.superlink.fleet.vce.vce_api import _register_nodes
-from flwr.server.superlink.linkstate import LinkStateFactory
-from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState, RunRecord
-from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
-from flwr.supercore.object_store import ObjectStoreFactory
-from flwr.supercore.run import Run
-from flwr.superlink.federation import NoOpFederationManager
+from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
 
 from fedrec_flwr import flower_patches
 from fedrec_flwr.config import make_run_config
@@ -30,32 +20,15 @@ def _flower_method_back(task_identity):  # task_identity: Flower's identity, whi
     flower_patches.restore()
 
 
-def _add_run(state: InMemoryLinkState, run_id: int) -> None:
-    """Pre-register a run with its primary task, as ``flwr.simulation.run_simulation`` does."""
-    state.run_ids[run_id] = RunRecord(run=replace(Run.create_empty(run_id=run_id), primary_task_id=100 + run_id,
-                                                    federation_id=NOOP_FEDERATION_ID))
-    state.task_store[100 + run_id] = Task(task_id=100 + run_id, run_id=run_id)
-
-
-def _state(num_nodes: int) -> tuple[InMemoryLinkState, list[int]]:
-    """A link state built as ``flwr.simulation.run_simulation`` builds it, with ``num_nodes`` registered nodes."""
-    factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
-    state = factory.state()
-    _add_run(state, RUN_ID)
-    mapping = _register_nodes(num_nodes, factory)
-    return state, sorted(mapping, key=mapping.get)
+def _state(num_nodes: int, *runs: int) -> tuple[InMemoryLinkState, list[int]]:
+    return flower_patches.simulation_link_state(num_nodes, (RUN_ID, *runs))
 
 
 def _store(state: InMemoryLinkState, nodes: list[int], plan: list[tuple[int, int | None, bool]]) -> None:
-    """Store one message per ``(node index, run id or None for RUN_ID, expired)`` with the id ``m<i>``, as
-    ``InMemoryGrid.push_messages`` does (our own ids, so that two states hold the same ones)."""
+    """Store one message per ``(node index, run id or None for RUN_ID, expired)`` with the id ``m<i>`` (our own ids,
+    so that two states hold the same ones)."""
     for i, (node, run_id, expired) in enumerate(plan):
-        message = Message(RecordDict({"c": ConfigRecord({"i": i})}), dst_node_id=nodes[node],
-                          message_type="query.test")
-        message.metadata.__dict__["_message_id"] = f"m{i}"
-        message.metadata.__dict__["_run_id"] = RUN_ID if run_id is None else run_id
-        message.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
-        assert state.store_message_ins(message) == f"m{i}"
+        message = flower_patches.store_message(state, f"m{i}", nodes[node], RUN_ID if run_id is None else run_id)
         if expired:  # then created long enough ago for its lifetime to be over (Flower refuses to store such)
             message.metadata.__dict__["_created_at"] = message.metadata.created_at - message.metadata.ttl - 1.0
 
@@ -65,11 +38,9 @@ def test_the_patched_lookup_returns_what_flowers_returns_poll_by_poll():
     a run id and with limits 1, 2 and none: every poll returns the same messages in the same order, marked
     delivered, on both; after every node was polled once more both states hold the same messages."""
     rng = random.Random(0)
-    state_a, nodes_a = _state(12)
-    state_b, nodes_b = _state(12)
     other_run = RUN_ID + 1
-    for state in (state_a, state_b):
-        _add_run(state, other_run)
+    state_a, nodes_a = _state(12, other_run)
+    state_b, nodes_b = _state(12, other_run)
     plan = [(rng.randrange(12), other_run if rng.random() < 0.1 else None, rng.random() < 0.2) for _ in range(120)]
     _store(state_a, nodes_a, plan)
     _store(state_b, nodes_b, plan)
