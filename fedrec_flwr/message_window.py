@@ -8,7 +8,9 @@ round that sends to ``N`` nodes at once costs ``N x N`` checks a sweep while it 
 which keeps a core and the GIL busy and delays the actors' replies (``py-spy`` of the driver, ML-100K, 943 one-user
 nodes: 68% of its samples in that loop). :func:`send_and_receive` pushes at most ``window`` messages, and one more each
 time a reply comes back, so a sweep costs ``N x window`` checks. Replies come back in arrival order, as from
-Flower's own ``send_and_receive`` (the strategies sort what needs an order).
+Flower's own ``send_and_receive`` (the strategies sort what needs an order). ``fast-link-state``
+(:mod:`fedrec_flwr.flower_patches`) makes each of those checks about ten times cheaper; with it a larger window
+was still slower on two cores (``experiments/bench/README.md``, "Seventh pass").
 
 Where it applies (``max-in-flight``, :func:`window_for`): ``0`` (the default) is *auto*: :func:`simulation_window`
 (16 messages per CPU core, at least 32) on Flower's in-process simulation engine (``flwr.superlink.grid.InMemoryGrid``, what ``flwr run`` with the Ray backend
