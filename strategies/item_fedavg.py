@@ -455,8 +455,8 @@ class ItemEmbeddingFedAvg(FedAvg):
         self.removed_users = frozenset(self.removed_users) | set(self.unlearning.forget)
         self.adopt_arrays(new)
         report["before"] = before
-        if describe_before(before, server_round):
-            log.info("%s", describe_before(before, server_round))
+        if line := describe_before(before, server_round):
+            log.info("%s", line)
         self.unlearning_report = report
         if self._results_folder is not None:
             atomic_write_json(self._results_folder / "unlearning.json", report)
