@@ -223,7 +223,8 @@ class RunConfig:
             values = sorted({int(p) for p in parts})
         except ValueError:
             raise ConfigError(f"run-config key 'forget-users' = {self.forget_users!r}: expected comma-separated "
-                              "user indices (integers, e.g. \"3,17\")") from None
+                              "user indices in one string, e.g. forget-users=\"3,17\" (--run-config) or "
+                              "forget-users=3,17 (the launcher); not a TOML array") from None
         if values and values[0] < 0:
             raise ConfigError(f"run-config key 'forget-users' = {self.forget_users!r}: user indices are >= 0")
         if values and values[-1] > INT_MAX:

@@ -217,9 +217,13 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
 def _fast_link_state(config: RunConfig, grid: Grid) -> bool:
     """Apply :mod:`fedrec_flwr.flower_patches` on Flower's simulation engine when ``fast-link-state`` is on (logs
     it, or why Flower's own lookup is kept); returns whether this call put it in place."""
-    if not (config.fast_link_state and is_simulation_grid(grid)):
+    if not is_simulation_grid(grid):
         return False
     from . import flower_patches
+
+    if not config.fast_link_state:
+        log.info("fast-link-state = false: Flower's own message lookup")
+        return False
 
     if flower_patches.active():
         return False

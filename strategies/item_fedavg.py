@@ -441,6 +441,8 @@ class ItemEmbeddingFedAvg(FedAvg):
             atomic_save_npz(self._results_folder / "before-unlearning.npz",
                             **{k.replace("/", "_"): v.numpy() for k, v in arrays.items()})
         before = self.evaluate_arrays(self._grid, arrays, server_round)
+        if line := describe_before(before, server_round):
+            log.info("%s", line)
         saved_train = dict(self.last_train)
         try:
             new, report = ClientUnlearning(self, self.unlearning, timeout=self.round_timeout).run(
@@ -455,11 +457,11 @@ class ItemEmbeddingFedAvg(FedAvg):
         self.removed_users = frozenset(self.removed_users) | set(self.unlearning.forget)
         self.adopt_arrays(new)
         report["before"] = before
-        if line := describe_before(before, server_round):
-            log.info("%s", line)
         self.unlearning_report = report
         if self._results_folder is not None:
             atomic_write_json(self._results_folder / "unlearning.json", report)
+            log.info("unlearning report (every figure of the phase) written to %s; the model before it to %s",
+                     self._results_folder / "unlearning.json", self._results_folder / "before-unlearning.npz")
         return new
 
     def evaluate_arrays(self, grid: Grid, arrays: ArrayRecord, server_round: int,

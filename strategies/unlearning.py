@@ -654,6 +654,16 @@ class ClientUnlearning:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+STOP_REASONS = {
+    "tolerance": "the relative residual reached cg-tolerance",
+    "iterations": "cg-iterations used up",
+    "negative-curvature": "a direction of non-positive curvature",
+    "boundary": "the step reached the trust region's edge, trust-radius",
+    "zero-rhs": "the forgotten users' gradient is zero",
+}
+"""What each ``cg-termination`` (:class:`fedrec_flwr.krylov.CGResult`) means, for the console line."""
+
+
 def describe_unlearning(report: Mapping) -> str:
     """One console line for an unlearning phase's ``report`` (the dict written to ``unlearning.json``): the method,
     the users, the cost, why the Krylov solve stopped (``cg-termination``: ``"tolerance"``, ``"iterations"``,
@@ -663,9 +673,11 @@ def describe_unlearning(report: Mapping) -> str:
     parts = [f"unlearning ({report.get('method')}) of {len(report.get('forget-users', ()))} users after round "
              f"{report.get('round')}: {float(report.get('seconds', 0.0)):.2f} s, {report.get('messages', 0)} messages"]
     if "cg-iterations" in report:
-        solve = f"CG {report['cg-iterations']} it, residual {float(report['cg-residual']):.2e}"
+        solve = f"CG {report['cg-iterations']} it, relative residual {float(report['cg-residual']):.2e}"
         if report.get("cg-termination"):
             solve += f", stopped on {report['cg-termination']}"
+            if report["cg-termination"] in STOP_REASONS:
+                solve += f" ({STOP_REASONS[report['cg-termination']]})"
         parts.append(solve)
     if "line-search-step" in report:
         parts.append(f"line search step {float(report['line-search-step']):.3g} "
@@ -683,7 +695,8 @@ def describe_before(before: Mapping, server_round: int) -> str:
     shown = {k: float(v) for k, v in before.items() if "@" in k and isinstance(v, (int, float))}
     if not shown:
         return ""
-    return ("before unlearning: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(shown.items()))
+    order = sorted(shown, key=lambda k: (k.split("@")[0], int(k.split("@")[1]) if k.split("@")[1].isdigit() else 0))
+    return ("before unlearning: " + ", ".join(f"{k} {shown[k]:.4f}" for k in order)
             + f"; every evaluation from round {server_round} on is of the unlearned model")
 
 

@@ -72,6 +72,14 @@ def test_an_integer_list_given_as_a_toml_array_names_the_string_form(key):
         make_run_config(**{key: "[5, 10]"})
 
 
+def test_forget_users_given_as_a_toml_array_in_a_string_names_the_string_form():
+    """``--run-config 'forget-users="[3,17]"'`` (a fresh user's try: the README says values are TOML)."""
+    with pytest.raises(ConfigError, match=r"'forget-users' = '\[3,17\]': expected comma-separated user indices in one "
+                                          r"string, e.g. forget-users=\"3,17\" \(--run-config\) or forget-users=3,17 "
+                                          r"\(the launcher\); not a TOML array"):
+        make_run_config(unlearning="retrain", forget_users="[3,17]").forget_user_ids
+
+
 @pytest.mark.parametrize("key", ["ks", "mlp-layers", "forget-users"])
 def test_a_list_value_names_the_one_string_form(key):
     """A TOML array given to the launcher (``forget-users=[3,17]``) arrives as a Python list, which Flower's run

@@ -569,8 +569,10 @@ def test_serial_run_unlearns_and_leaves_the_forgotten_users_out(tmp_path, refere
     # --- the console says what the phase did, why the solve stopped, and that later metrics are after it
     console = [r.getMessage() for r in caplog.records]
     assert describe_unlearning(report) in console, console
-    assert (f"before unlearning: HR@10 {report['before']['HR@10']:.4f}" in describe_before(report["before"], PHASE_ROUND)
+    assert (f"HR@10 {report['before']['HR@10']:.4f}" in describe_before(report["before"], PHASE_ROUND)
             and describe_before(report["before"], PHASE_ROUND) in console), console
+    assert console.index(describe_before(report["before"], PHASE_ROUND)) < console.index(describe_unlearning(report))
+    assert describe_before(report["before"], PHASE_ROUND).startswith("before unlearning: HR@5 ")  # K in order
     assert describe_before(report["before"], PHASE_ROUND).endswith(
         f"; every evaluation from round {PHASE_ROUND} on is of the unlearned model")
     if "cg-termination" in report:
