@@ -66,6 +66,15 @@ class CGResult:
                 "cg-termination": self.termination}
 
 
+TERMINATIONS = {
+    "tolerance": "the relative residual reached cg-tolerance",
+    "iterations": "cg-iterations used up",
+    "negative-curvature": "a direction of non-positive curvature",
+    "boundary": "the step reached the trust region's edge, trust-radius",
+    "zero-rhs": "the forgotten users' gradient is zero",
+}
+"""What each :attr:`CGResult.termination` means, in words (the unlearning phase's console line)."""
+
 SOLVERS = ("cg", "steihaug")
 """Values of ``krylov-solver``: plain CG (:func:`conjugate_gradient`) and trust-region CG (:func:`steihaug_cg`)."""
 

@@ -133,7 +133,9 @@ from fedrec_flwr.client_app import (
 )
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError, reply_error_line
-from fedrec_flwr.krylov import CGResult, LineSearchResult, flatten, krylov_solve, ladder_line_search, unflatten
+from fedrec_flwr.krylov import (
+    TERMINATIONS, CGResult, LineSearchResult, flatten, krylov_solve, ladder_line_search, unflatten,
+)
 from fedrec_flwr.seeding import numpy_rng
 from fedrec_flwr.unlearn_margin import bracket_root, dominated_items, popularity_bins
 from fedrec_flwr.wire import (
@@ -654,16 +656,6 @@ class ClientUnlearning:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-STOP_REASONS = {
-    "tolerance": "the relative residual reached cg-tolerance",
-    "iterations": "cg-iterations used up",
-    "negative-curvature": "a direction of non-positive curvature",
-    "boundary": "the step reached the trust region's edge, trust-radius",
-    "zero-rhs": "the forgotten users' gradient is zero",
-}
-"""What each ``cg-termination`` (:class:`fedrec_flwr.krylov.CGResult`) means, for the console line."""
-
-
 def describe_unlearning(report: Mapping) -> str:
     """One console line for an unlearning phase's ``report`` (the dict written to ``unlearning.json``): the method,
     the users, the cost, why the Krylov solve stopped (``cg-termination``: ``"tolerance"``, ``"iterations"``,
@@ -676,8 +668,8 @@ def describe_unlearning(report: Mapping) -> str:
         solve = f"CG {report['cg-iterations']} it, relative residual {float(report['cg-residual']):.2e}"
         if report.get("cg-termination"):
             solve += f", stopped on {report['cg-termination']}"
-            if report["cg-termination"] in STOP_REASONS:
-                solve += f" ({STOP_REASONS[report['cg-termination']]})"
+            if report["cg-termination"] in TERMINATIONS:
+                solve += f" ({TERMINATIONS[report['cg-termination']]})"
         parts.append(solve)
     if "line-search-step" in report:
         parts.append(f"line search step {float(report['line-search-step']):.3g} "

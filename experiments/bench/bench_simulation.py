@@ -207,10 +207,11 @@ def main() -> int:
     parser.add_argument("--apps", nargs="+", default=["bare", "bare+model", "fedrec"],
                         help="bare: no payload; bare+model: the shared model in every message; bare+model+reply: "
                              "and a 110 KB reply (a one-user train reply's size); a bare app's name + '/w<N>': its "
-                             "ServerApp keeps at most N messages in flight; a bare app's name + '@fast' (last): on Flower's link state "
-                             "with fedrec_flwr/flower_patches.py, as ours by default (fast-link-state); fedrec: ours (its max-in-flight: the run "
-                             "config's, auto by default); fedrec+set: ours with --set; fedrec@KEY=VALUE,...: ours with those overrides "
-                             "(several such apps may run interleaved in one invocation)")
+                             "ServerApp keeps at most N messages in flight; a bare app's name + '@fast' (last): on "
+                             "Flower's link state with fedrec_flwr/flower_patches.py, as ours by default "
+                             "(fast-link-state); fedrec: ours (its max-in-flight: the run config's, auto by default); "
+                             "fedrec+set: ours with --set; fedrec@KEY=VALUE,...: ours with those overrides (several "
+                             "such apps may run interleaved in one invocation)")
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
     parser.add_argument("--ray-default-inline", action="store_true",
                         help="keep Ray's own 100 KiB inline-object limit instead of the launcher's "
