@@ -6,7 +6,7 @@ here unpacks a message, calls the client algorithm by name (``fit_named`` / ``ev
 under the key scheme of :mod:`fedrec_flwr.wire`.
 
 Query handlers: ``identify`` (which users a node serves) and the queries of client unlearning
-(:mod:`strategies.unlearning`): ``unlearn_gradient``, ``unlearn_affected``, ``unlearn_hvp``, ``unlearn_local_cg``,
+(:mod:`fedrec_flwr.strategies.unlearning`): ``unlearn_gradient``, ``unlearn_affected``, ``unlearn_hvp``, ``unlearn_local_cg``,
 ``unlearn_loss``, ``unlearn_diagonal``, ``unlearn_counts`` and ``unlearn_margin``.
 Their replies carry row-sparse vectors over the shared parameters (:func:`fedrec_flwr.wire.pack_sparse`), never a
 private parameter. ``adversary_gradient`` (FedAU²'s extra server steps of ``h_w``) replies with ``h_w``'s mean
@@ -223,7 +223,7 @@ def _shared_arrays(message: Message) -> dict:
 
     Messages that carry the very same ``ArrayRecord`` with the same ``Array`` objects (the server's messages of one
     round, delivered in-process by :class:`fedrec_flwr.serial.SerialGrid` or Flower's in-process simulation) get the
-    same mapping object: it is decoded once, and the per-user clients' :meth:`~clients.fedrec.FedRecClient.load_shared`
+    same mapping object: it is decoded once, and the per-user clients' :meth:`~fedrec_flwr.clients.fedrec.FedRecClient.load_shared`
     then reloads only the keys a previous user changed instead of validating and copying every table again. Callers
     read the mapping and never write to it. A message deserialized on its own (a SuperNode, a Ray worker) is decoded
     as usual."""
@@ -578,7 +578,7 @@ def unlearn_local_cg(message: Message, context: Context, run_config: Mapping[str
 
 def adversary_gradient_query(message: Message, context: Context,
                              run_config: Mapping[str, Any] | None = None) -> Message:
-    """FedAU²'s extra server step of ``h_w`` (:meth:`strategies.adversary.AdversaryServerStep.extra_steps`): the
+    """FedAU²'s extra server step of ``h_w`` (:meth:`fedrec_flwr.strategies.adversary.AdversaryServerStep.extra_steps`): the
     mean over the requested users of each one's ``h_w`` gradient (``client.adversary_query_gradient``: the train
     reply's gradient, DSVAE noise included, at the sent ``h_w`` and the user's current embedding, which stays
     unchanged), under ``h_w``'s keys only, with ``num-examples`` = the number of users. No embedding, label or

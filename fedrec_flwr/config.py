@@ -63,7 +63,7 @@ FIRST_RELEASE_ADVERSARY: dict[str, Any] = {
 FedAU²'s own selective unlearning trigger and gradient reversal, a 32-wide ``h_w``, one server step of 0.01 per round,
 no class prior, DSVAE's noise on the head gradient only and drawn afresh for every upload; FedAU² as its paper states
 it. The package defaults are now
-the protective arm of ``experiments/fedau2`` (``pyproject.toml``; :mod:`clients.fedau2`). Run-config overrides
+the protective arm of ``experiments/fedau2`` (``pyproject.toml``; :mod:`fedrec_flwr.clients.fedau2`). Run-config overrides
 (``make_run_config(**FIRST_RELEASE_ADVERSARY, ...)``, or as launcher ``key=value`` pairs): every arm of the FedAU²
 experiment tables starts from them (``experiments.fedau2.methods.PROTOCOL``) and the mechanism tests pin them, so
 their numbers stay those measured with these values."""
@@ -598,29 +598,70 @@ def _coerce(key: str, value: Any, annotation: Any, meta: Mapping[str, Any]) -> A
     return value
 
 
-def find_pyproject() -> Path:
-    """Locate the project's ``pyproject.toml``: ``$FEDREC_FLWR_PYPROJECT``, else the folder above the package.
+PACKAGED_APP = Path(__file__).resolve().parent / "_app"
+"""In an installed wheel: the folder holding the app's ``pyproject.toml``, copied there at build time (``setup.py``),
+so the defaults and the Flower app travel with the package instead of being read from a source checkout."""
+
+
+def _is_app_pyproject(path: Path) -> bool:
+    """Whether ``path`` is this package's ``pyproject.toml`` (``[project] name = "fedrec-flwr"`` and a
+    ``[tool.flwr.app.config]`` table), not some other project's file that happens to sit beside the package."""
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
+    return (data.get("project", {}).get("name") == "fedrec-flwr"
+            and isinstance(data.get("tool", {}).get("flwr", {}).get("app", {}).get("config"), dict))
+
+
+def app_root() -> Path:
+    """The folder of the Flower app that ``flwr run`` is given: the source checkout (the ``pyproject.toml`` beside
+    the package) when the package runs from one, else the installed copy in :data:`PACKAGED_APP`.
+
+    The installed copy holds only ``pyproject.toml``: its FAB carries no code, so the ServerApp and ClientApps
+    import ``fedrec_flwr`` from the environment they run in, which must have the package installed.
 
     Raises:
-        ConfigError: no ``pyproject.toml`` with a ``[tool.flwr.app.config]`` table was found.
+        ConfigError: neither holds this package's ``pyproject.toml`` (a wheel built without ``setup.py``).
+    """
+    checkout = Path(__file__).resolve().parents[1]
+    for folder in (checkout, PACKAGED_APP):
+        if _is_app_pyproject(folder / "pyproject.toml"):
+            return folder
+    raise ConfigError(
+        f"cannot find fedrec-flwr's pyproject.toml (the run-config defaults and the Flower app) in {checkout} "
+        f"or {PACKAGED_APP}; reinstall the package (pip install fedrec-flwr) or set FEDREC_FLWR_PYPROJECT")
+
+
+def find_pyproject() -> Path:
+    """Locate the app's ``pyproject.toml``: ``$FEDREC_FLWR_PYPROJECT``, else the one in :func:`app_root`.
+
+    Raises:
+        ConfigError: ``$FEDREC_FLWR_PYPROJECT`` names no file, or :func:`app_root` finds none.
     """
     env = os.environ.get("FEDREC_FLWR_PYPROJECT")
-    candidates = [Path(env)] if env else []
-    candidates.append(Path(__file__).resolve().parents[1] / "pyproject.toml")
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise ConfigError(
-        f"cannot find pyproject.toml with the run-config defaults (looked at {[str(c) for c in candidates]}); "
-        "set FEDREC_FLWR_PYPROJECT to its path"
-    )
+    if env:
+        if not Path(env).is_file():
+            raise ConfigError(f"FEDREC_FLWR_PYPROJECT={env!r}: no such file")
+        return Path(env)
+    return app_root() / "pyproject.toml"
 
 
 def default_mapping(pyproject: str | os.PathLike | None = None) -> dict[str, Any]:
-    """The defaults of ``[tool.flwr.app.config]`` as a kebab-case mapping."""
+    """The defaults of ``[tool.flwr.app.config]`` as a kebab-case mapping.
+
+    Raises:
+        ConfigError: the file cannot be read, is not TOML, or has no such table.
+    """
     path = Path(pyproject) if pyproject else find_pyproject()
-    with open(path, "rb") as handle:
-        data = tomllib.load(handle)
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the run-config defaults ({err.strerror or err})") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML ({err})") from None
     try:
         return dict(data["tool"]["flwr"]["app"]["config"])
     except KeyError:

@@ -66,11 +66,22 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
-from .config import default_mapping
+from .config import app_root, default_mapping
 from .errors import ConfigError, FedRecError
 from .registry import LOGGER_ROOTS
+from .results import SOURCE_COMMIT_ENV, source_commit
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+def _project_root() -> Path:
+    """:func:`~fedrec_flwr.config.app_root`, or the folder above the package when there is none (every use of the
+    defaults then raises :class:`~fedrec_flwr.errors.ConfigError` from :func:`~fedrec_flwr.config.default_mapping`)."""
+    try:
+        return app_root()
+    except ConfigError:
+        return Path(__file__).resolve().parents[1]
+
+
+PROJECT_ROOT = _project_root()
+"""The Flower app folder that ``flwr run`` is given: the source checkout, or the installed copy of the app."""
 
 TOKEN_ENV = "FEDREC_LAUNCH_TOKEN"
 """Environment variable holding a fresh random token per run; every process the run starts inherits it. The
@@ -137,6 +148,9 @@ def flwr_env(flwr_home: str | os.PathLike | None = None, extra: Mapping[str, str
     env.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
     if flwr_home:
         env["FLWR_HOME"] = str(flwr_home)
+    commit = source_commit(PROJECT_ROOT)  # config.json's "produced-by": the ServerApp runs from the unpacked FAB
+    if commit:
+        env[SOURCE_COMMIT_ENV] = commit
     env.update(extra or {})
     return env
 
@@ -780,7 +794,7 @@ SERVERAPP_ENDED = "the ServerApp has ended"
 ServerApp code)."""
 
 NO_REPLY = re.compile(r"round (\d+): (?:node (\d+) failed|evaluation failed on node (\d+))[^:]*: no reply within")
-"""The strategy's warning for a node that did not answer a round (:mod:`strategies.item_fedavg`)."""
+"""The strategy's warning for a node that did not answer a round (:mod:`fedrec_flwr.strategies.item_fedavg`)."""
 
 
 def _watch(process: subprocess.Popen, lines: list[str], timeout: float | None, end_grace: float) -> str | None:

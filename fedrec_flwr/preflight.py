@@ -9,7 +9,7 @@ Without the data (the ServerApp: the server never reads the interaction data) it
 
 * the client's and the strategy's own ``check_config`` (:func:`fedrec_flwr.registry.check_components`), which for a
   Flower strategy builds it from ``strategy-args`` and refuses a config key it would send that the client ignores
-  (FedProx with ``proximal_mu > 0``: :func:`strategies.flower_adapter.check_sent_keys`);
+  (FedProx with ``proximal_mu > 0``: :func:`fedrec_flwr.strategies.flower_adapter.check_sent_keys`);
 * ``run-name``: a plain folder name (no path separator, not ``.`` or ``..``), so the results stay under
   ``results-dir``;
 * ``resume-from``: a readable checkpoint there, written with the same config (:mod:`fedrec_flwr.checkpoint`), in a

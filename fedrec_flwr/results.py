@@ -121,6 +121,48 @@ def describe_failure(record: Mapping[str, Any]) -> str:
     return f"{where}: {record.get('error', 'unknown error')}"
 
 
+SOURCE_COMMIT_ENV = "FEDREC_SOURCE_COMMIT"
+"""Environment variable the launcher sets to the git commit of the checkout it runs: Flower's ServerApp imports the
+package from the app (FAB) folder it unpacked, which is no git checkout."""
+
+
+def source_commit(root: str | Path | None = None) -> str | None:
+    """The git commit of the source tree that holds this package (``<sha>-dirty`` when tracked files differ from it),
+    else ``$FEDREC_SOURCE_COMMIT``, else ``None`` (an installed wheel, or no ``git``)."""
+    import os
+    import subprocess
+
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=False)
+        top, sha = head.stdout.split() if head.returncode == 0 else ("", "")
+        if sha and Path(top).resolve() == root.resolve():
+            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+            return f"{sha}-dirty" if dirty else sha
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        pass
+    return os.environ.get(SOURCE_COMMIT_ENV) or None
+
+
+def provenance() -> dict[str, Any]:
+    """What produced a run, for ``config.json``: this package's version, the git commit of its source (or ``None``),
+    and the versions of Python, flwr, torch, numpy and pandas in the process that wrote the results."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    versions = {"python": platform.python_version()}
+    for name in ("flwr", "torch", "numpy", "pandas"):
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
+    return {"package": "fedrec-flwr", "version": __version__, "git-commit": source_commit(), "versions": versions}
+
+
 class RunRecorder:
     """Collects one row per round and keeps the results folder up to date.
 
@@ -139,7 +181,8 @@ class RunRecorder:
         self.rows: list[dict[str, Any]] = [dict(r) for r in rows]
         self._last = time.monotonic()
         self._start = self._last
-        atomic_write_json(self.folder / "config.json", {"run-config": dict(run_config), **dict(info)})
+        atomic_write_json(self.folder / "config.json",
+                          {"run-config": dict(run_config), **dict(info), "produced-by": provenance()})
 
     def record(self, server_round: int, train: Mapping[str, float], evaluate: Mapping[str, float]) -> dict:
         """Add the row of one finished round, log its progress line, and rewrite the metrics files."""

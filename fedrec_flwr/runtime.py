@@ -158,7 +158,7 @@ class Runtime:
     train_config: LocalTrainConfig
     loaded_shared: Any = None
     """The shared-parameter mapping last loaded into :attr:`model` (see
-    :meth:`clients.fedrec.FedRecClient.load_shared`)."""
+    :meth:`fedrec_flwr.clients.fedrec.FedRecClient.load_shared`)."""
     dirty_shared: set = field(default_factory=set)
     """Shared keys changed in :attr:`model` since :attr:`loaded_shared` was loaded."""
     protected: AttributeLabels | None = None

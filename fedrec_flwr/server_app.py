@@ -162,7 +162,7 @@ class RoundView:
     server_round: int
     grid: Grid
     strategy: Any
-    """The running strategy (e.g. to run an unlearning phase variant, :class:`strategies.unlearning.ClientUnlearning`)."""
+    """The running strategy (e.g. to run an unlearning phase variant, :class:`fedrec_flwr.strategies.unlearning.ClientUnlearning`)."""
     arrays: ArrayRecord
     """The shared parameters after the round."""
     config: RunConfig

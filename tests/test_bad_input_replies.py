@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from clients.fedrec import FedRecClient
+from fedrec_flwr.clients.fedrec import FedRecClient
 from fedrec_flwr.client_app import RecordValueError, UserMetrics, metric_record, record_number
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.serial import run_serial
@@ -84,7 +84,7 @@ def test_a_numpy_scalar_in_a_reply_is_converted(tmp_path):
 
 
 def test_a_value_no_record_can_hold_names_the_key_and_the_client(tmp_path):
-    from strategies.item_fedavg import RoundFailed
+    from fedrec_flwr.strategies.item_fedavg import RoundFailed
 
     with pytest.raises(RoundFailed) as caught:
         run_serial(_tiny(tmp_path, client=f"{HERE}:StringMetricClient", num_server_rounds=1))
@@ -130,7 +130,7 @@ def test_a_node_silent_during_evaluation_is_logged_and_counted(tmp_path, task_id
 
     config = _tiny(tmp_path, users_per_node=6, num_server_rounds=2)
     grid = SilentInEvaluation(make_client_app(config), 4, config)
-    caplog.set_level(logging.WARNING, logger="strategies")
+    caplog.set_level(logging.WARNING, logger="fedrec_flwr.strategies")
     folder = main(grid, Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=config))
     rows = json.loads((folder / "metrics.json").read_text())
     assert [r["eval-users"] for r in rows] == [18, 18] and [r["eval-failures"] for r in rows] == [1, 1]
@@ -189,7 +189,7 @@ def test_other_resumable_state_survives_or_is_named(tmp_path, caplog):
     that are gone are kept and said to be so."""
     from fedrec_flwr.config import make_run_config
     from fedrec_flwr.wire import ModelLayout, Topology
-    from strategies.curious import LEAKAGE_FILE, CuriousItemFedAvg
+    from fedrec_flwr.strategies.curious import LEAKAGE_FILE, CuriousItemFedAvg
 
     layout = ModelLayout(shared_shapes={}, item_keys=(), private_keys=())
     config = make_run_config()
@@ -202,7 +202,7 @@ def test_other_resumable_state_survives_or_is_named(tmp_path, caplog):
     resumed = CuriousItemFedAvg(layout, topology=Topology(np.array([9, 9, 8], dtype=np.uint64)))
     resumed.setup_audit(config)
     resumed.attach_results(tmp_path)
-    caplog.set_level(logging.WARNING, logger="strategies")
+    caplog.set_level(logging.WARNING, logger="fedrec_flwr.strategies")
     resumed.restore_checkpoint_state(json.loads(json.dumps(state)), arrays, None)
     assert resumed.leakage_records == first.leakage_records
     # a record from before the linked attack (or restored from an older checkpoint) writes -1 (not run) there

@@ -103,7 +103,7 @@ def test_margin_step_on_a_poisoned_federation_replies_with_sums_and_reaches_zero
     from fedrec_flwr.client_app import make_client_app
     from fedrec_flwr.config import RunConfig
     from fedrec_flwr.serial import run_serial
-    from strategies.unlearning import ClientUnlearning, UnlearningSettings
+    from fedrec_flwr.strategies.unlearning import ClientUnlearning, UnlearningSettings
 
     mapping, runtime, fakes, target, genuine = poisoned_setting(tmp_path, "mf")
     split = runtime.split
@@ -127,13 +127,13 @@ def test_margin_step_on_a_poisoned_federation_replies_with_sums_and_reaches_zero
                     scores={k: scores(runtime, records, a, {int(u): np.arange(split.num_items) for u in fakes})
                             for k, a in (("before", theta), ("after", moved))})
 
-    caplog.set_level(logging.WARNING, logger="strategies")
-    logging.getLogger("strategies").addHandler(caplog.handler)  # the ServerApp's logging setup stops propagation
+    caplog.set_level(logging.WARNING, logger="fedrec_flwr.strategies")
+    logging.getLogger("fedrec_flwr.strategies").addHandler(caplog.handler)  # the ServerApp's logging setup stops propagation
     try:
         run_serial(RunConfig.from_mapping(mapping), on_round=on_round,
                    client_app=make_client_app(mapping, mods=[recorder]))
     finally:
-        logging.getLogger("strategies").removeHandler(caplog.handler)
+        logging.getLogger("fedrec_flwr.strategies").removeHandler(caplog.handler)
     report = seen["report"]
     assert report["margin-termination"] == "root", report
     assert 0 < report["margin-step"] < report["margin-steps"][-1]

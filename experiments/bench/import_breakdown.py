@@ -27,7 +27,7 @@ from pathlib import Path
 FLOWER = "import flwr.app, flwr.clientapp, flwr.common.serde"
 OURS = FLOWER + "; import fedrec_flwr.client_app"
 LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)")
-OUR_PACKAGES = ("fedrec_flwr", "clients", "strategies")
+OUR_PACKAGES = ("fedrec_flwr",)
 
 
 def import_times(code: str) -> tuple[dict[str, int], float]:
