@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,52 +20,20 @@ from flwr.client import NumPyClient
 from fedrec_flwr.arrays import decode_record, encode_array
 from fedrec_flwr.data import sample_train_negatives
 from fedrec_flwr.blocks import check_block_config
+from fedrec_flwr.client_state import STATE_PREFIX
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.krylov import CGResult, curvature_vector_product, flatten, gradient, krylov_solve, unflatten
 from fedrec_flwr.influence import influence_objective
 from fedrec_flwr.runtime import Runtime
 from fedrec_flwr.seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
 from fedrec_flwr.training import LocalTrainer, ProximalTerm, evaluate_user
-from fedrec_flwr.wire import support_rows
+from fedrec_flwr.wire import UserUpdate, support_rows
 
 log = logging.getLogger(__name__)
 
 INFLUENCE_ROUND = 0
 """Round tag of the fixed negative sample in a user's influence loss (training rounds are 1-based, so never 0)."""
 
-STATE_PREFIX = "user:"
-"""``context.state`` key prefix of a user's private record: ``"user:<partition id>"``."""
-
-
-@dataclass
-class UserUpdate:
-    """One user's train result, by name.
-
-    Attributes:
-        dense: dense shared key -> updated value (the score function).
-        rows: item-table key -> ``(rows (T,) int64, values (T, d) float32)``: the rows this user updated.
-        num_examples: examples trained on this round (positives + sampled negatives).
-        loss: mean training loss.
-        weight: the user's weight in the server's average of dense values (default: ``num_examples``, FedAvg's
-            example weighting; a gradient-upload client uses 1, so that every user counts once).
-        metrics: extra scalar metrics for the reply: key -> number (numpy scalars are converted); each key is sent as
-            its mean over the node's users weighted by their aggregation weight, and ends up in ``metrics.csv`` as
-            the weighted mean over the round's trained users (:class:`fedrec_flwr.client_app.UserMetrics`).
-    """
-
-    dense: dict[str, np.ndarray]
-    rows: dict[str, tuple[np.ndarray, np.ndarray]]
-    num_examples: int
-    loss: float
-    weight: float | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
-    is_gradient: bool = False
-    """True when ``dense`` / ``rows`` hold gradients of the shared parameters rather than updated values."""
-
-    @property
-    def aggregation_weight(self) -> float:
-        """``weight`` if set, else ``num_examples``."""
-        return float(self.num_examples if self.weight is None else self.weight)
 
 
 class FedRecClient(NumPyClient):

@@ -27,15 +27,15 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fedrec_flwr.clients.fedrec import FedRecClient, UserUpdate
+from fedrec_flwr.client_state import OPTIMIZER_PREFIX
+from fedrec_flwr.clients.fedrec import FedRecClient
+from fedrec_flwr.wire import UserUpdate
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.sam import SAMTrainer
 from fedrec_flwr.training import load_optimizer_state_arrays, optimizer_state_arrays
 
 UPLOAD_KEY = "upload"
 """Train-config key by which a strategy asks for ``"gradient"`` or ``"parameters"`` uploads."""
-OPTIMIZER_PREFIX = "user-opt:"
-"""``context.state`` key prefix of a user's private optimizer state (never sent)."""
 
 
 class FedRecGELClient(FedRecClient):

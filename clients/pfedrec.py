@@ -24,12 +24,12 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fedrec_flwr.clients.fedrec import FedRecClient, UserUpdate
+from fedrec_flwr.client_state import ROWS_PREFIX
+from fedrec_flwr.clients.fedrec import FedRecClient
+from fedrec_flwr.wire import UserUpdate
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.training import LocalTrainConfig, LocalTrainer
 
-ROWS_PREFIX = "user-rows:"
-"""``context.state`` key prefix of the user's personalised item rows (never sent)."""
 LR_ETA = 80
 """PFedRec's ``lr_eta``: its item-embedding rate is ``lr * num_items * lr_eta`` (``train.py`` default)."""
 

@@ -60,6 +60,7 @@ from flwr.app import ArrayRecord, RecordDict
 from torch.func import functional_call, vmap
 
 from .arrays import decode_record, encode_array
+from .client_state import OPTIMIZER_PREFIX, STATE_PREFIX
 from .data import sample_train_negatives
 from .errors import ConfigError
 from .metrics import ranking_metrics_batch
@@ -67,6 +68,7 @@ from .models.base import EMBEDDING_INIT_STD
 from .runtime import Runtime
 from .seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
 from .training import resolve_device
+from .wire import UserUpdate
 
 BLOCK_MODES = ("auto", "on", "off")
 """Values of the run-config key ``block-training``: ``auto`` (the default: the block path for every message, one user
@@ -98,11 +100,6 @@ near the CPU caches: on ML-100K, FedRecGEL's 943-user block took 8 ms per user w
 PADDING = 1.25
 """A chunk's padded examples are at most this many times its real ones (bounds wasted work; ours)."""
 
-STATE_PREFIX = "user:"
-OPTIMIZER_PREFIX = "user-opt:"
-"""``context.state`` keys of a user's private record and of its private optimizer state; the same keys as
-:data:`fedrec_flwr.clients.fedrec.STATE_PREFIX` and :data:`fedrec_flwr.clients.fedrecgel.OPTIMIZER_PREFIX` (checked in the tests), so the
-block and per-user paths read and write the same state and can alternate."""
 
 
 # ---------------------------------------------------------------------------------------------------- selection
@@ -561,7 +558,7 @@ def _row_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------- training
 def train_block(runtime: Runtime, cls: type, users: Sequence[int], state: RecordDict,
                 shared: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> list:
-    """Train ``users`` as one vectorized block; returns their :class:`fedrec_flwr.clients.fedrec.UserUpdate` in ``users``'
+    """Train ``users`` as one vectorized block; returns their :class:`~fedrec_flwr.wire.UserUpdate` in ``users``'
     order (what each user's ``fit_named`` would return, up to float32 rounding) and saves their private state.
 
     Args:
@@ -574,7 +571,6 @@ def train_block(runtime: Runtime, cls: type, users: Sequence[int], state: Record
         ValueError: ``cls`` has no block path, or a bad ``"upload"`` value.
         FloatingPointError: a user's loss, gradient or parameters became non-finite.
     """
-    from fedrec_flwr.clients.fedrec import UserUpdate  # the client package imports this module's callers
 
     kind = block_kind(cls, runtime.config)
     if kind is None:

@@ -53,9 +53,10 @@ from .registry import resolve
 from .runtime import Runtime, get_runtime, node_users
 from .unlearn_margin import margin_sums, positive_counts
 from .wire import (
-    ARRAYS, CONFIG, GRADIENT_USERS, METRICS, NUM_EXAMPLES, Contribution, SparseSum, unpack_sparse,
+    ADVERSARY_GRADIENT, ARRAYS, CONFIG, GRADIENT_USERS, IDENTIFY, METRICS, NUM_EXAMPLES, SUPPORT, UNLEARN_AFFECTED,
+    UNLEARN_COUNTS, UNLEARN_DIAGONAL, UNLEARN_GRADIENT, UNLEARN_HVP, UNLEARN_LOCAL_CG, UNLEARN_LOSS, UNLEARN_MARGIN,
+    VECTOR, Contribution, SparseSum, unpack_sparse,
 )
-
 
 
 def split_fingerprint(split) -> str:
@@ -74,35 +75,6 @@ results folder's ``config.json`` by the ServerApp, which never reads the data it
 def split_facts(split) -> dict:
     """The :data:`SPLIT_FACTS` of ``split`` with kebab-case names (those its ``meta`` has)."""
     return {key.replace("_", "-"): split.meta[key] for key in SPLIT_FACTS if key in split.meta}
-
-IDENTIFY = "identify"
-"""Action of the ``query`` message by which the server learns which users each node serves."""
-
-UNLEARN_GRADIENT = "unlearn_gradient"
-"""Query: the summed influence-loss gradient of the named (forgotten) users at the sent shared parameters."""
-UNLEARN_AFFECTED = "unlearn_affected"
-"""Query: how many of the node's remaining users share a loss row with the sent support rows (node totals)."""
-UNLEARN_HVP = "unlearn_hvp"
-"""Query: the summed Hessian-vector product of the node's remaining users' losses with the sent direction."""
-UNLEARN_LOCAL_CG = "unlearn_local_cg"
-"""Query: the weighted sum of the node's remaining users' local CG solutions for the sent right-hand side."""
-UNLEARN_LOSS = "unlearn_loss"
-"""Query: the summed influence loss of the node's remaining users at points ``theta + a_k d`` along the sent direction
-(one scalar sum per step; HF-KCU's line search)."""
-UNLEARN_DIAGONAL = "unlearn_diagonal"
-"""Query: the summed Gauss-Newton diagonal of the node's remaining users' losses (HF-KCU's preconditioner)."""
-UNLEARN_COUNTS = "unlearn_counts"
-"""Query: the node's training positives per item over its remaining and over its forgotten users (two count vectors;
-HF-KCU's membership-margin step, :mod:`fedrec_flwr.unlearn_margin`)."""
-UNLEARN_MARGIN = "unlearn_margin"
-"""Query: the summed membership margins of the node's forgotten users at points ``theta + a_k d`` (one sum per step)."""
-ADVERSARY_GRADIENT = "adversary_gradient"
-"""Query (FedAU², ``adversary-server-steps`` > 1): the mean gradient of ``h_w`` over the named users at the sent
-``h_w`` and their current private embeddings (:func:`adversary_gradient_query`)."""
-VECTOR = "vector"
-"""Content key of the row-sparse vector (direction, right-hand side) an unlearning query carries."""
-SUPPORT = "support"
-"""Content key of the support rows (``"rows"``, int64) of an ``unlearn_affected`` query."""
 
 
 RESERVED_METRICS = (NUM_EXAMPLES, "num-users", "train-loss", GRADIENT_USERS)

@@ -35,6 +35,14 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from .errors import ConfigError
 from .io import atomic_save_npz, load_npz
 
+STATE_PREFIX = "user:"
+"""``context.state`` key prefix of a user's private record: ``"user:<partition id>"`` (its embedding and other
+private parameters). The block and per-user paths both read and write these keys, so they can alternate."""
+OPTIMIZER_PREFIX = "user-opt:"
+"""``context.state`` key prefix of a user's private optimizer state (FedRecGEL's SAM clients)."""
+ROWS_PREFIX = "user-rows:"
+"""``context.state`` key prefix of a user's personal item rows (PFedRec's private copy of its item embedding)."""
+
 STATE_DIR_KEY = "client-state-dir"
 """Node-config (and run-config) key of the folder holding the clients' private state files."""
 

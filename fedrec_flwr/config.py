@@ -68,8 +68,12 @@ the protective arm of ``experiments/fedau2`` (``pyproject.toml``; :mod:`fedrec_f
 experiment tables starts from them (``experiments.fedau2.methods.PROTOCOL``) and the mechanism tests pin them, so
 their numbers stay those measured with these values."""
 
+DATASETS: tuple[str, ...] = ("ml-100k", "filmtrust", "lastfm-2k", "amazon-video", "generic")
+"""The values of ``dataset``: the four built-in real datasets (:mod:`fedrec_flwr.data.loaders`) and ``generic``, a
+user's own CSV/TSV file."""
+
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "dataset": ("ml-100k", "filmtrust", "lastfm-2k", "amazon-video", "generic"),
+    "dataset": DATASETS,
     "tie-rule": ("random", "fedrecgel", "smallest-item", "largest-item"),
     "model": ("ncf", "mf", "pfedrec"),
     "item-aggregation": ("auto", "touched", "selected"),

@@ -39,7 +39,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
 from .checkpoint import CHECKPOINT_FILE, Checkpoint, check_client_state, save_checkpoint
-from .client_app import IDENTIFY
+from .wire import IDENTIFY
 from .client_state import DURABLE_ROUND_KEY, RESUME_ROUND_KEY, RUN_KEY
 from .config import RunConfig
 from .errors import ConfigError, reply_error_line

@@ -35,6 +35,38 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+
+# ------------------------------------------------------------------------------------------ message names
+IDENTIFY = "identify"
+"""Action of the ``query`` message by which the server learns which users each node serves."""
+
+UNLEARN_GRADIENT = "unlearn_gradient"
+"""Query: the summed influence-loss gradient of the named (forgotten) users at the sent shared parameters."""
+UNLEARN_AFFECTED = "unlearn_affected"
+"""Query: how many of the node's remaining users share a loss row with the sent support rows (node totals)."""
+UNLEARN_HVP = "unlearn_hvp"
+"""Query: the summed Hessian-vector product of the node's remaining users' losses with the sent direction."""
+UNLEARN_LOCAL_CG = "unlearn_local_cg"
+"""Query: the weighted sum of the node's remaining users' local CG solutions for the sent right-hand side."""
+UNLEARN_LOSS = "unlearn_loss"
+"""Query: the summed influence loss of the node's remaining users at points ``theta + a_k d`` along the sent direction
+(one scalar sum per step; HF-KCU's line search)."""
+UNLEARN_DIAGONAL = "unlearn_diagonal"
+"""Query: the summed Gauss-Newton diagonal of the node's remaining users' losses (HF-KCU's preconditioner)."""
+UNLEARN_COUNTS = "unlearn_counts"
+"""Query: the node's training positives per item over its remaining and over its forgotten users (two count vectors;
+HF-KCU's membership-margin step, :mod:`fedrec_flwr.unlearn_margin`)."""
+UNLEARN_MARGIN = "unlearn_margin"
+"""Query: the summed membership margins of the node's forgotten users at points ``theta + a_k d`` (one sum per step)."""
+ADVERSARY_GRADIENT = "adversary_gradient"
+"""Query (FedAU², ``adversary-server-steps`` > 1): the mean gradient of ``h_w`` over the named users at the sent
+``h_w`` and their current private embeddings (:func:`adversary_gradient_query`)."""
+VECTOR = "vector"
+"""Content key of the row-sparse vector (direction, right-hand side) an unlearning query carries."""
+SUPPORT = "support"
+"""Content key of the support rows (``"rows"``, int64) of an ``unlearn_affected`` query."""
+
+
 ARRAYS = "arrays"
 """Record key of the single ``ArrayRecord`` of every message."""
 CONFIG = "config"
@@ -58,6 +90,39 @@ class ReplyError(ValueError):
 
 class PrivacyViolation(RuntimeError):
     """A client reply carries a private parameter (a user embedding). The round fails."""
+
+
+
+# ------------------------------------------------------------------------------------------ one user's result
+@dataclass
+class UserUpdate:
+    """One user's train result, by name.
+
+    Attributes:
+        dense: dense shared key -> updated value (the score function).
+        rows: item-table key -> ``(rows (T,) int64, values (T, d) float32)``: the rows this user updated.
+        num_examples: examples trained on this round (positives + sampled negatives).
+        loss: mean training loss.
+        weight: the user's weight in the server's average of dense values (default: ``num_examples``, FedAvg's
+            example weighting; a gradient-upload client uses 1, so that every user counts once).
+        metrics: extra scalar metrics for the reply: key -> number (numpy scalars are converted); each key is sent as
+            its mean over the node's users weighted by their aggregation weight, and ends up in ``metrics.csv`` as
+            the weighted mean over the round's trained users (:class:`fedrec_flwr.client_app.UserMetrics`).
+    """
+
+    dense: dict[str, np.ndarray]
+    rows: dict[str, tuple[np.ndarray, np.ndarray]]
+    num_examples: int
+    loss: float
+    weight: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    is_gradient: bool = False
+    """True when ``dense`` / ``rows`` hold gradients of the shared parameters rather than updated values."""
+
+    @property
+    def aggregation_weight(self) -> float:
+        """``weight`` if set, else ``num_examples``."""
+        return float(self.num_examples if self.weight is None else self.weight)
 
 
 @dataclass(frozen=True)

@@ -153,7 +153,7 @@ class AdversaryServerStep:
             strategy: the :class:`fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg` (its ``message_config``,
                 ``round_timeout`` and canonical reply order).
         """
-        from fedrec_flwr.client_app import ADVERSARY_GRADIENT
+        from fedrec_flwr.wire import ADVERSARY_GRADIENT
 
         if self.query_users == "all":
             topology = strategy._topology()

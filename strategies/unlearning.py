@@ -127,7 +127,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from fedrec_flwr.client_app import (
+from fedrec_flwr.wire import (
     SUPPORT, UNLEARN_AFFECTED, UNLEARN_COUNTS, UNLEARN_DIAGONAL, UNLEARN_GRADIENT, UNLEARN_HVP, UNLEARN_LOCAL_CG,
     UNLEARN_LOSS, UNLEARN_MARGIN, VECTOR,
 )

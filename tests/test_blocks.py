@@ -231,7 +231,6 @@ def test_block_path_selection_and_its_config_key(ml100k):
         check_components(config.replace(model="pfedrec", client="pfedrec", block_training="on"))
     with pytest.raises(ConfigError, match="block-training"):
         make_run_config(**ml100k, block_training="yes")
-    assert blocks.STATE_PREFIX == fedrec.STATE_PREFIX and blocks.OPTIMIZER_PREFIX == fedrecgel.OPTIMIZER_PREFIX
 
 
 @pytest.mark.parametrize("overrides", [{}, {"client": "fedrecgel", "rho-private": 0.02, "strategy": "server-optimizer"}],

@@ -115,7 +115,8 @@ def test_identify_answers_a_runtime_that_cannot_be_built_with_one_error_reply(tm
     key, not as an exception (which Ray prints as a whole actor traceback per node)."""
     from flwr.app import Context, Message, RecordDict
 
-    from fedrec_flwr.client_app import IDENTIFY, identify
+    from fedrec_flwr.client_app import identify
+    from fedrec_flwr.wire import IDENTIFY
 
     config = {**tiny_run_config(tmp_path), "client": "fedau2", "adversary": "mlp", "protected-attribute": "gender"}
     message = Message(RecordDict(), dst_node_id=1, message_type=f"query.{IDENTIFY}")

@@ -207,7 +207,7 @@ def _messages(folder: Path, run_config: dict, users: list[int]) -> dict[str, Pat
     from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
     from flwr.common.serde import message_to_proto
 
-    from fedrec_flwr.client_app import IDENTIFY
+    from fedrec_flwr.wire import IDENTIFY
     from fedrec_flwr.runtime import build_shared_model, get_runtime
     from fedrec_flwr.wire import ARRAYS, CONFIG
 

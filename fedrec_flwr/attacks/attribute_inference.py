@@ -33,6 +33,7 @@ from sklearn.neural_network import MLPClassifier
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
+from ..client_state import STATE_PREFIX
 from ..errors import DataError
 
 CLASSIFIERS = ("logreg", "mlp")
@@ -166,7 +167,7 @@ def stratified_halves(labels: np.ndarray, splits: int, train_fraction: float, se
 
 
 def collect_user_embeddings(states: Iterable, private_keys: Iterable[str], num_users: int,
-                            prefix: str = "user:") -> tuple[np.ndarray, np.ndarray]:
+                            prefix: str = STATE_PREFIX) -> tuple[np.ndarray, np.ndarray]:
     """Read every user's private embedding from nodes' ``context.state`` (evaluation only: simulation, after a run).
 
     Args:

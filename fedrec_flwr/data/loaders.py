@@ -22,12 +22,10 @@ import numpy as np
 # importing it costs ~1 s of every ClientApp cold start (a SuperNode starts one process per message)
 
 from fedrec_flwr.data.download import SourceFiles, combine_sha256, locate_files, sha256_file
+from fedrec_flwr.config import DATASETS
 from fedrec_flwr.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
-
-#: Dataset names :func:`load_interactions` and :func:`~fedrec_flwr.data.load_split` accept.
-DATASETS: tuple[str, ...] = ("ml-100k", "filmtrust", "lastfm-2k", "amazon-video", "generic")
 
 #: Files each built-in loader reads, in read order (the order of ``source_sha256``).
 DATASET_FILES: dict[str, list[str]] = {
