@@ -75,3 +75,16 @@ def test_apply_steps_on_the_user_weighted_mean_of_the_replies_and_keeps_the_othe
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         AdversaryServerStep(KEYS, **kwargs)
+
+
+def test_a_reply_is_usable_only_with_h_ws_keys_shapes_finite_values_and_a_positive_weight():
+    step = AdversaryServerStep(KEYS, optimizer="sgd", learning_rate=0.5)
+    sent = ArrayRecord({k: Array(v) for k, v in _values(8).items()})
+    assert step._reply_problem(_reply(_values(9), 2.0), sent) == ""
+    bad_shape = {**_values(9), KEYS[1]: np.zeros(3, np.float32)}
+    non_finite = {**_values(9), KEYS[0]: np.full((2, 3), np.nan, np.float32)}
+    extra_key = {**_values(9), "item_embedding.weight": np.zeros(2, np.float32)}
+    for content, words in ((_reply(bad_shape, 1.0), "shape"), (_reply(non_finite, 1.0), "non-finite"),
+                           (_reply(extra_key, 1.0), "keys"), (_reply(_values(9), 0.0), "positive"),
+                           (_reply(_values(9), float("inf")), "positive"), (RecordDict(), "no arrays")):
+        assert words in step._reply_problem(content, sent)
