@@ -1,4 +1,4 @@
-"""FedAU²'s server step of the adversary ``h_w`` (strategies.adversary.AdversaryServerStep) by hand: SGD and Adam
+"""FedAU²'s server step of the adversary ``h_w`` (fedrec_flwr.strategies.adversary.AdversaryServerStep) by hand: SGD and Adam
 from the values sent each round, and the user-weighted mean of the replies' gradients."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
 from fedrec_flwr.wire import ARRAYS, METRICS, NUM_EXAMPLES
-from strategies.adversary import AdversaryServerStep, mean_reply_gradient
+from fedrec_flwr.strategies.adversary import AdversaryServerStep, mean_reply_gradient
 
 KEYS = ("adversary.head.weight", "adversary.head.bias")
 

@@ -2,7 +2,7 @@
 parameters, where users' Hessians are indefinite: a trust-region (Steihaug) solve that meets negative curvature steps
 to its radius along that direction, and that step is kept in the node's sum; plain CG's truncated iterate on negative
 curvature is left out and counted. The reply is checked against each user's own solve
-(:meth:`clients.fedrec.FedRecClient.influence_solve`) summed by hand."""
+(:meth:`fedrec_flwr.clients.fedrec.FedRecClient.influence_solve`) summed by hand."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""PFedRec's local step (clients.pfedrec.PFedRecTrainer) worked by hand on one batch, and its default item rate.
+"""PFedRec's local step (fedrec_flwr.clients.pfedrec.PFedRecTrainer) worked by hand on one batch, and its default item rate.
 
 PFedRec's score is ``z_i = w . e_i + b`` with BCE averaged over the batch (``B`` examples, distinct items here), so
 ``dL/dw = sum_j (s_j - y_j) e_j / B``, ``dL/db = sum_j (s_j - y_j) / B`` and ``dL/de_i = (s_i - y_i) w / B``
@@ -14,7 +14,7 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from clients.pfedrec import LR_ETA, PFedRecClient, PFedRecTrainer
+from fedrec_flwr.clients.pfedrec import LR_ETA, PFedRecClient, PFedRecTrainer
 from conftest import tiny_run_config
 from fedrec_flwr.models import build_model
 from fedrec_flwr.runtime import get_runtime

@@ -1,4 +1,4 @@
-"""Server-side steps of the unlearning phase (strategies.unlearning.ClientUnlearning) computed by hand, with the
+"""Server-side steps of the unlearning phase (fedrec_flwr.strategies.unlearning.ClientUnlearning) computed by hand, with the
 federation's queries replaced by fixed answers, so each formula is checked on its own:
 
 * gradient ascent: ``theta += lr * g_F(theta) / |F|`` per step, ``g_F`` recomputed at each new point, with two
@@ -20,7 +20,7 @@ from fedrec_flwr.krylov import flatten, unflatten
 from fedrec_flwr.models import build_model
 from fedrec_flwr.seeding import numpy_rng
 from fedrec_flwr.wire import ModelLayout
-from strategies.unlearning import (
+from fedrec_flwr.strategies.unlearning import (
     PRECONDITIONER_FLOOR, TAG_CURVATURE_SAMPLE, TAG_FORGET, ClientUnlearning, UnlearningSettings, forget_set,
 )
 
