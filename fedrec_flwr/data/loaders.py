@@ -14,12 +14,15 @@ import os
 import re
 from decimal import Decimal, InvalidOperation
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import numpy as np
 
 # pandas is imported inside the functions that parse data: the ClientApp reads a cached split and never needs it, and
 # importing it costs ~1 s of every ClientApp cold start (a SuperNode starts one process per message)
+if TYPE_CHECKING:  # annotations only
+    import pandas as pd
 
 from fedrec_flwr.data.download import SourceFiles, combine_sha256, locate_files, sha256_file
 from fedrec_flwr.errors import ConfigError, DataError

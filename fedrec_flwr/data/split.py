@@ -16,11 +16,14 @@ import logging
 import random
 import zlib
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 # pandas is imported inside the functions that parse data: the ClientApp reads a cached split and never needs it, and
 # importing it costs ~1 s of every ClientApp cold start (a SuperNode starts one process per message)
+if TYPE_CHECKING:  # annotations only
+    import pandas as pd
 
 from fedrec_flwr.data.loaders import Interactions
 from fedrec_flwr.errors import ConfigError, DataError
