@@ -112,6 +112,7 @@ class RunConfig:
     generic_file: str = _key("generic-file")
     generic_columns: str = _key("generic-columns")
     generic_attributes_file: str = _key("generic-attributes-file")
+    generic_attributes_user_column: str = _key("generic-attributes-user-column")
     min_user_interactions: int = _key("min-user-interactions", minimum=2)
     tie_rule: str = _key("tie-rule")
     holdout_validation: bool = _key("holdout-validation")
@@ -400,8 +401,18 @@ class RunConfig:
                                   "interactions file: set 'generic-file' (relative paths resolve against 'data-dir'), "
                                   "or set 'data-dir' to the file itself")
             self.generic_column_names  # noqa: B018 - validates
-        elif self.generic_file or self.generic_attributes_file:
-            key = "generic-file" if self.generic_file else "generic-attributes-file"
+            if self.generic_attributes_user_column and not self.generic_attributes_file:
+                raise ConfigError(f"run-config key 'generic-attributes-user-column' = "
+                                  f"{self.generic_attributes_user_column!r} is set but 'generic-attributes-file' is "
+                                  "empty: name the attributes file, or leave the key empty")
+            if self.generic_attributes_user_column != self.generic_attributes_user_column.strip() or \
+                    "," in self.generic_attributes_user_column:
+                raise ConfigError(f"run-config key 'generic-attributes-user-column' = "
+                                  f"{self.generic_attributes_user_column!r}: give one column name of the attributes "
+                                  "file's header, without surrounding spaces or commas")
+        elif self.generic_file or self.generic_attributes_file or self.generic_attributes_user_column:
+            key = "generic-file" if self.generic_file else "generic-attributes-file" if self.generic_attributes_file \
+                else "generic-attributes-user-column"
             raise ConfigError(f"run-config key '{key}' is set but dataset = {self.dataset!r} does not read it "
                               "(it is for dataset = 'generic')")
         need = 3 if self.holdout_validation else 2

@@ -176,3 +176,30 @@ def test_a_short_row_of_a_headerless_file_names_the_field_by_position_only(tmp_p
     with pytest.raises(DataError, match=r"u.data, line 15: 2 fields, expected 4: the rating field \(field 3\) is "
                                         r"missing"):
         load_interactions("generic", generic=source)
+
+
+def test_the_attributes_user_column_can_be_named_in_the_run_config(tmp_path):
+    """An attributes file ``uid,gender,age``: ``generic-attributes-user-column = "uid"`` reads it; the key is
+    validated in the run config (set without an attributes file, or with a comma) and a name the file lacks is
+    refused naming the key and the file's columns."""
+    data = _interactions_csv(tmp_path / "ratings.csv")
+    attributes = tmp_path / "users.csv"
+    attributes.write_text("uid,gender,age\n" + "".join(f"u{u},{'FM'[u % 2]},{20 + u}\n" for u in range(6))
+                          + "heavy,F,40\n")
+    common = dict(dataset="generic", generic_file=str(data), generic_attributes_file=str(attributes),
+                  cache_dir=str(tmp_path / "cache"), num_test_negatives=5, ks="5", min_user_interactions=2)
+    split = load_split_for(make_run_config(generic_attributes_user_column="uid", **common))
+    genders = dict(zip(split.user_ids.tolist(), split.attributes["gender"].tolist()))
+    ages = dict(zip(split.user_ids.tolist(), split.attributes["age"].tolist()))
+    assert genders["u1"] == "M" and ages["u3"] == 23 and ages["heavy"] == 40 and "uid" not in split.attributes
+    with pytest.raises(DataError, match=r"attributes user column 'userid' \(run-config key "
+                                        r"'generic-attributes-user-column'\) not found; the file's columns are "
+                                        r"\['uid', 'gender', 'age'\]"):
+        load_split_for(make_run_config(generic_attributes_user_column="userid", **common))
+    with pytest.raises(ConfigError, match="'generic-attributes-user-column' = 'uid' is set but "
+                                          "'generic-attributes-file' is empty"):
+        make_run_config(**{**common, "generic_attributes_file": ""}, generic_attributes_user_column="uid")
+    with pytest.raises(ConfigError, match="'generic-attributes-user-column' = 'uid,x': give one column name"):
+        make_run_config(generic_attributes_user_column="uid,x", **common)
+    with pytest.raises(ConfigError, match="'generic-attributes-user-column' is set but dataset = 'ml-100k'"):
+        make_run_config(generic_attributes_user_column="uid")

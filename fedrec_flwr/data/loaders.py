@@ -505,14 +505,17 @@ def _attributes_user_col(table: _Table, path: Path, generic: GenericSource) -> s
     """
     columns = [str(c) for c in table.df.columns]
     if generic.attributes_user_col is not None:
-        tried = [generic.attributes_user_col]
-    else:
-        tried = ([generic.user_col] if isinstance(generic.user_col, str) else []) + ["user"]
+        if generic.attributes_user_col in columns:
+            return generic.attributes_user_col
+        raise DataError(f"{path}: attributes user column {generic.attributes_user_col!r} (run-config key "
+                        f"'generic-attributes-user-column') not found; the file's columns are {columns}")
+    tried = ([generic.user_col] if isinstance(generic.user_col, str) else []) + ["user"]
     for name in tried:
         if name in columns:
             return name
     raise DataError(f"{path}: attributes user column not found: tried {tried} (the user column of the interactions "
-                    f"file, named in 'generic-columns', then 'user'); the file's columns are {columns}")
+                    f"file, named in 'generic-columns', then 'user'); the file's columns are {columns}: name its user "
+                    "column in 'generic-attributes-user-column'")
 
 
 def _generic_attributes(table: _Table, path: Path, user_col: str) -> pd.DataFrame:
