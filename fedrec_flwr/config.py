@@ -235,22 +235,49 @@ class RunConfig:
 
     @property
     def generic_column_names(self) -> tuple[str, str, str | None, str | None]:
-        """``generic-columns`` as ``(user, item, rating or None, timestamp or None)``, e.g. ``"user_id,item,,ts"``
-        gives ``("user_id", "item", None, "ts")``.
+        """``generic-columns`` as ``(user, item, rating or None, timestamp or None)``: header names of the generic
+        file, matched to the roles user, item, rating, timestamp.
+
+        A name that is itself a role's name (``user``, ``item``, ``rating``, ``timestamp``, any case) takes that role
+        wherever it stands, so ``"user,item,timestamp"`` (a file without ratings, its header listed) reads the
+        ``timestamp`` column as timestamps. Every other name takes the role of its position,
+        ``user,item[,rating[,timestamp]]``: ``"uid,iid,,ts"`` gives ``("uid", "iid", None, "ts")``.
 
         Raises:
-            ConfigError: fewer than 2 or more than 4 names, an empty user or item name, or a name used twice.
+            ConfigError: fewer than 2 or more than 4 names, a name used twice, two names for one role (naming both),
+                or no user or item column.
         """
+        roles = ("user", "item", "rating", "timestamp")
         columns = [c.strip() for c in str(self.generic_columns).split(",")]
-        if len(columns) < 2 or len(columns) > 4 or not all(columns[:2]):
-            raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: give "
-                              "user,item[,rating[,timestamp]] (e.g. \"user,item,rating\" for a file without "
-                              "timestamps)")
+        usage = ("give the header names of the user,item[,rating[,timestamp]] columns (e.g. \"user,item,rating\" "
+                 "for a file without timestamps, \"uid,iid,,ts\" for one without ratings)")
+        if len(columns) < 2 or len(columns) > 4:
+            raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: {usage}")
         named = [c for c in columns if c]
         if len(set(named)) != len(named):
             raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: a column is named twice")
-        columns += [""] * (4 - len(columns))
-        return columns[0], columns[1], columns[2] or None, columns[3] or None
+        chosen: dict[str, str] = {}
+        by_name = [c for c in columns if c.lower() in roles]
+        for name in by_name:
+            role = name.lower()
+            if role in chosen:
+                raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: columns "
+                                  f"{chosen[role]!r} and {name!r} both name the {role} column")
+            chosen[role] = name
+        for position, name in enumerate(columns):
+            if not name or name in by_name:
+                continue
+            role = roles[position]
+            if role in chosen:
+                raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: column {name!r} is "
+                                  f"in the {role} position (position {position + 1} of user,item,rating,timestamp), "
+                                  f"but column {chosen[role]!r} names the {role} column by its name; {usage}")
+            chosen[role] = name
+        for role in ("user", "item"):
+            if role not in chosen:
+                raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: no {role} column; "
+                                  f"{usage}")
+        return chosen["user"], chosen["item"], chosen.get("rating"), chosen.get("timestamp")
 
     def generic_files(self) -> tuple[Path, Path | None]:
         """The generic dataset's ``(interactions file, attributes file or None)`` on this machine.
