@@ -210,7 +210,7 @@ def read_interactions(source: SourceFiles, generic: GenericSource | None = None)
     else:  # pragma: no cover - check_dataset_args guards this
         raise ConfigError(f"unknown dataset {name!r}")
     first_file = next(iter(paths.values()))
-    frame, duplicate_rows = _deduplicate(frame, first_file)
+    frame, duplicate_rows = _deduplicate(frame, first_file, table.lines)
     return Interactions(frame, attributes, source.combined_sha256, name, duplicate_rows)
 
 
@@ -463,8 +463,11 @@ def _build_frame(table: _Table, path: Path, *, user, item, rating, timestamp, ex
     return frame
 
 
-def _deduplicate(frame: pd.DataFrame, path: Path) -> tuple[pd.DataFrame, np.ndarray]:
-    """Keep one row per (user, item): the latest timestamp, else the first; return (frame, [dropped, kept])."""
+def _deduplicate(frame: pd.DataFrame, path: Path, lines: np.ndarray | None = None) -> tuple[pd.DataFrame, np.ndarray]:
+    """Keep one row per (user, item): the latest timestamp, else the first; return (frame, [dropped, kept]).
+
+    When rows are dropped, one warning says how many, which row of each pair was kept and the first few
+    (dropped line, kept line) pairs; ``lines``: (n,) 1-based file line of each row (default: row + 1)."""
     order = frame.sort_values(["timestamp", "row"], ascending=[False, True], kind="stable", na_position="last")
     dup = order.duplicated(["user", "item"], keep="first")
     if not dup.any():
@@ -472,7 +475,17 @@ def _deduplicate(frame: pd.DataFrame, path: Path) -> tuple[pd.DataFrame, np.ndar
     kept_row = order.groupby(["user", "item"], sort=False)["row"].transform("first")
     pairs = np.stack([order.loc[dup, "row"].to_numpy(np.int64), kept_row[dup].to_numpy(np.int64)], axis=1)
     pairs = pairs[np.argsort(pairs[:, 0], kind="stable")]
-    logger.info("%s: removed %d duplicate (user, item) rows (kept the latest, else the first)", path, len(pairs))
+    line_of = (lambda row: int(lines[row])) if lines is not None else (lambda row: int(row) + 1)
+    timed = bool(np.isfinite(frame["timestamp"].to_numpy(dtype=np.float64, na_value=np.nan)).any()) \
+        if frame["timestamp"].dtype.kind == "f" else True
+    rule = ("its row with the latest timestamp (the first of equal ones)" if timed else
+            "its first row (the file has no timestamps)")
+    users, items = frame["user"].to_numpy(dtype=object), frame["item"].to_numpy(dtype=object)
+    shown = "; ".join(f"line {line_of(d)} dropped, line {line_of(k)} kept (user {str(users[k])!r}, item "
+                      f"{str(items[k])!r})" for d, k in pairs[:3])
+    more = f"; {len(pairs) - 3} more" if len(pairs) > 3 else ""
+    logger.warning("%s: dropped %d duplicate (user, item) row%s, keeping for each pair %s: %s%s", path, len(pairs),
+                   "s" if len(pairs) != 1 else "", rule, shown, more)
     kept = frame.loc[~dup.reindex(frame.index).to_numpy()].reset_index(drop=True)
     return kept, pairs
 
