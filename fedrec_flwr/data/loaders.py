@@ -50,8 +50,9 @@ class GenericSource:
     Attributes:
         path: interactions file.
         user_col, item_col: column name (``header=True``) or 0-based column index (``header=False``).
-        rating_col, timestamp_col: optional numeric columns; timestamps in any monotone unit (unix seconds,
-            milliseconds, nanoseconds, ...), kept exactly (:func:`_timestamp_column`).
+        rating_col, timestamp_col: optional columns; ratings are numbers, timestamps numbers in any monotone unit
+            (unix seconds, milliseconds, nanoseconds, ...) or ISO 8601 dates and times with or without a zone
+            (:data:`TIMESTAMP_FORMATS`), ordered exactly (:func:`_timestamp_column`).
         sep: field separator; ``None`` sniffs ``,`` ``\\t`` ``;`` ``|`` from the first lines, else whitespace.
         header: whether the first line holds column names.
         attributes_path: optional user-attributes file, with a header line; one row per user.
@@ -165,7 +166,8 @@ def load_interactions(
 
     Raises:
         ConfigError: unknown dataset, or ``generic`` given/missing wrongly.
-        DataError: missing/empty file, missing column, non-numeric rating or timestamp, empty or malformed user or
+        DataError: missing/empty file, missing column, non-numeric rating, a timestamp that is neither a number
+            nor an ISO 8601 date (or a column mixing both, see :data:`TIMESTAMP_FORMATS`), empty or malformed user or
             item id (file, line, column, value): ids must be non-negative integers (MovieLens-100K, FilmTrust,
             Lastfm-2K), Amazon reviewer ids and ASINs (Amazon-Video), or, in a generic file, integers when at least
             half of that column's ids are (else any non-empty text; see :func:`_id_column`).
@@ -405,23 +407,60 @@ def _numeric_column(table: _Table, path: Path, col: str | int, role: str) -> np.
 
 
 _INTEGER = re.compile(r"[+-]?\d+")
+_ISO_SHAPE = re.compile(r"\d{4}-\d{2}-\d{2}(?:[T ].*)?")
+"""What a value meant as a date looks like (a date, then anything): classified as a date, then checked in full."""
+_ISO_TIME = r"[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d{1,9})?)?"
+_ISO_ZONE = r"(?:Z|[+-]\d{2}(?::?\d{2})?)"
+_ISO_DATE = re.compile(rf"\d{{4}}-\d{{2}}-\d{{2}}(?:{_ISO_TIME}{_ISO_ZONE}?)?")
+_ISO_AWARE = re.compile(rf"\d{{4}}-\d{{2}}-\d{{2}}{_ISO_TIME}{_ISO_ZONE}")
+
+TIMESTAMP_FORMATS = (
+    "numbers (unix time in any unit, integer or decimal: 1614834367, 1614834367123, 1614834367.25) or ISO 8601 "
+    "dates and times (2021-03-04, 2021-03-04T05:06, 2021-03-04T05:06:07, 2021-03-04 05:06:07.123456789; a zone Z, "
+    "+02:00, +0200 or +02 on every value or on none), one kind for the whole column"
+)
+"""The timestamp values a file may hold (:func:`_timestamp_column`), as the refusals of other values name them."""
 
 
 def _timestamp_column(table: _Table, path: Path, col: str | int) -> np.ndarray:
-    """``(n,)`` int64 exact order keys of a timestamp column, in any unit.
+    """``(n,)`` int64 exact order keys of a timestamp column: numbers in any unit, or ISO 8601 dates and times.
 
     Integer timestamps (unix seconds, milliseconds, nanoseconds, ...) are kept as they are, as int64: never through
     float64, which above 2**53 merges neighbouring values (nanosecond timestamps of one user would all tie). Decimal
     timestamps (e.g. ``1556559573.141592653``) are replaced by their exact dense rank (``Decimal`` comparison), so
-    equal values stay equal and order is exact; only order matters for the split.
+    equal values stay equal and order is exact; only order matters for the split. ISO 8601 dates and times
+    (:data:`TIMESTAMP_FORMATS`) are parsed by pandas (``to_datetime(format="ISO8601", utc=True)``): values with a
+    zone are ordered by the instant they name (``2021-03-04 05:06:07+02:00`` is before ``2021-03-04T04:00:00Z``),
+    values without one as written; the key is the count of pandas' unit (microseconds, or nanoseconds when a value
+    has more than 6 decimals) since 1970-01-01 UTC.
 
     Raises:
-        DataError: a value is empty, not a number, or an integer outside int64 (file, line, value).
+        DataError: a value is empty, neither a number nor an ISO 8601 date, of the other kind than the column's first
+            value (numbers and dates mixed), a date with a zone among dates without one or the reverse, an invalid
+            date (day 30 of February), or an integer outside int64: file, line, value, and the accepted formats.
     """
+    import pandas as pd
     key = _column_key(table, path, col, "timestamp")
     raw = table.df[key].str.strip()
-    _numeric_column(table, path, col, "timestamp")  # the first empty / non-numeric value, named
+    empty = (raw == "").to_numpy()
+    if empty.any():
+        raise _empty_cell(table, path, int(np.flatnonzero(empty)[0]), key, "timestamp")
+    numbers = np.isfinite(pd.to_numeric(raw, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan))
+    dates = raw.str.fullmatch(_ISO_SHAPE).to_numpy(dtype=bool) & ~numbers
+    kind_of = lambda i: "a number" if numbers[i] else "a date" if dates[i] else None  # noqa: E731
+    expected = dates if dates[0] else numbers
+    if not expected.all():
+        i = int(np.flatnonzero(~expected)[0])
+        value, line = raw.iloc[i], table.lines[i]
+        if kind_of(i) is not None:  # the other kind
+            raise DataError(f"{path}, line {line}: timestamp column {col!r} has value {value!r}, {kind_of(i)}, but "
+                            f"line {table.lines[0]} has {kind_of(0)} ({raw.iloc[0]!r}): numbers and dates are "
+                            f"mixed; a timestamp column holds {TIMESTAMP_FORMATS}")
+        raise DataError(f"{path}, line {line}: timestamp column {col!r} has non-numeric value {value!r}; accepted: "
+                        f"{TIMESTAMP_FORMATS}")
     text = raw.to_numpy(dtype=object).astype(str)
+    if dates[0]:
+        return _date_keys(table, path, col, raw)
     if raw.str.fullmatch(_INTEGER).all():
         try:
             return text.astype(np.int64)
@@ -433,11 +472,36 @@ def _timestamp_column(table: _Table, path: Path, col: str | int) -> np.ndarray:
             raise
     try:
         exact = [Decimal(v) for v in text]
-    except InvalidOperation:  # pragma: no cover - _numeric_column accepted every value
+    except InvalidOperation:  # pragma: no cover - every value is a finite number
         raise DataError(f"{path}: timestamp column {col!r} holds a value that is not a decimal number") from None
     order = sorted(set(exact))
     rank = {value: index for index, value in enumerate(order)}
     return np.fromiter((rank[v] for v in exact), dtype=np.int64, count=len(exact))
+
+
+def _date_keys(table: _Table, path: Path, col: str | int, raw: pd.Series) -> np.ndarray:
+    """``(n,)`` int64 order keys of a column of ISO 8601 dates (see :func:`_timestamp_column`)."""
+    import pandas as pd
+    strict = raw.str.fullmatch(_ISO_DATE).to_numpy(dtype=bool)
+    if not strict.all():
+        i = int(np.flatnonzero(~strict)[0])
+        raise DataError(f"{path}, line {table.lines[i]}: timestamp column {col!r} has value {raw.iloc[i]!r}, not an "
+                        f"ISO 8601 date or time of the accepted forms; accepted: {TIMESTAMP_FORMATS}")
+    aware = raw.str.fullmatch(_ISO_AWARE).to_numpy(dtype=bool)
+    if aware.any() and not aware.all():
+        i = int(np.flatnonzero(aware != aware[0])[0])
+        raise DataError(f"{path}, line {table.lines[i]}: timestamp column {col!r} has value {raw.iloc[i]!r} "
+                        f"{'with' if aware[i] else 'without'} a time zone, but line {table.lines[0]} has "
+                        f"{raw.iloc[0]!r} {'without' if aware[i] else 'with'} one: give every timestamp a zone (Z, "
+                        "+02:00) or none, so that their order is defined")
+    parsed = pd.to_datetime(raw, format="ISO8601", utc=True, errors="coerce")
+    invalid = parsed.isna().to_numpy()
+    if invalid.any():
+        i = int(np.flatnonzero(invalid)[0])
+        raise DataError(f"{path}, line {table.lines[i]}: timestamp column {col!r} has value {raw.iloc[i]!r}, not a "
+                        "valid date and time (a month, day, hour or minute out of range, or a year outside 1677-2262 "
+                        "in a column with nanosecond digits)")
+    return parsed.astype("int64").to_numpy(dtype=np.int64)
 
 
 def _build_frame(table: _Table, path: Path, *, user, item, rating, timestamp, expect_cols: int | None = None,
