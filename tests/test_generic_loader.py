@@ -115,7 +115,7 @@ def test_cache_key_depends_on_column_choice(tmp_path):
 
 def test_generic_columns_that_list_the_header_are_matched_by_name(tmp_path):
     """Header ``user,item,timestamp`` and ``generic-columns = "user,item,timestamp"``: the third column is read as
-    the timestamps (it used to be read as ratings, and the split fell back to a seeded random order); a role's name
+    the timestamps, not as ratings (and the split does not fall back to a seeded random order); a role's name
     in another role's position is refused naming both."""
     from fedrec_flwr.config import make_run_config
     from fedrec_flwr.errors import ConfigError
@@ -139,3 +139,20 @@ def test_generic_columns_that_list_the_header_are_matched_by_name(tmp_path):
         make_run_config(generic_columns="user,item,when,rating", **common)
     with pytest.raises(ConfigError, match="columns 'user' and 'USER' both name the user column"):
         make_run_config(generic_columns="user,item,USER", **common)
+
+
+def test_timestamps_in_the_rating_position_are_pointed_out(tmp_path, caplog):
+    """A header ``uid,iid,time`` listed as ``generic-columns = "uid,iid,time"`` puts ``time`` in the rating position:
+    unix times there are announced, and dates there are refused with the way to name a timestamp column."""
+    import logging
+
+    path = tmp_path / "data.csv"
+    path.write_text("uid,iid,time\n" + "".join(f"{u},{i},{1614834367 + 60 * int(i)}\n" for u, i, _, _ in _rows()))
+    with caplog.at_level(logging.WARNING, logger="fedrec_flwr.data"):
+        load_interactions("generic", generic=GenericSource(str(path), "uid", "iid", rating_col="time"))
+    assert any("the rating column 'time' holds values from 1.61483e+09 to" in r.getMessage()
+               and "(e.g. \"user,item,,time\")" in r.getMessage() for r in caplog.records), caplog.text
+    path.write_text("uid,iid,time\n" + "".join(f"{u},{i},2021-03-04\n" for u, i, _, _ in _rows()))
+    with pytest.raises(DataError, match=r"line 2: rating column 'time' has non-numeric value '2021-03-04' \(a date: "
+                                        r"name a timestamp column in the timestamp position of 'generic-columns'"):
+        load_interactions("generic", generic=GenericSource(str(path), "uid", "iid", rating_col="time"))

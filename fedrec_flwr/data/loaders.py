@@ -71,6 +71,11 @@ class GenericSource:
     attributes_user_col: str | None = None
 
 
+UNIX_TIME_LIKE = 1e8
+"""A generic file's rating column whose every value is at least this (1973-03-03 in unix seconds) is announced as
+probably holding timestamps (no rating scale reaches it)."""
+
+
 def _empty_pairs() -> np.ndarray:
     return np.zeros((0, 2), dtype=np.int64)
 
@@ -205,6 +210,13 @@ def read_interactions(source: SourceFiles, generic: GenericSource | None = None)
         table = _read_table(path, sep=sep, header=generic.header)
         frame = _build_frame(table, path, user=generic.user_col, item=generic.item_col,
                              rating=generic.rating_col, timestamp=generic.timestamp_col, id_kinds=("auto", "auto"))
+        if generic.rating_col is not None and generic.timestamp_col is None and \
+                float(frame["rating"].min()) >= UNIX_TIME_LIKE:
+            logger.warning("%s: the rating column %r holds values from %g to %g, which look like unix times; ratings "
+                           "are not used for training (every row is a positive), while timestamps choose each user's "
+                           "held-out item: if it holds timestamps, name it in the timestamp position of "
+                           "'generic-columns' (e.g. \"user,item,,%s\")", path, generic.rating_col,
+                           float(frame["rating"].min()), float(frame["rating"].max()), generic.rating_col)
         if "attributes" in paths:
             apath = paths["attributes"]
             atable = _read_table(apath, sep=sniff_separator(apath), header=True)
@@ -393,8 +405,8 @@ def _column_key(table: _Table, path: Path, col: str | int, role: str) -> str | i
         hint = ""
         if role in ("timestamp", "rating"):
             hint = ("; timestamps and ratings are optional: name only the columns the file has in 'generic-columns' "
-                    "(e.g. \"user,item,rating\" or \"user,item\"); without timestamps each user's held-out item "
-                    "is chosen by a seeded random order")
+                    "(e.g. \"user,item,rating\", \"user,item,timestamp\" or \"user,item\"); without timestamps each "
+                    "user's held-out item is chosen by a seeded random order")
         raise DataError(f"{path}: {role} column {col!r} not found; columns are {[str(c) for c in df.columns]}{hint}")
     return col
 
@@ -462,8 +474,11 @@ def _numeric_column(table: _Table, path: Path, col: str | int, role: str,
     values = pd.to_numeric(raw, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
     empty = (raw == "").to_numpy()
     problems.add(empty, lambda i: _empty_message(table, path, i, key, role))
+    dated = " (a date: name a timestamp column in the timestamp position of 'generic-columns', e.g. " \
+        "\"user,item,,NAME\", or by the name 'timestamp')" if role == "rating" else ""
     problems.add(~np.isfinite(values) & ~empty,
-                 lambda i: f"{role} column {col!r} has non-numeric value {raw.iloc[i]!r}")
+                 lambda i: f"{role} column {col!r} has non-numeric value {raw.iloc[i]!r}"
+                           + (dated if _ISO_SHAPE.fullmatch(raw.iloc[i]) else ""))
     if own:
         problems.check()
     return np.where(np.isfinite(values), values, np.nan)
