@@ -245,7 +245,8 @@ def select_on_validation(rows: list[Mapping[str, Any]], key: str | None = None,
 
 def plot_learning_curves(rows: list[Mapping[str, Any]], path: str | Path, title: str = "",
                          marks: Mapping[str, float] | None = None, k: int | None = None) -> None:
-    """Plot HR@K and NDCG@K (evaluated rounds; ``k`` default: :func:`headline_k` of the rows) and the train loss (every round) against the round, to a PNG.
+    """Plot HR@K and NDCG@K (evaluated rounds; ``k`` default: :func:`headline_k` of the rows) and the train loss
+    (every round) against the round, to a PNG.
 
     ``marks`` maps a label to a round after which something happened (e.g. ``{"unlearning (hfkcu)": 50}``): a dashed
     vertical line at that round + 0.5 on both panels, named in the left panel's legend."""
@@ -261,8 +262,9 @@ def plot_learning_curves(rows: list[Mapping[str, Any]], path: str | Path, title:
 def learning_curves_figure(rows: list[Mapping[str, Any]], title: str = "", marks: Mapping[str, float] | None = None,
                            k: int | None = None):
     """The figure :func:`plot_learning_curves` saves (a ``matplotlib.figure.Figure``, Agg backend; close it with
-    ``plt.close``): left panel HR@K and NDCG@K (``k`` default: :func:`headline_k` of the rows) with their legend below it (outside the axes, so that no point,
-    e.g. a short run's last evaluation at the right edge, is hidden), right panel the train loss."""
+    ``plt.close``): left panel HR@K and NDCG@K (``k`` default: :func:`headline_k` of the rows) with their legend
+    below it (outside the axes, so that no point, e.g. a short run's last evaluation at the right edge, is hidden),
+    right panel the train loss."""
     import matplotlib
 
     matplotlib.use("Agg")

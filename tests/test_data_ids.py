@@ -84,8 +84,9 @@ def test_generic_integer_id_column_refuses_a_non_integer(tmp_path, bad):
     source = GenericSource(path=str(tmp_path / "d.csv"), user_col="user", item_col="item", rating_col="rating",
                            timestamp_col="ts")
     message = _refused("generic", None, r"d\.csv, line 5: item column 'item' has value", generic=source)
-    assert repr(bad) in message and "(3 of this column's 4 ids are integers, at least half, so every id must be one)" \
-        in message
+    assert repr(bad) in message and message.endswith(
+        "not a non-negative integer id (digits only); 3 of the 4 ids of item column 'item' are integers, at least "
+        "half, so every id must be one")
 
 
 def test_generic_label_ids_stay_accepted(tmp_path):
@@ -145,10 +146,12 @@ def test_a_file_with_several_bad_rows_is_refused_once_in_line_order_with_exact_c
     message = _refused("generic", None, r"d\.csv, line 103: timestamp column 'ts' has non-numeric value 'soon'",
                        generic=source)
     assert "(7 bad values in all, on 6 lines of 6000 data lines; the next in line order: line 2004: item column " \
-           "'item' has value 'x2004', not a non-negative integer id (digits only) (5998 of this column's 6000 ids " \
-           "are integers, at least half, so every id must be one); line 5003: rating column 'rating' has " \
-           "non-numeric value 'bad'; line 5500: item column 'item' has value 'x5500'" in message, message
-    assert message.endswith("; line 5500: rating column 'rating' has non-numeric value 'bad'; ...)"), message
+           "'item' has value 'x2004', not a non-negative integer id (digits only); line 5003: rating column 'rating' " \
+           "has non-numeric value 'bad'; line 5500: item column 'item' has value 'x5500', not a non-negative integer " \
+           "id (digits only); line 5500: rating column 'rating' has non-numeric value 'bad'; ...); a timestamp " \
+           "column holds numbers" in message, message
+    assert message.endswith("; 5998 of the 6000 ids of item column 'item' are integers, at least half, so every id "
+                            "must be one"), message
     assert "100.0%" not in message and "\n" not in message
 
 

@@ -348,18 +348,19 @@ class _Problems:
     """The bad values of one file, collected over every check of one read so that a single refusal reports the first
     :data:`SHOWN_PROBLEMS` in line order and exact counts of all (bad values, and lines holding one).
 
-    Each check calls :meth:`add` with its ``(n,)`` mask of bad rows and a function giving the message of one row
-    (after ``"<file>, line N: "``); messages are built only for the rows shown. :meth:`check` raises.
+    Each check calls :meth:`add` with its ``(n,)`` mask of bad rows, a function giving the message of one row
+    (after ``"<file>, line N: "``; built only for the rows shown) and an optional hint (what the column accepts),
+    given once at the end of the refusal however many shown problems share it. :meth:`check` raises.
     """
 
     def __init__(self, table: _Table, path: Path) -> None:
         self.table, self.path = table, path
-        self.masks: list[tuple[np.ndarray, Any]] = []
+        self.masks: list[tuple[np.ndarray, Any, str]] = []
 
-    def add(self, mask: np.ndarray, describe) -> None:
+    def add(self, mask: np.ndarray, describe, hint: str = "") -> None:
         mask = np.asarray(mask, dtype=bool)
         if mask.any():
-            self.masks.append((mask, describe))
+            self.masks.append((mask, describe, hint))
 
     def check(self) -> None:
         """Raise one :class:`DataError` for everything added: ``<file>, line N: <first problem>``, then, when there
@@ -368,18 +369,21 @@ class _Problems:
             return
         lines = self.table.lines
         candidates = []  # (line, check order, row index, describe): the first few of each check suffice
-        for order, (mask, describe) in enumerate(self.masks):
-            candidates += [(int(lines[i]), order, int(i), describe) for i in np.flatnonzero(mask)[:SHOWN_PROBLEMS]]
+        for order, (mask, describe, hint) in enumerate(self.masks):
+            candidates += [(int(lines[i]), order, int(i), describe, hint)
+                           for i in np.flatnonzero(mask)[:SHOWN_PROBLEMS]]
         shown = sorted(candidates, key=lambda c: c[:2])[:SHOWN_PROBLEMS]
-        total = sum(int(mask.sum()) for mask, _ in self.masks)
-        bad_lines = int(np.logical_or.reduce([mask for mask, _ in self.masks]).sum())
-        first_line, _, first_row, first_describe = shown[0]
+        total = sum(int(mask.sum()) for mask, _, _ in self.masks)
+        bad_lines = int(np.logical_or.reduce([mask for mask, _, _ in self.masks]).sum())
+        first_line, _, first_row, first_describe, _ = shown[0]
         message = f"{self.path}, line {first_line}: {first_describe(first_row)}"
         if total > 1:
-            rest = "; ".join(f"line {line}: {describe(i)}" for line, _, i, describe in shown[1:])
+            rest = "; ".join(f"line {line}: {describe(i)}" for line, _, i, describe, _ in shown[1:])
             message += (f" ({total} bad values in all, on {bad_lines} line{'s' if bad_lines != 1 else ''} of "
                         f"{len(lines)} data lines; the next in line order: {rest}"
                         + ("; ..." if total > len(shown) else "") + ")")
+        for hint in dict.fromkeys(c[4] for c in shown if c[4]):
+            message += f"; {hint}"
         raise DataError(message)
 
 
@@ -449,12 +453,12 @@ def _id_column(table: _Table, path: Path, col: str | int, role: str,
         if integers * 2 < filled or not filled:
             kind = "label"
         else:
-            kind, why = "integer", (f" ({integers} of this column's {filled} ids are integers, at least half, so "
-                                    "every id must be one)")
+            kind, why = "integer", (f"{integers} of the {filled} ids of {role} {_column_name(col)} are integers, "
+                                    "at least half, so every id must be one")
     if kind != "label":
         pattern, expected = _INTEGER_ID if kind == "integer" else kind
         wrong = ~values.str.fullmatch(pattern).to_numpy(dtype=bool) & ~empty
-        problems.add(wrong, lambda i: f"{role} {_column_name(col)} has value {values.iloc[i]!r}, not {expected}{why}")
+        problems.add(wrong, lambda i: f"{role} {_column_name(col)} has value {values.iloc[i]!r}, not {expected}", why)
     if own:
         problems.check()
     return out
@@ -511,7 +515,7 @@ def _timestamp_column(table: _Table, path: Path, col: str | int, problems: _Prob
     zone are ordered by the instant they name (``2021-03-04 05:06:07+02:00`` is before ``2021-03-04T04:00:00Z``),
     values without one as written; the key is the count of pandas' unit (microseconds, or nanoseconds when a value
     has more than 6 decimals) since 1970-01-01 UTC. The column is a number column or a date column as its first
-    value is. ``problems``: as in :func:`_id_column` (the keys are then only valid once it is checked).
+    number or date is. ``problems``: as in :func:`_id_column` (the keys are then only valid once it is checked).
 
     Raises:
         DataError: values that are empty, neither a number nor an ISO 8601 date, of the other kind than the column's
@@ -527,15 +531,16 @@ def _timestamp_column(table: _Table, path: Path, col: str | int, problems: _Prob
     numbers = np.isfinite(pd.to_numeric(raw, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan))
     dates = raw.str.fullmatch(_ISO_SHAPE).to_numpy(dtype=bool) & ~numbers
     kinds = np.where(numbers, "a number", np.where(dates, "a date", ""))
-    first = kinds[0] or "a number"
+    ref = int(np.flatnonzero(numbers | dates)[0]) if (numbers | dates).any() else 0  # the first number or date
+    first = kinds[ref] or "a number"
     expected = dates if first == "a date" else numbers
     other = ~expected & (numbers | dates)
+    accepted = f"a timestamp column holds {TIMESTAMP_FORMATS}"
     problems.add(other, lambda i: f"timestamp column {col!r} has value {raw.iloc[i]!r}, {kinds[i]}, but line "
-                                  f"{table.lines[0]} has {kinds[0]} ({raw.iloc[0]!r}): numbers and dates are mixed; a "
-                                  f"timestamp column holds {TIMESTAMP_FORMATS}")
+                                  f"{table.lines[ref]} has {kinds[ref]} ({raw.iloc[ref]!r}): numbers and dates are "
+                                  "mixed", accepted)
     problems.add(~numbers & ~dates & ~empty,
-                 lambda i: f"timestamp column {col!r} has non-numeric value {raw.iloc[i]!r}; accepted: "
-                           f"{TIMESTAMP_FORMATS}")
+                 lambda i: f"timestamp column {col!r} has non-numeric value {raw.iloc[i]!r}", accepted)
     keys = np.zeros(len(raw), dtype=np.int64)
     ok = expected & ~empty
     if first == "a date":
@@ -563,7 +568,8 @@ def _date_keys(table: _Table, col: str | int, raw: pd.Series, ok: np.ndarray, pr
     import pandas as pd
     strict = raw.str.fullmatch(_ISO_DATE).to_numpy(dtype=bool)
     problems.add(ok & ~strict, lambda i: f"timestamp column {col!r} has value {raw.iloc[i]!r}, not an ISO 8601 date "
-                                         f"or time of the accepted forms; accepted: {TIMESTAMP_FORMATS}")
+                                         "or time of the accepted forms",
+                 f"a timestamp column holds {TIMESTAMP_FORMATS}")
     ok = ok & strict
     aware = raw.str.fullmatch(_ISO_AWARE).to_numpy(dtype=bool)
     first = int(np.flatnonzero(ok)[0]) if ok.any() else 0
