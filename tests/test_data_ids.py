@@ -165,3 +165,15 @@ def test_an_attributes_file_with_several_bad_rows_is_refused_once(tmp_path):
                                           r"30\.5 is not an integer; line 3: gender column 2 \(field 3\) is empty; "
                                           r"line 4: user '1' appears more than once\)")
     assert message.endswith("more than once)")
+
+
+def test_lines_with_too_many_fields_are_all_counted_in_one_refusal(tmp_path):
+    rows = [f"u{k % 9},{k},4" for k in range(3000)]
+    for line in (2004, 103, 5003 - 2500, 2999):
+        rows[line - 2] += ",extra"
+    rows[2999 - 2] += ",more"
+    (tmp_path / "d.csv").write_text("user,item,rating\n" + "\n".join(rows) + "\n")
+    source = GenericSource(path=str(tmp_path / "d.csv"), user_col="user", item_col="item", rating_col="rating")
+    _refused("generic", None, r"d\.csv, line 103: 4 fields, more than the 3 of line 1 \(4 such lines in all; the next: "
+                              r"line 2004 \(4 fields\), line 2503 \(4 fields\), line 2999 \(5 fields\)\); check the "
+                              r"separator \(','\) and quoting$", generic=source)

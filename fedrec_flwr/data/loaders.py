@@ -287,7 +287,8 @@ def _read_table(path: Path, *, sep: str, header: bool, encoding: str = "utf-8") 
     except pd.errors.EmptyDataError:
         raise DataError(f"{path}: file is empty (no rows)") from None
     except pd.errors.ParserError as exc:
-        raise DataError(f"{path}: cannot parse as a {sep!r}-separated table: {exc}") from None
+        raise _long_rows(Path(path), sep, encoding) or DataError(
+            f"{path}: cannot parse as a {sep!r}-separated table: {exc}") from None
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}: not valid {encoding} text at byte {exc.start}: {exc.reason}") from None
     if header:
@@ -300,6 +301,34 @@ def _read_table(path: Path, *, sep: str, header: bool, encoding: str = "utf-8") 
     if len(df) == 0:
         raise DataError(f"{path}: file has no data rows")
     return _Table(df, lines, sep, encoding)
+
+
+def _long_rows(path: Path, sep: str, encoding: str) -> DataError | None:
+    """The refusal of a table some of whose lines have more fields than its first line, all found in one pass: the
+    first :data:`SHOWN_PROBLEMS` such lines in line order and how many there are; ``None`` when there are none or
+    the separator is a pattern (pandas' own error is then given)."""
+    if len(sep) != 1:
+        return None
+    long: list[tuple[int, int]] = []
+    count, expected = 0, None
+    with open(path, encoding=encoding, errors="replace", newline="") as handle:
+        reader = csv.reader(handle, delimiter=sep)
+        for fields in reader:
+            if not fields:
+                continue
+            if expected is None:
+                expected = len(fields)
+            elif len(fields) > expected:
+                count += 1
+                if len(long) < SHOWN_PROBLEMS:
+                    long.append((reader.line_num, len(fields)))
+    if not long:
+        return None
+    (line, found), rest = long[0], long[1:]
+    more = f" ({count} such lines in all; the next: " + ", ".join(f"line {n} ({f} fields)" for n, f in rest) + \
+        ("; ..." if count > len(long) else "") + ")" if count > 1 else ""
+    return DataError(f"{path}, line {line}: {found} fields, more than the {expected} of line 1{more}; check the "
+                     f"separator ({sep!r}) and quoting")
 
 
 def _fields_on_line(path: Path, table: _Table, line: int) -> int | None:
