@@ -378,8 +378,11 @@ class FedRecClient(NumPyClient):
         return out, update.num_examples, {"train-loss": update.loss}
 
     def evaluate(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict]:
-        """NumPyClient form of :meth:`evaluate_named`. Returns ``(1 - NDCG@10, 1, metrics)``: a ranking task has no
-        natural evaluation loss, so the loss slot carries a lower-is-better ranking score."""
+        """NumPyClient form of :meth:`evaluate_named`. Returns ``(1 - NDCG@K, 1, metrics)`` with K = 10 when ``ks``
+        has it, else its first (:func:`fedrec_flwr.results.headline_k`): a ranking task has no natural evaluation
+        loss, so the loss slot carries a lower-is-better ranking score."""
+        from fedrec_flwr.results import headline_k
+
         shared = dict(zip(self.runtime.layout.shared_shapes, parameters, strict=True))
         metrics = self.evaluate_named(shared, config)
-        return 1.0 - metrics.get("NDCG@10", 0.0), 1, metrics
+        return 1.0 - metrics.get(f"NDCG@{headline_k(None, [metrics])}", 0.0), 1, metrics

@@ -116,6 +116,7 @@ class RunConfig:
     generic_file: str = _key("generic-file")
     generic_columns: str = _key("generic-columns")
     generic_attributes_file: str = _key("generic-attributes-file")
+    generic_attributes_user_column: str = _key("generic-attributes-user-column")
     min_user_interactions: int = _key("min-user-interactions", minimum=2)
     tie_rule: str = _key("tie-rule")
     holdout_validation: bool = _key("holdout-validation")
@@ -238,22 +239,49 @@ class RunConfig:
 
     @property
     def generic_column_names(self) -> tuple[str, str, str | None, str | None]:
-        """``generic-columns`` as ``(user, item, rating or None, timestamp or None)``, e.g. ``"user_id,item,,ts"``
-        gives ``("user_id", "item", None, "ts")``.
+        """``generic-columns`` as ``(user, item, rating or None, timestamp or None)``: header names of the generic
+        file, matched to the roles user, item, rating, timestamp.
+
+        A name that is itself a role's name (``user``, ``item``, ``rating``, ``timestamp``, any case) takes that role
+        wherever it stands, so ``"user,item,timestamp"`` (a file without ratings, its header listed) reads the
+        ``timestamp`` column as timestamps. Every other name takes the role of its position,
+        ``user,item[,rating[,timestamp]]``: ``"uid,iid,,ts"`` gives ``("uid", "iid", None, "ts")``.
 
         Raises:
-            ConfigError: fewer than 2 or more than 4 names, an empty user or item name, or a name used twice.
+            ConfigError: fewer than 2 or more than 4 names, a name used twice, two names for one role (naming both),
+                or no user or item column.
         """
+        roles = ("user", "item", "rating", "timestamp")
         columns = [c.strip() for c in str(self.generic_columns).split(",")]
-        if len(columns) < 2 or len(columns) > 4 or not all(columns[:2]):
-            raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: give "
-                              "user,item[,rating[,timestamp]] (e.g. \"user,item,rating\" for a file without "
-                              "timestamps)")
+        usage = ("give the header names of the user,item[,rating[,timestamp]] columns (e.g. \"user,item,rating\" "
+                 "for a file without timestamps, \"uid,iid,,ts\" for one without ratings)")
+        if len(columns) < 2 or len(columns) > 4:
+            raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: {usage}")
         named = [c for c in columns if c]
         if len(set(named)) != len(named):
             raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: a column is named twice")
-        columns += [""] * (4 - len(columns))
-        return columns[0], columns[1], columns[2] or None, columns[3] or None
+        chosen: dict[str, str] = {}
+        by_name = [c for c in columns if c.lower() in roles]
+        for name in by_name:
+            role = name.lower()
+            if role in chosen:
+                raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: columns "
+                                  f"{chosen[role]!r} and {name!r} both name the {role} column")
+            chosen[role] = name
+        for position, name in enumerate(columns):
+            if not name or name in by_name:
+                continue
+            role = roles[position]
+            if role in chosen:
+                raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: column {name!r} is "
+                                  f"in the {role} position (position {position + 1} of user,item,rating,timestamp), "
+                                  f"but column {chosen[role]!r} names the {role} column by its name; {usage}")
+            chosen[role] = name
+        for role in ("user", "item"):
+            if role not in chosen:
+                raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: no {role} column; "
+                                  f"{usage}")
+        return chosen["user"], chosen["item"], chosen.get("rating"), chosen.get("timestamp")
 
     def generic_files(self) -> tuple[Path, Path | None]:
         """The generic dataset's ``(interactions file, attributes file or None)`` on this machine.
@@ -404,8 +432,18 @@ class RunConfig:
                                   "interactions file: set 'generic-file' (relative paths resolve against 'data-dir'), "
                                   "or set 'data-dir' to the file itself")
             self.generic_column_names  # noqa: B018 - validates
-        elif self.generic_file or self.generic_attributes_file:
-            key = "generic-file" if self.generic_file else "generic-attributes-file"
+            if self.generic_attributes_user_column and not self.generic_attributes_file:
+                raise ConfigError(f"run-config key 'generic-attributes-user-column' = "
+                                  f"{self.generic_attributes_user_column!r} is set but 'generic-attributes-file' is "
+                                  "empty: name the attributes file, or leave the key empty")
+            if self.generic_attributes_user_column != self.generic_attributes_user_column.strip() or \
+                    "," in self.generic_attributes_user_column:
+                raise ConfigError(f"run-config key 'generic-attributes-user-column' = "
+                                  f"{self.generic_attributes_user_column!r}: give one column name of the attributes "
+                                  "file's header, without surrounding spaces or commas")
+        elif self.generic_file or self.generic_attributes_file or self.generic_attributes_user_column:
+            key = "generic-file" if self.generic_file else "generic-attributes-file" if self.generic_attributes_file \
+                else "generic-attributes-user-column"
             raise ConfigError(f"run-config key '{key}' is set but dataset = {self.dataset!r} does not read it "
                               "(it is for dataset = 'generic')")
         need = 3 if self.holdout_validation else 2

@@ -14,6 +14,7 @@ import io
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
@@ -33,6 +34,31 @@ PROGRESS = logging.getLogger("fedrec_flwr.progress")
 COUNT_COLUMNS = frozenset({"train-users", "num-replies", "num-failures", "eval-users", "gradient-users",
                            "num-examples", "num-users"})
 """Metric columns that count users, replies or examples: written as integers (the wire carries them as floats)."""
+
+
+HEADLINE_K = 10
+"""The cut-off of the progress line, ``summary.json``'s ``final`` row, the validation selection and the learning
+curves when the run's ``ks`` lists it (HR@10 / NDCG@10, the metric the papers report); otherwise the first K listed."""
+
+
+def headline_k(ks: str | Iterable[int] | None = None, rows: Iterable[Mapping[str, Any]] = ()) -> int | None:
+    """The K whose ``HR@K`` / ``NDCG@K`` a run's one-line summaries show: :data:`HEADLINE_K` when ``ks`` has it, else
+    the first K of ``ks``. Without ``ks`` (``None`` or ``""``), the K of the rows' ``HR@K`` columns, by the same rule
+    (first-seen order); ``None`` when neither names one.
+
+    ``ks``: the run-config value (``"5,20"``) or its integers."""
+    if isinstance(ks, str):
+        ks = [int(k) for k in ks.replace(" ", "").split(",") if k.isdigit()]
+    listed = list(ks or ())
+    if not listed:
+        for row in rows:
+            for key in row:
+                match = re.fullmatch(r"HR@(\d+)", str(key))
+                if match and int(match.group(1)) not in listed:
+                    listed.append(int(match.group(1)))
+    if not listed:
+        return None
+    return HEADLINE_K if HEADLINE_K in listed else listed[0]
 
 
 def _cell(key: str, value: Any) -> float | int:
@@ -181,6 +207,7 @@ class RunRecorder:
         self.rows: list[dict[str, Any]] = [dict(r) for r in rows]
         self._last = time.monotonic()
         self._start = self._last
+        self.k = headline_k(run_config.get("ks"), self.rows)
         atomic_write_json(self.folder / "config.json",
                           {"run-config": dict(run_config), **dict(info), "produced-by": provenance()})
 
@@ -192,11 +219,16 @@ class RunRecorder:
         row.update({k: _cell(k, v) for k, v in train.items()})
         row.update({k: _cell(k, v) for k, v in evaluate.items()})
         self.rows.append(row)
-        hr, ndcg = evaluate.get("HR@10"), evaluate.get("NDCG@10")
+        if self.k is None:  # no ks in the run config: the first evaluated round's metrics say
+            self.k = headline_k(None, [evaluate])
+        k = self.k if self.k is not None else HEADLINE_K
+        hr, ndcg = evaluate.get(f"HR@{k}"), evaluate.get(f"NDCG@{k}")
         PROGRESS.info(
-            "round %4d | HR@10 %s | NDCG@10 %s | train loss %.4f | %.1f s",
+            "round %4d | HR@%d %s | NDCG@%d %s | train loss %.4f | %.1f s",
             server_round,
+            k,
             f"{hr:.4f}" if hr is not None else "   -  ",
+            k,
             f"{ndcg:.4f}" if ndcg is not None else "   -  ",
             float(train.get("train-loss", math.nan)),
             row["seconds"],
@@ -222,10 +254,11 @@ class RunRecorder:
         unlearning = summary.get("unlearning")
         marks = {f"unlearning ({unlearning.get('method', '')})": unlearning["round"]} \
             if isinstance(unlearning, Mapping) and "round" in unlearning else {}
-        plot_learning_curves(self.rows, self.folder / "learning_curves.png", title=self.folder.name, marks=marks)
-        evaluated = [r for r in self.rows if "HR@10" in r]
+        k = self.k if self.k is not None else headline_k(None, self.rows)
+        plot_learning_curves(self.rows, self.folder / "learning_curves.png", title=self.folder.name, marks=marks, k=k)
+        evaluated = [r for r in self.rows if f"HR@{k}" in r]
         final = dict(evaluated[-1]) if evaluated else {}
-        selected = select_on_validation(self.rows)
+        selected = select_on_validation(self.rows, k=k)
         atomic_write_json(  # last: summary.json marks a finished run
             self.folder / "summary.json",
             {"final": final, "selected-on-validation": selected,
@@ -234,13 +267,19 @@ class RunRecorder:
         return self.folder
 
 
-def select_on_validation(rows: list[Mapping[str, Any]], key: str = "val-HR@10") -> dict[str, Any] | None:
+def select_on_validation(rows: list[Mapping[str, Any]], key: str | None = None,
+                         k: int | None = None) -> dict[str, Any] | None:
     """The evaluated round with the best validation metric (earliest on ties), or ``None`` without validation.
 
     The round is chosen on each user's validation item (``holdout-validation``), never on the test item; the row's
-    test metrics are then an honest estimate, unlike picking the round with the best test HR@10.
+    test metrics are then an honest estimate, unlike picking the round with the best test HR@K. ``k``: the cut-off
+    (default :func:`headline_k` of the rows); ``key``: the validation column (default ``val-HR@<k>``).
     """
-    candidates = [r for r in rows if key in r and "HR@10" in r]
+    k = k if k is not None else headline_k(None, rows)
+    if k is None:
+        return None
+    key = key if key is not None else f"val-HR@{k}"
+    candidates = [r for r in rows if key in r and f"HR@{k}" in r]
     if not candidates:
         return None
     best = max(candidates, key=lambda r: (r[key], -r["round"]))
@@ -248,24 +287,27 @@ def select_on_validation(rows: list[Mapping[str, Any]], key: str = "val-HR@10") 
 
 
 def plot_learning_curves(rows: list[Mapping[str, Any]], path: str | Path, title: str = "",
-                         marks: Mapping[str, float] | None = None) -> None:
-    """Plot HR@10 and NDCG@10 (evaluated rounds) and the train loss (every round) against the round, to a PNG.
+                         marks: Mapping[str, float] | None = None, k: int | None = None) -> None:
+    """Plot HR@K and NDCG@K (evaluated rounds; ``k`` default: :func:`headline_k` of the rows) and the train loss
+    (every round) against the round, to a PNG.
 
     ``marks`` maps a label to a round after which something happened (e.g. ``{"unlearning (hfkcu)": 50}``): a dashed
     vertical line at that round + 0.5 on both panels, named in the left panel's legend."""
     import matplotlib.pyplot as plt
 
-    fig = learning_curves_figure(rows, title, marks)
+    fig = learning_curves_figure(rows, title, marks, k=k)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
     atomic_write_bytes(path, buffer.getvalue())
 
 
-def learning_curves_figure(rows: list[Mapping[str, Any]], title: str = "", marks: Mapping[str, float] | None = None):
+def learning_curves_figure(rows: list[Mapping[str, Any]], title: str = "", marks: Mapping[str, float] | None = None,
+                           k: int | None = None):
     """The figure :func:`plot_learning_curves` saves (a ``matplotlib.figure.Figure``, Agg backend; close it with
-    ``plt.close``): left panel HR@10 and NDCG@10 with their legend below it (outside the axes, so that no point,
-    e.g. a short run's last evaluation at the right edge, is hidden), right panel the train loss."""
+    ``plt.close``): left panel HR@K and NDCG@K (``k`` default: :func:`headline_k` of the rows) with their legend
+    below it (outside the axes, so that no point, e.g. a short run's last evaluation at the right edge, is hidden),
+    right panel the train loss."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -274,10 +316,12 @@ def learning_curves_figure(rows: list[Mapping[str, Any]], title: str = "", marks
     from matplotlib.ticker import MaxNLocator
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
-    evaluated = [r for r in rows if "HR@10" in r]
+    k = k if k is not None else headline_k(None, rows)
+    shown = (f"HR@{k}", f"NDCG@{k}") if k is not None else ()
+    evaluated = [r for r in rows if shown and shown[0] in r]
     if evaluated:
         rounds = [r["round"] for r in evaluated]
-        for key, marker in (("HR@10", "o"), ("NDCG@10", "s")):
+        for key, marker in zip(shown, ("o", "s")):
             values = [r[key] for r in evaluated]
             left.plot(rounds, values, marker=marker, label=f"{key} (last {values[-1]:.3f})")
     last_round = max((r["round"] for r in rows), default=1)
@@ -288,7 +332,7 @@ def learning_curves_figure(rows: list[Mapping[str, Any]], title: str = "", marks
         for axis in (left, right):
             axis.axvline(float(after) + 0.5, color="0.35", linestyle="--", linewidth=1,
                          label=label if axis is left else None)
-    peak = max((r[k] for r in evaluated for k in ("HR@10", "NDCG@10")), default=0.0)
+    peak = max((r[key] for r in evaluated for key in shown if key in r), default=0.0)
     left.set_ylim(0, max(left.get_ylim()[1], 1.06 * peak))  # room for the highest marker (a single point, HR 1.0)
     left.set_xlabel("round")
     left.set_ylabel("metric on held-out items")

@@ -40,8 +40,8 @@ def load_split_for(config: RunConfig) -> Split:
     config.check_files(data_dir_for(config))
     key = (
         config.dataset, config.data_dir, config.cache_dir, config.generic_file, config.generic_columns,
-        config.generic_attributes_file, config.min_user_interactions, config.tie_rule, config.seed,
-        config.num_test_negatives, config.holdout_validation,
+        config.generic_attributes_file, config.generic_attributes_user_column, config.min_user_interactions,
+        config.tie_rule, config.seed, config.num_test_negatives, config.holdout_validation,
     )
     with _LOCK:
         if key not in _SPLIT_CACHE:
@@ -83,6 +83,7 @@ def generic_source(config: RunConfig) -> GenericSource | None:
         rating_col=rating,
         timestamp_col=timestamp,
         attributes_path=str(attributes) if attributes is not None else None,
+        attributes_user_col=config.generic_attributes_user_column or None,
     )
 
 

@@ -4,7 +4,8 @@
 Starts one ``flower-superlink`` and N ``flower-supernode`` processes on 127.0.0.1 (free ports; optionally TLS and
 SuperNode authentication), submits the app with ``flwr run <app> <connection> --stream``, waits for the results
 folder, ends every process it started, and prints each round's wall time (``metrics.csv``: ``seconds``, the
-round's wall time; ``train-seconds``, its training part) and the final HR@10 / NDCG@10.
+round's wall time; ``train-seconds``, its training part) and the final HR@10 / NDCG@10
+(HR@K / NDCG@K, K the first of ``ks``, when ``ks`` has no 10).
 
 Usage::
 
@@ -58,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 from fedrec_flwr.deploy import Deployment, DeploymentError, app_snapshot  # noqa: E402
 from fedrec_flwr.errors import FedRecError  # noqa: E402
 from fedrec_flwr.launch import parse_override, raise_stopped, run_error  # noqa: E402
+from fedrec_flwr.results import headline_k  # noqa: E402
 
 PATH_KEYS = ("data-dir", "cache-dir", "results-dir", "generic-file", "generic-attributes-file")
 
@@ -126,10 +128,11 @@ def report(folder: Path, startup: float, run_seconds: float, supernodes: int) ->
     with open(folder / "metrics.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     summary = json.loads((folder / "summary.json").read_text())
-    print(f"\n{'round':>5}  {'seconds':>8}  {'train-s':>8}  {'HR@10':>7}  {'NDCG@10':>7}")
+    k = headline_k(None, rows) or 10  # HR@10 when the run's ks has it, else its first K
+    print(f"\n{'round':>5}  {'seconds':>8}  {'train-s':>8}  {f'HR@{k}':>7}  {f'NDCG@{k}':>7}")
     for row in rows:
-        hr = f"{float(row['HR@10']):.4f}" if row.get("HR@10") else "-"
-        ndcg = f"{float(row['NDCG@10']):.4f}" if row.get("NDCG@10") else "-"
+        hr = f"{float(row[f'HR@{k}']):.4f}" if row.get(f"HR@{k}") else "-"
+        ndcg = f"{float(row[f'NDCG@{k}']):.4f}" if row.get(f"NDCG@{k}") else "-"
         print(f"{row['round']:>5}  {float(row['seconds']):8.1f}  {float(row.get('train-seconds') or 0):8.1f}  "
               f"{hr:>7}  {ndcg:>7}")
     seconds = [float(r["seconds"]) for r in rows]
@@ -140,12 +143,13 @@ def report(folder: Path, startup: float, run_seconds: float, supernodes: int) ->
         "mean-round-seconds": sum(seconds) / len(seconds) if seconds else None,
         "startup-seconds": round(startup, 3), "run-seconds": round(run_seconds, 3),
         "server-total-seconds": summary.get("total-seconds"),
-        "HR@10": final.get("HR@10"), "NDCG@10": final.get("NDCG@10"), "folder": str(folder),
+        f"HR@{k}": final.get(f"HR@{k}"), f"NDCG@{k}": final.get(f"NDCG@{k}"), "folder": str(folder),
     }
     print(f"\n{supernodes} SuperNodes: mean {result['mean-round-seconds']:.1f} s per round over {len(rows)} rounds; "
           f"startup {startup:.1f} s, run {run_seconds:.1f} s (submit to results), ServerApp "
           f"{summary.get('total-seconds')} s")
-    print(f"final HR@10 {final.get('HR@10', float('nan')):.4f}  NDCG@10 {final.get('NDCG@10', float('nan')):.4f}"
+    print(f"final HR@{k} {final.get(f'HR@{k}', float('nan')):.4f}  "
+          f"NDCG@{k} {final.get(f'NDCG@{k}', float('nan')):.4f}"
           f"  -> {folder}")
     return result
 

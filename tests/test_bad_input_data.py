@@ -176,3 +176,93 @@ def test_a_short_row_of_a_headerless_file_names_the_field_by_position_only(tmp_p
     with pytest.raises(DataError, match=r"u.data, line 15: 2 fields, expected 4: the rating field \(field 3\) is "
                                         r"missing"):
         load_interactions("generic", generic=source)
+
+
+def test_the_attributes_user_column_can_be_named_in_the_run_config(tmp_path):
+    """An attributes file ``uid,gender,age``: ``generic-attributes-user-column = "uid"`` reads it; the key is
+    validated in the run config (set without an attributes file, or with a comma) and a name the file lacks is
+    refused naming the key and the file's columns."""
+    data = _interactions_csv(tmp_path / "ratings.csv")
+    attributes = tmp_path / "users.csv"
+    attributes.write_text("uid,gender,age\n" + "".join(f"u{u},{'FM'[u % 2]},{20 + u}\n" for u in range(6))
+                          + "heavy,F,40\n")
+    common = dict(dataset="generic", generic_file=str(data), generic_attributes_file=str(attributes),
+                  cache_dir=str(tmp_path / "cache"), num_test_negatives=5, ks="5", min_user_interactions=2)
+    split = load_split_for(make_run_config(generic_attributes_user_column="uid", **common))
+    genders = dict(zip(split.user_ids.tolist(), split.attributes["gender"].tolist()))
+    ages = dict(zip(split.user_ids.tolist(), split.attributes["age"].tolist()))
+    assert genders["u1"] == "M" and ages["u3"] == 23 and ages["heavy"] == 40 and "uid" not in split.attributes
+    with pytest.raises(DataError, match=r"attributes user column 'userid' \(run-config key "
+                                        r"'generic-attributes-user-column'\) not found; the file's columns are "
+                                        r"\['uid', 'gender', 'age'\]"):
+        load_split_for(make_run_config(generic_attributes_user_column="userid", **common))
+    with pytest.raises(ConfigError, match="'generic-attributes-user-column' = 'uid' is set but "
+                                          "'generic-attributes-file' is empty"):
+        make_run_config(**{**common, "generic_attributes_file": ""}, generic_attributes_user_column="uid")
+    with pytest.raises(ConfigError, match="'generic-attributes-user-column' = 'uid,x': give one column name"):
+        make_run_config(generic_attributes_user_column="uid,x", **common)
+    with pytest.raises(ConfigError, match="'generic-attributes-user-column' is set but dataset = 'ml-100k'"):
+        make_run_config(generic_attributes_user_column="uid")
+
+
+@pytest.mark.parametrize("stamps", [
+    [f"2021-03-04T05:06:0{k}Z" for k in range(6)],
+    # one instant per zone notation; in UTC they are 03:06:07, 03:06:08, ..., so the order is by instant, not text
+    ["2021-03-04 05:06:07+02:00", "2021-03-04T03:06:08Z", "2021-03-04T04:06:09+0100", "2021-03-04T00:06:10-03",
+     "2021-03-04T03:06:10.5+00:00", "2021-03-04T03:06:10.500000001Z"],
+    ["2021-03-04", "2021-03-04T00:00:01", "2021-03-04 00:01", "2021-03-05", "2021-03-05T00:00:00.000001",
+     "2021-03-05T00:00:00.000002"],
+], ids=["utc", "zones", "naive"])
+def test_iso_8601_timestamps_are_read_and_ordered_exactly(tmp_path, stamps):
+    path = _timestamp_csv(tmp_path / "iso.csv", stamps)
+    source = GenericSource(str(path), user_col="user", item_col="item", rating_col="rating", timestamp_col="timestamp")
+    frame = load_interactions("generic", generic=source).frame
+    assert frame["timestamp"].dtype == np.int64
+    split = load_split("generic", cache_dir=tmp_path / "cache", generic=source, num_test_negatives=5,
+                       min_user_interactions=2)
+    assert split.meta["timestamps"] == "file" and split.meta["users_with_tied_latest"] == 1  # 'heavy' only
+    for user in range(4):
+        index = int(np.flatnonzero(split.user_ids == f"u{user}")[0])
+        assert split.item_ids[split.test_items[index]] == f"i{(7 * user + 5) % NUM_ITEMS}"
+    own = frame[frame["user"] == "u0"].set_index("item")
+    keys = own.loc[[f"i{k}" for k in range(6)], "timestamp"].to_numpy()  # u0's k-th item has stamps[k]
+    assert (np.diff(keys) > 0).all()
+
+
+@pytest.mark.parametrize("stamps, line, match", [
+    (["1614834367"] * 3 + ["2021-03-04"] * 3, None, r"has value '2021-03-04', a date, but line 2 has a number "
+                                                    r"\('1614834367'\): numbers and dates are mixed \(3 bad values "
+                                                    r"in all, on 3 lines .*; a timestamp column holds numbers .* or "
+                                                    r"ISO 8601 dates"),
+    (["2021-03-04T05:06:07Z"] * 5 + ["1614834367"], None, r"has value '1614834367', a number, but line 2 has a date"),
+    (["2021-03-04T05:06:07Z"] * 5 + ["2021-03-04T05:06:07"], None, r"has value '2021-03-04T05:06:07' without a time "
+                                                                    r"zone, but line 2 has '2021-03-04T05:06:07Z' "
+                                                                    r"with one"),
+    (["2021-03-04"] * 5 + ["2021-02-30"], None, r"'2021-02-30', not a valid date and time"),
+    (["2021-03-04"] * 5 + ["2021-03-04T05"], None, r"'2021-03-04T05', not an ISO 8601 date or time of the accepted "
+                                                   r"forms; a timestamp column holds numbers"),
+    (["5"] * 5 + ["soon"], None, r"non-numeric value 'soon'; a timestamp column holds numbers \(unix "
+                                   r"time in any unit"),
+])
+def test_a_timestamp_column_mixing_kinds_names_the_first_offending_line(tmp_path, stamps, line, match):
+    path = tmp_path / "mixed.csv"
+    path.write_text("user,item,timestamp\n" + "".join(f"u0,i{k},{v}\n" for k, v in enumerate(stamps)))
+    bad = 2 + next(k for k, v in enumerate(stamps) if v != stamps[0])
+    source = GenericSource(str(path), user_col="user", item_col="item", timestamp_col="timestamp")
+    with pytest.raises(DataError, match=rf"mixed.csv, line {bad}: timestamp column 'timestamp' .*{match}"):
+        load_interactions("generic", generic=source)
+
+
+def test_a_frame_with_datetime_timestamps_is_ordered_by_instant():
+    import pandas as pd
+
+    from fedrec_flwr.data import Interactions
+
+    when = pd.to_datetime(["2021-03-04T05:00:00+02:00", "2021-03-04T04:00:00Z", "2021-03-04T03:30:00Z"], utc=True)
+    frame = pd.DataFrame({"user": ["a", "a", "a"], "item": ["1", "2", "3"], "rating": np.nan, "timestamp": when,
+                          "row": np.arange(3)})
+    extra = pd.DataFrame({"user": ["b"] * 3, "item": ["4", "5", "6"], "rating": np.nan,
+                          "timestamp": pd.to_datetime(["2021-01-01"] * 3, utc=True), "row": np.arange(3, 6)})
+    split = preprocess(Interactions(pd.concat([frame, extra], ignore_index=True), None, "x", "frame"),
+                       min_user_interactions=2, num_test_negatives=1)
+    assert split.item_ids[split.test_items[0]] == "2"  # 04:00Z is the latest instant (05:00+02:00 is 03:00Z)

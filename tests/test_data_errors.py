@@ -164,3 +164,26 @@ def test_corrupted_cache_is_rebuilt(tmp_path, caplog, damage):
         assert any("not an .npz archive: a file starting with b'not '" in r.getMessage() for r in caplog.records)
     assert second.equals(first)
     assert cache_module.read_split(path).equals(first)  # the rebuilt file is valid again
+
+
+def test_dropped_duplicates_are_announced_in_one_line(tmp_path, caplog):
+    """The console says how many duplicate (user, item) rows were dropped and which row of each pair was kept, as it
+    announces missing timestamps (a warning), with and without timestamps."""
+    import logging
+
+    text = "user,item,rating,ts\na,1,1,10\na,1,5,30\na,1,3,20\nb,1,2,5\na,2,4,1\nc,3,1,1\nc,4,1,2\n"
+    with caplog.at_level(logging.WARNING, logger="fedrec_flwr.data"):
+        load_interactions("generic", generic=_csv(tmp_path / "d.csv", text))
+    lines = [r.getMessage() for r in caplog.records if "duplicate" in r.getMessage()]
+    assert len(lines) == 1 and caplog.records[0].levelno == logging.WARNING
+    assert lines[0].endswith("d.csv: dropped 2 duplicate (user, item) rows, keeping for each pair its row with the "
+                             "latest timestamp (the first of equal ones): line 2 dropped, line 3 kept (user 'a', item "
+                             "'1'); line 4 dropped, line 3 kept (user 'a', item '1')"), lines
+    caplog.clear()
+    path = tmp_path / "n.csv"
+    path.write_text("user,item\na,1\nb,1\n\na,1\na,2\n")
+    with caplog.at_level(logging.WARNING, logger="fedrec_flwr.data"):
+        load_interactions("generic", generic=GenericSource(str(path), user_col="user", item_col="item"))
+    (line,) = [r.getMessage() for r in caplog.records if "duplicate" in r.getMessage()]
+    assert line.endswith("n.csv: dropped 1 duplicate (user, item) row, keeping for each pair its first row (the file "
+                         "has no timestamps): line 5 dropped, line 2 kept (user 'a', item '1')"), line

@@ -84,7 +84,9 @@ def test_generic_integer_id_column_refuses_a_non_integer(tmp_path, bad):
     source = GenericSource(path=str(tmp_path / "d.csv"), user_col="user", item_col="item", rating_col="rating",
                            timestamp_col="ts")
     message = _refused("generic", None, r"d\.csv, line 5: item column 'item' has value", generic=source)
-    assert repr(bad) in message and "75.0% of this column's ids are integers" in message
+    assert repr(bad) in message and message.endswith(
+        "not a non-negative integer id (digits only); 3 of the 4 ids of item column 'item' are integers, at least "
+        "half, so every id must be one")
 
 
 def test_generic_label_ids_stay_accepted(tmp_path):
@@ -125,3 +127,53 @@ def test_a_split_cached_before_ids_were_checked_is_not_reused(tmp_path, monkeypa
     assert cache_module.FORMAT_VERSION == 3
     with pytest.raises(DataError, match="abc"):
         load_split("ml-100k", bad, cache_dir=cache, download=False, **params)
+
+
+def test_a_file_with_several_bad_rows_is_refused_once_in_line_order_with_exact_counts(tmp_path):
+    """Bad values in different columns (an item id on line 2004, a rating on line 5003, a timestamp on line 103) and
+    more than the refusal shows: one refusal, the first few in line order, every bad value and line counted; the
+    integer share is exact (2 non-integer ids of 6000 are not "100.0%")."""
+    rows = [f"u{k % 50},{k},4,{1000 + k}" for k in range(6000)]
+    rows[103 - 2] = "u1,101,4,soon"
+    rows[2004 - 2] = "u2,x2004,4,3002"
+    rows[5003 - 2] = "u3,5001,bad,6001"
+    rows[5500 - 2] = "u4,x5500,bad,6498"  # two bad values on one line
+    rows[5900 - 2] = "u5,5898,,6898"
+    rows[5950 - 2] = "u6,5948,4.5,"
+    (tmp_path / "d.csv").write_text("user,item,rating,ts\n" + "\n".join(rows) + "\n")
+    source = GenericSource(path=str(tmp_path / "d.csv"), user_col="user", item_col="item", rating_col="rating",
+                           timestamp_col="ts")
+    message = _refused("generic", None, r"d\.csv, line 103: timestamp column 'ts' has non-numeric value 'soon'",
+                       generic=source)
+    assert "(7 bad values in all, on 6 lines of 6000 data lines; the next in line order: line 2004: item column " \
+           "'item' has value 'x2004', not a non-negative integer id (digits only); line 5003: rating column 'rating' " \
+           "has non-numeric value 'bad'; line 5500: item column 'item' has value 'x5500', not a non-negative integer " \
+           "id (digits only); line 5500: rating column 'rating' has non-numeric value 'bad'; ...); a timestamp " \
+           "column holds numbers" in message, message
+    assert message.endswith("; 5998 of the 6000 ids of item column 'item' are integers, at least half, so every id "
+                            "must be one"), message
+    assert "100.0%" not in message and "\n" not in message
+
+
+def test_an_attributes_file_with_several_bad_rows_is_refused_once(tmp_path):
+    folder = tmp_path / "ml-100k"
+    folder.mkdir()
+    (folder / "u.data").write_text("1\t10\t3\t100\n2\t11\t4\t101\n")
+    (folder / "u.user").write_text("1|24|M|student|0\n2|x|F|writer|1\n3|30.5||artist|2\n1|40|M|other|3\n")
+    message = _refused("ml-100k", folder, r"u\.user, line 2: age column 1 has non-numeric value 'x' \(4 bad values "
+                                          r"in all, on 3 lines of 4 data lines; the next in line order: line 3: age "
+                                          r"30\.5 is not an integer; line 3: gender column 2 \(field 3\) is empty; "
+                                          r"line 4: user '1' appears more than once\)")
+    assert message.endswith("more than once)")
+
+
+def test_lines_with_too_many_fields_are_all_counted_in_one_refusal(tmp_path):
+    rows = [f"u{k % 9},{k},4" for k in range(3000)]
+    for line in (2004, 103, 5003 - 2500, 2999):
+        rows[line - 2] += ",extra"
+    rows[2999 - 2] += ",more"
+    (tmp_path / "d.csv").write_text("user,item,rating\n" + "\n".join(rows) + "\n")
+    source = GenericSource(path=str(tmp_path / "d.csv"), user_col="user", item_col="item", rating_col="rating")
+    _refused("generic", None, r"d\.csv, line 103: 4 fields, more than the 3 of line 1 \(4 such lines in all; the next: "
+                              r"line 2004 \(4 fields\), line 2503 \(4 fields\), line 2999 \(5 fields\)\); check the "
+                              r"separator \(','\) and quoting$", generic=source)

@@ -59,3 +59,14 @@ def test_report_averages_seeds_and_never_selects_on_test(tmp_path):
     text = (tmp_path / "main.md").read_text()
     assert "0.6000 ± 0.1414" in text and "FedRecGEL" in text
     assert (tmp_path / "main.csv").is_file()
+
+
+def test_landscape_plots_are_written(tmp_path):
+    """The landscape's plotting step (after its grid CSV): both figures are written from a small grid."""
+    from experiments.fedrecgel import landscape
+
+    a, b = np.meshgrid(landscape.GRID, landscape.GRID)
+    grids = {"FedNCF": 0.7 + a ** 2 + b ** 2, "FedRecGEL": 0.6 + 0.5 * (a ** 2 + b ** 2)}
+    landscape._plots("tiny", grids, tmp_path)
+    for kind in ("contour", "surface"):
+        assert (tmp_path / f"landscape-tiny-{kind}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -156,3 +156,36 @@ def test_batch_rejects_no_candidates_and_out_of_range_targets():
         ranks_batch(np.zeros((2, 3)), np.array([0, 3]))
     with pytest.raises(ValueError, match="out of range"):
         ranks_batch(np.zeros((2, 3)), -1)
+
+
+def test_ks_without_10_gives_a_full_summary_progress_lines_and_curves(tmp_path, caplog):
+    """``ks = "5,20"``: the final row, the validation selection, the progress line and the curves use HR@5 / NDCG@5
+    (the first K listed) instead of looking for an HR@10 the run never computed."""
+    import json
+    import logging
+
+    from fedrec_flwr.results import RunRecorder, learning_curves_figure
+
+    recorder = RunRecorder(tmp_path / "run", {"ks": "5,20"}, {})
+    with caplog.at_level(logging.INFO, logger="fedrec_flwr.progress"):
+        for server_round, hr in ((1, 0.25), (2, 0.5)):
+            recorder.record(server_round, {"train-loss": 0.6},
+                            {"HR@5": hr, "NDCG@5": hr / 2, "HR@20": 2 * hr, "NDCG@20": hr,
+                             "val-HR@5": 1 - hr, "val-HR@20": 0.9})
+    progress = [r.getMessage() for r in caplog.records if r.name == "fedrec_flwr.progress"]
+    assert progress[-1].startswith("round    2 | HR@5 0.5000 | NDCG@5 0.2500 | train loss 0.6000"), progress
+    recorder.finish({}, {})
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["final"]["round"] == 2 and summary["final"]["HR@5"] == 0.5
+    assert summary["selected-on-validation"]["round"] == 1  # the better val-HR@5
+    fig = learning_curves_figure(recorder.rows)
+    left = fig.axes[0]
+    assert [line.get_label().split(" ")[0] for line in left.get_lines()] == ["HR@5", "NDCG@5"]
+    assert [list(line.get_ydata()) for line in left.get_lines()] == [[0.25, 0.5], [0.125, 0.25]]
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    from fedrec_flwr.results import headline_k
+
+    assert headline_k("5,10,20") == 10 and headline_k("5,20") == 5 and headline_k("20,5") == 20
+    assert headline_k(None, [{"round": 1, "HR@20": 0.1, "HR@5": 0.0}]) == 20 and headline_k(None, []) is None

@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from experiments.common import save_figure
 from fedrec_flwr.data import sample_train_negatives
 from fedrec_flwr.io import atomic_write_text
 from fedrec_flwr.losses import batch_loss

@@ -12,14 +12,17 @@ import csv
 import logging
 import os
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 # pandas is imported inside the functions that parse data: the ClientApp reads a cached split and never needs it, and
 # importing it costs ~1 s of every ClientApp cold start (a SuperNode starts one process per message)
+if TYPE_CHECKING:  # annotations only
+    import pandas as pd
 
 from fedrec_flwr.data.download import SourceFiles, combine_sha256, locate_files, sha256_file
 from fedrec_flwr.config import DATASETS
@@ -45,8 +48,9 @@ class GenericSource:
     Attributes:
         path: interactions file.
         user_col, item_col: column name (``header=True``) or 0-based column index (``header=False``).
-        rating_col, timestamp_col: optional numeric columns; timestamps in any monotone unit (unix seconds,
-            milliseconds, nanoseconds, ...), kept exactly (:func:`_timestamp_column`).
+        rating_col, timestamp_col: optional columns; ratings are numbers, timestamps numbers in any monotone unit
+            (unix seconds, milliseconds, nanoseconds, ...) or ISO 8601 dates and times with or without a zone
+            (:data:`TIMESTAMP_FORMATS`), ordered exactly (:func:`_timestamp_column`).
         sep: field separator; ``None`` sniffs ``,`` ``\\t`` ``;`` ``|`` from the first lines, else whitespace.
         header: whether the first line holds column names.
         attributes_path: optional user-attributes file, with a header line; one row per user.
@@ -63,6 +67,11 @@ class GenericSource:
     header: bool = True
     attributes_path: str | None = None
     attributes_user_col: str | None = None
+
+
+UNIX_TIME_LIKE = 1e8
+"""A generic file's rating column whose every value is at least this (1973-03-03 in unix seconds) is announced as
+probably holding timestamps (no rating scale reaches it)."""
 
 
 def _empty_pairs() -> np.ndarray:
@@ -160,7 +169,8 @@ def load_interactions(
 
     Raises:
         ConfigError: unknown dataset, or ``generic`` given/missing wrongly.
-        DataError: missing/empty file, missing column, non-numeric rating or timestamp, empty or malformed user or
+        DataError: missing/empty file, missing column, non-numeric rating, a timestamp that is neither a number
+            nor an ISO 8601 date (or a column mixing both, see :data:`TIMESTAMP_FORMATS`), empty or malformed user or
             item id (file, line, column, value): ids must be non-negative integers (MovieLens-100K, FilmTrust,
             Lastfm-2K), Amazon reviewer ids and ASINs (Amazon-Video), or, in a generic file, integers when at least
             half of that column's ids are (else any non-empty text; see :func:`_id_column`).
@@ -198,6 +208,13 @@ def read_interactions(source: SourceFiles, generic: GenericSource | None = None)
         table = _read_table(path, sep=sep, header=generic.header)
         frame = _build_frame(table, path, user=generic.user_col, item=generic.item_col,
                              rating=generic.rating_col, timestamp=generic.timestamp_col, id_kinds=("auto", "auto"))
+        if generic.rating_col is not None and generic.timestamp_col is None and \
+                float(frame["rating"].min()) >= UNIX_TIME_LIKE:
+            logger.warning("%s: the rating column %r holds values from %g to %g, which look like unix times; ratings "
+                           "are not used for training (every row is a positive), while timestamps choose each user's "
+                           "held-out item: if it holds timestamps, name it in the timestamp position of "
+                           "'generic-columns' (e.g. \"user,item,,%s\")", path, generic.rating_col,
+                           float(frame["rating"].min()), float(frame["rating"].max()), generic.rating_col)
         if "attributes" in paths:
             apath = paths["attributes"]
             atable = _read_table(apath, sep=sniff_separator(apath), header=True)
@@ -205,7 +222,7 @@ def read_interactions(source: SourceFiles, generic: GenericSource | None = None)
     else:  # pragma: no cover - check_dataset_args guards this
         raise ConfigError(f"unknown dataset {name!r}")
     first_file = next(iter(paths.values()))
-    frame, duplicate_rows = _deduplicate(frame, first_file)
+    frame, duplicate_rows = _deduplicate(frame, first_file, table.lines)
     return Interactions(frame, attributes, source.combined_sha256, name, duplicate_rows)
 
 
@@ -268,7 +285,8 @@ def _read_table(path: Path, *, sep: str, header: bool, encoding: str = "utf-8") 
     except pd.errors.EmptyDataError:
         raise DataError(f"{path}: file is empty (no rows)") from None
     except pd.errors.ParserError as exc:
-        raise DataError(f"{path}: cannot parse as a {sep!r}-separated table: {exc}") from None
+        raise _long_rows(Path(path), sep, encoding) or DataError(
+            f"{path}: cannot parse as a {sep!r}-separated table: {exc}") from None
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}: not valid {encoding} text at byte {exc.start}: {exc.reason}") from None
     if header:
@@ -281,6 +299,34 @@ def _read_table(path: Path, *, sep: str, header: bool, encoding: str = "utf-8") 
     if len(df) == 0:
         raise DataError(f"{path}: file has no data rows")
     return _Table(df, lines, sep, encoding)
+
+
+def _long_rows(path: Path, sep: str, encoding: str) -> DataError | None:
+    """The refusal of a table some of whose lines have more fields than its first line, all found in one pass: the
+    first :data:`SHOWN_PROBLEMS` such lines in line order and how many there are; ``None`` when there are none or
+    the separator is a pattern (pandas' own error is then given)."""
+    if len(sep) != 1:
+        return None
+    long: list[tuple[int, int]] = []
+    count, expected = 0, None
+    with open(path, encoding=encoding, errors="replace", newline="") as handle:
+        reader = csv.reader(handle, delimiter=sep)
+        for fields in reader:
+            if not fields:
+                continue
+            if expected is None:
+                expected = len(fields)
+            elif len(fields) > expected:
+                count += 1
+                if len(long) < SHOWN_PROBLEMS:
+                    long.append((reader.line_num, len(fields)))
+    if not long:
+        return None
+    (line, found), rest = long[0], long[1:]
+    more = f" ({count} such lines in all; the next: " + ", ".join(f"line {n} ({f} fields)" for n, f in rest) + \
+        ("; ..." if count > len(long) else "") + ")" if count > 1 else ""
+    return DataError(f"{path}, line {line}: {found} fields, more than the {expected} of line 1{more}; check the "
+                     f"separator ({sep!r}) and quoting")
 
 
 def _fields_on_line(path: Path, table: _Table, line: int) -> int | None:
@@ -298,8 +344,9 @@ def _fields_on_line(path: Path, table: _Table, line: int) -> int | None:
     return None
 
 
-def _empty_cell(table: _Table, path: Path, i: int, col, role: str) -> DataError:
-    """The error for an empty cell: names the missing field when the line has too few fields."""
+def _empty_message(table: _Table, path: Path, i: int, col, role: str) -> str:
+    """What is wrong with the empty cell of row ``i`` (after ``"<file>, line N: "``): names the missing field when
+    the line has too few fields."""
     line = int(table.lines[i])
     found = _fields_on_line(path, table, line)
     expected = table.df.shape[1]
@@ -311,9 +358,65 @@ def _empty_cell(table: _Table, path: Path, i: int, col, role: str) -> DataError:
         which = (f"the {role} field (field {position + 1})" if headerless else
                  f"the {role} field ({names[position]!r}, field {position + 1})") if position is not None else \
             f"the {role} field"
-        return DataError(f"{path}, line {line}: {found} field{'s' if found != 1 else ''}, expected {expected}: "
-                         f"{which} is missing")
-    return DataError(f"{path}, line {line}: {role} {_column_name(col)} is empty")
+        return f"{found} field{'s' if found != 1 else ''}, expected {expected}: {which} is missing"
+    return f"{role} {_column_name(col)} is empty"
+
+
+def _empty_cell(table: _Table, path: Path, i: int, col, role: str) -> DataError:
+    """The error for an empty cell (:func:`_empty_message`)."""
+    return DataError(f"{path}, line {int(table.lines[i])}: {_empty_message(table, path, i, col, role)}")
+
+
+SHOWN_PROBLEMS = 5
+"""How many of a file's bad values one refusal quotes (in line order); it counts all of them."""
+
+
+class _Problems:
+    """The bad values of one file, collected over every check of one read so that a single refusal reports the first
+    :data:`SHOWN_PROBLEMS` in line order and exact counts of all (bad values, and lines holding one).
+
+    Each check calls :meth:`add` with its ``(n,)`` mask of bad rows, a function giving the message of one row
+    (after ``"<file>, line N: "``; built only for the rows shown) and an optional hint (what the column accepts),
+    given once at the end of the refusal however many shown problems share it. :meth:`check` raises.
+    """
+
+    def __init__(self, table: _Table, path: Path) -> None:
+        self.table, self.path = table, path
+        self.masks: list[tuple[np.ndarray, Any, str]] = []
+
+    def add(self, mask: np.ndarray, describe, hint: str = "") -> None:
+        mask = np.asarray(mask, dtype=bool)
+        if mask.any():
+            self.masks.append((mask, describe, hint))
+
+    def check(self) -> None:
+        """Raise one :class:`DataError` for everything added: ``<file>, line N: <first problem>``, then, when there
+        are more, how many bad values on how many lines and the next ones in line order."""
+        if not self.masks:
+            return
+        lines = self.table.lines
+        candidates = []  # (line, check order, row index, describe): the first few of each check suffice
+        for order, (mask, describe, hint) in enumerate(self.masks):
+            candidates += [(int(lines[i]), order, int(i), describe, hint)
+                           for i in np.flatnonzero(mask)[:SHOWN_PROBLEMS]]
+        shown = sorted(candidates, key=lambda c: c[:2])[:SHOWN_PROBLEMS]
+        total = sum(int(mask.sum()) for mask, _, _ in self.masks)
+        bad_lines = int(np.logical_or.reduce([mask for mask, _, _ in self.masks]).sum())
+        first_line, _, first_row, first_describe, _ = shown[0]
+        message = f"{self.path}, line {first_line}: {first_describe(first_row)}"
+        if total > 1:
+            rest = "; ".join(f"line {line}: {describe(i)}" for line, _, i, describe, _ in shown[1:])
+            message += (f" ({total} bad values in all, on {bad_lines} line{'s' if bad_lines != 1 else ''} of "
+                        f"{len(lines)} data lines; the next in line order: {rest}"
+                        + ("; ..." if total > len(shown) else "") + ")")
+        for hint in dict.fromkeys(c[4] for c in shown if c[4]):
+            message += f"; {hint}"
+        raise DataError(message)
+
+
+def _checked(table: _Table, path: Path, problems: _Problems | None):
+    """``(problems, own)``: the collector to add to, and whether the caller made it (then it checks it)."""
+    return (problems, False) if problems is not None else (_Problems(table, path), True)
 
 
 def _column_name(col) -> str:
@@ -333,8 +436,8 @@ def _column_key(table: _Table, path: Path, col: str | int, role: str) -> str | i
         hint = ""
         if role in ("timestamp", "rating"):
             hint = ("; timestamps and ratings are optional: name only the columns the file has in 'generic-columns' "
-                    "(e.g. \"user,item,rating\" or \"user,item\"); without timestamps each user's held-out item "
-                    "is chosen by a seeded random order")
+                    "(e.g. \"user,item,rating\", \"user,item,timestamp\" or \"user,item\"); without timestamps each "
+                    "user's held-out item is chosen by a seeded random order")
         raise DataError(f"{path}: {role} column {col!r} not found; columns are {[str(c) for c in df.columns]}{hint}")
     return col
 
@@ -347,119 +450,208 @@ _AMAZON_ASIN = (re.compile(r"[A-Z0-9]+"), "an ASIN (upper-case letters and digit
 
 
 def _id_column(table: _Table, path: Path, col: str | int, role: str,
-               kind: str | tuple[re.Pattern, str] = "integer") -> np.ndarray:
+               kind: str | tuple[re.Pattern, str] = "integer", problems: _Problems | None = None) -> np.ndarray:
     """``(n,)`` str raw ids of one column, each checked, so a corrupted id is refused instead of becoming a new
     user or item.
 
     Args:
         kind: ``"integer"``: every id is a non-negative integer written in digits (MovieLens, FilmTrust, Lastfm
-            ids); ``"label"``: any non-empty text; ``(pattern, description)``: every id fully matches ``pattern`` (Amazon ids); ``"auto"`` (the
-            user's own files, ours): an integer column when at least half its ids are integers, then every id must
-            be one; otherwise ids are labels (any non-empty text). Ids are kept as written (``007`` and ``7`` stay
-            two ids, as before).
+            ids); ``"label"``: any non-empty text; ``(pattern, description)``: every id fully matches ``pattern``
+            (Amazon ids); ``"auto"`` (the user's own files, ours): an integer column when at least half its ids are
+            integers, then every id must be one; otherwise ids are labels (any non-empty text). Ids are kept as
+            written (``007`` and ``7`` stay two ids, as before).
+        problems: the file's collector (:class:`_Problems`): bad ids are added to it, and the caller checks it;
+            ``None``: this column's are checked here.
 
     Raises:
-        DataError: an empty id, or an id of the wrong form: file, 1-based line, column and value.
+        DataError: empty ids, or ids of the wrong form: file, 1-based line, column and value of the first few, and
+            how many (when ``problems`` is ``None``).
     """
     key = _column_key(table, path, col, role)
+    problems, own = _checked(table, path, problems)
     values = table.df[key].str.strip()
     empty = (values == "").to_numpy()
-    if empty.any():
-        raise _empty_cell(table, path, int(np.flatnonzero(empty)[0]), key, role)
+    problems.add(empty, lambda i: _empty_message(table, path, i, key, role))
+    out = values.to_numpy(dtype=object).astype(str)
     why = ""
-    if kind == "label":
-        return values.to_numpy(dtype=object).astype(str)
     if kind == "auto":
-        share = float(values.str.fullmatch(_ID_INTEGER).mean())
-        if share < 0.5:
-            return values.to_numpy(dtype=object).astype(str)
-        kind, why = "integer", f" ({share:.1%} of this column's ids are integers, so every id must be one)"
-    pattern, expected = _INTEGER_ID if kind == "integer" else kind
-    ok = values.str.fullmatch(pattern).to_numpy(dtype=bool)
-    if not ok.all():
-        i = int(np.flatnonzero(~ok)[0])
-        raise DataError(f"{path}, line {table.lines[i]}: {role} {_column_name(col)} has value {values.iloc[i]!r}, "
-                        f"not {expected}{why}")
-    return values.to_numpy(dtype=object).astype(str)
+        integers = int(values.str.fullmatch(_ID_INTEGER).sum())
+        filled = int(len(values) - empty.sum())
+        if integers * 2 < filled or not filled:
+            kind = "label"
+        else:
+            kind, why = "integer", (f"{integers} of the {filled} ids of {role} {_column_name(col)} are integers, "
+                                    "at least half, so every id must be one")
+    if kind != "label":
+        pattern, expected = _INTEGER_ID if kind == "integer" else kind
+        wrong = ~values.str.fullmatch(pattern).to_numpy(dtype=bool) & ~empty
+        problems.add(wrong, lambda i: f"{role} {_column_name(col)} has value {values.iloc[i]!r}, not {expected}", why)
+    if own:
+        problems.check()
+    return out
 
 
-def _numeric_column(table: _Table, path: Path, col: str | int, role: str) -> np.ndarray:
+def _numeric_column(table: _Table, path: Path, col: str | int, role: str,
+                    problems: _Problems | None = None) -> np.ndarray:
+    """``(n,)`` float64 values of a numeric column (NaN where a value is bad; see ``problems`` of :func:`_id_column`).
+
+    Raises:
+        DataError: empty or non-numeric (or infinite) values (when ``problems`` is ``None``).
+    """
     import pandas as pd
     key = _column_key(table, path, col, role)
+    problems, own = _checked(table, path, problems)
     raw = table.df[key].str.strip()
     values = pd.to_numeric(raw, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
-    bad = ~np.isfinite(values)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        if raw.iloc[i] == "":
-            raise _empty_cell(table, path, i, key, role)
-        raise DataError(
-            f"{path}, line {table.lines[i]}: {role} column {col!r} has non-numeric value {raw.iloc[i]!r}"
-        )
-    return values
+    empty = (raw == "").to_numpy()
+    problems.add(empty, lambda i: _empty_message(table, path, i, key, role))
+    dated = " (a date: name a timestamp column in the timestamp position of 'generic-columns', e.g. " \
+        "\"user,item,,NAME\", or by the name 'timestamp')" if role == "rating" else ""
+    problems.add(~np.isfinite(values) & ~empty,
+                 lambda i: f"{role} column {col!r} has non-numeric value {raw.iloc[i]!r}"
+                           + (dated if _ISO_SHAPE.fullmatch(raw.iloc[i]) else ""))
+    if own:
+        problems.check()
+    return np.where(np.isfinite(values), values, np.nan)
 
 
 _INTEGER = re.compile(r"[+-]?\d+")
+_ISO_SHAPE = re.compile(r"\d{4}-\d{2}-\d{2}(?:[T ].*)?")
+"""What a value meant as a date looks like (a date, then anything): classified as a date, then checked in full."""
+_ISO_TIME = r"[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d{1,9})?)?"
+_ISO_ZONE = r"(?:Z|[+-]\d{2}(?::?\d{2})?)"
+_ISO_DATE = re.compile(rf"\d{{4}}-\d{{2}}-\d{{2}}(?:{_ISO_TIME}{_ISO_ZONE}?)?")
+_ISO_AWARE = re.compile(rf"\d{{4}}-\d{{2}}-\d{{2}}{_ISO_TIME}{_ISO_ZONE}")
+
+TIMESTAMP_FORMATS = (
+    "numbers (unix time in any unit, integer or decimal: 1614834367, 1614834367123, 1614834367.25) or ISO 8601 "
+    "dates and times (2021-03-04, 2021-03-04T05:06, 2021-03-04T05:06:07, 2021-03-04 05:06:07.123456789; a zone Z, "
+    "+02:00, +0200 or +02 on every value or on none), one kind for the whole column"
+)
+"""The timestamp values a file may hold (:func:`_timestamp_column`), as the refusals of other values name them."""
 
 
-def _timestamp_column(table: _Table, path: Path, col: str | int) -> np.ndarray:
-    """``(n,)`` int64 exact order keys of a timestamp column, in any unit.
+def _timestamp_column(table: _Table, path: Path, col: str | int, problems: _Problems | None = None) -> np.ndarray:
+    """``(n,)`` int64 exact order keys of a timestamp column: numbers in any unit, or ISO 8601 dates and times.
 
     Integer timestamps (unix seconds, milliseconds, nanoseconds, ...) are kept as they are, as int64: never through
     float64, which above 2**53 merges neighbouring values (nanosecond timestamps of one user would all tie). Decimal
     timestamps (e.g. ``1556559573.141592653``) are replaced by their exact dense rank (``Decimal`` comparison), so
-    equal values stay equal and order is exact; only order matters for the split.
+    equal values stay equal and order is exact; only order matters for the split. ISO 8601 dates and times
+    (:data:`TIMESTAMP_FORMATS`) are parsed by pandas (``to_datetime(format="ISO8601", utc=True)``): values with a
+    zone are ordered by the instant they name (``2021-03-04 05:06:07+02:00`` is before ``2021-03-04T04:00:00Z``),
+    values without one as written; the key is the count of pandas' unit (microseconds, or nanoseconds when a value
+    has more than 6 decimals) since 1970-01-01 UTC. The column is a number column or a date column as its first
+    number or date is. ``problems``: as in :func:`_id_column` (the keys are then only valid once it is checked).
 
     Raises:
-        DataError: a value is empty, not a number, or an integer outside int64 (file, line, value).
+        DataError: values that are empty, neither a number nor an ISO 8601 date, of the other kind than the column's
+            first value (numbers and dates mixed), dates with a zone among dates without one or the reverse, invalid
+            dates (day 30 of February), or integers outside int64: file, line, value, and the accepted formats.
     """
+    import pandas as pd
     key = _column_key(table, path, col, "timestamp")
+    problems, own = _checked(table, path, problems)
     raw = table.df[key].str.strip()
-    _numeric_column(table, path, col, "timestamp")  # the first empty / non-numeric value, named
-    text = raw.to_numpy(dtype=object).astype(str)
-    if raw.str.fullmatch(_INTEGER).all():
+    empty = (raw == "").to_numpy()
+    problems.add(empty, lambda i: _empty_message(table, path, i, key, "timestamp"))
+    numbers = np.isfinite(pd.to_numeric(raw, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan))
+    dates = raw.str.fullmatch(_ISO_SHAPE).to_numpy(dtype=bool) & ~numbers
+    kinds = np.where(numbers, "a number", np.where(dates, "a date", ""))
+    ref = int(np.flatnonzero(numbers | dates)[0]) if (numbers | dates).any() else 0  # the first number or date
+    first = kinds[ref] or "a number"
+    expected = dates if first == "a date" else numbers
+    other = ~expected & (numbers | dates)
+    accepted = f"a timestamp column holds {TIMESTAMP_FORMATS}"
+    problems.add(other, lambda i: f"timestamp column {col!r} has value {raw.iloc[i]!r}, {kinds[i]}, but line "
+                                  f"{table.lines[ref]} has {kinds[ref]} ({raw.iloc[ref]!r}): numbers and dates are "
+                                  "mixed", accepted)
+    problems.add(~numbers & ~dates & ~empty,
+                 lambda i: f"timestamp column {col!r} has non-numeric value {raw.iloc[i]!r}", accepted)
+    keys = np.zeros(len(raw), dtype=np.int64)
+    ok = expected & ~empty
+    if first == "a date":
+        keys = _date_keys(table, col, raw, ok, problems)
+    elif ok.all() and raw.str.fullmatch(_INTEGER).all():
+        text = raw.to_numpy(dtype=object).astype(str)
         try:
-            return text.astype(np.int64)
+            keys = text.astype(np.int64)
         except (OverflowError, ValueError):
-            for i, value in enumerate(text):
-                if not -2**63 <= int(value) < 2**63:
-                    raise DataError(f"{path}, line {table.lines[i]}: timestamp column {col!r} value {str(value)!r} is "
-                                    "outside the 64-bit integer range") from None
-            raise
-    try:
-        exact = [Decimal(v) for v in text]
-    except InvalidOperation:  # pragma: no cover - _numeric_column accepted every value
-        raise DataError(f"{path}: timestamp column {col!r} holds a value that is not a decimal number") from None
-    order = sorted(set(exact))
-    rank = {value: index for index, value in enumerate(order)}
-    return np.fromiter((rank[v] for v in exact), dtype=np.int64, count=len(exact))
+            outside = np.fromiter((not -2**63 <= int(v) < 2**63 for v in text), dtype=bool, count=len(text))
+            problems.add(outside, lambda i: f"timestamp column {col!r} value {str(text[i])!r} is outside the 64-bit "
+                                            "integer range")
+    elif ok.all():
+        exact = [Decimal(v) for v in raw.to_numpy(dtype=object).astype(str)]
+        rank = {value: index for index, value in enumerate(sorted(set(exact)))}
+        keys = np.fromiter((rank[v] for v in exact), dtype=np.int64, count=len(exact))
+    if own:
+        problems.check()
+    return keys
+
+
+def _date_keys(table: _Table, col: str | int, raw: pd.Series, ok: np.ndarray, problems: _Problems) -> np.ndarray:
+    """``(n,)`` int64 order keys of a column of ISO 8601 dates (see :func:`_timestamp_column`); the rows not ``ok``
+    are already added to ``problems``, and the keys are only valid when nothing is."""
+    import pandas as pd
+    strict = raw.str.fullmatch(_ISO_DATE).to_numpy(dtype=bool)
+    problems.add(ok & ~strict, lambda i: f"timestamp column {col!r} has value {raw.iloc[i]!r}, not an ISO 8601 date "
+                                         "or time of the accepted forms",
+                 f"a timestamp column holds {TIMESTAMP_FORMATS}")
+    ok = ok & strict
+    aware = raw.str.fullmatch(_ISO_AWARE).to_numpy(dtype=bool)
+    first = int(np.flatnonzero(ok)[0]) if ok.any() else 0
+    problems.add(ok & (aware != aware[first]),
+                 lambda i: f"timestamp column {col!r} has value {raw.iloc[i]!r} {'with' if aware[i] else 'without'} "
+                           f"a time zone, but line {table.lines[first]} has {raw.iloc[first]!r} "
+                           f"{'without' if aware[i] else 'with'} one: give every timestamp a zone (Z, +02:00) or "
+                           "none, so that their order is defined")
+    ok = ok & (aware == aware[first])
+    parsed = pd.to_datetime(raw.where(ok, raw.iloc[first]), format="ISO8601", utc=True, errors="coerce")
+    problems.add(ok & parsed.isna().to_numpy(),
+                 lambda i: f"timestamp column {col!r} has value {raw.iloc[i]!r}, not a valid date and time (a month, "
+                           "day, hour or minute out of range, or a year outside 1677-2262 in a column with "
+                           "nanosecond digits)")
+    if parsed.isna().any():  # refused: problems holds why
+        return np.zeros(len(raw), dtype=np.int64)
+    return parsed.astype("int64").to_numpy(dtype=np.int64)
 
 
 def _build_frame(table: _Table, path: Path, *, user, item, rating, timestamp, expect_cols: int | None = None,
                  id_kinds: tuple = ("integer", "integer")):
     """The interactions frame of :class:`Interactions` from a parsed table; ``id_kinds``: the user and item id
-    checks (``kind`` of :func:`_id_column`).
+    checks (``kind`` of :func:`_id_column`). Every column is checked before anything is refused, so one refusal
+    names the file's first bad values in line order and counts all of them (:class:`_Problems`).
 
     Raises:
-        DataError: wrong column count, bad id, rating or timestamp (file, line, column, value).
+        DataError: wrong column count, bad ids, ratings or timestamps (file, line, column, value; counts).
     """
     import pandas as pd
     if expect_cols is not None and table.df.shape[1] != expect_cols:
         raise DataError(f"{path}: expected {expect_cols} columns per line, found {table.df.shape[1]}")
     n = len(table.df)
-    frame = pd.DataFrame({
-        "user": pd.array(_id_column(table, path, user, "user", id_kinds[0]), dtype="str"),
-        "item": pd.array(_id_column(table, path, item, "item", id_kinds[1]), dtype="str"),
-        "rating": _numeric_column(table, path, rating, "rating") if rating is not None else np.full(n, np.nan),
-        "timestamp": (_timestamp_column(table, path, timestamp) if timestamp is not None
-                      else np.full(n, np.nan)),
+    for col, role in ((user, "user"), (item, "item"), (rating, "rating"), (timestamp, "timestamp")):
+        if col is not None:
+            _column_key(table, path, col, role)  # a missing column first: it is not a bad value
+    problems = _Problems(table, path)
+    users = _id_column(table, path, user, "user", id_kinds[0], problems)
+    items = _id_column(table, path, item, "item", id_kinds[1], problems)
+    ratings = _numeric_column(table, path, rating, "rating", problems) if rating is not None else np.full(n, np.nan)
+    stamps = _timestamp_column(table, path, timestamp, problems) if timestamp is not None else np.full(n, np.nan)
+    problems.check()
+    return pd.DataFrame({
+        "user": pd.array(users, dtype="str"),
+        "item": pd.array(items, dtype="str"),
+        "rating": ratings,
+        "timestamp": stamps,
         "row": np.arange(n, dtype=np.int64),
     })
-    return frame
 
 
-def _deduplicate(frame: pd.DataFrame, path: Path) -> tuple[pd.DataFrame, np.ndarray]:
-    """Keep one row per (user, item): the latest timestamp, else the first; return (frame, [dropped, kept])."""
+def _deduplicate(frame: pd.DataFrame, path: Path, lines: np.ndarray | None = None) -> tuple[pd.DataFrame, np.ndarray]:
+    """Keep one row per (user, item): the latest timestamp, else the first; return (frame, [dropped, kept]).
+
+    When rows are dropped, one warning says how many, which row of each pair was kept and the first few
+    (dropped line, kept line) pairs; ``lines``: (n,) 1-based file line of each row (default: row + 1)."""
     order = frame.sort_values(["timestamp", "row"], ascending=[False, True], kind="stable", na_position="last")
     dup = order.duplicated(["user", "item"], keep="first")
     if not dup.any():
@@ -467,7 +659,17 @@ def _deduplicate(frame: pd.DataFrame, path: Path) -> tuple[pd.DataFrame, np.ndar
     kept_row = order.groupby(["user", "item"], sort=False)["row"].transform("first")
     pairs = np.stack([order.loc[dup, "row"].to_numpy(np.int64), kept_row[dup].to_numpy(np.int64)], axis=1)
     pairs = pairs[np.argsort(pairs[:, 0], kind="stable")]
-    logger.info("%s: removed %d duplicate (user, item) rows (kept the latest, else the first)", path, len(pairs))
+    line_of = (lambda row: int(lines[row])) if lines is not None else (lambda row: int(row) + 1)
+    timed = bool(np.isfinite(frame["timestamp"].to_numpy(dtype=np.float64, na_value=np.nan)).any()) \
+        if frame["timestamp"].dtype.kind == "f" else True
+    rule = ("its row with the latest timestamp (the first of equal ones)" if timed else
+            "its first row (the file has no timestamps)")
+    users, items = frame["user"].to_numpy(dtype=object), frame["item"].to_numpy(dtype=object)
+    shown = "; ".join(f"line {line_of(d)} dropped, line {line_of(k)} kept (user {str(users[k])!r}, item "
+                      f"{str(items[k])!r})" for d, k in pairs[:3])
+    more = f"; {len(pairs) - 3} more" if len(pairs) > 3 else ""
+    logger.warning("%s: dropped %d duplicate (user, item) row%s, keeping for each pair %s: %s%s", path, len(pairs),
+                   "s" if len(pairs) != 1 else "", rule, shown, more)
     kept = frame.loc[~dup.reindex(frame.index).to_numpy()].reset_index(drop=True)
     return kept, pairs
 
@@ -477,18 +679,16 @@ def _ml100k_attributes(table: _Table, path: Path) -> pd.DataFrame:
     if table.df.shape[1] != 5:
         raise DataError(f"{path}: expected 5 '|'-separated fields (id|age|gender|occupation|zip), "
                         f"found {table.df.shape[1]}")
-    ids = _id_column(table, path, 0, "user id")
-    age = _numeric_column(table, path, 1, "age")
-    if not np.all(age == np.round(age)):
-        i = int(np.flatnonzero(age != np.round(age))[0])
-        raise DataError(f"{path}, line {table.lines[i]}: age {age[i]!r} is not an integer")
-    out = pd.DataFrame({
-        "gender": _id_column(table, path, 2, "gender", "label"),
-        "age": age.astype(np.int64),
-        "occupation": _id_column(table, path, 3, "occupation", "label"),
-    }, index=pd.Index(ids, name="user"))
-    _check_unique_index(out, path, table)
-    return out
+    problems = _Problems(table, path)
+    ids = _id_column(table, path, 0, "user id", problems=problems)
+    age = _numeric_column(table, path, 1, "age", problems)
+    problems.add(np.isfinite(age) & (age != np.round(age)), lambda i: f"age {age[i]:g} is not an integer")
+    gender = _id_column(table, path, 2, "gender", "label", problems)
+    occupation = _id_column(table, path, 3, "occupation", "label", problems)
+    _check_unique_index(pd.Index(ids), problems)
+    problems.check()
+    return pd.DataFrame({"gender": gender, "age": age.astype(np.int64), "occupation": occupation},
+                        index=pd.Index(ids, name="user"))
 
 
 def _attributes_user_col(table: _Table, path: Path, generic: GenericSource) -> str:
@@ -500,40 +700,41 @@ def _attributes_user_col(table: _Table, path: Path, generic: GenericSource) -> s
     """
     columns = [str(c) for c in table.df.columns]
     if generic.attributes_user_col is not None:
-        tried = [generic.attributes_user_col]
-    else:
-        tried = ([generic.user_col] if isinstance(generic.user_col, str) else []) + ["user"]
+        if generic.attributes_user_col in columns:
+            return generic.attributes_user_col
+        raise DataError(f"{path}: attributes user column {generic.attributes_user_col!r} (run-config key "
+                        f"'generic-attributes-user-column') not found; the file's columns are {columns}")
+    tried = ([generic.user_col] if isinstance(generic.user_col, str) else []) + ["user"]
     for name in tried:
         if name in columns:
             return name
     raise DataError(f"{path}: attributes user column not found: tried {tried} (the user column of the interactions "
-                    f"file, named in 'generic-columns', then 'user'); the file's columns are {columns}")
+                    f"file, named in 'generic-columns', then 'user'); the file's columns are {columns}: name its user "
+                    "column in 'generic-attributes-user-column'")
 
 
 def _generic_attributes(table: _Table, path: Path, user_col: str) -> pd.DataFrame:
     import pandas as pd
-    ids = _id_column(table, path, user_col, "attributes user", "auto")
+    problems = _Problems(table, path)
+    ids = _id_column(table, path, user_col, "attributes user", "auto", problems)
     columns = {}
     for col in table.df.columns:
         if col == user_col:
             continue
         raw = table.df[col].str.strip()
         empty = (raw == "").to_numpy()
-        if empty.any():
-            i = int(np.flatnonzero(empty)[0])
-            raise DataError(f"{path}, line {table.lines[i]}: attribute column {col!r} is empty")
+        problems.add(empty, lambda i, col=col: f"attribute column {col!r} is empty")
         numeric = pd.to_numeric(raw, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
         if np.isfinite(numeric).all():
             columns[str(col)] = numeric.astype(np.int64) if np.all(numeric == np.round(numeric)) else numeric
         else:
             columns[str(col)] = raw.to_numpy(dtype=object).astype(str)
-    out = pd.DataFrame(columns, index=pd.Index(ids, name="user"))
-    _check_unique_index(out, path, table)
-    return out
+    _check_unique_index(pd.Index(ids), problems)
+    problems.check()
+    return pd.DataFrame(columns, index=pd.Index(ids, name="user"))
 
 
-def _check_unique_index(frame: pd.DataFrame, path: Path, table: _Table) -> None:
-    dup = frame.index.duplicated()
-    if dup.any():
-        i = int(np.flatnonzero(dup)[0])
-        raise DataError(f"{path}, line {table.lines[i]}: user {frame.index[i]!r} appears more than once")
+def _check_unique_index(ids: pd.Index, problems: _Problems) -> None:
+    """Add every row whose user id an earlier row of the attributes file already has."""
+    dup = ids.duplicated()
+    problems.add(dup, lambda i: f"user {ids[i]!r} appears more than once")

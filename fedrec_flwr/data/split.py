@@ -16,11 +16,14 @@ import logging
 import random
 import zlib
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 # pandas is imported inside the functions that parse data: the ClientApp reads a cached split and never needs it, and
 # importing it costs ~1 s of every ClientApp cold start (a SuperNode starts one process per message)
+if TYPE_CHECKING:  # annotations only
+    import pandas as pd
 
 from fedrec_flwr.data.loaders import Interactions
 from fedrec_flwr.errors import ConfigError, DataError
@@ -363,11 +366,22 @@ def _order_keys(name: str, column: pd.Series, users_raw: np.ndarray, items_raw: 
     Integer columns are used as they are (any unit: seconds, nanoseconds, ...). A float column is either all NaN (no
     timestamps) or all finite; its values are replaced by their dense rank, which keeps their order and ties exactly
     as given (a float64 above 2**53 has already lost precision in the caller's frame: read files with
-    :func:`~fedrec_flwr.data.load_interactions`, which keeps integers exact).
+    :func:`~fedrec_flwr.data.load_interactions`, which keeps integers exact). A datetime column (``datetime64``, with or
+    without a zone) is ordered by its exact count of its unit since the epoch (zoned values: the instant, in UTC).
 
     Raises:
-        DataError: some rows have a timestamp and others none, or the column is not numeric.
+        DataError: some rows have a timestamp and others none, or the column is neither numeric nor datetime.
     """
+    import pandas as pd
+    if pd.api.types.is_datetime64_any_dtype(column.dtype):
+        missing = column.isna().to_numpy()
+        if missing.all():
+            return np.zeros(len(column), dtype=np.int64), False
+        if missing.any():
+            i = int(np.flatnonzero(missing)[0])
+            raise DataError(f"dataset {name!r}: timestamp missing for user {str(users_raw[i])!r} "
+                            f"item {str(items_raw[i])!r} (either every row has a timestamp or none)")
+        return column.astype("int64").to_numpy(dtype=np.int64), True
     values = column.to_numpy()
     if values.dtype.kind in "iu":
         return values.astype(np.int64), True
