@@ -3,7 +3,9 @@
 Every reader returns an :class:`Interactions` whose ``frame`` has one row per (user, item) pair. Files are parsed
 with pandas; every cell is first read as text, so a bad value (an empty field, a non-numeric rating, a user or item
 id of the wrong form such as ``abc``, ``12.5`` or ``-3`` where ids are integers) is reported with its file, 1-based
-line number, column and value (:class:`~fedrec_flwr.errors.DataError`) instead of a pandas traceback.
+line number, column and value (:class:`~fedrec_flwr.errors.DataError`) instead of a pandas traceback. Every column
+of a file is checked before it is refused, so one refusal names its first few bad values in line order and counts
+all of them; timestamps are numbers in any unit or ISO 8601 dates (:data:`TIMESTAMP_FORMATS`).
 """
 
 from __future__ import annotations
