@@ -203,3 +203,36 @@ def test_config_json_records_what_produced_the_run(tmp_path, monkeypatch):
     assert source_commit(tmp_path) is None
     monkeypatch.setenv(SOURCE_COMMIT_ENV, "abc123")
     assert source_commit(tmp_path) == "abc123"
+
+
+DEPLOYED = '''
+import json, sys
+from pathlib import Path
+from fedrec_flwr.deploy import Deployment, app_snapshot
+from fedrec_flwr.launch import PROJECT_ROOT
+
+root, overrides = Path(sys.argv[1]), json.loads(sys.argv[2])
+assert PROJECT_ROOT.name == "_app", PROJECT_ROOT  # the installed app, not a checkout
+deployment = Deployment(root / "deploy", num_supernodes=2, project=app_snapshot(root / "app", PROJECT_ROOT))
+with deployment:
+    outcome = deployment.run(overrides, timeout=900)
+print(json.dumps({"rows": outcome.metrics(), "left": deployment.leftover()}))
+'''
+
+
+@pytest.mark.slow
+def test_the_wheel_runs_a_deployed_round_on_a_superlink_and_two_supernodes(wheel_venv, tmp_path):
+    folder = _user_folder(tmp_path)
+    data = write_tiny_dataset(tmp_path / "data")
+    overrides = {"dataset": "generic", "generic-file": str(data), "cache-dir": str(tmp_path / "cache"),
+                 "num-test-negatives": 20, "ks": "5,10", "embedding-dim": 8, "mlp-layers": "16,8",
+                 "num-server-rounds": 1, "users-per-node": 12, "results-dir": str(tmp_path / "results"),
+                 "run-name": "deployed", "fraction-train": 0.5}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FEDREC_FLWR_PYPROJECT")}
+    env["PATH"] = f"{wheel_venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    done = subprocess.run([str(wheel_venv / "bin" / "python"), "-c", DEPLOYED, str(tmp_path), json.dumps(overrides)],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [row["round"] for row in result["rows"]] == [1] and result["rows"][0]["num-replies"] >= 1
+    assert result["rows"][0]["num-failures"] == 0 and not result["left"]
