@@ -152,7 +152,8 @@ def read_run_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, in
     for key, value in values.items():
         line = _line_of(text, key)
         if isinstance(value, dict):
-            raise ConfigError(f"--run-config {path}, line {line}: [{key}] is a table; the file holds run-config keys "
+            shown = text.splitlines()[line - 1].strip() if line else f"[{key}]"
+            raise ConfigError(f"--run-config {path}, line {line}: {shown} is a table; the file holds run-config keys "
                               "at its top level, one `key = value` a line (see `fedrec config`)")
         if not isinstance(value, (str, int, float, bool)):
             raise ConfigError(f"--run-config {path}, line {line}: {key} = {value!r}: a run-config value is a string, "
@@ -163,7 +164,7 @@ def read_run_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, in
 
 def _line_of(text: str, key: str) -> int:
     """The line (1-based) where ``key`` is set or opened as a table; 0 when not found."""
-    pattern = re.compile(rf"^\s*(?:\[\s*)?[\"']?{re.escape(key)}[\"']?\s*[=\]]")
+    pattern = re.compile(rf"^\s*(?:\[+\s*)?[\"']?{re.escape(key)}[\"']?\s*[=.\]]")
     for number, line in enumerate(text.splitlines(), start=1):
         if pattern.match(line):
             return number
