@@ -108,6 +108,8 @@ class RunDisplay:
         self.completed = 0
         self.round_seconds: list[float] = []
         self.replies: tuple[int, int, str] | None = None
+        self.started = False
+        """Whether the rounds have begun (a round's replies or its line seen): until then the bar says starting."""
         self._progress = None
         self._task = None
         self._console = console
@@ -122,7 +124,7 @@ class RunDisplay:
             self._progress = Progress(
                 TextColumn("round {task.fields[round]}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                 TextColumn("ETA {task.fields[eta]}"), TimeElapsedColumn(), TextColumn("{task.fields[replies]}"),
-                console=console, transient=False, redirect_stdout=False, redirect_stderr=False)
+                console=console, transient=False)
             self._task = self._progress.add_task("run", total=max(self.total, 1), **self._fields())
             self._progress.start()
         return self
@@ -146,11 +148,13 @@ class RunDisplay:
         if match:
             self.replies = (int(match.group(1)), int(match.group(2)), match.group(3)
                             + (f" round {match.group(4)}" if match.group(4) else ""))
+            self.started = self.started or match.group(4) is not None
         match = ROUND_LINE.match(text)
         if match:
             self.completed = max(self.completed, int(match.group(1)))
             self.round_seconds.append(float(match.group(2)))
             self.replies = None
+            self.started = True
         if shown is not None:
             self.print(shown)
         if self._progress is not None:
@@ -170,15 +174,17 @@ class RunDisplay:
         return eta_seconds(self.round_seconds, self.completed, self.total)
 
     def status(self) -> str:
-        """The bar's text without the bar: ``round 4/100 | ETA 2:03 | evaluate round 4: 120/943 replies``."""
+        """The bar's text without the bar: ``round 4/100 | ETA 2:03 | evaluate round 4: 120/943 replies``
+        (``round -/100 (starting)`` before the first round)."""
         fields = self._fields()
         return " | ".join(part for part in (f"round {fields['round']}", f"ETA {fields['eta']}", fields["replies"])
                           if part)
 
     def _fields(self) -> dict[str, str]:
-        current = min(self.completed + 1, self.total) if self.completed < self.total else self.total
+        current = min(self.completed + 1, self.total)
         replies = f"{self.replies[2]}: {self.replies[0]}/{self.replies[1]} replies" if self.replies else ""
-        return {"round": f"{current}/{self.total}", "eta": format_duration(self.eta()), "replies": replies}
+        where = f"{current}/{self.total}" if self.started else f"-/{self.total} (starting)"
+        return {"round": where, "eta": format_duration(self.eta()), "replies": replies}
 
     def _update(self) -> None:
         self._progress.update(self._task, completed=min(self.completed, self.total), **self._fields())

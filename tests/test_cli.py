@@ -226,6 +226,8 @@ def test_the_live_bar_shows_round_of_total_eta_and_replies():
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=140, color_system=None)
     with RunDisplay(10, out=out, live=True, console=console) as display:
+        display.feed("replies 3/24 | query.identify\n", None)
+        assert display.status() == "round -/10 (starting) | ETA - | query.identify: 3/24 replies"
         display.feed(ROUND.format(r=1, s="10.0") + "\n", ROUND.format(r=1, s="10.0") + "\n")
         display.feed("replies 120/943 | evaluate round 2\n", None)
         assert display.status() == "round 2/10 | ETA 1:30 | evaluate round 2: 120/943 replies"
