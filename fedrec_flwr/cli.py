@@ -4,14 +4,17 @@
 
     fedrec --version
     fedrec config [KEY]                      every run-config key with its default and meaning (or one key)
-    fedrec run [KEY=VALUE ...] [--run-config FILE.toml] [--num-supernodes N] [--flwr-home DIR]
+    fedrec presets [NAME] [--dataset D]      the validation-tuned recipes (or one, as a --run-config file)
+    fedrec run [KEY=VALUE ...] [--run-config FILE.toml] [--preset NAME] [--num-supernodes N] [--flwr-home DIR]
                [--ray-address HOST:PORT] [--federation-config KEY=VALUE ...] [--timeout SECONDS] [--verbose] [--debug]
     fedrec stop [--flwr-home DIR]
 
 ``fedrec run`` is :mod:`fedrec_flwr.launch`'s ``run`` (``python -m fedrec_flwr.launch run`` does the same, with the
 same checks, exit statuses and ``key=value`` parsing) plus ``--run-config``: a TOML file of run-config keys
-(``num-server-rounds = 20``), read first, which ``key=value`` words then override. On a terminal it shows a live
-progress bar (:mod:`fedrec_flwr.progress`); piped or in CI it prints one plain line per round.
+(``num-server-rounds = 20``), read first, which ``key=value`` words then override; and ``--preset NAME`` (or
+``preset = "NAME"`` in the file, ``preset=NAME`` among the words): a validation-tuned recipe for the run's dataset
+(:mod:`fedrec_flwr.presets`) under both. On a terminal it shows a live progress bar (:mod:`fedrec_flwr.progress`);
+piped or in CI it prints one plain line per round.
 
 Exit statuses: 0 the run finished, 1 it started and failed, 2 bad input found before anything started (one
 ``error:`` line), 124 ``--timeout``, 128 + N a signal N stopped it.
@@ -232,6 +235,9 @@ def run_command(
                                                     help="Run-config overrides (they win over --run-config)."),
     run_config: Optional[Path] = typer.Option(None, "--run-config", metavar="FILE.toml",
                                               help="TOML file of run-config keys (key = value a line)."),
+    preset: Optional[str] = typer.Option(None, "--preset", metavar="NAME",
+                                         help="Start from a validation-tuned recipe, e.g. fedrecgel-tuned, for the "
+                                              "run's dataset (`fedrec presets` lists them)."),
     num_supernodes: Optional[int] = typer.Option(None, "--num-supernodes", metavar="N",
                                                  help="Simulated SuperNodes (default: ceil(users / users-per-node))."),
     flwr_home: Optional[str] = typer.Option(None, "--flwr-home", metavar="DIR",
@@ -252,18 +258,63 @@ def run_command(
 
     seconds, given, federation = launch.parse_run_options(overrides or [], federation_config or [], timeout)
     file_values, lines = read_run_config_file(run_config) if run_config is not None else ({}, {})
+    defaults = default_mapping(launch.PROJECT_ROOT / "pyproject.toml")
+    named = (given.pop(PRESET_KEY, None), preset, file_values.pop(PRESET_KEY, None))  # words, flag, file
+    name = next((n for n in named if n is not None), None)
     merged = merge_run_config(file_values, given)
+    if name is not None:
+        from . import presets
+
+        dataset = merged.get("dataset", defaults["dataset"])
+        merged = merge_run_config(presets.resolve(str(name), str(dataset)), merged)
     try:
         num_supernodes = launch.check_run(merged, num_supernodes)
     except ConfigError as err:  # a key the file set: say where
         raise ConfigError(_from_file(str(err), run_config, lines, given)) from None
-    total = merged.get("num-server-rounds", default_mapping(launch.PROJECT_ROOT / "pyproject.toml")
-                       ["num-server-rounds"])
+    total = merged.get("num-server-rounds", defaults["num-server-rounds"])
     with RunDisplay(int(total) if isinstance(total, int) else 0) as display:
         result = launch.flwr_run(merged, num_supernodes=num_supernodes, flwr_home=flwr_home,
                                  federation_config=federation, ray_address=ray_address, verbose=verbose,
                                  timeout=seconds, check=False, display=display)
     raise typer.Exit(result.returncode)
+
+
+PRESET_KEY = "preset"
+"""``preset = "NAME"`` in a ``--run-config`` file or ``preset=NAME`` among the words: ``--preset NAME`` (the front
+end's own key: it never reaches the run config; the words win over ``--preset``, which wins over the file)."""
+
+
+@app.command("presets")
+def presets_command(name: Optional[str] = typer.Argument(None, help="One preset: print its run-config keys as TOML."),
+                    dataset: str = typer.Option("ml-100k", "--dataset", help="The dataset whose tuned values to use.")
+                    ) -> None:
+    """List the validation-tuned recipes with their test HR@10 at round 100, or print one as a --run-config file."""
+    from . import presets
+
+    if name is not None:
+        keys = presets.resolve(name, dataset)
+        row = presets.table_row(name, dataset)
+        typer.echo(f"# {name} on {dataset}: {presets.presets()[name].method}, "
+                   f"{presets.selection(presets.presets()[name].base, dataset)['selected-on']}")
+        if row:
+            typer.echo(f"# test HR@10 {float(row['HR@10-mean']):.4f}, NDCG@10 {float(row['NDCG@10-mean']):.4f} at "
+                       f"round {row['round']} (mean of {row['seeds']} seeds, experiments/tuning/results)")
+        typer.echo(f"dataset = {launch._toml_value(dataset)}")
+        for key, value in keys.items():
+            typer.echo(f"{key} = {launch._toml_value(value)}")
+        return
+    for preset in presets.presets().values():
+        typer.echo(f"{preset.name}  ({preset.method})")
+        for data in presets.datasets():
+            try:
+                chosen = presets.setting(preset.name, data)
+            except ConfigError:
+                continue
+            tuned = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(chosen.items()))
+            row = presets.table_row(preset.name, data)
+            figure = f"test HR@10 {float(row['HR@10-mean']):.4f} at round 100 ({row['seeds']} seeds)" if row \
+                else "no test figure"
+            typer.echo(f"    {data:<13} {figure}; tuned {tuned}")
 
 
 def _from_file(message: str, path: Path | None, lines: Mapping[str, int], given: Mapping[str, Any]) -> str:

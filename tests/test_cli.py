@@ -273,3 +273,63 @@ def test_fedrec_run_with_a_run_config_file(tmp_path):
     config = json.loads((folder / "config.json").read_text())["run-config"]
     assert config["num-server-rounds"] == 1 and config["embedding-dim"] == 8 and config["users-per-node"] == 12
     assert json.loads((folder / "summary.json").read_text())["final"]["round"] == 1
+
+
+# ----------------------------------------------------------------------------------------------------- presets
+def _selected(method: str, dataset: str) -> dict:
+    return json.loads((PROJECT_ROOT / "experiments" / "tuning" / "results" / f"selection-{dataset}.json")
+                      .read_text())[method]["setting"]
+
+
+def test_a_preset_is_the_tuned_recipe_of_the_runs_dataset_under_the_file_and_the_words(tmp_path, monkeypatch,
+                                                                                       ml100k_dir):
+    from experiments.tuning import grid
+
+    from fedrec_flwr.config import make_run_config
+
+    seen = {}
+    monkeypatch.setattr(launch, "flwr_run", lambda overrides, **kw: seen.update(overrides=dict(overrides), **kw)
+                        or subprocess.CompletedProcess([], 0, "", ""))
+    (tmp_path / "run.toml").write_text(f'preset = "fedncf-tuned"\ndata-dir = "{ml100k_dir}"\nbatch-size = 64\n')
+    words = ["run", "--run-config", str(tmp_path / "run.toml"), f"cache-dir={tmp_path / 'cache'}",
+             "num-server-rounds=3"]
+    assert cli.main([*words, "--preset", "fedrecgel-tuned"]) == 0  # --preset wins over the file's preset
+    got = seen["overrides"]
+    expected = {**grid.PROTOCOL, **grid.METHODS["FedRecGEL"], **_selected("FedRecGEL", "ml-100k")}
+    assert {k: got[k] for k in expected if k not in ("num-server-rounds", "batch-size")} == \
+        {k: v for k, v in expected.items() if k not in ("num-server-rounds", "batch-size")}
+    assert got["num-server-rounds"] == 3 and got["batch-size"] == 64 and "preset" not in got  # file, words win
+    assert seen["num_supernodes"] == 1 and seen["display"].total == 3  # users-per-node 1000: one node
+    make_run_config(**got)  # a valid run config
+    assert cli.main(words) == 0  # the file's preset
+    assert seen["overrides"]["client"] == "fedrec" and \
+        seen["overrides"]["learning-rate"] == _selected("FedNCF", "ml-100k")["learning-rate"]
+
+
+def test_presets_lists_each_recipe_with_its_table_figure_and_prints_one_as_a_run_config_file(capsys, tmp_path):
+    assert cli.main(["presets"]) == 0
+    out = capsys.readouterr().out
+    assert "fedrecgel-tuned  (FedRecGEL)" in out and "fedncf-tuned  (FedNCF)" in out
+    with open(PROJECT_ROOT / "experiments" / "tuning" / "results" / "main-ml-100k.csv", newline="") as handle:
+        import csv
+
+        row = next(r for r in csv.DictReader(handle) if r["method"] == "FedRecGEL" and r["round"] == "100")
+    assert f"ml-100k       test HR@10 {float(row['HR@10-mean']):.4f} at round 100" in out
+    assert cli.main(["presets", "fedrecgel-tuned", "--dataset", "filmtrust"]) == 0
+    text = capsys.readouterr().out
+    (tmp_path / "run.toml").write_text(text)
+    values, _ = cli.read_run_config_file(tmp_path / "run.toml")
+    assert values["dataset"] == "filmtrust" and values["client"] == "fedrecgel"
+    assert {k: values[k] for k in _selected("FedRecGEL", "filmtrust")} == _selected("FedRecGEL", "filmtrust")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["run", "--preset", "fedrecgel-tund"], "preset 'fedrecgel-tund': no such preset; did you mean 'fedrecgel-tuned'?"),
+    (["run", "--preset", "fedrecgel-tuned", "dataset=generic"], "dataset 'generic': the presets are tuned on "),
+    (["presets", "nope-tuned"], "preset 'nope-tuned': no such preset"),
+])
+def test_a_bad_preset_is_one_line_exit_2(tmp_path, capsys, argv, expected):
+    assert cli.main([*argv, "--flwr-home", str(tmp_path / "home")] if argv[0] == "run" else argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: " + expected), err
+    assert not (tmp_path / "home").exists()
