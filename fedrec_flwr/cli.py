@@ -344,8 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = typer.main.get_command(app)
 
     def body() -> int:
-        try:
-            status = command.main(args=argv, prog_name="fedrec", standalone_mode=False)
+        try:  # click's parse and invoke without its main(), which turns Ctrl-C and SIGTERM alike into status 130
+            with command.make_context("fedrec", list(argv)) as ctx:
+                status = command.invoke(ctx)
         except click.exceptions.Exit as done:
             return int(done.exit_code)
         except click.UsageError as err:  # one line, as every other refusal
@@ -355,8 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             where = where.replace("fedrec fedrec", "fedrec")
             print(f"error: {err.format_message()} (see `{where}`)", file=sys.stderr)
             return 2
-        except click.Abort:
-            raise KeyboardInterrupt from None
+        except click.Abort:  # a prompt's Ctrl-C
+            raise KeyboardInterrupt() from None
         return int(status or 0)
 
     return launch.guarded(body, debug="--debug" in argv)

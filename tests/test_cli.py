@@ -259,7 +259,7 @@ def test_the_launchers_pump_feeds_every_line_to_the_display():
 
 
 # ---------------------------------------------------------------------------------------------------- real run
-def test_fedrec_run_with_a_run_config_file(tmp_path):
+def test_real_one_round_fedrec_run_from_a_run_config_file(tmp_path):
     """One round of ``fedrec run --run-config FILE key=value`` on the tiny generated data (2 SuperNodes): the
     file's values and the override reach the ServerApp, the plain per-round line is printed (not a terminal)."""
     pairs = _tiny_pairs(tmp_path, **{"num-server-rounds": 5})
@@ -333,3 +333,20 @@ def test_a_bad_preset_is_one_line_exit_2(tmp_path, capsys, argv, expected):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: " + expected), err
     assert not (tmp_path / "home").exists()
+
+
+@pytest.mark.parametrize("signame, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_ends_fedrec_run_with_128_plus_its_number(tmp_path, monkeypatch, capsys, signame, code):
+    """As the launcher: a run that SIGTERM (or Ctrl-C) stops exits 128 + the signal's number, saying so."""
+    import signal
+    import time
+
+    def run_then_signalled(*args, **kwargs):
+        os.kill(os.getpid(), getattr(signal, signame))
+        time.sleep(5)  # the handler raises before this ends
+        raise AssertionError("the signal did not stop the run")
+
+    monkeypatch.setattr(launch, "flwr_run", run_then_signalled)
+    monkeypatch.setattr(launch, "check_run", lambda overrides, n=None: 1)
+    assert cli.main(["run", "--flwr-home", str(tmp_path / "home")]) == code
+    assert f"stopped ({signame if signame != 'SIGINT' else 'Ctrl-C'})" in capsys.readouterr().err
