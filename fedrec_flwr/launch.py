@@ -766,16 +766,21 @@ def run_status(env: Mapping[str, str], timeout: float = 60.0) -> tuple[str | Non
     return str(last.get("status")), str(last.get("status-details") or "")
 
 
-def _pump(stream: TextIO, log: TextIO, sink: list[str], echo: TextIO | None, verbose: bool) -> None:
-    """Copy the run's output, ANSI codes removed, to ``log`` and ``sink``, and the lines to show to ``echo``; ends
-    quietly when the log was closed (the run was stopped)."""
+def _pump(stream: TextIO, log: TextIO, sink: list[str], echo: TextIO | None, verbose: bool,
+          display: Any = None) -> None:
+    """Copy the run's output, ANSI codes removed, to ``log`` and ``sink``, and the lines to show to ``echo``; or,
+    with a ``display`` (:class:`fedrec_flwr.progress.RunDisplay`), every line to its ``feed`` with the text to show
+    (``None``: not shown). Ends quietly when the log was closed (the run was stopped)."""
     try:
         for raw in stream:
             line = ANSI.sub("", raw)
             log.write(line)
             log.flush()
             sink.append(line)
-            if echo is not None and (verbose or shown_quietly(line)):
+            if display is not None:
+                display.feed(line, (line if verbose else line.strip() + "\n")
+                             if verbose or shown_quietly(line) else None)
+            elif echo is not None and (verbose or shown_quietly(line)):
                 echo.write(line if verbose else line.strip() + "\n")
                 echo.flush()
     except (ValueError, OSError):  # the log was closed, or the pipe broke, because the run was stopped
@@ -861,6 +866,7 @@ def flwr_run(
     verbose: bool = False,
     check: bool = True,
     end_grace: float = END_GRACE,
+    display: Any = None,
 ) -> subprocess.CompletedProcess:
     """``flwr run <project> --stream`` on a fresh local SuperLink of its own, which is stopped afterwards.
 
@@ -887,6 +893,8 @@ def flwr_run(
         end_grace: seconds the simulation may take to exit after the ServerApp's last line
             (:data:`~fedrec_flwr.server_app.SERVERAPP_ENDED`); then the run is stopped (a ClientApp that never
             returns keeps Flower 1.42's simulation alive: its worker pool waits for it) and ``returncode`` is 1.
+        display: shows the run's lines instead of plain printing (a :class:`fedrec_flwr.progress.RunDisplay`, whose
+            ``feed`` gets every log line); ignored with ``capture``.
 
     Returns:
         The finished run: ``returncode`` 0 only if Flower reports it ``finished:completed``; 124 when ``timeout``
@@ -943,7 +951,8 @@ def flwr_run(
                 process = subprocess.Popen(command, env=link.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                            stdin=subprocess.DEVNULL, text=True, errors="replace")
                 pump = threading.Thread(target=_pump, daemon=True,
-                                        args=(process.stdout, log, lines, None if capture else sys.stdout, verbose))
+                                        args=(process.stdout, log, lines, None if capture else sys.stdout, verbose,
+                                              None if capture else display))
                 pump.start()
                 stopped = _watch(process, lines, timeout, end_grace)
                 if stopped is None:
@@ -1072,20 +1081,37 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any],
     args.command = argv[0]
     if args.command != "run":
         return args, {}, {}
-    if args.timeout is not None:
+    args.timeout, overrides, federation = parse_run_options(args.overrides, args.federation_config, args.timeout)
+    return args, overrides, federation
+
+
+def parse_run_options(pairs: Sequence[str], federation_pairs: Sequence[str] = (),
+                      timeout: str | float | None = None) -> tuple[float | None, dict[str, Any], dict[str, Any]]:
+    """``run``'s values from their words: ``(timeout in seconds or None, run-config overrides, federation config)``.
+
+    Args:
+        pairs: the ``key=value`` run-config overrides (:func:`parse_override`, each key once).
+        federation_pairs: the ``--federation-config`` values (checked by :func:`check_federation_config`).
+        timeout: ``--timeout``'s text.
+
+    Raises:
+        ConfigError: a timeout that is not a positive number, a malformed override, a key given twice, or a
+            federation setting Flower refuses.
+    """
+    if timeout is not None:
         try:
-            seconds = float(args.timeout)
+            seconds = float(timeout)
         except ValueError:
             seconds = math.nan
         if not seconds > 0:
-            raise ConfigError(f"--timeout {args.timeout}: must be a positive number of seconds")
-        args.timeout = seconds
+            raise ConfigError(f"--timeout {timeout}: must be a positive number of seconds")
+        timeout = seconds
     defaults = default_mapping(PROJECT_ROOT / "pyproject.toml")
-    overrides = _once([parse_override(pair, defaults) for pair in args.overrides], "run-config key")
-    federation = _once([parse_override(pair, {}, "--federation-config") for pair in args.federation_config],
+    overrides = _once([parse_override(pair, defaults) for pair in pairs], "run-config key")
+    federation = _once([parse_override(pair, {}, "--federation-config") for pair in federation_pairs],
                        "--federation-config key")
     check_federation_config(federation)
-    return args, overrides, federation
+    return timeout, overrides, federation
 
 
 def _once(pairs: Sequence[tuple[str, Any]], what: str) -> dict[str, Any]:
@@ -1156,9 +1182,8 @@ def check_federation_config(federation: Mapping[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv
-    previous = {sig: signal.signal(sig, raise_stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
+
+    def command() -> int:
         args, overrides, federation = parse_args(argv)
         if args.command == "stop":
             return stop_main(args.flwr_home)
@@ -1166,6 +1191,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                           federation_config=federation, ray_address=args.ray_address, verbose=args.verbose,
                           timeout=args.timeout)
         return result.returncode
+
+    return guarded(command, debug="--debug" in argv)
+
+
+def guarded(command: Callable[[], int], debug: bool = False) -> int:
+    """Run ``command`` as the command line does and return its exit status: SIGTERM / SIGHUP end it like Ctrl-C
+    (128 + the signal's number, after one line saying what was stopped), and a :class:`FedRecError` is one
+    ``error:`` line on stderr and status 2 (``debug``: its traceback first)."""
+    previous = {sig: signal.signal(sig, raise_stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return command()
     except KeyboardInterrupt as stop:
         print(f"\nstopped ({stop.args[0] if stop.args else 'Ctrl-C'}): the run, its SuperLink and Ray were ended",
               file=sys.stderr)

@@ -55,7 +55,8 @@ def send_and_receive(push: Callable[[Iterable[Message]], Iterable[str]],
                      pull: Callable[[Iterable[str]], Iterable[Message]], messages: Iterable[Message], *,
                      window: int, timeout: float | None, pull_interval: float = 0.1,
                      clock: Callable[[], float] = time.monotonic,
-                     sleep: Callable[[float], None] = time.sleep) -> list[Message]:
+                     sleep: Callable[[float], None] = time.sleep,
+                     on_reply: Callable[[int], None] | None = None) -> list[Message]:
     """Send ``messages`` with at most ``window`` pushed and unanswered at any time; return the replies.
 
     Args:
@@ -66,6 +67,8 @@ def send_and_receive(push: Callable[[Iterable[Message]], Iterable[str]],
         timeout: seconds from the first push after which the call returns what it has (``None``: wait for all).
         pull_interval: seconds between pulls when nothing came back (Flower's ``InMemoryGrid`` uses 0.1).
         clock, sleep: injectable for tests.
+        on_reply: called with the number of replies received so far each time more arrive (progress reports only,
+            e.g. :class:`fedrec_flwr.progress.ReplyProgress`).
 
     Returns:
         The replies, in arrival order; a message never answered (or never sent: deadline) is missing.
@@ -96,6 +99,8 @@ def send_and_receive(push: Callable[[Iterable[Message]], Iterable[str]],
             break
         got = list(pull(set(in_flight))) if in_flight else []
         replies.extend(got)
+        if got and on_reply is not None:
+            on_reply(len(replies))
         in_flight.difference_update(m.metadata.reply_to_message_id for m in got)
         top_up()
         if not got and (in_flight or unsent):
@@ -156,7 +161,8 @@ class GridProxy(Grid):
 
 class WindowedGrid(GridProxy):
     """A grid whose ``send_and_receive`` keeps at most ``window`` messages in flight (module docstring); everything
-    else (nodes, runs, ``push_messages`` / ``pull_messages`` themselves) is the wrapped grid's."""
+    else (nodes, runs, ``push_messages`` / ``pull_messages`` themselves) is the wrapped grid's. A batch that takes
+    long logs how many replies have arrived (:class:`fedrec_flwr.progress.ReplyProgress`)."""
 
     def __init__(self, grid: Grid, window: int) -> None:
         if window < 1:
@@ -164,8 +170,12 @@ class WindowedGrid(GridProxy):
         self.grid, self.window = grid, window
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        from .progress import ReplyProgress
+
+        messages = list(messages)
         return send_and_receive(self.grid.push_messages, self.grid.pull_messages, messages, window=self.window,
-                                timeout=timeout, pull_interval=getattr(self.grid, "pull_interval", 0.1))
+                                timeout=timeout, pull_interval=getattr(self.grid, "pull_interval", 0.1),
+                                on_reply=ReplyProgress(messages))
 
 
 def windowed(grid: Grid, max_in_flight: int) -> Grid:

@@ -1,0 +1,7 @@
+"""``python -m fedrec_flwr``: the ``fedrec`` command (:mod:`fedrec_flwr.cli`) without the installed script."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
