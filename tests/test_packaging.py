@@ -128,6 +128,9 @@ def test_only_fedrec_flwr_is_an_import_name_of_the_wheel(wheel_venv, tmp_path):
     version, path = done.stdout.split()
     assert version == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert str(wheel_venv) in path
+    script = subprocess.run([str(wheel_venv / "bin" / "fedrec"), "--version"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert script.returncode == 0 and script.stdout.split() == ["fedrec", version], script.stderr
 
 
 @pytest.mark.parametrize("where", ["source", "wheel"])
