@@ -144,3 +144,20 @@ def test_readme_and_experiment_pages_stay_short():
     assert len((PROJECT_ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 250
     for page in sorted((PROJECT_ROOT / "experiments").glob("*/README.md")):
         assert len(page.read_text(encoding="utf-8").splitlines()) <= 200, page
+
+
+def readme_broken_links(root: Path) -> list[str]:
+    """Relative links of README.md and the experiment pages that name no file of the checkout."""
+    broken = []
+    for page in [root / "README.md", *sorted((root / "experiments").glob("*/README.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
+            if "://" not in target and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(root)}: {target}")
+    return broken
+
+
+def test_readme_and_experiment_page_links_resolve(tmp_path):
+    assert readme_broken_links(PROJECT_ROOT) == []
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "README.md").write_text("[a](docs/missing.md) [b](https://flower.ai) [c](README.md#top)\n")
+    assert readme_broken_links(tmp_path) == ["README.md: docs/missing.md"]
