@@ -29,7 +29,8 @@ myst_heading_anchors = 3
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
-autodoc_default_options = {"members": True, "show-inheritance": True}
+autodoc_typehints_description_target = "documented"
+autodoc_default_options = {"show-inheritance": True}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 

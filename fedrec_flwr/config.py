@@ -45,7 +45,7 @@ rate            0.01   0.03   0.1    0.3
 MovieLens-100K  0.423  0.436  0.443  0.562
 FilmTrust       0.906  0.902  0.782  0.733
 Lastfm-2K       0.666  0.668  0.459  0.457
-Amazon-Video    0.624  0.630  0.554  -
+Amazon-Video    0.624  0.630  0.554  n/a
 ==============  =====  =====  =====  =====
 
 0.3, MovieLens-100K's best, loses 0.17-0.21 on FilmTrust and Lastfm-2K and its training loss climbs above ln 2 (to
