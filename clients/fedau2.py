@@ -8,8 +8,8 @@ so it composes with any client: :class:`FedAU2Client` (``client = "fedau2"``: Fe
 ``"ncf"``) and :class:`FedAU2GELClient` (``client = "fedau2-gel"``: FedRecGEL's decoupled SAM, the term added to every
 chunk of every SAM loss evaluation).
 
-Run-config keys (defaults in ``pyproject.toml``). **The package defaults are not FedAU²'s own mechanism** (issue 14,
-seventh session): measured on MovieLens-100K, FedAU²'s selective unlearning trigger with gradient reversal wrote the
+Run-config keys (defaults in ``pyproject.toml``). **The package defaults are not FedAU²'s own mechanism**:
+measured on MovieLens-100K, FedAU²'s selective unlearning trigger with gradient reversal wrote the
 attribute *into* the embeddings (attacker AUC 0.54 -> 0.83 on FedMF, gender), a defence worse than none. The defaults
 are the arm that met the targets there (experiments/fedau2/README.md, items 9-13): the label-independent entropy pull
 on every step (``adversary-trigger = "always"``, ``adversary-objective = "entropy"``, ``adversary-epsilon = 0.1``,
@@ -28,7 +28,7 @@ head) is ``adversary-trigger = "sut"``, ``adversary-objective = "reverse"``, ``a
 * ``adversary-trigger``: ``"sut"`` (FedAU²'s selective unlearning trigger) or ``"always"`` (constant ``eps``).
 * ``adversary-objective``: ``"reverse"`` (FedAU²'s gradient reversal) or ``"entropy"`` (ours, a control: the
   embedding moves toward the adversary's uniform prediction; :class:`fedrec_flwr.adversary.AdversarialTerm`).
-* ``adversary-training``: ``"server"`` (default; ours, issue 14): every client uses the round's global ``h_w``,
+* ``adversary-training``: ``"server"`` (default; ours): every client uses the round's global ``h_w``,
   frozen, for the SUT and the GRL, and uploads ``h_w``'s gradient at that frozen copy
   (:func:`fedrec_flwr.adversary.adversary_gradient`, with DSVAE's noise once on it) in place of ``h_w``'s values; the
   strategy averages the gradients and steps ``h_w`` with its own optimizer
@@ -37,7 +37,7 @@ head) is ``adversary-trigger = "sut"``, ``adversary-objective = "reverse"``, ``a
   ``adversary_gradient`` query answered by :meth:`AttributeUnlearning.adversary_query_gradient`; with
   ``adversary-query-users = "all"`` every user of the federation answers them, not only the round's). ``"per-client"``: FedAU², per-client adversary as first implemented (each
   client trains its local copy of ``h_w`` on its single label, the strategy averages the copies; measured to collapse
-  to the majority class and write the attribute into the embeddings, issue 14).
+  to the majority class and write the attribute into the embeddings).
 * ``adversary-embedding-optimizer``: ``"local"`` (the adversarial gradient is part of the loss the local optimizer
   steps; Adam normalises its size away) or ``"sgd"`` (a plain SGD step of size ``learning-rate`` on the reversed
   gradient, or on the entropy pull with ``adversary-objective = "entropy"``, keeping its size; needs
@@ -54,8 +54,8 @@ head) is ``adversary-trigger = "sut"``, ``adversary-objective = "reverse"``, ``a
 * ``dsvae-noise-stream``: ``"per-user"`` (default: one noise draw per user for the whole run, so the train reply and
   every ``adversary_gradient`` query of the user carry the same noise and a server that averages a node's uploads,
   the curious server's linked iDLG, gets no more than from one), ``"per-round"`` (one draw per user and round) or
-  ``"per-upload"`` (a fresh draw per upload, as first built: averaging a node's 20 uploads a round read every label,
-  issue 14); the latent ``xi`` is drawn afresh for every upload in all three.
+  ``"per-upload"`` (a fresh draw per upload, as first built: averaging a node's 20 uploads a round read every label);
+  the latent ``xi`` is drawn afresh for every upload in all three.
 * ``adversary-epsilon``, ``adversary-hidden`` (0: a linear ``h_w``), ``dsvae-latent-dim``, ``dsvae-kl-weight``, ``dsvae-gradient-noise``.
 * ``user-embedding-noise``: the DP baseline (ours in detail: FedAU² compares against DP noise on the user embedding
   without giving its mechanism): after each local training the user embedding is replaced by ``e + Laplace(0, b)``
@@ -159,7 +159,7 @@ class AttributeUnlearning:
         trained: its gradient is uploaded, or with ``"per-client"`` its local copy steps, but the embedding gets no
         adversarial step and the SUT fires for nobody), ``adversary-epsilon`` after.
 
-        Ours (issue 14): DANN ramps the reversal strength up from 0 while the domain classifier learns (Ganin et al.
+        Ours: DANN ramps the reversal strength up from 0 while the domain classifier learns (Ganin et al.
         2016, JMLR, Sec. 5.2.2, ``lambda_p = 2 / (1 + exp(-10 p)) - 1``); a warm-up of ``k`` rounds is the step-function
         version, so that ``h_w`` can learn the attribute's direction before it moves the embeddings (an uninformed
         ``h_w`` under the SUT writes the attribute in, README of experiments/fedau2)."""

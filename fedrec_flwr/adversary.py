@@ -57,7 +57,7 @@ then scales the step; the pull's step shrinks to 0 as the embedding reaches the 
 NOISE_PLACEMENTS = ("head", "all")
 """Which parameters' uploaded gradients get DSVAE's label-masking noise (``dsvae-noise-placement``, server training):
 ``"head"``, the last layer only (as first built: iDLG reads the head's bias gradient ``p - onehot(a)``), or ``"all"``
-(ours, issue 14): every parameter of ``h_w``, since the encoder's gradient carries ``W_head^T (p - onehot(a))``
+(ours): every parameter of ``h_w``, since the encoder's gradient carries ``W_head^T (p - onehot(a))``
 unperturbed and DLG's gradient matching reads the label from it (measured: DLG 1.00 with ``"head"``)."""
 OBJECTIVES = ("reverse", "entropy")
 """What the embedding's adversarial gradient does (:class:`AdversarialTerm`): FedAU²'s gradient reversal, or (ours)
@@ -151,7 +151,7 @@ class AttributeAdversary(nn.Module):
     """The plain adversary ``h_w``: an MLP ``D -> hidden -> C`` (ReLU) giving attribute logits; with ``hidden = 0``
     a linear (multinomial logistic) ``h_w``: ``D -> C``.
 
-    A linear ``h_w`` is the post-hoc logistic-regression attacker's own model class (ours, issue 14: on ML-100K the
+    A linear ``h_w`` is the post-hoc logistic-regression attacker's own model class (ours: on ML-100K the
     attribute's signal in the embeddings is weak and mostly linear, an attacker's LR AUC 0.54-0.65; ``D + 1`` weights
     per class learn it from a few hundred users, where the MLP fits the round's ~94 users and then drifts).
 
@@ -430,7 +430,7 @@ class AdversarialTerm:
             ``e_u <- e_u + embedding_step * eps_u * dCE(h_w(e_u), a)/de_u`` itself (the GRL's reversed gradient at its
             full size; ours: an operator split, the recommendation step follows with the trainer's optimizer) and
             returns 0. With ``objective = "entropy"`` the step is the pull's,
-            ``e_u <- e_u - embedding_step * eps_u * dH_x(uniform, softmax(h_w(e_u)))/de_u`` (ours, issue 14: Adam
+            ``e_u <- e_u - embedding_step * eps_u * dH_x(uniform, softmax(h_w(e_u)))/de_u`` (ours: Adam
             moves each coordinate by about its rate whatever the pull's size, about 0.06 per local round on
             MovieLens-100K against an embedding spread of about 0.1, so the pull can overshoot the uniform point;
             SGD's step shrinks to 0 there).

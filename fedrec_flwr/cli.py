@@ -29,7 +29,6 @@ import sys
 import textwrap
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,83 +36,10 @@ import click
 import typer
 
 from . import launch
+from .config_reference import KeyEntry, entries
 from .errors import ConfigError
 
-CONFIG_TABLE = "[tool.flwr.app.config]"
-SECTION = re.compile(r"^#\s*-+\s*(.*?)\s*-*\s*$")
-"""A section heading inside the table: ``# --- data ---------``."""
-
-
 # ------------------------------------------------------------------------------------------ config reference
-@dataclass(frozen=True)
-class ConfigKey:
-    """One run-config key as ``pyproject.toml`` declares it."""
-
-    name: str
-    default: Any
-    """The default as TOML reads it (str, int, float or bool)."""
-    meaning: str
-    """The line's trailing comment (``""`` without one)."""
-    section: str
-    """The heading (``# --- data ---``) above it, ``""`` before the first."""
-    line: int
-    """Its line in the file (1-based)."""
-
-    @property
-    def default_text(self) -> str:
-        """The default written as TOML (``"ml-100k"``, ``0.1``, ``true``)."""
-        return launch._toml_value(self.default)
-
-
-def config_keys(pyproject: str | Path | None = None) -> list[ConfigKey]:
-    """Every key of ``[tool.flwr.app.config]`` in file order, with its default (``tomllib``) and the comment on its
-    line. ``pyproject``: default :func:`fedrec_flwr.config.find_pyproject`.
-
-    Raises:
-        ConfigError: the file has no such table.
-    """
-    from .config import default_mapping, find_pyproject
-
-    path = Path(pyproject) if pyproject else find_pyproject()
-    defaults = default_mapping(path)
-    keys: list[ConfigKey] = []
-    section, inside = "", False
-    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        text = raw.strip()
-        if text.startswith("["):
-            inside = text == CONFIG_TABLE
-            continue
-        if not inside or not text:
-            continue
-        heading = SECTION.match(text)
-        if heading:
-            section = heading.group(1)
-            continue
-        if text.startswith("#"):
-            continue
-        name, value, comment = _split_line(text)
-        if name in defaults:
-            keys.append(ConfigKey(name, defaults[name], comment, section, number))
-    missing = [k for k in defaults if k not in {key.name for key in keys}]
-    for name in missing:  # a key written in a form this reader does not split (a multi-line value): no meaning
-        keys.append(ConfigKey(name, defaults[name], "", "", 0))
-    return keys
-
-
-def _split_line(text: str) -> tuple[str, Any, str]:
-    """``key = value  # comment`` -> ``(key, value, comment)``: the comment starts at the first ``#`` before which
-    the line is valid TOML (a ``#`` inside a quoted value is part of the value)."""
-    for at in [m.start() for m in re.finditer("#", text)] + [len(text)]:
-        try:
-            parsed = tomllib.loads(text[:at])
-        except tomllib.TOMLDecodeError:
-            continue
-        if len(parsed) == 1:
-            (name, value), = parsed.items()
-            return str(name), value, text[at + 1:].strip()
-    return "", None, ""
-
-
 def unknown_key_message(name: str, known: Sequence[str]) -> str:
     """``unknown run-config key 'datset'; did you mean 'dataset'?`` (or the list command without a close match)."""
     close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
@@ -121,14 +47,16 @@ def unknown_key_message(name: str, known: Sequence[str]) -> str:
     return f"unknown run-config key {name!r}; {hint}"
 
 
-def format_key(key: ConfigKey, width: int) -> str:
-    """``key = default`` and, indented below, its meaning wrapped to ``width`` columns."""
-    head = f"{key.name} = {key.default_text}"
-    if not key.meaning:
-        return head
-    body = textwrap.fill(key.meaning, width=max(40, width), initial_indent="    ", subsequent_indent="    ",
-                         break_on_hyphens=False, break_long_words=False)
-    return f"{head}\n{body}"
+def format_key(key: KeyEntry, width: int) -> str:
+    """``key = default`` and, indented below, its meaning, allowed values and range wrapped to ``width`` columns
+    (one :class:`~fedrec_flwr.config_reference.KeyEntry` of the generated reference)."""
+    lines = [f"{key.name} = {key.default}"]
+    notes = [key.meaning] + ([f"allowed: {' | '.join(key.allowed)}"] if key.allowed else []) \
+        + ([f"range: {key.bounds}"] if key.bounds else [])
+    for note in filter(None, notes):
+        lines.append(textwrap.fill(note, width=max(40, width), initial_indent="    ", subsequent_indent="    ",
+                                   break_on_hyphens=False, break_long_words=False))
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------- run-config file
@@ -213,7 +141,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 @app.command("config")
 def config_command(key: Optional[str] = typer.Argument(None, help="One key (default: every key).")) -> None:
     """Print every run-config key with its default and meaning, or one KEY."""
-    keys = config_keys(launch.PROJECT_ROOT / "pyproject.toml")
+    keys = entries(launch.PROJECT_ROOT / "pyproject.toml")
     width = min(shutil.get_terminal_size((100, 24)).columns, 120) - 1
     if key is not None:
         found = [k for k in keys if k.name == key]
@@ -221,11 +149,11 @@ def config_command(key: Optional[str] = typer.Argument(None, help="One key (defa
             raise ConfigError(unknown_key_message(key, [k.name for k in keys]))
         typer.echo(format_key(found[0], width))
         return
-    section = None
+    group = None
     for item in keys:
-        if item.section != section:
-            section = item.section
-            typer.echo(f"{'' if item is keys[0] else chr(10)}# {section}" if section else "")
+        if item.group != group:
+            group = item.group
+            typer.echo(f"{'' if item is keys[0] else chr(10)}# {group}" if group else "")
         typer.echo(format_key(item, width))
 
 

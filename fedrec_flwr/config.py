@@ -37,16 +37,16 @@ for replies to messages that have already expired, so it is refused."""
 MODEL_LEARNING_RATES: dict[str, float] = {"ncf": 0.01, "pfedrec": 0.01, "mf": 0.03}
 """What ``learning-rate = 0`` (the default) means for each model. ``ncf`` (and ``pfedrec``, unchanged): 0.01, chosen
 on the validation item for FedNCF on MovieLens-100K in the first release. ``mf``: 0.03, chosen on the validation item
-(HR@10 at round 100, seed 0) across the four shipped datasets, not on one (issue 19):
+(HR@10 at round 100, seed 0) across the four shipped datasets, not on one (``experiments/tuning``):
 
-=============  =====  =====  =====  =====
-rate           0.01   0.03   0.1    0.3
-=============  =====  =====  =====  =====
-MovieLens-100K 0.423  0.436  0.443  0.562
-FilmTrust      0.906  0.902  0.782  0.733
-Lastfm-2K      0.666  0.668  0.459  0.457
-Amazon-Video   0.624  0.630  0.554  -
-=============  =====  =====  =====  =====
+==============  =====  =====  =====  =====
+rate            0.01   0.03   0.1    0.3
+==============  =====  =====  =====  =====
+MovieLens-100K  0.423  0.436  0.443  0.562
+FilmTrust       0.906  0.902  0.782  0.733
+Lastfm-2K       0.666  0.668  0.459  0.457
+Amazon-Video    0.624  0.630  0.554  n/a
+==============  =====  =====  =====  =====
 
 0.3, MovieLens-100K's best, loses 0.17-0.21 on FilmTrust and Lastfm-2K and its training loss climbs above ln 2 (to
 1.0-1.4 from round 8 on MovieLens-100K); 0.03 is best or within 0.004 of it on the other three and leaves ln 2 at once
@@ -59,10 +59,9 @@ FIRST_RELEASE_ADVERSARY: dict[str, Any] = {
     "adversary-server-learning-rate": 0.01, "adversary-server-steps": 1, "adversary-class-prior": "",
     "dsvae-noise-placement": "head", "dsvae-noise-stream": "per-upload",
 }
-"""FedAU²'s adversary keys as the first release's package defaults had them, until issue 14's seventh session:
+"""FedAU²'s adversary keys as its paper states the mechanism (and as the first release's package defaults had them):
 FedAU²'s own selective unlearning trigger and gradient reversal, a 32-wide ``h_w``, one server step of 0.01 per round,
-no class prior, DSVAE's noise on the head gradient only and drawn afresh for every upload; FedAU² as its paper states
-it. The package defaults are now
+no class prior, DSVAE's noise on the head gradient only and drawn afresh for every upload. The package defaults are
 the protective arm of ``experiments/fedau2`` (``pyproject.toml``; :mod:`fedrec_flwr.clients.fedau2`). Run-config overrides
 (``make_run_config(**FIRST_RELEASE_ADVERSARY, ...)``, or as launcher ``key=value`` pairs): every arm of the FedAU²
 experiment tables starts from them (``experiments.fedau2.methods.PROTOCOL``) and the mechanism tests pin them, so

@@ -1,6 +1,6 @@
 """A cost-only patch to Flower 1.42's simulation engine: a node's next message found by destination first.
 
-Why (issue 17, the per-message cost at scale): Flower's simulation engine hands messages to its client actors from
+Why (the per-message cost at scale): Flower's simulation engine hands messages to its client actors from
 one thread (``flwr.server.superlink.fleet.vce.vce_api.add_messages_to_queue``) that, every 0.1 s, asks the link state
 for the next message of *every* registered node in turn; ``InMemoryLinkState.get_message_ins(node_id, limit=1)``
 answers by running its validity check (``_check_stored_messages``: the message's expiry, both nodes' federation
@@ -8,7 +8,7 @@ membership, under the state's lock) on *every* stored message before it looks at
 therefore costs ``nodes x stored messages`` checks, each several microseconds: with the ``max-in-flight`` window of
 32 (:mod:`fedrec_flwr.message_window`) about 0.2 s a sweep at 943 nodes and 1.7 s at 8,072, and a sweep delivers at
 most the window's messages, so the identify phase of the 8,072-node Amazon-Video run took 380 s (47 ms a node)
-against 16 ms a node at 943 (``experiments/bench/README.md``, "Seventh pass").
+against 16 ms a node at 943 (``experiments/bench/README.md``, link-state lookup).
 
 What: :func:`get_message_ins_by_destination` is the same method with the destination, delivery and run tests made
 *before* the validity check, so the check runs only on the messages that could be returned. What it returns, and the

@@ -250,7 +250,7 @@ def influence_gn_diagonal(runtime, clients: Sequence, shared: Mapping[str, np.nd
                           seed: int) -> tuple[dict, dict]:
     """The diagonal of ``sum_u G_u`` over ``clients``, ``G_u`` the Gauss-Newton matrix of user ``u``'s influence loss
     (:func:`fedrec_flwr.krylov.gauss_newton_diagonal`: exact on the item rows, a ``probes``-draw Monte Carlo estimate
-    on the dense parameters), for HF-KCU's preconditioner (``krylov-preconditioner``; issue 18, ours).
+    on the dense parameters), for HF-KCU's preconditioner (``krylov-preconditioner``; ours).
 
     The node's users in one batched pass where :func:`can_batch` holds, else one at a time; the sign draws come from
     a ``torch.Generator`` seeded with ``seed``. Returns ``(dense key -> array, item key -> (row ids (T,), values (T,

@@ -548,7 +548,7 @@ def gauss_newton_vector_product(loss: CompositeLoss, params: Mapping[str, torch.
 def gauss_newton_diagonal(loss: CompositeLoss, params: Mapping[str, torch.Tensor], *, probes: int = 8,
                           generator: torch.Generator | None = None) -> Params:
     """``diag(G)``: the diagonal of the generalised Gauss-Newton matrix ``G = J^T H_z J + ∇²R`` of
-    :func:`gauss_newton_vector_product`, for a preconditioner (ours; issue 18).
+    :func:`gauss_newton_vector_product`, for a preconditioner (ours).
 
     ``diag(J^T H_z J)_k = sum_j H_z[j, j] (∂z_j / ∂theta_k)^2`` wherever at most one output's row of ``theta`` is
     touched per entry's cross term, which holds exactly on the ``row_keys`` tables: each output reads one row, so the

@@ -1,4 +1,4 @@
-"""At most ``max-in-flight`` messages stored in the SuperLink at a time (issue 17, the per-message cost at scale).
+"""At most ``max-in-flight`` messages stored in the SuperLink at a time (the per-message cost at scale).
 
 Why: Flower 1.42's simulation engine hands messages to its client actors from one thread
 (``flwr.server.superlink.fleet.vce.vce_api.add_messages_to_queue``) that, every 0.1 s, asks the link state for each
@@ -10,7 +10,7 @@ nodes: 68% of its samples in that loop). :func:`send_and_receive` pushes at most
 time a reply comes back, so a sweep costs ``N x window`` checks. Replies come back in arrival order, as from
 Flower's own ``send_and_receive`` (the strategies sort what needs an order). ``fast-link-state``
 (:mod:`fedrec_flwr.flower_patches`) makes each of those checks about ten times cheaper; with it a larger window
-was still slower on two cores (``experiments/bench/README.md``, "Seventh pass").
+was still slower on two cores (``experiments/bench/README.md``, link-state lookup).
 
 Where it applies (``max-in-flight``, :func:`window_for`): ``0`` (the default) is *auto*: :func:`simulation_window`
 (16 messages per CPU core, at least 32) on Flower's in-process simulation engine (``flwr.superlink.grid.InMemoryGrid``, what ``flwr run`` with the Ray backend
@@ -36,7 +36,7 @@ from flwr.serverapp import Grid
 
 WINDOW_PER_CPU = 16
 """``max-in-flight = 0``'s window on Flower's simulation engine is this many messages per CPU core of the machine,
-at least :data:`MIN_WINDOW` (ours; ``experiments/bench/README.md``, "Fifth pass"). Measured on 2 cores only (943
+at least :data:`MIN_WINDOW` (ours; ``experiments/bench/README.md``, message window). Measured on 2 cores only (943
 one-user nodes, all sampled; seconds per round, interleaved): every message at once 18.6 / 19.6 s, window 32 11.5 /
 13.3 s, 64 14.2 / 13.8 s. A sweep checks ``nodes x window`` messages and delivers at most ``window`` new ones, so a
 machine with more client actors needs a larger window to keep them busy; 16 per core is a guess for such machines

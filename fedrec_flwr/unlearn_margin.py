@@ -1,4 +1,4 @@
-"""How far HF-KCU steps, calibrated on membership (issue 18, fifth session; ours): move along the solver's step until
+"""How far HF-KCU steps, calibrated on membership (ours): move along the solver's step until
 the forgotten users' own interactions with the items they dominate look like non-member data.
 
 **Why.** Retraining without the forgotten users ``F`` turns their training interactions into non-member data. For
@@ -29,7 +29,7 @@ nothing to forget by this measure, no step. No dominated item among the forgotte
 set, whose items all have many remaining raters): the rule has nothing to calibrate on and the phase keeps the
 solver's step (``a = 1``), reported as ``margin-termination = "no-dominated-items"``.
 
-**Measured** (``experiments/hfkcu/README.md``, fifth session): it met 2 of 5 development poisoning settings (the fixed
+**Measured** (``experiments/hfkcu/README.md``): it met 2 of 5 development poisoning settings (the fixed
 radius 1) and 4 of 8 reported ones (the fixed radius 4, different ones): ML-100K FedMF closes 93-102% of the gap
 with 20 or 100 fakes, FilmTrust FedMF 44-63%, and on FedNCF, whose step is mostly the shared MLP, the margin
 reaches 0 after the genuine users' ranking has fallen past retrained (FilmTrust: overshoot 835%). An arm

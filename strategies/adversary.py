@@ -1,7 +1,7 @@
 """The server's step of FedAU²'s attribute adversary ``h_w`` (``adversary-training = "server"``), for every strategy
 derived from :class:`fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg`.
 
-Ours (issue 14; arXiv 2511.22872 does not say how the shared adversary is aggregated). With ``"per-client"`` training
+Ours (arXiv 2511.22872 does not say how the shared adversary is aggregated). With ``"per-client"`` training
 each client fitted its copy of ``h_w`` to its single label with a fresh Adam state and the strategy averaged the copies:
 a vote weighted by class counts, which learned the prior and collapsed. Here every client keeps the round's global
 ``h_w`` frozen (the SUT and the GRL read that copy) and uploads ``h_w``'s gradient at it
@@ -11,7 +11,7 @@ per user for gradient uploads) and takes one step of its own optimizer (``advers
 server-learning-rate``): the federated gradient of the average cross-entropy over the round's users, i.e. centralised
 mini-batch training of ``h_w`` over the sampled users. Its state persists over the run (and in checkpoints).
 
-With ``adversary-server-steps = S > 1`` (ours, issue 14: one step per round, 100 in a run, left ``h_w`` at the
+With ``adversary-server-steps = S > 1`` (ours: one step per round, 100 in a run, left ``h_w`` at the
 majority class on ML-100K) the server then takes ``S - 1`` more steps in the same round (:meth:`AdversaryServerStep.
 extra_steps`): each sends the current ``h_w`` to the round's sampled nodes in an ``adversary_gradient`` query
 (:func:`fedrec_flwr.client_app.adversary_gradient_query`), each node answers with the mean ``h_w`` gradient over its
@@ -70,7 +70,7 @@ class AdversaryServerStep:
             query steps (:meth:`extra_steps`).
         query_users: ``"sampled"`` (the round's users answer the queries) or ``"all"`` (``adversary-query-users``,
             ours: every user of the federation answers, so each extra step is a full-batch step of ``h_w`` over all
-            users' current embeddings, the federated form of issue 14's oracle, an adversary refit on every user
+            users' current embeddings, the federated form of the experiments' oracle, an adversary refit on every user
             each round; without it ``h_w`` refits each round's ~94 users and its predicted class flips from round to
             round on ML-100K). Cost: every node answers ``steps - 1`` queries per round.
 

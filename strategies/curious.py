@@ -19,7 +19,7 @@ that node so far (this round's train reply, earlier rounds' train replies and, w
 every ``adversary_gradient`` query reply; -1 where the node's uploads are not all one user's). Score it with
 ``labels[user] == idlg-label``; compare with the majority-class rate, not only 1/C.
 
-The linked attack is ours (issue 14, seventh session). A server knows which node sent what, so it can average a node's
+The linked attack is ours. A server knows which node sent what, so it can average a node's
 uploads; with ``dsvae-noise-stream = "per-upload"`` DSVAE's label-masking noise is drawn afresh for each upload, and
 the label's term ``-onehot(a)`` of the head's
 bias gradient is the same in all of them, so averaging ``k`` uploads divides the noise's std by ``sqrt(k)``. For two

@@ -1,4 +1,4 @@
-"""Any Flower strategy on a recommender: run ``flwr.serverapp.strategy`` classes unchanged (issue 21).
+"""Any Flower strategy on a recommender: run ``flwr.serverapp.strategy`` classes unchanged.
 
 ``strategy = "flwr.serverapp.strategy:FedAdam"`` (or any ``module:Class`` naming a ``flwr.serverapp.strategy.Strategy``
 without our ``from_run_config``) runs that strategy inside our ServerApp through :class:`FlowerStrategyAdapter`. Its

@@ -25,12 +25,12 @@ with per-row sums of user curvatures. (Normalising by the number of users, as in
 loss, makes every row's curvature about ``1 / n_R`` of that and lets ``damping`` swamp it: we measured the full
 step then equal to ``g_F / (n_R * damping)`` to 1e-4, a scaled gradient step.) ``s`` is ``unlearn-scale`` (eta).
 With this summed-loss normalisation ``s = 1`` is the full influence step; the paper's default 0.01 is 1% of it, does
-not transfer to our normalisation and measurably does nothing (issue 6: relative update 1e-8 to 2e-4). With
+not transfer to our normalisation and measurably does nothing (relative update 1e-8 to 2e-4). With
 ``adaptive-scale`` (ours: the paper's rule is not in its abstract; the issue-6 arm) the step is also capped so that
 it changes the parameters it touches by at most ``unlearn-max-step`` of their norm: ``s = min(eta, max_step *
 ||theta_S|| / ||x||)``.
 
-**Curvature and solver (issue 18; ours).** A 100-round federated model is not at a minimum, and there NCF's Hessian
+**Curvature and solver (ours).** A 100-round federated model is not at a minimum, and there NCF's Hessian
 is indefinite: plain CG met non-positive curvature after 2-4 iterations in every FedNCF setting and the step was
 dropped. ``curvature = "gauss-newton"`` replaces ``H_R`` by the generalised Gauss-Newton matrix ``sum_u J_u^T H_z
 J_u`` (positive semi-definite by construction; equal to the Hessian for MF; :func:`fedrec_flwr.krylov.
@@ -42,7 +42,7 @@ trust-radius * ||theta_S||`` with ``theta_S`` the shared parameters ``g_F`` touc
 parameters), so the radius is a relative size (ours). ``"cg"`` is the issue-6 arm (plain CG, truncated at
 non-positive curvature).
 
-**Preconditioned trust region (issue 18; ours).** ``krylov-preconditioner = "diagonal"`` (or ``"row"``) measures the
+**Preconditioned trust region (ours).** ``krylov-preconditioner = "diagonal"`` (or ``"row"``) measures the
 trust region in the norm ``||x||_M = sqrt(x^T M x)`` of a diagonal ``M`` built from the remaining users' Gauss-Newton
 diagonal (:meth:`ClientUnlearning.preconditioner`; Steihaug 1983's preconditioned CG, :func:`fedrec_flwr.krylov.
 steihaug_cg`): rows on which few remaining users' losses curve (a promoted target item) may move further than rows
@@ -50,7 +50,7 @@ that many users pin (popular fillers). The diagonal costs one ``unlearn_diagonal
 returns one row-sparse sum over its users (exact on item rows; Monte Carlo on NCF's MLP). Inside the radius the
 answer is still the solve of the damped system. ``"none"`` (the default) is the Euclidean solve.
 
-**How far to go: a line search on the remaining users' loss (issue 18; ours).** With ``line-search =
+**How far to go: a line search on the remaining users' loss (ours).** With ``line-search =
 "remaining-loss"`` the solver's step ``x`` (times ``unlearn-scale``) is only a direction: the phase moves ``a x``
 with ``a`` chosen to minimise the remaining users' summed influence loss ``L_R(theta + a x)`` (the objective the
 retrained model is trained on; each user's loss uses its fixed negative sample, so the values are deterministic for
@@ -67,7 +67,7 @@ measured on four development settings and rejected before the benchmark (not key
 users' loss per example reaches a reference level, and a radius scaled by their share of the data
 (``experiments/hfkcu/README.md``, ``results/poison-level.md``).
 
-**How far to go: membership calibration (issue 18, fifth session; ours).** With ``line-search =
+**How far to go: membership calibration (ours).** With ``line-search =
 "membership-margin"`` the phase moves ``a x`` with ``a`` where the forgotten users' mean *membership margin* on the
 items they dominate (their logit of such an item minus their mean logit of the same-popularity items they never
 rated) reaches 0, the level of a model that never saw them (:mod:`fedrec_flwr.unlearn_margin`, with the derivation);
@@ -88,7 +88,7 @@ restriction to affected users is an approximation (``causal-weighting = false`` 
 
 * ``distributed``: the server runs CG; each iteration sends the direction to the affected users' nodes
   (``unlearn_hvp``), which return ``sum_u H_u p``; the server sums them. This solves the federated system exactly up
-  to CG's tolerance. With ``curvature-sample`` < 1 (ours; issue 18's cheaper product) only a seeded share of those
+  to CG's tolerance. With ``curvature-sample`` < 1 (ours; a cheaper product) only a seeded share of those
   nodes answers every product and the sum is scaled by all users over the drawn nodes' users
   (:func:`curvature_sample_nodes`; subsampled curvature as in Hessian-free optimisation, Martens 2010): a product
   costs that share of a full one, and the solve is of a noisy, unbiased estimate of the curvature.
@@ -445,7 +445,7 @@ class ClientUnlearning:
     def preconditioner(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
                        rhs: dict, report: dict) -> np.ndarray:
         """``krylov-preconditioner``: the diagonal of ``M`` for the trust-region solve (flattened in the layout's key
-        order), from one ``unlearn_diagonal`` query round (ours; issue 18).
+        order), from one ``unlearn_diagonal`` query round (ours).
 
         Each queried node returns the diagonal of its remaining (affected) users' summed Gauss-Newton matrix, one
         row-sparse sum over its users as an HVP reply (:func:`fedrec_flwr.influence.influence_gn_diagonal`: exact on

@@ -426,7 +426,7 @@ def test_nonmember_items_never_holds_an_interacted_item(tmp_path):
 
 
 def test_the_readmes_attack_your_own_run_snippet_runs(tmp_path):
-    """README's "Attack your own run" block, as written (its data folder pointed at the shared data, results in a
+    """The "Attack your own run" block of docs/how-to/protect-an-attribute.md, as written (its data folder pointed at the shared data, results in a
     temporary folder, 1 round): it reads the embeddings from the simulated nodes and prints an AUC in [0, 1]."""
     import re
     import subprocess
@@ -435,7 +435,7 @@ def test_the_readmes_attack_your_own_run_snippet_runs(tmp_path):
 
     from conftest import dataset_dir
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "how-to" / "protect-an-attribute.md").read_text()
     block = re.search(r"\*\*Attack your own run\*\*.*?```python\n(.*?)```", readme, re.S).group(1)
     code = "\n".join(line[2:] if line.startswith("  ") else line for line in block.splitlines())
     assert 'data_dir="../shared/data/ml-100k"' in code and "num_server_rounds=3" in code

@@ -102,3 +102,53 @@ def test_readme_check_leaves_a_given_results_dir_alone(monkeypatch, tmp_path):
     results = tmp_path / "results"
     assert _script().main(["--rounds", "10", "--readme", str(readme), "--results-dir", str(results)]) == 0
     assert (results / "readme-check" / "metrics.json").is_file()
+
+
+def test_figures_are_compared_within_the_stated_spread_off_the_recording_machine():
+    check = _script()
+    quotes = {100: {"HR@10": "0.4751", "NDCG@10": "0.2671"}}
+    other_cpu = [{"round": 100, "HR@10": 0.4740, "NDCG@10": 0.2664}]  # an AVX-512 machine's figures
+    assert check.compare(quotes, other_cpu) == ["round 100 HR@10: README 0.4751, fresh run 0.4740",
+                                                "round 100 NDCG@10: README 0.2671, fresh run 0.2664"]
+    assert check.compare(quotes, other_cpu, tolerance=0.002) == []
+    far = [{"round": 100, "HR@10": 0.4720, "NDCG@10": 0.2671}]
+    assert check.compare(quotes, far, tolerance=0.002) == ["round 100 HR@10: README 0.4751, fresh run 0.4720"]
+
+
+def test_the_readme_states_the_spread_it_is_checked_with():
+    readme = (PROJECT_ROOT / "README.md").read_text()
+    assert _script().stated_tolerance(readme) == 0.002
+    assert "0.4740 / 0.2664" in readme  # the other machine's figures, quoted beside the spread
+
+
+README_WITH_SPREAD = README_ROUND_10 + "Expect the figures within **±0.002** on another CPU.\n"
+
+
+def _check_with_machine(monkeypatch, tmp_path, recorded: dict | None, fresh_hr10: float) -> int:
+    _fake_run(monkeypatch, fresh_hr10)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    readme = tmp_path / "README.md"
+    readme.write_text(README_WITH_SPREAD)
+    machine_file = tmp_path / "machine.json"
+    if recorded is not None:
+        import json
+        machine_file.write_text(json.dumps(recorded))
+    return _script().main(["--rounds", "10", "--readme", str(readme), "--results-dir", str(tmp_path / "r"),
+                           "--machine-file", str(machine_file)])
+
+
+def test_the_check_is_exact_on_the_recording_machine_and_says_so(monkeypatch, tmp_path, capsys):
+    here = _script().machine()
+    assert _check_with_machine(monkeypatch, tmp_path, here, 0.3796) == 1
+    out = capsys.readouterr().out
+    assert "comparing exactly: this is the machine that wrote the figures" in out
+    assert "round 10 HR@10: README 0.3807, fresh run 0.3796" in out
+
+
+def test_the_check_uses_the_stated_spread_on_another_machine_and_says_so(monkeypatch, tmp_path, capsys):
+    other = {**_script().machine(), "cpu": "Another CPU", "cpu-capability": "AVX2"}
+    assert _check_with_machine(monkeypatch, tmp_path, other, 0.3796) == 0
+    out = capsys.readouterr().out
+    assert "is not the one that wrote the figures (Another CPU, AVX2" in out
+    assert "comparing within ±0.002" in out and "all match (within ±0.002)" in out
+    assert _check_with_machine(monkeypatch, tmp_path / "b", other, 0.3780) == 1

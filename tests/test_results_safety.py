@@ -214,10 +214,11 @@ def test_a_plugin_whose_own_import_is_missing_names_its_file_and_line(tmp_path, 
 
 
 def test_the_readme_plugin_snippet_runs_as_copied(tmp_path, monkeypatch):
-    """Defect 8, README: the ServerLrItemFedAvg snippet, copied into a file as it stands, imports and runs a round."""
+    """The first-strategy tutorial's ServerLrItemFedAvg snippet (docs/tutorials/first-strategy.md), copied into a file
+    as it stands, imports and runs a round."""
     from fedrec_flwr.serial import run_serial
 
-    readme = (launch.PROJECT_ROOT / "README.md").read_text()
+    readme = (launch.PROJECT_ROOT / "docs" / "tutorials" / "first-strategy.md").read_text()
     snippet = next(block for block in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
                    if "class ServerLrItemFedAvg" in block)
     (tmp_path / "readme_server_lr.py").write_text(snippet)

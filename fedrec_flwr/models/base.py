@@ -28,7 +28,7 @@ def new_embedding(num_rows: int, dim: int) -> nn.Embedding:
 
     The caller must initialise it, e.g. with :func:`init_embedding`. (Not ``torch.nn.utils.skip_init``: it builds the
     module on the meta device, whose initialisers import ``torch._dynamo``, about 1.5 s idle and 4 s on a loaded
-    machine, paid by every ClientApp process; measured, issue 20.)
+    machine, paid by every ClientApp process; measured.)
     """
     return nn.Embedding(num_rows, dim, _weight=torch.empty(num_rows, dim))
 
