@@ -81,10 +81,10 @@ from fedrec_flwr.adversary import (
     ADVERSARY_MODULE, AdversarialTerm, adversary_gradient, adversary_of, class_prior_text, entropy_pull,
     mean_adversary_gradient, parse_class_prior, user_vectors,
 )
-from fedrec_flwr.blocks import Block
+from fedrec_flwr.local.blocks import Block
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.seeding import TAG_CLIENT_EXTRA, torch_generator
-from fedrec_flwr.training import LocalTrainer
+from fedrec_flwr.local.training import LocalTrainer
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ class AttributeUnlearning:
 
 class FedAU2Client(AttributeUnlearning, FedRecClient):
     """FedAU² on FedMF / FedNCF (``client = "fedau2"``); see the module docstring. Its users of one message train
-    as one vectorized block (:mod:`fedrec_flwr.blocks`) in the arms :meth:`block_supports` names, per user otherwise."""
+    as one vectorized block (:mod:`fedrec_flwr.local.blocks`) in the arms :meth:`block_supports` names, per user otherwise."""
 
     block_training = "plain"
 
@@ -289,7 +289,7 @@ class FedAU2Client(AttributeUnlearning, FedRecClient):
 class EntropyPullBlock:
     """FedAU²'s default adversarial term (:class:`fedrec_flwr.adversary.AdversarialTerm` with ``objective =
     "entropy"``, a frozen server ``h_w`` and the local optimizer) and its ``h_w`` upload (:meth:`shared_update`) for a
-    chunk of a vectorized block (:class:`fedrec_flwr.blocks.BlockTerm`).
+    chunk of a vectorized block (:class:`fedrec_flwr.local.blocks.BlockTerm`).
 
     At every step each user ``k``'s embedding ``e_k`` (its user tables' rows concatenated, :func:`user_vector`'s
     layout) gets the gradient ``eps_k * pull_k``, ``pull_k = d/de_k H_x(uniform, softmax(h_w(e_k)))`` (the mean

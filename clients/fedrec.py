@@ -19,14 +19,14 @@ from flwr.client import NumPyClient
 
 from fedrec_flwr.arrays import decode_record, encode_array
 from fedrec_flwr.data import sample_train_negatives
-from fedrec_flwr.blocks import check_block_config
-from fedrec_flwr.client_state import STATE_PREFIX
+from fedrec_flwr.local.blocks import check_block_config
+from fedrec_flwr.state.client_state import STATE_PREFIX
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.krylov import CGResult, curvature_vector_product, flatten, gradient, krylov_solve, unflatten
-from fedrec_flwr.influence import influence_objective
-from fedrec_flwr.runtime import Runtime
+from fedrec_flwr.unlearning.krylov import CGResult, curvature_vector_product, flatten, gradient, krylov_solve, unflatten
+from fedrec_flwr.unlearning.influence import influence_objective
+from fedrec_flwr.app.runtime import Runtime
 from fedrec_flwr.seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
-from fedrec_flwr.training import LocalTrainer, ProximalTerm, evaluate_user
+from fedrec_flwr.local.training import LocalTrainer, ProximalTerm, evaluate_user
 from fedrec_flwr.wire import UserUpdate, support_rows
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class FedRecClient(NumPyClient):
     :meth:`load_private` / :meth:`save_private`.
 
     Args:
-        runtime: the process's config, split and one-user model (:func:`fedrec_flwr.runtime.get_runtime`).
+        runtime: the process's config, split and one-user model (:func:`fedrec_flwr.app.runtime.get_runtime`).
         user: the user's index (its partition id when ``users-per-node = 1``).
         state: the node's ``context.state`` (a ``RecordDict``); a ``NumPyClient`` has no context of its own.
     """
@@ -61,7 +61,7 @@ class FedRecClient(NumPyClient):
     strategy_config_keys = ("proximal-mu",)
     """Train-config keys a wrapped Flower strategy may send that this client honours
     (:mod:`fedrec_flwr.strategies.flower_adapter` refuses a non-zero value of any other): FedProx's ``"proximal-mu"``, applied
-    to the shared parameters by :meth:`fit_named` (:class:`fedrec_flwr.training.ProximalTerm`, for every subclass's
+    to the shared parameters by :meth:`fit_named` (:class:`fedrec_flwr.local.training.ProximalTerm`, for every subclass's
     trainer)."""
 
     @classmethod
@@ -83,9 +83,9 @@ class FedRecClient(NumPyClient):
     (:class:`fedrec_flwr.clients.fedau2.AttributeUnlearning`)."""
 
     block_training = "plain"
-    """The vectorized block trainer (:mod:`fedrec_flwr.blocks`) that reproduces this class's local step: ``"plain"``
+    """The vectorized block trainer (:mod:`fedrec_flwr.local.blocks`) that reproduces this class's local step: ``"plain"``
     (:class:`LocalTrainer`), ``"sam"`` (FedRecGEL) or ``None`` (per-user only). Only a class's own declaration counts
-    (:func:`fedrec_flwr.blocks.block_kind`): a subclass that does not set it is served per-user, since it may override
+    (:func:`fedrec_flwr.local.blocks.block_kind`): a subclass that does not set it is served per-user, since it may override
     hooks the block path does not call. Selected by the run-config key ``block-training``."""
 
     @classmethod
@@ -218,7 +218,7 @@ class FedRecClient(NumPyClient):
             shared: shared key -> array, as in :class:`fedrec_flwr.wire.ModelLayout` (``item_embedding*.weight``
                 ``(num_items, d)`` and the score function).
             config: needs ``"server-round"`` (int, 1-based); a ``"proximal-mu"`` > 0 (FedProx through
-                :mod:`fedrec_flwr.strategies.flower_adapter`) adds :class:`~fedrec_flwr.training.ProximalTerm` on the shared
+                :mod:`fedrec_flwr.strategies.flower_adapter`) adds :class:`~fedrec_flwr.local.training.ProximalTerm` on the shared
                 parameters to every mini-batch loss (and so to the reported ``train-loss``).
 
         Returns:
@@ -297,7 +297,7 @@ class FedRecClient(NumPyClient):
 
     def influence_objective(self, shared: Mapping[str, np.ndarray], extra_rows: np.ndarray | None = None):
         """This user's loss ``L_u(theta)`` as a function of the shared parameters, its private ones held fixed: a
-        context manager yielding ``(loss_fn, params, items)`` (:func:`fedrec_flwr.influence.influence_objective`)."""
+        context manager yielding ``(loss_fn, params, items)`` (:func:`fedrec_flwr.unlearning.influence.influence_objective`)."""
         return influence_objective(self.runtime, [self], shared, extra_rows)
 
     def _compact(self, vector: Mapping[str, np.ndarray], items: np.ndarray, params) -> dict[str, torch.Tensor]:
@@ -323,7 +323,7 @@ class FedRecClient(NumPyClient):
     def influence_hvp(self, shared: Mapping[str, np.ndarray], direction: Mapping[str, np.ndarray],
                       group: list | None = None, curvature: str = "hessian") -> tuple[dict, dict]:
         """``H_u v``: this user's loss Hessian (``curvature = "hessian"``) or Gauss-Newton matrix (``"gauss-newton"``,
-        :func:`fedrec_flwr.krylov.gauss_newton_vector_product`) at the shared parameters times ``direction`` (full
+        :func:`fedrec_flwr.unlearning.krylov.gauss_newton_vector_product`) at the shared parameters times ``direction`` (full
         arrays by shared key); non-zero only on the user's rows and the dense parameters. With ``group`` (clients of
         this node's users, this one included), the product of their summed losses, in one batched pass."""
         with influence_objective(self.runtime, group or [self], shared) as (loss_fn, params, items):
@@ -335,7 +335,7 @@ class FedRecClient(NumPyClient):
                         radius: float | None = None) -> tuple[dict, dict, CGResult]:
         """Local CG (HF-KCU's Algorithm 1, client side): ``x_u ≈ (H_u + damping I)^{-1} rhs`` on this user's own
         Hessian (or Gauss-Newton matrix: ``curvature``), by plain CG or trust-region CG within ``radius``
-        (``solver``, :func:`fedrec_flwr.krylov.krylov_solve`). Rows of ``rhs`` outside the user's rows get ``rhs /
+        (``solver``, :func:`fedrec_flwr.unlearning.krylov.krylov_solve`). Rows of ``rhs`` outside the user's rows get ``rhs /
         damping`` (``H_u`` is 0 there), exactly as CG gives them. Returns ``(dense, rows, CGResult)``.
 
         Raises:
@@ -379,9 +379,9 @@ class FedRecClient(NumPyClient):
 
     def evaluate(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict]:
         """NumPyClient form of :meth:`evaluate_named`. Returns ``(1 - NDCG@K, 1, metrics)`` with K = 10 when ``ks``
-        has it, else its first (:func:`fedrec_flwr.results.headline_k`): a ranking task has no natural evaluation
+        has it, else its first (:func:`fedrec_flwr.state.results.headline_k`): a ranking task has no natural evaluation
         loss, so the loss slot carries a lower-is-better ranking score."""
-        from fedrec_flwr.results import headline_k
+        from fedrec_flwr.state.results import headline_k
 
         shared = dict(zip(self.runtime.layout.shared_shapes, parameters, strict=True))
         metrics = self.evaluate_named(shared, config)

@@ -2,7 +2,7 @@
 
 Source: "Sharpness-Aware Minimization for Generalized Embedding Learning in Federated Recommendation" (FedRecGEL,
 arXiv:2603.11503), Sec. 4.2, and its public code (anonymifish/FedRecGEL, ``models/fedrecgel.py``): per round, one
-decoupled SAM step over all of the user's examples (:class:`fedrec_flwr.sam.SAMTrainer`); the user's embeddings are
+decoupled SAM step over all of the user's examples (:class:`fedrec_flwr.local.sam.SAMTrainer`); the user's embeddings are
 updated locally by an optimizer whose state persists across rounds (Adam, local rate 0.1 in the public code); the
 shared group's SAM gradient is what the server receives.
 
@@ -27,12 +27,12 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fedrec_flwr.client_state import OPTIMIZER_PREFIX
+from fedrec_flwr.state.client_state import OPTIMIZER_PREFIX
 from fedrec_flwr.clients.fedrec import FedRecClient
 from fedrec_flwr.wire import UserUpdate
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.sam import SAMTrainer
-from fedrec_flwr.training import load_optimizer_state_arrays, optimizer_state_arrays
+from fedrec_flwr.local.sam import SAMTrainer
+from fedrec_flwr.local.training import load_optimizer_state_arrays, optimizer_state_arrays
 
 UPLOAD_KEY = "upload"
 """Train-config key by which a strategy asks for ``"gradient"`` or ``"parameters"`` uploads."""

@@ -24,11 +24,11 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fedrec_flwr.client_state import ROWS_PREFIX
+from fedrec_flwr.state.client_state import ROWS_PREFIX
 from fedrec_flwr.clients.fedrec import FedRecClient
 from fedrec_flwr.wire import UserUpdate
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.training import LocalTrainConfig, LocalTrainer
+from fedrec_flwr.local.training import LocalTrainConfig, LocalTrainer
 
 LR_ETA = 80
 """PFedRec's ``lr_eta``: its item-embedding rate is ``lr * num_items * lr_eta`` (``train.py`` default)."""

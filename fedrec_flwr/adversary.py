@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attributes import published_class_prior
-from .models.base import RecModel, init_linear, new_linear
-from .training import LocalTrainConfig, LocalTrainer
+from fedrec_flwr.attributes import published_class_prior
+from fedrec_flwr.models.base import RecModel, init_linear, new_linear
+from fedrec_flwr.local.training import LocalTrainConfig, LocalTrainer
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def user_vector(model: RecModel, row: int = 0) -> torch.Tensor:
 
 def user_vectors(model: RecModel, private: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """:func:`user_vector` of several users at once: ``(n, D)`` from their stacked private parameters ``private``
-    (key -> ``(n, 1, d)``, e.g. :meth:`fedrec_flwr.blocks.Block.load_private`), in the same table order."""
+    (key -> ``(n, 1, d)``, e.g. :meth:`fedrec_flwr.local.blocks.Block.load_private`), in the same table order."""
     return torch.cat([private[f"{name}.weight"][:, 0, :] for name in model.user_embedding_modules()], dim=1)
 
 
@@ -400,7 +400,7 @@ def parse_class_prior(text: str, num_classes: int) -> torch.Tensor | None:
 
 class AdversarialTerm:
     """FedAU²'s adversarial loss term for one user, added to every mini-batch of any trainer
-    (:attr:`fedrec_flwr.training.LocalTrainer.loss_terms`; with SAM, to every chunk of every loss evaluation).
+    (:attr:`fedrec_flwr.local.training.LocalTrainer.loss_terms`; with SAM, to every chunk of every loss evaluation).
 
     Calling it returns, for the user's current embedding ``e_u`` and ``eps_u`` decided afresh by :func:`sut_strength`:
 
@@ -525,7 +525,7 @@ class AdversarialTerm:
 
 
 class AdversarialTrainer(LocalTrainer):
-    """A :class:`~fedrec_flwr.training.LocalTrainer` with FedAU²'s :class:`AdversarialTerm` on every mini-batch
+    """A :class:`~fedrec_flwr.local.training.LocalTrainer` with FedAU²'s :class:`AdversarialTerm` on every mini-batch
     (arguments as there). ``steps`` / ``triggered`` are the term's counters."""
 
     def __init__(self, model: RecModel, cfg: LocalTrainConfig, *, label: int, epsilon: float, trigger: str,
@@ -751,8 +751,8 @@ class DiagnosticsHook:
     def __call__(self, view) -> None:
         import pandas as pd
 
-        from .attacks import collect_user_embeddings
-        from .io import atomic_write_text
+        from fedrec_flwr.attacks import collect_user_embeddings
+        from fedrec_flwr.io import atomic_write_text
 
         prefix = ADVERSARY_MODULE + "."
         with torch.no_grad():

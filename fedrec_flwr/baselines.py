@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import ConfigError
-from .metrics import DEFAULT_KS, mean_metrics, ranking_metrics_batch
-from .models import RecModel, build_model
-from .seeding import TAG_SHUFFLE, torch_generator
-from .training import LocalTrainConfig, LocalTrainer, evaluate_users
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.metrics import DEFAULT_KS, mean_metrics, ranking_metrics_batch
+from fedrec_flwr.models import RecModel, build_model
+from fedrec_flwr.seeding import TAG_SHUFFLE, torch_generator
+from fedrec_flwr.local.training import LocalTrainConfig, LocalTrainer, evaluate_users
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .data import Split
+    from fedrec_flwr.data import Split
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def train_centralized(
 
     Each epoch resamples negatives with ``sample_train_negatives(split, user, epoch, num_train_negatives, seed)``,
     shuffles all users' examples together with ``torch_generator(seed, TAG_SHUFFLE, epoch)`` and runs
-    :class:`~fedrec_flwr.training.LocalTrainer` mini-batches over them. The model is built by
+    :class:`~fedrec_flwr.local.training.LocalTrainer` mini-batches over them. The model is built by
     ``build_model(model_name, split.num_users, split.num_items, embedding_dim=..., seed=seed)``.
 
     Args:
@@ -137,14 +137,14 @@ def train_centralized(
             under their names and validation metrics prefixed ``val-``, as a federated run's rows: an epoch chosen
             on ``val-`` keys then reports its test metrics).
         progress: called with each epoch's history dict.
-        Other arguments: as :class:`~fedrec_flwr.training.LocalTrainConfig`.
+        Other arguments: as :class:`~fedrec_flwr.local.training.LocalTrainConfig`.
     Returns:
         :class:`CentralizedResult`.
     Raises:
         ConfigError: invalid hyper-parameters, model name or ``eval_which``.
         FloatingPointError: training diverged (see :meth:`LocalTrainer.train`).
     """
-    from .data import sample_train_negatives
+    from fedrec_flwr.data import sample_train_negatives
 
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ConfigError(f"epochs must be an int >= 1, got {epochs!r}")

@@ -35,9 +35,9 @@ from typing import Any, Optional
 import click
 import typer
 
-from . import launch
-from .config_reference import KeyEntry, entries
-from .errors import ConfigError
+from fedrec_flwr import launch
+from fedrec_flwr.config_reference import KeyEntry, entries
+from fedrec_flwr.errors import ConfigError
 
 # ------------------------------------------------------------------------------------------ config reference
 def unknown_key_message(name: str, known: Sequence[str]) -> str:
@@ -181,8 +181,8 @@ def run_command(
     debug: bool = typer.Option(False, "--debug", help="Print tracebacks of errors caught before the run starts."),
 ) -> None:
     """Run the app with flwr run on a fresh local SuperLink, then stop it."""
-    from .config import default_mapping
-    from .progress import RunDisplay
+    from fedrec_flwr.config import default_mapping
+    from fedrec_flwr.progress import RunDisplay
 
     seconds, given, federation = launch.parse_run_options(overrides or [], federation_config or [], timeout)
     file_values, lines = read_run_config_file(run_config) if run_config is not None else ({}, {})
@@ -191,7 +191,7 @@ def run_command(
     name = next((n for n in named if n is not None), None)
     merged = merge_run_config(file_values, given)
     if name is not None:
-        from . import presets
+        from fedrec_flwr import presets
 
         dataset = merged.get("dataset", defaults["dataset"])
         merged = merge_run_config(presets.resolve(str(name), str(dataset)), merged)
@@ -217,7 +217,7 @@ def presets_command(name: Optional[str] = typer.Argument(None, help="One preset:
                     dataset: str = typer.Option("ml-100k", "--dataset", help="The dataset whose tuned values to use.")
                     ) -> None:
     """List the validation-tuned recipes with their test HR@10 at round 100, or print one as a --run-config file."""
-    from . import presets
+    from fedrec_flwr import presets
 
     if name is not None:
         keys = presets.resolve(name, dataset)

@@ -22,7 +22,7 @@ from typing import Any
 
 from flwr.app import DEFAULT_TTL
 
-from .errors import ConfigError
+from fedrec_flwr.errors import ConfigError
 
 INT_MAX = 2**31 - 1
 """The largest value of any integer key (and of each entry of ``ks``, ``mlp-layers`` and ``forget-users``) unless
@@ -327,7 +327,7 @@ class RunConfig:
 
         :meth:`from_mapping` checks what holds anywhere; the files a key names exist only where the data is read
         (the SuperNodes, a simulation or a serial run: the ServerApp never reads the data), so every process that loads
-        the split calls this first (:func:`fedrec_flwr.runtime.load_split_for`). ``data_dir`` overrides ``data-dir`` for the
+        the split calls this first (:func:`fedrec_flwr.app.runtime.load_split_for`). ``data_dir`` overrides ``data-dir`` for the
         named datasets (``$FEDREC_DATA_DIR`` when the key is empty).
 
         Raises:
@@ -462,7 +462,7 @@ class RunConfig:
             # a named dataset's attributes are known without its files, and 'generic' without an attributes file
             # has none: refused here, before the clients' checks (FedAU²'s warned first that the "published" prior
             # falls back to none for such an attribute); a generic attributes file is checked when it is read
-            from .attributes import DATASET_ATTRIBUTES, check_attribute_name
+            from fedrec_flwr.attributes import DATASET_ATTRIBUTES, check_attribute_name
 
             check_attribute_name(self.protected_attribute, DATASET_ATTRIBUTES.get(self.dataset, ()), self.dataset)
         forget = self.forget_user_ids  # validates the list
@@ -497,7 +497,7 @@ def plugin_keys(mapping: Mapping[str, Any]) -> dict[str, tuple[Any, str, str]]:
     Raises:
         ConfigError: a plug-in cannot be imported, or two plug-ins declare the same key, or one shadows a built-in key.
     """
-    from .registry import resolve
+    from fedrec_flwr.registry import resolve
 
     declared: dict[str, tuple[Any, str, str]] = {}
     for kind in ("strategy", "client"):

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import _CHOICES, INT_MAX, RunConfig, find_pyproject
-from .errors import ConfigError
+from fedrec_flwr.config import _CHOICES, INT_MAX, RunConfig, find_pyproject
+from fedrec_flwr.errors import ConfigError
 
 _KEY_LINE = re.compile(r"^([a-z0-9][a-z0-9-]*)\s*=")
 _GROUP_LINE = re.compile(r"^#\s*-+\s*(.*?)\s*-*\s*$")

@@ -17,7 +17,7 @@ run time. This module wraps it so a run is self-contained and never touches what
 * runtime dependency installation is off (``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``);
 * ``num-supernodes`` is computed from the dataset's users and ``users-per-node`` unless given, and a given number
   that does not match is refused before anything starts;
-* every check that needs no Flower (:func:`fedrec_flwr.preflight.preflight`, with the data: keys, plug-ins, the
+* every check that needs no Flower (:func:`fedrec_flwr.app.preflight.preflight`, with the data: keys, plug-ins, the
   dataset, attributes, ``forget-users``, ``resume-from``, the results folder, a Flower strategy's config keys) runs
   before anything starts: one ``error:`` line, exit 2, nothing created; so do the command line's own checks (a key
   given twice, ``--federation-config`` keys and values as ``flwr run`` checks them) and an unusable Flower home;
@@ -66,10 +66,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
-from .config import app_root, default_mapping
-from .errors import ConfigError, FedRecError
-from .registry import LOGGER_ROOTS
-from .results import SOURCE_COMMIT_ENV, source_commit
+from fedrec_flwr.config import app_root, default_mapping
+from fedrec_flwr.errors import ConfigError, FedRecError
+from fedrec_flwr.registry import LOGGER_ROOTS
+from fedrec_flwr.state.results import SOURCE_COMMIT_ENV, source_commit
 
 def _project_root() -> Path:
     """:func:`~fedrec_flwr.config.app_root`, or the folder above the package when there is none (every use of the
@@ -597,17 +597,17 @@ def parse_override(pair: str, defaults: Mapping[str, Any] | None = None, what: s
 
 def check_run(overrides: Mapping[str, Any], num_supernodes: int | None = None) -> int:
     """Check the run (defaults + ``overrides``) before anything starts: the plug-ins are shipped with the app
-    (:func:`check_shipped`), everything :func:`fedrec_flwr.preflight.preflight` checks with the data (config, client
+    (:func:`check_shipped`), everything :func:`fedrec_flwr.app.preflight.preflight` checks with the data (config, client
     and strategy, attributes, ``forget-users``, ``resume-from``, the results folder), and the number of SuperNodes.
     Returns the SuperNodes the run needs, ``ceil(users / users-per-node)`` (the split is cached after the first time).
 
     Raises:
-        ConfigError: as :func:`~fedrec_flwr.preflight.preflight`, or a plug-in the app does not ship, or
+        ConfigError: as :func:`~fedrec_flwr.app.preflight.preflight`, or a plug-in the app does not ship, or
             ``num_supernodes`` given and different from the number needed (the message gives the right number).
         DataError: the dataset cannot be loaded.
     """
-    from .config import RunConfig
-    from .preflight import preflight
+    from fedrec_flwr.config import RunConfig
+    from fedrec_flwr.app.preflight import preflight
 
     mapping = default_mapping(PROJECT_ROOT / "pyproject.toml")
     mapping.update(overrides)
@@ -649,7 +649,7 @@ def check_shipped(config: Any, project: str | os.PathLike = PROJECT_ROOT) -> Non
     Raises:
         ConfigError: naming the file and where to put it (``plugins/``).
     """
-    from .registry import resolve
+    from fedrec_flwr.registry import resolve
 
     project = Path(project).resolve()
     shipped: set[str] | None = None
@@ -669,8 +669,8 @@ def check_shipped(config: Any, project: str | os.PathLike = PROJECT_ROOT) -> Non
 
 def num_supernodes_for(overrides: Mapping[str, Any]) -> int:
     """``ceil(users / users-per-node)`` for the configured dataset (loads the split, cached after the first time)."""
-    from .config import RunConfig
-    from .runtime import load_split_for
+    from fedrec_flwr.config import RunConfig
+    from fedrec_flwr.app.runtime import load_split_for
 
     mapping = default_mapping(PROJECT_ROOT / "pyproject.toml")
     mapping.update(overrides)
@@ -795,7 +795,7 @@ With it and the stop (at most 15 s) the launcher returns within 45 s of the Serv
 ``round-timeout`` + 60 s after the last round)."""
 
 SERVERAPP_ENDED = "the ServerApp has ended"
-"""The ServerApp's last log line (:data:`fedrec_flwr.server_app.SERVERAPP_ENDED`; not imported: the launcher loads no
+"""The ServerApp's last log line (:data:`fedrec_flwr.app.server_app.SERVERAPP_ENDED`; not imported: the launcher loads no
 ServerApp code)."""
 
 NO_REPLY = re.compile(r"round (\d+): (?:node (\d+) failed|evaluation failed on node (\d+))[^:]*: no reply within")
@@ -891,7 +891,7 @@ def flwr_run(
         verbose: print Flower's whole log (default: our progress line, our log lines, warnings and errors).
         check: validate the run config and the plug-ins it names first (:func:`check_run`).
         end_grace: seconds the simulation may take to exit after the ServerApp's last line
-            (:data:`~fedrec_flwr.server_app.SERVERAPP_ENDED`); then the run is stopped (a ClientApp that never
+            (:data:`~fedrec_flwr.app.server_app.SERVERAPP_ENDED`); then the run is stopped (a ClientApp that never
             returns keeps Flower 1.42's simulation alive: its worker pool waits for it) and ``returncode`` is 1.
         display: shows the run's lines instead of plain printing (a :class:`fedrec_flwr.progress.RunDisplay`, whose
             ``feed`` gets every log line); ignored with ``capture``.

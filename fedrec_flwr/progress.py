@@ -2,7 +2,7 @@
 
 Two halves, one format:
 
-* In the ServerApp, :class:`ReplyProgress` (called by :class:`fedrec_flwr.message_window.WindowedGrid` as replies
+* In the ServerApp, :class:`ReplyProgress` (called by :class:`fedrec_flwr.app.message_window.WindowedGrid` as replies
   arrive) logs ``replies 120/943 | evaluate round 3`` on the progress logger at most every
   :data:`REPORT_INTERVAL` seconds while a batch of messages is out; a batch answered sooner logs nothing. These lines
   only report; they change no message, reply or result.
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 PROGRESS_LOGGER = "fedrec_flwr.progress"
-"""The logger of the per-round progress lines (:data:`fedrec_flwr.results.PROGRESS`) and of the reply lines."""
+"""The logger of the per-round progress lines (:data:`fedrec_flwr.state.results.PROGRESS`) and of the reply lines."""
 
 REPORT_INTERVAL = 2.0
 """Seconds between two reply lines of one batch (and from the batch's start to its first line)."""
@@ -31,7 +31,7 @@ REPLIES_LINE = re.compile(r"^replies (\d+)/(\d+) \| ([\w.-]+)(?: round (\d+))?$"
 """A reply line: received, expected, the messages' type (``train``, ``evaluate``, ``query.<action>``), the round."""
 
 ROUND_LINE = re.compile(r"^round\s+(\d+) \|.*\|\s*([0-9.]+) s$")
-"""The per-round progress line of :meth:`fedrec_flwr.results.RunRecorder.record`: its round and its seconds."""
+"""The per-round progress line of :meth:`fedrec_flwr.state.results.RunRecorder.record`: its round and its seconds."""
 
 
 class ReplyProgress:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import ConfigError
+from fedrec_flwr.errors import ConfigError
 
 LOGGER_ROOTS = ("fedrec_flwr", "experiments", "plugins")
 """The top-level packages whose loggers are ours: this package (its clients and strategies included), the experiments and

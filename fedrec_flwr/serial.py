@@ -31,7 +31,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run, RunStatus
 from flwr.supercore.task_identity import TaskIdentity
 
-from .config import RunConfig
+from fedrec_flwr.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class SerialGrid(Grid):
 
 def run_serial(run_config: Mapping[str, Any] | RunConfig, *, client_app: ClientApp | None = None,
                return_grid: bool = False, on_round=None) -> Path | tuple[Path, SerialGrid]:
-    """Run one federated experiment in this process (the ServerApp's :func:`~fedrec_flwr.server_app.main` over a
+    """Run one federated experiment in this process (the ServerApp's :func:`~fedrec_flwr.app.server_app.main` over a
     :class:`SerialGrid` with as many nodes as ``users-per-node`` implies).
 
     Args:
@@ -158,19 +158,19 @@ def run_serial(run_config: Mapping[str, Any] | RunConfig, *, client_app: ClientA
         client_app: the ClientApp (default: this package's, built for ``run_config``).
         return_grid: also return the grid, whose node contexts hold every user's private state after the run (for
             simulation-only analyses such as loss landscapes; a deployment never exposes them).
-        on_round: ``callable(view)`` run after every round with a :class:`~fedrec_flwr.server_app.RoundView` (round,
+        on_round: ``callable(view)`` run after every round with a :class:`~fedrec_flwr.app.server_app.RoundView` (round,
             grid, strategy, arrays; e.g. an attack on the users' embeddings as training goes). With an attribute
             adversary (FedAU²), :class:`fedrec_flwr.adversary.DiagnosticsHook` runs first and writes
             ``adversary-diagnostics.csv`` (from the nodes' private state and the split's labels: simulation only).
     Returns:
         The results folder (``results-dir/<run-name>/``), and the grid if ``return_grid``.
     Raises:
-        ConfigError / DataError: bad config or data (:func:`fedrec_flwr.preflight.preflight`: before any message, and
+        ConfigError / DataError: bad config or data (:func:`fedrec_flwr.app.preflight.preflight`: before any message, and
             before the results folder is created).
     """
-    from .client_app import make_client_app
-    from .preflight import preflight
-    from .server_app import main
+    from fedrec_flwr.app.client_app import make_client_app
+    from fedrec_flwr.app.preflight import preflight
+    from fedrec_flwr.app.server_app import main
 
     plan = preflight(run_config, with_data=True)  # every check that needs no message, before the first one
     config, runtime = plan.config, plan.runtime
@@ -178,7 +178,7 @@ def run_serial(run_config: Mapping[str, Any] | RunConfig, *, client_app: ClientA
     num_nodes = -(-runtime.split.num_users // config.users_per_node)
     grid = SerialGrid(client_app or make_client_app(mapping), num_nodes, mapping)
     if config.adversary != "none" and runtime.protected is not None:  # FedAU²: per-round diagnostics of h_w (evaluation only)
-        from .adversary import DiagnosticsHook
+        from fedrec_flwr.adversary import DiagnosticsHook
 
         on_round = DiagnosticsHook(runtime, on_round)
     context = Context(run_id=1, node_id=SERVER_NODE_ID, node_config={}, state=RecordDict(), run_config=mapping)

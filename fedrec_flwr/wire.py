@@ -55,7 +55,7 @@ UNLEARN_DIAGONAL = "unlearn_diagonal"
 """Query: the summed Gauss-Newton diagonal of the node's remaining users' losses (HF-KCU's preconditioner)."""
 UNLEARN_COUNTS = "unlearn_counts"
 """Query: the node's training positives per item over its remaining and over its forgotten users (two count vectors;
-HF-KCU's membership-margin step, :mod:`fedrec_flwr.unlearn_margin`)."""
+HF-KCU's membership-margin step, :mod:`fedrec_flwr.unlearning.margin`)."""
 UNLEARN_MARGIN = "unlearn_margin"
 """Query: the summed membership margins of the node's forgotten users at points ``theta + a_k d`` (one sum per step)."""
 ADVERSARY_GRADIENT = "adversary_gradient"
@@ -107,7 +107,7 @@ class UserUpdate:
             example weighting; a gradient-upload client uses 1, so that every user counts once).
         metrics: extra scalar metrics for the reply: key -> number (numpy scalars are converted); each key is sent as
             its mean over the node's users weighted by their aggregation weight, and ends up in ``metrics.csv`` as
-            the weighted mean over the round's trained users (:class:`fedrec_flwr.client_app.UserMetrics`).
+            the weighted mean over the round's trained users (:class:`fedrec_flwr.app.client_app.UserMetrics`).
     """
 
     dense: dict[str, np.ndarray]

@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 from fedrec_flwr.deploy import Deployment, DeploymentError, app_snapshot  # noqa: E402
 from fedrec_flwr.errors import FedRecError  # noqa: E402
 from fedrec_flwr.launch import parse_override, raise_stopped, run_error  # noqa: E402
-from fedrec_flwr.results import headline_k  # noqa: E402
+from fedrec_flwr.state.results import headline_k  # noqa: E402
 
 PATH_KEYS = ("data-dir", "cache-dir", "results-dir", "generic-file", "generic-attributes-file")
 
@@ -100,7 +100,7 @@ def check_flags(args: argparse.Namespace) -> None:
 def plan_nodes(overrides: dict[str, Any], supernodes: int | None) -> int:
     """Number of SuperNodes, and ``users-per-node`` set in ``overrides``, consistent with the dataset's users."""
     from fedrec_flwr.config import RunConfig, default_mapping
-    from fedrec_flwr.runtime import load_split_for
+    from fedrec_flwr.app.runtime import load_split_for
 
     mapping = default_mapping()
     mapping.update(overrides)
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                                      f"-{stamp}")
     try:  # every check that needs no Flower, before any process starts (as the launcher and run_serial do)
         from fedrec_flwr.config import default_mapping
-        from fedrec_flwr.preflight import preflight
+        from fedrec_flwr.app.preflight import preflight
 
         preflight({**default_mapping(), **overrides}, with_data=True)
     except FedRecError as err:

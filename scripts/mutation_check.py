@@ -72,10 +72,10 @@ PFEDREC_TESTS = ("tests/test_pfedrec_item_step.py",
                  "tests/test_method_clients.py::test_pfedrec_evaluates_with_its_personalised_rows")
 
 COVERAGE = {
-    "fedrec_flwr/krylov.py": 5, "fedrec_flwr/influence.py": 5, "strategies/unlearning.py": 5,
-    "fedrec_flwr/unlearn_margin.py": 5, "fedrec_flwr/adversary.py": 5, "strategies/adversary.py": 5,
-    "fedrec_flwr/data/split.py": 5, "fedrec_flwr/attacks/": 5, "fedrec_flwr/checkpoint.py": 5,
-    "fedrec_flwr/client_state.py": 5, "strategies/server_optimizer.py": 5, "clients/pfedrec.py": 5,
+    "fedrec_flwr/unlearning/krylov.py": 5, "fedrec_flwr/unlearning/influence.py": 5, "strategies/unlearning.py": 5,
+    "fedrec_flwr/unlearning/margin.py": 5, "fedrec_flwr/adversary.py": 5, "strategies/adversary.py": 5,
+    "fedrec_flwr/data/split.py": 5, "fedrec_flwr/attacks/": 5, "fedrec_flwr/state/checkpoint.py": 5,
+    "fedrec_flwr/state/client_state.py": 5, "strategies/server_optimizer.py": 5, "clients/pfedrec.py": 5,
 }
 """Source file (or folder, ending in ``/``) -> the fewest mutations :func:`check` requires there."""
 
@@ -97,12 +97,12 @@ def one(old: str, new: str, count: int = 1) -> tuple[str, str, int]:
 
 MUTATIONS: tuple[Mutation, ...] = (
     # ---- issue 23's mutations 2-4 (1, the GRL sign, belongs to the FedAU2 rewrite)
-    Mutation("sam-swap-radii", "fedrec_flwr/sam.py", (
+    Mutation("sam-swap-radii", "fedrec_flwr/local/sam.py", (
         one("sam_gradient(shared, base_shared, self.rho_shared, loss_fn)",
             "sam_gradient(shared, base_shared, self.rho_private, loss_fn)"),
         one("sam_gradient(private, base_private, self.rho_private, loss_fn)",
             "sam_gradient(private, base_private, self.rho_shared, loss_fn)")), SAM_TESTS, "issue 23, mutation 2"),
-    Mutation("sam-joint-perturbation", "fedrec_flwr/sam.py", (
+    Mutation("sam-joint-perturbation", "fedrec_flwr/local/sam.py", (
         one("sam_shared, _ = sam_gradient(shared, base_shared, self.rho_shared, loss_fn)",
             "joint, _ = sam_gradient(everything, base_private + base_shared, self.rho_shared, loss_fn); "
             "sam_private, sam_shared = joint[:len(private)], joint[len(private):]"),
@@ -112,25 +112,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         one("metrics = aggregate_metricrecords(ok, NUM_EXAMPLES)",
             "metrics = aggregate_metricrecords([RecordDict({METRICS: MetricRecord({**dict(r[METRICS]), "
             "NUM_EXAMPLES: 1.0})}) for r in ok], NUM_EXAMPLES)"),), STRATEGY_TESTS, "issue 23, mutation 3"),
-    Mutation("sam-no-restore-calls", "fedrec_flwr/sam.py", (
+    Mutation("sam-no-restore-calls", "fedrec_flwr/local/sam.py", (
         one("self._restore(snapshot, ", "raise FloatingPointError(", 3),), SAM_TESTS, "issue 23, mutation 4"),
-    Mutation("restore-copies-nothing", "fedrec_flwr/training.py", (one("p.copy_(buf)", "pass"),), SAM_TESTS,
+    Mutation("restore-copies-nothing", "fedrec_flwr/local/training.py", (one("p.copy_(buf)", "pass"),), SAM_TESTS,
              "issue 23, mutation 4 (the restore itself)"),
-    Mutation("blocks-sam-swap-radii", "fedrec_flwr/blocks.py", (
+    Mutation("blocks-sam-swap-radii", "fedrec_flwr/local/blocks.py", (
         one("perturbed(shared_keys, base, cfg.rho_shared)", "perturbed(shared_keys, base, cfg.rho_private)"),
         one("perturbed(block.private_keys, base, cfg.rho_private)", "perturbed(block.private_keys, base, cfg.rho_shared)"),
     ), ("tests/test_blocks.py",), "issue 23, mutation 2 in the vectorized user blocks (checked against SAMTrainer)"),
     # ---- sam.py
-    Mutation("sam-perturbation-not-normalised", "fedrec_flwr/sam.py", (one("scale = rho / float(norm)", "scale = rho"),),
+    Mutation("sam-perturbation-not-normalised", "fedrec_flwr/local/sam.py", (one("scale = rho / float(norm)", "scale = rho"),),
              SAM_TESTS),
-    Mutation("sam-squared-norm", "fedrec_flwr/sam.py", (
+    Mutation("sam-squared-norm", "fedrec_flwr/local/sam.py", (
         one("torch.sqrt(sum((g.double() ** 2).sum() for g in present))", "sum((g.double() ** 2).sum() for g in present)"),
     ), SAM_TESTS),
-    Mutation("sam-gradient-keeps-the-perturbation", "fedrec_flwr/sam.py", (one("p.copy_(s)", "pass"),), SAM_TESTS),
-    Mutation("sam-shared-grads-sum-over-steps", "fedrec_flwr/sam.py", (one("s / epochs", "s"),), SAM_TESTS),
-    Mutation("sam-loss-not-divided-by-chunks", "fedrec_flwr/sam.py", (one("return value / chunks, n", "return value, n"),),
+    Mutation("sam-gradient-keeps-the-perturbation", "fedrec_flwr/local/sam.py", (one("p.copy_(s)", "pass"),), SAM_TESTS),
+    Mutation("sam-shared-grads-sum-over-steps", "fedrec_flwr/local/sam.py", (one("s / epochs", "s"),), SAM_TESTS),
+    Mutation("sam-loss-not-divided-by-chunks", "fedrec_flwr/local/sam.py", (one("return value / chunks, n", "return value, n"),),
              SAM_TESTS),
-    Mutation("sam-private-step-skipped", "fedrec_flwr/sam.py", (one("        self.optimizer.step()\n", "        pass\n"),),
+    Mutation("sam-private-step-skipped", "fedrec_flwr/local/sam.py", (one("        self.optimizer.step()\n", "        pass\n"),),
              SAM_TESTS),
     # ---- metrics.py
     Mutation("rank-ties-for-the-model", "fedrec_flwr/metrics.py", (
@@ -188,39 +188,39 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("eval-users-counts-replies", "strategies/item_fedavg.py", (
         one("float(sum(float(r[METRICS][NUM_EXAMPLES]) for r in ok))", "float(len(ok))"),), STRATEGY_TESTS),
     # ---- krylov.py
-    Mutation("steihaug-boundary-measures-the-step", "fedrec_flwr/krylov.py", (
+    Mutation("steihaug-boundary-measures-the-step", "fedrec_flwr/unlearning/krylov.py", (
         one("if _m_norm(x + alpha * p, m) >= radius:", "if _m_norm(alpha * p, m) >= radius:"),), KRYLOV_TESTS,
         "issue 41 table"),
-    Mutation("krylov-damping-dropped", "fedrec_flwr/krylov.py", (one("return ap + damping * p", "return ap"),),
+    Mutation("krylov-damping-dropped", "fedrec_flwr/unlearning/krylov.py", (one("return ap + damping * p", "return ap"),),
              KRYLOV_TESTS),
-    Mutation("to-boundary-negative-root", "fedrec_flwr/krylov.py", (
+    Mutation("to-boundary-negative-root", "fedrec_flwr/unlearning/krylov.py", (
         one("return (-half_b + math.sqrt(disc)) / a if a > 0 else 0.0",
             "return (-half_b - math.sqrt(disc)) / a if a > 0 else 0.0"),), KRYLOV_TESTS),
-    Mutation("cg-beta-inverted", "fedrec_flwr/krylov.py", (
+    Mutation("cg-beta-inverted", "fedrec_flwr/unlearning/krylov.py", (
         one("p = r + (rs_new / rs) * p", "p = r + (rs / rs_new) * p"),), KRYLOV_TESTS),
-    Mutation("steihaug-residual-not-preconditioned", "fedrec_flwr/krylov.py", (
+    Mutation("steihaug-residual-not-preconditioned", "fedrec_flwr/unlearning/krylov.py", (
         one("y = r if m is None else r / m  # the preconditioned", "y = r  # the preconditioned"),),
         KRYLOV_TESTS + ("tests/test_hfkcu_preconditioner.py::test_diagonal_preconditioner_solves_a_diagonal_system_in_one_product",)),
-    Mutation("gauss-newton-drops-output-curvature", "fedrec_flwr/krylov.py", (
+    Mutation("gauss-newton-drops-output-curvature", "fedrec_flwr/unlearning/krylov.py", (
         one("(product,) = pullback(hjv.detach())", "(product,) = pullback(jv.detach())"),), GN_TESTS),
-    Mutation("gn-diagonal-not-squared", "fedrec_flwr/krylov.py", (
+    Mutation("gn-diagonal-not-squared", "fedrec_flwr/unlearning/krylov.py", (
         one("out[key].index_add_(0, rows, value.detach() ** 2)", "out[key].index_add_(0, rows, value.detach().abs())"),),
         GN_TESTS),
     # ---- influence.py
-    Mutation("bce-curvature-unweighted", "fedrec_flwr/influence.py", (
+    Mutation("bce-curvature-unweighted", "fedrec_flwr/unlearning/influence.py", (
         one("                return weight_t * s * (1.0 - s)", "                return s * (1.0 - s)"),), INFLUENCE_TESTS,
         "issue 41 table"),
-    Mutation("bpr-curvature-unweighted", "fedrec_flwr/influence.py", (
+    Mutation("bpr-curvature-unweighted", "fedrec_flwr/unlearning/influence.py", (
         one("c = weight_t * s * (1.0 - s)", "c = s * (1.0 - s)"),), INFLUENCE_TESTS),
-    Mutation("influence-loss-is-a-sum-not-a-mean", "fedrec_flwr/influence.py", (
+    Mutation("influence-loss-is-a-sum-not-a-mean", "fedrec_flwr/unlearning/influence.py", (
         one("weights.append(np.full(count, 1.0 / count))", "weights.append(np.full(count, 1.0))"),), INFLUENCE_TESTS),
-    Mutation("bce-influence-loss-unweighted", "fedrec_flwr/influence.py", (
+    Mutation("bce-influence-loss-unweighted", "fedrec_flwr/unlearning/influence.py", (
         one('return (weight_t * F.binary_cross_entropy_with_logits(logits, label_t, reduction="none")).sum()',
             'return F.binary_cross_entropy_with_logits(logits, label_t, reduction="none").sum()'),), INFLUENCE_TESTS),
-    Mutation("bpr-influence-loss-sign", "fedrec_flwr/influence.py", (
+    Mutation("bpr-influence-loss-sign", "fedrec_flwr/unlearning/influence.py", (
         one("-(weight_t * F.logsigmoid(scores[:n] - scores[n:])).sum()",
             "-(weight_t * F.logsigmoid(scores[n:] - scores[:n])).sum()"),), INFLUENCE_TESTS),
-    Mutation("node-dense-decay-counted-once", "fedrec_flwr/influence.py", (
+    Mutation("node-dense-decay-counted-once", "fedrec_flwr/unlearning/influence.py", (
         one("loss = loss + 0.5 * decay * len(clients) * value.pow(2).sum()",
             "loss = loss + 0.5 * decay * value.pow(2).sum()"),), INFLUENCE_TESTS),
     # ---- strategies/unlearning.py
@@ -243,23 +243,23 @@ MUTATIONS: tuple[Mutation, ...] = (
             "mean = sum(float(v.sum()) for v in diagonal.values()) / count if count else 0.0"),), UNLEARNING_TESTS),
     Mutation("row-preconditioner-keeps-dense-entries", "strategies/unlearning.py", (
         one("np.full_like(v, v.mean()))", "v.copy())"),), UNLEARNING_TESTS),
-    Mutation("local-solve-drops-boundary-steps", "fedrec_flwr/client_app.py", (
+    Mutation("local-solve-drops-boundary-steps", "fedrec_flwr/app/client_app.py", (
         one("if not result.boundary and (result.negative_curvature or result.residual > 1.0):",
             "if result.negative_curvature or result.residual > 1.0:"),), LOCAL_SOLVE_TESTS, "issue 41 table"),
     # ---- unlearn_margin.py
-    Mutation("dominated-includes-ties", "fedrec_flwr/unlearn_margin.py", (
+    Mutation("dominated-includes-ties", "fedrec_flwr/unlearning/margin.py", (
         one("np.asarray(forgotten_counts) > np.asarray(remaining_counts)",
             "np.asarray(forgotten_counts) >= np.asarray(remaining_counts)"),), MARGIN_TESTS),
-    Mutation("margin-reference-includes-interacted", "fedrec_flwr/unlearn_margin.py", (
+    Mutation("margin-reference-includes-interacted", "fedrec_flwr/unlearning/margin.py", (
         one("free[np.asarray(interacted, np.int64)] = False", "pass"),), MARGIN_TESTS),
-    Mutation("margin-root-is-the-midpoint", "fedrec_flwr/unlearn_margin.py", (
+    Mutation("margin-root-is-the-midpoint", "fedrec_flwr/unlearning/margin.py", (
         one("lo + (hi - lo) * f_lo / (f_lo - f_hi)", "0.5 * (lo + hi)"),), MARGIN_TESTS),
-    Mutation("margin-steps-on-zero-at-zero", "fedrec_flwr/unlearn_margin.py", (
+    Mutation("margin-steps-on-zero-at-zero", "fedrec_flwr/unlearning/margin.py", (
         one("if tried[0.0] <= 0:", "if tried[0.0] < 0:"),), MARGIN_TESTS),
-    Mutation("popularity-bins-reversed", "fedrec_flwr/unlearn_margin.py", (
+    Mutation("popularity-bins-reversed", "fedrec_flwr/unlearning/margin.py", (
         one("order = np.lexsort((np.arange(counts.size), counts))", "order = np.lexsort((np.arange(counts.size), -counts))"),
     ), MARGIN_TESTS),
-    Mutation("positive-counts-not-summed", "fedrec_flwr/unlearn_margin.py", (
+    Mutation("positive-counts-not-summed", "fedrec_flwr/unlearning/margin.py", (
         one("np.add.at(counts, split.positives(int(user)), 1.0)", "counts[split.positives(int(user))] = 1.0"),),
         MARGIN_TESTS),
     # ---- adversary.py
@@ -330,37 +330,37 @@ MUTATIONS: tuple[Mutation, ...] = (
         one("rng = np.random.default_rng([int(seed), split])", "rng = np.random.default_rng([int(seed)])"),),
         ATTACK_TESTS),
     # ---- checkpoint.py
-    Mutation("resume-ignores-keys-only-the-new-config-has", "fedrec_flwr/checkpoint.py", (
+    Mutation("resume-ignores-keys-only-the-new-config-has", "fedrec_flwr/state/checkpoint.py", (
         one('keys = (set(checkpoint.run_config) | set(run_config)) - set(MAY_DIFFER) - {"plugin-config"}',
             'keys = set(checkpoint.run_config) - set(MAY_DIFFER) - {"plugin-config"}'),), CHECKPOINT_TESTS),
-    Mutation("resume-past-the-last-round-accepted", "fedrec_flwr/checkpoint.py", (
+    Mutation("resume-past-the-last-round-accepted", "fedrec_flwr/state/checkpoint.py", (
         one('if checkpoint.server_round > int(run_config["num-server-rounds"]):', "if False:"),), CHECKPOINT_TESTS),
-    Mutation("removed-users-count-as-trained", "fedrec_flwr/checkpoint.py", (
+    Mutation("removed-users-count-as-trained", "fedrec_flwr/state/checkpoint.py", (
         one('trained[[int(u) for u in checkpoint.strategy_state.get("removed-users", []) if 0 <= int(u) < trained.size]] '
             '= False', "pass"),), CHECKPOINT_TESTS),
-    Mutation("strategy-arrays-saved-as-shared", "fedrec_flwr/checkpoint.py", (
+    Mutation("strategy-arrays-saved-as-shared", "fedrec_flwr/state/checkpoint.py", (
         one('(("arrays", checkpoint.arrays), ("strategy", checkpoint.strategy_arrays))',
             '(("arrays", checkpoint.arrays), ("arrays", checkpoint.strategy_arrays))'),), CHECKPOINT_TESTS),
-    Mutation("checkpoint-format-unchecked", "fedrec_flwr/checkpoint.py", (
+    Mutation("checkpoint-format-unchecked", "fedrec_flwr/state/checkpoint.py", (
         one('if manifest.get("format") != FORMAT:', "if False:"),), CHECKPOINT_TESTS),
-    Mutation("checkpoint-rows-in-sorted-order", "fedrec_flwr/checkpoint.py", (
+    Mutation("checkpoint-rows-in-sorted-order", "fedrec_flwr/state/checkpoint.py", (
         one("return [{key: row[key] for key in order if key in row} | row for row, order in zip(rows, orders)]",
             "return rows"),), CHECKPOINT_TESTS),
     # ---- client_state.py
-    Mutation("state-keeps-only-the-newest-version", "fedrec_flwr/client_state.py", (
+    Mutation("state-keeps-only-the-newest-version", "fedrec_flwr/state/client_state.py", (
         one("return {r for r in rounds if r > durable_round} | ({max(settled)} if settled else set())",
             "return {newest}"),), CLIENT_STATE_TESTS),
-    Mutation("state-load-excludes-its-round", "fedrec_flwr/client_state.py", (
+    Mutation("state-load-excludes-its-round", "fedrec_flwr/state/client_state.py", (
         one("eligible = [r for r in versions if as_of is None or r <= as_of]",
             "eligible = [r for r in versions if as_of is None or r < as_of]"),), CLIENT_STATE_TESTS),
-    Mutation("state-load-keeps-stale-records", "fedrec_flwr/client_state.py", (
+    Mutation("state-load-keeps-stale-records", "fedrec_flwr/state/client_state.py", (
         one("            del state[key]", "            pass"),), CLIENT_STATE_TESTS),
-    Mutation("state-file-of-another-user-accepted", "fedrec_flwr/client_state.py", (
+    Mutation("state-file-of-another-user-accepted", "fedrec_flwr/state/client_state.py", (
         one('if int(manifest["user"]) != int(user):', "if False:"),), CLIENT_STATE_TESTS),
-    Mutation("resume-absent-excludes-its-round", "fedrec_flwr/client_state.py", (
+    Mutation("resume-absent-excludes-its-round", "fedrec_flwr/state/client_state.py", (
         one("if not any(r <= resume_round for r in versions):", "if not any(r < resume_round for r in versions):"),),
         CLIENT_STATE_TESTS),
-    Mutation("state-run-name-unchecked", "fedrec_flwr/client_state.py", (
+    Mutation("state-run-name-unchecked", "fedrec_flwr/state/client_state.py", (
         one("if not isinstance(run, str) or not _SAFE_NAME.match(run):", "if not isinstance(run, str):"),),
         CLIENT_STATE_TESTS),
     # ---- server_optimizer.py

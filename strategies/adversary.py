@@ -14,7 +14,7 @@ mini-batch training of ``h_w`` over the sampled users. Its state persists over t
 With ``adversary-server-steps = S > 1`` (ours: one step per round, 100 in a run, left ``h_w`` at the
 majority class on ML-100K) the server then takes ``S - 1`` more steps in the same round (:meth:`AdversaryServerStep.
 extra_steps`): each sends the current ``h_w`` to the round's sampled nodes in an ``adversary_gradient`` query
-(:func:`fedrec_flwr.client_app.adversary_gradient_query`), each node answers with the mean ``h_w`` gradient over its
+(:func:`fedrec_flwr.app.client_app.adversary_gradient_query`), each node answers with the mean ``h_w`` gradient over its
 sampled users at their current (frozen) embeddings, the same function as the train reply's, DSVAE noise included, and
 the server steps on the user-weighted mean (:meth:`AdversaryServerStep.apply`). The embeddings do not move between
 these steps, so this is ``S`` optimizer steps of ``h_w`` on the round's users per round.
@@ -36,7 +36,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Rec
 
 from fedrec_flwr.adversary import ADVERSARY_MODULE, class_prior_text, parse_class_prior
 from fedrec_flwr.errors import ConfigError, reply_error_line
-from fedrec_flwr.training import load_optimizer_state_arrays, optimizer_state_arrays
+from fedrec_flwr.local.training import load_optimizer_state_arrays, optimizer_state_arrays
 from fedrec_flwr.wire import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, ModelLayout
 
 log = logging.getLogger(__name__)

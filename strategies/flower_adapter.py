@@ -48,7 +48,7 @@ checkpoints (a resumed run restarts it; a warning says so), and an override of `
 Keys a strategy adds to the train config (FedProx's ``"proximal-mu"``, client-side DP's clipping norm) must be
 honoured by the client: a non-zero value for a key the configured client class does not list in its
 ``strategy_config_keys`` stops the run before it starts (:class:`~fedrec_flwr.errors.ConfigError`, from a dry round
-1 in :meth:`FlowerStrategyAdapter.check_config`, which :mod:`fedrec_flwr.preflight` runs; round 1 checks again). Our
+1 in :meth:`FlowerStrategyAdapter.check_config`, which :mod:`fedrec_flwr.app.preflight` runs; round 1 checks again). Our
 clients list FedProx's ``"proximal-mu"`` (:class:`fedrec_flwr.clients.fedrec.FedRecClient`: the paper's proximal term on the shared
 parameters; PFedRec does not, see :class:`fedrec_flwr.clients.pfedrec.PFedRecClient`); the client-side DP wrappers are refused
 (their guarantee needs clipping on the client).
@@ -73,11 +73,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedrec_flwr.client_state import DURABLE_ROUND_KEY, RUN_KEY
+from fedrec_flwr.state.client_state import DURABLE_ROUND_KEY, RUN_KEY
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.message_window import GridProxy
-from fedrec_flwr.preflight import quiet
+from fedrec_flwr.app.message_window import GridProxy
+from fedrec_flwr.app.preflight import quiet
 from fedrec_flwr.registry import resolve
 from fedrec_flwr.wire import ARRAYS, CONFIG, COUNT, GRADIENT_USERS, METRICS, NUM_EXAMPLES, ROWS, SUM, ModelLayout, \
     ReplyError, Topology

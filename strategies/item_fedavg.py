@@ -40,7 +40,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, aggregate_metricrecords
 
 from fedrec_flwr.arrays import decode_array, decode_record
-from fedrec_flwr.checkpoint import TRAINED_KEY
+from fedrec_flwr.state.checkpoint import TRAINED_KEY
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError, reply_error_line
 from fedrec_flwr.io import atomic_save_npz, atomic_write_json
@@ -141,7 +141,7 @@ class ItemEmbeddingFedAvg(FedAvg):
         self.trained: np.ndarray | None = None
         """``(num_users,)`` bool: the users whose training replies were accepted in some round so far (so their
         clients saved private state, where nodes keep ``client-state-dir`` files); in server checkpoints, where a
-        resume checks the nodes' state files against it (:func:`fedrec_flwr.checkpoint.check_client_state`)."""
+        resume checks the nodes' state files against it (:func:`fedrec_flwr.state.checkpoint.check_client_state`)."""
         self._grid: Grid | None = None
         self._train_started = 0.0
         self._results_folder: Path | None = None
@@ -193,7 +193,7 @@ class ItemEmbeddingFedAvg(FedAvg):
         phase). Stateless here; a strategy that keeps its own copy of the parameters (server optimizer) overrides it."""
 
     def checkpoint_state(self) -> tuple[dict, dict[str, np.ndarray]]:
-        """The strategy's state for a server checkpoint (:mod:`fedrec_flwr.checkpoint`): JSON-able facts (failure
+        """The strategy's state for a server checkpoint (:mod:`fedrec_flwr.state.checkpoint`): JSON-able facts (failure
         counts per node, users no longer trained, the unlearning report) and arrays (none here; subclasses with an
         optimizer add its moments). Subclasses extend what ``super()`` returns."""
         state = {"failures": {str(k): v for k, v in self.failures.items()},
@@ -261,7 +261,7 @@ class ItemEmbeddingFedAvg(FedAvg):
         new = sorted(int(n) for n in grid.get_node_ids() if int(n) not in known)
         if not new:
             return []
-        from fedrec_flwr.server_app import identify_nodes
+        from fedrec_flwr.app.server_app import identify_nodes
 
         facts, errors = identify_nodes(grid, new, timeout=min(self.round_timeout, 60.0))
         for node, reason in errors:

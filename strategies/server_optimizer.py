@@ -39,7 +39,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fedrec_flwr.config import RunConfig
-from fedrec_flwr.training import load_optimizer_state_arrays, optimizer_state_arrays
+from fedrec_flwr.local.training import load_optimizer_state_arrays, optimizer_state_arrays
 from fedrec_flwr.wire import ARRAYS, GRADIENT_USERS, METRICS, NUM_EXAMPLES, ModelLayout, ReplyError, merge_rows
 from fedrec_flwr.strategies.item_fedavg import ItemEmbeddingFedAvg
 

@@ -33,10 +33,10 @@ it changes the parameters it touches by at most ``unlearn-max-step`` of their no
 **Curvature and solver (ours).** A 100-round federated model is not at a minimum, and there NCF's Hessian
 is indefinite: plain CG met non-positive curvature after 2-4 iterations in every FedNCF setting and the step was
 dropped. ``curvature = "gauss-newton"`` replaces ``H_R`` by the generalised Gauss-Newton matrix ``sum_u J_u^T H_z
-J_u`` (positive semi-definite by construction; equal to the Hessian for MF; :func:`fedrec_flwr.krylov.
+J_u`` (positive semi-definite by construction; equal to the Hessian for MF; :func:`fedrec_flwr.unlearning.krylov.
 gauss_newton_vector_product`); ``"hessian"`` keeps the exact Hessian. ``krylov-solver = "steihaug"`` solves the
 trust-region subproblem ``min m(x) = -g_F^T x + 1/2 x^T (H_R + damping I) x, ||x|| <= Delta`` by Steihaug-Toint CG
-(:func:`fedrec_flwr.krylov.steihaug_cg`): inside the radius it is CG; when the next iterate would leave it, or a
+(:func:`fedrec_flwr.unlearning.krylov.steihaug_cg`): inside the radius it is CG; when the next iterate would leave it, or a
 direction of non-positive curvature appears, it steps to the boundary, so no solve is dropped. ``Delta =
 trust-radius * ||theta_S||`` with ``theta_S`` the shared parameters ``g_F`` touches (its item rows and the dense
 parameters), so the radius is a relative size (ours). ``"cg"`` is the issue-6 arm (plain CG, truncated at
@@ -44,7 +44,7 @@ non-positive curvature).
 
 **Preconditioned trust region (ours).** ``krylov-preconditioner = "diagonal"`` (or ``"row"``) measures the
 trust region in the norm ``||x||_M = sqrt(x^T M x)`` of a diagonal ``M`` built from the remaining users' Gauss-Newton
-diagonal (:meth:`ClientUnlearning.preconditioner`; Steihaug 1983's preconditioned CG, :func:`fedrec_flwr.krylov.
+diagonal (:meth:`ClientUnlearning.preconditioner`; Steihaug 1983's preconditioned CG, :func:`fedrec_flwr.unlearning.krylov.
 steihaug_cg`): rows on which few remaining users' losses curve (a promoted target item) may move further than rows
 that many users pin (popular fillers). The diagonal costs one ``unlearn_diagonal`` query round in which each node
 returns one row-sparse sum over its users (exact on item rows; Monte Carlo on NCF's MLP). Inside the radius the
@@ -54,7 +54,7 @@ answer is still the solve of the damped system. ``"none"`` (the default) is the 
 "remaining-loss"`` the solver's step ``x`` (times ``unlearn-scale``) is only a direction: the phase moves ``a x``
 with ``a`` chosen to minimise the remaining users' summed influence loss ``L_R(theta + a x)`` (the objective the
 retrained model is trained on; each user's loss uses its fixed negative sample, so the values are deterministic for
-a seed), by :func:`fedrec_flwr.krylov.ladder_line_search`: ``f(0)`` and the geometric ladder ``a = 0.25, 0.5, ...,
+a seed), by :func:`fedrec_flwr.unlearning.krylov.ladder_line_search`: ``f(0)`` and the geometric ladder ``a = 0.25, 0.5, ...,
 8`` in one ``unlearn_loss`` query round, extended by factors of 2 (up to ``line-search-max-step``) or refined
 downwards (unless ``L_R`` rises from 0) while the best value sits at an end, then one parabolic-interpolation point (Nocedal & Wright, *Numerical
 Optimization*, 2nd ed., Sec. 3.5); at most ``line-search-rounds`` rounds. Each node answers one scalar sum per ``a``
@@ -70,7 +70,7 @@ users' loss per example reaches a reference level, and a radius scaled by their 
 **How far to go: membership calibration (ours).** With ``line-search =
 "membership-margin"`` the phase moves ``a x`` with ``a`` where the forgotten users' mean *membership margin* on the
 items they dominate (their logit of such an item minus their mean logit of the same-popularity items they never
-rated) reaches 0, the level of a model that never saw them (:mod:`fedrec_flwr.unlearn_margin`, with the derivation);
+rated) reaches 0, the level of a model that never saw them (:mod:`fedrec_flwr.unlearning.margin`, with the derivation);
 nodes reply with item counts and margin sums only (:meth:`ClientUnlearning.margin_step`). Measured
 (``experiments/hfkcu/README.md``, ``results/poison-margin.md``): 2 of 5 development settings met (the fixed radius
 1), 4 of 8 reported ones (the fixed radius 4; it fixes ML-100K's 20-fake overshoot, loses FilmTrust FedMF with 20
@@ -133,11 +133,11 @@ from fedrec_flwr.wire import (
 )
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError, reply_error_line
-from fedrec_flwr.krylov import (
+from fedrec_flwr.unlearning.krylov import (
     TERMINATIONS, CGResult, LineSearchResult, flatten, krylov_solve, ladder_line_search, unflatten,
 )
 from fedrec_flwr.seeding import numpy_rng
-from fedrec_flwr.unlearn_margin import bracket_root, dominated_items, popularity_bins
+from fedrec_flwr.unlearning.margin import bracket_root, dominated_items, popularity_bins
 from fedrec_flwr.wire import (
     ARRAYS, CONFIG, METRICS, ReplyError, nonzero_rows, pack_sparse, support_rows, unpack_sparse,
 )
@@ -448,7 +448,7 @@ class ClientUnlearning:
         order), from one ``unlearn_diagonal`` query round (ours).
 
         Each queried node returns the diagonal of its remaining (affected) users' summed Gauss-Newton matrix, one
-        row-sparse sum over its users as an HVP reply (:func:`fedrec_flwr.influence.influence_gn_diagonal`: exact on
+        row-sparse sum over its users as an HVP reply (:func:`fedrec_flwr.unlearning.influence.influence_gn_diagonal`: exact on
         item rows, a :data:`PRECONDITIONER_PROBES`-draw Monte Carlo estimate on dense parameters); the server adds
         them (scaled as the products are, :meth:`_curvature_targets`): ``d = diag(sum_u G_u)``. ``"row"`` replaces
         ``d`` by its mean over each item row's entries (and over each dense key), a block-diagonal ``M`` of scaled
@@ -522,7 +522,7 @@ class ClientUnlearning:
     def line_search(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
                     step: dict) -> LineSearchResult:
         """``line-search = "remaining-loss"``: the multiple ``a`` of the solver's step that minimises the remaining
-        users' summed training loss ``L_R(theta + a step)`` (:func:`fedrec_flwr.krylov.ladder_line_search`; every
+        users' summed training loss ``L_R(theta + a step)`` (:func:`fedrec_flwr.unlearning.krylov.ladder_line_search`; every
         round one :meth:`remaining_loss` query)."""
         s = self.settings
         return ladder_line_search(
@@ -531,8 +531,8 @@ class ClientUnlearning:
 
     def margin_step(self, grid: Grid, arrays: ArrayRecord, forget: np.ndarray, step: dict, report: dict) -> float:
         """``line-search = "membership-margin"``: the multiple ``a`` of the solver's step at which the forgotten
-        users' mean membership margin on the items they dominate reaches 0 (:mod:`fedrec_flwr.unlearn_margin`). One
-        ``unlearn_counts`` round (every node; no model sent), then :func:`fedrec_flwr.unlearn_margin.bracket_root`'s
+        users' mean membership margin on the items they dominate reaches 0 (:mod:`fedrec_flwr.unlearning.margin`). One
+        ``unlearn_counts`` round (every node; no model sent), then :func:`fedrec_flwr.unlearning.margin.bracket_root`'s
         ``unlearn_margin`` rounds (the forgotten users' nodes), at most ``line-search-rounds`` of them, up to
         ``line-search-max-step``. Returns ``a`` (1 when no forgotten positive is a dominated item)."""
         s = self.settings
@@ -541,7 +541,7 @@ class ClientUnlearning:
         exclude = [int(u) for u in forget]
         smallest = int(np.unique(topology.user_to_node, return_counts=True)[1].min())
         log.warning("line-search = 'membership-margin': every node sends its users' training-positive counts per item "
-                    "(unlearn_counts); a node serving %d user%s reveals %s (fedrec_flwr/unlearn_margin.py, 'Privacy "
+                    "(unlearn_counts); a node serving %d user%s reveals %s (fedrec_flwr/unlearning/margin.py, 'Privacy "
                     "cost')", smallest, "" if smallest == 1 else "s",
                     "that user's training items" if smallest == 1 else "the sum of its users' training items")
         replies = self._query(grid, UNLEARN_COUNTS, {n: {"exclude": exclude} for n in nodes}, ArrayRecord())
@@ -659,7 +659,7 @@ class ClientUnlearning:
 def describe_unlearning(report: Mapping) -> str:
     """One console line for an unlearning phase's ``report`` (the dict written to ``unlearning.json``): the method,
     the users, the cost, why the Krylov solve stopped (``cg-termination``: ``"tolerance"``, ``"iterations"``,
-    ``"negative-curvature"``, ``"boundary"``, ``"zero-rhs"``; :class:`fedrec_flwr.krylov.CGResult`), the line search's
+    ``"negative-curvature"``, ``"boundary"``, ``"zero-rhs"``; :class:`fedrec_flwr.unlearning.krylov.CGResult`), the line search's
     step and why it stopped, and the size of the change (``relative-update``: ``||step|| / ||theta||``). Keys a method
     does not produce are left out, so this serves ``continue``, ``gradient-ascent`` and ``hfkcu``."""
     parts = [f"unlearning ({report.get('method')}) of {len(report.get('forget-users', ()))} users after round "

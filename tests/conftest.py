@@ -139,8 +139,8 @@ def simulate(run_config: dict, *, num_supernodes: int | None = None, num_cpus: i
 
     from flwr.simulation import run_simulation
 
-    from fedrec_flwr.client_app import make_client_app
-    from fedrec_flwr.server_app import make_server_app
+    from fedrec_flwr.app.client_app import make_client_app
+    from fedrec_flwr.app.server_app import make_server_app
 
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     if num_supernodes is None:
@@ -162,7 +162,7 @@ def _state_arrays(context) -> dict:
 
 
 PRIVATE_RECORD = r"^[A-Za-z][A-Za-z-]*:\d+$"
-"""``context.state`` keys of a user's private records (``user:<u>``, ``user-opt:<u>``, ...; fedrec_flwr.client_state)."""
+"""``context.state`` keys of a user's private records (``user:<u>``, ``user-opt:<u>``, ...; fedrec_flwr.state.client_state)."""
 UPLOADED_BY_PROTOCOL = ("user-rows:",)
 """Per-user records whose values the method uploads by design: PFedRec's fine-tuned item rows ARE its item upload
 (Zhang et al. 2023, Alg. 1), so they are not secrets from the server. Its private score function (``user:``) is."""
@@ -197,7 +197,7 @@ def seeded_private_vectors(run_config) -> list:
     from flwr.app import RecordDict
 
     from fedrec_flwr.registry import resolve
-    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.app.runtime import get_runtime
 
     runtime = get_runtime(run_config)
     cls = resolve("client", runtime.config.client)

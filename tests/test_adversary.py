@@ -27,7 +27,7 @@ from fedrec_flwr.adversary import (
 from fedrec_flwr.attributes import AGE_BUCKETS, encode_attribute
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.models import build_model
-from fedrec_flwr.training import LocalTrainConfig, LocalTrainer
+from fedrec_flwr.local.training import LocalTrainConfig, LocalTrainer
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -266,7 +266,7 @@ def test_trainer_refuses_a_model_without_adversary_or_a_label_out_of_range():
 def ml100k_split():
     from conftest import dataset_dir
     from fedrec_flwr.config import make_run_config
-    from fedrec_flwr.runtime import load_split_for
+    from fedrec_flwr.app.runtime import load_split_for
 
     return load_split_for(make_run_config(dataset="ml-100k", data_dir=str(dataset_dir("ml-100k"))))
 
@@ -364,7 +364,7 @@ def test_adversarial_term_composes_with_fedrecgel_sam_client(tmp_path):
     from flwr.app import RecordDict
 
     from fedrec_flwr.clients.fedau2 import FedAU2GELClient
-    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.app.runtime import get_runtime
     from fedrec_flwr.serial import run_serial
     from conftest import tiny_run_config
 

@@ -16,9 +16,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from conftest import MessageRecorder, assert_no_private_value_in_replies, tiny_run_config, write_tiny_dataset
 from fedrec_flwr.adversary import AttributeAdversary, DSVAEAdversary
 from fedrec_flwr.attacks import attribute_inference, collect_user_embeddings, dlg_label, idlg_label
-from fedrec_flwr.client_app import make_client_app
+from fedrec_flwr.app.client_app import make_client_app
 from fedrec_flwr.errors import DataError
-from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.serial import run_serial
 from fedrec_flwr.strategies.curious import CuriousItemFedAvg
 
@@ -412,7 +412,7 @@ def test_membership_auc_refuses_bad_input():
 def test_nonmember_items_never_holds_an_interacted_item(tmp_path):
     from fedrec_flwr.attacks import nonmember_items
     from fedrec_flwr.errors import DataError
-    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.app.runtime import get_runtime
 
     write_tiny_dataset(tmp_path)
     split = get_runtime(tiny_run_config(tmp_path)).split

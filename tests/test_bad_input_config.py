@@ -110,7 +110,7 @@ def test_checks_a_config_can_fail_are_in_run_config_validation(overrides, messag
 def test_paths_are_checked_by_run_config_where_the_data_is_read(tmp_path):
     """Case 6: ``data-dir '/nonexistent'`` was refused by the loader in snake case; now by RunConfig.check_files,
     which every process that reads the data runs first (the ServerApp never reads it)."""
-    from fedrec_flwr.runtime import load_split_for
+    from fedrec_flwr.app.runtime import load_split_for
 
     config = make_run_config(data_dir=str(tmp_path / "nonexistent"))
     with pytest.raises(ConfigError, match=r"run-config key 'data-dir' = '.*nonexistent': no such folder"):

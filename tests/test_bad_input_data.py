@@ -13,7 +13,7 @@ import pytest
 from fedrec_flwr.config import make_run_config
 from fedrec_flwr.data import GenericSource, load_interactions, load_split, preprocess
 from fedrec_flwr.errors import ConfigError, DataError
-from fedrec_flwr.runtime import load_split_for
+from fedrec_flwr.app.runtime import load_split_for
 
 NUM_ITEMS = 30
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fedrec_flwr.clients.fedrec import FedRecClient
-from fedrec_flwr.client_app import RecordValueError, UserMetrics, metric_record, record_number
+from fedrec_flwr.app.client_app import RecordValueError, UserMetrics, metric_record, record_number
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.serial import run_serial
 from fedrec_flwr.wire import sample_users
@@ -116,9 +116,9 @@ def test_a_node_silent_during_evaluation_is_logged_and_counted(tmp_path, task_id
     """Case 11: only ``eval-users`` dropped; now the node is named, with the users it left out, and counted."""
     from flwr.app import Context, RecordDict
 
-    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.app.client_app import make_client_app
     from fedrec_flwr.serial import SerialGrid
-    from fedrec_flwr.server_app import main
+    from fedrec_flwr.app.server_app import main
 
     class SilentInEvaluation(SerialGrid):
         silent = 1002
@@ -156,7 +156,7 @@ def test_resume_without_client_state_files_is_refused_or_warned(tmp_path, caplog
                                           r"private state: the interrupted run .* did not keep .*user embedding.*"
                                           r"Set 'resume-resets-client-state' = true"):
         run_serial(resume)
-    from fedrec_flwr.preflight import preflight
+    from fedrec_flwr.app.preflight import preflight
 
     with pytest.raises(ConfigError, match="did not keep its clients' private state in files"):
         preflight(resume)  # the launcher's check too: refused before Ray starts, exit 2

@@ -9,9 +9,9 @@ import torch
 from flwr.app import RecordDict
 
 from conftest import tiny_run_config
-from fedrec_flwr import blocks
+from fedrec_flwr.local import blocks
 from fedrec_flwr.registry import resolve
-from fedrec_flwr.runtime import build_shared_model, get_runtime
+from fedrec_flwr.app.runtime import build_shared_model, get_runtime
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -158,7 +158,7 @@ def test_a_contribution_refuses_rows_outside_the_table():
 def test_get_runtime_reuses_the_last_runtime_only_for_the_same_config_value_and_type(tmp_path):
     """The per-message lookup skips the sorted key when the config equals the previous one; a config that differs
     only by a value's type (``1`` and ``1.0`` compare equal) or by a value still gets its own lookup."""
-    from fedrec_flwr import runtime as runtime_module
+    from fedrec_flwr.app import runtime as runtime_module
 
     mapping = tiny_run_config(tmp_path)
     first = get_runtime(mapping)

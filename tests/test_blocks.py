@@ -1,4 +1,4 @@
-"""Vectorized user blocks (fedrec_flwr/blocks.py) against the per-user clients, the reference: the same updates,
+"""Vectorized user blocks (fedrec_flwr/local/blocks.py) against the per-user clients, the reference: the same updates,
 private state (embeddings, Adam moments) and evaluation on real ML-100K users, the same node reply, the same whole
 serial run with block-training on and off, and the privacy check on a block-trained run."""
 
@@ -16,13 +16,13 @@ from flwr.app import RecordDict
 from conftest import (MessageRecorder, assert_no_private_value_in_replies, dataset_dir, seeded_private_vectors,
                       tiny_run_config)
 from fedrec_flwr.clients import fedrec, fedrecgel
-from fedrec_flwr import blocks
-from fedrec_flwr.blocks import block_kind, evaluate_block, train_block, use_blocks
-from fedrec_flwr.client_app import make_client_app
+from fedrec_flwr.local import blocks
+from fedrec_flwr.local.blocks import block_kind, evaluate_block, train_block, use_blocks
+from fedrec_flwr.app.client_app import make_client_app
 from fedrec_flwr.config import make_run_config
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.registry import check_components, resolve
-from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.serial import run_serial
 from fedrec_flwr.wire import Contribution
 

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from fedrec_flwr.checkpoint import CHECKPOINT_FILE, Checkpoint, load_checkpoint, save_checkpoint
+from fedrec_flwr.state.checkpoint import CHECKPOINT_FILE, Checkpoint, load_checkpoint, save_checkpoint
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.serial import run_serial
 from fedrec_flwr.wire import sample_users
@@ -23,7 +23,7 @@ from tests.conftest import PROJECT_ROOT, tiny_run_config, without_timings
 # some users have trained (and saved their state) in that round, the others not, and nothing gets to clean up.
 KILLED_RUN = """
 import json, os, signal, sys
-from fedrec_flwr.client_app import make_client_app
+from fedrec_flwr.app.client_app import make_client_app
 from fedrec_flwr.serial import run_serial
 
 config, kill_round, seen = json.loads(sys.argv[1]), int(sys.argv[2]), []
@@ -164,8 +164,8 @@ def test_users_whose_node_failed_every_round_before_the_checkpoint_are_not_repor
     """The resume check recomputed "users who trained" on each node from the seeded sampler, so a user whose node
     failed every round it was sampled in (no reply, no state file) was reported missing and the resume refused. The
     server now records the users whose replies it accepted (the checkpoint's ``trained-users``) and only those count."""
-    from fedrec_flwr.checkpoint import TRAINED_KEY
-    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.state.checkpoint import TRAINED_KEY
+    from fedrec_flwr.app.client_app import make_client_app
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     config = {**_config(tmp_path, "failing", model="mf"), "num-server-rounds": 3, "eval-every": 3,
@@ -236,7 +236,7 @@ def test_the_client_state_check_counts_absent_files_only_for_users_the_server_sa
     """``check_client_state`` on the nodes' facts: an absent file is lost state only for a user in the checkpoint's
     ``trained-users`` that was not forgotten since; without that array (an older checkpoint) absent files are not
     judged, and a warning says so, while damaged files are still refused."""
-    from fedrec_flwr.checkpoint import TRAINED_KEY, Checkpoint, check_client_state
+    from fedrec_flwr.state.checkpoint import TRAINED_KEY, Checkpoint, check_client_state
 
     trained = np.zeros(8, dtype=bool)
     trained[[1, 2, 5]] = True

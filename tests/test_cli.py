@@ -18,7 +18,7 @@ import pytest
 from fedrec_flwr import cli, launch
 from fedrec_flwr.config import default_mapping
 from fedrec_flwr.launch import PROJECT_ROOT
-from fedrec_flwr.message_window import send_and_receive
+from fedrec_flwr.app.message_window import send_and_receive
 from fedrec_flwr.progress import REPLIES_LINE, ReplyProgress, RunDisplay, eta_seconds, format_duration
 
 from conftest import write_tiny_dataset
@@ -202,7 +202,7 @@ ROUND = "round    {r} | HR@10 0.4000 | NDCG@10 0.2000 | train loss 0.4000 | {s} 
 
 def test_plain_output_is_the_launchers_lines_unchanged():
     out = io.StringIO()
-    lines = ["INFO fedrec_flwr.server_app: ready\n", "replies 120/943 | evaluate round 1\n",
+    lines = ["INFO fedrec_flwr.app.server_app: ready\n", "replies 120/943 | evaluate round 1\n",
              ROUND.format(r=1, s="10.0") + "\n"]
     with RunDisplay(100, out=out) as display:  # a StringIO is no terminal
         assert not display.live

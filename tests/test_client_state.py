@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, RecordDict
 
-from fedrec_flwr.client_state import (
+from fedrec_flwr.state.client_state import (
     ClientStateError, ClientStateStore, _versions_to_keep, state_folder, user_record_keys,
 )
 from fedrec_flwr.errors import ConfigError

@@ -26,7 +26,7 @@ def _loaded_after(code: str) -> list[str]:
 
 
 def test_importing_the_client_app_loads_no_sklearn_matplotlib_pandas_or_experiments():
-    assert _loaded_after("import fedrec_flwr.client_app") == []
+    assert _loaded_after("import fedrec_flwr.app.client_app") == []
 
 
 def test_building_a_model_does_not_import_torch_dynamo():
@@ -45,7 +45,7 @@ def test_a_train_message_from_the_cached_split_stays_lean(tmp_path, users_per_no
     imports ``torch._dynamo`` (``Optimizer.add_param_group`` is wrapped by ``torch._disable_dynamo``)."""
     from conftest import tiny_run_config
 
-    from fedrec_flwr.runtime import load_split_for
+    from fedrec_flwr.app.runtime import load_split_for
     from fedrec_flwr.config import RunConfig
 
     mapping = tiny_run_config(tmp_path, users_per_node=users_per_node, block_training=block_training)
@@ -54,8 +54,8 @@ def test_a_train_message_from_the_cached_split_stays_lean(tmp_path, users_per_no
 import json
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
-from fedrec_flwr.client_app import app
-from fedrec_flwr.runtime import build_shared_model, get_runtime
+from fedrec_flwr.app.client_app import app
+from fedrec_flwr.app.runtime import build_shared_model, get_runtime
 from fedrec_flwr.wire import ARRAYS, CONFIG
 run_config = json.loads({json.dumps(json.dumps(mapping))})
 runtime = get_runtime(run_config)

@@ -75,7 +75,7 @@ def test_get_runtime_takes_a_validated_run_config_as_its_mapping(tmp_path):
     raised AttributeError: 'RunConfig' object has no attribute 'items')."""
     from conftest import tiny_run_config
     from fedrec_flwr.config import RunConfig
-    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.app.runtime import get_runtime
 
     mapping = tiny_run_config(tmp_path)
     assert get_runtime(RunConfig.from_mapping(mapping)) is get_runtime(RunConfig.from_mapping(mapping).to_dict())

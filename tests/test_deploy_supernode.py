@@ -11,7 +11,7 @@ import shlex
 import pytest
 
 from fedrec_flwr import deploy
-from fedrec_flwr.runtime import DATA_DIR_ENV
+from fedrec_flwr.app.runtime import DATA_DIR_ENV
 
 NODE = ["--partition-id", "0", "--num-partitions", "3", "--users-per-node", "315", "--dataset", "ml-100k"]
 

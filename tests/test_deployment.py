@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedrec_flwr.client_state import ClientStateStore
+from fedrec_flwr.state.client_state import ClientStateStore
 from fedrec_flwr.config import make_run_config
 from fedrec_flwr.deploy import Deployment, DeploymentError, app_snapshot, free_port, make_node_keys
 from fedrec_flwr.launch import _group_members, processes_with_env

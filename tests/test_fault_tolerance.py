@@ -95,10 +95,10 @@ def test_a_node_without_its_data_stops_the_run_at_start_naming_node_and_file(tmp
     and the ServerApp stops before any training with a message naming the node and the missing file."""
     from flwr.app import Context, RecordDict
 
-    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.app.client_app import make_client_app
     from fedrec_flwr.errors import ConfigError
     from fedrec_flwr.serial import SerialGrid
-    from fedrec_flwr.server_app import main
+    from fedrec_flwr.app.server_app import main
 
     good = tiny_run_config(tmp_path, users_per_node=24)
     broken = {**good, "generic-file": str(tmp_path / "missing" / "tiny.csv")}  # what the node sees
@@ -115,7 +115,7 @@ def test_identify_answers_a_runtime_that_cannot_be_built_with_one_error_reply(tm
     key, not as an exception (which Ray prints as a whole actor traceback per node)."""
     from flwr.app import Context, Message, RecordDict
 
-    from fedrec_flwr.client_app import identify
+    from fedrec_flwr.app.client_app import identify
     from fedrec_flwr.wire import IDENTIFY
 
     config = {**tiny_run_config(tmp_path), "client": "fedau2", "adversary": "mlp", "protected-attribute": "gender"}

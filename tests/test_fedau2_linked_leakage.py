@@ -13,7 +13,7 @@ from conftest import tiny_run_config
 
 
 def _run(tmp_path, **overrides):
-    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.app.runtime import get_runtime
     from fedrec_flwr.serial import run_serial
 
     attributes = tmp_path / "attributes.csv"
@@ -68,7 +68,7 @@ def test_the_noise_of_a_users_uploads_is_drawn_per_upload_round_or_user(tmp_path
     ``"per-upload"``; another user's is another draw."""
     from fedrec_flwr.clients.fedau2 import FedAU2Client
     from flwr.app import RecordDict
-    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.app.runtime import get_runtime
     from test_fedau2_server import _config
 
     def noise_part(user, server_round, step):

@@ -14,7 +14,7 @@ from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 from conftest import MessageRecorder, assert_no_private_value_in_replies, seeded_private_vectors, tiny_run_config
 from fedrec_flwr.adversary import ADVERSARY_MODULE, AttributeAdversary, adversary_diagnostics
 from fedrec_flwr.config import FIRST_RELEASE_ADVERSARY
-from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.wire import ARRAYS, METRICS, NUM_EXAMPLES
 from fedrec_flwr.strategies.adversary import AdversaryServerStep
 
@@ -122,7 +122,7 @@ def test_server_step_is_sgd_or_adam_on_the_weighted_mean_of_the_replies_gradient
 def test_strategy_steps_the_global_adversary_on_the_replies_weighted_mean_gradient(tmp_path):
     """Through the whole serial federation (item-fedavg, one user per node, one round): the final h_w equals the sent
     h_w minus the server's SGD rate times the num-examples-weighted mean of the replies' h_w arrays."""
-    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.app.client_app import make_client_app
     from fedrec_flwr.serial import run_serial
 
     config = _config(tmp_path, adversary_server_optimizer="sgd", adversary_server_learning_rate=0.3,
@@ -151,7 +151,7 @@ def test_no_reply_carries_a_label_a_class_count_or_an_embedding(tmp_path, advers
     starting point) every metric and every array except h_w's gradient is the same whatever the users' labels. The
     per-client arm (as first implemented) put CE on the label into the reported loss. Also at the package defaults
     (the entropy pull, 20 server steps: 19 adversary-gradient queries a round, every reply of which is checked)."""
-    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.app.client_app import make_client_app
     from fedrec_flwr.serial import run_serial
 
     runs = {}

@@ -15,7 +15,7 @@ from conftest import MessageRecorder, assert_no_private_value_in_replies, seeded
 from fedrec_flwr.adversary import ADVERSARY_MODULE, AttributeAdversary
 from fedrec_flwr.config import make_run_config
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.wire import NUM_EXAMPLES
 from test_fedau2_server import _config
 
@@ -27,7 +27,7 @@ LR = 0.3
 
 
 def _run(folder, steps: int, **overrides):
-    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.app.client_app import make_client_app
     from fedrec_flwr.serial import run_serial
 
     config = _config(folder, adversary_server_optimizer="sgd", adversary_server_learning_rate=LR,

@@ -14,7 +14,7 @@ from conftest import tiny_run_config
 from fedrec_flwr.adversary import ADVERSARY_MODULE, AttributeAdversary, DSVAEAdversary, adversary_gradient, build_adversary
 from fedrec_flwr.config import FIRST_RELEASE_ADVERSARY, make_run_config
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.app.runtime import get_runtime
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

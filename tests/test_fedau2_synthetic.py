@@ -25,7 +25,7 @@ import torch
 from conftest import tiny_run_config, write_tiny_dataset
 from fedrec_flwr.attacks import attribute_inference, collect_user_embeddings
 from fedrec_flwr.config import FIRST_RELEASE_ADVERSARY
-from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.app.runtime import get_runtime
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -41,7 +41,7 @@ def _federation(folder, **overrides):
     interactions do not depend on the attribute: users of ``write_tiny_dataset`` prefer one of 3 item groups, the
     attribute is ``user % 2``)."""
     from fedrec_flwr.clients.fedau2 import FedAU2Client
-    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.app.client_app import make_client_app
     from fedrec_flwr.serial import run_serial
 
     data = write_tiny_dataset(folder / "data", num_users=USERS)

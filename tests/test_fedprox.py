@@ -1,5 +1,5 @@
 """FedProx (Li et al., MLSys 2020) through the Flower adapter: our clients honour the ``"proximal-mu"`` that Flower's
-``FedProx`` sends, with the paper's proximal term on the shared parameters (:class:`fedrec_flwr.training.ProximalTerm`);
+``FedProx`` sends, with the paper's proximal term on the shared parameters (:class:`fedrec_flwr.local.training.ProximalTerm`);
 a client class that does not list the key is still refused before the run starts."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from flwr.serverapp.strategy import FedProx
 from fedrec_flwr.clients.fedrec import FedRecClient
 from conftest import tiny_run_config
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.serial import run_serial
-from fedrec_flwr.training import ProximalTerm
+from fedrec_flwr.local.training import ProximalTerm
 from fedrec_flwr.strategies.flower_adapter import build_flower_strategy, check_sent_keys
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -1,4 +1,4 @@
-"""``fast-link-state`` (fedrec_flwr/flower_patches.py): Flower's simulation link state with a node's next message
+"""``fast-link-state`` (fedrec_flwr/app/flower_patches.py): Flower's simulation link state with a node's next message
 looked up by destination first returns what Flower's own lookup returns, on the real ``InMemoryLinkState``."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 import pytest
 from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
 
-from fedrec_flwr import flower_patches
+from fedrec_flwr.app import flower_patches
 from fedrec_flwr.config import make_run_config
 
 RUN_ID = 7

@@ -14,10 +14,10 @@ from flwr.serverapp import strategy as flower
 from flwr.serverapp.strategy import FedAvg, FedMedian, Strategy
 
 from conftest import MessageRecorder, assert_no_private_value_in_replies, tiny_run_config
-from fedrec_flwr.client_app import make_client_app
+from fedrec_flwr.app.client_app import make_client_app
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.registry import resolve_strategy
-from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.serial import run_serial
 from fedrec_flwr.wire import ARRAYS, METRICS, ModelLayout, PrivacyViolation
 from fedrec_flwr.strategies.flower_adapter import FlowerStrategyAdapter, build_flower_strategy, parse_strategy_args
@@ -285,7 +285,7 @@ def test_server_side_dp_whose_num_sampled_clients_is_not_the_rounds_replies_is_r
     num_sampled_clients = 10 the wrapper's noise is calibrated to 10 replies and Flower only warns, every round (a new
     user's finding); now the preflight with the data refuses it, naming the keys, the values and the value to set.
     With 12 it passes."""
-    from fedrec_flwr.preflight import preflight
+    from fedrec_flwr.app.preflight import preflight
 
     config = tiny_run_config(tmp_path, strategy=FLOWER + name, strategy_args=_dp_args(name, 10), users_per_node=1)
     with pytest.raises(ConfigError) as caught:
@@ -353,7 +353,7 @@ def test_flower_strategy_args_that_break_in_round_1_are_refused_by_the_preflight
     """Values that pass the signature and type checks but break (or silently mislead) once replies arrive are refused
     when the run config is checked (the launcher's, run_serial's and the ServerApp's preflight, no data needed): one
     line naming the strategy, the argument and the value."""
-    from fedrec_flwr.preflight import preflight
+    from fedrec_flwr.app.preflight import preflight
 
     with pytest.raises(ConfigError) as caught:
         preflight(tiny_run_config(tmp_path, strategy=FLOWER + name, strategy_args=args))
@@ -363,7 +363,7 @@ def test_flower_strategy_args_that_break_in_round_1_are_refused_by_the_preflight
 
 @pytest.mark.parametrize("args", ["weighted_by_key=num-users", "weighted_by_key=num-examples"])
 def test_flower_strategies_may_weight_by_either_count_every_reply_carries(tmp_path, args):
-    from fedrec_flwr.preflight import preflight
+    from fedrec_flwr.app.preflight import preflight
 
     preflight(tiny_run_config(tmp_path, strategy=FLOWER + "FedAvg", strategy_args=args))
     preflight(tiny_run_config(tmp_path, strategy=FLOWER + "QFedAvg",
@@ -420,7 +420,7 @@ def test_a_round_after_the_unlearning_phase_too_small_for_a_robust_strategy_is_r
     ``unlearn-round`` (which train without them) were checked with replies they never get: Krum with
     num_malicious_nodes = 4 (n > 10) passed with 12 replies in round 1 and ran rounds 2-3 on 10. Now refused,
     naming the round and the forgotten users; with the phase after the last round (unlearn-round = 0) it passes."""
-    from fedrec_flwr.preflight import preflight
+    from fedrec_flwr.app.preflight import preflight
 
     config = tiny_run_config(tmp_path, strategy=FLOWER + "Krum", strategy_args="num_malicious_nodes=4",
                              **FORGET_AFTER_ROUND_1)
@@ -440,7 +440,7 @@ def test_server_side_dp_whose_rounds_after_the_unlearning_phase_have_fewer_repli
         tmp_path, unlearning, remedy):
     """num_sampled_clients = 12 fits rounds 1..unlearn-round, not the rounds after it (10 replies: the forgotten users
     train no more), nor unlearning = "continue"'s own rounds; the check took every round as 12 and passed."""
-    from fedrec_flwr.preflight import preflight
+    from fedrec_flwr.app.preflight import preflight
 
     name = "DifferentialPrivacyServerSideFixedClipping"
     config = tiny_run_config(tmp_path, strategy=FLOWER + name, strategy_args=_dp_args(name, 12),
@@ -459,7 +459,7 @@ def test_the_checked_users_of_each_round_are_the_ones_it_trains(tmp_path):
     """:meth:`ItemEmbeddingFedAvg.planned_train_users`, which the reply-count checks count before round 1, against
     a run: 12 users in round 1, 10 after the unlearning phase of round 1 removed users 0-5."""
     from fedrec_flwr.config import RunConfig
-    from fedrec_flwr.preflight import _block_topology
+    from fedrec_flwr.app.preflight import _block_topology
 
     config = tiny_run_config(tmp_path, eval_every=3, **FORGET_AFTER_ROUND_1)
     runtime = get_runtime(config)

@@ -119,7 +119,7 @@ def test_generic_columns_that_list_the_header_are_matched_by_name(tmp_path):
     in another role's position is refused naming both."""
     from fedrec_flwr.config import make_run_config
     from fedrec_flwr.errors import ConfigError
-    from fedrec_flwr.runtime import load_split_for
+    from fedrec_flwr.app.runtime import load_split_for
 
     path = tmp_path / "data.csv"
     rows = [(user, item, ts) for user, item, _, ts in _rows()]

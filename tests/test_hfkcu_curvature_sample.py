@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import MessageRecorder, tiny_run_config
-from fedrec_flwr.client_app import make_client_app
+from fedrec_flwr.app.client_app import make_client_app
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.serial import run_serial
 from fedrec_flwr.strategies.unlearning import curvature_sample_nodes

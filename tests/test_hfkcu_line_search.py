@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from conftest import MessageRecorder, tiny_run_config
-from fedrec_flwr.client_app import make_client, make_client_app
+from fedrec_flwr.app.client_app import make_client, make_client_app
 from fedrec_flwr.config import RunConfig
-from fedrec_flwr.influence import influence_loss_sums
-from fedrec_flwr.krylov import ladder_line_search
-from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.unlearning.influence import influence_loss_sums
+from fedrec_flwr.unlearning.krylov import ladder_line_search
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.serial import run_serial
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

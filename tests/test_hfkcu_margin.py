@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import MessageRecorder
-from fedrec_flwr.unlearn_margin import bracket_root, dominated_items, popularity_bins, user_margins
+from fedrec_flwr.unlearning.margin import bracket_root, dominated_items, popularity_bins, user_margins
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -100,7 +100,7 @@ def test_margin_step_on_a_poisoned_federation_replies_with_sums_and_reaches_zero
     from test_hfkcu_poison import FAKES, ROUNDS, poisoned_setting
 
     from experiments.hfkcu.analysis import exposure, private_records, scores
-    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.app.client_app import make_client_app
     from fedrec_flwr.config import RunConfig
     from fedrec_flwr.serial import run_serial
     from fedrec_flwr.strategies.unlearning import ClientUnlearning, UnlearningSettings
@@ -186,7 +186,7 @@ def test_node_margin_sums_batched_equal_the_users_one_at_a_time(tmp_path, model)
     """``margin_sums`` over a node's users in one batched model equals the sum of each user's own margins."""
     from test_hfkcu_line_search import random_node
 
-    from fedrec_flwr.unlearn_margin import margin_sums
+    from fedrec_flwr.unlearning.margin import margin_sums
 
     runtime, clients, shared, direction = random_node(tmp_path, model, seed=1)
     split = runtime.split

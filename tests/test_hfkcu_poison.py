@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_run_config
 from experiments.hfkcu.analysis import exposure, private_records
 from fedrec_flwr.config import RunConfig
-from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.serial import run_serial
 from fedrec_flwr.strategies.unlearning import ClientUnlearning, UnlearningSettings
 

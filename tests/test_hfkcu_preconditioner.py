@@ -13,10 +13,10 @@ from flwr.app import RecordDict
 from fedrec_flwr.clients.fedrec import FedRecClient
 from fedrec_flwr.config import RunConfig, default_mapping
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.influence import influence_gn_diagonal
-from fedrec_flwr.krylov import CompositeLoss, gauss_newton_diagonal, krylov_solve, steihaug_cg
+from fedrec_flwr.unlearning.influence import influence_gn_diagonal
+from fedrec_flwr.unlearning.krylov import CompositeLoss, gauss_newton_diagonal, krylov_solve, steihaug_cg
 from fedrec_flwr.models import build_model
-from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.app.runtime import get_runtime
 from test_hfkcu_curvature_sample import recorded_phase  # the recorded tiny phase (shared with that test)
 from test_hfkcu_trust_region import _model_value, _symmetric  # the small dense problems
 
@@ -101,7 +101,7 @@ def test_a_bad_preconditioner_is_refused(bad):
 
 # ---------------------------------------------------------------------------------------------- Gauss-Newton diagonal
 def _tiny_rows(name: str, loss: str):
-    """A float64 model (4 users, 9 items), an item-row-separable CompositeLoss (as fedrec_flwr.influence builds it)
+    """A float64 model (4 users, 9 items), an item-row-separable CompositeLoss (as fedrec_flwr.unlearning.influence builds it)
     and the hand-built ``diag(J^T H_loss J + 0.1 I)``."""
     model = build_model(name, 4, 9, embedding_dim=3, mlp_layers=(6, 4), seed=0).double()
     gen = torch.Generator().manual_seed(1)

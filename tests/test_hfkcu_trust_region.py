@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedrec_flwr.krylov import (
+from fedrec_flwr.unlearning.krylov import (
     CompositeLoss, conjugate_gradient, curvature_vector_product, gauss_newton_vector_product, hessian_vector_product,
     krylov_solve, steihaug_cg,
 )

@@ -1,6 +1,6 @@
-"""The Gauss-Newton diagonal of the influence objective (fedrec_flwr.influence.influence_objective with
-fedrec_flwr.krylov.gauss_newton_diagonal) against the diagonal of the Gauss-Newton product itself, ``e_k^T G e_k``
-from :func:`fedrec_flwr.krylov.gauss_newton_vector_product` on unit vectors, for a node of users with different
+"""The Gauss-Newton diagonal of the influence objective (fedrec_flwr.unlearning.influence.influence_objective with
+fedrec_flwr.unlearning.krylov.gauss_newton_diagonal) against the diagonal of the Gauss-Newton product itself, ``e_k^T G e_k``
+from :func:`fedrec_flwr.unlearning.krylov.gauss_newton_vector_product` on unit vectors, for a node of users with different
 example counts (so each user's examples carry a different weight ``1 / count`` in its mean loss, and the diagonal's
 output curvature must carry the same weights as the loss)."""
 
@@ -12,11 +12,11 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, RecordDict
 
 from conftest import tiny_run_config
-from fedrec_flwr.client_app import make_client
+from fedrec_flwr.app.client_app import make_client
 from fedrec_flwr.config import RunConfig
-from fedrec_flwr.influence import influence_objective
-from fedrec_flwr.krylov import gauss_newton_diagonal, gauss_newton_vector_product
-from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.unlearning.influence import influence_objective
+from fedrec_flwr.unlearning.krylov import gauss_newton_diagonal, gauss_newton_vector_product
+from fedrec_flwr.app.runtime import get_runtime
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

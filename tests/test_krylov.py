@@ -1,4 +1,4 @@
-"""Hessian-free Krylov tools (fedrec_flwr.krylov): conjugate gradient against explicit matrices, Hessian-vector
+"""Hessian-free Krylov tools (fedrec_flwr.unlearning.krylov): conjugate gradient against explicit matrices, Hessian-vector
 products against finite differences of the gradient (through the embedding lookups of MF and NCF), flat memory over
 many products, and the flatten / unflatten helpers."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedrec_flwr.krylov import CGResult, conjugate_gradient, flatten, gradient, hessian_vector_product, unflatten
+from fedrec_flwr.unlearning.krylov import CGResult, conjugate_gradient, flatten, gradient, hessian_vector_product, unflatten
 from fedrec_flwr.models import build_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

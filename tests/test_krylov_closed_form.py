@@ -1,4 +1,4 @@
-"""Steihaug trust-region CG (fedrec_flwr.krylov.steihaug_cg) on a diagonal SPD system worked out by hand.
+"""Steihaug trust-region CG (fedrec_flwr.unlearning.krylov.steihaug_cg) on a diagonal SPD system worked out by hand.
 
 ``A = diag(1, 10, 100)``, ``b = (1, 1, 1)``: three distinct eigenvalues, so CG reaches the solution ``x* = (1, 0.1,
 0.01)`` (``||x*|| = 1.00504``) on its third product, and its iterates grow in norm (``||x_1|| = 0.0468``, ``||x_2|| =
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedrec_flwr.krylov import _to_boundary, conjugate_gradient, krylov_solve, steihaug_cg
+from fedrec_flwr.unlearning.krylov import _to_boundary, conjugate_gradient, krylov_solve, steihaug_cg
 
 A = np.array([1.0, 10.0, 100.0])
 B = np.ones(3)

@@ -146,7 +146,7 @@ def test_too_many_supernodes_is_one_short_message(tmp_path, ml100k_dir):
 def test_quiet_log_keeps_progress_warnings_and_errors():
     shown = [
         "round   10 | HR@10 0.3796 | NDCG@10 0.1967 | train loss 0.3764 | 74.3 s",
-        "INFO fedrec_flwr.server_app: results written to /r/a",
+        "INFO fedrec_flwr.app.server_app: results written to /r/a",
         "WARNING fedrec_flwr.strategies.item_fedavg: 3 replies rejected",
         "WARNING :   Round 3: 2 failures",
         "ERROR :     ServerApp raised an exception",
@@ -171,7 +171,7 @@ def test_a_plugin_loggers_lines_are_printed_with_their_level_and_kept_by_the_qui
     only Python's last-resort handler: no level, no logger name, hidden by the quiet filter, INFO lost)."""
     import logging
 
-    from fedrec_flwr.server_app import LOGGER_ROOTS, PROGRESS, _setup_logging
+    from fedrec_flwr.app.server_app import LOGGER_ROOTS, PROGRESS, _setup_logging
 
     # _setup_logging gives every logger root (and the progress logger) a handler on this test's captured stdout,
     # which pytest closes after the test: restore all of them, or a later test's log line hits a closed file

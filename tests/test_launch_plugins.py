@@ -85,7 +85,7 @@ def test_a_plugin_key_given_flat_or_packed_resumes_and_is_refused_when_given_twi
     while the resuming command's preflight sees server-lr=0.3 and an empty plugin-config: the resume was refused as
     'other settings'. plugin-config is now compared through the keys it carries; a key given both ways with two
     values is refused before anything starts (it failed at round 0 with exit 1)."""
-    from fedrec_flwr.checkpoint import Checkpoint, check_resumable
+    from fedrec_flwr.state.checkpoint import Checkpoint, check_resumable
 
     launched = make_run_config(strategy=PLUGIN, plugin_config="server-lr=0.3").to_dict()
     resuming = make_run_config(strategy=PLUGIN, **{"server-lr": 0.3}).to_dict()

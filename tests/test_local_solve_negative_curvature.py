@@ -1,4 +1,4 @@
-"""HF-KCU's local mode on a node (fedrec_flwr.client_app.unlearn_local_cg) with the exact Hessian of NCF at random
+"""HF-KCU's local mode on a node (fedrec_flwr.app.client_app.unlearn_local_cg) with the exact Hessian of NCF at random
 parameters, where users' Hessians are indefinite: a trust-region (Steihaug) solve that meets negative curvature steps
 to its radius along that direction, and that step is kept in the node's sum; plain CG's truncated iterate on negative
 curvature is left out and counted. The reply is checked against each user's own solve
@@ -12,9 +12,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 
 from conftest import tiny_run_config
 from fedrec_flwr.arrays import decode_array, encode_array
-from fedrec_flwr.client_app import CONFIG, VECTOR, make_client, unlearn_local_cg
+from fedrec_flwr.app.client_app import CONFIG, VECTOR, make_client, unlearn_local_cg
 from fedrec_flwr.config import RunConfig
-from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.wire import ARRAYS, METRICS, pack_sparse, unpack_sparse
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -6,7 +6,7 @@ import torch
 
 from fedrec_flwr.errors import ConfigError, DataError
 from fedrec_flwr.models import build_model
-from fedrec_flwr.training import LocalTrainConfig, LocalTrainer, evaluate_user, resolve_device
+from fedrec_flwr.local.training import LocalTrainConfig, LocalTrainer, evaluate_user, resolve_device
 
 ITEMS = 30
 POS = np.array([1, 4, 7, 9, 12], dtype=np.int64)

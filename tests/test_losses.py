@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.losses import LOSSES, batch_loss, bce_loss, bpr_loss
+from fedrec_flwr.local.losses import LOSSES, batch_loss, bce_loss, bpr_loss
 
 
 def test_bce_hand_numbers():

@@ -1,4 +1,4 @@
-"""``max-in-flight``: at most a window of messages stored in the SuperLink at a time (fedrec_flwr/message_window.py)."""
+"""``max-in-flight``: at most a window of messages stored in the SuperLink at a time (fedrec_flwr/app/message_window.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from fedrec_flwr.config import RunConfig, default_mapping
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.message_window import MIN_WINDOW, WindowedGrid, send_and_receive, simulation_window, window_for, windowed
+from fedrec_flwr.app.message_window import MIN_WINDOW, WindowedGrid, send_and_receive, simulation_window, window_for, windowed
 
 
 class FakeLink:

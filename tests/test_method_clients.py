@@ -11,12 +11,12 @@ import torch
 
 from conftest import MessageRecorder, assert_no_private_value_in_replies, seeded_private_vectors, tiny_run_config
 from test_serial_equals_ray import FEDRECGEL, PFEDREC
-from fedrec_flwr.client_app import make_client_app
+from fedrec_flwr.app.client_app import make_client_app
 from fedrec_flwr.models import build_model
-from fedrec_flwr.runtime import get_runtime
-from fedrec_flwr.sam import SAMTrainer
+from fedrec_flwr.app.runtime import get_runtime
+from fedrec_flwr.local.sam import SAMTrainer
 from fedrec_flwr.serial import run_serial
-from fedrec_flwr.training import LocalTrainConfig, LocalTrainer
+from fedrec_flwr.local.training import LocalTrainConfig, LocalTrainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

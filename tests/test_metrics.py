@@ -164,7 +164,7 @@ def test_ks_without_10_gives_a_full_summary_progress_lines_and_curves(tmp_path, 
     import json
     import logging
 
-    from fedrec_flwr.results import RunRecorder, learning_curves_figure
+    from fedrec_flwr.state.results import RunRecorder, learning_curves_figure
 
     recorder = RunRecorder(tmp_path / "run", {"ks": "5,20"}, {})
     with caplog.at_level(logging.INFO, logger="fedrec_flwr.progress"):
@@ -185,7 +185,7 @@ def test_ks_without_10_gives_a_full_summary_progress_lines_and_curves(tmp_path, 
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    from fedrec_flwr.results import headline_k
+    from fedrec_flwr.state.results import headline_k
 
     assert headline_k("5,10,20") == 10 and headline_k("5,20") == 5 and headline_k("20,5") == 20
     assert headline_k(None, [{"round": 1, "HR@20": 0.1, "HR@5": 0.0}]) == 20 and headline_k(None, []) is None

@@ -32,10 +32,10 @@ def test_every_mutation_applies_to_todays_source_and_names_existing_tests(script
 
 
 def test_every_covered_file_has_at_least_five_mutations(script):
-    for target in ("fedrec_flwr/krylov.py", "fedrec_flwr/influence.py", "strategies/unlearning.py",
-                   "fedrec_flwr/unlearn_margin.py", "fedrec_flwr/adversary.py", "strategies/adversary.py",
-                   "fedrec_flwr/data/split.py", "fedrec_flwr/attacks/", "fedrec_flwr/checkpoint.py",
-                   "fedrec_flwr/client_state.py", "strategies/server_optimizer.py", "clients/pfedrec.py"):
+    for target in ("fedrec_flwr/unlearning/krylov.py", "fedrec_flwr/unlearning/influence.py", "strategies/unlearning.py",
+                   "fedrec_flwr/unlearning/margin.py", "fedrec_flwr/adversary.py", "strategies/adversary.py",
+                   "fedrec_flwr/data/split.py", "fedrec_flwr/attacks/", "fedrec_flwr/state/checkpoint.py",
+                   "fedrec_flwr/state/client_state.py", "strategies/server_optimizer.py", "clients/pfedrec.py"):
         assert script.COVERAGE[target] >= 5
         assert sum(script._covers(target, m.path) for m in script.MUTATIONS) >= 5, target
 

@@ -191,7 +191,7 @@ def test_a_missing_app_pyproject_is_one_line_not_a_traceback(tmp_path):
 def test_config_json_records_what_produced_the_run(tmp_path, monkeypatch):
     from importlib.metadata import version
 
-    from fedrec_flwr.results import SOURCE_COMMIT_ENV, RunRecorder, source_commit
+    from fedrec_flwr.state.results import SOURCE_COMMIT_ENV, RunRecorder, source_commit
 
     RunRecorder(tmp_path / "run", {"seed": 0}, {"dataset": {}})
     produced = json.loads((tmp_path / "run" / "config.json").read_text())["produced-by"]

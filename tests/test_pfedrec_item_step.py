@@ -17,8 +17,8 @@ from flwr.app import RecordDict
 from fedrec_flwr.clients.pfedrec import LR_ETA, PFedRecClient, PFedRecTrainer
 from conftest import tiny_run_config
 from fedrec_flwr.models import build_model
-from fedrec_flwr.runtime import get_runtime
-from fedrec_flwr.training import LocalTrainConfig
+from fedrec_flwr.app.runtime import get_runtime
+from fedrec_flwr.local.training import LocalTrainConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -1,5 +1,5 @@
 """Inputs that used to fail only after Flower had started (35-60 s, exit 1, the message printed 3-24 times) are refused
-by one preflight (:mod:`fedrec_flwr.preflight`) before anything starts, through every entry point: the launcher's
+by one preflight (:mod:`fedrec_flwr.app.preflight`) before anything starts, through every entry point: the launcher's
 command line (one ``error:`` line naming the key, exit 2, no Flower home, no results folder), ``run_serial`` (a
 ConfigError before any message) and the ServerApp of a plain ``flwr run .`` (before any training message and before
 the results folder is created). Tiny generated data; no Ray, no SuperLink."""
@@ -13,7 +13,7 @@ from flwr.app import Context, RecordDict
 
 from fedrec_flwr import launch
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.preflight import preflight
+from fedrec_flwr.app.preflight import preflight
 
 from conftest import tiny_run_config
 
@@ -109,9 +109,9 @@ def test_the_server_app_refuses_before_training_and_creates_no_folder(tmp_path, 
     """The ServerApp as a plain `flwr run .` runs it (it never reads the data): what needs no data is refused before
     any message; what needs the nodes' data (attributes, forget-users) after the identify query only. Either way
     before any training message, and no results folder."""
-    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.app.client_app import make_client_app
     from fedrec_flwr.serial import SerialGrid
-    from fedrec_flwr.server_app import main
+    from fedrec_flwr.app.server_app import main
 
     mapping = _config(tmp_path, case)
     grid = SerialGrid(make_client_app(mapping), 24 // USERS_PER_NODE, mapping)

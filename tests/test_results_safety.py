@@ -150,7 +150,7 @@ ERROR :     Traceback (most recent call last):
   File "/x/flwr/serverapp/strategy/strategy_utils.py", line 80, in validate_message_reply_consistency
     raise InconsistentMessageReplies(reason=f"Missing required key `{weighted_by_key}` in reply.")
 flwr.serverapp.exception.InconsistentMessageReplies: Missing required key 'nosuch'
-ERROR fedrec_flwr.server_app: the ServerApp has ended: InconsistentMessageReplies: Missing required key 'nosuch'
+ERROR fedrec_flwr.app.server_app: the ServerApp has ended: InconsistentMessageReplies: Missing required key 'nosuch'
 ERROR :     Exit Code: 700
 Traceback (most recent call last):
   File "/x/flwr/simulation/app.py", line 10, in main
@@ -166,7 +166,7 @@ def test_a_failed_runs_last_line_names_its_first_cause():
     without_ours = "\n".join(line for line in FAILED_RUN_LOG.splitlines() if "fedrec_flwr" not in line)
     assert launch.run_error(without_ours) == \
         "flwr.serverapp.exception.InconsistentMessageReplies: Missing required key 'nosuch'"
-    completed = "INFO fedrec_flwr.server_app: the ServerApp has ended: completed\nERROR :     Exit Code: 700\n"
+    completed = "INFO fedrec_flwr.app.server_app: the ServerApp has ended: completed\nERROR :     Exit Code: 700\n"
     assert launch.run_error(completed) == "ERROR :     Exit Code: 700"
     # flwr run's own refusal (defect 5's key, had it passed the launcher): typer's Error box, as Flower prints it
     refused = ("Loading project configuration...\n╭─ Error ─────────────────────────────╮\n"
@@ -249,7 +249,7 @@ def test_metrics_csv_writes_counts_as_integers_and_rates_as_floats(tmp_path):
     import csv
     import json
 
-    from fedrec_flwr.results import RunRecorder
+    from fedrec_flwr.state.results import RunRecorder
 
     recorder = RunRecorder(tmp_path / "run", {"rounds": 1}, {})
     recorder.record(1, {"train-loss": 0.5, "train-users": 12.0, "num-replies": 4.0, "num-failures": 0.0},
@@ -266,7 +266,7 @@ def test_the_learning_curve_marks_the_unlearning_phase(tmp_path, monkeypatch):
     """A run with an unlearning phase draws a dashed line after its round on both panels, named in the legend."""
     import matplotlib.axes
 
-    from fedrec_flwr.results import RunRecorder
+    from fedrec_flwr.state.results import RunRecorder
 
     drawn = []
     original = matplotlib.axes.Axes.axvline
@@ -283,7 +283,7 @@ def test_the_learning_curve_marks_the_unlearning_phase(tmp_path, monkeypatch):
 
 
 def test_metrics_csv_starts_with_round_and_seconds_also_for_rows_restored_from_a_checkpoint(tmp_path):
-    from fedrec_flwr.results import RunRecorder
+    from fedrec_flwr.state.results import RunRecorder
 
     restored = [{"HR@10": 0.1, "num-failures": 0, "round": 1, "seconds": 1.0, "train-loss": 0.6}]  # sorted keys
     recorder = RunRecorder(tmp_path / "run", {}, {}, rows=restored)
@@ -296,7 +296,7 @@ def test_a_new_run_replacing_an_interrupted_run_without_a_checkpoint_says_so(tmp
     """An interrupted run's partial metrics (no summary.json, no checkpoint) were replaced silently."""
     import logging
 
-    from fedrec_flwr.results import check_results_folder
+    from fedrec_flwr.state.results import check_results_folder
 
     (tmp_path / "metrics.csv").write_text("round,HR@10\n1,0.3\n")
     caplog.set_level(logging.WARNING, logger="fedrec_flwr")
@@ -318,7 +318,7 @@ def test_the_learning_curve_legend_covers_no_plotted_point_of_a_short_run(evalua
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from fedrec_flwr.results import learning_curves_figure
+    from fedrec_flwr.state.results import learning_curves_figure
 
     rows = [{"round": r, "train-loss": 0.69 - 0.05 * r} for r in range(1, 6)]
     for row in rows:
@@ -348,7 +348,7 @@ def test_the_highest_learning_curve_marker_stays_inside_the_panel(hr10):
     marker's centre must lie at least a marker's radius (6 px) below the top of the axes."""
     import matplotlib.pyplot as plt
 
-    from fedrec_flwr.results import learning_curves_figure
+    from fedrec_flwr.state.results import learning_curves_figure
 
     rows = [{"round": 1, "train-loss": 0.6}, {"round": 2, "train-loss": 0.5, "HR@10": hr10, "NDCG@10": 0.73}]
     fig = learning_curves_figure(rows, title="short")
@@ -396,7 +396,7 @@ def test_a_run_that_fails_in_a_round_records_it_and_its_run_name_is_replaced_by_
     the same run-name was accepted again with no word. Now the folder holds failed.json (the error, the round, the
     rounds completed; no summary.json), and the next run of that name replaces it with a warning naming the
     failure, then holds a finished run, which a third run may not overwrite."""
-    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.app.client_app import make_client_app
     from fedrec_flwr.serial import run_serial
     from fedrec_flwr.strategies.item_fedavg import RoundFailed
 
@@ -428,7 +428,7 @@ def test_a_run_that_fails_in_a_round_records_it_and_its_run_name_is_replaced_by_
 def test_a_failed_run_with_a_checkpoint_is_resumed_and_its_failure_record_removed(tmp_path, caplog):
     """The failure record does not change the checkpoint rule: the same run-name without resume-from is refused,
     resume-from continues after the checkpoint, says it drops the record, and the folder ends as a finished run."""
-    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.app.client_app import make_client_app
     from fedrec_flwr.serial import run_serial
     from fedrec_flwr.strategies.item_fedavg import RoundFailed
 
@@ -453,7 +453,7 @@ def test_a_failed_run_with_a_checkpoint_is_resumed_and_its_failure_record_remove
 def test_an_interrupted_run_writes_no_failure_record(tmp_path):
     """Ctrl-C (KeyboardInterrupt) stops a run; it did not fail, so no failed.json (the experiments' grids skip
     failed points for good, and must redo interrupted ones)."""
-    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.app.client_app import make_client_app
     from fedrec_flwr.serial import run_serial
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -466,7 +466,7 @@ def test_an_interrupted_run_writes_no_failure_record(tmp_path):
 
 def test_a_folder_holding_only_a_config_is_replaced_with_a_warning(tmp_path, caplog):
     """What an earlier version left of a run that failed in round 1 (config.json alone) was reused with no word."""
-    from fedrec_flwr.results import check_results_folder
+    from fedrec_flwr.state.results import check_results_folder
 
     (tmp_path / "config.json").write_text("{}")
     _warnings_of(caplog, lambda: check_results_folder(tmp_path))
@@ -475,7 +475,7 @@ def test_a_folder_holding_only_a_config_is_replaced_with_a_warning(tmp_path, cap
 
 
 def test_a_failure_record_is_one_atomic_json_object(tmp_path):
-    from fedrec_flwr.results import read_failure, write_failure
+    from fedrec_flwr.state.results import read_failure, write_failure
 
     path = write_failure(tmp_path, ValueError("two\nlines"), server_round=None, rounds_completed=3,
                          num_server_rounds=3)

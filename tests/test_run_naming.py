@@ -6,7 +6,7 @@ from fedrec_flwr.config import make_run_config
 
 
 def test_default_results_folder_says_the_run_unlearned():
-    from fedrec_flwr.server_app import default_run_name
+    from fedrec_flwr.app.server_app import default_run_name
 
     plain = default_run_name(make_run_config(run_name=""))
     unlearned = default_run_name(make_run_config(run_name="", unlearning="retrain", forget_users="0"))

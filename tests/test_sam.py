@@ -1,4 +1,4 @@
-"""SAM numerics (fedrec_flwr.sam): perturbation norm, zero/missing gradients, exact restore, hand-computed gradient."""
+"""SAM numerics (fedrec_flwr.local.sam): perturbation norm, zero/missing gradients, exact restore, hand-computed gradient."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fedrec_flwr.models import build_model
-from fedrec_flwr.sam import SAMTrainer, sam_gradient, sam_perturbation
-from fedrec_flwr.training import LocalTrainConfig
+from fedrec_flwr.local.sam import SAMTrainer, sam_gradient, sam_perturbation
+from fedrec_flwr.local.training import LocalTrainConfig
 
 
 def test_perturbation_norm_over_the_group_equals_rho():
@@ -132,7 +132,7 @@ def test_sam_trainer_rejects_what_fedrecgel_does_not_define(field, value, messag
 # ------------------------------------------------------------------ decoupled SAM against a float64 hand computation
 # A one-user MF model (logit = <p, q_i>) with hand-set values; the mean BCE and its gradients are written out in
 # numpy below (dL/dz_j = (sigmoid(z_j) - y_j) / n; dL/dp = sum_j dz_j q_{i_j}; dL/dq_{i_j} += dz_j p), independent
-# of torch's autograd and of fedrec_flwr.sam.
+# of torch's autograd and of fedrec_flwr.local.sam.
 P0 = np.array([0.5, -0.2, 0.1])
 Q0 = np.array([[0.3, 0.1, -0.4], [-0.2, 0.6, 0.2], [0.1, -0.3, 0.5], [0.4, 0.4, -0.1], [-0.5, 0.2, 0.3]])
 ITEMS = np.array([0, 2, 4, 1, 3])

@@ -23,9 +23,9 @@ PFEDREC = {"model": "pfedrec", "client": "pfedrec", "optimizer": "sgd", "learnin
            "item-aggregation": "selected"}
 FAMILIES = {"fedrec": {}, "fedrecgel": FEDRECGEL, "pfedrec": PFEDREC}
 RAY_ONLY = {"fedrec": {"max_in_flight": 2}, "pfedrec": {"fast_link_state": False}}
-"""The Ray run of one family keeps at most two messages in flight (fedrec_flwr.message_window; the auto window is
+"""The Ray run of one family keeps at most two messages in flight (fedrec_flwr.app.message_window; the auto window is
 larger than these tiny rounds): the window changes when messages are sent, never what comes back. Another runs on
-Flower's own link-state lookup (the others on fedrec_flwr/flower_patches.py's, the default): the same runs either
+Flower's own link-state lookup (the others on fedrec_flwr/app/flower_patches.py's, the default): the same runs either
 way."""
 
 
@@ -64,7 +64,7 @@ def test_config_json_records_the_window_each_run_used(ray_and_serial, request):
 
 
 def test_config_json_records_the_link_state_lookup_and_the_patch_is_undone(ray_and_serial, request):
-    from fedrec_flwr import flower_patches
+    from fedrec_flwr.app import flower_patches
 
     ray, serial = ray_and_serial
     family = request.node.callspec.params["ray_and_serial"]

@@ -17,7 +17,7 @@ from flwr.app import Context, RecordDict
 
 from conftest import (MessageRecorder, assert_no_private_value_in_replies, private_vectors, seeded_private_vectors,
                       tiny_run_config)
-from fedrec_flwr.client_app import make_client_app
+from fedrec_flwr.app.client_app import make_client_app
 from fedrec_flwr.registry import resolve
 from fedrec_flwr.serial import run_serial
 from fedrec_flwr.wire import ModelLayout, sample_users
@@ -35,7 +35,7 @@ def recorded_run(tmp_path_factory):
 
 
 def _runtime(config):
-    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.app.runtime import get_runtime
 
     return get_runtime(config)
 
@@ -134,7 +134,7 @@ def test_a_number_of_nodes_that_does_not_match_the_users_fails_at_start(tmp_path
     """As with ``num-supernodes`` in Flower's simulation: the ServerApp's identify phase refuses the federation."""
     from fedrec_flwr.errors import ConfigError
     from fedrec_flwr.serial import SERVER_NODE_ID, SerialGrid
-    from fedrec_flwr.server_app import main
+    from fedrec_flwr.app.server_app import main
 
     config = tiny_run_config(tmp_path)
     grid = SerialGrid(make_client_app(config), num_nodes, config)

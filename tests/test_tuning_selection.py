@@ -118,7 +118,7 @@ def test_a_later_stage_keeps_the_incumbent_when_it_scores_best(tmp_path, monkeyp
 def test_a_failed_grid_point_keeps_the_runs_own_failure_record_in_its_own_folder(tmp_path, monkeypatch):
     """Each grid point runs in its own folder (results-dir its parent, run-name its setting and seed), so no two
     points share a failure record; but the grid then wrote its own ``failed.json`` (the error only) over the one the
-    run had just written there (:func:`fedrec_flwr.results.write_failure`: the round, the rounds completed). Now the
+    run had just written there (:func:`fedrec_flwr.state.results.write_failure`: the round, the rounds completed). Now the
     run's record stays, the grid writes its own only for a run that left none (refused before its folder was used),
     and ``tune`` counts both points as failed."""
     import json
@@ -126,7 +126,7 @@ def test_a_failed_grid_point_keeps_the_runs_own_failure_record_in_its_own_folder
     import fedrec_flwr.serial
     from experiments.tuning import run as R
     from fedrec_flwr.errors import ConfigError
-    from fedrec_flwr.results import write_failure
+    from fedrec_flwr.state.results import write_failure
 
     def run_serial(config, **_):
         folder = tmp_path / "runs" / "ml-100k" / "fedmf" / f"r{G.GRID_ROUNDS}"

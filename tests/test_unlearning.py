@@ -1,7 +1,7 @@
 """Client unlearning (fedrec_flwr.strategies.unlearning, HF-KCU and its baselines) and its building blocks.
 
 * the sign of the HF-KCU step on a convex problem where the retrained optimum is known in closed form;
-* the influence objective (fedrec_flwr.influence) against the training loss, and its batched node form;
+* the influence objective (fedrec_flwr.unlearning.influence) against the training loss, and its batched node form;
 * the row-sparse vectors of the unlearning messages (fedrec_flwr.wire.pack_sparse / unpack_sparse / SparseSum);
 * the forget set and the config checks;
 * whole runs (serial grid, one under Ray) for every method: files, sampling, evaluation users, privacy;
@@ -22,15 +22,15 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, RecordDict
 
 from conftest import MessageRecorder, assert_no_private_value_in_replies, tiny_run_config, write_tiny_dataset
-from fedrec_flwr.client_app import make_client, make_client_app
+from fedrec_flwr.app.client_app import make_client, make_client_app
 from fedrec_flwr.config import RunConfig, default_mapping
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.influence import can_batch, influence_objective
-from fedrec_flwr.krylov import conjugate_gradient, gradient, hessian_vector_product
+from fedrec_flwr.unlearning.influence import can_batch, influence_objective
+from fedrec_flwr.unlearning.krylov import conjugate_gradient, gradient, hessian_vector_product
 from fedrec_flwr.models import build_model
-from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.serial import run_serial
-from fedrec_flwr.training import LocalTrainer
+from fedrec_flwr.local.training import LocalTrainer
 from fedrec_flwr.wire import (
     ModelLayout, PrivacyViolation, ReplyError, SparseSum, pack_sparse, sample_users, unpack_sparse,
 )
@@ -154,7 +154,7 @@ def _full(layout, dense, rows) -> dict[str, np.ndarray]:
 def _reference_gradient_and_hvp(runtime, client, shared, direction):
     """The user's training loss (LocalTrainer.compute_loss over all its influence examples in one batch, plus the
     optimizer's weight decay on the dense parameters), its gradient and Hessian-vector product with plain autograd
-    on the full model: independent of fedrec_flwr.influence's compact tables and torch.func."""
+    on the full model: independent of fedrec_flwr.unlearning.influence's compact tables and torch.func."""
     cfg = runtime.train_config
     client.load_shared(shared)
     client.load_private()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from fedrec_flwr.config import RunConfig, default_mapping
-from fedrec_flwr.krylov import flatten, unflatten
+from fedrec_flwr.unlearning.krylov import flatten, unflatten
 from fedrec_flwr.models import build_model
 from fedrec_flwr.seeding import numpy_rng
 from fedrec_flwr.wire import ModelLayout

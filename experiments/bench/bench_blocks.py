@@ -2,9 +2,9 @@
 
 1. Local training of k users on one node (ML-100K, round 1, fresh private state): the per-user sequential loop (each
    user's ``NumPyClient.fit_named``, as a node without blocks runs them) against one vectorized block
-   (:func:`fedrec_flwr.blocks.train_block`), for k = 1, 10, 50, 100, 943 and FedNCF / FedRecGEL, and the block with
+   (:func:`fedrec_flwr.local.blocks.train_block`), for k = 1, 10, 50, 100, 943 and FedNCF / FedRecGEL, and the block with
    ``vmap`` + autograd and the per-user Adam formula (``blocks.GRADIENTS = "vmap"``, as first built); also evaluation of
-   the 943 users (per-user ``evaluate_named`` against :func:`fedrec_flwr.blocks.evaluate_block`).
+   the 943 users (per-user ``evaluate_named`` against :func:`fedrec_flwr.local.blocks.evaluate_block`).
 2. Per message through the ClientApp in this process (one user per node): ours against a bare ClientApp that only
    decodes the same arrays, and ours with the arrays decoded per message as before.
 3. Whole in-process federated rounds (:func:`fedrec_flwr.serial.run_serial`, FedNCF, every one of the 943 users
@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 from flwr.app import RecordDict
 
-from fedrec_flwr import blocks
-from fedrec_flwr.blocks import evaluate_block, train_block
+from fedrec_flwr.local import blocks
+from fedrec_flwr.local.blocks import evaluate_block, train_block
 from fedrec_flwr.config import make_run_config
 from fedrec_flwr.registry import resolve
-from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.serial import run_serial
 
 METHODS = {
@@ -102,7 +102,7 @@ def bench_messages(count: int = 100) -> dict:
     from flwr.clientapp import ClientApp
     from flwr.supercore.task_identity import TaskIdentity
 
-    from fedrec_flwr import client_app as ours
+    from fedrec_flwr.app import client_app as ours
     from fedrec_flwr.wire import ARRAYS, CONFIG, METRICS
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1

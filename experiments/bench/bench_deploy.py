@@ -7,11 +7,11 @@ codec (``flwr.common.serde.message_to_proto``), and times each phase with wall-c
 
 ``start``    parent's ``Popen`` -> the child's first line (interpreter start, site-packages);
 ``flwr``     ``import flwr.app, flwr.clientapp`` (Flower's own ``flwr-clientapp`` pays this for any app);
-``app``      importing the app module (ours: ``fedrec_flwr.client_app``; bare: a ClientApp defined in place);
+``app``      importing the app module (ours: ``fedrec_flwr.app.client_app``; bare: a ClientApp defined in place);
 ``decode``   the message's protobuf bytes -> ``Message`` (0.44 MB of arrays for ML-100K FedNCF);
-``runtime``  ours: :func:`fedrec_flwr.runtime.get_runtime` (run config, cached split, one-user model); bare: none;
+``runtime``  ours: :func:`fedrec_flwr.app.runtime.get_runtime` (run config, cached split, one-user model); bare: none;
 ``work``     the handler (ours: the message's users trained / scored / identified; bare: one metric reply); ours
-             runs the default ``block-training = "auto"`` (the block path, :mod:`fedrec_flwr.blocks`' own Adam, also
+             runs the default ``block-training = "auto"`` (the block path, :mod:`fedrec_flwr.local.blocks`' own Adam, also
              for one user) and, as a further arm, ``"off"`` (the per-user reference path and the default before:
              its first ``torch.optim`` optimizer imports ``torch._dynamo``, seconds per process);
 ``reply``    the reply -> protobuf bytes;
@@ -60,7 +60,7 @@ def child(app_kind: str, message_path: str, context_path: str) -> None:
     import flwr.clientapp  # noqa: F401
     _stamp("flwr")
     if app_kind == "ours":
-        from fedrec_flwr.client_app import app
+        from fedrec_flwr.app.client_app import app
     else:
         from flwr.app import Message, MetricRecord, RecordDict
         from flwr.clientapp import ClientApp
@@ -89,7 +89,7 @@ def child(app_kind: str, message_path: str, context_path: str) -> None:
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 2  # as flwr-clientapp sets them
     _stamp("decode")
     if app_kind == "ours":
-        from fedrec_flwr.runtime import get_runtime
+        from fedrec_flwr.app.runtime import get_runtime
 
         get_runtime(context.run_config)
     _stamp("runtime")
@@ -208,7 +208,7 @@ def _messages(folder: Path, run_config: dict, users: list[int]) -> dict[str, Pat
     from flwr.common.serde import message_to_proto
 
     from fedrec_flwr.wire import IDENTIFY
-    from fedrec_flwr.runtime import build_shared_model, get_runtime
+    from fedrec_flwr.app.runtime import build_shared_model, get_runtime
     from fedrec_flwr.wire import ARRAYS, CONFIG
 
     runtime = get_runtime(run_config)  # loads (and caches on disk) the split once, before any child runs
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name}: ours / bare = {values['total'] / bare:.2f}x")
     deploy: dict = {}
     if args.deployed:
-        from fedrec_flwr.runtime import build_shared_model, get_runtime
+        from fedrec_flwr.app.runtime import build_shared_model, get_runtime
 
         runtime = get_runtime(run_config)
         shapes = {k: tuple(v.shape) for k, v in build_shared_model(runtime.config, runtime.split.num_items)

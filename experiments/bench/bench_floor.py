@@ -1,15 +1,15 @@
 """Benchmark: a block-mode ``flwr run`` against its compute floor, measured back to back (issue 17).
 
 The *compute floor* (:func:`run_floor`) is one process, without Flower's transport, that runs the same vectorized
-steps as a block-mode run: it loads the same split (:func:`fedrec_flwr.preflight.preflight`), builds the same initial
-model and the configured strategy (:func:`fedrec_flwr.preflight.build_strategy`), and every round
+steps as a block-mode run: it loads the same split (:func:`fedrec_flwr.app.preflight.preflight`), builds the same initial
+model and the configured strategy (:func:`fedrec_flwr.app.preflight.build_strategy`), and every round
 
 * asks the strategy for its round plan (``configure_train``: the seeded users grouped by node, the train config);
-* trains each node's users as one block (:func:`fedrec_flwr.blocks.train_block`, with one ``RecordDict`` of private
+* trains each node's users as one block (:func:`fedrec_flwr.local.blocks.train_block`, with one ``RecordDict`` of private
   state per node, as ``context.state``) and sums them into the node's contribution
   (:class:`fedrec_flwr.wire.Contribution`, what the ClientApp packs into its reply);
 * aggregates with the strategy's own ``aggregate_arrays`` (for FedRecGEL the server optimizer's step);
-* on evaluation rounds evaluates each node's users as one batched call (:func:`fedrec_flwr.blocks.evaluate_block`) and
+* on evaluation rounds evaluates each node's users as one batched call (:func:`fedrec_flwr.local.blocks.evaluate_block`) and
   averages the metrics over the users.
 
 It skips what is transport or bookkeeping only: messages, the encoding of arrays, reply validation, the results
@@ -68,7 +68,7 @@ def run_floor(run_config: Mapping[str, Any]) -> dict:
         users (as the strategy's ``aggregate_evaluate`` weights its nodes' means by their users).
 
     Raises:
-        ConfigError / DataError: what :func:`~fedrec_flwr.preflight.preflight` finds.
+        ConfigError / DataError: what :func:`~fedrec_flwr.app.preflight.preflight` finds.
         ValueError: the configured client has no block path, or ``block-training = "off"``.
     """
     from flwr.supercore.task_identity import TaskIdentity
@@ -86,10 +86,10 @@ def _floor(run_config: Mapping[str, Any], started: float) -> dict:
     import numpy as np
     from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-    from fedrec_flwr.blocks import block_kind, evaluate_block, train_block
-    from fedrec_flwr.preflight import _block_topology, build_strategy, preflight
+    from fedrec_flwr.local.blocks import block_kind, evaluate_block, train_block
+    from fedrec_flwr.app.preflight import _block_topology, build_strategy, preflight
     from fedrec_flwr.registry import resolve
-    from fedrec_flwr.runtime import build_shared_model
+    from fedrec_flwr.app.runtime import build_shared_model
     from fedrec_flwr.wire import ARRAYS, CONFIG, GRADIENT_USERS, METRICS, NUM_EXAMPLES, Contribution
 
     plan = preflight(run_config, with_data=True)

@@ -3,7 +3,7 @@ and the Gauss-Newton matrix, ``--curvature``).
 
 Prints, for MF and NCF on MovieLens-100K (users with their initial embeddings; the cost does not depend on values):
 milliseconds per product for one user at a time and for a node's users batched into one pass
-(:func:`fedrec_flwr.influence.influence_objective`), and the resident memory (RSS) after every 100 of N products, to
+(:func:`fedrec_flwr.unlearning.influence.influence_objective`), and the resident memory (RSS) after every 100 of N products, to
 show that it stays flat (no graph or tensor is kept between products).
 
     OMP_NUM_THREADS=1 .venv/bin/python experiments/bench/bench_krylov.py --data-root ../shared/data --products 500 \
@@ -31,11 +31,11 @@ def rss_mib() -> float:
 
 
 def main() -> None:
-    from fedrec_flwr.client_app import make_client
+    from fedrec_flwr.app.client_app import make_client
     from fedrec_flwr.config import make_run_config
-    from fedrec_flwr.influence import influence_objective
-    from fedrec_flwr.krylov import curvature_vector_product
-    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.unlearning.influence import influence_objective
+    from fedrec_flwr.unlearning.krylov import curvature_vector_product
+    from fedrec_flwr.app.runtime import get_runtime
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-root", required=True)

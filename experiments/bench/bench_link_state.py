@@ -1,5 +1,5 @@
 """Benchmark: one sweep of Flower's simulation engine over its link state, Flower's own lookup against
-``fast-link-state`` (fedrec_flwr/flower_patches.py), for a few numbers of nodes and stored messages.
+``fast-link-state`` (fedrec_flwr/app/flower_patches.py), for a few numbers of nodes and stored messages.
 
 Run by hand (not a test)::
 
@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
 
 def sweep_ms(nodes: int, stored: int, method, repeats: int) -> float:
     """Median milliseconds of one sweep over ``nodes`` nodes with ``stored`` delivered messages, by ``method``."""
-    from fedrec_flwr import flower_patches
+    from fedrec_flwr.app import flower_patches
 
     state, ids = flower_patches.simulation_link_state(nodes)
     for i in range(stored):
@@ -54,7 +54,7 @@ def main() -> int:
 
     from flwr.supercore.task_identity import TaskIdentity
 
-    from fedrec_flwr import flower_patches
+    from fedrec_flwr.app import flower_patches
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # Message(...) needs an identity

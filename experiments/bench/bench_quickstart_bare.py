@@ -125,7 +125,7 @@ def main(grid, context):
 def model_shapes() -> dict[str, tuple[int, ...]]:
     """The default config's shared arrays on ML-100K (key -> shape), as the strategy sends them."""
     from fedrec_flwr.config import RunConfig, default_mapping
-    from fedrec_flwr.runtime import build_shared_model, load_split_for
+    from fedrec_flwr.app.runtime import build_shared_model, load_split_for
 
     config = RunConfig.from_mapping(default_mapping())
     model = build_shared_model(config, load_split_for(config).num_items)

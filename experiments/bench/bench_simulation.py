@@ -84,7 +84,7 @@ def bare_apps(num_users: int, users_per_node: int, sampled: int, rounds: int, ti
     """A ServerApp/ClientApp pair with the same messaging pattern and no training; with ``payload`` (name -> array)
     each train message also carries those arrays, as ours carry the shared model; with ``reply`` each reply carries
     :data:`REPLY_BYTES` of array; with ``window`` the ServerApp keeps at most that many messages in flight
-    (:mod:`fedrec_flwr.message_window`, as ours does by default on this engine)."""
+    (:mod:`fedrec_flwr.app.message_window`, as ours does by default on this engine)."""
     import numpy as np
     from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
@@ -115,7 +115,7 @@ def bare_apps(num_users: int, users_per_node: int, sampled: int, rounds: int, ti
                 content["arrays"] = ArrayRecord({k: Array(v) for k, v in payload.items()})
             messages = [Message(RecordDict(content), dst_node_id=n, message_type="train") for n in chosen]
             if window:
-                from fedrec_flwr.message_window import WindowedGrid
+                from fedrec_flwr.app.message_window import WindowedGrid
 
                 list(WindowedGrid(grid, window).send_and_receive(messages, timeout=600))
             else:
@@ -137,7 +137,7 @@ def _run_case_in(tmp: str, dataset: str, sampled: int, users_per_node: int, roun
     from flwr.simulation import run_simulation
 
     from fedrec_flwr.config import default_mapping
-    from fedrec_flwr.runtime import load_split_for
+    from fedrec_flwr.app.runtime import load_split_for
     from fedrec_flwr.config import RunConfig
 
     mapping = default_mapping()
@@ -150,7 +150,7 @@ def _run_case_in(tmp: str, dataset: str, sampled: int, users_per_node: int, roun
     num_nodes = -(-num_users // users_per_node)
     backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"include_dashboard": False}}
     times: list[float] = []
-    from fedrec_flwr import flower_patches
+    from fedrec_flwr.app import flower_patches
 
     fast = bool(bare) and bare.endswith("@fast")  # the bare app on the patched link state, as ours by default
     with PeakMemory() as memory:
@@ -158,7 +158,7 @@ def _run_case_in(tmp: str, dataset: str, sampled: int, users_per_node: int, roun
             kind, _, window = bare.removesuffix("@fast").partition("/w")
             payload = None
             if kind in ("bare+model", "bare+model+reply"):
-                from fedrec_flwr.runtime import build_shared_model
+                from fedrec_flwr.app.runtime import build_shared_model
 
                 config = RunConfig.from_mapping(mapping)
                 model = build_shared_model(config, load_split_for(config).num_items)
@@ -166,8 +166,8 @@ def _run_case_in(tmp: str, dataset: str, sampled: int, users_per_node: int, roun
             server, client = bare_apps(num_users, users_per_node, sampled, rounds, times, payload,
                                        reply=kind == "bare+model+reply", window=int(window or 0))
         else:
-            from fedrec_flwr.client_app import make_client_app
-            from fedrec_flwr.server_app import make_server_app
+            from fedrec_flwr.app.client_app import make_client_app
+            from fedrec_flwr.app.server_app import make_server_app
 
             server, client = make_server_app(mapping), make_client_app(mapping)
         if fast and not flower_patches.apply():
@@ -208,7 +208,7 @@ def main() -> int:
                         help="bare: no payload; bare+model: the shared model in every message; bare+model+reply: "
                              "and a 110 KB reply (a one-user train reply's size); a bare app's name + '/w<N>': its "
                              "ServerApp keeps at most N messages in flight; a bare app's name + '@fast' (last): on "
-                             "Flower's link state with fedrec_flwr/flower_patches.py, as ours by default "
+                             "Flower's link state with fedrec_flwr/app/flower_patches.py, as ours by default "
                              "(fast-link-state); fedrec: ours (its max-in-flight: the run config's, auto by default); "
                              "fedrec+set: ours with --set; fedrec@KEY=VALUE,...: ours with those overrides (several "
                              "such apps may run interleaved in one invocation)")

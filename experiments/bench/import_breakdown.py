@@ -4,7 +4,7 @@ importtime``, in fresh interpreters.
 A SuperNode of flwr 1.42 runs every message in a new ``flwr-clientapp`` process, so every import on our ClientApp's
 path is paid per message. This runs ``--repeats`` fresh interpreters each for the bare app's imports (``flwr.app``,
 ``flwr.clientapp``, ``flwr.common.serde``: what ``flwr-clientapp`` itself loads) and for ours on top
-(``fedrec_flwr.client_app``), and prints the median self-time of the modules loaded only by ours, grouped by top-level
+(``fedrec_flwr.app.client_app``), and prints the median self-time of the modules loaded only by ours, grouped by top-level
 package (torch, ours, the rest), and the largest of them.
 
 Usage::
@@ -25,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 FLOWER = "import flwr.app, flwr.clientapp, flwr.common.serde"
-OURS = FLOWER + "; import fedrec_flwr.client_app"
+OURS = FLOWER + "; import fedrec_flwr.app.client_app"
 LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)")
 OUR_PACKAGES = ("fedrec_flwr",)
 

@@ -36,7 +36,7 @@ def record_messages(mapping: dict, server_round: int, limit: int) -> dict[str, l
     ``server_round`` of a serial run (at most ``limit`` each)."""
     from flwr.app import Message
 
-    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.app.client_app import make_client_app
     from fedrec_flwr.serial import run_serial
 
     seen: dict[str, list[tuple[bytes, bytes]]] = {"train": [], "evaluate": []}
@@ -107,7 +107,7 @@ def main() -> int:
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config overrides")
     args = parser.parse_args()
 
-    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.app.client_app import make_client_app
     from fedrec_flwr.config import default_mapping
 
     mapping = default_mapping()
@@ -126,7 +126,7 @@ def main() -> int:
     if args.before:
         apps["ours, formula Adam"] = ours
     rows = []
-    from fedrec_flwr import blocks
+    from fedrec_flwr.local import blocks
 
     for kind in ("train", "evaluate"):
         for rep in range(args.repeats):

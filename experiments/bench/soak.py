@@ -228,7 +228,7 @@ def main() -> int:
     import tomllib
 
     from fedrec_flwr.config import make_run_config
-    from fedrec_flwr.runtime import load_split_for
+    from fedrec_flwr.app.runtime import load_split_for
 
     work = Path(tempfile.mkdtemp(prefix="fedrec-soak-"))
     overrides = {

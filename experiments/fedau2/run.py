@@ -93,7 +93,7 @@ def leakage_rates(folder: Path, labels: np.ndarray, num_classes: int) -> dict[st
 
 def run_job(job) -> Path:
     """Train one arm, then attack it (module docstring); returns its folder."""
-    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.app.runtime import get_runtime
     from fedrec_flwr.serial import run_serial
 
     config, attribute = job

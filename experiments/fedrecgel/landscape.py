@@ -23,9 +23,9 @@ import torch
 from experiments.common import save_figure
 from fedrec_flwr.data import sample_train_negatives
 from fedrec_flwr.io import atomic_write_text
-from fedrec_flwr.losses import batch_loss
+from fedrec_flwr.local.losses import batch_loss
 from fedrec_flwr.models import build_model
-from fedrec_flwr.runtime import get_runtime
+from fedrec_flwr.app.runtime import get_runtime
 
 VARIANTS: dict[str, tuple[str, dict]] = {
     "FedNCF": ("FedNCF", {}),

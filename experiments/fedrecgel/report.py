@@ -44,7 +44,7 @@ def dataset_stats(data_dir: str) -> pd.DataFrame:
     from experiments.fedrecgel.methods import PROTOCOL
     from fedrec_flwr.baselines import evaluate_popularity
     from fedrec_flwr.config import make_run_config
-    from fedrec_flwr.runtime import load_split_for
+    from fedrec_flwr.app.runtime import load_split_for
 
     rows = []
     for dataset in DATASETS:

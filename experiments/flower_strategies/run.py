@@ -11,7 +11,7 @@ Arms (:data:`ARMS`): ``item-fedavg`` (our default, ``"touched"`` rows) and, thro
 :class:`fedrec_flwr.strategies.flower_adapter.FlowerStrategyAdapter`, Flower's FedAvg, FedAvgM, FedAdam, FedYogi, FedProx,
 FedMedian and FedTrimmedAvg, each with Flower's default arguments except where :data:`ARMS` says (FedAvgM's default
 momentum 0 would make it FedAvg; FedProx's ``proximal_mu`` must be > 0 to differ from FedAvg; our clients honour it
-with the paper's proximal term, :class:`fedrec_flwr.training.ProximalTerm`). Poisoning (:data:`POISON_ARMS`): ML-100K plus 100 fake users who rate one unpopular
+with the paper's proximal term, :class:`fedrec_flwr.local.training.ProximalTerm`). Poisoning (:data:`POISON_ARMS`): ML-100K plus 100 fake users who rate one unpopular
 target item and the 10 most popular items (:func:`experiments.hfkcu.poison.poisoned_data`, target seed 0), FedMF,
 ``item-fedavg`` against FedMedian, FedTrimmedAvg and Krum; measured: the target's exposure (share of genuine users with
 it in their top 10 of the items they never rated) and mean percentile, and HR@10 of the genuine users.
@@ -110,8 +110,8 @@ class ByteCounter:
 
 def train(config, out: Path, at_end=None) -> None:
     """Run ``config`` on the serial grid with byte counting; write ``measures.json`` (or ``refused.json``)."""
-    from fedrec_flwr.client_app import make_client_app
-    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.app.client_app import make_client_app
+    from fedrec_flwr.app.runtime import get_runtime
     from fedrec_flwr.serial import run_serial
 
     with claimed(out, RESULTS, done_file="measures.json") as mine:
@@ -159,7 +159,7 @@ def run_job(job) -> None:
 def run_poison(model: str, arm: str, seed: int, data_dir: str, rounds: int) -> None:
     from experiments.hfkcu.analysis import exposure, private_records
     from experiments.hfkcu.poison import FAKE_USER_BASE, poisoned_data
-    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.app.runtime import get_runtime
 
     path, target_raw = poisoned_data("ml-100k", data_dir, POISON_FAKES, 0, CACHE)
     out = runs_folder(rounds) / "poison" / model / arm / f"seed-{seed}"

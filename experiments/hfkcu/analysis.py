@@ -13,8 +13,8 @@ from scipy.special import log_softmax
 
 from fedrec_flwr.clients.fedrec import STATE_PREFIX
 from fedrec_flwr.attacks import membership_auc, nonmember_items
-from fedrec_flwr.client_app import make_client
-from fedrec_flwr.training import score_candidates
+from fedrec_flwr.app.client_app import make_client
+from fedrec_flwr.local.training import score_candidates
 
 
 def private_records(grid, users) -> dict[int, ArrayRecord]:

@@ -155,7 +155,7 @@ def run_setting(dataset: str, model: str, fakes: int, seed: int, kind: str, *, d
                 cache: Path, target_seed: int = 0, variants: dict | None = None) -> None:
     """Train one poisoned setting's ``kind`` (``"original"`` with its phases, or ``"retrain"``) unless done."""
     from experiments.hfkcu.run import base_config, retrain_end, run_phases, train_then
-    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.app.runtime import get_runtime
 
     path, target_raw = poisoned_data(dataset, data_dir, fakes, target_seed, cache)
     folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
@@ -213,7 +213,7 @@ def on_snapshot(dataset: str, model: str, fakes: int, seed: int, body, *, data_d
     from flwr.app import Array, ArrayRecord
 
     from experiments.hfkcu.run import base_config
-    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.app.runtime import get_runtime
     from fedrec_flwr.serial import run_serial
 
     snapshot = pickle.loads(snapshot_path(cache, dataset, model, fakes, seed, target_seed).read_bytes())
@@ -350,7 +350,7 @@ def probe(dataset: str, model: str, fakes: int, seed: int, changes: dict, *, dat
 
 DEV_MARGIN = {k: VARIANTS[k] for k in ("HF-KCU distributed (default)", "HF-KCU distributed, membership margin")}
 """Issue 18, fifth session: the membership-margin step (``line-search = "membership-margin"``,
-:mod:`fedrec_flwr.unlearn_margin`) and the default side by side on each development federation
+:mod:`fedrec_flwr.unlearning.margin`) and the default side by side on each development federation
 (``poison-dev-margin``); the reported settings replay it with ``poison-replay --only "membership margin"``."""
 
 
@@ -389,7 +389,7 @@ def retime(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, ru
     Writes ``<name>.json`` (replayed rows) and ``retrain-rate.json`` (``<name>-rate.json`` for another ``name``)
     under ``runs`` and returns the latter."""
     from experiments.hfkcu.run import base_config
-    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.app.runtime import get_runtime
     from fedrec_flwr.serial import run_serial
 
     rows = replay(dataset, model, fakes, seed, RETIMED if variants is None else variants, data_dir=data_dir,
@@ -481,7 +481,7 @@ def level_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: st
     from flwr.app import Context, RecordDict
 
     from experiments.hfkcu.analysis import exposure, scores
-    from fedrec_flwr.client_app import make_client
+    from fedrec_flwr.app.client_app import make_client
 
     folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
     out: dict = {}
@@ -579,7 +579,7 @@ def precond_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: 
     (share of its ``M``-norm, ``g_T^T M_T^{-1} g_T / g^T M^{-1} g``); with the boundary hit on the first product,
     the target row moves by ``radius * sqrt(share)`` in its own norm. Writes ``<name>.json`` next to ``phase.json``."""
     from experiments.hfkcu.run import _settings
-    from fedrec_flwr.krylov import unflatten
+    from fedrec_flwr.unlearning.krylov import unflatten
     from fedrec_flwr.wire import support_rows
     from fedrec_flwr.strategies.unlearning import ClientUnlearning
 
@@ -629,7 +629,7 @@ def calibration_probe(dataset: str, model: str, fakes: int, seed: int, *, data_d
     the items the forgotten users dominate (``w_j > 0.5``, ``dominated``), and the proportional statistic
     ``sum (m_fj(a) - (1 - w_j) m_fj(0)) / n`` (``proportional``); each at the retrained model too."""
     from experiments.hfkcu.analysis import exposure, scores
-    from fedrec_flwr.unlearn_margin import popularity_bins
+    from fedrec_flwr.unlearning.margin import popularity_bins
 
     folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
     out: dict = {}

@@ -54,7 +54,7 @@ def _mia(runtime, records, arrays, users, seed: int = _SEED) -> float:
 def collect(results: Path, data_dir: str, seed: int = _SEED) -> pd.DataFrame:
     """One row per (dataset, model, forget set, model variant) with every measure of the module docstring, for the runs
     of training seed ``seed`` under ``results``."""
-    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.app.runtime import get_runtime
 
     rows = []
     for dataset in DATASETS:
@@ -594,7 +594,7 @@ def margin_report(results: Path) -> None:
         "Arms: 'HF-KCU distributed (default)' (Steihaug CG, Gauss-Newton, trust radius 0.015, `line-search = "
         "\"none\"`) and 'HF-KCU distributed, membership margin' (`line-search = \"membership-margin\"`: the same "
         "step times the multiple a at which the forgotten users' mean logit margin on the items they dominate, over "
-        "the same-popularity items they never rated, reaches 0; `fedrec_flwr/unlearn_margin.py`). margin: a, how "
+        "the same-popularity items they never rated, reaches 0; `fedrec_flwr/unlearning/margin.py`). margin: a, how "
         "the search ended, its query rounds and the dominated items. met: closed >= 0.70, overshoot <= 0.10, "
         "|HR@10 - retrained| <= 1 pt (speed reported, not counted). Development: seed and target 100 "
         "(`poison-dev-margin`); reported: the acceptance settings (`poison-replay --only \"membership margin\"`).",

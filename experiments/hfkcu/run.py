@@ -146,7 +146,7 @@ def train_then(config, out: Path, done_file: str, at_end) -> None:
 
 
 def run_original(job) -> None:
-    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.app.runtime import get_runtime
 
     dataset, model, data_dir = job
     folder = RUNS / dataset / model
@@ -185,7 +185,7 @@ def retrain_end(runtime, out: Path, set_name: str, users: np.ndarray, target: in
 
 
 def run_retrain(job) -> None:
-    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.app.runtime import get_runtime
 
     dataset, model, set_name, data_dir = job
     folder = RUNS / dataset / model
@@ -215,7 +215,7 @@ def forget_root(seed: int) -> Path:
 def run_forget(job) -> None:
     """Issue 18's random forget sets: one original (every variant of :data:`FORGET_VARIANTS` applied after round 100
     to the 1% and 5% sets) or one retrained model, per dataset and model."""
-    from fedrec_flwr.runtime import get_runtime
+    from fedrec_flwr.app.runtime import get_runtime
 
     dataset, model, kind, data_dir, seed = job
     folder = forget_root(seed) / "runs" / dataset / model

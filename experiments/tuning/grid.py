@@ -25,7 +25,7 @@ SEEDS = (0, 1, 2)
 
 PROTOCOL = {**BASE_PROTOCOL, "num-server-rounds": GRID_ROUNDS, "users-per-node": 1000}
 """FedRecGEL's Table 2 protocol; ``users-per-node = 1000`` puts every user of a dataset on one node, so a round's
-sampled users train as one vectorized block (``block-training = auto``, :mod:`fedrec_flwr.blocks`; same updates as
+sampled users train as one vectorized block (``block-training = auto``, :mod:`fedrec_flwr.local.blocks`; same updates as
 one user per node up to float summation order, tested in ``tests/test_blocks.py``). PFedRec has no block path and
 runs its users one after another either way."""
 

@@ -34,7 +34,7 @@ def main(argv: list[str]) -> None:
     from experiments.common import quiet_flower
     from fedrec_flwr.baselines import evaluate_popularity
     from fedrec_flwr.config import make_run_config
-    from fedrec_flwr.runtime import load_split_for
+    from fedrec_flwr.app.runtime import load_split_for
     from fedrec_flwr.serial import run_serial
 
     quiet_flower()

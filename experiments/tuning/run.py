@@ -31,7 +31,7 @@ from experiments.tuning import grid as G
 from experiments.tuning.selection import row_at_round, select_setting
 from fedrec_flwr.config import make_run_config
 from fedrec_flwr.io import atomic_write_json
-from fedrec_flwr.results import FAILED_FILE, read_failure
+from fedrec_flwr.state.results import FAILED_FILE, read_failure
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = RESULTS / "runs"
@@ -96,7 +96,7 @@ def run_one(dataset: str, method: str, setting: dict, seed: int, rounds: int, da
 
 FAILED = FAILED_FILE
 """``failed.json`` in a run's own folder (``results-dir`` is the point's parent folder, ``run-name`` its setting and
-seed, so no two points share one): the run's own record (:func:`fedrec_flwr.results.write_failure`: the error, the
+seed, so no two points share one): the run's own record (:func:`fedrec_flwr.state.results.write_failure`: the error, the
 round, the rounds completed) when it failed once its folder existed, else ours (the error only, e.g. a config the
 preflight refused). A point with it is failed (never selected) and later commands skip it (delete it to retry)."""
 
@@ -145,7 +145,7 @@ def selected(dataset: str, method: str) -> dict | None:
 
 def split_of(dataset: str, seed: int, data_dir: str):
     """The protocol's split of ``dataset`` for ``seed`` (the one the federated runs of that seed use)."""
-    from fedrec_flwr.runtime import load_split_for
+    from fedrec_flwr.app.runtime import load_split_for
 
     overrides = {**G.PROTOCOL, "dataset": dataset, "seed": seed}
     if data_dir:

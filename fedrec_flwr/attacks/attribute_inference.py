@@ -33,8 +33,8 @@ from sklearn.neural_network import MLPClassifier
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from ..client_state import STATE_PREFIX
-from ..errors import DataError
+from fedrec_flwr.state.client_state import STATE_PREFIX
+from fedrec_flwr.errors import DataError
 
 CLASSIFIERS = ("logreg", "mlp")
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .io import atomic_save_npz, atomic_write_bytes, atomic_write_json, atomic_write_text
+from fedrec_flwr.io import atomic_save_npz, atomic_write_bytes, atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def check_results_folder(folder: str | Path, clear: bool = True) -> None:
             resumed): continue it with ``resume-from``, or choose another ``run-name`` (a new run never deletes a
             checkpoint).
     """
-    from .errors import ConfigError
+    from fedrec_flwr.errors import ConfigError
 
     folder = Path(folder)
     if (folder / "summary.json").is_file():
@@ -158,7 +158,7 @@ def source_commit(root: str | Path | None = None) -> str | None:
     import os
     import subprocess
 
-    root = Path(root) if root is not None else Path(__file__).resolve().parents[1]
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
                               text=True, timeout=10, check=False)
@@ -178,7 +178,7 @@ def provenance() -> dict[str, Any]:
     import platform
     from importlib.metadata import PackageNotFoundError, version
 
-    from . import __version__
+    from fedrec_flwr import __version__
 
     versions = {"python": platform.python_version()}
     for name in ("flwr", "torch", "numpy", "pandas"):

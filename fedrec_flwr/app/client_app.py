@@ -12,15 +12,15 @@ Their replies carry row-sparse vectors over the shared parameters (:func:`fedrec
 private parameter. ``adversary_gradient`` (FedAU²'s extra server steps of ``h_w``) replies with ``h_w``'s mean
 gradient over the node's users.
 
-One node serves the users ``partition-id * users-per-node ..`` (:func:`fedrec_flwr.runtime.node_users`); each user is
+One node serves the users ``partition-id * users-per-node ..`` (:func:`fedrec_flwr.app.runtime.node_users`); each user is
 its own client object with its own private record in ``context.state``. Where the client class declares a vectorized
 block path and ``block-training`` allows (``"auto"``, the default: every message, one user included), train and
-evaluate messages run all of their users as one batched computation instead (:mod:`fedrec_flwr.blocks`; same updates
+evaluate messages run all of their users as one batched computation instead (:mod:`fedrec_flwr.local.blocks`; same updates
 up to float32 rounding, same private records); query handlers are always per-user. A train reply is the exact
 sum-and-count :class:`~fedrec_flwr.wire.Contribution` of the node's trained users.
 
 With ``client-state-dir`` (node config, else run config) the users' private records live in files on the node's own
-disk instead, loaded before and saved after each message (:func:`private_state`, :mod:`fedrec_flwr.client_state`), so
+disk instead, loaded before and saved after each message (:func:`private_state`, :mod:`fedrec_flwr.state.client_state`), so
 a SuperNode that is killed and restarted loses no user's embedding, and a resumed run finds every user's state as of
 the round it resumes from.
 """
@@ -42,21 +42,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricR
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-from .arrays import decode_array, encode_array
-from .blocks import evaluate_block, train_block, use_blocks
-from .client_state import (
-    DURABLE_ROUND_KEY, RESUME_ROUND_KEY, STATE_DIR_KEY, ClientStateStore, state_folder, user_record_keys,
-)
-from .errors import ConfigError, FedRecError
-from .influence import can_batch, influence_gn_diagonal, influence_loss_sums
-from .registry import resolve
-from .runtime import Runtime, get_runtime, node_users
-from .unlearn_margin import margin_sums, positive_counts
-from .wire import (
-    ADVERSARY_GRADIENT, ARRAYS, CONFIG, GRADIENT_USERS, IDENTIFY, METRICS, NUM_EXAMPLES, SUPPORT, UNLEARN_AFFECTED,
-    UNLEARN_COUNTS, UNLEARN_DIAGONAL, UNLEARN_GRADIENT, UNLEARN_HVP, UNLEARN_LOCAL_CG, UNLEARN_LOSS, UNLEARN_MARGIN,
-    VECTOR, Contribution, SparseSum, unpack_sparse,
-)
+from fedrec_flwr.arrays import decode_array, encode_array
+from fedrec_flwr.local.blocks import evaluate_block, train_block, use_blocks
+from fedrec_flwr.state.client_state import DURABLE_ROUND_KEY, RESUME_ROUND_KEY, STATE_DIR_KEY, ClientStateStore, state_folder, user_record_keys
+from fedrec_flwr.errors import ConfigError, FedRecError
+from fedrec_flwr.unlearning.influence import can_batch, influence_gn_diagonal, influence_loss_sums
+from fedrec_flwr.registry import resolve
+from fedrec_flwr.app.runtime import Runtime, get_runtime, node_users
+from fedrec_flwr.unlearning.margin import margin_sums, positive_counts
+from fedrec_flwr.wire import ADVERSARY_GRADIENT, ARRAYS, CONFIG, GRADIENT_USERS, IDENTIFY, METRICS, NUM_EXAMPLES, SUPPORT, UNLEARN_AFFECTED, UNLEARN_COUNTS, UNLEARN_DIAGONAL, UNLEARN_GRADIENT, UNLEARN_HVP, UNLEARN_LOCAL_CG, UNLEARN_LOSS, UNLEARN_MARGIN, VECTOR, Contribution, SparseSum, unpack_sparse
 
 
 def split_fingerprint(split) -> str:
@@ -159,7 +153,7 @@ def private_state(context: Context, runtime: Runtime, config: Mapping[str, Any],
     """Make ``users``' private records available in ``context.state`` for one message.
 
     Without ``client-state-dir`` (node config, else run config) this does nothing: the records stay in the node's
-    memory. With it (:mod:`fedrec_flwr.client_state`), each user's records are loaded from its file (the version of
+    memory. With it (:mod:`fedrec_flwr.state.client_state`), each user's records are loaded from its file (the version of
     the message's round: before round ``t`` for training, ``<= t`` otherwise; the newest when the message names no
     round), written back as round ``t``'s version after a training message (``save``), and removed from
     ``context.state`` afterwards, so the node's memory and the state Flower ships with each message stay small.
@@ -237,9 +231,9 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
 
 
 def _user_updates(runtime: Runtime, users: list[int], context: Context, shared: dict, config: dict):
-    """``(client, UserUpdate)`` of each of ``users`` in order: from one vectorized block (:mod:`fedrec_flwr.blocks`;
+    """``(client, UserUpdate)`` of each of ``users`` in order: from one vectorized block (:mod:`fedrec_flwr.local.blocks`;
     ``client`` is then the class) when ``block-training`` and the client class allow, else from each user's client.
-    A message with a FedProx ``"proximal-mu"`` > 0 is trained per user (:data:`fedrec_flwr.blocks.PER_USER_MESSAGE_KEYS`)."""
+    A message with a FedProx ``"proximal-mu"`` > 0 is trained per user (:data:`fedrec_flwr.local.blocks.PER_USER_MESSAGE_KEYS`)."""
     cls = resolve("client", runtime.config.client)
     if use_blocks(cls, runtime.config, len(users), config):
         for update in train_block(runtime, cls, users, context.state, shared, config):
@@ -300,7 +294,7 @@ def evaluate(message: Message, context: Context, run_config: Mapping[str, Any] |
     client = None
     with private_state(context, runtime, config, users):
         cls = resolve("client", runtime.config.client)
-        if use_blocks(cls, runtime.config, len(users)):  # one batched scoring call (fedrec_flwr.blocks)
+        if use_blocks(cls, runtime.config, len(users)):  # one batched scoring call (fedrec_flwr.local.blocks)
             results, client = evaluate_block(runtime, users, context.state, shared, config), cls
         else:
             results = []
@@ -427,7 +421,7 @@ def unlearn_affected(message: Message, context: Context, run_config: Mapping[str
 
 def unlearn_hvp(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
     """Sum over the node's remaining (with ``causal``: affected) users of ``H_u v`` for the sent direction ``v`` (one
-    distributed-CG product), in one batched pass where the model allows (:func:`fedrec_flwr.influence.can_batch`)."""
+    distributed-CG product), in one batched pass where the model allows (:func:`fedrec_flwr.unlearning.influence.can_batch`)."""
     runtime, clients, config = _remaining_users(message, context, run_config)
     shared = _shared_arrays(message)
     direction = unpack_sparse({k: a.numpy() for k, a in message.content[VECTOR].items()}, runtime.layout)
@@ -444,7 +438,7 @@ def unlearn_hvp(message: Message, context: Context, run_config: Mapping[str, Any
 def unlearn_loss(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
     """HF-KCU's line search on this node: ``loss-sums[k] = sum_u L_u(theta + a_k d)`` over the node's remaining (with
     ``causal``: affected) users, for the sent shared parameters ``theta``, direction ``d`` (``VECTOR``) and the
-    config's ``steps`` ``a_k`` (:func:`fedrec_flwr.influence.influence_loss_sums`). The reply carries only these
+    config's ``steps`` ``a_k`` (:func:`fedrec_flwr.unlearning.influence.influence_loss_sums`). The reply carries only these
     node sums (and ``num-users``), no array and no per-user value."""
     runtime, clients, config = _remaining_users(message, context, run_config)
     shared = _shared_arrays(message)
@@ -460,7 +454,7 @@ def unlearn_loss(message: Message, context: Context, run_config: Mapping[str, An
 def unlearn_diagonal(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
     """HF-KCU's preconditioner on this node (``krylov-preconditioner``): the diagonal of ``sum_u G_u`` over the
     node's remaining (with ``causal``: affected) users, ``G_u`` the Gauss-Newton matrix
-    (:func:`fedrec_flwr.influence.influence_gn_diagonal`; config ``probes``, ``seed``). One row-sparse sum over the
+    (:func:`fedrec_flwr.unlearning.influence.influence_gn_diagonal`; config ``probes``, ``seed``). One row-sparse sum over the
     node's users, as an HVP reply; no per-user value."""
     runtime, clients, config = _remaining_users(message, context, run_config)
     shared = _shared_arrays(message)
@@ -474,7 +468,7 @@ def unlearn_diagonal(message: Message, context: Context, run_config: Mapping[str
 
 
 def unlearn_counts(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
-    """HF-KCU's membership-margin step (:mod:`fedrec_flwr.unlearn_margin`): ``remaining`` = training positives per
+    """HF-KCU's membership-margin step (:mod:`fedrec_flwr.unlearning.margin`): ``remaining`` = training positives per
     item over the node's remaining users (served minus ``exclude``), ``forgotten`` = the same over its users in
     ``exclude``. Two ``(I,)`` node totals; no model is needed and no per-user value is sent."""
     runtime = get_runtime(run_config or context.run_config)
@@ -490,7 +484,7 @@ def unlearn_counts(message: Message, context: Context, run_config: Mapping[str, 
 def unlearn_margin(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
     """HF-KCU's membership-margin step on this node: ``margin-sums[k]`` = the sum of the requested (forgotten)
     users' membership margins at ``theta + a_k d`` (config ``steps``, ``bins``, ``dominated``;
-    :func:`fedrec_flwr.unlearn_margin.margin_sums`) and ``margin-count``, their number. Node sums only."""
+    :func:`fedrec_flwr.unlearning.margin.margin_sums`) and ``margin-count``, their number. Node sums only."""
     runtime, users, config = _query_setup(message, context, run_config)
     shared = _shared_arrays(message)
     direction = unpack_sparse({k: a.numpy() for k, a in message.content[VECTOR].items()}, runtime.layout)

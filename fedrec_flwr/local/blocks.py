@@ -28,8 +28,8 @@ on the chunking.
 Supported (a client class declares it with its own ``block_training`` attribute, :func:`block_kind`):
 
 * ``"plain"``: :class:`fedrec_flwr.clients.fedrec.FedRecClient` (FedNCF with ``model = "ncf"``, FedMF with ``model = "mf"``): the
-  :class:`~fedrec_flwr.training.LocalTrainer` loop (BCE or BPR mini-batches, Adam or SGD fresh every round);
-* ``"sam"``: :class:`fedrec_flwr.clients.fedrecgel.FedRecGELClient`: the decoupled SAM step of :class:`~fedrec_flwr.sam.SAMTrainer`
+  :class:`~fedrec_flwr.local.training.LocalTrainer` loop (BCE or BPR mini-batches, Adam or SGD fresh every round);
+* ``"sam"``: :class:`fedrec_flwr.clients.fedrecgel.FedRecGELClient`: the decoupled SAM step of :class:`~fedrec_flwr.local.sam.SAMTrainer`
   (``rho-shared`` / ``rho-private``, full-batch chunked loss, persistent private optimizer, gradient or parameter
   uploads).
 
@@ -59,16 +59,16 @@ import torch.nn.functional as F
 from flwr.app import ArrayRecord, RecordDict
 from torch.func import functional_call, vmap
 
-from .arrays import decode_record, encode_array
-from .client_state import OPTIMIZER_PREFIX, STATE_PREFIX
-from .data import sample_train_negatives
-from .errors import ConfigError
-from .metrics import ranking_metrics_batch
-from .models.base import EMBEDDING_INIT_STD
-from .runtime import Runtime
-from .seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
-from .training import resolve_device
-from .wire import UserUpdate
+from fedrec_flwr.arrays import decode_record, encode_array
+from fedrec_flwr.state.client_state import OPTIMIZER_PREFIX, STATE_PREFIX
+from fedrec_flwr.data import sample_train_negatives
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.metrics import ranking_metrics_batch
+from fedrec_flwr.models.base import EMBEDDING_INIT_STD
+from fedrec_flwr.app.runtime import Runtime
+from fedrec_flwr.seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
+from fedrec_flwr.local.training import resolve_device
+from fedrec_flwr.wire import UserUpdate
 
 BLOCK_MODES = ("auto", "on", "off")
 """Values of the run-config key ``block-training``: ``auto`` (the default: the block path for every message, one user
@@ -84,8 +84,8 @@ imports it on its first call: about 1.7 s on an idle core, 4 s under load), whic
 float32 rounding (``tests/test_blocks.py``), so ``auto`` changed the default runs' figures at that rounding."""
 
 BLOCK_KINDS = ("plain", "sam")
-"""Block trainers: ``plain`` (:class:`~fedrec_flwr.training.LocalTrainer`'s loop) and ``sam`` (FedRecGEL's
-:class:`~fedrec_flwr.sam.SAMTrainer`)."""
+"""Block trainers: ``plain`` (:class:`~fedrec_flwr.local.training.LocalTrainer`'s loop) and ``sam`` (FedRecGEL's
+:class:`~fedrec_flwr.local.sam.SAMTrainer`)."""
 
 BLOCK_MODELS = ("mf", "ncf")
 """Models the block path trains (``pfedrec`` has no user embedding and a personalised item table: per-user only)."""
@@ -124,7 +124,7 @@ def block_kind(cls: type, config) -> str | None:
 
 PER_USER_MESSAGE_KEYS = ("proximal-mu",)
 """Train-config keys the block path does not implement: a message with a non-zero value of one (FedProx's proximal
-term, :class:`fedrec_flwr.training.ProximalTerm`) trains its users per user."""
+term, :class:`fedrec_flwr.local.training.ProximalTerm`) trains its users per user."""
 
 
 def use_blocks(cls: type, config, num_users: int, message_config: Mapping[str, Any] | None = None) -> bool:
@@ -243,7 +243,7 @@ class Block:
     """One vectorized block of users on one node: their stacked parameters and the loss they share.
 
     Args:
-        runtime: the process's :class:`~fedrec_flwr.runtime.Runtime` (its model is used only as the function the
+        runtime: the process's :class:`~fedrec_flwr.app.runtime.Runtime` (its model is used only as the function the
             parameters are plugged into, by ``functional_call``; its own parameters are not changed).
         users: the users' indices.
         state: the node's ``context.state`` (private records are read from and written to it).
@@ -348,7 +348,7 @@ class Block:
     # ------------------------------------------------------------------------------------------ the loss
     def loss_function(self):
         """The per-user loss ``(params, first, second, labels, weights) -> scalar`` for ``vmap``: the weighted sum of
-        per-example losses (BCE with logits, or BPR's ``-log σ(s_pos - s_neg)``, :mod:`fedrec_flwr.losses`), the
+        per-example losses (BCE with logits, or BPR's ``-log σ(s_pos - s_neg)``, :mod:`fedrec_flwr.local.losses`), the
         weights giving each mini-batch's (chunk's) mean."""
         model, loss = self.model, self.runtime.config.loss
 
@@ -422,9 +422,9 @@ def batched_model(model: torch.nn.Module) -> str | None:
     """``"mf"`` or ``"ncf"`` when ``model`` is exactly that class with no attached module but FedAU²'s adversary
     ``h_w`` (which the forward pass never reads: the recommendation score is the one :func:`batched_loss` computes;
     a :class:`BlockTerm` keeps ``h_w`` out of the block's parameters), else ``None``."""
-    from .adversary import ADVERSARY_MODULE
-    from .models.mf import MF
-    from .models.ncf import NCF
+    from fedrec_flwr.adversary import ADVERSARY_MODULE
+    from fedrec_flwr.models.mf import MF
+    from fedrec_flwr.models.ncf import NCF
 
     names = tuple(model._shared_names) if hasattr(model, "_shared_names") else None
     if names is not None and names[-1:] == (ADVERSARY_MODULE,):
@@ -574,7 +574,7 @@ def train_block(runtime: Runtime, cls: type, users: Sequence[int], state: Record
 
     kind = block_kind(cls, runtime.config)
     if kind is None:
-        raise ValueError(f"client {cls.__qualname__} has no vectorized block path (see fedrec_flwr.blocks)")
+        raise ValueError(f"client {cls.__qualname__} has no vectorized block path (see fedrec_flwr.local.blocks)")
     upload = str(config.get("upload", "parameters"))
     if kind == "sam" and upload not in ("gradient", "parameters"):
         raise ValueError(f"train config 'upload' = {upload!r}: expected 'gradient' or 'parameters'")
@@ -612,7 +612,7 @@ def _split_updates(block: Block, part: Sequence[_UserData], values: Mapping[str,
 class BlockTerm(Protocol):
     """A client's extra loss term on a chunk of a block (its own ``block_term`` classmethod builds one per chunk, for
     the chunk's users in block order; FedAU²'s entropy pull: :class:`fedrec_flwr.clients.fedau2.EntropyPullBlock`), the block
-    form of a :attr:`~fedrec_flwr.training.LocalTrainer.loss_terms` entry."""
+    form of a :attr:`~fedrec_flwr.local.training.LocalTrainer.loss_terms` entry."""
 
     frozen_keys: frozenset[str]
     """Shared keys the term keeps fixed (the server's ``h_w``): left out of the block's per-user copies; their upload
@@ -628,7 +628,7 @@ class BlockTerm(Protocol):
 
 
 def _train_plain(block: Block, part: Sequence[_UserData], shared, upload: str, term: BlockTerm | None = None):
-    """:class:`~fedrec_flwr.training.LocalTrainer`'s loop for a chunk of users: ``local-epochs`` epochs of shuffled
+    """:class:`~fedrec_flwr.local.training.LocalTrainer`'s loop for a chunk of users: ``local-epochs`` epochs of shuffled
     mini-batches of ``batch-size`` examples (pairs, BPR), one optimizer step each, fresh optimizer state; ``term``:
     a client's extra loss term (:class:`BlockTerm`) added at every step."""
     cfg = block.runtime.config
@@ -668,7 +668,7 @@ def _train_plain(block: Block, part: Sequence[_UserData], shared, upload: str, t
 
 
 def _train_sam(block: Block, part: Sequence[_UserData], shared, upload: str):
-    """:class:`~fedrec_flwr.sam.SAMTrainer` for a chunk of users: ``local-epochs`` full-batch decoupled SAM steps
+    """:class:`~fedrec_flwr.local.sam.SAMTrainer` for a chunk of users: ``local-epochs`` full-batch decoupled SAM steps
     (FedRecGEL, Sec. 4.2): ``g_S^SAM = ∇_S L(w_S + eps_S, w_P)``, ``g_P^SAM = ∇_P L(w_S, w_P + eps_P)`` with ``eps =
     rho g / ||g||`` per group and user (Foret et al. 2021, Eq. 2); the private group stepped by the user's persistent
     optimizer, the shared group by a fresh one (``"upload" = "parameters"``) or only its mean SAM gradient kept
@@ -733,7 +733,7 @@ def _train_sam(block: Block, part: Sequence[_UserData], shared, upload: str):
 
 
 def _load_private_optimizer(block: Block, users: Sequence[int]):
-    """The users' persistent private Adam state, in :func:`fedrec_flwr.training.optimizer_state_arrays`' layout
+    """The users' persistent private Adam state, in :func:`fedrec_flwr.local.training.optimizer_state_arrays`' layout
     (``"<index of the private parameter>/exp_avg"``, ``.../exp_avg_sq``, ``.../step``): ``(moments, steps)``."""
     keys = block.private_keys
     m = {key: [] for key in keys}
@@ -772,7 +772,7 @@ def _save_private_optimizer(block: Block, users: Sequence[int], optimizer: Block
 
 # ---------------------------------------------------------------------------------------------------- evaluation
 EVAL_USERS_PER_CALL = 2048
-"""Users scored per forward pass (as :func:`fedrec_flwr.training.score_candidates`)."""
+"""Users scored per forward pass (as :func:`fedrec_flwr.local.training.score_candidates`)."""
 
 
 @torch.no_grad()

@@ -207,15 +207,15 @@ def margin_sums(runtime, clients: Sequence, shared, direction, steps: Sequence[f
     per step (the same for every step). Scores every item once per user and step with the user's private embedding.
 
     Args:
-        runtime: the process's :class:`~fedrec_flwr.runtime.Runtime`.
+        runtime: the process's :class:`~fedrec_flwr.app.runtime.Runtime`.
         clients: :class:`fedrec_flwr.clients.fedrec.FedRecClient` objects (their private state available).
         shared: shared key -> full array ``theta``; direction: the same keys -> full arrays ``d``.
         steps: ``(K,)`` multiples; bins: ``(I,)`` popularity bins; dominated: item ids of ``D``.
     Returns:
         ``((K,) float64 sums, count)``: node totals only.
     """
-    from fedrec_flwr.influence import can_batch, node_users_model
-    from fedrec_flwr.training import score_candidates
+    from fedrec_flwr.unlearning.influence import can_batch, node_users_model
+    from fedrec_flwr.local.training import score_candidates
 
     split = runtime.split
     bins = np.asarray(bins, dtype=np.int64)

@@ -15,7 +15,7 @@ Every ``checkpoint-every`` rounds the ServerApp writes ``results-dir/<run-name>/
 
 ``resume-from`` (the interrupted run's results folder or its ``checkpoint.npz``) continues in that folder from the
 round after the checkpoint. Every key of the run config other than :data:`MAY_DIFFER` must equal the checkpoint's;
-the clients' private state comes from their own files (``client-state-dir``, :mod:`fedrec_flwr.client_state`), never
+the clients' private state comes from their own files (``client-state-dir``, :mod:`fedrec_flwr.state.client_state`), never
 from the server. With both, an interrupted and resumed run gives the same model as an uninterrupted one.
 """
 
@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError
-from .client_state import ClientStateStore
-from .io import atomic_save_npz, load_npz
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.state.client_state import ClientStateStore
+from fedrec_flwr.io import atomic_save_npz, load_npz
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def check_client_state(checkpoint: Checkpoint, nodes_without_state: list, accept
     ``client-state-dir`` only on the resumed run finds no files), when some nodes of the resumed run do not
     (``nodes_without_state``: their partition ids), or for single users whose files a node found damaged or missing
     (``state_problems``: per node ``{"partition-id", "node", "folder", "damaged", "absent"}``, user ids only; see
-    :meth:`fedrec_flwr.client_state.ClientStateStore.resume_problems`). An absent file is lost state only for a user
+    :meth:`fedrec_flwr.state.client_state.ClientStateStore.resume_problems`). An absent file is lost state only for a user
     whose training reply the server accepted before the checkpoint (the strategy's ``trained-users`` array,
     :attr:`fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg.trained`) and that is still trained (not in ``removed-users``);
     a checkpoint without that array (an older version's, or a strategy that does not record it) checks damaged files

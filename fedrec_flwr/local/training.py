@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import ConfigError, DataError
-from .losses import LOSSES, batch_loss
-from .metrics import DEFAULT_KS, ranking_metrics, ranking_metrics_batch
-from .models.base import RecModel, all_finite
+from fedrec_flwr.errors import ConfigError, DataError
+from fedrec_flwr.local.losses import LOSSES, batch_loss
+from fedrec_flwr.metrics import DEFAULT_KS, ranking_metrics, ranking_metrics_batch
+from fedrec_flwr.models.base import RecModel, all_finite
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class LocalTrainConfig:
         learning_rate: optimizer step size (>= 0; 0 trains nothing, useful for probes and tests).
         num_train_negatives: negatives sampled per positive by the caller (>= 1; used by the Flower layer and the
             centralized baseline; :meth:`LocalTrainer.train` uses whatever negatives it is given).
-        loss: ``"bce"`` or ``"bpr"`` (:data:`fedrec_flwr.losses.LOSSES`).
+        loss: ``"bce"`` or ``"bpr"`` (:data:`fedrec_flwr.local.losses.LOSSES`).
         optimizer: ``"sgd"`` or ``"adam"``.
         weight_decay: L2 coefficient λ >= 0. Dense layers use the optimizer's weight decay; embedding tables are
             regularised lazily, only on rows used in the batch (see :meth:`LocalTrainer.compute_loss`), so rows a
@@ -230,7 +230,7 @@ class LocalTrainer:
 
         ``R = (λ/2) Σ_tables Σ_{r ∈ rows used in the batch} ||e_r||²`` (λ = ``cfg.weight_decay``; each distinct row
         counted once, so a row's gradient gets exactly ``λ e_r`` as with dense weight decay, but only for rows the
-        batch uses). Layout of (users, items, labels): see :func:`fedrec_flwr.losses.batch_loss`.
+        batch uses). Layout of (users, items, labels): see :func:`fedrec_flwr.local.losses.batch_loss`.
         """
         loss = batch_loss(self.cfg.loss, self.model(users, items), labels)
         if self.cfg.weight_decay > 0:
@@ -358,7 +358,7 @@ class LocalTrainer:
         """Pairwise (BPR) loop over ``(n,)`` (user, positive item, negative item) triples.
 
         Each mini-batch of b pairs is passed to :meth:`step` as ``users=(u, u)``, ``items=(pos, neg)``,
-        ``labels=(1…1, 0…0)`` (length 2b; the layout of :func:`fedrec_flwr.losses.batch_loss`).
+        ``labels=(1…1, 0…0)`` (length 2b; the layout of :func:`fedrec_flwr.local.losses.batch_loss`).
         Returns ``(mean loss per pair over the last epoch, n)``.
         """
         u = torch.as_tensor(np.asarray(users, np.int64), device=self.device)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .errors import ConfigError
+from fedrec_flwr.errors import ConfigError
 
 
 def bce_loss(logits_pos: torch.Tensor, logits_neg: torch.Tensor) -> torch.Tensor:
@@ -69,7 +69,7 @@ def batch_loss(name: str, logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     Layouts:
         * ``"bce"``: any order; positives are where ``labels == 1``.
         * ``"bpr"``: pairs, ``B = 2n``: entries ``0..n-1`` are positives (label 1) and entry ``n + j`` is the
-          negative paired with positive ``j`` (label 0). This is what :class:`fedrec_flwr.training.LocalTrainer`
+          negative paired with positive ``j`` (label 0). This is what :class:`fedrec_flwr.local.training.LocalTrainer`
           builds for BPR.
 
     Raises:

@@ -2,14 +2,14 @@
 
 Without ``client-state-dir`` a user's private records (its embedding, FedRecGEL's optimizer moments, PFedRec's
 personalised rows, ...) live only in the node's ``context.state``, which dies with the SuperNode process (or with
-the simulation). With it, the ClientApp adapter (:mod:`fedrec_flwr.client_app`) loads each user's records from
+the simulation). With it, the ClientApp adapter (:mod:`fedrec_flwr.app.client_app`) loads each user's records from
 ``<client-state-dir>/<run>/user-<id>.npz`` before the user's client runs and writes them back, atomically
 (:func:`fedrec_flwr.io.atomic_save_npz`), after the user trained. The folder is the device's: a SuperNode's
 ``--node-config "client-state-dir=..."`` overrides the run config's key. ``<run>`` is the run's name, which the
 server sends with every message (a resumed run keeps its name, so it finds its clients' files).
 
 **Versions.** A file keeps the user's state after each training round it took part in that the server may still
-need to replay: when the server resumes from a checkpoint of round ``c`` (:mod:`fedrec_flwr.checkpoint`), rounds
+need to replay: when the server resumes from a checkpoint of round ``c`` (:mod:`fedrec_flwr.state.checkpoint`), rounds
 ``c+1..`` run again, and each must start from the state as it was then, not from a state trained further before the
 crash. So a message of round ``t`` reads the newest version of round ``< t`` (training) or ``<= t`` (evaluation and
 queries), and a save drops every version the server can no longer return to: all but the newest at or before the
@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
-from .errors import ConfigError
-from .io import atomic_save_npz, load_npz
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.io import atomic_save_npz, load_npz
 
 STATE_PREFIX = "user:"
 """``context.state`` key prefix of a user's private record: ``"user:<partition id>"`` (its embedding and other
@@ -153,7 +153,7 @@ class ClientStateStore:
             ``(damaged, absent)``: users whose file :meth:`read_versions` cannot read (or is another user's); users
             without a readable version of round ``<= resume_round`` (no file, or only later versions). The server
             decides which absent users lose state: those its checkpoint says trained
-            (:func:`fedrec_flwr.checkpoint.check_client_state`).
+            (:func:`fedrec_flwr.state.checkpoint.check_client_state`).
         """
         damaged, absent = [], []
         for user in (int(u) for u in users):

@@ -6,7 +6,7 @@ for the next message of *every* registered node in turn; ``InMemoryLinkState.get
 answers by running its validity check (``_check_stored_messages``: the message's expiry, both nodes' federation
 membership, under the state's lock) on *every* stored message before it looks at the message's destination. A sweep
 therefore costs ``nodes x stored messages`` checks, each several microseconds: with the ``max-in-flight`` window of
-32 (:mod:`fedrec_flwr.message_window`) about 0.2 s a sweep at 943 nodes and 1.7 s at 8,072, and a sweep delivers at
+32 (:mod:`fedrec_flwr.app.message_window`) about 0.2 s a sweep at 943 nodes and 1.7 s at 8,072, and a sweep delivers at
 most the window's messages, so the identify phase of the 8,072-node Amazon-Video run took 380 s (47 ms a node)
 against 16 ms a node at 943 (``experiments/bench/README.md``, link-state lookup).
 

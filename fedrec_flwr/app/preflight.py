@@ -1,7 +1,7 @@
 """Every check a run can make before Flower starts: one function, :func:`preflight`, for every way a run starts.
 
 The launcher (:func:`fedrec_flwr.launch.check_run`) calls it before it starts a SuperLink, :func:`fedrec_flwr.serial.
-run_serial` before its first message, and the ServerApp (:func:`fedrec_flwr.server_app.main`) first thing, so plain
+run_serial` before its first message, and the ServerApp (:func:`fedrec_flwr.app.server_app.main`) first thing, so plain
 ``flwr run .`` gets it too. It raises :class:`~fedrec_flwr.errors.ConfigError` / :class:`~fedrec_flwr.errors.DataError`
 naming the key and value, and leaves nothing behind: no results folder, no file.
 
@@ -12,14 +12,14 @@ Without the data (the ServerApp: the server never reads the interaction data) it
   (FedProx with ``proximal_mu > 0``: :func:`fedrec_flwr.strategies.flower_adapter.check_sent_keys`);
 * ``run-name``: a plain folder name (no path separator, not ``.`` or ``..``), so the results stay under
   ``results-dir``;
-* ``resume-from``: a readable checkpoint there, written with the same config (:mod:`fedrec_flwr.checkpoint`), in a
+* ``resume-from``: a readable checkpoint there, written with the same config (:mod:`fedrec_flwr.state.checkpoint`), in a
   folder that holds no finished run (``summary.json``: a finished run is never rewritten), from a run that kept its
   clients' private state in files (else ``resume-resets-client-state`` must accept restarting it);
 * the results folder: not a finished run's (``summary.json``) nor an interrupted one's (``checkpoint.npz``: resume it
   with ``resume-from``), and creatable / writable under ``results-dir`` (probed with an empty folder, removed at once).
 
 With the data (the launcher and ``run_serial``, which read it in this process) it also builds what a node builds
-(:func:`fedrec_flwr.runtime.get_runtime`: the split, the ``protected-attribute`` labels, the model) and the strategy
+(:func:`fedrec_flwr.app.runtime.get_runtime`: the split, the ``protected-attribute`` labels, the model) and the strategy
 itself, as the ServerApp will, over a topology of ``users-per-node`` blocks (``forget-users`` in range, the
 adversary's class prior, ...). The ServerApp makes those checks again when the nodes have reported the data, before
 round 1 and before it creates the results folder.
@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import Checkpoint, check_client_state, check_resumable, load_checkpoint
-from .config import RunConfig
-from .errors import ConfigError
-from .results import check_results_folder
+from fedrec_flwr.state.checkpoint import Checkpoint, check_client_state, check_resumable, load_checkpoint
+from fedrec_flwr.config import RunConfig
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.state.results import check_results_folder
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Preflight:
         folder: the results folder (``results-dir/<run-name>``, or the checkpoint's folder with ``resume-from``); not
             created.
         resume: the checkpoint to resume from, or ``None``.
-        runtime: with the data: the :class:`~fedrec_flwr.runtime.Runtime` (split, attribute labels, model), else
+        runtime: with the data: the :class:`~fedrec_flwr.app.runtime.Runtime` (split, attribute labels, model), else
             ``None``.
     """
 
@@ -82,7 +82,7 @@ def preflight(config: RunConfig | Mapping[str, Any], *, with_data: bool = False)
             the data lacks, a ``forget-users`` id beyond the users. The message names the key and the value.
         DataError: the dataset cannot be loaded.
     """
-    from .registry import check_components
+    from fedrec_flwr.registry import check_components
 
     if not isinstance(config, RunConfig):
         config = RunConfig.from_mapping(config)
@@ -107,7 +107,7 @@ def preflight(config: RunConfig | Mapping[str, Any], *, with_data: bool = False)
                     config.resume_from if resume is not None else config.results_dir)
     runtime = None
     if with_data:
-        from .runtime import get_runtime
+        from fedrec_flwr.app.runtime import get_runtime
 
         runtime = get_runtime(config.to_dict())
         build_strategy(config, runtime.layout, _block_topology(config, runtime.split.num_users), dry=True)
@@ -126,7 +126,7 @@ def build_strategy(config: RunConfig, layout, topology, dry: bool = False):
         ConfigError: the strategy refuses the config (e.g. ``forget-users`` out of range), or ``unlearning`` is set
             and the strategy has no unlearning phase.
     """
-    from .registry import resolve_strategy
+    from fedrec_flwr.registry import resolve_strategy
 
     with quiet() if dry else nullcontext():
         strategy = resolve_strategy(config.strategy).from_run_config(config, layout, topology)
@@ -174,7 +174,7 @@ def quiet() -> Iterator[None]:
 
 def _block_topology(config: RunConfig, num_users: int):
     """The topology the nodes will report: user ``u`` on node ``u // users-per-node`` (node ids = partition ids)."""
-    from .wire import Topology
+    from fedrec_flwr.wire import Topology
 
     return Topology((np.arange(num_users) // config.users_per_node).astype(np.uint64))
 

@@ -12,13 +12,13 @@ Phases of :func:`main`:
 4. The results folder (``results-dir/<run-name>/``) holds ``config.json``, ``metrics.csv``, ``metrics.json``,
    ``final_arrays.npz``, ``summary.json`` and ``learning_curves.png``, each written atomically. A run that fails
    (raises) once its folder exists writes ``failed.json`` there instead of ``summary.json``: the error and the round
-   (:func:`fedrec_flwr.results.write_failure`); a later run of the same ``run-name`` replaces such a folder
-   (:func:`fedrec_flwr.results.check_results_folder`).
+   (:func:`fedrec_flwr.state.results.write_failure`); a later run of the same ``run-name`` replaces such a folder
+   (:func:`fedrec_flwr.state.results.check_results_folder`).
 
-Every ``checkpoint-every`` rounds a server checkpoint (``checkpoint.npz``, :mod:`fedrec_flwr.checkpoint`) is written
+Every ``checkpoint-every`` rounds a server checkpoint (``checkpoint.npz``, :mod:`fedrec_flwr.state.checkpoint`) is written
 there too; ``resume-from`` continues an interrupted run from it (Flower's round loop over the later rounds,
 :class:`ShiftedRounds`). Every message carries the run's name and the last checkpoint's round, which clients keeping
-their private state in files (``client-state-dir``, :mod:`fedrec_flwr.client_state`) need.
+their private state in files (``client-state-dir``, :mod:`fedrec_flwr.state.client_state`) need.
 """
 
 from __future__ import annotations
@@ -38,18 +38,17 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
-from .checkpoint import CHECKPOINT_FILE, Checkpoint, check_client_state, save_checkpoint
-from .wire import IDENTIFY
-from .client_state import DURABLE_ROUND_KEY, RESUME_ROUND_KEY, RUN_KEY
-from .config import RunConfig
-from .errors import ConfigError, reply_error_line
-from .message_window import is_simulation_grid, windowed
-from .registry import LOGGER_ROOTS
-from .preflight import Preflight, build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: was here
-from .results import FAILED_FILE, PROGRESS, RunRecorder, check_results_folder, describe_failure, read_failure, \
-    write_failure
-from .runtime import build_shared_model
-from .wire import CONFIG, ModelLayout, Topology
+from fedrec_flwr.state.checkpoint import CHECKPOINT_FILE, Checkpoint, check_client_state, save_checkpoint
+from fedrec_flwr.wire import IDENTIFY
+from fedrec_flwr.state.client_state import DURABLE_ROUND_KEY, RESUME_ROUND_KEY, RUN_KEY
+from fedrec_flwr.config import RunConfig
+from fedrec_flwr.errors import ConfigError, reply_error_line
+from fedrec_flwr.app.message_window import is_simulation_grid, windowed
+from fedrec_flwr.registry import LOGGER_ROOTS
+from fedrec_flwr.app.preflight import Preflight, build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: was here
+from fedrec_flwr.state.results import FAILED_FILE, PROGRESS, RunRecorder, check_results_folder, describe_failure, read_failure, write_failure
+from fedrec_flwr.app.runtime import build_shared_model
+from fedrec_flwr.wire import CONFIG, ModelLayout, Topology
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +170,7 @@ class RoundView:
 
 @dataclass
 class Progress:
-    """Where a run is, for its failure record (:func:`fedrec_flwr.results.write_failure`)."""
+    """Where a run is, for its failure record (:func:`fedrec_flwr.state.results.write_failure`)."""
 
     round: int | None = None
     """The round running now; ``None`` before round 1 and after the last."""
@@ -188,7 +187,7 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     :class:`RoundView`.
 
     A run that raises once its results folder exists records why in ``failed.json`` there
-    (:func:`fedrec_flwr.results.write_failure`: the error, the round) before the error goes on; a ``KeyboardInterrupt``
+    (:func:`fedrec_flwr.state.results.write_failure`: the error, the round) before the error goes on; a ``KeyboardInterrupt``
     or ``SystemExit`` (Ctrl-C, SIGTERM) is an interruption and writes none.
     """
     _setup_logging()
@@ -209,17 +208,17 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
         raise
     finally:
         if patched:  # Flower's own method back for whatever runs next in this process (a test, a second app)
-            from . import flower_patches
+            from fedrec_flwr.app import flower_patches
 
             flower_patches.restore()
 
 
 def _fast_link_state(config: RunConfig, grid: Grid) -> bool:
-    """Apply :mod:`fedrec_flwr.flower_patches` on Flower's simulation engine when ``fast-link-state`` is on (logs
+    """Apply :mod:`fedrec_flwr.app.flower_patches` on Flower's simulation engine when ``fast-link-state`` is on (logs
     it, or why Flower's own lookup is kept); returns whether this call put it in place."""
     if not is_simulation_grid(grid):
         return False
-    from . import flower_patches
+    from fedrec_flwr.app import flower_patches
 
     if not config.fast_link_state:
         log.info("fast-link-state = false: Flower's own message lookup")
@@ -229,7 +228,7 @@ def _fast_link_state(config: RunConfig, grid: Grid) -> bool:
         return False
     if flower_patches.apply():
         log.info("fast-link-state: each node's next message is looked up by its destination first "
-                 "(fedrec_flwr/flower_patches.py)")
+                 "(fedrec_flwr/app/flower_patches.py)")
         return True
     return False
 
@@ -239,7 +238,7 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
     config, folder, resume = plan.config, plan.folder, plan.resume
     lookup = "none (no simulation link state)"  # config.json: how Flower's engine found each node's messages
     if is_simulation_grid(grid):
-        from . import flower_patches
+        from fedrec_flwr.app import flower_patches
 
         lookup = "by destination (fast-link-state)" if flower_patches.active() else "Flower's own"
     grid = windowed(grid, config.max_in_flight)  # every phase's messages, ours and a wrapped Flower strategy's
@@ -288,7 +287,7 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
     tie_rule = config.tie_rule if split_facts.get("tie-rule-applied", True) else \
         f"not applied: {split_facts.get('held-out-order', 'no timestamps')}"
     # the folder's name: the run config's run-name, or the generated one when that is empty
-    window = getattr(grid, "window", None)  # max-in-flight as applied (fedrec_flwr.message_window); None: no window
+    window = getattr(grid, "window", None)  # max-in-flight as applied (fedrec_flwr.app.message_window); None: no window
     info = {"run-folder": folder.name, "dataset": facts, "split": split_facts, "tie-rule": tie_rule,
             "messages-in-flight": window if window is not None else "all", "link-state-lookup": lookup}
     if hasattr(strategy, "run_info"):  # e.g. a wrapped Flower strategy's class and constructor arguments

@@ -9,7 +9,7 @@ which keeps a core and the GIL busy and delays the actors' replies (``py-spy`` o
 nodes: 68% of its samples in that loop). :func:`send_and_receive` pushes at most ``window`` messages, and one more each
 time a reply comes back, so a sweep costs ``N x window`` checks. Replies come back in arrival order, as from
 Flower's own ``send_and_receive`` (the strategies sort what needs an order). ``fast-link-state``
-(:mod:`fedrec_flwr.flower_patches`) makes each of those checks about ten times cheaper; with it a larger window
+(:mod:`fedrec_flwr.app.flower_patches`) makes each of those checks about ten times cheaper; with it a larger window
 was still slower on two cores (``experiments/bench/README.md``, link-state lookup).
 
 Where it applies (``max-in-flight``, :func:`window_for`): ``0`` (the default) is *auto*: :func:`simulation_window`
@@ -170,7 +170,7 @@ class WindowedGrid(GridProxy):
         self.grid, self.window = grid, window
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        from .progress import ReplyProgress
+        from fedrec_flwr.progress import ReplyProgress
 
         messages = list(messages)
         return send_and_receive(self.grid.push_messages, self.grid.pull_messages, messages, window=self.window,

@@ -1,6 +1,6 @@
 """The influence objective: one user's (or one node's users') recommendation loss as a function of the shared
 parameters, the private user embeddings held fixed. HF-KCU's gradients and Hessian-vector products are taken of it
-(:mod:`fedrec_flwr.strategies.unlearning`, :mod:`fedrec_flwr.krylov`).
+(:mod:`fedrec_flwr.strategies.unlearning`, :mod:`fedrec_flwr.unlearning.krylov`).
 
 ``L_u(theta)`` is the training loss (``loss``: BCE or BPR) averaged over user ``u``'s training positives and a fixed
 negative sample (:meth:`fedrec_flwr.clients.fedrec.FedRecClient.influence_examples`), plus the L2 term of ``weight-decay`` where
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .krylov import CompositeLoss, gauss_newton_diagonal
-from .models import RecModel
+from fedrec_flwr.unlearning.krylov import CompositeLoss, gauss_newton_diagonal
+from fedrec_flwr.models import RecModel
 
 
 def can_batch(model: RecModel) -> bool:
@@ -32,7 +32,7 @@ def can_batch(model: RecModel) -> bool:
 
 def node_model(runtime, num_users: int) -> RecModel:
     """A model like ``runtime.model`` with ``num_users`` user rows (cached per size on the runtime)."""
-    from .runtime import build_shared_model
+    from fedrec_flwr.app.runtime import build_shared_model
 
     cache = runtime.__dict__.setdefault("_node_models", {})
     if num_users not in cache:
@@ -130,13 +130,13 @@ def influence_objective(runtime, clients: Sequence, shared: Mapping[str, np.ndar
     every gradient or product costs O(rows used).
 
     Args:
-        runtime: the process's :class:`~fedrec_flwr.runtime.Runtime`.
+        runtime: the process's :class:`~fedrec_flwr.app.runtime.Runtime`.
         clients: :class:`fedrec_flwr.clients.fedrec.FedRecClient` objects of this node's users (one, or several when
             :func:`can_batch` holds for the model).
         shared: shared key -> full array (the server's parameters).
         extra_rows: more item rows to include (e.g. a right-hand side's support), or ``None``.
     Yields:
-        ``(loss_fn, params, items)``: ``loss_fn(params) -> scalar``, a :class:`~fedrec_flwr.krylov.CompositeLoss`
+        ``(loss_fn, params, items)``: ``loss_fn(params) -> scalar``, a :class:`~fedrec_flwr.unlearning.krylov.CompositeLoss`
         (model outputs, a loss convex in them, the weight-decay term) so that its Gauss-Newton product is defined;
         ``params`` the compact shared parameters (name
         -> detached tensor); ``items`` ``(T,)`` the global row of each compact row.
@@ -213,14 +213,14 @@ def influence_objective(runtime, clients: Sequence, shared: Mapping[str, np.ndar
 def influence_loss_sums(runtime, clients: Sequence, shared: Mapping[str, np.ndarray],
                         direction: Mapping[str, np.ndarray], steps: Sequence[float]) -> np.ndarray:
     """``[sum_u L_u(theta + a_k d) for a_k in steps]``: the summed influence loss of ``clients`` at points along a
-    direction, the line search's objective (:func:`fedrec_flwr.krylov.ladder_line_search`).
+    direction, the line search's objective (:func:`fedrec_flwr.unlearning.krylov.ladder_line_search`).
 
     The loss is the one HF-KCU's products are taken of (module docstring), with each user's fixed negative sample,
     so for a given seed the values are deterministic. One forward pass per step and group (the node's users in one
     batched pass where :func:`can_batch` holds, else one user at a time); no gradient is taken.
 
     Args:
-        runtime: the process's :class:`~fedrec_flwr.runtime.Runtime`.
+        runtime: the process's :class:`~fedrec_flwr.app.runtime.Runtime`.
         clients: :class:`fedrec_flwr.clients.fedrec.FedRecClient` objects of this node's (remaining) users.
         shared: shared key -> full array ``theta``.
         direction: shared key -> full array ``d`` (same shapes as ``shared``).
@@ -249,7 +249,7 @@ def influence_loss_sums(runtime, clients: Sequence, shared: Mapping[str, np.ndar
 def influence_gn_diagonal(runtime, clients: Sequence, shared: Mapping[str, np.ndarray], *, probes: int,
                           seed: int) -> tuple[dict, dict]:
     """The diagonal of ``sum_u G_u`` over ``clients``, ``G_u`` the Gauss-Newton matrix of user ``u``'s influence loss
-    (:func:`fedrec_flwr.krylov.gauss_newton_diagonal`: exact on the item rows, a ``probes``-draw Monte Carlo estimate
+    (:func:`fedrec_flwr.unlearning.krylov.gauss_newton_diagonal`: exact on the item rows, a ``probes``-draw Monte Carlo estimate
     on the dense parameters), for HF-KCU's preconditioner (``krylov-preconditioner``; ours).
 
     The node's users in one batched pass where :func:`can_batch` holds, else one at a time; the sign draws come from
