@@ -48,7 +48,7 @@ INFLUENCE_TESTS = ("tests/test_influence_curvature.py",
 UNLEARNING_TESTS = ("tests/test_unlearning_steps.py",
                     "tests/test_unlearning.py::test_forget_set_is_seeded_and_the_union_of_ids_and_fraction")
 LOCAL_SOLVE_TESTS = ("tests/test_local_solve_negative_curvature.py",)
-MARGIN_TESTS = ("tests/test_hfkcu_margin.py",)
+MARGIN_TESTS = ("tests/test_margin_root.py", "tests/test_hfkcu_margin.py")
 ADVERSARY_TESTS = ("tests/test_dsvae_reparam.py", "tests/test_adversary.py")
 ADVERSARY_STEP_TESTS = ("tests/test_adversary_server_step.py",)
 SPLIT_TESTS = ("tests/test_split_streams.py", "tests/test_data_errors.py", "tests/test_generic_loader.py")
