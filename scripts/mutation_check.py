@@ -49,10 +49,10 @@ UNLEARNING_TESTS = ("tests/test_unlearning_steps.py",
                     "tests/test_unlearning.py::test_forget_set_is_seeded_and_the_union_of_ids_and_fraction")
 LOCAL_SOLVE_TESTS = ("tests/test_local_solve_negative_curvature.py",)
 MARGIN_TESTS = ("tests/test_margin_root.py", "tests/test_hfkcu_margin.py")
-ADVERSARY_TESTS = ("tests/test_dsvae_reparam.py", "tests/test_adversary.py")
+ADVERSARY_TESTS = ("tests/test_dsvae_reparam.py", "tests/test_attack_streams.py", "tests/test_adversary.py")
 ADVERSARY_STEP_TESTS = ("tests/test_adversary_server_step.py",)
 SPLIT_TESTS = ("tests/test_split_streams.py", "tests/test_data_errors.py", "tests/test_generic_loader.py")
-ATTACK_TESTS = ("tests/test_membership_auc.py", "tests/test_bad_input_attacks.py",
+ATTACK_TESTS = ("tests/test_membership_auc.py", "tests/test_attack_streams.py", "tests/test_bad_input_attacks.py",
                 "tests/test_attacks.py::test_idlg_recovers_the_label_of_every_plain_adversary_update",
                 "tests/test_attacks.py::test_dlg_recovers_the_label_of_a_plain_adversary_update_multiclass",
                 "tests/test_attacks.py::test_dlg_recovers_the_label_of_a_plain_binary_adversary_update",
@@ -62,11 +62,12 @@ ATTACK_TESTS = ("tests/test_membership_auc.py", "tests/test_bad_input_attacks.py
                 "tests/test_attacks.py::test_attribute_inference_scored_against_swapped_classes_gives_one_minus_auc",
                 "tests/test_attacks.py::test_attribute_inference_on_embeddings_that_encode_the_attribute_is_near_perfect")
 CHECKPOINT_TESTS = (
+    "tests/test_checkpoint_checks.py",
     "tests/test_checkpoint_resume.py::test_a_checkpoint_keeps_the_order_of_each_metrics_rows_keys",
     "tests/test_checkpoint_resume.py::test_resume_refuses_a_different_config_a_missing_and_a_damaged_checkpoint",
     "tests/test_checkpoint_resume.py::test_the_client_state_check_counts_absent_files_only_for_users_the_server_saw_train",
     "tests/test_checkpoint_resume.py::test_a_run_killed_mid_round_resumes_to_the_same_result")
-CLIENT_STATE_TESTS = ("tests/test_client_state.py",)
+CLIENT_STATE_TESTS = ("tests/test_checkpoint_checks.py", "tests/test_client_state.py")
 SERVER_OPTIMIZER_TESTS = ("tests/test_server_optimizer_strategy.py",)
 PFEDREC_TESTS = ("tests/test_pfedrec_item_step.py",
                  "tests/test_method_clients.py::test_pfedrec_evaluates_with_its_personalised_rows")
