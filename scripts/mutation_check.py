@@ -48,11 +48,11 @@ INFLUENCE_TESTS = ("tests/test_influence_curvature.py",
 UNLEARNING_TESTS = ("tests/test_unlearning_steps.py",
                     "tests/test_unlearning.py::test_forget_set_is_seeded_and_the_union_of_ids_and_fraction")
 LOCAL_SOLVE_TESTS = ("tests/test_local_solve_negative_curvature.py",)
-MARGIN_TESTS = ("tests/test_hfkcu_margin.py",)
-ADVERSARY_TESTS = ("tests/test_dsvae_reparam.py", "tests/test_adversary.py")
+MARGIN_TESTS = ("tests/test_margin_root.py", "tests/test_hfkcu_margin.py")
+ADVERSARY_TESTS = ("tests/test_dsvae_reparam.py", "tests/test_attack_streams.py", "tests/test_adversary.py")
 ADVERSARY_STEP_TESTS = ("tests/test_adversary_server_step.py",)
 SPLIT_TESTS = ("tests/test_split_streams.py", "tests/test_data_errors.py", "tests/test_generic_loader.py")
-ATTACK_TESTS = ("tests/test_membership_auc.py", "tests/test_bad_input_attacks.py",
+ATTACK_TESTS = ("tests/test_membership_auc.py", "tests/test_attack_streams.py", "tests/test_bad_input_attacks.py",
                 "tests/test_attacks.py::test_idlg_recovers_the_label_of_every_plain_adversary_update",
                 "tests/test_attacks.py::test_dlg_recovers_the_label_of_a_plain_adversary_update_multiclass",
                 "tests/test_attacks.py::test_dlg_recovers_the_label_of_a_plain_binary_adversary_update",
@@ -62,11 +62,12 @@ ATTACK_TESTS = ("tests/test_membership_auc.py", "tests/test_bad_input_attacks.py
                 "tests/test_attacks.py::test_attribute_inference_scored_against_swapped_classes_gives_one_minus_auc",
                 "tests/test_attacks.py::test_attribute_inference_on_embeddings_that_encode_the_attribute_is_near_perfect")
 CHECKPOINT_TESTS = (
+    "tests/test_checkpoint_checks.py",
     "tests/test_checkpoint_resume.py::test_a_checkpoint_keeps_the_order_of_each_metrics_rows_keys",
     "tests/test_checkpoint_resume.py::test_resume_refuses_a_different_config_a_missing_and_a_damaged_checkpoint",
     "tests/test_checkpoint_resume.py::test_the_client_state_check_counts_absent_files_only_for_users_the_server_saw_train",
     "tests/test_checkpoint_resume.py::test_a_run_killed_mid_round_resumes_to_the_same_result")
-CLIENT_STATE_TESTS = ("tests/test_client_state.py",)
+CLIENT_STATE_TESTS = ("tests/test_checkpoint_checks.py", "tests/test_client_state.py")
 SERVER_OPTIMIZER_TESTS = ("tests/test_server_optimizer_strategy.py",)
 PFEDREC_TESTS = ("tests/test_pfedrec_item_step.py",
                  "tests/test_method_clients.py::test_pfedrec_evaluates_with_its_personalised_rows")
@@ -189,8 +190,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         one("float(sum(float(r[METRICS][NUM_EXAMPLES]) for r in ok))", "float(len(ok))"),), STRATEGY_TESTS),
     # ---- krylov.py
     Mutation("steihaug-boundary-measures-the-step", "fedrec_flwr/unlearning/krylov.py", (
-        one("if _m_norm(x + alpha * p, m) >= radius:", "if _m_norm(alpha * p, m) >= radius:"),), KRYLOV_TESTS,
-        "issue 41 table"),
+        one("if _m_norm(x + alpha * p, m) >= radius:", "if _m_norm(alpha * p, m) >= radius:"),), KRYLOV_TESTS),
     Mutation("krylov-damping-dropped", "fedrec_flwr/unlearning/krylov.py", (one("return ap + damping * p", "return ap"),),
              KRYLOV_TESTS),
     Mutation("to-boundary-negative-root", "fedrec_flwr/unlearning/krylov.py", (
@@ -208,8 +208,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         GN_TESTS),
     # ---- influence.py
     Mutation("bce-curvature-unweighted", "fedrec_flwr/unlearning/influence.py", (
-        one("                return weight_t * s * (1.0 - s)", "                return s * (1.0 - s)"),), INFLUENCE_TESTS,
-        "issue 41 table"),
+        one("                return weight_t * s * (1.0 - s)", "                return s * (1.0 - s)"),), INFLUENCE_TESTS),
     Mutation("bpr-curvature-unweighted", "fedrec_flwr/unlearning/influence.py", (
         one("c = weight_t * s * (1.0 - s)", "c = s * (1.0 - s)"),), INFLUENCE_TESTS),
     Mutation("influence-loss-is-a-sum-not-a-mean", "fedrec_flwr/unlearning/influence.py", (
@@ -226,16 +225,15 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ---- strategies/unlearning.py
     Mutation("ascent-not-divided-by-forgotten-users", "strategies/unlearning.py", (
         one("s.ascent_learning_rate * gradient[key] / max(len(s.forget), 1)", "s.ascent_learning_rate * gradient[key]"),),
-        UNLEARNING_TESTS, "issue 41 table"),
+        UNLEARNING_TESTS),
     Mutation("ascent-gradient-not-recomputed", "strategies/unlearning.py", (
         one("gradient, _ = self.gradient(grid, record, np.asarray(s.forget, dtype=np.int64))", "_ = record"),),
         UNLEARNING_TESTS),
     Mutation("forget-draw-from-curvature-stream", "strategies/unlearning.py", (
-        one("numpy_rng(config.seed, TAG_FORGET)", "numpy_rng(config.seed, TAG_CURVATURE_SAMPLE)"),), UNLEARNING_TESTS,
-        "issue 41 table"),
+        one("numpy_rng(config.seed, TAG_FORGET)", "numpy_rng(config.seed, TAG_CURVATURE_SAMPLE)"),), UNLEARNING_TESTS),
     Mutation("preconditioner-not-normalised", "strategies/unlearning.py", (
         one("m = (flatten(diagonal, shapes) + floor) / (mean + floor)", "m = flatten(diagonal, shapes) + floor"),),
-        UNLEARNING_TESTS, "issue 41 table"),
+        UNLEARNING_TESTS),
     Mutation("preconditioner-without-floor", "strategies/unlearning.py", (
         one("floor = PRECONDITIONER_FLOOR * mean\n", "floor = 0.0\n"),), UNLEARNING_TESTS),
     Mutation("preconditioner-mean-over-every-entry", "strategies/unlearning.py", (
@@ -245,7 +243,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         one("np.full_like(v, v.mean()))", "v.copy())"),), UNLEARNING_TESTS),
     Mutation("local-solve-drops-boundary-steps", "fedrec_flwr/app/client_app.py", (
         one("if not result.boundary and (result.negative_curvature or result.residual > 1.0):",
-            "if result.negative_curvature or result.residual > 1.0:"),), LOCAL_SOLVE_TESTS, "issue 41 table"),
+            "if result.negative_curvature or result.residual > 1.0:"),), LOCAL_SOLVE_TESTS),
     # ---- unlearn_margin.py
     Mutation("dominated-includes-ties", "fedrec_flwr/unlearning/margin.py", (
         one("np.asarray(forgotten_counts) > np.asarray(remaining_counts)",
@@ -264,8 +262,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         MARGIN_TESTS),
     # ---- adversary.py
     Mutation("dsvae-latent-scaled-by-variance", "fedrec_flwr/adversary.py", (
-        one("z = mu + torch.exp(0.5 * logvar) * xi", "z = mu + torch.exp(logvar) * xi"),), ADVERSARY_TESTS,
-        "issue 41 (DSVAE reparameterisation)"),
+        one("z = mu + torch.exp(0.5 * logvar) * xi", "z = mu + torch.exp(logvar) * xi"),), ADVERSARY_TESTS),
     Mutation("grl-does-not-reverse", "fedrec_flwr/adversary.py", (
         one("return -strength * grad, None", "return strength * grad, None"),), ADVERSARY_TESTS),
     Mutation("head-gradient-noise-dropped", "fedrec_flwr/adversary.py", (
@@ -280,7 +277,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ---- strategies/adversary.py
     Mutation("server-step-keeps-its-own-values", "strategies/adversary.py", (
         one("                param.copy_(torch.as_tensor(np.asarray(current[key]), dtype=torch.float32))",
-            "                pass"),), ADVERSARY_STEP_TESTS, "issue 41 table"),
+            "                pass"),), ADVERSARY_STEP_TESTS),
     Mutation("adversary-mean-unweighted", "strategies/adversary.py", (
         one("out[key] = np.tensordot(weights, stacked, axes=1) / weights.sum()", "out[key] = stacked.mean(axis=0)"),),
         ADVERSARY_STEP_TESTS),
@@ -298,8 +295,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         one("or weight <= 0:", "or weight < 0:"),), ADVERSARY_STEP_TESTS),
     # ---- data/split.py
     Mutation("validation-negatives-from-the-test-stream", "fedrec_flwr/data/split.py", (
-        one("num_test_negatives, seed, TAG_VAL_NEG)", "num_test_negatives, seed, TAG_TEST_NEG)"),), SPLIT_TESTS,
-        "issue 41 table"),
+        one("num_test_negatives, seed, TAG_VAL_NEG)", "num_test_negatives, seed, TAG_TEST_NEG)"),), SPLIT_TESTS),
     Mutation("test-negatives-from-the-validation-stream", "fedrec_flwr/data/split.py", (
         one("num_test_negatives, seed, TAG_TEST_NEG)", "num_test_negatives, seed, TAG_VAL_NEG)"),), SPLIT_TESTS),
     Mutation("train-negatives-ignore-the-round", "fedrec_flwr/data/split.py", (
@@ -315,8 +311,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "interacted = all_items[all_indptr[u]:all_indptr[u + 1] - 1]"),), SPLIT_TESTS),
     # ---- attacks/
     Mutation("membership-auc-is-pooled", "fedrec_flwr/attacks/membership.py", (
-        one('return {"auc": float(np.mean(per_user))', 'return {"auc": float(pooled)'),), ATTACK_TESTS,
-        "issue 41 table"),
+        one('return {"auc": float(np.mean(per_user))', 'return {"auc": float(pooled)'),), ATTACK_TESTS),
     Mutation("nonmembers-may-be-held-out-items", "fedrec_flwr/attacks/membership.py", (
         one("np.setdiff1d(np.arange(split.num_items), split.interacted(user))",
             "np.setdiff1d(np.arange(split.num_items), split.positives(user))"),), ATTACK_TESTS),
@@ -383,11 +378,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ---- clients/pfedrec.py
     Mutation("pfedrec-item-step-at-the-score-rate", "clients/pfedrec.py", (
         one("torch.optim.SGD(self.model.shared_parameters(), lr=self.item_learning_rate)",
-            "torch.optim.SGD(self.model.shared_parameters(), lr=self.cfg.learning_rate)"),), PFEDREC_TESTS,
-        "issue 41 table"),
+            "torch.optim.SGD(self.model.shared_parameters(), lr=self.cfg.learning_rate)"),), PFEDREC_TESTS),
     Mutation("pfedrec-default-rate-lacks-num-items", "clients/pfedrec.py", (
-        one("cfg.learning_rate * self.runtime.split.num_items * LR_ETA", "cfg.learning_rate * LR_ETA"),), PFEDREC_TESTS,
-        "issue 41 table"),
+        one("cfg.learning_rate * self.runtime.split.num_items * LR_ETA", "cfg.learning_rate * LR_ETA"),), PFEDREC_TESTS),
     Mutation("pfedrec-item-step-skipped", "clients/pfedrec.py", (
         one("return self.optimizer_step(self._item_optimizer, users, items, labels)", "return value"),), PFEDREC_TESTS),
     Mutation("pfedrec-score-step-skipped", "clients/pfedrec.py", (
