@@ -48,7 +48,29 @@ RESUME_ROUND_KEY = "resume-round"
 """Identify-query key of a resumed run: the checkpoint's round (each node then checks its users' state files)."""
 
 _MANIFEST = "__manifest__"
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+RUN_NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=,+-]{0,199}")
+"""What a run's name may be (matched whole, :func:`run_name_problem`): it names the results folder under
+``results-dir`` and the clients' state folder under ``client-state-dir``, so the same rule holds for both. At most
+200 ASCII characters (200 bytes: below the 255-byte file-name limit of the common file systems, with room for the
+files named after it); letters, digits and ``. _ = , + -``, starting with a letter or digit (no path separator, no
+space or control character, no hidden folder, no ``.``/``..``)."""
+
+RUN_NAME_RULE_TEXT = ("1-200 ASCII letters, digits and '.', '_', '=', ',', '+', '-', starting with a letter or digit "
+                      "(no space, '/', '\\', control or non-ASCII character)")
+""":data:`RUN_NAME_RULE` in words, for error messages."""
+
+
+def run_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot be a run's name (:data:`RUN_NAME_RULE`), or ``None`` when it can."""
+    if not isinstance(name, str):
+        return f"not a string ({type(name).__name__})"
+    if RUN_NAME_RULE.fullmatch(name):
+        return None
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if size > 200:
+        return f"{size} bytes long, more than 200"
+    return f"must be {RUN_NAME_RULE_TEXT}"
 
 
 class ClientStateError(RuntimeError):
@@ -71,7 +93,7 @@ def state_folder(node_config: Mapping[str, Any], run_config_dir: str, message_co
     if not folder:
         return None
     run = message_config.get(RUN_KEY)
-    if not isinstance(run, str) or not _SAFE_NAME.match(run):
+    if not isinstance(run, str) or run_name_problem(run) is not None:
         raise ConfigError(f"'{STATE_DIR_KEY}' is set but the server's message names no usable run "
                           f"({RUN_KEY!r} = {run!r}); use this package's ServerApp, which sends it")
     return Path(folder).expanduser() / run

@@ -1,0 +1,119 @@
+"""A run's folders: one rule for what a run's name may be (the results folder's and the clients' state folder's),
+checked before anything starts; a results folder belongs to one live run; a resume on changed data is refused; a
+dead writer's temporary files are cleaned up. Tiny generated data, ``run_serial`` or ``launch.main`` up to the
+preflight."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from fedrec_flwr import launch
+from fedrec_flwr.errors import ConfigError
+
+from conftest import tiny_run_config
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+USERS_PER_NODE = 6  # the tiny dataset's 24 users on 4 nodes
+
+
+def _pairs(mapping: dict) -> list[str]:
+    """``key=value`` words for the launcher: the keys that differ from the defaults (strings TOML-quoted)."""
+    import json
+
+    defaults = launch.default_mapping(launch.PROJECT_ROOT / "pyproject.toml")
+    return [f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
+            for k, v in mapping.items() if v != defaults.get(k)]
+
+
+def _launch(capsys, tmp_path: Path, *words: str) -> tuple[int, list[str]]:
+    """``python -m fedrec_flwr.launch run <words>``: the exit status and the lines on stderr."""
+    code = launch.main(["run", "--flwr-home", str(tmp_path / "home"), *words])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+# ------------------------------------------------------------------------------------------------ run names
+BAD_NAMES = {
+    "too-long-ascii": "r" * 256,
+    "too-long-bytes": "\u5b57" * 90,  # 90 CJK characters, 270 bytes in UTF-8
+    "201-characters": "a" * 201,
+    "space": "my run",
+    "non-ascii": "M\u00fcller",
+    "hidden": "_scratch",
+    "dot-first": ".hidden",
+    "parentheses": "run(1)",
+    "newline": "a\nb",
+    "trailing-newline": "a\n",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_NAMES))
+def test_a_run_name_the_clients_state_folder_would_refuse_is_refused_by_the_preflight(tmp_path, case):
+    """Every entry point's preflight refuses, in one line naming the key and the (escaped) value, a name that the
+    file system or the clients' state folder would refuse later (in round 1, or after the identify phase)."""
+    from fedrec_flwr.serial import run_serial
+
+    name = BAD_NAMES[case]
+    mapping = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, run_name=name,
+                              client_state_dir=str(tmp_path / "state"))
+    with pytest.raises(ConfigError) as caught:
+        run_serial(mapping)
+    message = str(caught.value)
+    assert "\n" not in message and f"run-config key 'run-name' = {name!r}:" in message, message
+    assert not (tmp_path / "results").exists() and not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("case", ["too-long-ascii", "space", "non-ascii", "parentheses"])
+def test_the_launcher_refuses_such_a_run_name_before_anything_starts(tmp_path, capsys, case):
+    mapping = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, run_name=BAD_NAMES[case])
+    code, lines = _launch(capsys, tmp_path, *_pairs(mapping))
+    assert code == 2, lines
+    assert len(lines) == 1 and "run-config key 'run-name' = " in lines[0], lines
+    assert not (tmp_path / "home").exists() and not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("name", ["a", "learning-rate=0.03-seed0", "rho-shared=0.02,server-lr=0.03-seed1",
+                                  "Run_1.v2+x", "x" * 200])
+def test_every_name_the_preflight_accepts_names_a_clients_state_folder(tmp_path, name):
+    """One rule: a name the preflight lets through is one the clients' state folder takes."""
+    from fedrec_flwr.client_state import RUN_KEY, state_folder
+    from fedrec_flwr.preflight import preflight
+
+    plan = preflight(tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, run_name=name))
+    assert plan.folder.name == name
+    assert state_folder({}, str(tmp_path / "state"), {RUN_KEY: plan.folder.name}) == tmp_path / "state" / name
+
+
+def test_a_generated_run_name_follows_the_rule(tmp_path):
+    """A plug-in's class name may hold characters the rule refuses, a dataset name may be long."""
+    from types import SimpleNamespace
+
+    from fedrec_flwr.client_state import run_name_problem
+    from fedrec_flwr.preflight import default_run_name
+
+    config = SimpleNamespace(run_name="", dataset="_my data" * 40, model="mf", client="my_pkg:My Client (v2)",
+                             strategy="item-fedavg", unlearning="none")
+    name = default_run_name(config)
+    assert run_name_problem(name) is None, name
+
+
+def test_a_resume_from_a_folder_whose_name_breaks_the_rule_is_refused(tmp_path):
+    """A resumed run keeps its folder's name (the clients' state folder is named after it): a checkpoint's folder
+    renamed to ``my run`` would fail in round 1 on every node; it is refused before anything starts."""
+    import numpy as np
+
+    from fedrec_flwr.checkpoint import Checkpoint, save_checkpoint
+    from fedrec_flwr.config import RunConfig
+    from fedrec_flwr.preflight import preflight
+
+    mapping = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, run_name="ok", checkpoint_every=1,
+                              client_state_dir=str(tmp_path / "state"))
+    folder = tmp_path / "results" / "my run"
+    save_checkpoint(folder, Checkpoint(server_round=1, run_name="ok", run_config=RunConfig.from_mapping(mapping).to_dict(),
+                                       arrays={"w": np.zeros(1)},
+                                       client_state=True))
+    with pytest.raises(ConfigError, match=r"'resume-from' = .*: the checkpoint's folder name 'my run' cannot name"):
+        preflight({**mapping, "resume-from": str(folder)})
