@@ -16,7 +16,7 @@ Without the data (the ServerApp: the server never reads the interaction data) it
 * ``resume-from``: a readable checkpoint there, written with the same config (:mod:`fedrec_flwr.checkpoint`), in a
   folder that holds no finished run (``summary.json``: a finished run is never rewritten), from a run that kept its
   clients' private state in files (else ``resume-resets-client-state`` must accept restarting it);
-* the results folder: not a finished run's (``summary.json``) nor an interrupted one's (``checkpoint.npz``: resume it
+* the results folder: not held by a live run (:class:`fedrec_flwr.results.FolderLock`), not a finished run's (``summary.json``) nor an interrupted one's (``checkpoint.npz``: resume it
   with ``resume-from``), and creatable / writable under ``results-dir`` (probed with an empty folder, removed at once).
 
 With the data (the launcher and ``run_serial``, which read it in this process) it also builds what a node builds
@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from .checkpoint import Checkpoint, check_client_state, check_resumable, load_ch
 from .client_state import RUN_NAME_RULE_TEXT, run_name_problem
 from .config import RunConfig
 from .errors import ConfigError
-from .results import check_results_folder
+from .results import check_folder_free, check_results_folder
 
 
 @dataclass(frozen=True)
@@ -108,8 +109,10 @@ def preflight(config: RunConfig | Mapping[str, Any], *, with_data: bool = False)
             raise ConfigError(f"run-config key 'resume-from' = {config.resume_from!r}: {folder} holds a finished run "
                               "(summary.json), which is never rewritten; to train further start a new run (another "
                               "'run-name')")
+        check_folder_free(folder, "resume-from", config.resume_from)
     else:
         folder = Path(config.results_dir).expanduser().resolve() / default_run_name(config)
+        check_folder_free(folder)
         check_results_folder(folder, clear=False)
     _check_writable(folder, "resume-from" if resume is not None else "results-dir",
                     config.resume_from if resume is not None else config.results_dir)
@@ -191,12 +194,13 @@ def _check_name_fits(folder: Path, key: str, value: str) -> None:
 
 
 def default_run_name(config: RunConfig) -> str:
-    """``<dataset>-<model>-<client>-<strategy>[-unlearn-<method>]-<UTC time>`` unless ``run-name`` is set; a
+    """``<dataset>-<model>-<client>-<strategy>[-unlearn-<method>]-<UTC time>-p<pid>-<6 random hex digits>`` unless
+    ``run-name`` is set (two runs started in the same second, in one process or two, get different names); a
     character outside :data:`~fedrec_flwr.client_state.RUN_NAME_RULE` (a plug-in's name) becomes ``-``, and the
     descriptive part is cut so that the name stays within the rule's 200 characters."""
     if config.run_name:
         return config.run_name
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + f"-p{os.getpid()}-{secrets.token_hex(3)}"
     client = config.client.rsplit(":", 1)[-1].lower()
     strategy = config.strategy.rsplit(":", 1)[-1].lower()
     unlearn = f"-unlearn-{config.unlearning}" if config.unlearning != "none" else ""

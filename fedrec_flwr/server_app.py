@@ -46,7 +46,7 @@ from .errors import ConfigError, reply_error_line
 from .message_window import is_simulation_grid, windowed
 from .registry import LOGGER_ROOTS
 from .preflight import Preflight, build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: was here
-from .results import FAILED_FILE, PROGRESS, RunRecorder, check_results_folder, describe_failure, read_failure, \
+from .results import FAILED_FILE, PROGRESS, FolderLock, RunRecorder, check_results_folder, describe_failure, read_failure, \
     write_failure
 from .runtime import build_shared_model
 from .wire import CONFIG, ModelLayout, Topology
@@ -187,6 +187,9 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     :class:`~fedrec_flwr.serial.SerialGrid`), is called after every round, once its metrics are recorded, with a
     :class:`RoundView`.
 
+    The run holds its results folder's lock (:class:`fedrec_flwr.results.FolderLock`) from the preflight's end until
+    it returns: a second run of that folder is refused with a ConfigError naming this one.
+
     A run that raises once its results folder exists records why in ``failed.json`` there
     (:func:`fedrec_flwr.results.write_failure`: the error, the round) before the error goes on; a ``KeyboardInterrupt``
     or ``SystemExit`` (Ctrl-C, SIGTERM) is an interruption and writes none.
@@ -194,6 +197,9 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     _setup_logging()
     plan = preflight(RunConfig.from_mapping(context.run_config or run_config or {}))  # no data here: the nodes have it
     progress = Progress(completed=plan.resume.server_round if plan.resume is not None else 0)
+    # the folder is this run's until it returns: a second run of it is refused (before it touches the folder)
+    lock = FolderLock(plan.folder, *(("resume-from", plan.config.resume_from) if plan.resume is not None else
+                                     ("run-name", plan.folder.name))).acquire()
     patched = _fast_link_state(plan.config, grid)
     try:
         return _run(plan, grid, on_round, progress)
@@ -208,6 +214,7 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
                 log.warning("could not write %s: %s", plan.folder / FAILED_FILE, problem)
         raise
     finally:
+        lock.release()
         if patched:  # Flower's own method back for whatever runs next in this process (a test, a second app)
             from . import flower_patches
 

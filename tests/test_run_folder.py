@@ -117,3 +117,68 @@ def test_a_resume_from_a_folder_whose_name_breaks_the_rule_is_refused(tmp_path):
                                        client_state=True))
     with pytest.raises(ConfigError, match=r"'resume-from' = .*: the checkpoint's folder name 'my run' cannot name"):
         preflight({**mapping, "resume-from": str(folder)})
+
+
+# ------------------------------------------------------------------------------------------------ one run a folder
+def test_two_generated_run_names_of_the_same_second_differ():
+    """Two runs started in the same second with ``run-name = ""`` got the same folder; the name now holds the pid and
+    a random part."""
+    from fedrec_flwr.config import make_run_config
+    from fedrec_flwr.preflight import default_run_name
+
+    config = make_run_config(run_name="")
+    names = {default_run_name(config) for _ in range(20)}
+    assert len(names) == 20, names
+    assert all(f"-p{__import__('os').getpid()}-" in name for name in names)
+
+
+def test_a_second_run_of_a_live_runs_folder_is_refused_naming_the_holder(tmp_path, capsys):
+    """The same run-name started while the first run is still going: refused (run_serial and the launcher), naming
+    the live run's pid; the first run finishes with its own files, and its lock is gone afterwards."""
+    import os
+
+    from fedrec_flwr.results import lock_path
+    from fedrec_flwr.serial import run_serial
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    config = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, num_server_rounds=2, run_name="shared")
+    refusals = []
+
+    def second_run(view):
+        if view.server_round == 1:
+            with pytest.raises(ConfigError) as caught:
+                run_serial({**config, "seed": 1})
+            refusals.append(str(caught.value))
+            refusals.append(_launch(capsys, tmp_path, *_pairs({**config, "seed": 1})))
+
+    folder = run_serial(config, on_round=second_run)
+    message, (code, lines) = refusals
+    assert f"in use by a live run (pid {os.getpid()} on host" in message and "\n" not in message, message
+    assert code == 2 and len(lines) == 1 and f"pid {os.getpid()}" in lines[0], lines
+    summary = __import__("json").loads((folder / "config.json").read_text())
+    assert summary["run-config"]["seed"] == 0 and (folder / "summary.json").is_file()
+    assert not lock_path(folder).exists()
+
+
+def test_a_lock_file_left_by_a_dead_process_does_not_block(tmp_path):
+    """A SIGKILLed run leaves its lock file, but no lock: the next run of the folder takes it over."""
+    import json
+    import subprocess
+    import sys
+
+    from fedrec_flwr.results import FolderLock, lock_path
+    from fedrec_flwr.serial import run_serial
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    folder = tmp_path / "results" / "again"
+    held = subprocess.run([sys.executable, "-c", "import os, signal, sys; from fedrec_flwr.results import FolderLock; "
+                           f"FolderLock({str(folder)!r}).acquire(); os.kill(os.getpid(), signal.SIGKILL)"],
+                          env={**__import__("os").environ}, capture_output=True, text=True, timeout=120)
+    assert held.returncode == -9, held.stderr
+    assert json.loads(lock_path(folder).read_text())["pid"] != __import__("os").getpid()  # the dead one's
+    config = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, num_server_rounds=1, run_name="again")
+    assert run_serial(config).resolve() == folder.resolve()
+    assert (folder / "summary.json").is_file() and not lock_path(folder).exists()
+    with FolderLock(folder):  # and a live holder in this process blocks another lock of it
+        with pytest.raises(ConfigError, match="in use by a live run"):
+            FolderLock(folder).acquire()
