@@ -13,7 +13,9 @@ Without the data (the ServerApp: the server never reads the interaction data) it
 * ``run-name`` (and, with ``resume-from``, the name of the checkpoint's folder, which a resumed run keeps): one rule,
   :data:`fedrec_flwr.client_state.RUN_NAME_RULE`, for the results folder under ``results-dir`` and the clients' state
   folder under ``client-state-dir``, and short enough for the file system of ``results-dir`` (its ``NAME_MAX``);
-* ``resume-from``: a readable checkpoint there, written with the same config (:mod:`fedrec_flwr.checkpoint`), in a
+* ``resume-from``: a readable checkpoint there, written with the same config and (with the data: read afresh, never a
+  split this process loaded before) on the same data (:func:`fedrec_flwr.checkpoint.check_same_data`; the ServerApp
+  checks what the nodes report too), (:mod:`fedrec_flwr.checkpoint`), in a
   folder that holds no finished run (``summary.json``: a finished run is never rewritten), from a run that kept its
   clients' private state in files (else ``resume-resets-client-state`` must accept restarting it);
 * the results folder: not held by a live run (:class:`fedrec_flwr.results.FolderLock`), not a finished run's (``summary.json``) nor an interrupted one's (``checkpoint.npz``: resume it
@@ -120,9 +122,15 @@ def preflight(config: RunConfig | Mapping[str, Any], *, with_data: bool = False)
                      config.resume_from if resume is not None else folder.name)
     runtime = None
     if with_data:
-        from .runtime import get_runtime
+        from .runtime import forget_cached_data, get_runtime
 
+        if resume is not None:  # the data as they are now, not a split this process loaded before they changed
+            forget_cached_data()
         runtime = get_runtime(config.to_dict())
+        if resume is not None:
+            from .checkpoint import check_same_data, split_data_facts
+
+            check_same_data(resume, split_data_facts(runtime.split), "in the data now")
         build_strategy(config, runtime.layout, _block_topology(config, runtime.split.num_users), dry=True)
     return Preflight(config, folder, resume, runtime)
 

@@ -38,11 +38,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
-from .checkpoint import CHECKPOINT_FILE, Checkpoint, check_client_state, save_checkpoint
+from .checkpoint import CHECKPOINT_FILE, Checkpoint, check_client_state, check_same_data, save_checkpoint
 from .client_app import IDENTIFY
 from .client_state import DURABLE_ROUND_KEY, RESUME_ROUND_KEY, RUN_KEY
 from .config import RunConfig
-from .errors import ConfigError, reply_error_line
+from .errors import ConfigError, FedRecError, reply_error_line
 from .message_window import is_simulation_grid, windowed
 from .registry import LOGGER_ROOTS
 from .preflight import Preflight, build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: was here
@@ -177,6 +177,8 @@ class Progress:
     """The round running now; ``None`` before round 1 and after the last."""
     completed: int = 0
     """The last round whose metrics are recorded."""
+    training: bool = False
+    """Whether the rounds have begun (an error of bad input before that is a refusal: no ``failed.json``)."""
 
 
 def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = None, *,
@@ -191,7 +193,9 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     it returns: a second run of that folder is refused with a ConfigError naming this one.
 
     A run that raises once its results folder exists records why in ``failed.json`` there
-    (:func:`fedrec_flwr.results.write_failure`: the error, the round) before the error goes on; a ``KeyboardInterrupt``
+    (:func:`fedrec_flwr.results.write_failure`: the error, the round) before the error goes on, unless it was refused
+    (a :class:`~fedrec_flwr.errors.FedRecError` before the rounds began: a resume on changed data leaves the
+    interrupted run's folder as it was); a ``KeyboardInterrupt``
     or ``SystemExit`` (Ctrl-C, SIGTERM) is an interruption and writes none.
     """
     _setup_logging()
@@ -204,7 +208,8 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     try:
         return _run(plan, grid, on_round, progress)
     except Exception as err:  # noqa: BLE001 - recorded, then raised as it was (Ctrl-C / SIGTERM: interrupted, not failed)
-        if plan.folder.is_dir():  # a run refused before its folder existed leaves none
+        refused = isinstance(err, FedRecError) and not progress.training
+        if plan.folder.is_dir() and not refused:  # a run refused before training leaves the folder as it was
             try:
                 write_failure(plan.folder, err, server_round=progress.round, rounds_completed=progress.completed,
                               num_server_rounds=plan.config.num_server_rounds)
@@ -259,7 +264,12 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
                                                    query=query)
     without_state = facts.pop("nodes-without-client-state")
     state_problems = facts.pop("client-state-problems")
+    split_facts = facts.pop("split", {})
+    data = {"source-sha256": split_facts.get("source-sha256"), "num-users": facts["num-users"],
+            "num-items": facts["num-items"], "num-interactions": split_facts.get("num-interactions"),
+            "fingerprint": facts["split-fingerprint"]}
     if resume is not None:
+        check_same_data(resume, data, "as the nodes report")  # before anything is built from the data
         reset = check_client_state(resume, without_state, config.resume_resets_client_state, state_problems)
         if reset is not None:
             log.warning("%s", reset)
@@ -290,7 +300,6 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
     if hasattr(strategy, "message_config"):
         strategy.message_config = message_config
 
-    split_facts = facts.pop("split", {})
     # a split without timestamps has no ties to break: config.json says what ordered the held-out items instead
     tie_rule = config.tie_rule if split_facts.get("tie-rule-applied", True) else \
         f"not applied: {split_facts.get('held-out-order', 'no timestamps')}"
@@ -312,7 +321,7 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
             recorder.record(server_round, strategy.last_train, strategy.last_evaluate)
             if config.checkpoint_every and server_round % config.checkpoint_every == 0:
                 _write_checkpoint(folder, server_round, config, arrays, strategy, recorder.rows,
-                                  client_state=not without_state)
+                                  client_state=not without_state, data=data)
                 message_config[DURABLE_ROUND_KEY] = server_round
             if on_round is not None:
                 on_round(RoundView(server_round, grid, strategy, arrays, config, folder))
@@ -321,6 +330,7 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
         return None
 
     progress.round = first_round if first_round <= config.num_server_rounds else None
+    progress.training = True
 
     runner = strategy if first_round == 1 else ShiftedRounds(strategy, first_round - 1)
     result = runner.start(
@@ -395,12 +405,13 @@ def _checkpoint_arrays(checkpoint: Checkpoint, layout: ModelLayout) -> ArrayReco
 
 
 def _write_checkpoint(folder: Path, server_round: int, config: RunConfig, arrays: ArrayRecord, strategy,
-                      rows: list, client_state: bool | None = None) -> None:
+                      rows: list, client_state: bool | None = None, data: Mapping[str, Any] | None = None) -> None:
     state, extra = strategy.checkpoint_state() if hasattr(strategy, "checkpoint_state") else ({}, {})
     save_checkpoint(folder, Checkpoint(
         server_round=server_round, run_name=folder.name, run_config=config.to_dict(),
         arrays={k: v.numpy() for k, v in arrays.items()}, strategy_state=state, strategy_arrays=extra,
-        rows=list(rows), sampler={"seed": config.seed, "next-round": server_round + 1}, client_state=client_state))
+        rows=list(rows), sampler={"seed": config.seed, "next-round": server_round + 1}, client_state=client_state,
+        data=dict(data or {})))
     log.info("checkpoint of round %d written to %s", server_round, folder / CHECKPOINT_FILE)
 
 

@@ -182,3 +182,71 @@ def test_a_lock_file_left_by_a_dead_process_does_not_block(tmp_path):
     with FolderLock(folder):  # and a live holder in this process blocks another lock of it
         with pytest.raises(ConfigError, match="in use by a live run"):
             FolderLock(folder).acquire()
+
+
+# ------------------------------------------------------------------------------------------------ resume on other data
+def _interrupted_after_round_two(tmp_path):
+    """A checkpointed run with client state, SIGKILLed in round 3 (in another process): its checkpoint is round 2's."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import PROJECT_ROOT
+    from test_checkpoint_resume import KILLED_RUN
+
+    config = tiny_run_config(tmp_path, users_per_node=4, num_server_rounds=4, eval_every=2, fraction_train=0.5,
+                             checkpoint_every=2, client_state_dir=str(tmp_path / "device"), run_name="edited")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
+    done = subprocess.run([sys.executable, "-c", KILLED_RUN, json.dumps(config), "3"], cwd=PROJECT_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    return config, tmp_path / "results" / "edited"
+
+
+def test_a_resume_on_changed_data_is_refused_before_training_naming_both_checksums(tmp_path, capsys, task_identity):
+    """Interrupt after round 2, edit the CSV, resume: a same-shape edit trained silently on the new data (config.json
+    then recorded the new checksum as if the run had used it throughout), one added user gave a raw IndexError. Both
+    are refused now, naming both checksums: by run_serial and the launcher before anything starts, and by the
+    ServerApp of a plain ``flwr run`` from what the nodes report, before any training message."""
+    import hashlib
+    import re
+
+    from flwr.app import Context, RecordDict
+
+    from fedrec_flwr.checkpoint import load_checkpoint
+    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.serial import SerialGrid, run_serial
+    from fedrec_flwr.server_app import main
+
+    config, folder = _interrupted_after_round_two(tmp_path)
+    import json
+
+    assert load_checkpoint(folder).server_round == 2
+    sha = json.loads((folder / "config.json").read_text())["split"]["source-sha256"]
+    csv = Path(config["generic-file"])
+    original = csv.read_text()
+    lines = original.splitlines()
+    same_shape = "\n".join(lines[:2] + [re.sub(r",\d+$", ",5000", lines[2])] + lines[3:]) + "\n"
+    added_user = original + "".join(f"u24,i{3 * k},5,{1000 + k}\n" for k in range(12))
+    resume = {**config, "resume-from": str(folder)}
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+    for edited in (same_shape, added_user):
+        csv.write_text(edited)
+        with pytest.raises(ConfigError) as caught:
+            run_serial(resume)
+        message = str(caught.value)
+        assert "\n" not in message and sha in message, message
+        assert "source-sha256" in message and "-> " in message, message
+        code, err = _launch(capsys, tmp_path, *_pairs(resume))
+        assert code == 2 and len(err) == 1 and sha in err[0], err
+        nodes = -(-(24 + (edited is added_user)) // 4)
+        grid = SerialGrid(make_client_app(resume), nodes, resume)
+        context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=resume)
+        with pytest.raises(ConfigError, match=f"source-sha256 {sha} in the checkpoint"):
+            main(grid, context, resume)
+        assert grid.messages_delivered == nodes  # the identify query only
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()} == before
+    csv.write_text(original)  # the data it started with: the run goes on
+    assert run_serial(resume) == folder and (folder / "summary.json").is_file()
