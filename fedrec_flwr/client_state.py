@@ -23,6 +23,7 @@ only such records are written, and nothing here ever leaves the node.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import zipfile
 from collections.abc import Iterable, Mapping
@@ -33,7 +34,9 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
 from .errors import ConfigError
-from .io import atomic_save_npz, load_npz
+from .io import atomic_save_npz, load_npz, remove_dead_temporaries
+
+log = logging.getLogger(__name__)
 
 STATE_DIR_KEY = "client-state-dir"
 """Node-config (and run-config) key of the folder holding the clients' private state files."""
@@ -156,7 +159,9 @@ class ClientStateStore:
 
     def resume_problems(self, users: Iterable[int], resume_round: int,
                         set_aside: bool = False) -> tuple[list[int], list[int]]:
-        """What this folder holds for a resume after round ``resume_round`` (ids only, no values).
+        """What this folder holds for a resume after round ``resume_round`` (ids only, no values). Temporary files
+        of these users' files left by a writer killed mid-save are removed first
+        (:func:`fedrec_flwr.io.remove_dead_temporaries`).
 
         Args:
             users: the users this node serves.
@@ -169,8 +174,13 @@ class ClientStateStore:
             decides which absent users lose state: those its checkpoint says trained
             (:func:`fedrec_flwr.checkpoint.check_client_state`).
         """
+        users = [int(u) for u in users]
+        removed = remove_dead_temporaries(self.folder, [self.path(u).name for u in users])
+        if removed:  # a writer killed mid-save (its pid is gone): the file it was replacing is intact
+            log.info("removed %d temporary file(s) of a writer killed mid-save in %s (e.g. %s)", len(removed),
+                     self.folder, removed[0].name)
         damaged, absent = [], []
-        for user in (int(u) for u in users):
+        for user in users:
             try:
                 versions = self.read_versions(user)
             except ClientStateError:

@@ -43,6 +43,7 @@ from .client_app import IDENTIFY
 from .client_state import DURABLE_ROUND_KEY, RESUME_ROUND_KEY, RUN_KEY
 from .config import RunConfig
 from .errors import ConfigError, FedRecError, reply_error_line
+from .io import remove_dead_temporaries
 from .message_window import is_simulation_grid, windowed
 from .registry import LOGGER_ROOTS
 from .preflight import Preflight, build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: was here
@@ -255,6 +256,10 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
 
         lookup = "by destination (fast-link-state)" if flower_patches.active() else "Flower's own"
     grid = windowed(grid, config.max_in_flight)  # every phase's messages, ours and a wrapped Flower strategy's
+    removed = remove_dead_temporaries(folder, any_writer=True)  # this run holds the folder's lock: nobody else writes
+    if removed:
+        log.info("removed %d temporary file(s) an earlier run left in %s when it was killed mid-write (e.g. %s)",
+                 len(removed), folder, removed[0].name)
     if resume is None:
         check_results_folder(folder)  # clears what an interrupted run of this name left
     query = None if resume is None else {  # each node checks its users' state files (client_app.identify)

@@ -250,3 +250,84 @@ def test_a_resume_on_changed_data_is_refused_before_training_naming_both_checksu
     assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()} == before
     csv.write_text(original)  # the data it started with: the run goes on
     assert run_serial(resume) == folder and (folder / "summary.json").is_file()
+
+
+# ------------------------------------------------------------------------------------------------ debris of faults
+KILLED_WRITER = """
+import os, signal, sys
+from fedrec_flwr import io
+os.replace = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # killed between writing and renaming
+io.atomic_write_bytes(sys.argv[1], b"half")
+"""
+
+
+def _killed_writer(path: Path) -> None:
+    """Leave what a writer SIGKILLed mid-write of ``path`` leaves (in another process)."""
+    import subprocess
+    import sys
+
+    from conftest import PROJECT_ROOT
+
+    done = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(path)], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    assert done.returncode == -9, done.stderr
+
+
+def test_a_dead_writers_temporary_files_are_removed_at_the_next_start_and_only_those(tmp_path):
+    """Each node's resume check removes the temporary files a killed writer left of its users' state files; a live
+    writer's, another user's, and any other file stay."""
+    import subprocess
+    import sys
+
+    from fedrec_flwr.client_state import ClientStateStore
+    from fedrec_flwr.io import TEMPORARY
+
+    folder = tmp_path / "device" / "run"
+    for user in (3, 5):
+        _killed_writer(folder / f"user-{user}.npz")
+    assert len(list(folder.glob(".user-3.npz.*.tmp"))) == 1
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead = next(folder.glob(".user-3.npz.*.tmp")).name
+        alive = folder / dead.replace(f"-{TEMPORARY.fullmatch(dead)['pid']}.", f"-{live.pid}.")
+        alive.write_bytes(b"")
+        (folder / ".notes.tmp").write_bytes(b"")
+        ClientStateStore(folder).resume_problems([3, 4], resume_round=1)
+        left = sorted(p.name for p in folder.iterdir())
+    finally:
+        live.kill()
+        live.wait()
+    assert not (folder / dead).exists()
+    assert alive.name in left and ".notes.tmp" in left and any(n.startswith(".user-5.npz.") for n in left), left
+
+
+def test_a_resumed_run_leaves_no_temporary_file_of_the_killed_one(tmp_path):
+    """SIGKILL mid-write left ``.user-N.npz.*.tmp`` (and ``.metrics.csv.*.tmp``) that nothing cleaned up; the resumed
+    run removes them (the results folder's under its lock, the state folder's on each node's resume check)."""
+    from fedrec_flwr.serial import run_serial
+
+    config, folder = _interrupted_after_round_two(tmp_path)
+    _killed_writer(folder / "metrics.csv")
+    _killed_writer(tmp_path / "device" / "edited" / "user-3.npz")
+    assert len(list(tmp_path.rglob("*.tmp"))) == 2
+    assert run_serial({**config, "resume-from": str(folder)}) == folder
+    assert list(tmp_path.rglob("*.tmp")) == [] and (folder / "summary.json").is_file()
+
+
+def test_a_write_error_names_the_file_being_written(tmp_path, monkeypatch):
+    """A full disk gave ``[Errno 28] No space left on device`` without the file; the error names it, and the
+    temporary file is gone."""
+    import errno
+
+    from fedrec_flwr import io as fio
+    from fedrec_flwr.results import RunRecorder
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    recorder = RunRecorder(tmp_path / "run", {}, {})
+    monkeypatch.setattr(fio.os, "fsync", full)
+    with pytest.raises(OSError) as caught:
+        recorder.record(1, {"train-loss": 0.5}, {})
+    assert caught.value.errno == errno.ENOSPC and str(tmp_path / "run" / "metrics.csv") in str(caught.value)
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["config.json"]
