@@ -567,10 +567,19 @@ def parse_override(pair: str, defaults: Mapping[str, Any] | None = None, what: s
     if text[:1] in ("'", '"'):
         try:
             value = tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
+        except tomllib.TOMLDecodeError as err:
+            balanced = len(text) >= 2 and text[-1] == text[0]
+            control = next((c for c in text[1:-1] if not c.isprintable()), None) if balanced else None
+            bare = text.strip(chr(39) + chr(34))
+            if control is not None:  # the quotes balance: the value holds what a TOML string holds only escaped
+                raise ConfigError(
+                    f"{what} key '{key}': {text!r} is not a TOML string: it holds the raw control character "
+                    f"{control!r}, which TOML takes only escaped ({repr(control)[1:-1]}); write it as "
+                    f"{key}={_toml_string(bare)}") from None
+            hint = "an unbalanced quote?" if not balanced else f"TOML: {err}"
             raise ConfigError(
-                f"{what} key '{key}': {text} is not a quoted string (an unbalanced quote?); write it without quotes "
-                f"({key}={text.strip(chr(39) + chr(34))}) or as TOML ({key}={_toml_string(text.strip(chr(39) + chr(34)))})"
+                f"{what} key '{key}': {text!r} is not a quoted string ({hint}); write it without quotes "
+                f"({key}={bare}) or as TOML ({key}={_toml_string(bare)})"
             ) from None
         return key, value
     if isinstance(defaults.get(key), str):

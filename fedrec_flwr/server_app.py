@@ -42,7 +42,7 @@ from .checkpoint import CHECKPOINT_FILE, Checkpoint, check_client_state, check_s
 from .client_app import IDENTIFY
 from .client_state import DURABLE_ROUND_KEY, RESUME_ROUND_KEY, RUN_KEY
 from .config import RunConfig
-from .errors import ConfigError, FedRecError, reply_error_line
+from .errors import ConfigError, FedRecError, OneLineRecords, reply_error_line
 from .io import remove_dead_temporaries
 from .message_window import is_simulation_grid, windowed
 from .registry import LOGGER_ROOTS
@@ -65,6 +65,7 @@ def _setup_logging() -> None:
         if not root.handlers:
             handler = logging.StreamHandler(sys.stdout)
             handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+            handler.addFilter(OneLineRecords())  # one record, one line: the quiet console keeps whole records
             root.addHandler(handler)
             root.setLevel(logging.INFO)
             root.propagate = False

@@ -331,3 +331,50 @@ def test_a_write_error_names_the_file_being_written(tmp_path, monkeypatch):
         recorder.record(1, {"train-loss": 0.5}, {})
     assert caught.value.errno == errno.ENOSPC and str(tmp_path / "run" / "metrics.csv") in str(caught.value)
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["config.json"]
+
+
+# ------------------------------------------------------------------------------------------------ one line each
+def test_a_path_with_a_newline_is_one_console_line_and_one_refusal_line(tmp_path, capsys):
+    """The quiet console keeps a record's first line: with a newline in the results folder's path, the console said
+    ``results in /.../res`` and ``results written to /.../res``. Each record is one line now, the path escaped; and a
+    refusal naming such a path is one line too (run_serial and the launcher)."""
+    import io
+
+    from fedrec_flwr.serial import run_serial
+    from fedrec_flwr.server_app import _setup_logging
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    results = tmp_path / "res\nults"
+    config = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, num_server_rounds=1, run_name="nl",
+                             results_dir=str(results))
+    _setup_logging()
+    handlers = logging.getLogger("fedrec_flwr").handlers
+    stream = io.StringIO()
+    previous = [h.setStream(stream) for h in handlers]
+    try:
+        folder = run_serial(config)
+    finally:
+        for handler, old in zip(handlers, previous):
+            handler.setStream(old)
+    shown = repr(str(folder))[1:-1]
+    lines = stream.getvalue().splitlines()
+    assert any(line.endswith(f"results in {shown}") for line in lines), lines
+    assert any(line.endswith(f"results written to {shown}") for line in lines), lines
+    assert all(line.startswith(("INFO ", "WARNING ", "ERROR ", "round ")) for line in lines), lines
+
+    with pytest.raises(ConfigError) as caught:  # a finished run's folder: refused, in one line
+        run_serial(config)
+    assert "\n" not in str(caught.value) and shown in str(caught.value)
+    code, err = _launch(capsys, tmp_path, *_pairs(config))
+    assert code == 2 and len(err) == 1 and shown in err[0], err
+
+
+def test_a_raw_newline_inside_balanced_quotes_gets_its_own_hint():
+    """``run-name="a<newline>b"`` was refused as "an unbalanced quote?" although the quotes balance."""
+    with pytest.raises(ConfigError) as caught:
+        launch.parse_override('run-name="a\nb"')
+    message = str(caught.value)
+    assert "unbalanced" not in message and "raw control character '\\n'" in message and "\n" not in message, message
+    assert 'run-name="a\\u000Ab"' in message
+    with pytest.raises(ConfigError, match="an unbalanced quote"):
+        launch.parse_override('run-name="ab')
