@@ -169,7 +169,8 @@ class ClientStateStore:
                 restarts from its seeded initial state (``resume-resets-client-state = true``).
 
         Returns:
-            ``(damaged, absent)``: users whose file :meth:`read_versions` cannot read (or is another user's); users
+            ``(damaged, absent)``: users whose file :meth:`read_versions` cannot read (or is another user's), or whose
+            version to resume from holds a NaN or an infinity (:func:`check_finite`; each logged with its file); users
             without a readable version of round ``<= resume_round`` (no file, or only later versions). The server
             decides which absent users lose state: those its checkpoint says trained
             (:func:`fedrec_flwr.checkpoint.check_client_state`).
@@ -183,12 +184,16 @@ class ClientStateStore:
         for user in users:
             try:
                 versions = self.read_versions(user)
-            except ClientStateError:
+                resumed = max((r for r in versions if r <= resume_round), default=None)
+                if resumed is not None:
+                    check_finite(self.path(user), resumed, versions[resumed])
+            except ClientStateError as err:
+                log.warning("%s", err)
                 damaged.append(user)
                 if set_aside:
                     self.path(user).replace(self.path(user).with_suffix(".npz.damaged"))
                 continue
-            if not any(r <= resume_round for r in versions):
+            if resumed is None:
                 absent.append(user)
         return damaged, absent
 
@@ -211,6 +216,21 @@ class ClientStateStore:
                     arrays[name] = value
         manifest = {"user": int(user), "rounds": sorted(keep), "arrays": index}
         return atomic_save_npz(self.path(user), **arrays, **{_MANIFEST: np.array(json.dumps(manifest))})
+
+
+def check_finite(path: Path, round_: int, records: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+    """Refuse a saved version holding a NaN or an infinity (a client would train on it, and its node's replies would
+    be rejected every round).
+
+    Raises:
+        ClientStateError: naming the file, the round of the version, the record and the array.
+    """
+    for record, arrays in records.items():
+        for key, value in arrays.items():
+            if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+                bad = int(np.size(value) - np.count_nonzero(np.isfinite(value)))
+                raise ClientStateError(f"{path}: the version of round {round_} holds {bad} non-finite value(s) in "
+                                       f"record {record!r}, array {key!r}")
 
 
 def _versions_to_keep(versions: Iterable[int], durable_round: int, newest: int) -> set[int]:

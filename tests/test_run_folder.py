@@ -378,3 +378,22 @@ def test_a_raw_newline_inside_balanced_quotes_gets_its_own_hint():
     assert 'run-name="a\\u000Ab"' in message
     with pytest.raises(ConfigError, match="an unbalanced quote"):
         launch.parse_override('run-name="ab')
+
+
+# ------------------------------------------------------------------------------------------------ non-finite state
+def test_a_resume_from_a_client_state_file_holding_nan_is_refused_naming_it(tmp_path):
+    """The resume check rejected only unreadable files: a state file holding NaN was resumed from, and its user's
+    node failed every round it was sampled. Now it is refused like a damaged file, naming it."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, RecordDict
+
+    from fedrec_flwr.client_state import ClientStateStore
+
+    store = ClientStateStore(tmp_path / "device" / "run")
+    for user, value in ((0, np.nan), (1, 1.0), (2, np.inf)):
+        state = RecordDict({f"user:{user}": ArrayRecord({"w": Array(np.array([value, 0.0], dtype=np.float32))})})
+        store.save(user, state, 1, durable_round=1)
+    later = RecordDict({"user:1": ArrayRecord({"w": Array(np.array([np.nan], dtype=np.float32))})})
+    store.save(1, later, 3, durable_round=1)  # a version after the checkpoint is never resumed from
+    damaged, absent = store.resume_problems([0, 1, 2, 3], resume_round=2)
+    assert damaged == [0, 2] and absent == [3]
