@@ -397,3 +397,14 @@ def test_a_resume_from_a_client_state_file_holding_nan_is_refused_naming_it(tmp_
     store.save(1, later, 3, durable_round=1)  # a version after the checkpoint is never resumed from
     damaged, absent = store.resume_problems([0, 1, 2, 3], resume_round=2)
     assert damaged == [0, 2] and absent == [3]
+
+
+# ------------------------------------------------------------------------------------------------ the launcher
+@pytest.mark.parametrize("spec, guess", [("FedAdam", "flwr.serverapp.strategy:FedAdam"),
+                                         ("fedprox", "flwr.serverapp.strategy:FedProx"),
+                                         ("item-fedavgg", "item-fedavg"),
+                                         ("flwr.serverapp.strategy:FedAdamm", "flwr.serverapp.strategy:FedAdam")])
+def test_an_unknown_strategy_name_points_to_the_closest_one_flowers_too(tmp_path, capsys, spec, guess):
+    mapping = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, strategy=spec)
+    code, lines = _launch(capsys, tmp_path, *_pairs(mapping))
+    assert code == 2 and len(lines) == 1 and f"did you mean {guess!r}?" in lines[0], lines
