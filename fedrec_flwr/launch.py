@@ -1149,6 +1149,35 @@ def check_federation_config(federation: Mapping[str, Any]) -> None:
             raise ConfigError(f"--federation-config {key}={value}: Flower refuses the value ({err})") from None
 
 
+PATH_ENV = ("FEDREC_DATA_DIR", "FEDREC_FLWR_CACHE")
+"""Environment variables naming a folder that the ClientApps read (:data:`fedrec_flwr.runtime.DATA_DIR_ENV`, the
+split cache): made absolute against the caller's working folder before anything starts, as the processes started
+later inherit them and may run in another folder (a SuperNode's, Ray's)."""
+
+
+def absolute_path_env(env: dict | None = None) -> dict[str, str]:
+    """Make each set variable of :data:`PATH_ENV` in ``env`` (default ``os.environ``, which the processes started
+    later inherit) absolute, against this process's working folder; returns what was changed.
+
+    Raises:
+        FedRecError: ``FEDREC_DATA_DIR`` names no folder (the message gives the value and the folder it was resolved
+            against), before anything starts.
+    """
+    env = os.environ if env is None else env
+    changed = {}
+    for name in PATH_ENV:
+        value = env.get(name)
+        if not value:
+            continue
+        path = Path(value).expanduser().resolve()
+        if name == "FEDREC_DATA_DIR" and not path.is_dir():
+            raise FedRecError(f"${name} = {value!r}: no such folder ({path}, resolved against the working folder "
+                              f"{os.getcwd()})")
+        if str(path) != value:
+            env[name] = changed[name] = str(path)
+    return changed
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -1157,6 +1186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, overrides, federation = parse_args(argv)
         if args.command == "stop":
             return stop_main(args.flwr_home)
+        absolute_path_env()
         result = flwr_run(overrides, num_supernodes=args.num_supernodes, flwr_home=args.flwr_home,
                           federation_config=federation, ray_address=args.ray_address, verbose=args.verbose,
                           timeout=args.timeout)

@@ -408,3 +408,45 @@ def test_an_unknown_strategy_name_points_to_the_closest_one_flowers_too(tmp_path
     mapping = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, strategy=spec)
     code, lines = _launch(capsys, tmp_path, *_pairs(mapping))
     assert code == 2 and len(lines) == 1 and f"did you mean {guess!r}?" in lines[0], lines
+
+
+def _deploy_local():
+    import importlib.util
+
+    from conftest import PROJECT_ROOT
+
+    spec = importlib.util.spec_from_file_location("deploy_local_under_test", PROJECT_ROOT / "scripts" / "deploy_local.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_deploy_local_passes_a_relative_data_dir_on_as_an_absolute_one(tmp_path, monkeypatch, capsys, ml100k_dir):
+    """``FEDREC_DATA_DIR=../shared/data scripts/deploy_local.py`` (relative, as the README writes it elsewhere) failed
+    after 44 s: the SuperNodes read it from another folder. It is made absolute against the caller's folder before
+    anything starts (the processes inherit it), and a relative one that names no folder is refused then: exit 2."""
+    module = _deploy_local()
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    class FakeDeployment:
+        def __init__(self, *args, **kwargs):
+            seen["FEDREC_DATA_DIR"] = __import__("os").environ.get("FEDREC_DATA_DIR")
+            raise Started
+
+    monkeypatch.setattr(module, "Deployment", FakeDeployment)
+    (tmp_path / "data").symlink_to(ml100k_dir)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FEDREC_DATA_DIR", "data")
+    with pytest.raises(Started):
+        module.main(["users-per-node=472", f"cache-dir={tmp_path / 'cache'}", "--workdir", str(tmp_path / "work")])
+    assert seen["FEDREC_DATA_DIR"] == str((tmp_path / "data").resolve())
+
+    capsys.readouterr()
+    monkeypatch.setenv("FEDREC_DATA_DIR", "../nowhere")
+    code = module.main(["users-per-node=472", "--workdir", str(tmp_path / "work2")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "$FEDREC_DATA_DIR = '../nowhere': no such folder" in lines[-1], lines
+    assert not (tmp_path / "work2").exists()
