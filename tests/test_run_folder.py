@@ -450,3 +450,19 @@ def test_deploy_local_passes_a_relative_data_dir_on_as_an_absolute_one(tmp_path,
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "$FEDREC_DATA_DIR = '../nowhere': no such folder" in lines[-1], lines
     assert not (tmp_path / "work2").exists()
+
+
+def test_the_supernode_wrapper_finds_flowers_executables_without_the_venv_on_path(tmp_path, monkeypatch):
+    """``flower-supernode`` starts ``flwr-clientapp`` by name: without the virtual environment on PATH it crashed with
+    FileNotFoundError. The wrapper puts this environment's console scripts first on PATH."""
+    import sys
+
+    from fedrec_flwr import deploy
+
+    started = {}
+    monkeypatch.setattr(deploy, "check_superlink_listening", lambda address, timeout: None)
+    monkeypatch.setattr(deploy.os, "execve", lambda path, argv, env: started.update(env=env))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert deploy.supernode_main(["--partition-id", "0", "--num-partitions", "3", "--superlink", "127.0.0.1:1",
+                                  "--insecure"]) == 0
+    assert started["env"]["PATH"].split(":")[0] == str(Path(sys.executable).parent)
