@@ -246,6 +246,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _argv(pid: int) -> list[str]:
+    """The process's command line, word by word (``[]`` if gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -1004,10 +1012,40 @@ def raise_stopped(signum, frame) -> None:
 
 
 # ------------------------------------------------------------------------------------------ command line
+FLOWER_RUN_PROCESSES = frozenset({"flwr-simulation", "flwr-serverapp"})
+"""Processes a SuperLink starts for a run: while one lives under it, a run is in progress there."""
+
+
+def flower_superlinks(home: str | os.PathLike) -> list[int]:
+    """PIDs of the ``flower-superlink`` processes that ``flwr run`` itself started for Flower home ``home`` (its
+    local SuperLink, detached, which outlives a failed ``flwr run``): provably that home's, as their command line
+    names its database or log file (``<home>/local-superlink/state.db`` / ``superlink.log``). Linux (``/proc``)."""
+    runtime = Path(home).expanduser().resolve() / "local-superlink"
+    own = {str(runtime / "state.db"), str(runtime / "superlink.log")}
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        argv = _argv(int(proc.name))
+        if not any(Path(a).name == "flower-superlink" for a in argv):
+            continue
+        named = {str(Path(b).expanduser().resolve()) for a, b in zip(argv, argv[1:])
+                 if a in ("--database", "--log-file") and b}
+        if named & own:
+            found.append(int(proc.name))
+    return found
+
+
 def stop_main(flwr_home: str | None) -> int:
-    """``stop``: stop SuperLinks (and their runs' processes) recorded by launchers of this home that are gone."""
+    """``stop``: stop SuperLinks (and their runs' processes) recorded by launchers of this home that are gone, and
+    the local SuperLink a plain ``flwr run`` left in it (:func:`flower_superlinks`) unless a run is in progress on
+    it; says what it cannot see."""
     base = Path(flwr_home).expanduser().resolve() if flwr_home else default_home()
     homes = [base, *sorted(base.glob("concurrent-*"))] if base.is_dir() else []
+    if not Path("/proc").is_dir():
+        print(f"cannot look for processes on this system (no /proc): any SuperLink left in {base} was not stopped; "
+              "end it yourself (its command line names the Flower home)")
+        return 0
     stopped, running = [], []
     for home in homes:
         holder = _home_held(home)
@@ -1015,10 +1053,19 @@ def stop_main(flwr_home: str | None) -> int:
             running.append(f"{home}: {holder}")
             continue
         stopped += stop_recorded_superlink(home)
+        for pid in flower_superlinks(home):
+            sessions: set[int] = set()
+            members = run_processes("", [pid], sessions)
+            busy = [p for p in members if FLOWER_RUN_PROCESSES & {Path(a).name for a in _argv(p)}]
+            if busy:
+                running.append(f"{home}: the SuperLink of a plain `flwr run` (pid {pid}) runs {busy}")
+                continue
+            stopped += sorted(terminate(members, 15.0, lambda: run_processes("", [pid], sessions)))
     if stopped:
         print(f"stopped {len(stopped)} process(es) of earlier runs: {stopped}")
     else:
-        print("no SuperLink of an earlier run is left")
+        print(f"no SuperLink of an earlier run is left in {base} (looked for launchers' records and for "
+              "flower-superlink processes naming its local-superlink/ database or log)")
     for line in running:
         print(f"a run is in progress (not touched; stop it with Ctrl-C or by ending its launcher): {line}")
     return 0

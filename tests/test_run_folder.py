@@ -466,3 +466,50 @@ def test_the_supernode_wrapper_finds_flowers_executables_without_the_venv_on_pat
     assert deploy.supernode_main(["--partition-id", "0", "--num-partitions", "3", "--superlink", "127.0.0.1:1",
                                   "--insecure"]) == 0
     assert started["env"]["PATH"].split(":")[0] == str(Path(sys.executable).parent)
+
+
+FAKE_SUPERLINK = """
+import subprocess, sys, time
+if len(sys.argv) > 4 and sys.argv[4] == "busy":  # a run in progress: the SuperLink's child flwr-simulation
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "flwr-simulation"])
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc")
+def test_stop_finds_the_superlink_a_plain_flwr_run_left_in_its_home(tmp_path, capsys):
+    """A plain ``flwr run`` that failed leaves Flower's detached local SuperLink (``--database <home>/local-superlink
+    /state.db``); ``launch stop --flwr-home`` said "no SuperLink of an earlier run is left" while it ran. It stops it
+    now (its command line proves the home), and leaves one under which a run is in progress, saying so."""
+    import subprocess
+    import sys
+    import time
+
+    home = tmp_path / "home"
+    (home / "local-superlink").mkdir(parents=True)
+    other = tmp_path / "other"
+
+    def superlink(flwr_home, *extra):
+        return subprocess.Popen([sys.executable, "-c", FAKE_SUPERLINK, "flower-superlink", "--database",
+                                 str(flwr_home / "local-superlink" / "state.db"), *extra], start_new_session=True)
+
+    left, foreign = superlink(home), superlink(other)
+    try:
+        time.sleep(0.5)
+        assert launch.main(["stop", "--flwr-home", str(home)]) == 0
+        out = capsys.readouterr().out
+        assert left.wait(timeout=30) is not None and f"{left.pid}" in out, out
+        assert foreign.poll() is None, "another home's SuperLink is not touched"
+        busy = superlink(home, "busy")
+        time.sleep(1.0)
+        assert launch.main(["stop", "--flwr-home", str(home)]) == 0
+        out = capsys.readouterr().out
+        assert busy.poll() is None and "a run is in progress" in out and f"pid {busy.pid}" in out, out
+    finally:
+        for process in (left, foreign, locals().get("busy")):
+            if process is not None and process.poll() is None:
+                import os
+                import signal
+
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
