@@ -45,7 +45,7 @@ from flwr.common.constant import ErrorCode
 from .arrays import decode_array, encode_array
 from .blocks import evaluate_block, train_block, use_blocks
 from .client_state import (
-    DURABLE_ROUND_KEY, RESUME_ROUND_KEY, STATE_DIR_KEY, ClientStateStore, state_folder, user_record_keys,
+    DURABLE_ROUND_KEY, NEW_RUN_KEY, RESUME_ROUND_KEY, STATE_DIR_KEY, ClientStateStore, state_folder, user_record_keys,
 )
 from .errors import ConfigError, FedRecError
 from .influence import can_batch, influence_gn_diagonal, influence_loss_sums
@@ -384,6 +384,10 @@ def _resume_state_check(message: Message, context: Context, runtime: Runtime, se
     server, which knows from its checkpoint which users trained, decides what is lost. ``{}`` when not resuming,
     without state files, or when every served user has a readable version <= R."""
     config = dict(message.content[CONFIG]) if CONFIG in message.content else {}
+    if config.get(NEW_RUN_KEY):  # a fresh run: state files of an earlier run of this name must not be mixed in
+        folder = state_folder(context.node_config, runtime.config.client_state_dir, config)
+        earlier = ClientStateStore(folder).earlier_users(served) if folder is not None else []
+        return {"client-state-folder": str(folder), "client-state-earlier": earlier} if earlier else {}
     if RESUME_ROUND_KEY not in config:
         return {}
     folder = state_folder(context.node_config, runtime.config.client_state_dir, config)

@@ -47,6 +47,10 @@ RUN_KEY = "run"
 DURABLE_ROUND_KEY = "durable-round"
 """Message-config key: the round of the server's last checkpoint (``-1``: the server keeps none)."""
 
+NEW_RUN_KEY = "new-run"
+"""Identify-query key of a run that starts afresh (no ``resume-from``): each node reports state files of its users that
+an earlier run of the same name left in its state folder (:meth:`ClientStateStore.earlier_users`)."""
+
 RESUME_ROUND_KEY = "resume-round"
 """Identify-query key of a resumed run: the checkpoint's round (each node then checks its users' state files)."""
 
@@ -196,6 +200,14 @@ class ClientStateStore:
             if resumed is None:
                 absent.append(user)
         return damaged, absent
+
+    def earlier_users(self, users: Iterable[int]) -> list[int]:
+        """The users among ``users`` that already have a state file here: left by an earlier run of the same name (a
+        run that failed, or one with another ``results-dir``, even one still running). A new run would load their
+        versions (evaluation, and training in a later round) as if they were its own."""
+        if not self.folder.is_dir():
+            return []
+        return [int(u) for u in users if self.path(int(u)).is_file()]
 
     def save(self, user: int, state: RecordDict, server_round: int, durable_round: int) -> Path:
         """Write the user's records in ``state`` as the version of ``server_round`` (atomically), keeping only the

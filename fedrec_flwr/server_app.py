@@ -40,7 +40,7 @@ from flwr.serverapp.strategy import Strategy
 
 from .checkpoint import CHECKPOINT_FILE, Checkpoint, check_client_state, check_same_data, save_checkpoint
 from .client_app import IDENTIFY
-from .client_state import DURABLE_ROUND_KEY, RESUME_ROUND_KEY, RUN_KEY
+from .client_state import DURABLE_ROUND_KEY, NEW_RUN_KEY, RESUME_ROUND_KEY, RUN_KEY, ClientStateStore
 from .config import RunConfig
 from .errors import ConfigError, FedRecError, OneLineRecords, reply_error_line
 from .io import remove_dead_temporaries
@@ -148,7 +148,8 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float, query: Mapp
     without_state = sorted(int(f["partition-id"]) for f in facts if not f.get("client-state", False))
     state_problems = [{"partition-id": int(f["partition-id"]), "node": int(f["node"]),
                        "folder": f["client-state-folder"], "damaged": list(f.get("client-state-damaged", [])),
-                       "absent": list(f.get("client-state-absent", []))}
+                       "absent": list(f.get("client-state-absent", [])),
+                       "earlier": list(f.get("client-state-earlier", []))}
                       for f in sorted(facts, key=lambda f: f["partition-id"]) if "client-state-folder" in f]
     return Topology(user_to_node, fingerprint), int(num_items), {"num-users": int(num_users), "num-items": int(num_items),
                                                       "split-fingerprint": fingerprint,
@@ -263,13 +264,23 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
                  len(removed), folder, removed[0].name)
     if resume is None:
         check_results_folder(folder)  # clears what an interrupted run of this name left
-    query = None if resume is None else {  # each node checks its users' state files (client_app.identify)
-        RUN_KEY: folder.name, RESUME_ROUND_KEY: resume.server_round,
+    query = {RUN_KEY: folder.name, NEW_RUN_KEY: True} if resume is None else {  # each node checks its users' state
+        RUN_KEY: folder.name, RESUME_ROUND_KEY: resume.server_round,  # files (client_app.identify)
         "resume-resets-client-state": config.resume_resets_client_state}
     topology, num_items, facts = discover_topology(grid, config, timeout=max(config.round_timeout, IDENTIFY_TIMEOUT),
                                                    query=query)
     without_state = facts.pop("nodes-without-client-state")
     state_problems = facts.pop("client-state-problems")
+    earlier = [node for node in state_problems if node["earlier"]]
+    if resume is None and earlier:  # before anything is trained or written
+        first = earlier[0]
+        files = sum(len(node["earlier"]) for node in earlier)
+        raise ConfigError(f"run-config key 'run-name' = {folder.name!r}: the clients' state folder {first['folder']!r} "
+                          f"(node {first['node']}, partition-id {first['partition-id']}) already holds state files of "
+                          f"an earlier run of this name ({files} user file(s) on {len(earlier)} node(s), e.g. "
+                          f"{ClientStateStore(first['folder']).path(first['earlier'][0]).name}); a new run would mix "
+                          "them with its own: continue that run with 'resume-from', delete the folder, or set another "
+                          "'run-name'")
     split_facts = facts.pop("split", {})
     data = {"source-sha256": split_facts.get("source-sha256"), "num-users": facts["num-users"],
             "num-items": facts["num-items"], "num-interactions": split_facts.get("num-interactions"),

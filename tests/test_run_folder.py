@@ -513,3 +513,26 @@ def test_stop_finds_the_superlink_a_plain_flwr_run_left_in_its_home(tmp_path, ca
 
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+
+
+def test_a_new_run_refuses_a_clients_state_folder_an_earlier_run_of_its_name_left(tmp_path):
+    """The clients' state folder is named after the run only: a second run of the same name in another results-dir
+    (or after a failed one) loaded the earlier run's private state as its own (evaluation, and training of a user
+    first sampled later). Each node now reports such files at identify time, and the run is refused before round 1
+    naming the folder; the earlier files are untouched."""
+    import hashlib
+
+    from fedrec_flwr.serial import run_serial
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    config = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, num_server_rounds=1, run_name="same",
+                             client_state_dir=str(tmp_path / "device"))
+    run_serial(config)
+    state = tmp_path / "device" / "same"
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in state.iterdir()}
+    assert before
+    with pytest.raises(ConfigError, match=r"run-config key 'run-name' = 'same': the clients' state folder "
+                                          rf"'{state}' .* already holds state files of an earlier run of this name"):
+        run_serial({**config, "results-dir": str(tmp_path / "elsewhere")})
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in state.iterdir()} == before
+    assert not (tmp_path / "elsewhere" / "same").exists()
