@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import numbers
 from collections.abc import Iterator, Mapping
@@ -45,7 +46,8 @@ from flwr.common.constant import ErrorCode
 from .arrays import decode_array, encode_array
 from .blocks import evaluate_block, train_block, use_blocks
 from .client_state import (
-    DURABLE_ROUND_KEY, NEW_RUN_KEY, RESUME_ROUND_KEY, STATE_DIR_KEY, ClientStateStore, state_folder, user_record_keys,
+    DURABLE_ROUND_KEY, NEW_RUN_KEY, RESUME_ROUND_KEY, STATE_DIR_KEY, ClientStateError, ClientStateStore,
+    nonfinite_records, state_folder, user_record_keys,
 )
 from .errors import ConfigError, FedRecError
 from .influence import can_batch, influence_gn_diagonal, influence_loss_sums
@@ -53,9 +55,11 @@ from .registry import resolve
 from .runtime import Runtime, get_runtime, node_users
 from .unlearn_margin import margin_sums, positive_counts
 from .wire import (
-    ARRAYS, CONFIG, GRADIENT_USERS, METRICS, NUM_EXAMPLES, Contribution, SparseSum, unpack_sparse,
+    ARRAYS, CONFIG, GRADIENT_USERS, ISOLATED_USERS, METRICS, NUM_EXAMPLES, Contribution, SparseSum, unpack_sparse,
 )
 
+
+log = logging.getLogger(__name__)
 
 
 def split_fingerprint(split) -> str:
@@ -105,7 +109,7 @@ SUPPORT = "support"
 """Content key of the support rows (``"rows"``, int64) of an ``unlearn_affected`` query."""
 
 
-RESERVED_METRICS = (NUM_EXAMPLES, "num-users", "train-loss", GRADIENT_USERS)
+RESERVED_METRICS = (NUM_EXAMPLES, "num-users", "train-loss", GRADIENT_USERS, ISOLATED_USERS)
 """Metric keys a train reply sets itself; a client's ``UserUpdate.metrics`` may not use them."""
 
 
@@ -238,6 +242,27 @@ def _shared_arrays(message: Message) -> dict:
     return decoded
 
 
+def isolate_nonfinite_users(context: Context, users: list[int], what: str) -> tuple[list[int], list[int]]:
+    """Split ``users`` into those whose private state (loaded in ``context.state``) is finite and those whose state
+    holds a NaN or an infinity (:func:`fedrec_flwr.client_state.nonfinite_records`), which are left out of ``what``
+    (``"training"``, ``"evaluation"``) with a warning naming each user and record, so the node's other users go on.
+
+    Raises:
+        ClientStateError: every requested user's state is non-finite (the message names them): nothing to reply.
+    """
+    isolated = []
+    for user in users:
+        bad = nonfinite_records(context.state, user)
+        if bad:
+            isolated.append(user)
+            log.warning("user %d: private state %s holds NaN or infinity: left out of %s (the node's other users go "
+                        "on)", user, ", ".join(bad[:3]), what)
+    if isolated and len(isolated) == len(users):
+        raise ClientStateError(f"users {isolated[:10]}: every requested user's private state holds NaN or infinity; "
+                               f"none can take part in {what}")
+    return ([u for u in users if u not in set(isolated)], isolated) if isolated else (users, [])
+
+
 def train(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
     """Train the requested users of this node; reply with their summed contribution (no private parameter)."""
     runtime = get_runtime(run_config or context.run_config)
@@ -250,6 +275,7 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
     extra = UserMetrics()
     client = None
     with private_state(context, runtime, config, users, save=True):
+        users, isolated = isolate_nonfinite_users(context, users, "training")
         for client, update in _user_updates(runtime, users, context, shared, config):
             weight = float(record_number(update.aggregation_weight, "aggregation weight (UserUpdate.weight or "
                                          "num_examples)", client))
@@ -259,6 +285,8 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
             gradients += int(update.is_gradient)
     metrics = {NUM_EXAMPLES: float(contribution.num_examples), "num-users": contribution.num_users,
                "train-loss": float(contribution.mean_loss), GRADIENT_USERS: gradients, **extra.means()}
+    if isolated:
+        metrics[ISOLATED_USERS] = float(len(isolated))
     content = RecordDict({ARRAYS: ArrayRecord({k: encode_array(v) for k, v in contribution.pack().items()}),
                           METRICS: metric_record(metrics, client)})
     return Message(content=content, reply_to=message)
@@ -326,7 +354,9 @@ def evaluate(message: Message, context: Context, run_config: Mapping[str, Any] |
     config = dict(message.content[CONFIG]) if CONFIG in message.content else {}
     totals: dict[str, float] = {}
     client = None
+    isolated: list[int] = []
     with private_state(context, runtime, config, users):
+        users, isolated = isolate_nonfinite_users(context, users, "evaluation")
         cls = resolve("client", runtime.config.client)
         if use_blocks(cls, runtime.config, len(users)):  # one batched scoring call (fedrec_flwr.blocks)
             results, client = evaluate_block(runtime, users, context.state, shared, config), cls
@@ -340,6 +370,8 @@ def evaluate(message: Message, context: Context, run_config: Mapping[str, Any] |
                 totals[key] = totals.get(key, 0.0) + float(record_number(value, key, client))
     metrics = {key: value / len(users) for key, value in totals.items()} if users else {}
     metrics[NUM_EXAMPLES] = float(len(users))
+    if isolated:
+        metrics[ISOLATED_USERS] = float(len(isolated))
     return Message(content=RecordDict({METRICS: metric_record(metrics, client)}), reply_to=message)
 
 

@@ -90,6 +90,19 @@ def user_record_keys(state: RecordDict, user: int) -> list[str]:
     return [key for key in state.keys() if key.endswith(suffix)]
 
 
+def nonfinite_records(state: RecordDict, user: int) -> list[str]:
+    """``"<record>/<array>"`` of each of user ``user``'s private arrays in ``state`` that holds a NaN or an infinity
+    (``[]``: all finite). Such a user cannot be trained or evaluated: its node leaves it out
+    (:func:`fedrec_flwr.client_app.isolate_nonfinite_users`)."""
+    bad = []
+    for key in user_record_keys(state, user):
+        for name, array in state[key].items():
+            value = array.numpy()
+            if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+                bad.append(f"{key}/{name}")
+    return bad
+
+
 def state_folder(node_config: Mapping[str, Any], run_config_dir: str, message_config: Mapping[str, Any]) -> Path | None:
     """The folder of this run's state files on this node, or ``None`` when the clients keep state in memory only.
 

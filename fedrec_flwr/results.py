@@ -37,7 +37,7 @@ PROGRESS = logging.getLogger("fedrec_flwr.progress")
 
 
 COUNT_COLUMNS = frozenset({"train-users", "num-replies", "num-failures", "eval-users", "gradient-users",
-                           "num-examples", "num-users"})
+                           "num-examples", "num-users", "isolated-users", "eval-isolated-users"})
 """Metric columns that count users, replies or examples: written as integers (the wire carries them as floats)."""
 
 

@@ -367,7 +367,9 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
                            "its phase (does it override aggregate_train without calling super()?)")
     final = {k: v.numpy() for k, v in result.arrays.items()} if result.arrays is not None else {}
     extra = {"client-failures": {str(k): v for k, v in getattr(strategy, "failures", {}).items()},
-             "evaluation-failures": {str(k): v for k, v in getattr(strategy, "evaluation_failures", {}).items()}}
+             "evaluation-failures": {str(k): v for k, v in getattr(strategy, "evaluation_failures", {}).items()},
+             # users left out for non-finite private state, per phase and round (their nodes' logs name them)
+             "isolated-users": getattr(strategy, "isolated_users", {})}
     if getattr(strategy, "unlearning_report", None) is not None:
         extra["unlearning"] = strategy.unlearning_report
     recorder.finish(final, extra)

@@ -536,3 +536,41 @@ def test_a_new_run_refuses_a_clients_state_folder_an_earlier_run_of_its_name_lef
         run_serial({**config, "results-dir": str(tmp_path / "elsewhere")})
     assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in state.iterdir()} == before
     assert not (tmp_path / "elsewhere" / "same").exists()
+
+
+@pytest.mark.parametrize("block_training", ["on", "off"])
+def test_one_users_nonfinite_state_leaves_that_user_out_and_its_nodes_other_users_go_on(tmp_path, block_training):
+    """With users-per-node = 4, user 0's private record set to inf after round 1 took its whole node out for good
+    (users 1-3 never trained or evaluated again, one warning a round; the per-user path's error named no user). Now
+    user 0 is named in its node's log and left out, counted in summary.json, and the node's other users go on."""
+    import json
+
+    import numpy as np
+    from flwr.app import Array, ArrayRecord
+
+    from fedrec_flwr.serial import run_serial
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    config = tiny_run_config(tmp_path, users_per_node=4, num_server_rounds=3, fraction_train=1.0, run_name="inf",
+                             block_training=block_training)
+
+    def poison(view):
+        if view.server_round == 1:
+            context = next(c for c in view.grid.contexts.values() if c.node_config["partition-id"] == 0)
+            context.state["user:0"] = ArrayRecord({k: Array(np.full_like(v.numpy(), np.inf))
+                                                   for k, v in context.state["user:0"].items()})
+
+    import io
+
+    seen = logging.StreamHandler(io.StringIO())
+    logging.getLogger("fedrec_flwr.client_app").addHandler(seen)
+    try:
+        folder = run_serial(config, on_round=poison)
+    finally:
+        logging.getLogger("fedrec_flwr.client_app").removeHandler(seen)
+    summary = json.loads((folder / "summary.json").read_text())
+    rows = json.loads((folder / "metrics.json").read_text())
+    assert summary["client-failures"] == {} and summary["evaluation-failures"] == {}, summary
+    assert summary["isolated-users"] == {"train": {"2": 1, "3": 1}, "evaluate": {"2": 1, "3": 1}}, summary
+    assert [r["train-users"] for r in rows] == [24, 23, 23] and [r["eval-users"] for r in rows] == [24, 23, 23]
+    assert "user 0: private state user:0/" in seen.stream.getvalue()
