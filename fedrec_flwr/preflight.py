@@ -13,13 +13,14 @@ Without the data (the ServerApp: the server never reads the interaction data) it
 * ``run-name`` (and, with ``resume-from``, the name of the checkpoint's folder, which a resumed run keeps): one rule,
   :data:`fedrec_flwr.client_state.RUN_NAME_RULE`, for the results folder under ``results-dir`` and the clients' state
   folder under ``client-state-dir``, and short enough for the file system of ``results-dir`` (its ``NAME_MAX``);
-* ``resume-from``: a readable checkpoint there, written with the same config and (with the data: read afresh, never a
-  split this process loaded before) on the same data (:func:`fedrec_flwr.checkpoint.check_same_data`; the ServerApp
-  checks what the nodes report too), (:mod:`fedrec_flwr.checkpoint`), in a
-  folder that holds no finished run (``summary.json``: a finished run is never rewritten), from a run that kept its
-  clients' private state in files (else ``resume-resets-client-state`` must accept restarting it);
-* the results folder: not held by a live run (:class:`fedrec_flwr.results.FolderLock`), not a finished run's (``summary.json``) nor an interrupted one's (``checkpoint.npz``: resume it
-  with ``resume-from``), and creatable / writable under ``results-dir`` (probed with an empty folder, removed at once).
+* ``resume-from``: a readable checkpoint there, written with the same config (:mod:`fedrec_flwr.checkpoint`), in a
+  folder that holds no finished run (``summary.json``: a finished run is never rewritten) and that no live run holds,
+  from a run that kept its clients' private state in files (else ``resume-resets-client-state`` must accept
+  restarting it), and, with the data (read afresh, never a split this process loaded before), on the same data
+  (:func:`fedrec_flwr.checkpoint.check_same_data`; the ServerApp checks what the nodes report too);
+* the results folder: not held by a live run (:class:`fedrec_flwr.results.FolderLock`), not a finished run's
+  (``summary.json``) nor an interrupted one's (``checkpoint.npz``: resume it with ``resume-from``), and creatable /
+  writable under ``results-dir`` (probed with an empty folder, removed at once).
 
 With the data (the launcher and ``run_serial``, which read it in this process) it also builds what a node builds
 (:func:`fedrec_flwr.runtime.get_runtime`: the split, the ``protected-attribute`` labels, the model) and the strategy

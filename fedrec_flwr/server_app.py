@@ -47,8 +47,8 @@ from .io import remove_dead_temporaries
 from .message_window import is_simulation_grid, windowed
 from .registry import LOGGER_ROOTS
 from .preflight import Preflight, build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: was here
-from .results import FAILED_FILE, PROGRESS, FolderLock, RunRecorder, check_results_folder, describe_failure, read_failure, \
-    write_failure
+from .results import FAILED_FILE, PROGRESS, FolderLock, RunRecorder, check_results_folder, describe_failure, \
+    read_failure, write_failure
 from .runtime import build_shared_model
 from .wire import CONFIG, ModelLayout, Topology
 
@@ -207,8 +207,9 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     # the folder is this run's until it returns: a second run of it is refused (before it touches the folder)
     lock = FolderLock(plan.folder, *(("resume-from", plan.config.resume_from) if plan.resume is not None else
                                      ("run-name", plan.folder.name))).acquire()
-    patched = _fast_link_state(plan.config, grid)
+    patched = False
     try:
+        patched = _fast_link_state(plan.config, grid)
         return _run(plan, grid, on_round, progress)
     except Exception as err:  # noqa: BLE001 - recorded, then raised as it was (Ctrl-C / SIGTERM: interrupted, not failed)
         refused = isinstance(err, FedRecError) and not progress.training
