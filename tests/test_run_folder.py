@@ -20,6 +20,23 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 USERS_PER_NODE = 6  # the tiny dataset's 24 users on 4 nodes
 
 
+@pytest.fixture(autouse=True)
+def _own_log_handlers():
+    """The console handlers a run sets up (``server_app._setup_logging``) write to the ``sys.stdout`` of their test's
+    capture; they are removed after it, so a later test's lines do not go to a closed stream."""
+    from fedrec_flwr.registry import LOGGER_ROOTS
+    from fedrec_flwr.results import PROGRESS
+
+    loggers = [logging.getLogger(name) for name in LOGGER_ROOTS] + [PROGRESS]
+    before = {logger.name: (list(logger.handlers), logger.propagate, logger.level) for logger in loggers}
+    yield
+    for logger in loggers:
+        handlers, propagate, level = before[logger.name]
+        for handler in [h for h in logger.handlers if h not in handlers]:
+            logger.removeHandler(handler)
+        logger.propagate, logger.level = propagate, level
+
+
 def _pairs(mapping: dict) -> list[str]:
     """``key=value`` words for the launcher: the keys that differ from the defaults (strings TOML-quoted)."""
     import json
