@@ -303,7 +303,11 @@ def _user_updates(runtime: Runtime, users: list[int], context: Context, shared: 
         return
     for user in users:
         client = make_client(runtime, user, context)
-        yield client, client.fit_named(shared, config)
+        try:
+            update = client.fit_named(shared, config)
+        except FloatingPointError as err:  # the block path names its users; name this one too
+            raise FloatingPointError(f"user {user}: {err}") from err
+        yield client, update
 
 
 class UserMetrics:

@@ -591,3 +591,22 @@ def test_one_users_nonfinite_state_leaves_that_user_out_and_its_nodes_other_user
     assert summary["isolated-users"] == {"train": {"2": 1, "3": 1}, "evaluate": {"2": 1, "3": 1}}, summary
     assert [r["train-users"] for r in rows] == [24, 23, 23] and [r["eval-users"] for r in rows] == [24, 23, 23]
     assert "user 0: private state user:0/" in seen.stream.getvalue()
+
+
+def test_a_user_whose_training_diverges_on_the_per_user_path_is_named(tmp_path, monkeypatch, task_identity):
+    """The block path's FloatingPointError names its users; the per-user path's named the epoch and step only."""
+    from fedrec_flwr import client_app
+    from fedrec_flwr.serial import SerialGrid
+
+    mapping = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, block_training="off")
+    cls = client_app.resolve("client", mapping["client"])
+
+    def diverge(self, shared, config):
+        raise FloatingPointError("non-finite loss at epoch 1, step 1")
+
+    monkeypatch.setattr(cls, "fit_named", diverge)
+    runtime = client_app.get_runtime(mapping)
+    grid = SerialGrid(client_app.make_client_app(mapping), 4, mapping)
+    context = next(iter(grid.contexts.values()))
+    with pytest.raises(FloatingPointError, match=r"^user 0: non-finite loss at epoch 1"):
+        list(client_app._user_updates(runtime, [0, 1], context, {}, {}))
