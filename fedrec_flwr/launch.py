@@ -68,6 +68,7 @@ from typing import Any, Iterator, TextIO
 
 from .config import default_mapping
 from .errors import ConfigError, FedRecError
+from .io import atomic_write_text
 from .registry import LOGGER_ROOTS
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -439,7 +440,7 @@ class LocalSuperLink:
             self.process = subprocess.Popen(command, env=self.env, stdout=subprocess.DEVNULL,
                                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
                                             start_new_session=True)
-            (self.home / RECORD_FILE).write_text(json.dumps({
+            atomic_write_text(self.home / RECORD_FILE, json.dumps({  # a write error names the file
                 "pid": self.process.pid, "start-time": start_time(self.process.pid), "token": self.token,
                 "port": self.port, "launcher-pid": os.getpid()}) + "\n")
             deadline = time.monotonic() + self.startup_timeout
