@@ -32,7 +32,7 @@ head) is ``adversary-trigger = "sut"``, ``adversary-objective = "reverse"``, ``a
   frozen, for the SUT and the GRL, and uploads ``h_w``'s gradient at that frozen copy
   (:func:`fedrec_flwr.adversary.adversary_gradient`, with DSVAE's noise once on it) in place of ``h_w``'s values; the
   strategy averages the gradients and steps ``h_w`` with its own optimizer
-  (:class:`strategies.adversary.AdversaryServerStep`, ``adversary-server-optimizer``,
+  (:class:`fedrec_flwr.strategies.adversary.AdversaryServerStep`, ``adversary-server-optimizer``,
   ``adversary-server-learning-rate``; ``adversary-server-steps`` = S > 1: S - 1 more steps per round, each from an
   ``adversary_gradient`` query answered by :meth:`AttributeUnlearning.adversary_query_gradient`; with
   ``adversary-query-users = "all"`` every user of the federation answers them, not only the round's). ``"per-client"``: FedAU², per-client adversary as first implemented (each
@@ -75,8 +75,8 @@ from typing import Any
 
 import torch
 
-from clients.fedrec import FedRecClient
-from clients.fedrecgel import FedRecGELClient
+from fedrec_flwr.clients.fedrec import FedRecClient
+from fedrec_flwr.clients.fedrecgel import FedRecGELClient
 from fedrec_flwr.adversary import (
     ADVERSARY_MODULE, AdversarialTerm, adversary_gradient, adversary_of, class_prior_text, entropy_pull,
     mean_adversary_gradient, parse_class_prior, user_vectors,
@@ -173,7 +173,7 @@ class AttributeUnlearning:
     def shared_update(self, trainer: LocalTrainer, result, config: Mapping[str, Any]):
         """The class below's upload; with ``adversary-training = "server"``, ``h_w``'s entries are replaced by this
         user's gradient at the frozen global ``h_w`` (:func:`fedrec_flwr.adversary.adversary_gradient`, DSVAE noise
-        included), which the strategy averages and steps (:class:`strategies.adversary.AdversaryServerStep`)."""
+        included), which the strategy averages and steps (:class:`fedrec_flwr.strategies.adversary.AdversaryServerStep`)."""
         update = super().shared_update(trainer, result, config)  # type: ignore[misc]
         cfg = self.runtime.config
         if cfg.adversary != "none" and cfg.adversary_training == "server":
@@ -187,7 +187,7 @@ class AttributeUnlearning:
 
     def adversary_query_gradient(self, shared: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
         """This user's contribution to one more server step of ``h_w`` in the same round (``adversary-server-steps``
-        > 1, the ``adversary_gradient`` query, :meth:`strategies.adversary.AdversaryServerStep.extra_steps`): the
+        > 1, the ``adversary_gradient`` query, :meth:`fedrec_flwr.strategies.adversary.AdversaryServerStep.extra_steps`): the
         same gradient as the train reply's (:func:`fedrec_flwr.adversary.adversary_gradient`, DSVAE's noise once on
         it), at the ``h_w`` of ``shared`` (the server's current copy) and the user's current private embedding
         (frozen: nothing is trained or saved). The DSVAE draws come from their own stream per step

@@ -89,18 +89,18 @@ class FedRecClient(NumPyClient):
 
     uploads_gradients = False
     """Whether this client can answer a train message with ``"upload" = "gradient"`` (see
-    :class:`strategies.server_optimizer.ServerOptimizerStrategy`)."""
+    :class:`fedrec_flwr.strategies.server_optimizer.ServerOptimizerStrategy`)."""
 
     strategy_config_keys = ("proximal-mu",)
     """Train-config keys a wrapped Flower strategy may send that this client honours
-    (:mod:`strategies.flower_adapter` refuses a non-zero value of any other): FedProx's ``"proximal-mu"``, applied
+    (:mod:`fedrec_flwr.strategies.flower_adapter` refuses a non-zero value of any other): FedProx's ``"proximal-mu"``, applied
     to the shared parameters by :meth:`fit_named` (:class:`fedrec_flwr.training.ProximalTerm`, for every subclass's
     trainer)."""
 
     @classmethod
     def check_strategy_config(cls, config: Mapping[str, Any], strategy: str = "") -> None:
         """Check the values of the :attr:`strategy_config_keys` a wrapped Flower strategy would send (the preflight's
-        dry round 1, :meth:`strategies.flower_adapter.FlowerStrategyAdapter.check_config`).
+        dry round 1, :meth:`fedrec_flwr.strategies.flower_adapter.FlowerStrategyAdapter.check_config`).
 
         Raises:
             ConfigError: ``"proximal-mu"`` is not a finite number >= 0 (names the strategy and ``strategy-args``).
@@ -113,7 +113,7 @@ class FedRecClient(NumPyClient):
 
     unlearns_attributes = False
     """Whether this client trains an attribute adversary and applies ``user-embedding-noise``
-    (:class:`clients.fedau2.AttributeUnlearning`)."""
+    (:class:`fedrec_flwr.clients.fedau2.AttributeUnlearning`)."""
 
     block_training = "plain"
     """The vectorized block trainer (:mod:`fedrec_flwr.blocks`) that reproduces this class's local step: ``"plain"``
@@ -251,7 +251,7 @@ class FedRecClient(NumPyClient):
             shared: shared key -> array, as in :class:`fedrec_flwr.wire.ModelLayout` (``item_embedding*.weight``
                 ``(num_items, d)`` and the score function).
             config: needs ``"server-round"`` (int, 1-based); a ``"proximal-mu"`` > 0 (FedProx through
-                :mod:`strategies.flower_adapter`) adds :class:`~fedrec_flwr.training.ProximalTerm` on the shared
+                :mod:`fedrec_flwr.strategies.flower_adapter`) adds :class:`~fedrec_flwr.training.ProximalTerm` on the shared
                 parameters to every mini-batch loss (and so to the reported ``train-loss``).
 
         Returns:

@@ -8,7 +8,7 @@ shared group's SAM gradient is what the server receives.
 
 Upload modes (chosen by the strategy, key ``"upload"`` of the train message's config):
 
-* ``"gradient"`` (the faithful mode, sent by :class:`strategies.server_optimizer.ServerOptimizerStrategy`): the user
+* ``"gradient"`` (the faithful mode, sent by :class:`fedrec_flwr.strategies.server_optimizer.ServerOptimizerStrategy`): the user
   uploads the shared group's SAM gradient (rows of the items it trained on, and the score function's gradient) with
   weight 1, and its local step on the shared parameters is discarded, as in the public code. The server averages the
   gradients and applies its own optimizer.
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
-from clients.fedrec import FedRecClient, UserUpdate
+from fedrec_flwr.clients.fedrec import FedRecClient, UserUpdate
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.sam import SAMTrainer
 from fedrec_flwr.training import load_optimizer_state_arrays, optimizer_state_arrays

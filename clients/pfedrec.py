@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
-from clients.fedrec import FedRecClient, UserUpdate
+from fedrec_flwr.clients.fedrec import FedRecClient, UserUpdate
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.training import LocalTrainConfig, LocalTrainer
 

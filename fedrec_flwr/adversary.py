@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attributes import published_class_prior
-from .models.base import RecModel, init_linear, new_linear
-from .training import LocalTrainConfig, LocalTrainer
+from fedrec_flwr.attributes import published_class_prior
+from fedrec_flwr.models.base import RecModel, init_linear, new_linear
+from fedrec_flwr.training import LocalTrainConfig, LocalTrainer
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ ADVERSARY_MODULE = "adversary"
 TRAININGS = ("server", "per-client")
 """How ``h_w`` is trained (``adversary-training``): ``"server"``, the round's global ``h_w`` frozen on every client and
 stepped by the server on the clients' averaged gradients (:func:`adversary_gradient`,
-:class:`strategies.adversary.AdversaryServerStep`); ``"per-client"``, FedAU² as first implemented: each client trains
+:class:`fedrec_flwr.strategies.adversary.AdversaryServerStep`); ``"per-client"``, FedAU² as first implemented: each client trains
 its local copy of ``h_w`` on its own label with its local optimizer, and the strategy averages the copies (FedAvg)."""
 EMBEDDING_OPTIMIZERS = ("local", "sgd")
 """Who applies the adversarial term's gradient to the user embedding (``adversary-embedding-optimizer``): ``"local"``,
@@ -566,7 +566,7 @@ def adversary_gradient(model: RecModel, *, label: int, kl_weight: float, generat
     ``noise_generator`` (``dsvae-noise-stream``, ours): the gradient noise (head and encoder) comes from it, the latent
     from ``generator``; a client seeds it from ``(user)`` or ``(user, round)`` alone, so every upload of the user (of
     the round) carries the same noise, and the mean of a user's uploads keeps the noise of one (a server linking a
-    node's uploads learns no more than from one, :class:`strategies.curious.LabelLeakageAudit`). ``None``: both from
+    node's uploads learns no more than from one, :class:`fedrec_flwr.strategies.curious.LabelLeakageAudit`). ``None``: both from
     ``generator``, a fresh draw per upload (as first built).
 
     Returns:
@@ -751,8 +751,8 @@ class DiagnosticsHook:
     def __call__(self, view) -> None:
         import pandas as pd
 
-        from .attacks import collect_user_embeddings
-        from .io import atomic_write_text
+        from fedrec_flwr.attacks import collect_user_embeddings
+        from fedrec_flwr.io import atomic_write_text
 
         prefix = ADVERSARY_MODULE + "."
         with torch.no_grad():

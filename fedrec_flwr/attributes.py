@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ConfigError
+from fedrec_flwr.errors import ConfigError
 
 AGE_BUCKETS: tuple[tuple[str, float, float], ...] = (
     ("<18", -np.inf, 18), ("18-24", 18, 25), ("25-34", 25, 35), ("35-44", 35, 45), ("45-49", 45, 50),

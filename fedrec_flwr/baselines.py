@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import ConfigError
-from .metrics import DEFAULT_KS, mean_metrics, ranking_metrics_batch
-from .models import RecModel, build_model
-from .seeding import TAG_SHUFFLE, torch_generator
-from .training import LocalTrainConfig, LocalTrainer, evaluate_users
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.metrics import DEFAULT_KS, mean_metrics, ranking_metrics_batch
+from fedrec_flwr.models import RecModel, build_model
+from fedrec_flwr.seeding import TAG_SHUFFLE, torch_generator
+from fedrec_flwr.training import LocalTrainConfig, LocalTrainer, evaluate_users
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .data import Split
+    from fedrec_flwr.data import Split
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def train_centralized(
         ConfigError: invalid hyper-parameters, model name or ``eval_which``.
         FloatingPointError: training diverged (see :meth:`LocalTrainer.train`).
     """
-    from .data import sample_train_negatives
+    from fedrec_flwr.data import sample_train_negatives
 
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ConfigError(f"epochs must be an int >= 1, got {epochs!r}")

@@ -27,15 +27,15 @@ on the chunking.
 
 Supported (a client class declares it with its own ``block_training`` attribute, :func:`block_kind`):
 
-* ``"plain"``: :class:`clients.fedrec.FedRecClient` (FedNCF with ``model = "ncf"``, FedMF with ``model = "mf"``): the
+* ``"plain"``: :class:`fedrec_flwr.clients.fedrec.FedRecClient` (FedNCF with ``model = "ncf"``, FedMF with ``model = "mf"``): the
   :class:`~fedrec_flwr.training.LocalTrainer` loop (BCE or BPR mini-batches, Adam or SGD fresh every round);
-* ``"sam"``: :class:`clients.fedrecgel.FedRecGELClient`: the decoupled SAM step of :class:`~fedrec_flwr.sam.SAMTrainer`
+* ``"sam"``: :class:`fedrec_flwr.clients.fedrecgel.FedRecGELClient`: the decoupled SAM step of :class:`~fedrec_flwr.sam.SAMTrainer`
   (``rho-shared`` / ``rho-private``, full-batch chunked loss, persistent private optimizer, gradient or parameter
   uploads).
 
-* ``"plain"`` with a :class:`BlockTerm`: :class:`clients.fedau2.FedAU2Client` in its default arm (the entropy pull
+* ``"plain"`` with a :class:`BlockTerm`: :class:`fedrec_flwr.clients.fedau2.FedAU2Client` in its default arm (the entropy pull
   toward ``h_w``'s uniform prediction at every step, ``h_w`` frozen on the server's copy, its gradient uploaded:
-  :class:`clients.fedau2.EntropyPullBlock`; :meth:`~clients.fedau2.FedAU2Client.block_supports` names the arm).
+  :class:`fedrec_flwr.clients.fedau2.EntropyPullBlock`; :meth:`~fedrec_flwr.clients.fedau2.FedAU2Client.block_supports` names the arm).
 
 Per-user only (for now): PFedRec (a personalised item table and its own item learning rate), FedAU²'s other arms
 (the gradient reversal, the SGD pull, per-client ``h_w``, ``user-embedding-noise``) and FedAU² on FedRecGEL, and any subclass or plug-in client that does not declare ``block_training`` itself, since
@@ -59,14 +59,14 @@ import torch.nn.functional as F
 from flwr.app import ArrayRecord, RecordDict
 from torch.func import functional_call, vmap
 
-from .arrays import decode_record, encode_array
-from .data import sample_train_negatives
-from .errors import ConfigError
-from .metrics import ranking_metrics_batch
-from .models.base import EMBEDDING_INIT_STD
-from .runtime import Runtime
-from .seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
-from .training import resolve_device
+from fedrec_flwr.arrays import decode_record, encode_array
+from fedrec_flwr.data import sample_train_negatives
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.metrics import ranking_metrics_batch
+from fedrec_flwr.models.base import EMBEDDING_INIT_STD
+from fedrec_flwr.runtime import Runtime
+from fedrec_flwr.seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
+from fedrec_flwr.training import resolve_device
 
 BLOCK_MODES = ("auto", "on", "off")
 """Values of the run-config key ``block-training``: ``auto`` (the default: the block path for every message, one user
@@ -101,7 +101,7 @@ PADDING = 1.25
 STATE_PREFIX = "user:"
 OPTIMIZER_PREFIX = "user-opt:"
 """``context.state`` keys of a user's private record and of its private optimizer state; the same keys as
-:data:`clients.fedrec.STATE_PREFIX` and :data:`clients.fedrecgel.OPTIMIZER_PREFIX` (checked in the tests), so the
+:data:`fedrec_flwr.clients.fedrec.STATE_PREFIX` and :data:`fedrec_flwr.clients.fedrecgel.OPTIMIZER_PREFIX` (checked in the tests), so the
 block and per-user paths read and write the same state and can alternate."""
 
 
@@ -112,7 +112,7 @@ def block_kind(cls: type, config) -> str | None:
     Only the class's own declaration counts (``"block_training"`` in ``cls.__dict__``): a subclass that does not
     declare it may override hooks the block path does not call, so it is served per-user. The model must be one of
     :data:`BLOCK_MODELS`, and no attribute-unlearning key may be set unless the class decides itself with a
-    classmethod ``block_supports(config) -> bool`` (FedAU²: :meth:`clients.fedau2.AttributeUnlearning.block_supports`).
+    classmethod ``block_supports(config) -> bool`` (FedAU²: :meth:`fedrec_flwr.clients.fedau2.AttributeUnlearning.block_supports`).
     """
     kind = cls.__dict__.get("block_training")
     if kind not in BLOCK_KINDS or config.model not in BLOCK_MODELS:
@@ -425,9 +425,9 @@ def batched_model(model: torch.nn.Module) -> str | None:
     """``"mf"`` or ``"ncf"`` when ``model`` is exactly that class with no attached module but FedAU²'s adversary
     ``h_w`` (which the forward pass never reads: the recommendation score is the one :func:`batched_loss` computes;
     a :class:`BlockTerm` keeps ``h_w`` out of the block's parameters), else ``None``."""
-    from .adversary import ADVERSARY_MODULE
-    from .models.mf import MF
-    from .models.ncf import NCF
+    from fedrec_flwr.adversary import ADVERSARY_MODULE
+    from fedrec_flwr.models.mf import MF
+    from fedrec_flwr.models.ncf import NCF
 
     names = tuple(model._shared_names) if hasattr(model, "_shared_names") else None
     if names is not None and names[-1:] == (ADVERSARY_MODULE,):
@@ -561,7 +561,7 @@ def _row_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------- training
 def train_block(runtime: Runtime, cls: type, users: Sequence[int], state: RecordDict,
                 shared: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> list:
-    """Train ``users`` as one vectorized block; returns their :class:`clients.fedrec.UserUpdate` in ``users``'
+    """Train ``users`` as one vectorized block; returns their :class:`fedrec_flwr.clients.fedrec.UserUpdate` in ``users``'
     order (what each user's ``fit_named`` would return, up to float32 rounding) and saves their private state.
 
     Args:
@@ -574,7 +574,7 @@ def train_block(runtime: Runtime, cls: type, users: Sequence[int], state: Record
         ValueError: ``cls`` has no block path, or a bad ``"upload"`` value.
         FloatingPointError: a user's loss, gradient or parameters became non-finite.
     """
-    from clients.fedrec import UserUpdate  # the client package imports this module's callers
+    from fedrec_flwr.clients.fedrec import UserUpdate  # the client package imports this module's callers
 
     kind = block_kind(cls, runtime.config)
     if kind is None:
@@ -615,7 +615,7 @@ def _split_updates(block: Block, part: Sequence[_UserData], values: Mapping[str,
 
 class BlockTerm(Protocol):
     """A client's extra loss term on a chunk of a block (its own ``block_term`` classmethod builds one per chunk, for
-    the chunk's users in block order; FedAU²'s entropy pull: :class:`clients.fedau2.EntropyPullBlock`), the block
+    the chunk's users in block order; FedAU²'s entropy pull: :class:`fedrec_flwr.clients.fedau2.EntropyPullBlock`), the block
     form of a :attr:`~fedrec_flwr.training.LocalTrainer.loss_terms` entry."""
 
     frozen_keys: frozenset[str]

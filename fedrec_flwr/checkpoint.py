@@ -5,9 +5,9 @@ Every ``checkpoint-every`` rounds the ServerApp writes ``results-dir/<run-name>/
 (:func:`fedrec_flwr.io.atomic_save_npz`), replacing the previous one. It holds:
 
 * the shared parameters after the round (never a user's private parameter: the server has none);
-* the strategy's own state (:meth:`strategies.item_fedavg.ItemEmbeddingFedAvg.checkpoint_state`: failure counts,
+* the strategy's own state (:meth:`fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg.checkpoint_state`: failure counts,
   users no longer trained, the unlearning report; the server optimizer's moments for
-  :class:`strategies.server_optimizer.ServerOptimizerStrategy`);
+  :class:`fedrec_flwr.strategies.server_optimizer.ServerOptimizerStrategy`);
 * the round, the run's name and validated config, and the metrics rows so far;
 * the data's fingerprint (:data:`DATA_FACTS`: the sha256 of the source files and the split's own counts), so a resume
   on other data is refused (:func:`check_same_data`) instead of training on it as if the run had used it throughout;
@@ -33,15 +33,15 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError
-from .client_state import ClientStateStore
-from .io import atomic_save_npz, load_npz
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.client_state import ClientStateStore
+from fedrec_flwr.io import atomic_save_npz, load_npz
 
 log = logging.getLogger(__name__)
 
 TRAINED_KEY = "trained-users"
 """The strategy checkpoint array (``(num_users,)`` bool) of the users whose training replies the server accepted
-(:attr:`strategies.item_fedavg.ItemEmbeddingFedAvg.trained`)."""
+(:attr:`fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg.trained`)."""
 
 CHECKPOINT_FILE = "checkpoint.npz"
 """The checkpoint's file name in the results folder."""
@@ -62,7 +62,7 @@ parsed too) and the split's users, items and interactions."""
 
 def split_data_facts(split) -> dict[str, Any]:
     """The :data:`DATA_FACTS` of a :class:`~fedrec_flwr.data.Split` (plus its ``fingerprint``, recorded only)."""
-    from .client_app import split_fingerprint
+    from fedrec_flwr.client_app import split_fingerprint
 
     return {"source-sha256": split.meta.get("source_sha256"), "num-users": int(split.num_users),
             "num-items": int(split.num_items), "num-interactions": split.meta.get("num_interactions"),
@@ -215,7 +215,7 @@ def check_client_state(checkpoint: Checkpoint, nodes_without_state: list, accept
     (``state_problems``: per node ``{"partition-id", "node", "folder", "damaged", "absent"}``, user ids only; see
     :meth:`fedrec_flwr.client_state.ClientStateStore.resume_problems`). An absent file is lost state only for a user
     whose training reply the server accepted before the checkpoint (the strategy's ``trained-users`` array,
-    :attr:`strategies.item_fedavg.ItemEmbeddingFedAvg.trained`) and that is still trained (not in ``removed-users``);
+    :attr:`fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg.trained`) and that is still trained (not in ``removed-users``);
     a checkpoint without that array (an older version's, or a strategy that does not record it) checks damaged files
     only, and a warning says so.
 

@@ -6,7 +6,7 @@ here unpacks a message, calls the client algorithm by name (``fit_named`` / ``ev
 under the key scheme of :mod:`fedrec_flwr.wire`.
 
 Query handlers: ``identify`` (which users a node serves) and the queries of client unlearning
-(:mod:`strategies.unlearning`): ``unlearn_gradient``, ``unlearn_affected``, ``unlearn_hvp``, ``unlearn_local_cg``,
+(:mod:`fedrec_flwr.strategies.unlearning`): ``unlearn_gradient``, ``unlearn_affected``, ``unlearn_hvp``, ``unlearn_local_cg``,
 ``unlearn_loss``, ``unlearn_diagonal``, ``unlearn_counts`` and ``unlearn_margin``.
 Their replies carry row-sparse vectors over the shared parameters (:func:`fedrec_flwr.wire.pack_sparse`), never a
 private parameter. ``adversary_gradient`` (FedAU²'s extra server steps of ``h_w``) replies with ``h_w``'s mean
@@ -43,20 +43,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricR
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-from .arrays import decode_array, encode_array
-from .blocks import evaluate_block, train_block, use_blocks
-from .client_state import (
-    DURABLE_ROUND_KEY, NEW_RUN_KEY, RESUME_ROUND_KEY, STATE_DIR_KEY, ClientStateError, ClientStateStore,
-    nonfinite_records, state_folder, user_record_keys,
-)
-from .errors import ConfigError, FedRecError
-from .influence import can_batch, influence_gn_diagonal, influence_loss_sums
-from .registry import resolve
-from .runtime import Runtime, get_runtime, node_users
-from .unlearn_margin import margin_sums, positive_counts
-from .wire import (
-    ARRAYS, CONFIG, GRADIENT_USERS, ISOLATED_USERS, METRICS, NUM_EXAMPLES, Contribution, SparseSum, unpack_sparse,
-)
+from fedrec_flwr.arrays import decode_array, encode_array
+from fedrec_flwr.blocks import evaluate_block, train_block, use_blocks
+from fedrec_flwr.client_state import DURABLE_ROUND_KEY, NEW_RUN_KEY, RESUME_ROUND_KEY, STATE_DIR_KEY, ClientStateError, ClientStateStore, nonfinite_records, state_folder, user_record_keys
+from fedrec_flwr.errors import ConfigError, FedRecError
+from fedrec_flwr.influence import can_batch, influence_gn_diagonal, influence_loss_sums
+from fedrec_flwr.registry import resolve
+from fedrec_flwr.runtime import Runtime, get_runtime, node_users
+from fedrec_flwr.unlearn_margin import margin_sums, positive_counts
+from fedrec_flwr.wire import ARRAYS, CONFIG, GRADIENT_USERS, ISOLATED_USERS, METRICS, NUM_EXAMPLES, Contribution, SparseSum, unpack_sparse
 
 
 log = logging.getLogger(__name__)
@@ -227,7 +222,7 @@ def _shared_arrays(message: Message) -> dict:
 
     Messages that carry the very same ``ArrayRecord`` with the same ``Array`` objects (the server's messages of one
     round, delivered in-process by :class:`fedrec_flwr.serial.SerialGrid` or Flower's in-process simulation) get the
-    same mapping object: it is decoded once, and the per-user clients' :meth:`~clients.fedrec.FedRecClient.load_shared`
+    same mapping object: it is decoded once, and the per-user clients' :meth:`~fedrec_flwr.clients.fedrec.FedRecClient.load_shared`
     then reloads only the keys a previous user changed instead of validating and copying every table again. Callers
     read the mapping and never write to it. A message deserialized on its own (a SuperNode, a Ray worker) is decoded
     as usual."""
@@ -618,7 +613,7 @@ def unlearn_local_cg(message: Message, context: Context, run_config: Mapping[str
 
 def adversary_gradient_query(message: Message, context: Context,
                              run_config: Mapping[str, Any] | None = None) -> Message:
-    """FedAU²'s extra server step of ``h_w`` (:meth:`strategies.adversary.AdversaryServerStep.extra_steps`): the
+    """FedAU²'s extra server step of ``h_w`` (:meth:`fedrec_flwr.strategies.adversary.AdversaryServerStep.extra_steps`): the
     mean over the requested users of each one's ``h_w`` gradient (``client.adversary_query_gradient``: the train
     reply's gradient, DSVAE noise included, at the sent ``h_w`` and the user's current embedding, which stays
     unchanged), under ``h_w``'s keys only, with ``num-examples`` = the number of users. No embedding, label or

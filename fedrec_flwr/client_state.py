@@ -16,7 +16,7 @@ queries), and a save drops every version the server can no longer return to: all
 last checkpoint (``durable-round``, sent by the server; ``-1`` without checkpoints keeps the newest version only).
 
 **What a record is.** By convention every private record of user ``u`` is stored in ``context.state`` under a key
-ending in ``":<u>"`` (``"user:<u>"``, ``"user-opt:<u>"``, ``"user-rows:<u>"``; see :class:`clients.fedrec.FedRecClient`);
+ending in ``":<u>"`` (``"user:<u>"``, ``"user-opt:<u>"``, ``"user-rows:<u>"``; see :class:`fedrec_flwr.clients.fedrec.FedRecClient`);
 only such records are written, and nothing here ever leaves the node.
 """
 
@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
-from .errors import ConfigError
-from .io import atomic_save_npz, load_npz, remove_dead_temporaries
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.io import atomic_save_npz, load_npz, remove_dead_temporaries
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from flwr.app import DEFAULT_TTL
 
-from .errors import ConfigError
+from fedrec_flwr.errors import ConfigError
 
 INT_MAX = 2**31 - 1
 """The largest value of any integer key (and of each entry of ``ks``, ``mlp-layers`` and ``forget-users``) unless
@@ -63,7 +63,7 @@ FIRST_RELEASE_ADVERSARY: dict[str, Any] = {
 FedAU²'s own selective unlearning trigger and gradient reversal, a 32-wide ``h_w``, one server step of 0.01 per round,
 no class prior, DSVAE's noise on the head gradient only and drawn afresh for every upload; FedAU² as its paper states
 it. The package defaults are now
-the protective arm of ``experiments/fedau2`` (``pyproject.toml``; :mod:`clients.fedau2`). Run-config overrides
+the protective arm of ``experiments/fedau2`` (``pyproject.toml``; :mod:`fedrec_flwr.clients.fedau2`). Run-config overrides
 (``make_run_config(**FIRST_RELEASE_ADVERSARY, ...)``, or as launcher ``key=value`` pairs): every arm of the FedAU²
 experiment tables starts from them (``experiments.fedau2.methods.PROTOCOL``) and the mechanism tests pin them, so
 their numbers stay those measured with these values."""
@@ -421,7 +421,7 @@ class RunConfig:
             # a named dataset's attributes are known without its files, and 'generic' without an attributes file
             # has none: refused here, before the clients' checks (FedAU²'s warned first that the "published" prior
             # falls back to none for such an attribute); a generic attributes file is checked when it is read
-            from .attributes import DATASET_ATTRIBUTES, check_attribute_name
+            from fedrec_flwr.attributes import DATASET_ATTRIBUTES, check_attribute_name
 
             check_attribute_name(self.protected_attribute, DATASET_ATTRIBUTES.get(self.dataset, ()), self.dataset)
         forget = self.forget_user_ids  # validates the list
@@ -456,7 +456,7 @@ def plugin_keys(mapping: Mapping[str, Any]) -> dict[str, tuple[Any, str, str]]:
     Raises:
         ConfigError: a plug-in cannot be imported, or two plug-ins declare the same key, or one shadows a built-in key.
     """
-    from .registry import resolve
+    from fedrec_flwr.registry import resolve
 
     declared: dict[str, tuple[Any, str, str]] = {}
     for kind in ("strategy", "client"):

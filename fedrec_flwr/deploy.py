@@ -66,9 +66,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, FedRecError
-from .launch import (PROJECT_ROOT, _alive, _group_members, flwr_env, processes_with_env, run_config_args,
-                     shipped_files, terminate)
+from fedrec_flwr.errors import ConfigError, FedRecError
+from fedrec_flwr.launch import PROJECT_ROOT, _alive, _group_members, flwr_env, processes_with_env, run_config_args, shipped_files, terminate
 
 CONNECTION = "fedrec-deploy"
 """Name of the SuperLink connection written into the deployment's ``$FLWR_HOME/config.toml``."""
@@ -220,8 +219,8 @@ def check_node_config(node_config: Mapping[str, Any], run_config: Mapping[str, A
                               f"partition ids run 0..{num - 1}")
     if run_config is None:
         return None
-    from .config import RunConfig, default_mapping
-    from .runtime import load_split_for, node_users
+    from fedrec_flwr.config import RunConfig, default_mapping
+    from fedrec_flwr.runtime import load_split_for, node_users
 
     mapping = default_mapping()
     mapping.update(run_config)
@@ -875,7 +874,7 @@ def supernode_environment(data_dir: str | None, cache_dir: str | None, dataset: 
     run config names) and ``FEDREC_FLWR_CACHE`` (``--cache-dir``), as absolute paths. A ClientApp reads them only
     where the run config's ``data-dir`` / ``cache-dir`` is empty (:func:`fedrec_flwr.runtime.data_dir_for`,
     :func:`fedrec_flwr.data.loaders.default_cache_dir`)."""
-    from .runtime import DATA_DIR_ENV  # imports torch: only once the checks passed
+    from fedrec_flwr.runtime import DATA_DIR_ENV  # imports torch: only once the checks passed
     env: dict[str, str] = {}
     if data_dir and dataset != "generic":
         env[DATA_DIR_ENV] = str(Path(data_dir).expanduser().resolve())

@@ -1,9 +1,9 @@
 """The influence objective: one user's (or one node's users') recommendation loss as a function of the shared
 parameters, the private user embeddings held fixed. HF-KCU's gradients and Hessian-vector products are taken of it
-(:mod:`strategies.unlearning`, :mod:`fedrec_flwr.krylov`).
+(:mod:`fedrec_flwr.strategies.unlearning`, :mod:`fedrec_flwr.krylov`).
 
 ``L_u(theta)`` is the training loss (``loss``: BCE or BPR) averaged over user ``u``'s training positives and a fixed
-negative sample (:meth:`clients.fedrec.FedRecClient.influence_examples`), plus the L2 term of ``weight-decay`` where
+negative sample (:meth:`fedrec_flwr.clients.fedrec.FedRecClient.influence_examples`), plus the L2 term of ``weight-decay`` where
 set (on the item rows the user's loss uses and on the dense parameters, as in training). A node's objective is
 ``sum_u L_u`` over its users, evaluated in one batched pass when the model's private parameters are user-embedding
 tables (MF, NCF): the node's users become the rows of one user table, so one product costs one forward-backward over
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .krylov import CompositeLoss, gauss_newton_diagonal
-from .models import RecModel
+from fedrec_flwr.krylov import CompositeLoss, gauss_newton_diagonal
+from fedrec_flwr.models import RecModel
 
 
 def can_batch(model: RecModel) -> bool:
@@ -32,7 +32,7 @@ def can_batch(model: RecModel) -> bool:
 
 def node_model(runtime, num_users: int) -> RecModel:
     """A model like ``runtime.model`` with ``num_users`` user rows (cached per size on the runtime)."""
-    from .runtime import build_shared_model
+    from fedrec_flwr.runtime import build_shared_model
 
     cache = runtime.__dict__.setdefault("_node_models", {})
     if num_users not in cache:
@@ -62,7 +62,7 @@ emptied when full, e.g. by local CG's one-user groups)."""
 
 
 def example_index(runtime, clients: Sequence, extra_rows: np.ndarray | None, device) -> SimpleNamespace:
-    """The tensors that index ``clients``' influence examples (:meth:`clients.fedrec.FedRecClient.influence_examples`)
+    """The tensors that index ``clients``' influence examples (:meth:`fedrec_flwr.clients.fedrec.FedRecClient.influence_examples`)
     into the compact item rows: ``items`` ``(T,)`` (the rows used and ``extra_rows``), ``user_t`` / ``weight_t`` /
     ``item_t`` / ``label_t`` (BCE; ``item_t`` / ``label_t`` are ``None`` for BPR), ``used_items`` / ``used_users``
     (every scored pair) and ``row_users`` ``(T,)`` (how many of the users use each row, for weight decay).
@@ -131,7 +131,7 @@ def influence_objective(runtime, clients: Sequence, shared: Mapping[str, np.ndar
 
     Args:
         runtime: the process's :class:`~fedrec_flwr.runtime.Runtime`.
-        clients: :class:`clients.fedrec.FedRecClient` objects of this node's users (one, or several when
+        clients: :class:`fedrec_flwr.clients.fedrec.FedRecClient` objects of this node's users (one, or several when
             :func:`can_batch` holds for the model).
         shared: shared key -> full array (the server's parameters).
         extra_rows: more item rows to include (e.g. a right-hand side's support), or ``None``.
@@ -221,7 +221,7 @@ def influence_loss_sums(runtime, clients: Sequence, shared: Mapping[str, np.ndar
 
     Args:
         runtime: the process's :class:`~fedrec_flwr.runtime.Runtime`.
-        clients: :class:`clients.fedrec.FedRecClient` objects of this node's (remaining) users.
+        clients: :class:`fedrec_flwr.clients.fedrec.FedRecClient` objects of this node's (remaining) users.
         shared: shared key -> full array ``theta``.
         direction: shared key -> full array ``d`` (same shapes as ``shared``).
         steps: ``(K,)`` multiples ``a_k`` of ``direction``.

@@ -66,10 +66,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
-from .config import default_mapping
-from .errors import ConfigError, FedRecError
-from .io import atomic_write_text
-from .registry import LOGGER_ROOTS
+from fedrec_flwr.config import default_mapping
+from fedrec_flwr.errors import ConfigError, FedRecError
+from fedrec_flwr.io import atomic_write_text
+from fedrec_flwr.registry import LOGGER_ROOTS
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -610,8 +610,8 @@ def check_run(overrides: Mapping[str, Any], num_supernodes: int | None = None) -
             ``num_supernodes`` given and different from the number needed (the message gives the right number).
         DataError: the dataset cannot be loaded.
     """
-    from .config import RunConfig
-    from .preflight import preflight
+    from fedrec_flwr.config import RunConfig
+    from fedrec_flwr.preflight import preflight
 
     mapping = default_mapping(PROJECT_ROOT / "pyproject.toml")
     mapping.update(overrides)
@@ -653,7 +653,7 @@ def check_shipped(config: Any, project: str | os.PathLike = PROJECT_ROOT) -> Non
     Raises:
         ConfigError: naming the file and where to put it (``plugins/``).
     """
-    from .registry import resolve
+    from fedrec_flwr.registry import resolve
 
     project = Path(project).resolve()
     shipped: set[str] | None = None
@@ -673,8 +673,8 @@ def check_shipped(config: Any, project: str | os.PathLike = PROJECT_ROOT) -> Non
 
 def num_supernodes_for(overrides: Mapping[str, Any]) -> int:
     """``ceil(users / users-per-node)`` for the configured dataset (loads the split, cached after the first time)."""
-    from .config import RunConfig
-    from .runtime import load_split_for
+    from fedrec_flwr.config import RunConfig
+    from fedrec_flwr.runtime import load_split_for
 
     mapping = default_mapping(PROJECT_ROOT / "pyproject.toml")
     mapping.update(overrides)
@@ -798,7 +798,7 @@ SERVERAPP_ENDED = "the ServerApp has ended"
 ServerApp code)."""
 
 NO_REPLY = re.compile(r"round (\d+): (?:node (\d+) failed|evaluation failed on node (\d+))[^:]*: no reply within")
-"""The strategy's warning for a node that did not answer a round (:mod:`strategies.item_fedavg`)."""
+"""The strategy's warning for a node that did not answer a round (:mod:`fedrec_flwr.strategies.item_fedavg`)."""
 
 
 def _watch(process: subprocess.Popen, lines: list[str], timeout: float | None, end_grace: float) -> str | None:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .errors import ConfigError
+from fedrec_flwr.errors import ConfigError
 
 
 def bce_loss(logits_pos: torch.Tensor, logits_neg: torch.Tensor) -> torch.Tensor:

@@ -122,7 +122,7 @@ def is_simulation_grid(grid: Grid) -> bool:
 class GridProxy(Grid):
     """A grid that forwards every call, and any other attribute (e.g. ``SerialGrid.nodes_settled``,
     ``InMemoryGrid.pull_interval``), to ``self.grid``; subclasses override what they change (:class:`WindowedGrid`,
-    :class:`strategies.flower_adapter.RoundNodes`)."""
+    :class:`fedrec_flwr.strategies.flower_adapter.RoundNodes`)."""
 
     grid: Grid
 

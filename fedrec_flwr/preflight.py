@@ -9,7 +9,7 @@ Without the data (the ServerApp: the server never reads the interaction data) it
 
 * the client's and the strategy's own ``check_config`` (:func:`fedrec_flwr.registry.check_components`), which for a
   Flower strategy builds it from ``strategy-args`` and refuses a config key it would send that the client ignores
-  (FedProx with ``proximal_mu > 0``: :func:`strategies.flower_adapter.check_sent_keys`);
+  (FedProx with ``proximal_mu > 0``: :func:`fedrec_flwr.strategies.flower_adapter.check_sent_keys`);
 * ``run-name`` (and, with ``resume-from``, the name of the checkpoint's folder, which a resumed run keeps): one rule,
   :data:`fedrec_flwr.client_state.RUN_NAME_RULE`, for the results folder under ``results-dir`` and the clients' state
   folder under ``client-state-dir``, and short enough for the file system of ``results-dir`` (its ``NAME_MAX``);
@@ -44,11 +44,11 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import Checkpoint, check_client_state, check_resumable, load_checkpoint
-from .client_state import RUN_NAME_RULE_TEXT, run_name_problem
-from .config import RunConfig
-from .errors import ConfigError
-from .results import check_folder_free, check_results_folder
+from fedrec_flwr.checkpoint import Checkpoint, check_client_state, check_resumable, load_checkpoint
+from fedrec_flwr.client_state import RUN_NAME_RULE_TEXT, run_name_problem
+from fedrec_flwr.config import RunConfig
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.results import check_folder_free, check_results_folder
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def preflight(config: RunConfig | Mapping[str, Any], *, with_data: bool = False)
             the data lacks, a ``forget-users`` id beyond the users. The message names the key and the value.
         DataError: the dataset cannot be loaded.
     """
-    from .registry import check_components
+    from fedrec_flwr.registry import check_components
 
     if not isinstance(config, RunConfig):
         config = RunConfig.from_mapping(config)
@@ -123,13 +123,13 @@ def preflight(config: RunConfig | Mapping[str, Any], *, with_data: bool = False)
                      config.resume_from if resume is not None else folder.name)
     runtime = None
     if with_data:
-        from .runtime import forget_cached_data, get_runtime
+        from fedrec_flwr.runtime import forget_cached_data, get_runtime
 
         if resume is not None:  # the data as they are now, not a split this process loaded before they changed
             forget_cached_data()
         runtime = get_runtime(config.to_dict())
         if resume is not None:
-            from .checkpoint import check_same_data, split_data_facts
+            from fedrec_flwr.checkpoint import check_same_data, split_data_facts
 
             check_same_data(resume, split_data_facts(runtime.split), "in the data now")
         build_strategy(config, runtime.layout, _block_topology(config, runtime.split.num_users), dry=True)
@@ -148,7 +148,7 @@ def build_strategy(config: RunConfig, layout, topology, dry: bool = False):
         ConfigError: the strategy refuses the config (e.g. ``forget-users`` out of range), or ``unlearning`` is set
             and the strategy has no unlearning phase.
     """
-    from .registry import resolve_strategy
+    from fedrec_flwr.registry import resolve_strategy
 
     with quiet() if dry else nullcontext():
         strategy = resolve_strategy(config.strategy).from_run_config(config, layout, topology)
@@ -232,7 +232,7 @@ def quiet() -> Iterator[None]:
 
 def _block_topology(config: RunConfig, num_users: int):
     """The topology the nodes will report: user ``u`` on node ``u // users-per-node`` (node ids = partition ids)."""
-    from .wire import Topology
+    from fedrec_flwr.wire import Topology
 
     return Topology((np.arange(num_users) // config.users_per_node).astype(np.uint64))
 

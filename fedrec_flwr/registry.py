@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import ConfigError
+from fedrec_flwr.errors import ConfigError
 
 LOGGER_ROOTS = ("fedrec_flwr", "strategies", "clients", "experiments", "plugins")
 """The top-level packages whose loggers are ours: this package, its client and strategy folders, the experiments and
@@ -21,24 +21,24 @@ the ``plugins/`` folder where third-party clients and strategies live. The Serve
 ``LEVEL logger: message`` (INFO and above) and the launcher's default output keeps those lines."""
 
 CLIENTS: dict[str, str] = {
-    "fedrec": "clients.fedrec:FedRecClient",
-    "fedrecgel": "clients.fedrecgel:FedRecGELClient",
-    "pfedrec": "clients.pfedrec:PFedRecClient",
-    "fedau2": "clients.fedau2:FedAU2Client",
-    "fedau2-gel": "clients.fedau2:FedAU2GELClient",
+    "fedrec": "fedrec_flwr.clients.fedrec:FedRecClient",
+    "fedrecgel": "fedrec_flwr.clients.fedrecgel:FedRecGELClient",
+    "pfedrec": "fedrec_flwr.clients.pfedrec:PFedRecClient",
+    "fedau2": "fedrec_flwr.clients.fedau2:FedAU2Client",
+    "fedau2-gel": "fedrec_flwr.clients.fedau2:FedAU2GELClient",
 }
 """Client algorithms (``flwr.client.NumPyClient`` subclasses taking ``(runtime, user, state)``)."""
 
 STRATEGIES: dict[str, str] = {
-    "item-fedavg": "strategies.item_fedavg:ItemEmbeddingFedAvg",
-    "server-optimizer": "strategies.server_optimizer:ServerOptimizerStrategy",
-    "curious-item-fedavg": "strategies.curious:CuriousItemFedAvg",
+    "item-fedavg": "fedrec_flwr.strategies.item_fedavg:ItemEmbeddingFedAvg",
+    "server-optimizer": "fedrec_flwr.strategies.server_optimizer:ServerOptimizerStrategy",
+    "curious-item-fedavg": "fedrec_flwr.strategies.curious:CuriousItemFedAvg",
 }
 """Server strategies (``flwr.serverapp.strategy.Strategy`` subclasses with a ``from_run_config`` class method)."""
 
-FLOWER_ADAPTER = "strategies.flower_adapter:FlowerStrategyAdapter"
+FLOWER_ADAPTER = "fedrec_flwr.strategies.flower_adapter:FlowerStrategyAdapter"
 """What runs a Flower strategy that has no ``from_run_config`` (any ``flwr.serverapp.strategy`` class, or a user's own
-``Strategy``): :class:`strategies.flower_adapter.FlowerStrategyAdapter`."""
+``Strategy``): :class:`fedrec_flwr.strategies.flower_adapter.FlowerStrategyAdapter`."""
 
 
 def register(kind: str, name: str, target: str) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .io import atomic_save_npz, atomic_write_bytes, atomic_write_json, atomic_write_text
+from fedrec_flwr.io import atomic_save_npz, atomic_write_bytes, atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def check_results_folder(folder: str | Path, clear: bool = True) -> None:
             resumed): continue it with ``resume-from``, or choose another ``run-name`` (a new run never deletes a
             checkpoint).
     """
-    from .errors import ConfigError
+    from fedrec_flwr.errors import ConfigError
 
     folder = Path(folder)
     if (folder / "summary.json").is_file():
@@ -173,7 +173,7 @@ class FolderLock:
         self.release()
 
     def _refusal(self, holder: Mapping[str, Any]):
-        from .errors import ConfigError
+        from fedrec_flwr.errors import ConfigError
 
         who = (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')!r}, since {holder.get('started', '?')}"
                if holder else "a process that has not written its name yet")

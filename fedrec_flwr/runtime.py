@@ -15,14 +15,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import RunConfig
-from .data import GenericSource, Split, load_split
-from .errors import ConfigError
-from .models import RecModel, build_model
-from .attributes import AttributeLabels, encode_attribute
-from .seeding import TAG_MODEL_INIT, torch_generator
-from .training import LocalTrainConfig
-from .wire import ModelLayout
+from fedrec_flwr.config import RunConfig
+from fedrec_flwr.data import GenericSource, Split, load_split
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.models import RecModel, build_model
+from fedrec_flwr.attributes import AttributeLabels, encode_attribute
+from fedrec_flwr.seeding import TAG_MODEL_INIT, torch_generator
+from fedrec_flwr.training import LocalTrainConfig
+from fedrec_flwr.wire import ModelLayout
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def build_shared_model(config: RunConfig, num_items: int, num_users: int = 1, nu
         seed=config.seed * 1000 + TAG_MODEL_INIT,
     )
     if config.adversary != "none":
-        from .adversary import ADVERSARY_MODULE, build_adversary, user_vector_dim
+        from fedrec_flwr.adversary import ADVERSARY_MODULE, build_adversary, user_vector_dim
 
         if num_classes < 2:
             raise ConfigError(f"run-config key 'adversary' = {config.adversary!r} needs the protected attribute's "
@@ -158,7 +158,7 @@ class Runtime:
     train_config: LocalTrainConfig
     loaded_shared: Any = None
     """The shared-parameter mapping last loaded into :attr:`model` (see
-    :meth:`clients.fedrec.FedRecClient.load_shared`)."""
+    :meth:`fedrec_flwr.clients.fedrec.FedRecClient.load_shared`)."""
     dirty_shared: set = field(default_factory=set)
     """Shared keys changed in :attr:`model` since :attr:`loaded_shared` was loaded."""
     protected: AttributeLabels | None = None

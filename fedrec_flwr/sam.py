@@ -23,10 +23,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from .errors import ConfigError
-from .losses import batch_loss
-from .models.base import RecModel
-from .training import LocalTrainConfig, LocalTrainer
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.losses import batch_loss
+from fedrec_flwr.models.base import RecModel
+from fedrec_flwr.training import LocalTrainConfig, LocalTrainer
 
 
 @torch.no_grad()

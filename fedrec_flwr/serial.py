@@ -31,7 +31,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run, RunStatus
 from flwr.supercore.task_identity import TaskIdentity
 
-from .config import RunConfig
+from fedrec_flwr.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +168,9 @@ def run_serial(run_config: Mapping[str, Any] | RunConfig, *, client_app: ClientA
         ConfigError / DataError: bad config or data (:func:`fedrec_flwr.preflight.preflight`: before any message, and
             before the results folder is created).
     """
-    from .client_app import make_client_app
-    from .preflight import preflight
-    from .server_app import main
+    from fedrec_flwr.client_app import make_client_app
+    from fedrec_flwr.preflight import preflight
+    from fedrec_flwr.server_app import main
 
     plan = preflight(run_config, with_data=True)  # every check that needs no message, before the first one
     config, runtime = plan.config, plan.runtime
@@ -178,7 +178,7 @@ def run_serial(run_config: Mapping[str, Any] | RunConfig, *, client_app: ClientA
     num_nodes = -(-runtime.split.num_users // config.users_per_node)
     grid = SerialGrid(client_app or make_client_app(mapping), num_nodes, mapping)
     if config.adversary != "none" and runtime.protected is not None:  # FedAU²: per-round diagnostics of h_w (evaluation only)
-        from .adversary import DiagnosticsHook
+        from fedrec_flwr.adversary import DiagnosticsHook
 
         on_round = DiagnosticsHook(runtime, on_round)
     context = Context(run_id=1, node_id=SERVER_NODE_ID, node_config={}, state=RecordDict(), run_config=mapping)

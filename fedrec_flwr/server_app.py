@@ -38,19 +38,18 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
-from .checkpoint import CHECKPOINT_FILE, Checkpoint, check_client_state, check_same_data, save_checkpoint
-from .client_app import IDENTIFY
-from .client_state import DURABLE_ROUND_KEY, NEW_RUN_KEY, RESUME_ROUND_KEY, RUN_KEY, ClientStateStore
-from .config import RunConfig
-from .errors import ConfigError, FedRecError, OneLineRecords, reply_error_line
-from .io import remove_dead_temporaries
-from .message_window import is_simulation_grid, windowed
-from .registry import LOGGER_ROOTS
-from .preflight import Preflight, build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: was here
-from .results import FAILED_FILE, PROGRESS, FolderLock, RunRecorder, check_results_folder, describe_failure, \
-    read_failure, write_failure
-from .runtime import build_shared_model
-from .wire import CONFIG, ModelLayout, Topology
+from fedrec_flwr.checkpoint import CHECKPOINT_FILE, Checkpoint, check_client_state, check_same_data, save_checkpoint
+from fedrec_flwr.client_app import IDENTIFY
+from fedrec_flwr.client_state import DURABLE_ROUND_KEY, NEW_RUN_KEY, RESUME_ROUND_KEY, RUN_KEY, ClientStateStore
+from fedrec_flwr.config import RunConfig
+from fedrec_flwr.errors import ConfigError, FedRecError, OneLineRecords, reply_error_line
+from fedrec_flwr.io import remove_dead_temporaries
+from fedrec_flwr.message_window import is_simulation_grid, windowed
+from fedrec_flwr.registry import LOGGER_ROOTS
+from fedrec_flwr.preflight import Preflight, build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: was here
+from fedrec_flwr.results import FAILED_FILE, PROGRESS, FolderLock, RunRecorder, check_results_folder, describe_failure, read_failure, write_failure
+from fedrec_flwr.runtime import build_shared_model
+from fedrec_flwr.wire import CONFIG, ModelLayout, Topology
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +164,7 @@ class RoundView:
     server_round: int
     grid: Grid
     strategy: Any
-    """The running strategy (e.g. to run an unlearning phase variant, :class:`strategies.unlearning.ClientUnlearning`)."""
+    """The running strategy (e.g. to run an unlearning phase variant, :class:`fedrec_flwr.strategies.unlearning.ClientUnlearning`)."""
     arrays: ArrayRecord
     """The shared parameters after the round."""
     config: RunConfig
@@ -225,7 +224,7 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     finally:
         lock.release()
         if patched:  # Flower's own method back for whatever runs next in this process (a test, a second app)
-            from . import flower_patches
+            from fedrec_flwr import flower_patches
 
             flower_patches.restore()
 
@@ -235,7 +234,7 @@ def _fast_link_state(config: RunConfig, grid: Grid) -> bool:
     it, or why Flower's own lookup is kept); returns whether this call put it in place."""
     if not is_simulation_grid(grid):
         return False
-    from . import flower_patches
+    from fedrec_flwr import flower_patches
 
     if not config.fast_link_state:
         log.info("fast-link-state = false: Flower's own message lookup")
@@ -255,7 +254,7 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
     config, folder, resume = plan.config, plan.folder, plan.resume
     lookup = "none (no simulation link state)"  # config.json: how Flower's engine found each node's messages
     if is_simulation_grid(grid):
-        from . import flower_patches
+        from fedrec_flwr import flower_patches
 
         lookup = "by destination (fast-link-state)" if flower_patches.active() else "Flower's own"
     grid = windowed(grid, config.max_in_flight)  # every phase's messages, ours and a wrapped Flower strategy's

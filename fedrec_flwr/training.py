@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import ConfigError, DataError
-from .losses import LOSSES, batch_loss
-from .metrics import DEFAULT_KS, ranking_metrics, ranking_metrics_batch
-from .models.base import RecModel, all_finite
+from fedrec_flwr.errors import ConfigError, DataError
+from fedrec_flwr.losses import LOSSES, batch_loss
+from fedrec_flwr.metrics import DEFAULT_KS, ranking_metrics, ranking_metrics_batch
+from fedrec_flwr.models.base import RecModel, all_finite
 
 logger = logging.getLogger(__name__)
 

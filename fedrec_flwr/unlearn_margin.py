@@ -208,7 +208,7 @@ def margin_sums(runtime, clients: Sequence, shared, direction, steps: Sequence[f
 
     Args:
         runtime: the process's :class:`~fedrec_flwr.runtime.Runtime`.
-        clients: :class:`clients.fedrec.FedRecClient` objects (their private state available).
+        clients: :class:`fedrec_flwr.clients.fedrec.FedRecClient` objects (their private state available).
         shared: shared key -> full array ``theta``; direction: the same keys -> full arrays ``d``.
         steps: ``(K,)`` multiples; bins: ``(I,)`` popularity bins; dominated: item ids of ``D``.
     Returns:

@@ -19,7 +19,7 @@ Key scheme (one ``ArrayRecord`` under the key ``"arrays"`` in every message; arr
     to float32 rounding of the sums' order).
 
 Values are updated parameters by default. A strategy that puts ``"upload" = "gradient"`` in the train config (e.g.
-:class:`strategies.server_optimizer.ServerOptimizerStrategy`) receives gradients of the shared parameters in the same
+:class:`fedrec_flwr.strategies.server_optimizer.ServerOptimizerStrategy`) receives gradients of the shared parameters in the same
 scheme instead. The weight ``n_u`` of a user is its example count for parameter uploads and 1 for gradient uploads
 (``UserUpdate.aggregation_weight``); ``"num-examples"`` is the node's total weight and ``"num-users"`` its number of
 trained users.

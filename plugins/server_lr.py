@@ -6,7 +6,7 @@ Run it with::
 
 ``server-lr`` (eta) scales the FedAvg step (Reddi et al. 2021, "Adaptive Federated Optimization", Alg. 1 with a plain
 SGD server optimizer): ``theta <- theta + eta * (avg - theta)``. With ``eta = 1`` it is exactly
-:class:`strategies.item_fedavg.ItemEmbeddingFedAvg`.
+:class:`fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from flwr.app import Array, ArrayRecord, RecordDict
 
 from fedrec_flwr.errors import ConfigError
-from strategies.item_fedavg import ItemEmbeddingFedAvg
+from fedrec_flwr.strategies.item_fedavg import ItemEmbeddingFedAvg
 
 
 class ServerLrItemFedAvg(ItemEmbeddingFedAvg):

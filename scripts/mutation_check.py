@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         copy = Path(tmp)
         copy_tree(copy)
         probe = subprocess.run([sys.executable, "-c", "import fedrec_flwr, strategies; print(fedrec_flwr.__file__, "
-                                "strategies.__file__)"], cwd=copy, env={**os.environ, "PYTHONPATH": str(copy)},
+                                "fedrec_flwr.strategies.__file__)"], cwd=copy, env={**os.environ, "PYTHONPATH": str(copy)},
                                capture_output=True, text=True, check=True)
         if not all(Path(p).resolve().is_relative_to(copy.resolve()) for p in probe.stdout.split()):
             raise SystemExit(f"the copy is not what Python imports: {probe.stdout.strip()}")

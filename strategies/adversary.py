@@ -1,5 +1,5 @@
 """The server's step of FedAU²'s attribute adversary ``h_w`` (``adversary-training = "server"``), for every strategy
-derived from :class:`strategies.item_fedavg.ItemEmbeddingFedAvg`.
+derived from :class:`fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg`.
 
 Ours (issue 14; arXiv 2511.22872 does not say how the shared adversary is aggregated). With ``"per-client"`` training
 each client fitted its copy of ``h_w`` to its single label with a fresh Adam state and the strategy averaged the copies:
@@ -21,7 +21,7 @@ these steps, so this is ``S`` optimizer steps of ``h_w`` on the round's users pe
 
 A reply's ``h_w`` gradient is one user's (with one user per node) or its node's weighted mean; no reply carries a
 label or a class count. A single user's single-label gradient does name its label (iDLG); DSVAE's noise on the
-uploaded contribution is what masks it (measured by :mod:`strategies.curious`).
+uploaded contribution is what masks it (measured by :mod:`fedrec_flwr.strategies.curious`).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class AdversaryServerStep:
         node of the strategy's topology, naming all its users, in place of ``nodes``. Returns the new arrays.
 
         Args:
-            strategy: the :class:`strategies.item_fedavg.ItemEmbeddingFedAvg` (its ``message_config``,
+            strategy: the :class:`fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg` (its ``message_config``,
                 ``round_timeout`` and canonical reply order).
         """
         from fedrec_flwr.client_app import ADVERSARY_GRADIENT

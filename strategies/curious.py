@@ -1,6 +1,6 @@
 """An honest-but-curious server: item-embedding FedAvg that also runs label-leakage attacks on every upload.
 
-It aggregates exactly as :class:`strategies.item_fedavg.ItemEmbeddingFedAvg` (the model is unchanged), and before
+It aggregates exactly as :class:`fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg` (the model is unchanged), and before
 aggregating a round it attacks each single-user reply's attribute-adversary update (FedAU², :mod:`fedrec_flwr.
 adversary`) with iDLG on every reply and DLG on up to :attr:`LabelLeakageAudit.dlg_per_round` (10) replies of every
 ``eval-every``-th round (:mod:`fedrec_flwr.attacks.label_leakage`). The recovered labels are written, per round, node
@@ -138,7 +138,7 @@ class LabelLeakageAudit:
         return idlg_label(entry[0] / entry[1]) if entry[2] and entry[1] else -1
 
     def observe_adversary_replies(self, server_round: int, replies: list[tuple[int, ArrayRecord, int]]) -> None:
-        """Called by :meth:`strategies.adversary.AdversaryServerStep.extra_steps` with each accepted
+        """Called by :meth:`fedrec_flwr.strategies.adversary.AdversaryServerStep.extra_steps` with each accepted
         ``adversary_gradient`` reply as ``(node, arrays, users answered)``: the linked attack's further uploads."""
         bias_key = f"{ADVERSARY_MODULE}.head.bias"
         for node, arrays, users in replies:
@@ -194,7 +194,7 @@ class LabelLeakageAudit:
 
 
 class CuriousItemFedAvg(LabelLeakageAudit, ItemEmbeddingFedAvg):
-    """:class:`~strategies.item_fedavg.ItemEmbeddingFedAvg` run by an honest-but-curious server (module docstring)."""
+    """:class:`~fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg` run by an honest-but-curious server (module docstring)."""
 
     @classmethod
     def from_run_config(cls, config: RunConfig, layout, topology=None):

@@ -35,10 +35,10 @@ What the wrapped strategy sees, per round:
   wrappers calibrate their noise to ``num_sampled_clients`` replies (Flower only warns each round they differ): a
   config whose rounds do not all have that many nodes is refused before round 1 (:func:`dp_sample_size_mismatch`).
   Both checks count every round the strategy aggregates as the run is configured
-  (:meth:`~strategies.item_fedavg.ItemEmbeddingFedAvg.planned_train_users`): after ``unlearn-round`` without the
+  (:meth:`~fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg.planned_train_users`): after ``unlearn-round`` without the
   forgotten users, and ``unlearning = "continue"``'s own rounds.
 
-What stays around it (inherited from :class:`strategies.item_fedavg.ItemEmbeddingFedAvg`): user sampling by
+What stays around it (inherited from :class:`fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg`): user sampling by
 ``(seed, round)``, reply validation (key scheme, shapes, NaN, ``max-update-norm``) and the privacy check before
 anything reaches the wrapped strategy, failure counting and ``min-train-fraction``, topology refresh, federated
 evaluation on the same users and rounds, the unlearning phase and server checkpoints of our own state. Given up:
@@ -49,8 +49,8 @@ Keys a strategy adds to the train config (FedProx's ``"proximal-mu"``, client-si
 honoured by the client: a non-zero value for a key the configured client class does not list in its
 ``strategy_config_keys`` stops the run before it starts (:class:`~fedrec_flwr.errors.ConfigError`, from a dry round
 1 in :meth:`FlowerStrategyAdapter.check_config`, which :mod:`fedrec_flwr.preflight` runs; round 1 checks again). Our
-clients list FedProx's ``"proximal-mu"`` (:class:`clients.fedrec.FedRecClient`: the paper's proximal term on the shared
-parameters; PFedRec does not, see :class:`clients.pfedrec.PFedRecClient`); the client-side DP wrappers are refused
+clients list FedProx's ``"proximal-mu"`` (:class:`fedrec_flwr.clients.fedrec.FedRecClient`: the paper's proximal term on the shared
+parameters; PFedRec does not, see :class:`fedrec_flwr.clients.pfedrec.PFedRecClient`); the client-side DP wrappers are refused
 (their guarantee needs clipping on the client).
 
 Bytes: what travels is unchanged (the server sends the full shared arrays, a node replies row-sparse); the dense
@@ -402,7 +402,7 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
             ``min_*_nodes = 1`` and the record keys ``"arrays"`` / ``"config"``).
         client_config_keys: the message-config keys the client honours beyond ours (its ``strategy_config_keys``).
         arguments: the wrapped strategy's constructor arguments, for the record.
-        **options: :class:`~strategies.item_fedavg.ItemEmbeddingFedAvg`'s (seed, fraction-train, ...).
+        **options: :class:`~fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg`'s (seed, fraction-train, ...).
     """
 
     def __init__(self, layout: ModelLayout, *, wrapped: Strategy, client_config_keys: Iterable[str] = (),
@@ -511,7 +511,7 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
     def _forgotten_note(self, server_round: int) -> str:
         """``", without the N forgotten users after the unlearning phase of round U"`` for a round that
         :meth:`planned_train_users` trains without the forget set, else ``""`` (for the messages above)."""
-        from strategies.unlearning import PHASE_METHODS
+        from fedrec_flwr.strategies.unlearning import PHASE_METHODS
 
         u = self.unlearning
         if u is None or u.method not in PHASE_METHODS or not u.forget or server_round <= u.round:

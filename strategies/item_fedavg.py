@@ -19,7 +19,7 @@
 * Faults: a node that dies costs its replies (the round goes on with the others, within ``round-timeout``); a node
   that (re)joins later with a new node id takes over its users (:meth:`ItemEmbeddingFedAvg.refresh_topology`). The
   strategy's state goes into server checkpoints (:meth:`ItemEmbeddingFedAvg.checkpoint_state`).
-* Client unlearning (``unlearning``, :mod:`strategies.unlearning`): after round ``unlearn-round`` the strategy runs the
+* Client unlearning (``unlearning``, :mod:`fedrec_flwr.strategies.unlearning`): after round ``unlearn-round`` the strategy runs the
   unlearning phase (HF-KCU, gradient ascent or continued training) on the aggregated model, evaluates the model before
   and after it, and writes ``unlearning.json`` and ``before-unlearning.npz``; the forgotten users train no more
   (``retrain``: never), and federated evaluation always leaves them out when a forget set is configured.
@@ -133,7 +133,7 @@ class ItemEmbeddingFedAvg(FedAvg):
         """Failed evaluation replies per node id (an error reply or none within round-timeout)."""
         self._evaluated_nodes: dict[int, list[int]] = {}
         self.unlearning = unlearning
-        """:class:`strategies.unlearning.UnlearningSettings`, or ``None`` without a forget set."""
+        """:class:`fedrec_flwr.strategies.unlearning.UnlearningSettings`, or ``None`` without a forget set."""
         self.round_timeout = round_timeout
         if not max_update_norm >= 0:
             raise ValueError(f"max_update_norm must be >= 0, got {max_update_norm!r}")
@@ -151,7 +151,7 @@ class ItemEmbeddingFedAvg(FedAvg):
         self._results_folder: Path | None = None
         self._rejected_nodes: set[int] = set()
         self.adversary_step = None
-        """FedAU²'s server step of the attribute adversary (:class:`strategies.adversary.AdversaryServerStep`), set by
+        """FedAU²'s server step of the attribute adversary (:class:`fedrec_flwr.strategies.adversary.AdversaryServerStep`), set by
         :meth:`from_run_config` for ``adversary-training = "server"``; ``None`` otherwise."""
         self.message_config: dict = {}
         """Keys sent in the config of every message of the run (the ServerApp sets the run's name, ``run``, and the
@@ -303,7 +303,7 @@ class ItemEmbeddingFedAvg(FedAvg):
     def planned_train_rounds(self) -> list[int]:
         """Every round whose train replies the strategy will aggregate, as the run is configured: ``1 ..
         num_rounds``, and with ``unlearning = "continue"`` its phase's ``continue-rounds`` rounds, numbered after the
-        last (:meth:`strategies.unlearning.ClientUnlearning._continue`)."""
+        last (:meth:`fedrec_flwr.strategies.unlearning.ClientUnlearning._continue`)."""
         rounds = list(range(1, self.num_rounds + 1))
         u = self.unlearning
         if u is not None and u.method == "continue":
@@ -315,7 +315,7 @@ class ItemEmbeddingFedAvg(FedAvg):
         :meth:`sample_train_users`, less the forget set after the unlearning phase's round (``unlearn-round``), whose
         end removes them (:meth:`run_unlearning`; ``retrain`` removes them from the start, already in
         :attr:`removed_users`). The reply-count checks count these
-        (:meth:`strategies.flower_adapter.FlowerStrategyAdapter.check_round_sizes`)."""
+        (:meth:`fedrec_flwr.strategies.flower_adapter.FlowerStrategyAdapter.check_round_sizes`)."""
         from .unlearning import PHASE_METHODS
 
         users = self.sample_train_users(server_round)
@@ -440,7 +440,7 @@ class ItemEmbeddingFedAvg(FedAvg):
             self.unlearning_report is None
 
     def run_unlearning(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
-        """The unlearning phase after ``server_round`` (:class:`strategies.unlearning.ClientUnlearning`): evaluate the
+        """The unlearning phase after ``server_round`` (:class:`fedrec_flwr.strategies.unlearning.ClientUnlearning`): evaluate the
         model, unlearn, write ``unlearning.json`` (report, metrics before) and ``before-unlearning.npz``; from then on
         the forgotten users are not trained. Returns the new arrays."""
         from .unlearning import ClientUnlearning, UnlearningFailed, describe_before

@@ -41,10 +41,10 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.training import load_optimizer_state_arrays, optimizer_state_arrays
 from fedrec_flwr.wire import ARRAYS, GRADIENT_USERS, METRICS, NUM_EXAMPLES, ModelLayout, ReplyError, merge_rows
-from strategies.item_fedavg import ItemEmbeddingFedAvg
+from fedrec_flwr.strategies.item_fedavg import ItemEmbeddingFedAvg
 
 UPLOAD_KEY = "upload"
-"""Train-config key asking clients for ``"gradient"`` uploads (see :mod:`clients.fedrecgel`)."""
+"""Train-config key asking clients for ``"gradient"`` uploads (see :mod:`fedrec_flwr.clients.fedrecgel`)."""
 
 
 class ServerOptimizerStrategy(ItemEmbeddingFedAvg):

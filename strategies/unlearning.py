@@ -6,7 +6,7 @@ text, so every choice the abstract does not fix is marked "ours" below.
 
 **The step and its sign.** Let ``theta`` be the shared parameters (item embeddings, score function), every user's
 private embedding held fixed, ``L(theta) = sum_u L_u(theta)`` with ``L_u`` user ``u``'s loss
-(:meth:`clients.fedrec.FedRecClient.influence_objective`), ``F`` the users to forget, ``R`` the others. At a minimiser
+(:meth:`fedrec_flwr.clients.fedrec.FedRecClient.influence_objective`), ``F`` the users to forget, ``R`` the others. At a minimiser
 ``theta*`` of ``L``, ``∇L_R(theta*) = -g_F`` with ``g_F = sum_{f in F} ∇L_f(theta*)``. One Newton step on the
 remaining objective ``L_R`` from ``theta*`` gives the retrained optimum to second order (Koh & Liang 2017, influence
 functions):
@@ -111,7 +111,7 @@ queries only as sums over all its remaining users, as its training replies are; 
 user. Nothing in this protocol lets a client verify that a forget request really came from the user: the operator
 must only send ``unlearn_gradient`` for users who asked to leave (a probe of a user who did not is not prevented).
 
-:class:`ClientUnlearning` runs the phase for a strategy (:class:`strategies.item_fedavg.ItemEmbeddingFedAvg` calls it
+:class:`ClientUnlearning` runs the phase for a strategy (:class:`fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg` calls it
 after ``unlearn-round``); experiments call it directly to compare variants on one trained model.
 """
 
@@ -238,7 +238,7 @@ class UnlearningSettings:
 
 
 class ClientUnlearning:
-    """Run one unlearning phase for ``strategy`` (an :class:`~strategies.item_fedavg.ItemEmbeddingFedAvg`): see the
+    """Run one unlearning phase for ``strategy`` (an :class:`~fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg`): see the
     module docstring.
 
     Args:

@@ -363,7 +363,7 @@ def test_adversarial_term_composes_with_fedrecgel_sam_client(tmp_path):
 
     from flwr.app import RecordDict
 
-    from clients.fedau2 import FedAU2GELClient
+    from fedrec_flwr.clients.fedau2 import FedAU2GELClient
     from fedrec_flwr.runtime import get_runtime
     from fedrec_flwr.serial import run_serial
     from conftest import tiny_run_config

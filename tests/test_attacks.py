@@ -20,7 +20,7 @@ from fedrec_flwr.client_app import make_client_app
 from fedrec_flwr.errors import DataError
 from fedrec_flwr.runtime import get_runtime
 from fedrec_flwr.serial import run_serial
-from strategies.curious import CuriousItemFedAvg
+from fedrec_flwr.strategies.curious import CuriousItemFedAvg
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from clients.fedrec import FedRecClient
+from fedrec_flwr.clients.fedrec import FedRecClient
 from fedrec_flwr.client_app import RecordValueError, UserMetrics, metric_record, record_number
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.serial import run_serial
@@ -84,7 +84,7 @@ def test_a_numpy_scalar_in_a_reply_is_converted(tmp_path):
 
 
 def test_a_value_no_record_can_hold_names_the_key_and_the_client(tmp_path):
-    from strategies.item_fedavg import RoundFailed
+    from fedrec_flwr.strategies.item_fedavg import RoundFailed
 
     with pytest.raises(RoundFailed) as caught:
         run_serial(_tiny(tmp_path, client=f"{HERE}:StringMetricClient", num_server_rounds=1))
@@ -189,7 +189,7 @@ def test_other_resumable_state_survives_or_is_named(tmp_path, caplog):
     that are gone are kept and said to be so."""
     from fedrec_flwr.config import make_run_config
     from fedrec_flwr.wire import ModelLayout, Topology
-    from strategies.curious import LEAKAGE_FILE, CuriousItemFedAvg
+    from fedrec_flwr.strategies.curious import LEAKAGE_FILE, CuriousItemFedAvg
 
     layout = ModelLayout(shared_shapes={}, item_keys=(), private_keys=())
     config = make_run_config()

@@ -15,7 +15,7 @@ from flwr.app import RecordDict
 
 from conftest import (MessageRecorder, assert_no_private_value_in_replies, dataset_dir, seeded_private_vectors,
                       tiny_run_config)
-from clients import fedrec, fedrecgel
+from fedrec_flwr.clients import fedrec, fedrecgel
 from fedrec_flwr import blocks
 from fedrec_flwr.blocks import block_kind, evaluate_block, train_block, use_blocks
 from fedrec_flwr.client_app import make_client_app

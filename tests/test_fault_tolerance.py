@@ -67,7 +67,7 @@ def test_a_dead_supernode_costs_only_its_replies_and_training_goes_on(tmp_path, 
         if view.server_round == 2:
             view.grid.stop_node(1002)
 
-    with caplog.at_level("WARNING", logger="strategies.item_fedavg"):
+    with caplog.at_level("WARNING", logger="fedrec_flwr.strategies.item_fedavg"):
         result, grid, rows = _run(tmp_path / "kill", on_round=kill, fraction_train=1.0)
     assert [r["round"] for r in rows] == list(range(1, ROUNDS + 1))
     assert [r["num-failures"] for r in rows] == [0, 0, 1, 1, 1]  # every later round lost node 1002's reply
@@ -79,7 +79,7 @@ def test_a_dead_supernode_costs_only_its_replies_and_training_goes_on(tmp_path, 
 
 
 def test_a_round_with_too_few_live_nodes_fails_loudly(tmp_path):
-    from strategies.item_fedavg import RoundFailed
+    from fedrec_flwr.strategies.item_fedavg import RoundFailed
 
     def kill_three(view):
         if view.server_round == 1:

@@ -73,7 +73,7 @@ def test_published_counts_are_the_real_user_file(ml100k_dir):
 
 
 def test_published_prior_without_published_shares_falls_back_to_none_and_says_so(tmp_path, caplog):
-    from clients.fedau2 import FedAU2Client
+    from fedrec_flwr.clients.fedau2 import FedAU2Client
 
     attributes = tmp_path / "attributes.csv"
     attributes.write_text("user,gender\n" + "".join(f"u{u},{'FM'[u % 3 == 0]}\n" for u in range(24)))

@@ -66,7 +66,7 @@ def test_the_noise_of_a_users_uploads_is_drawn_per_upload_round_or_user(tmp_path
     latent comes from the upload's own stream in both) is the same for a user's train reply and its queries of a
     round with ``"per-round"``, for every upload of the run with ``"per-user"``, and fresh for each with
     ``"per-upload"``; another user's is another draw."""
-    from clients.fedau2 import FedAU2Client
+    from fedrec_flwr.clients.fedau2 import FedAU2Client
     from flwr.app import RecordDict
     from fedrec_flwr.runtime import get_runtime
     from test_fedau2_server import _config
@@ -107,7 +107,7 @@ def test_one_server_step_links_only_the_train_replies(tmp_path):
 def test_a_node_whose_reply_mixed_users_is_not_linked():
     """The running mean is iDLG's input (argmin of the mean head-bias gradient); one reply that mixes several users
     marks the node as not linkable for good (-1), since its sum is no longer one user's."""
-    from strategies.curious import LabelLeakageAudit
+    from fedrec_flwr.strategies.curious import LabelLeakageAudit
 
     audit = LabelLeakageAudit.__new__(LabelLeakageAudit)
     audit._linked = {}

@@ -16,7 +16,7 @@ from fedrec_flwr.adversary import ADVERSARY_MODULE, AttributeAdversary, adversar
 from fedrec_flwr.config import FIRST_RELEASE_ADVERSARY
 from fedrec_flwr.runtime import get_runtime
 from fedrec_flwr.wire import ARRAYS, METRICS, NUM_EXAMPLES
-from strategies.adversary import AdversaryServerStep
+from fedrec_flwr.strategies.adversary import AdversaryServerStep
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -48,7 +48,7 @@ def test_every_sut_decision_of_a_round_reads_the_global_adversary_only_with_serv
     the upload under h_w's keys is the gradient of CE(h_w(e_u), a) at that copy and the user's final embedding. The
     per-client arm (as first implemented) trains its local copy, so its later SUT decisions read a changed h_w."""
     import fedrec_flwr.adversary as adversary_module
-    from clients.fedau2 import FedAU2Client
+    from fedrec_flwr.clients.fedau2 import FedAU2Client
 
     config = _config(tmp_path, adversary_training=training, optimizer="sgd", learning_rate=0.5, batch_size=8,
                      local_epochs=2)

@@ -143,7 +143,7 @@ def test_batched_query_gradient_equals_the_per_user_loop_mean(tmp_path, adversar
     mean_adversary_gradient): the mean over its users of each one's h_w gradient, with the class prior, and for DSVAE
     each user's latent and label-masking noise from the user's own stream, equal to the per-user loop's mean (float
     summation order only; noise 0 checks the noiseless gradient on its own). block-training = "off" keeps the loop."""
-    from clients.fedau2 import FedAU2Client
+    from fedrec_flwr.clients.fedau2 import FedAU2Client
     from flwr.app import RecordDict
 
     keys = dict(adversary=adversary, adversary_hidden=hidden, adversary_query_users=query_users,

@@ -35,7 +35,7 @@ def _config(folder, **overrides):
 def _fit(config, server_round: int):
     """One fresh client of user 0 trained in ``server_round`` from the initial shared state; returns
     ``(user embedding after training, the upload's h_w entries, the adversarial term)``."""
-    from clients.fedau2 import FedAU2Client
+    from fedrec_flwr.clients.fedau2 import FedAU2Client
 
     runtime = get_runtime(config)
     shared = {k: v.numpy().copy() for k, v in runtime.model.shared_state().items()}

@@ -40,7 +40,7 @@ def _federation(folder, **overrides):
     embedding gets ``DELTA * (+1 | -1) * v`` (``v`` the unit diagonal) at its first visit, by a client mod (the
     interactions do not depend on the attribute: users of ``write_tiny_dataset`` prefer one of 3 item groups, the
     attribute is ``user % 2``)."""
-    from clients.fedau2 import FedAU2Client
+    from fedrec_flwr.clients.fedau2 import FedAU2Client
     from fedrec_flwr.client_app import make_client_app
     from fedrec_flwr.serial import run_serial
 

@@ -12,13 +12,13 @@ import torch
 from flwr.app import RecordDict
 from flwr.serverapp.strategy import FedProx
 
-from clients.fedrec import FedRecClient
+from fedrec_flwr.clients.fedrec import FedRecClient
 from conftest import tiny_run_config
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.runtime import get_runtime
 from fedrec_flwr.serial import run_serial
 from fedrec_flwr.training import ProximalTerm
-from strategies.flower_adapter import build_flower_strategy, check_sent_keys
+from fedrec_flwr.strategies.flower_adapter import build_flower_strategy, check_sent_keys
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 FLOWER = "flwr.serverapp.strategy:"

@@ -1,4 +1,4 @@
-"""Flower's own strategies through :class:`strategies.flower_adapter.FlowerStrategyAdapter` (issue 21): every class of
+"""Flower's own strategies through :class:`fedrec_flwr.strategies.flower_adapter.FlowerStrategyAdapter` (issue 21): every class of
 ``flwr.serverapp.strategy`` (found at test time), the dense-reply semantics against hand computations and against
 ``item-fedavg`` with ``"selected"`` rows, privacy, and the ``strategy-args`` checks."""
 
@@ -20,8 +20,8 @@ from fedrec_flwr.registry import resolve_strategy
 from fedrec_flwr.runtime import get_runtime
 from fedrec_flwr.serial import run_serial
 from fedrec_flwr.wire import ARRAYS, METRICS, ModelLayout, PrivacyViolation
-from strategies.flower_adapter import FlowerStrategyAdapter, build_flower_strategy, parse_strategy_args
-from strategies.item_fedavg import ItemEmbeddingFedAvg, Topology
+from fedrec_flwr.strategies.flower_adapter import FlowerStrategyAdapter, build_flower_strategy, parse_strategy_args
+from fedrec_flwr.strategies.item_fedavg import ItemEmbeddingFedAvg, Topology
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -259,7 +259,7 @@ def test_a_subclass_taking_kwargs_records_the_arguments_by_their_own_names():
 def test_server_side_dp_with_several_users_per_node_warns_that_its_unit_is_the_node():
     """Flower's server-side DP wrappers clip and noise each reply; a reply of a node serving k > 1 users is their
     mean, so the guarantee is per node. That ran with no warning (the tester's finding); now it is named."""
-    from strategies.flower_adapter import node_level_dp_warning
+    from fedrec_flwr.strategies.flower_adapter import node_level_dp_warning
 
     dp, _ = build_flower_strategy(flower.DifferentialPrivacyServerSideFixedClipping, parse_strategy_args(
         "strategy=flwr.serverapp.strategy:FedAvg,noise_multiplier=0.1,clipping_norm=1.0,num_sampled_clients=19"))
@@ -317,7 +317,7 @@ def test_server_side_dp_whose_rounds_reach_different_numbers_of_nodes_is_refused
 def test_the_readme_dp_example_passes_the_sample_size_check():
     """The README's server-side DP command (the default experiment: 943 users, fraction-train 0.1, one per node)
     names num_sampled_clients=94, every round's number of replies."""
-    from strategies.flower_adapter import dp_sample_size_mismatch, server_side_dp
+    from fedrec_flwr.strategies.flower_adapter import dp_sample_size_mismatch, server_side_dp
     from fedrec_flwr.wire import sample_users
 
     dp, _ = build_flower_strategy(flower.DifferentialPrivacyServerSideFixedClipping, parse_strategy_args(
@@ -374,7 +374,7 @@ def test_flower_strategies_may_weight_by_either_count_every_reply_carries(tmp_pa
 def test_robust_strategies_name_the_reply_count_they_need():
     """Krum / MultiKrum: n > 2f + 2 (Blanchard et al. 2017; Flower does not check it), MultiKrum also selects at most
     n; Bulyan: n >= 4f + 3 (Flower skips the aggregation below it). Found through a DP wrapper too."""
-    from strategies.flower_adapter import robust_aggregation_shortfall as shortfall
+    from fedrec_flwr.strategies.flower_adapter import robust_aggregation_shortfall as shortfall
 
     krum, _ = build_flower_strategy(flower.Krum, {"num_malicious_nodes": 2})
     assert "more than 2 * num_malicious_nodes + 2 = 6" in shortfall(krum, 6)
@@ -473,7 +473,7 @@ def test_the_checked_users_of_each_round_are_the_ones_it_trains(tmp_path):
 def test_a_robust_strategy_whose_round_loses_replies_fails_it_with_the_numbers(task_identity):
     """Krum over the 3 nodes of TOPOLOGY is fine (n = 3 > 2); with one node silent, 2 replies are too few for it
     (the round would otherwise score each reply against a single neighbour)."""
-    from strategies.item_fedavg import RoundFailed
+    from fedrec_flwr.strategies.item_fedavg import RoundFailed
 
     _round(_adapter(flower.Krum), {10: 6.0, 11: 2.0, 12: 4.0})
     with pytest.raises(RoundFailed, match=r"round 1: .*Krum.* more than 2 \* num_malicious_nodes \+ 2 = 2 .* 2 "

@@ -13,7 +13,7 @@ from conftest import MessageRecorder, tiny_run_config
 from fedrec_flwr.client_app import make_client_app
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.serial import run_serial
-from strategies.unlearning import curvature_sample_nodes
+from fedrec_flwr.strategies.unlearning import curvature_sample_nodes
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -172,7 +172,7 @@ def test_line_search_keys_are_validated_with_the_key_named(key, value):
 
 def test_line_search_keys_reach_the_unlearning_settings():
     from fedrec_flwr.config import default_mapping
-    from strategies.unlearning import UnlearningSettings
+    from fedrec_flwr.strategies.unlearning import UnlearningSettings
 
     mapping = {**default_mapping(), "unlearning": "hfkcu", "forget-users": "1", "line-search": "remaining-loss",
                "line-search-max-step": 16.0, "line-search-rounds": 2}

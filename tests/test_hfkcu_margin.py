@@ -103,7 +103,7 @@ def test_margin_step_on_a_poisoned_federation_replies_with_sums_and_reaches_zero
     from fedrec_flwr.client_app import make_client_app
     from fedrec_flwr.config import RunConfig
     from fedrec_flwr.serial import run_serial
-    from strategies.unlearning import ClientUnlearning, UnlearningSettings
+    from fedrec_flwr.strategies.unlearning import ClientUnlearning, UnlearningSettings
 
     mapping, runtime, fakes, target, genuine = poisoned_setting(tmp_path, "mf")
     split = runtime.split

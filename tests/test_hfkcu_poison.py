@@ -12,7 +12,7 @@ from experiments.hfkcu.analysis import exposure, private_records
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.runtime import get_runtime
 from fedrec_flwr.serial import run_serial
-from strategies.unlearning import ClientUnlearning, UnlearningSettings
+from fedrec_flwr.strategies.unlearning import ClientUnlearning, UnlearningSettings
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

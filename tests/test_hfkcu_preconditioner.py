@@ -10,7 +10,7 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from clients.fedrec import FedRecClient
+from fedrec_flwr.clients.fedrec import FedRecClient
 from fedrec_flwr.config import RunConfig, default_mapping
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.influence import influence_gn_diagonal

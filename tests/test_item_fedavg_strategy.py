@@ -7,7 +7,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 
 from fedrec_flwr.wire import ARRAYS, METRICS, ModelLayout, PrivacyViolation
-from strategies.item_fedavg import ItemEmbeddingFedAvg, RoundFailed, Topology
+from fedrec_flwr.strategies.item_fedavg import ItemEmbeddingFedAvg, RoundFailed, Topology
 
 LAYOUT = ModelLayout(
     shared_shapes={"item_embedding.weight": (4, 2), "output.weight": (1, 2)},
@@ -110,7 +110,7 @@ def test_max_update_norm_rejects_long_updates_with_a_logged_reason(task_identity
     requests = {m.metadata.dst_node_id: m for m in _configure(strategy)}
     small = _reply(requests[10], [0], [[0.5, 1.5]], [1], [[1.0, 2.0]], n=5)  # change sqrt(0.25 + 0.25 + 1) < 3
     large = _reply(requests[11], [1], [[100.0, 3.0]], [1], [[1.0, 1.0]], n=5)  # row 1 moves by 98
-    with caplog.at_level("WARNING", logger="strategies.item_fedavg"):
+    with caplog.at_level("WARNING", logger="fedrec_flwr.strategies.item_fedavg"):
         arrays, _ = strategy.aggregate_train(1, [small, large])
     np.testing.assert_allclose(arrays["item_embedding.weight"].numpy()[1], TABLE[1])  # never reached the model
     np.testing.assert_allclose(arrays["item_embedding.weight"].numpy()[0], [0.5, 1.5])
@@ -148,7 +148,7 @@ def test_a_node_the_superlink_reports_unavailable_is_named_as_the_failed_node(ta
     good = [_reply(requests[n], [0], [[1.0, 1.0]], [1], [[2.0, 2.0]], n=5) for n in (10, 12)]
     unavailable = Message(Error(code=5, reason="Error: Node Unavailable"), reply_to=requests[11])
     unavailable.metadata.__dict__["_src_node_id"] = 1  # what the SuperLink sends
-    with caplog.at_level("WARNING", logger="strategies.item_fedavg"):
+    with caplog.at_level("WARNING", logger="fedrec_flwr.strategies.item_fedavg"):
         strategy.aggregate_train(1, [*good, unavailable])
     assert strategy.failures == {11: 1}
     assert "round 1: node 11 failed: Error: Node Unavailable" in caplog.text

@@ -147,7 +147,7 @@ def test_quiet_log_keeps_progress_warnings_and_errors():
     shown = [
         "round   10 | HR@10 0.3796 | NDCG@10 0.1967 | train loss 0.3764 | 74.3 s",
         "INFO fedrec_flwr.server_app: results written to /r/a",
-        "WARNING strategies.item_fedavg: 3 replies rejected",
+        "WARNING fedrec_flwr.strategies.item_fedavg: 3 replies rejected",
         "WARNING :   Round 3: 2 failures",
         "ERROR :     ServerApp raised an exception",
         "fedrec_flwr.errors.ConfigError: run-config key 'resume-from' = '/x': no checkpoint at /x",

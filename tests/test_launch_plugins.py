@@ -105,7 +105,7 @@ def test_a_plugin_key_given_flat_or_packed_resumes_and_is_refused_when_given_twi
 
 def test_a_plugin_check_config_that_raises_another_exception_is_one_config_error(monkeypatch):
     """A plug-in's check_config raising ValueError gave a launcher traceback and exit 1 ("the run started")."""
-    from strategies.item_fedavg import ItemEmbeddingFedAvg
+    from fedrec_flwr.strategies.item_fedavg import ItemEmbeddingFedAvg
 
     class Picky(ItemEmbeddingFedAvg):
         @classmethod

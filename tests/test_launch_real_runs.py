@@ -21,7 +21,7 @@ from conftest import write_tiny_dataset
 
 BOOM = '''
 from fedrec_flwr.errors import ConfigError
-from strategies.item_fedavg import ItemEmbeddingFedAvg
+from fedrec_flwr.strategies.item_fedavg import ItemEmbeddingFedAvg
 
 
 class Boom(ItemEmbeddingFedAvg):

@@ -23,7 +23,7 @@ from conftest import write_tiny_dataset
 HANGING_CLIENT = '''
 import time
 
-from clients.fedrec import FedRecClient
+from fedrec_flwr.clients.fedrec import FedRecClient
 
 
 class HangingClient(FedRecClient):
@@ -38,10 +38,10 @@ class HangingClient(FedRecClient):
 
 def test_still_running_names_silent_nodes_by_round_and_the_processes():
     log = ("round    1 | train-loss 0.69\n"
-           "WARNING strategies.item_fedavg: round 2: node 4242 failed: no reply within round-timeout (20 s)\n"
-           "WARNING strategies.item_fedavg: round 2: evaluation failed on node 4242 (12 users not evaluated: 0..11): "
+           "WARNING fedrec_flwr.strategies.item_fedavg: round 2: node 4242 failed: no reply within round-timeout (20 s)\n"
+           "WARNING fedrec_flwr.strategies.item_fedavg: round 2: evaluation failed on node 4242 (12 users not evaluated: 0..11): "
            "no reply within round-timeout (20 s)\n"
-           "WARNING strategies.item_fedavg: round 3: node 7 failed: the ClientApp raised ValueError\n")
+           "WARNING fedrec_flwr.strategies.item_fedavg: round 3: node 7 failed: the ClientApp raised ValueError\n")
     text = still_running(log, [os.getpid()])
     assert "node 4242 (no reply in round 2)" in text
     assert "node 7" not in text  # it answered (with an error): not what is still running

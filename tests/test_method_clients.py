@@ -60,7 +60,7 @@ def test_fedrecgel_uploads_gradients_with_unit_weight_and_keeps_its_optimizer_st
 
 
 def test_pfedrec_evaluates_with_its_personalised_rows(tmp_path):
-    from clients.pfedrec import PFedRecClient
+    from fedrec_flwr.clients.pfedrec import PFedRecClient
     from flwr.app import RecordDict
 
     config = tiny_run_config(tmp_path, **PFEDREC)
@@ -97,7 +97,7 @@ def test_fedrecgel_with_both_rho_zero_is_a_plain_full_batch_step():
 
 
 def test_pfedrec_client_needs_the_pfedrec_model(tmp_path):
-    from clients.pfedrec import PFedRecClient
+    from fedrec_flwr.clients.pfedrec import PFedRecClient
     from flwr.app import RecordDict
 
     from fedrec_flwr.errors import ConfigError

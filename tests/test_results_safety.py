@@ -187,7 +187,7 @@ def test_a_plugin_that_fails_on_import_is_one_error_line(tmp_path, capsys, monke
     """Defect 8: a plug-in module raising NameError at import gave a 37-line traceback, exit 1. Now one line with the
     error, its file and line, exit 2."""
     (tmp_path / "plugin_broken_at_import.py").write_text(
-        "from strategies.item_fedavg import ItemEmbeddingFedAvg\n\nsteps = undefined_name\n\n\n"
+        "from fedrec_flwr.strategies.item_fedavg import ItemEmbeddingFedAvg\n\nsteps = undefined_name\n\n\n"
         "class Broken(ItemEmbeddingFedAvg):\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     mapping = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, strategy="plugin_broken_at_import:Broken")
@@ -397,7 +397,7 @@ def test_a_run_that_fails_in_a_round_records_it_and_its_run_name_is_replaced_by_
     failure, then holds a finished run, which a third run may not overwrite."""
     from fedrec_flwr.client_app import make_client_app
     from fedrec_flwr.serial import run_serial
-    from strategies.item_fedavg import RoundFailed
+    from fedrec_flwr.strategies.item_fedavg import RoundFailed
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     config = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, num_server_rounds=3, run_name="flaky")
@@ -429,7 +429,7 @@ def test_a_failed_run_with_a_checkpoint_is_resumed_and_its_failure_record_remove
     resume-from continues after the checkpoint, says it drops the record, and the folder ends as a finished run."""
     from fedrec_flwr.client_app import make_client_app
     from fedrec_flwr.serial import run_serial
-    from strategies.item_fedavg import RoundFailed
+    from fedrec_flwr.strategies.item_fedavg import RoundFailed
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     config = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, num_server_rounds=3, checkpoint_every=1,

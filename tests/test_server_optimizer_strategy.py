@@ -9,8 +9,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from fedrec_flwr.wire import ARRAYS, METRICS, merge_rows
 from test_item_fedavg_strategy import DENSE, LAYOUT, TABLE  # the same 4-item layout and tables
-from strategies.item_fedavg import ItemEmbeddingFedAvg, Topology
-from strategies.server_optimizer import ServerOptimizerStrategy
+from fedrec_flwr.strategies.item_fedavg import ItemEmbeddingFedAvg, Topology
+from fedrec_flwr.strategies.server_optimizer import ServerOptimizerStrategy
 
 TOPOLOGY = Topology(np.array([10, 11, 12]))
 
@@ -113,7 +113,7 @@ def test_item_fedavg_selected_mode(task_identity):
 
 
 def test_a_reply_with_parameters_instead_of_gradients_is_rejected(task_identity):
-    from strategies.item_fedavg import RoundFailed
+    from fedrec_flwr.strategies.item_fedavg import RoundFailed
 
     strategy = ServerOptimizerStrategy(LAYOUT, topology=TOPOLOGY, fraction_train=1.0)
     requests = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, _arrays(), ConfigRecord(), None)}

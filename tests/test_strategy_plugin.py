@@ -13,20 +13,20 @@ from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.registry import resolve
 from fedrec_flwr.serial import run_serial
 from fedrec_flwr.wire import ModelLayout
-from strategies.item_fedavg import ItemEmbeddingFedAvg, Topology
+from fedrec_flwr.strategies.item_fedavg import ItemEmbeddingFedAvg, Topology
 
 
 def test_registry_names_and_module_class_specs_resolve():
     assert resolve("strategy", "item-fedavg") is ItemEmbeddingFedAvg
-    assert resolve("strategy", "strategies.item_fedavg:ItemEmbeddingFedAvg") is ItemEmbeddingFedAvg
-    from clients.fedrec import FedRecClient
+    assert resolve("strategy", "fedrec_flwr.strategies.item_fedavg:ItemEmbeddingFedAvg") is ItemEmbeddingFedAvg
+    from fedrec_flwr.clients.fedrec import FedRecClient
 
     assert resolve("client", "fedrec") is FedRecClient
 
 
 @pytest.mark.parametrize(
     ("spec", "message"),
-    [("nope", "not a registered"), ("no.such.module:X", "cannot import"), ("strategies.item_fedavg:Nope", "has no")],
+    [("nope", "not a registered"), ("no.such.module:X", "cannot import"), ("fedrec_flwr.strategies.item_fedavg:Nope", "has no")],
 )
 def test_bad_specs_name_the_problem(spec, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,4 +1,4 @@
-"""Client unlearning (strategies.unlearning, HF-KCU and its baselines) and its building blocks.
+"""Client unlearning (fedrec_flwr.strategies.unlearning, HF-KCU and its baselines) and its building blocks.
 
 * the sign of the HF-KCU step on a convex problem where the retrained optimum is known in closed form;
 * the influence objective (fedrec_flwr.influence) against the training loss, and its batched node form;
@@ -34,7 +34,7 @@ from fedrec_flwr.training import LocalTrainer
 from fedrec_flwr.wire import (
     ModelLayout, PrivacyViolation, ReplyError, SparseSum, pack_sparse, sample_users, unpack_sparse,
 )
-from strategies.unlearning import ClientUnlearning, UnlearningSettings, describe_before, describe_unlearning, forget_set
+from fedrec_flwr.strategies.unlearning import ClientUnlearning, UnlearningSettings, describe_before, describe_unlearning, forget_set
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

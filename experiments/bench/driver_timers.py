@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
     import flwr.superlink.grid.inmemory_grid as grid
 
     import bench_simulation
-    import strategies.item_fedavg as item_fedavg
+    import fedrec_flwr.strategies.item_fedavg as item_fedavg
 
     timed(item_fedavg.ItemEmbeddingFedAvg, "configure_train", "strategy.configure_train")
     timed(item_fedavg.ItemEmbeddingFedAvg, "aggregate_train", "strategy.aggregate_train")

@@ -8,7 +8,7 @@ one local epoch (Adam 0.01, batch 256, 4 negatives per positive), every user eva
 is a user, as robust aggregation assumes (``item-fedavg`` gives the same model for any grouping).
 
 Arms (:data:`ARMS`): ``item-fedavg`` (our default, ``"touched"`` rows) and, through
-:class:`strategies.flower_adapter.FlowerStrategyAdapter`, Flower's FedAvg, FedAvgM, FedAdam, FedYogi, FedProx,
+:class:`fedrec_flwr.strategies.flower_adapter.FlowerStrategyAdapter`, Flower's FedAvg, FedAvgM, FedAdam, FedYogi, FedProx,
 FedMedian and FedTrimmedAvg, each with Flower's default arguments except where :data:`ARMS` says (FedAvgM's default
 momentum 0 would make it FedAvg; FedProx's ``proximal_mu`` must be > 0 to differ from FedAvg; our clients honour it
 with the paper's proximal term, :class:`fedrec_flwr.training.ProximalTerm`). Poisoning (:data:`POISON_ARMS`): ML-100K plus 100 fake users who rate one unpopular

@@ -11,7 +11,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, RecordDict
 from scipy.special import log_softmax
 
-from clients.fedrec import STATE_PREFIX
+from fedrec_flwr.clients.fedrec import STATE_PREFIX
 from fedrec_flwr.attacks import membership_auc, nonmember_items
 from fedrec_flwr.client_app import make_client
 from fedrec_flwr.training import score_candidates

@@ -32,7 +32,7 @@ DATASETS = ("ml-100k", "filmtrust")
 MODELS = {"FedMF": {"model": "mf"}, "FedNCF": {"model": "ncf"}}
 
 FORGET_SETS = {"one user": None, "1%": 0.01, "5%": 0.05}
-"""Forget-set name -> fraction of users (``None``: exactly one user), drawn with :func:`strategies.unlearning.
+"""Forget-set name -> fraction of users (``None``: exactly one user), drawn with :func:`fedrec_flwr.strategies.unlearning.
 forget_set`'s seeded stream."""
 
 VARIANTS = {
@@ -43,7 +43,7 @@ VARIANTS = {
     "gradient ascent": {"method": "gradient-ascent"},
     "continued training (5 rounds)": {"method": "continue"},
 }
-"""Unlearning phases applied to the trained model (:class:`strategies.unlearning.UnlearningSettings` fields; the
+"""Unlearning phases applied to the trained model (:class:`fedrec_flwr.strategies.unlearning.UnlearningSettings` fields; the
 rest are the run config's defaults: k = 10, damping 0.01, eta 0.01 with the adaptive cap, causal weighting)."""
 
 ABLATIONS = {

@@ -47,7 +47,7 @@ VARIANTS = {
     "gradient ascent": {"method": "gradient-ascent"},
     "continued training (5 rounds)": {"method": "continue"},
 }
-"""Unlearning phases of the reported settings (:class:`strategies.unlearning.UnlearningSettings` fields over the run
+"""Unlearning phases of the reported settings (:class:`fedrec_flwr.strategies.unlearning.UnlearningSettings` fields over the run
 config's defaults). ``continue`` runs inside the original run (it needs the run's sampling); the others are applied
 to the saved trained federation by :func:`replay` (identical results: the phases only read the trained state)."""
 
@@ -272,7 +272,7 @@ def _norm(vector, rows=None, item_keys=()) -> float:
 def probe(dataset: str, model: str, fakes: int, seed: int, changes: dict, *, data_dir: str, runs: Path, cache: Path,
           target_seed: int = 0, name: str = "probe", row_steps: tuple = (0.5, 1.0, 1.5, 2.0, 4.0, 8.0)) -> dict:
     """The line search's view of one saved federation (design diagnostics, ours; the target is read, never used to
-    choose anything). Runs the phase of ``changes`` (:class:`strategies.unlearning.UnlearningSettings` fields; it
+    choose anything). Runs the phase of ``changes`` (:class:`fedrec_flwr.strategies.unlearning.UnlearningSettings` fields; it
     must set ``line_search``) and the same phase without the line search (its step ``x``); records, for every
     multiple ``a`` the search tried, the remaining users' loss it saw and the target percentile, exposure and the
     genuine users' HR@10 of ``theta + a x``; then splits ``x`` into its target row and the other rows and records
@@ -284,7 +284,7 @@ def probe(dataset: str, model: str, fakes: int, seed: int, changes: dict, *, dat
     from experiments.hfkcu.analysis import exposure, private_records
     from experiments.hfkcu.run import _settings
     from fedrec_flwr.wire import support_rows
-    from strategies.unlearning import ClientUnlearning
+    from fedrec_flwr.strategies.unlearning import ClientUnlearning
 
     folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
     out: dict = {}
@@ -426,7 +426,7 @@ def profile_phase(dataset: str, model: str, fakes: int, seed: int, *, data_dir: 
     import pstats
 
     from experiments.hfkcu.run import _settings
-    from strategies.unlearning import ClientUnlearning
+    from fedrec_flwr.strategies.unlearning import ClientUnlearning
 
     def body(restored, runtime, fake_users, target) -> None:
         settings = _settings(restored.config, fake_users, {"method": "hfkcu", **(changes or {})},
@@ -453,7 +453,7 @@ def _default_step(restored, runtime, fake_users, changes: dict | None = None):
     the phase's step, its report)`` for the phase of ``changes`` over the defaults (float64 arrays by key)."""
     from experiments.hfkcu.analysis import private_records
     from experiments.hfkcu.run import _settings
-    from strategies.unlearning import ClientUnlearning
+    from fedrec_flwr.strategies.unlearning import ClientUnlearning
 
     split = runtime.split
     remaining = np.setdiff1d(np.arange(split.num_users), fake_users)
@@ -573,7 +573,7 @@ def precond_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: 
                   target_seed: int = 0, name: str = "precond-probe") -> dict:
     """Why the preconditioned trust region moves the target more or less than the Euclidean one (design diagnostic,
     ours; the target is read, never used to choose anything): the preconditioner ``M`` of ``krylov-preconditioner =
-    "diagonal"`` (:meth:`strategies.unlearning.ClientUnlearning.preconditioner`) at the target's row against its
+    "diagonal"`` (:meth:`fedrec_flwr.strategies.unlearning.ClientUnlearning.preconditioner`) at the target's row against its
     quartiles over the rows ``g_F`` touches, and the target row's share of the first Steihaug step in each norm: the
     Euclidean solve's first step is ``g_F`` (share ``|g_T|^2 / |g|^2``), the preconditioned one's ``M^{-1} g_F``
     (share of its ``M``-norm, ``g_T^T M_T^{-1} g_T / g^T M^{-1} g``); with the boundary hit on the first product,
@@ -581,7 +581,7 @@ def precond_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: 
     from experiments.hfkcu.run import _settings
     from fedrec_flwr.krylov import unflatten
     from fedrec_flwr.wire import support_rows
-    from strategies.unlearning import ClientUnlearning
+    from fedrec_flwr.strategies.unlearning import ClientUnlearning
 
     folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
     out: dict = {}

@@ -11,7 +11,7 @@ Every run goes through the package's ServerApp, strategy and ClientApp (:func:`f
 
 * **original** (per dataset and model): 100 rounds; after round 100 (an ``on_round`` hook) every unlearning variant of
   :data:`experiments.hfkcu.methods.VARIANTS` (and the ablations, on ML-100K's 1% set) is run as a Flower phase on the
-  trained model for each forget set (:class:`strategies.unlearning.ClientUnlearning`, from the same node states;
+  trained model for each forget set (:class:`fedrec_flwr.strategies.unlearning.ClientUnlearning`, from the same node states;
   ``continue`` trains the remaining users, so their states are restored after it). Each variant's model is evaluated
   federatedly on the remaining users, and its candidate scores are kept for the KL divergence.
 * **retrain** (per dataset, model and forget set): ``unlearning = "retrain"``, the same seed and 100 rounds; the
@@ -57,8 +57,8 @@ def base_config(dataset: str, model: str, data_dir: str, folder: Path, name: str
 
 
 def forget_sets(num_users: int, seed: int = SEED) -> dict[str, np.ndarray]:
-    """Forget-set name -> users (seeded; :func:`strategies.unlearning.forget_set`)."""
-    from strategies.unlearning import forget_set
+    """Forget-set name -> users (seeded; :func:`fedrec_flwr.strategies.unlearning.forget_set`)."""
+    from fedrec_flwr.strategies.unlearning import forget_set
 
     out = {}
     for name, fraction in FORGET_SETS.items():
@@ -72,7 +72,7 @@ def _arrays(record) -> dict[str, np.ndarray]:
 
 
 def _settings(config, forget: np.ndarray, changes: dict, num_users: int):
-    from strategies.unlearning import UnlearningSettings
+    from fedrec_flwr.strategies.unlearning import UnlearningSettings
 
     settings = UnlearningSettings.from_config(
         config.replace(unlearning="hfkcu", forget_users=",".join(str(int(u)) for u in forget)), num_users)
@@ -83,7 +83,7 @@ def run_phases(view, runtime, forget: dict[str, np.ndarray], variants_for, out: 
                ) -> list[dict]:
     """Apply every variant to the trained model in ``view`` (an ``on_round`` hook's RoundView); write each variant's
     arrays and candidate scores under ``out`` and return one row per (forget set, variant)."""
-    from strategies.unlearning import ClientUnlearning
+    from fedrec_flwr.strategies.unlearning import ClientUnlearning
 
     strategy, grid, config = view.strategy, view.grid, view.config
     num_users = runtime.split.num_users

@@ -8,9 +8,9 @@
   model's scores (ROC AUC; used to check that unlearned users' interactions stop being detectable).
 """
 
-from .attribute_inference import AttributeAttackResult, attribute_inference, collect_user_embeddings
-from .label_leakage import dlg_label, idlg_label
-from .membership import membership_auc, nonmember_items
+from fedrec_flwr.attacks.attribute_inference import AttributeAttackResult, attribute_inference, collect_user_embeddings
+from fedrec_flwr.attacks.label_leakage import dlg_label, idlg_label
+from fedrec_flwr.attacks.membership import membership_auc, nonmember_items
 
 __all__ = ["AttributeAttackResult", "attribute_inference", "collect_user_embeddings", "dlg_label", "idlg_label",
            "membership_auc", "nonmember_items"]

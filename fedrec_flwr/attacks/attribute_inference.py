@@ -33,7 +33,7 @@ from sklearn.neural_network import MLPClassifier
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from ..errors import DataError
+from fedrec_flwr.errors import DataError
 
 CLASSIFIERS = ("logreg", "mlp")
 
@@ -175,7 +175,7 @@ def collect_user_embeddings(states: Iterable, private_keys: Iterable[str], num_u
         private_keys: the model's private keys in order (``ModelLayout.private_keys``); their row 0 is concatenated,
             the layout :func:`fedrec_flwr.adversary.user_vector` gives the adversary.
         num_users: ``U``.
-        prefix: the state key prefix of a user's record (:data:`clients.fedrec.STATE_PREFIX`).
+        prefix: the state key prefix of a user's record (:data:`fedrec_flwr.clients.fedrec.STATE_PREFIX`).
 
     Returns:
         ``(embeddings (U, D) float32, present (U,) bool)``: rows of users that never trained (no record) are zero and

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 from sklearn.metrics import roc_auc_score
 
-from ..data import Split
-from ..errors import DataError
+from fedrec_flwr.data import Split
+from fedrec_flwr.errors import DataError
 
 
 def nonmember_items(split: Split, user: int, size: int, rng: np.random.Generator) -> np.ndarray:

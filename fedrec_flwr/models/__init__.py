@@ -9,11 +9,11 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import ConfigError
-from .base import EMBEDDING_INIT_STD, RecModel
-from .mf import MF
-from .ncf import NCF
-from .pfedrec import PFedRecModel
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.models.base import EMBEDDING_INIT_STD, RecModel
+from fedrec_flwr.models.mf import MF
+from fedrec_flwr.models.ncf import NCF
+from fedrec_flwr.models.pfedrec import PFedRecModel
 
 #: Model name -> class. Names are what run configs use (``model = "ncf"``).
 MODELS: dict[str, type[RecModel]] = {"mf": MF, "ncf": NCF, "pfedrec": PFedRecModel}

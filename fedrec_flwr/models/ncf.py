@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .base import RecModel, _init_on_cpu, init_embedding, init_linear, new_embedding, new_linear
+from fedrec_flwr.models.base import RecModel, _init_on_cpu, init_embedding, init_linear, new_embedding, new_linear
 
 
 class NCF(RecModel):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import RecModel, _init_on_cpu, init_embedding, init_linear, new_embedding, new_linear
+from fedrec_flwr.models.base import RecModel, _init_on_cpu, init_embedding, init_linear, new_embedding, new_linear
 
 
 class PFedRecModel(RecModel):
