@@ -23,8 +23,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-import torch
 from flwr.app import Array, ArrayRecord
 
 from fedrec_flwr.state.client_state import OPTIMIZER_PREFIX

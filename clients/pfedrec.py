@@ -20,7 +20,6 @@ from typing import Any
 
 import math
 
-import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 

@@ -861,7 +861,10 @@ def supernode_main(argv: Sequence[str]) -> int:
     if args.dry_run:
         print(" ".join([*(f"{key}={shlex.quote(value)}" for key, value in node_env.items()), shlex.join(command)]))
         return 0
-    os.execve(command[0], command, {**os.environ, **node_env})
+    # flower-supernode starts flwr-clientapp by name: this environment's console scripts first on PATH, so the
+    # wrapper works without the virtual environment activated
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    os.execve(command[0], command, {**os.environ, **node_env, "PATH": path})
     return 0  # not reached
 
 

@@ -5,8 +5,33 @@ file, line, key or value at fault.
 """
 
 
+def escape_controls(text: str) -> str:
+    """``text`` with every character that is not printable (a newline, a carriage return, a tab, an escape, a
+    bidirectional override, ...) written as its Python escape (``\\n``, ``\\x1b``, ``\\u202e``), so that a value
+    or path shown to the user is shown on one line and as it is."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class FedRecError(Exception):
-    """Base class of every error fedrec-flwr raises on purpose."""
+    """Base class of every error fedrec-flwr raises on purpose. Its message is one line: control characters of the
+    values it shows are escaped (:func:`escape_controls`)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*(escape_controls(a) if isinstance(a, str) else a for a in args))
+
+
+class OneLineRecords:
+    """A :mod:`logging` filter for a handler: each record's message with its control characters escaped
+    (:func:`escape_controls`), so one record is one console line (a path with a newline is not cut in two, and a
+    reader keeping a record's first line keeps all of it). A traceback, formatted apart, keeps its lines."""
+
+    def filter(self, record) -> bool:
+        message = record.getMessage()
+        if not message.isprintable():
+            record.msg, record.args = escape_controls(message), None
+        return True
 
 
 class DataError(FedRecError, ValueError):

@@ -70,6 +70,7 @@ from fedrec_flwr.config import app_root, default_mapping
 from fedrec_flwr.errors import ConfigError, FedRecError
 from fedrec_flwr.registry import LOGGER_ROOTS
 from fedrec_flwr.state.results import SOURCE_COMMIT_ENV, source_commit
+from fedrec_flwr.io import atomic_write_text
 
 def _project_root() -> Path:
     """:func:`~fedrec_flwr.config.app_root`, or the folder above the package when there is none (every use of the
@@ -260,6 +261,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _argv(pid: int) -> list[str]:
+    """The process's command line, word by word (``[]`` if gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -445,7 +454,7 @@ class LocalSuperLink:
             self.process = subprocess.Popen(command, env=self.env, stdout=subprocess.DEVNULL,
                                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
                                             start_new_session=True)
-            (self.home / RECORD_FILE).write_text(json.dumps({
+            atomic_write_text(self.home / RECORD_FILE, json.dumps({  # a write error names the file
                 "pid": self.process.pid, "start-time": start_time(self.process.pid), "token": self.token,
                 "port": self.port, "launcher-pid": os.getpid()}) + "\n")
             deadline = time.monotonic() + self.startup_timeout
@@ -581,10 +590,19 @@ def parse_override(pair: str, defaults: Mapping[str, Any] | None = None, what: s
     if text[:1] in ("'", '"'):
         try:
             value = tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
+        except tomllib.TOMLDecodeError as err:
+            balanced = len(text) >= 2 and text[-1] == text[0]
+            control = next((c for c in text[1:-1] if not c.isprintable()), None) if balanced else None
+            bare = text.strip(chr(39) + chr(34))
+            if control is not None:  # the quotes balance: the value holds what a TOML string holds only escaped
+                raise ConfigError(
+                    f"{what} key '{key}': {text!r} is not a TOML string: it holds the raw control character "
+                    f"{control!r}, which TOML takes only escaped ({repr(control)[1:-1]}); write it as "
+                    f"{key}={_toml_string(bare)}") from None
+            hint = "an unbalanced quote?" if not balanced else f"TOML: {err}"
             raise ConfigError(
-                f"{what} key '{key}': {text} is not a quoted string (an unbalanced quote?); write it without quotes "
-                f"({key}={text.strip(chr(39) + chr(34))}) or as TOML ({key}={_toml_string(text.strip(chr(39) + chr(34)))})"
+                f"{what} key '{key}': {text!r} is not a quoted string ({hint}); write it without quotes "
+                f"({key}={bare}) or as TOML ({key}={_toml_string(bare)})"
             ) from None
         return key, value
     if isinstance(defaults.get(key), str):
@@ -1018,10 +1036,40 @@ def raise_stopped(signum, frame) -> None:
 
 
 # ------------------------------------------------------------------------------------------ command line
+FLOWER_RUN_PROCESSES = frozenset({"flwr-simulation", "flwr-serverapp"})
+"""Processes a SuperLink starts for a run: while one lives under it, a run is in progress there."""
+
+
+def flower_superlinks(home: str | os.PathLike) -> list[int]:
+    """PIDs of the ``flower-superlink`` processes that ``flwr run`` itself started for Flower home ``home`` (its
+    local SuperLink, detached, which outlives a failed ``flwr run``): provably that home's, as their command line
+    names its database or log file (``<home>/local-superlink/state.db`` / ``superlink.log``). Linux (``/proc``)."""
+    runtime = Path(home).expanduser().resolve() / "local-superlink"
+    own = {str(runtime / "state.db"), str(runtime / "superlink.log")}
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        argv = _argv(int(proc.name))
+        if not any(Path(a).name == "flower-superlink" for a in argv):
+            continue
+        named = {str(Path(b).expanduser().resolve()) for a, b in zip(argv, argv[1:])
+                 if a in ("--database", "--log-file") and b}
+        if named & own:
+            found.append(int(proc.name))
+    return found
+
+
 def stop_main(flwr_home: str | None) -> int:
-    """``stop``: stop SuperLinks (and their runs' processes) recorded by launchers of this home that are gone."""
+    """``stop``: stop SuperLinks (and their runs' processes) recorded by launchers of this home that are gone, and
+    the local SuperLink a plain ``flwr run`` left in it (:func:`flower_superlinks`) unless a run is in progress on
+    it; says what it cannot see."""
     base = Path(flwr_home).expanduser().resolve() if flwr_home else default_home()
     homes = [base, *sorted(base.glob("concurrent-*"))] if base.is_dir() else []
+    if not Path("/proc").is_dir():
+        print(f"cannot look for processes on this system (no /proc): any SuperLink left in {base} was not stopped; "
+              "end it yourself (its command line names the Flower home)")
+        return 0
     stopped, running = [], []
     for home in homes:
         holder = _home_held(home)
@@ -1029,10 +1077,19 @@ def stop_main(flwr_home: str | None) -> int:
             running.append(f"{home}: {holder}")
             continue
         stopped += stop_recorded_superlink(home)
+        for pid in flower_superlinks(home):
+            sessions: set[int] = set()
+            members = run_processes("", [pid], sessions)
+            busy = [p for p in members if FLOWER_RUN_PROCESSES & {Path(a).name for a in _argv(p)}]
+            if busy:
+                running.append(f"{home}: the SuperLink of a plain `flwr run` (pid {pid}) runs {busy}")
+                continue
+            stopped += sorted(terminate(members, 15.0, lambda: run_processes("", [pid], sessions)))
     if stopped:
         print(f"stopped {len(stopped)} process(es) of earlier runs: {stopped}")
     else:
-        print("no SuperLink of an earlier run is left")
+        print(f"no SuperLink of an earlier run is left in {base} (looked for launchers' records and for "
+              "flower-superlink processes naming its local-superlink/ database or log)")
     for line in running:
         print(f"a run is in progress (not touched; stop it with Ctrl-C or by ending its launcher): {line}")
     return 0
@@ -1180,6 +1237,35 @@ def check_federation_config(federation: Mapping[str, Any]) -> None:
             raise ConfigError(f"--federation-config {key}={value}: Flower refuses the value ({err})") from None
 
 
+PATH_ENV = ("FEDREC_DATA_DIR", "FEDREC_FLWR_CACHE")
+"""Environment variables naming a folder that the ClientApps read (:data:`fedrec_flwr.app.runtime.DATA_DIR_ENV`, the
+split cache): made absolute against the caller's working folder before anything starts, as the processes started
+later inherit them and may run in another folder (a SuperNode's, Ray's)."""
+
+
+def absolute_path_env(env: dict | None = None) -> dict[str, str]:
+    """Make each set variable of :data:`PATH_ENV` in ``env`` (default ``os.environ``, which the processes started
+    later inherit) absolute, against this process's working folder; returns what was changed.
+
+    Raises:
+        FedRecError: ``FEDREC_DATA_DIR`` names no folder (the message gives the value and the folder it was resolved
+            against), before anything starts.
+    """
+    env = os.environ if env is None else env
+    changed = {}
+    for name in PATH_ENV:
+        value = env.get(name)
+        if not value:
+            continue
+        path = Path(value).expanduser().resolve()
+        if name == "FEDREC_DATA_DIR" and not path.is_dir():
+            raise FedRecError(f"${name} = {value!r}: no such folder ({path}, resolved against the working folder "
+                              f"{os.getcwd()})")
+        if str(path) != value:
+            env[name] = changed[name] = str(path)
+    return changed
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
@@ -1187,6 +1273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, overrides, federation = parse_args(argv)
         if args.command == "stop":
             return stop_main(args.flwr_home)
+        absolute_path_env()
         result = flwr_run(overrides, num_supernodes=args.num_supernodes, flwr_home=args.flwr_home,
                           federation_config=federation, ray_address=args.ray_address, verbose=args.verbose,
                           timeout=args.timeout)

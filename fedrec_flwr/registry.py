@@ -59,8 +59,10 @@ def resolve(kind: str, spec: str) -> type[Any]:
     table = _table(kind)
     target = table.get(spec, spec)
     if ":" not in target:
+        guess = did_you_mean(kind, spec)
         raise ConfigError(
             f"run-config key '{kind}' = {spec!r}: not a registered {kind} ({sorted(table)}) nor 'module:Class'"
+            + (f"; did you mean {guess!r}?" if guess else "")
         )
     module_name, _, class_name = target.partition(":")
     try:
@@ -78,10 +80,41 @@ def resolve(kind: str, spec: str) -> type[Any]:
     try:
         cls = getattr(module, class_name)
     except AttributeError:
-        raise ConfigError(f"run-config key '{kind}' = {spec!r}: module '{module_name}' has no '{class_name}'") from None
+        import difflib
+
+        names = [n for n in dir(module) if isinstance(getattr(module, n, None), type)]
+        found = difflib.get_close_matches(class_name, names, n=1, cutoff=0.75)
+        raise ConfigError(f"run-config key '{kind}' = {spec!r}: module '{module_name}' has no '{class_name}'"
+                          + (f"; did you mean '{module_name}:{found[0]}'?" if found else "")) from None
     if not isinstance(cls, type):
         raise ConfigError(f"run-config key '{kind}' = {spec!r}: '{target}' is not a class")
     return cls
+
+
+FLOWER_STRATEGIES = "flwr.serverapp.strategy"
+"""The module of Flower's own strategies (``FedAvg``, ``FedAdam``, ``FedProx``, ...), which run through the adapter."""
+
+
+def did_you_mean(kind: str, spec: str) -> str | None:
+    """The closest registered name, or for a strategy also a Flower strategy as ``"flwr.serverapp.strategy:Name"``
+    (``"FedAdam"``, ``"fedadam"`` -> ``"flwr.serverapp.strategy:FedAdam"``), to an unknown ``spec``; ``None`` if
+    nothing is close (:func:`difflib.get_close_matches`, case-insensitive)."""
+    import difflib
+
+    candidates = {name.lower(): name for name in _table(kind)}
+    if kind == "strategy":
+        try:
+            from flwr.serverapp import strategy as flower
+            from flwr.serverapp.strategy import Strategy
+
+            for name in getattr(flower, "__all__", dir(flower)):
+                value = getattr(flower, name, None)
+                if isinstance(value, type) and issubclass(value, Strategy) and value is not Strategy:
+                    candidates.setdefault(name.lower(), f"{FLOWER_STRATEGIES}:{name}")
+        except ImportError:  # pragma: no cover - Flower is a dependency
+            pass
+    found = difflib.get_close_matches(str(spec).lower(), list(candidates), n=1, cutoff=0.75)
+    return candidates[found[0]] if found else None
 
 
 def _import_site(err: BaseException) -> str:

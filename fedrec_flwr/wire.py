@@ -80,6 +80,10 @@ GRADIENT_USERS = "gradient-users"
 """Metric key: how many of the reply's users uploaded gradients (the rest uploaded parameters); a strategy that
 asked for gradients rejects a reply whose users did not all send them."""
 
+ISOLATED_USERS = "isolated-users"
+"""Metric key: how many of the requested users the node left out for non-finite private state
+(:func:`fedrec_flwr.app.client_app.isolate_nonfinite_users`); present only when some were."""
+
 ROWS, SUM, COUNT = "#rows", "#sum", "#count"
 """Suffixes of the three arrays that carry one item table's sparse update."""
 

@@ -15,7 +15,10 @@ Usage::
 ``key=value`` pairs are run-config overrides, read as ``python -m fedrec_flwr.launch run`` reads them (TOML values;
 a key whose default is a string also takes bare text, e.g. ``model=mf``), in any order with the flags. Without
 ``users-per-node``, it is ``ceil(users / supernodes)``; with it, ``--supernodes`` may be left out. Relative
-``data-dir`` / ``cache-dir`` / ``results-dir`` are made absolute (the ServerApp and ClientApps run elsewhere);
+paths (``data-dir``, ``cache-dir``, ``results-dir``, ``resume-from``, ``client-state-dir``, the generic files, and
+``$FEDREC_DATA_DIR`` / ``$FEDREC_FLWR_CACHE``) are made absolute against the caller's working folder, and a
+``$FEDREC_DATA_DIR`` that names no folder is refused, before anything starts (the ServerApp and ClientApps run
+elsewhere);
 ``results-dir`` defaults to ``<workdir>/results``. Logs of every process stay in ``<workdir>/logs``.
 
 Example (MovieLens-100K, 10 SuperNodes of 95 users, 5 rounds, TLS and authentication)::
@@ -60,8 +63,12 @@ from fedrec_flwr.deploy import Deployment, DeploymentError, app_snapshot  # noqa
 from fedrec_flwr.errors import FedRecError  # noqa: E402
 from fedrec_flwr.launch import parse_override, raise_stopped, run_error  # noqa: E402
 from fedrec_flwr.state.results import headline_k  # noqa: E402
+from fedrec_flwr.launch import absolute_path_env  # noqa: E402
 
-PATH_KEYS = ("data-dir", "cache-dir", "results-dir", "generic-file", "generic-attributes-file")
+PATH_KEYS = ("data-dir", "cache-dir", "results-dir", "generic-file", "generic-attributes-file", "resume-from",
+             "client-state-dir")
+"""Run-config keys naming a file or folder: made absolute against the caller's working folder (the ServerApp and the
+ClientApps run in other folders)."""
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -173,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     tls = args.tls or args.auth
     try:
         check_flags(args)
+        absolute_path_env()
         overrides = parse_overrides(args.overrides)
         supernodes = plan_nodes(overrides, args.supernodes)
     except FedRecError as err:

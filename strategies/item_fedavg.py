@@ -45,7 +45,8 @@ from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError, reply_error_line
 from fedrec_flwr.io import atomic_save_npz, atomic_write_json
 from fedrec_flwr.wire import (
-    ARRAYS, CONFIG, COUNT, GRADIENT_USERS, ITEM_AGGREGATIONS, METRICS, NUM_EXAMPLES, ROWS, SUM, ModelLayout, ReplyError,
+    ARRAYS, CONFIG, COUNT, GRADIENT_USERS, ISOLATED_USERS, ITEM_AGGREGATIONS, METRICS, NUM_EXAMPLES, ROWS, SUM,
+    ModelLayout, ReplyError,
     Topology, check_reply_keys, merge_rows, sample_users,
 )
 
@@ -126,6 +127,9 @@ class ItemEmbeddingFedAvg(FedAvg):
         self.failures: dict[int, int] = {}
         """Failed training replies per node id (an error reply, a rejected reply, or none within round-timeout)."""
         self.evaluation_failures: dict[int, int] = {}
+        self.isolated_users: dict[str, dict[str, int]] = {"train": {}, "evaluate": {}}
+        """Per phase, round -> how many requested users the nodes left out for non-finite private state (the
+        nodes' ``isolated-users`` reply metric; each node's log names them); written to ``summary.json``."""
         """Failed evaluation replies per node id (an error reply or none within round-timeout)."""
         self._evaluated_nodes: dict[int, list[int]] = {}
         self.unlearning = unlearning
@@ -199,7 +203,7 @@ class ItemEmbeddingFedAvg(FedAvg):
         state = {"failures": {str(k): v for k, v in self.failures.items()},
                  "evaluation-failures": {str(k): v for k, v in self.evaluation_failures.items()},
                  "removed-users": sorted(int(u) for u in self.removed_users),
-                 "unlearning-report": self.unlearning_report}
+                 "unlearning-report": self.unlearning_report, "isolated-users": self.isolated_users}
         arrays = {} if self.adversary_step is None else {
             f"adversary-step/{k}": v for k, v in self.adversary_step.state_arrays().items()}
         if self.trained is not None:
@@ -219,6 +223,8 @@ class ItemEmbeddingFedAvg(FedAvg):
                             "counts start at 0", gone)
         self.removed_users = frozenset(int(u) for u in state.get("removed-users", []))
         self.unlearning_report = state.get("unlearning-report")
+        self.isolated_users = {phase: {str(k): int(v) for k, v in state.get("isolated-users", {}).get(phase, {}).items()}
+                               for phase in ("train", "evaluate")}
         self.trained = np.asarray(arrays[TRAINED_KEY], dtype=bool).copy() if TRAINED_KEY in arrays else None
         if self.adversary_step is not None:
             prefix = "adversary-step/"
@@ -389,6 +395,7 @@ class ItemEmbeddingFedAvg(FedAvg):
                 arrays = self.adversary_step.extra_steps(self, self._grid, server_round, arrays, self._sampled_nodes)
             self.adopt_arrays(arrays)
         metrics = aggregate_metricrecords(accepted, NUM_EXAMPLES)
+        isolated = self._isolated(server_round, accepted, metrics, "train")
         train_users = self.replied_users(accepted)
         if "num-users" in metrics:
             del metrics["num-users"]  # a weighted mean of counts means nothing; the total is below
@@ -400,6 +407,8 @@ class ItemEmbeddingFedAvg(FedAvg):
             "num-failures": float(expected - len(accepted)),
             "train-seconds": time.perf_counter() - self._train_started,
         }
+        if isolated:  # the column appears in metrics.csv from the first round a node left users out
+            self.last_train[ISOLATED_USERS] = float(isolated)
         # clients' own metrics (UserUpdate.metrics): weighted means over the round's users, as the nodes sent them
         standard = {NUM_EXAMPLES, "num-users", "train-users", "train-loss", GRADIENT_USERS}
         self.last_train.update({k: float(v) for k, v in metrics.items()
@@ -613,11 +622,28 @@ class ItemEmbeddingFedAvg(FedAvg):
                 self.last_evaluate = {"eval-failures": float(failed)}
             return None
         metrics = aggregate_metricrecords(ok, NUM_EXAMPLES)
+        isolated = self._isolated(server_round, ok, metrics, "evaluate")
         self.last_evaluate = {k: float(v) for k, v in metrics.items()}
+        if isolated:
+            self.last_evaluate[f"eval-{ISOLATED_USERS}"] = float(isolated)
         self.last_evaluate["eval-users"] = float(sum(float(r[METRICS][NUM_EXAMPLES]) for r in ok))
         if failed:  # the column appears in metrics.csv from the first evaluation a node failed
             self.last_evaluate["eval-failures"] = float(failed)
         return metrics
+
+    def _isolated(self, server_round: int, replies: list[RecordDict], metrics: MetricRecord, phase: str) -> int:
+        """The users the ``replies``' nodes left out for non-finite private state (their ``isolated-users``), taken
+        out of the averaged ``metrics`` (a mean of counts means nothing), counted in :attr:`isolated_users` and
+        logged; returns their number."""
+        isolated = int(sum(float(r[METRICS].get(ISOLATED_USERS, 0)) for r in replies))
+        if ISOLATED_USERS in metrics:
+            del metrics[ISOLATED_USERS]
+        if isolated:
+            self.isolated_users[phase][str(server_round)] = isolated
+            log.warning("round %d: %d user(s) left out of %s for non-finite private state (their nodes' logs name "
+                        "them; the other users went on)", server_round, isolated,
+                        "training" if phase == "train" else "evaluation")
+        return isolated
 
     def _count_evaluation_failure(self, server_round: int, node: int, reason: str) -> None:
         self.evaluation_failures[node] = self.evaluation_failures.get(node, 0) + 1

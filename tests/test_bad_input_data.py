@@ -4,7 +4,6 @@ facts in config.json, and the generic loader meeting ``data-dir``. Tiny generate
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import numpy as np

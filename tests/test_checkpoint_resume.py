@@ -208,8 +208,8 @@ def test_a_resume_with_damaged_or_deleted_client_state_files_is_refused_before_r
     kept = deleted.read_bytes()
 
     garbage.write_text("garbage\n")
-    with pytest.raises(ConfigError, match=rf"resuming after round 2 .*node \d+ \(partition-id \d\) has unreadable "
-                                          rf"state files: {garbage}; users \[{trained[0]}\] restart .*Restore these "
+    with pytest.raises(ConfigError, match=rf"resuming after round 2 .*node \d+ \(partition-id \d\) has unreadable or "
+                                          rf"non-finite state files: {garbage}; users \[{trained[0]}\] restart .*Restore these "
                                           r"files .*'resume-resets-client-state' = true"):
         run_serial(resume)
     deleted.unlink()
@@ -258,5 +258,5 @@ def test_the_client_state_check_counts_absent_files_only_for_users_the_server_sa
     finally:
         package_logger.removeHandler(caplog.handler)
     assert "does not record which users trained" in caplog.text
-    with pytest.raises(ConfigError, match=r"has unreadable state files: .*user-3\.npz"):
+    with pytest.raises(ConfigError, match=r"has unreadable or non-finite state files: .*user-3\.npz"):
         check_client_state(older, [], False, [{**node, "damaged": [3]}])

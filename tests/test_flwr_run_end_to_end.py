@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import socket
 
-import pytest
 
 from fedrec_flwr.baselines import evaluate_popularity
 from fedrec_flwr.data import load_split

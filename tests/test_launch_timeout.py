@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.launch import PROJECT_ROOT, TOKEN_ENV, parse_args, processes_with_env, still_running
+from fedrec_flwr.launch import PROJECT_ROOT, parse_args, processes_with_env, still_running
 
 from conftest import write_tiny_dataset
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from fedrec_flwr.config import MODEL_LEARNING_RATES, make_run_config
 from tests.conftest import dataset_dir

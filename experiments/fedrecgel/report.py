@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from experiments.common import fmt, markdown, mean_std, pyplot, save_figure, slug, write_csv
-from experiments.fedrecgel.methods import ABLATIONS, DATASETS, METHODS, RHO_GRID
+from experiments.fedrecgel.methods import ABLATIONS, DATASETS, METHODS
 from fedrec_flwr.io import atomic_write_text
 
 METRICS = ("HR@5", "NDCG@5", "HR@10", "NDCG@10", "HR@20", "NDCG@20")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import numbers
 from collections.abc import Iterator, Mapping
@@ -51,6 +52,11 @@ from fedrec_flwr.registry import resolve
 from fedrec_flwr.app.runtime import Runtime, get_runtime, node_users
 from fedrec_flwr.unlearning.margin import margin_sums, positive_counts
 from fedrec_flwr.wire import ADVERSARY_GRADIENT, ARRAYS, CONFIG, GRADIENT_USERS, IDENTIFY, METRICS, NUM_EXAMPLES, SUPPORT, UNLEARN_AFFECTED, UNLEARN_COUNTS, UNLEARN_DIAGONAL, UNLEARN_GRADIENT, UNLEARN_HVP, UNLEARN_LOCAL_CG, UNLEARN_LOSS, UNLEARN_MARGIN, VECTOR, Contribution, SparseSum, unpack_sparse
+from fedrec_flwr.state.client_state import NEW_RUN_KEY, ClientStateError, nonfinite_records
+from fedrec_flwr.wire import ISOLATED_USERS
+
+
+log = logging.getLogger(__name__)
 
 
 def split_fingerprint(split) -> str:
@@ -71,7 +77,7 @@ def split_facts(split) -> dict:
     return {key.replace("_", "-"): split.meta[key] for key in SPLIT_FACTS if key in split.meta}
 
 
-RESERVED_METRICS = (NUM_EXAMPLES, "num-users", "train-loss", GRADIENT_USERS)
+RESERVED_METRICS = (NUM_EXAMPLES, "num-users", "train-loss", GRADIENT_USERS, ISOLATED_USERS)
 """Metric keys a train reply sets itself; a client's ``UserUpdate.metrics`` may not use them."""
 
 
@@ -204,6 +210,27 @@ def _shared_arrays(message: Message) -> dict:
     return decoded
 
 
+def isolate_nonfinite_users(context: Context, users: list[int], what: str) -> tuple[list[int], list[int]]:
+    """Split ``users`` into those whose private state (loaded in ``context.state``) is finite and those whose state
+    holds a NaN or an infinity (:func:`fedrec_flwr.state.client_state.nonfinite_records`), which are left out of ``what``
+    (``"training"``, ``"evaluation"``) with a warning naming each user and record, so the node's other users go on.
+
+    Raises:
+        ClientStateError: every requested user's state is non-finite (the message names them): nothing to reply.
+    """
+    isolated = []
+    for user in users:
+        bad = nonfinite_records(context.state, user)
+        if bad:
+            isolated.append(user)
+            log.warning("user %d: private state %s holds NaN or infinity: left out of %s (the node's other users go "
+                        "on)", user, ", ".join(bad[:3]), what)
+    if isolated and len(isolated) == len(users):
+        raise ClientStateError(f"users {isolated[:10]}: every requested user's private state holds NaN or infinity; "
+                               f"none can take part in {what}")
+    return ([u for u in users if u not in set(isolated)], isolated) if isolated else (users, [])
+
+
 def train(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
     """Train the requested users of this node; reply with their summed contribution (no private parameter)."""
     runtime = get_runtime(run_config or context.run_config)
@@ -216,6 +243,7 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
     extra = UserMetrics()
     client = None
     with private_state(context, runtime, config, users, save=True):
+        users, isolated = isolate_nonfinite_users(context, users, "training")
         for client, update in _user_updates(runtime, users, context, shared, config):
             weight = float(record_number(update.aggregation_weight, "aggregation weight (UserUpdate.weight or "
                                          "num_examples)", client))
@@ -225,6 +253,8 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
             gradients += int(update.is_gradient)
     metrics = {NUM_EXAMPLES: float(contribution.num_examples), "num-users": contribution.num_users,
                "train-loss": float(contribution.mean_loss), GRADIENT_USERS: gradients, **extra.means()}
+    if isolated:
+        metrics[ISOLATED_USERS] = float(len(isolated))
     content = RecordDict({ARRAYS: ArrayRecord({k: encode_array(v) for k, v in contribution.pack().items()}),
                           METRICS: metric_record(metrics, client)})
     return Message(content=content, reply_to=message)
@@ -241,7 +271,11 @@ def _user_updates(runtime: Runtime, users: list[int], context: Context, shared: 
         return
     for user in users:
         client = make_client(runtime, user, context)
-        yield client, client.fit_named(shared, config)
+        try:
+            update = client.fit_named(shared, config)
+        except FloatingPointError as err:  # the block path names its users; name this one too
+            raise FloatingPointError(f"user {user}: {err}") from err
+        yield client, update
 
 
 class UserMetrics:
@@ -292,7 +326,9 @@ def evaluate(message: Message, context: Context, run_config: Mapping[str, Any] |
     config = dict(message.content[CONFIG]) if CONFIG in message.content else {}
     totals: dict[str, float] = {}
     client = None
+    isolated: list[int] = []
     with private_state(context, runtime, config, users):
+        users, isolated = isolate_nonfinite_users(context, users, "evaluation")
         cls = resolve("client", runtime.config.client)
         if use_blocks(cls, runtime.config, len(users)):  # one batched scoring call (fedrec_flwr.local.blocks)
             results, client = evaluate_block(runtime, users, context.state, shared, config), cls
@@ -306,6 +342,8 @@ def evaluate(message: Message, context: Context, run_config: Mapping[str, Any] |
                 totals[key] = totals.get(key, 0.0) + float(record_number(value, key, client))
     metrics = {key: value / len(users) for key, value in totals.items()} if users else {}
     metrics[NUM_EXAMPLES] = float(len(users))
+    if isolated:
+        metrics[ISOLATED_USERS] = float(len(isolated))
     return Message(content=RecordDict({METRICS: metric_record(metrics, client)}), reply_to=message)
 
 
@@ -350,6 +388,10 @@ def _resume_state_check(message: Message, context: Context, runtime: Runtime, se
     server, which knows from its checkpoint which users trained, decides what is lost. ``{}`` when not resuming,
     without state files, or when every served user has a readable version <= R."""
     config = dict(message.content[CONFIG]) if CONFIG in message.content else {}
+    if config.get(NEW_RUN_KEY):  # a fresh run: state files of an earlier run of this name must not be mixed in
+        folder = state_folder(context.node_config, runtime.config.client_state_dir, config)
+        earlier = ClientStateStore(folder).earlier_users(served) if folder is not None else []
+        return {"client-state-folder": str(folder), "client-state-earlier": earlier} if earlier else {}
     if RESUME_ROUND_KEY not in config:
         return {}
     folder = state_folder(context.node_config, runtime.config.client_state_dir, config)

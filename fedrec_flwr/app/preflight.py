@@ -10,13 +10,17 @@ Without the data (the ServerApp: the server never reads the interaction data) it
 * the client's and the strategy's own ``check_config`` (:func:`fedrec_flwr.registry.check_components`), which for a
   Flower strategy builds it from ``strategy-args`` and refuses a config key it would send that the client ignores
   (FedProx with ``proximal_mu > 0``: :func:`fedrec_flwr.strategies.flower_adapter.check_sent_keys`);
-* ``run-name``: a plain folder name (no path separator, not ``.`` or ``..``), so the results stay under
-  ``results-dir``;
+* ``run-name`` (and, with ``resume-from``, the name of the checkpoint's folder, which a resumed run keeps): one rule,
+  :data:`fedrec_flwr.state.client_state.RUN_NAME_RULE`, for the results folder under ``results-dir`` and the clients' state
+  folder under ``client-state-dir``, and short enough for the file system of ``results-dir`` (its ``NAME_MAX``);
 * ``resume-from``: a readable checkpoint there, written with the same config (:mod:`fedrec_flwr.state.checkpoint`), in a
-  folder that holds no finished run (``summary.json``: a finished run is never rewritten), from a run that kept its
-  clients' private state in files (else ``resume-resets-client-state`` must accept restarting it);
-* the results folder: not a finished run's (``summary.json``) nor an interrupted one's (``checkpoint.npz``: resume it
-  with ``resume-from``), and creatable / writable under ``results-dir`` (probed with an empty folder, removed at once).
+  folder that holds no finished run (``summary.json``: a finished run is never rewritten) and that no live run holds,
+  from a run that kept its clients' private state in files (else ``resume-resets-client-state`` must accept
+  restarting it), and, with the data (read afresh, never a split this process loaded before), on the same data
+  (:func:`fedrec_flwr.state.checkpoint.check_same_data`; the ServerApp checks what the nodes report too);
+* the results folder: not held by a live run (:class:`fedrec_flwr.state.results.FolderLock`), not a finished run's
+  (``summary.json``) nor an interrupted one's (``checkpoint.npz``: resume it with ``resume-from``), and creatable /
+  writable under ``results-dir`` (probed with an empty folder, removed at once).
 
 With the data (the launcher and ``run_serial``, which read it in this process) it also builds what a node builds
 (:func:`fedrec_flwr.app.runtime.get_runtime`: the split, the ``protected-attribute`` labels, the model) and the strategy
@@ -29,6 +33,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import secrets
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -42,6 +48,8 @@ from fedrec_flwr.state.checkpoint import Checkpoint, check_client_state, check_r
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.state.results import check_results_folder
+from fedrec_flwr.state.client_state import RUN_NAME_RULE_TEXT, run_name_problem
+from fedrec_flwr.state.results import check_folder_free
 
 
 @dataclass(frozen=True)
@@ -96,20 +104,36 @@ def preflight(config: RunConfig | Mapping[str, Any], *, with_data: bool = False)
         # ServerApp, which asks them)
         check_client_state(resume, [], config.resume_resets_client_state)
         folder = Path(resume.folder).resolve()
+        problem = run_name_problem(folder.name)
+        if problem is not None:  # a resumed run keeps its folder's name: its clients' state folder is named after it
+            raise ConfigError(f"run-config key 'resume-from' = {config.resume_from!r}: the checkpoint's folder name "
+                              f"{folder.name!r} cannot name a run ({problem}); rename the folder (the run's name is "
+                              "its folder's name)")
         if (folder / "summary.json").is_file():
             raise ConfigError(f"run-config key 'resume-from' = {config.resume_from!r}: {folder} holds a finished run "
                               "(summary.json), which is never rewritten; to train further start a new run (another "
                               "'run-name')")
+        check_folder_free(folder, "resume-from", config.resume_from)
     else:
         folder = Path(config.results_dir).expanduser().resolve() / default_run_name(config)
+        check_folder_free(folder)
         check_results_folder(folder, clear=False)
     _check_writable(folder, "resume-from" if resume is not None else "results-dir",
                     config.resume_from if resume is not None else config.results_dir)
+    _check_name_fits(folder, "resume-from" if resume is not None else "run-name",
+                     config.resume_from if resume is not None else folder.name)
     runtime = None
     if with_data:
         from fedrec_flwr.app.runtime import get_runtime
+        from fedrec_flwr.app.runtime import forget_cached_data
 
+        if resume is not None:  # the data as they are now, not a split this process loaded before they changed
+            forget_cached_data()
         runtime = get_runtime(config.to_dict())
+        if resume is not None:
+            from fedrec_flwr.state.checkpoint import check_same_data, split_data_facts
+
+            check_same_data(resume, split_data_facts(runtime.split), "in the data now")
         build_strategy(config, runtime.layout, _block_topology(config, runtime.split.num_users), dry=True)
     return Preflight(config, folder, resume, runtime)
 
@@ -137,28 +161,64 @@ def build_strategy(config: RunConfig, layout, topology, dry: bool = False):
 
 
 def check_run_name(name: str) -> None:
-    """Refuse a ``run-name`` that is not a plain folder name: it names the results folder under ``results-dir`` and the
-    clients' state folder under ``client-state-dir``, so a path separator, ``.`` or ``..`` would put them elsewhere.
+    """Refuse a ``run-name`` that breaks :data:`fedrec_flwr.state.client_state.RUN_NAME_RULE`: it names the results folder
+    under ``results-dir`` and the clients' state folder under ``client-state-dir``, so both must accept it (a path
+    separator, ``.`` or ``..`` would put them elsewhere; a space, a non-ASCII letter or a name over 200 bytes is
+    refused by the clients' state folder, or by the file system). ``""``: a generated name (:func:`default_run_name`).
 
     Raises:
-        ConfigError: naming the key and the value.
+        ConfigError: naming the key, the value (control characters escaped: one line) and the rule.
     """
     if not name:
         return
-    if "/" in name or "\\" in name or os.sep in name or "\0" in name or name in (".", ".."):
-        raise ConfigError(f"run-config key 'run-name' = {name!r}: must be a plain folder name (no '/' or '\\', not '.' "
-                          "or '..'): it names the results folder under 'results-dir'")
+    problem = run_name_problem(name)
+    if problem is not None:
+        raise ConfigError(f"run-config key 'run-name' = {name!r}: {problem}: it names the results folder under "
+                          "'results-dir' and the clients' state folder under 'client-state-dir' (a run name is "
+                          f"{RUN_NAME_RULE_TEXT})")
+
+
+RESULTS_FOLDER_SIDE_FILES = (".lock",)
+"""Suffixes of the files named after a results folder beside it (``.<name>.lock``, :mod:`fedrec_flwr.state.results`)."""
+
+
+def _check_name_fits(folder: Path, key: str, value: str) -> None:
+    """Refuse a results folder whose name, or a file named after it, is longer than the file system of its nearest
+    existing ancestor allows (``NAME_MAX``, in bytes; 255 on most).
+
+    Raises:
+        ConfigError: naming ``key``, ``value``, the name's length in bytes and the limit.
+    """
+    existing = folder.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        limit = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):  # not POSIX, or the file system does not say
+        limit = 255
+    longest = max(len(folder.name.encode("utf-8", "surrogatepass")) + len(suffix) + 1
+                  for suffix in ("", *RESULTS_FOLDER_SIDE_FILES))
+    if limit and longest > limit:
+        raise ConfigError(f"run-config key {key!r} = {value!r}: the results folder's name {folder.name!r} is too long "
+                          f"for the file system of {str(existing)!r} ({longest} bytes with its lock file, at most "
+                          f"{limit})")
 
 
 def default_run_name(config: RunConfig) -> str:
-    """``<dataset>-<model>-<client>-<strategy>[-unlearn-<method>]-<UTC time>`` unless ``run-name`` is set."""
+    """``<dataset>-<model>-<client>-<strategy>[-unlearn-<method>]-<UTC time>-p<pid>-<6 random hex digits>`` unless
+    ``run-name`` is set (two runs started in the same second, in one process or two, get different names); a
+    character outside :data:`~fedrec_flwr.state.client_state.RUN_NAME_RULE` (a plug-in's name) becomes ``-``, and the
+    descriptive part is cut so that the name stays within the rule's 200 characters."""
     if config.run_name:
         return config.run_name
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + f"-p{os.getpid()}-{secrets.token_hex(3)}"
     client = config.client.rsplit(":", 1)[-1].lower()
     strategy = config.strategy.rsplit(":", 1)[-1].lower()
     unlearn = f"-unlearn-{config.unlearning}" if config.unlearning != "none" else ""
-    return f"{config.dataset}-{config.model}-{client}-{strategy}{unlearn}-{stamp}"
+    described = re.sub(r"[^A-Za-z0-9._=,+-]+", "-", f"{config.dataset}-{config.model}-{client}-{strategy}{unlearn}")
+    described = described.lstrip("._=,+-") or "run"
+    tail = f"-{stamp}"
+    return described[:200 - len(tail)] + tail
 
 
 @contextmanager

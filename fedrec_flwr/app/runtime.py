@@ -202,6 +202,15 @@ def get_runtime(run_config: Mapping[str, Any] | RunConfig) -> Runtime:
     return runtime
 
 
+def forget_cached_data() -> None:
+    """Drop this process's loaded splits and runtimes, so the next :func:`get_runtime` reads the data files again
+    (a resume checks the data as they are now; the on-disk split cache is keyed by the files' sha256)."""
+    with _LOCK:
+        _SPLIT_CACHE.clear()
+        _RUNTIMES.clear()
+        _LAST_RUNTIME[:] = [None, None]
+
+
 def freeze_long_lived_objects() -> None:
     """Move every object alive now (imported modules, the split, the model) out of the cyclic garbage collector's
     view (:func:`gc.freeze`): they live as long as the process, and each full collection would otherwise rescan them

@@ -45,9 +45,14 @@ from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError, reply_error_line
 from fedrec_flwr.app.message_window import is_simulation_grid, windowed
 from fedrec_flwr.registry import LOGGER_ROOTS
-from fedrec_flwr.app.preflight import Preflight, build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: was here
+from fedrec_flwr.app.preflight import Preflight, build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: importable from here too
 from fedrec_flwr.state.results import FAILED_FILE, PROGRESS, RunRecorder, check_results_folder, describe_failure, read_failure, write_failure
 from fedrec_flwr.app.runtime import build_shared_model
+from fedrec_flwr.state.checkpoint import check_same_data
+from fedrec_flwr.state.client_state import NEW_RUN_KEY, ClientStateStore
+from fedrec_flwr.errors import FedRecError, OneLineRecords
+from fedrec_flwr.io import remove_dead_temporaries
+from fedrec_flwr.state.results import FolderLock
 from fedrec_flwr.wire import CONFIG, ModelLayout, Topology
 
 log = logging.getLogger(__name__)
@@ -63,6 +68,7 @@ def _setup_logging() -> None:
         if not root.handlers:
             handler = logging.StreamHandler(sys.stdout)
             handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+            handler.addFilter(OneLineRecords())  # one record, one line: the quiet console keeps whole records
             root.addHandler(handler)
             root.setLevel(logging.INFO)
             root.propagate = False
@@ -145,7 +151,8 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float, query: Mapp
     without_state = sorted(int(f["partition-id"]) for f in facts if not f.get("client-state", False))
     state_problems = [{"partition-id": int(f["partition-id"]), "node": int(f["node"]),
                        "folder": f["client-state-folder"], "damaged": list(f.get("client-state-damaged", [])),
-                       "absent": list(f.get("client-state-absent", []))}
+                       "absent": list(f.get("client-state-absent", [])),
+                       "earlier": list(f.get("client-state-earlier", []))}
                       for f in sorted(facts, key=lambda f: f["partition-id"]) if "client-state-folder" in f]
     return Topology(user_to_node, fingerprint), int(num_items), {"num-users": int(num_users), "num-items": int(num_items),
                                                       "split-fingerprint": fingerprint,
@@ -176,6 +183,8 @@ class Progress:
     """The round running now; ``None`` before round 1 and after the last."""
     completed: int = 0
     """The last round whose metrics are recorded."""
+    training: bool = False
+    """Whether the rounds have begun (an error of bad input before that is a refusal: no ``failed.json``)."""
 
 
 def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = None, *,
@@ -186,18 +195,28 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     :class:`~fedrec_flwr.serial.SerialGrid`), is called after every round, once its metrics are recorded, with a
     :class:`RoundView`.
 
+    The run holds its results folder's lock (:class:`fedrec_flwr.state.results.FolderLock`) from the preflight's end until
+    it returns: a second run of that folder is refused with a ConfigError naming this one.
+
     A run that raises once its results folder exists records why in ``failed.json`` there
-    (:func:`fedrec_flwr.state.results.write_failure`: the error, the round) before the error goes on; a ``KeyboardInterrupt``
+    (:func:`fedrec_flwr.state.results.write_failure`: the error, the round) before the error goes on, unless it was refused
+    (a :class:`~fedrec_flwr.errors.FedRecError` before the rounds began: a resume on changed data leaves the
+    interrupted run's folder as it was); a ``KeyboardInterrupt``
     or ``SystemExit`` (Ctrl-C, SIGTERM) is an interruption and writes none.
     """
     _setup_logging()
     plan = preflight(RunConfig.from_mapping(context.run_config or run_config or {}))  # no data here: the nodes have it
     progress = Progress(completed=plan.resume.server_round if plan.resume is not None else 0)
-    patched = _fast_link_state(plan.config, grid)
+    # the folder is this run's until it returns: a second run of it is refused (before it touches the folder)
+    lock = FolderLock(plan.folder, *(("resume-from", plan.config.resume_from) if plan.resume is not None else
+                                     ("run-name", plan.folder.name))).acquire()
+    patched = False
     try:
+        patched = _fast_link_state(plan.config, grid)
         return _run(plan, grid, on_round, progress)
     except Exception as err:  # noqa: BLE001 - recorded, then raised as it was (Ctrl-C / SIGTERM: interrupted, not failed)
-        if plan.folder.is_dir():  # a run refused before its folder existed leaves none
+        refused = isinstance(err, FedRecError) and not progress.training
+        if plan.folder.is_dir() and not refused:  # a run refused before training leaves the folder as it was
             try:
                 write_failure(plan.folder, err, server_round=progress.round, rounds_completed=progress.completed,
                               num_server_rounds=plan.config.num_server_rounds)
@@ -207,6 +226,7 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
                 log.warning("could not write %s: %s", plan.folder / FAILED_FILE, problem)
         raise
     finally:
+        lock.release()
         if patched:  # Flower's own method back for whatever runs next in this process (a test, a second app)
             from fedrec_flwr.app import flower_patches
 
@@ -242,16 +262,35 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
 
         lookup = "by destination (fast-link-state)" if flower_patches.active() else "Flower's own"
     grid = windowed(grid, config.max_in_flight)  # every phase's messages, ours and a wrapped Flower strategy's
+    removed = remove_dead_temporaries(folder, any_writer=True)  # this run holds the folder's lock: nobody else writes
+    if removed:
+        log.info("removed %d temporary file(s) an earlier run left in %s when it was killed mid-write (e.g. %s)",
+                 len(removed), folder, removed[0].name)
     if resume is None:
         check_results_folder(folder)  # clears what an interrupted run of this name left
-    query = None if resume is None else {  # each node checks its users' state files (client_app.identify)
-        RUN_KEY: folder.name, RESUME_ROUND_KEY: resume.server_round,
+    query = {RUN_KEY: folder.name, NEW_RUN_KEY: True} if resume is None else {  # each node checks its users' state
+        RUN_KEY: folder.name, RESUME_ROUND_KEY: resume.server_round,  # files (client_app.identify)
         "resume-resets-client-state": config.resume_resets_client_state}
     topology, num_items, facts = discover_topology(grid, config, timeout=max(config.round_timeout, IDENTIFY_TIMEOUT),
                                                    query=query)
     without_state = facts.pop("nodes-without-client-state")
     state_problems = facts.pop("client-state-problems")
+    earlier = [node for node in state_problems if node["earlier"]]
+    if resume is None and earlier:  # before anything is trained or written
+        first = earlier[0]
+        files = sum(len(node["earlier"]) for node in earlier)
+        raise ConfigError(f"run-config key 'run-name' = {folder.name!r}: the clients' state folder {first['folder']!r} "
+                          f"(node {first['node']}, partition-id {first['partition-id']}) already holds state files of "
+                          f"an earlier run of this name ({files} user file(s) on {len(earlier)} node(s), e.g. "
+                          f"{ClientStateStore(first['folder']).path(first['earlier'][0]).name}); a new run would mix "
+                          "them with its own: continue that run with 'resume-from', delete the folder, or set another "
+                          "'run-name'")
+    split_facts = facts.pop("split", {})
+    data = {"source-sha256": split_facts.get("source-sha256"), "num-users": facts["num-users"],
+            "num-items": facts["num-items"], "num-interactions": split_facts.get("num-interactions"),
+            "fingerprint": facts["split-fingerprint"]}
     if resume is not None:
+        check_same_data(resume, data, "as the nodes report")  # before anything is built from the data
         reset = check_client_state(resume, without_state, config.resume_resets_client_state, state_problems)
         if reset is not None:
             log.warning("%s", reset)
@@ -282,7 +321,6 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
     if hasattr(strategy, "message_config"):
         strategy.message_config = message_config
 
-    split_facts = facts.pop("split", {})
     # a split without timestamps has no ties to break: config.json says what ordered the held-out items instead
     tie_rule = config.tie_rule if split_facts.get("tie-rule-applied", True) else \
         f"not applied: {split_facts.get('held-out-order', 'no timestamps')}"
@@ -304,7 +342,7 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
             recorder.record(server_round, strategy.last_train, strategy.last_evaluate)
             if config.checkpoint_every and server_round % config.checkpoint_every == 0:
                 _write_checkpoint(folder, server_round, config, arrays, strategy, recorder.rows,
-                                  client_state=not without_state)
+                                  client_state=not without_state, data=data)
                 message_config[DURABLE_ROUND_KEY] = server_round
             if on_round is not None:
                 on_round(RoundView(server_round, grid, strategy, arrays, config, folder))
@@ -313,6 +351,7 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
         return None
 
     progress.round = first_round if first_round <= config.num_server_rounds else None
+    progress.training = True
 
     runner = strategy if first_round == 1 else ShiftedRounds(strategy, first_round - 1)
     result = runner.start(
@@ -332,7 +371,9 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
                            "its phase (does it override aggregate_train without calling super()?)")
     final = {k: v.numpy() for k, v in result.arrays.items()} if result.arrays is not None else {}
     extra = {"client-failures": {str(k): v for k, v in getattr(strategy, "failures", {}).items()},
-             "evaluation-failures": {str(k): v for k, v in getattr(strategy, "evaluation_failures", {}).items()}}
+             "evaluation-failures": {str(k): v for k, v in getattr(strategy, "evaluation_failures", {}).items()},
+             # users left out for non-finite private state, per phase and round (their nodes' logs name them)
+             "isolated-users": getattr(strategy, "isolated_users", {})}
     if getattr(strategy, "unlearning_report", None) is not None:
         extra["unlearning"] = strategy.unlearning_report
     recorder.finish(final, extra)
@@ -387,12 +428,13 @@ def _checkpoint_arrays(checkpoint: Checkpoint, layout: ModelLayout) -> ArrayReco
 
 
 def _write_checkpoint(folder: Path, server_round: int, config: RunConfig, arrays: ArrayRecord, strategy,
-                      rows: list, client_state: bool | None = None) -> None:
+                      rows: list, client_state: bool | None = None, data: Mapping[str, Any] | None = None) -> None:
     state, extra = strategy.checkpoint_state() if hasattr(strategy, "checkpoint_state") else ({}, {})
     save_checkpoint(folder, Checkpoint(
         server_round=server_round, run_name=folder.name, run_config=config.to_dict(),
         arrays={k: v.numpy() for k, v in arrays.items()}, strategy_state=state, strategy_arrays=extra,
-        rows=list(rows), sampler={"seed": config.seed, "next-round": server_round + 1}, client_state=client_state))
+        rows=list(rows), sampler={"seed": config.seed, "next-round": server_round + 1}, client_state=client_state,
+        data=dict(data or {})))
     log.info("checkpoint of round %d written to %s", server_round, folder / CHECKPOINT_FILE)
 
 

@@ -68,7 +68,6 @@ from fedrec_flwr.models.base import EMBEDDING_INIT_STD
 from fedrec_flwr.app.runtime import Runtime
 from fedrec_flwr.seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
 from fedrec_flwr.local.training import resolve_device
-from fedrec_flwr.wire import UserUpdate
 
 BLOCK_MODES = ("auto", "on", "off")
 """Values of the run-config key ``block-training``: ``auto`` (the default: the block path for every message, one user
@@ -571,6 +570,7 @@ def train_block(runtime: Runtime, cls: type, users: Sequence[int], state: Record
         ValueError: ``cls`` has no block path, or a bad ``"upload"`` value.
         FloatingPointError: a user's loss, gradient or parameters became non-finite.
     """
+    from fedrec_flwr.clients.fedrec import UserUpdate  # the client package imports this module's callers
 
     kind = block_kind(cls, runtime.config)
     if kind is None:

@@ -9,6 +9,8 @@ Every ``checkpoint-every`` rounds the ServerApp writes ``results-dir/<run-name>/
   users no longer trained, the unlearning report; the server optimizer's moments for
   :class:`fedrec_flwr.strategies.server_optimizer.ServerOptimizerStrategy`);
 * the round, the run's name and validated config, and the metrics rows so far;
+* the data's fingerprint (:data:`DATA_FACTS`: the sha256 of the source files and the split's own counts), so a resume
+  on other data is refused (:func:`check_same_data`) instead of training on it as if the run had used it throughout;
 * the sampler's state. Users are drawn from the counter-based stream ``(seed, round)``
   (:func:`fedrec_flwr.wire.sample_users`), so the seed and the next round *are* its state; they are recorded so a
   resume can check them.
@@ -52,6 +54,46 @@ writes into the checkpoint's folder, wherever it now is, so ``results-dir`` may 
 FORMAT = 1
 _MANIFEST = "__manifest__"
 
+DATA_FACTS = ("source-sha256", "num-users", "num-items", "num-interactions")
+"""What a checkpoint records of the data its run trained on (``Checkpoint.data``), compared on resume: the sha256 over
+the source files read (:attr:`fedrec_flwr.data.Split.meta` ``source_sha256``; for a generic CSV it covers how it was
+parsed too) and the split's users, items and interactions."""
+
+
+def split_data_facts(split) -> dict[str, Any]:
+    """The :data:`DATA_FACTS` of a :class:`~fedrec_flwr.data.Split` (plus its ``fingerprint``, recorded only)."""
+    from fedrec_flwr.app.client_app import split_fingerprint
+
+    return {"source-sha256": split.meta.get("source_sha256"), "num-users": int(split.num_users),
+            "num-items": int(split.num_items), "num-interactions": split.meta.get("num_interactions"),
+            "fingerprint": split_fingerprint(split)}
+
+
+def check_same_data(checkpoint: "Checkpoint", data: Mapping[str, Any], where: str = "") -> None:
+    """Refuse to resume ``checkpoint`` on data whose :data:`DATA_FACTS` differ from the ones it recorded.
+
+    Args:
+        data: the facts of the data now (:func:`split_data_facts`, or what the nodes reported).
+        where: who read the data now (for the message), e.g. ``"the nodes report"``.
+
+    Raises:
+        ConfigError: naming both checksums and every count that differs; before any training. A checkpoint that
+            recorded no data facts (an older version's) is not checked; a warning says so.
+    """
+    recorded = checkpoint.data
+    if not recorded:
+        log.warning("checkpoint %s does not record the data it was trained on (an older version's): a resume on "
+                    "changed data cannot be detected", checkpoint.folder)
+        return
+    differ = [k for k in DATA_FACTS if k in recorded and recorded.get(k) != data.get(k)]
+    if not differ:
+        return
+    detail = "; ".join(f"{k} {recorded.get(k)} -> {data.get(k)}" for k in differ)
+    raise ConfigError(f"run-config key 'resume-from' = {str(checkpoint.folder)!r}: the data differ from the ones the "
+                      f"checkpoint's run trained on (source-sha256 {recorded.get('source-sha256')} in the checkpoint, "
+                      f"{data.get('source-sha256')} {where or 'now'}; {detail}); resume on the data the run started "
+                      "with, or start a new run")
+
 
 @dataclass
 class Checkpoint:
@@ -70,6 +112,8 @@ class Checkpoint:
             so a resumed run finds it; ``None`` when unknown (a checkpoint written before this was recorded: then
             the run config's ``client-state-dir`` decides).
         folder: where the checkpoint was read from (set by :func:`load_checkpoint`).
+        data: the facts of the data the run trained on (:data:`DATA_FACTS`, and the split's ``fingerprint``); ``{}``
+            in a checkpoint written before this was recorded.
     """
 
     server_round: int
@@ -82,6 +126,7 @@ class Checkpoint:
     sampler: dict[str, Any] = field(default_factory=dict)
     client_state: bool | None = None
     folder: Path | None = None
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 def save_checkpoint(folder: str | Path, checkpoint: Checkpoint) -> Path:
@@ -97,6 +142,7 @@ def save_checkpoint(folder: str | Path, checkpoint: Checkpoint) -> Path:
         "format": FORMAT, "round": int(checkpoint.server_round), "run-name": checkpoint.run_name,
         "run-config": checkpoint.run_config, "strategy": checkpoint.strategy_state, "rows": checkpoint.rows,
         "sampler": checkpoint.sampler, "arrays": index, "client-state": checkpoint.client_state,
+        "data": checkpoint.data,
         "row-columns": [list(row) for row in checkpoint.rows],  # sort_keys reorders the rows: their order, kept
     }
     text = json.dumps(manifest, sort_keys=True, default=_json_default)
@@ -126,7 +172,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             server_round=int(manifest["round"]), run_name=str(manifest["run-name"]),
             run_config=dict(manifest["run-config"]), arrays=groups["arrays"], strategy_state=manifest["strategy"],
             strategy_arrays=groups["strategy"], rows=_rows_in_order(manifest), sampler=dict(manifest["sampler"]),
-            client_state=manifest.get("client-state"), folder=file.parent,
+            client_state=manifest.get("client-state"), folder=file.parent, data=dict(manifest.get("data") or {}),
         )
     except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, json.JSONDecodeError) as err:
         raise ConfigError(f"checkpoint {file} is unreadable ({type(err).__name__}: {err})") from err
@@ -204,7 +250,7 @@ def check_client_state(checkpoint: Checkpoint, nodes_without_state: list, accept
                 [int(u) for u in node["absent"] if 0 <= int(u) < trained.size and trained[int(u)]]}
         store = ClientStateStore(node["folder"])
         where = f"node {node['node']} (partition-id {node['partition-id']})"
-        for kind, ids, what in (("damaged", node["damaged"], "has unreadable state files"),
+        for kind, ids, what in (("damaged", node["damaged"], "has unreadable or non-finite state files"),
                                 ("missing", node["missing"], f"has no state file of round <= "
                                  f"{checkpoint.server_round} for users whose training the server accepted in "
                                  f"rounds 1..{checkpoint.server_round}")):
@@ -224,7 +270,7 @@ def check_client_state(checkpoint: Checkpoint, nodes_without_state: list, accept
                           "resume anyway, or start a new run")
     aside = any(node["damaged"] for node in state_problems)  # the nodes renamed them (client_app.identify)
     return message + " (resume-resets-client-state = true" + (
-        "; the nodes renamed the unreadable files to *.npz.damaged)" if aside else ")")
+        "; the nodes renamed the unreadable or non-finite files to *.npz.damaged)" if aside else ")")
 
 
 def _rows_in_order(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ only such records are written, and nothing here ever leaves the node.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import zipfile
 from collections.abc import Iterable, Mapping
@@ -33,7 +34,9 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.io import atomic_save_npz, load_npz
+from fedrec_flwr.io import atomic_save_npz, load_npz, remove_dead_temporaries
+
+log = logging.getLogger(__name__)
 
 STATE_PREFIX = "user:"
 """``context.state`` key prefix of a user's private record: ``"user:<partition id>"`` (its embedding and other
@@ -52,11 +55,37 @@ RUN_KEY = "run"
 DURABLE_ROUND_KEY = "durable-round"
 """Message-config key: the round of the server's last checkpoint (``-1``: the server keeps none)."""
 
+NEW_RUN_KEY = "new-run"
+"""Identify-query key of a run that starts afresh (no ``resume-from``): each node reports state files of its users that
+an earlier run of the same name left in its state folder (:meth:`ClientStateStore.earlier_users`)."""
+
 RESUME_ROUND_KEY = "resume-round"
 """Identify-query key of a resumed run: the checkpoint's round (each node then checks its users' state files)."""
 
 _MANIFEST = "__manifest__"
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+RUN_NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=,+-]{0,199}")
+"""What a run's name may be (matched whole, :func:`run_name_problem`): it names the results folder under
+``results-dir`` and the clients' state folder under ``client-state-dir``, so the same rule holds for both. At most
+200 ASCII characters (200 bytes: below the 255-byte file-name limit of the common file systems, with room for the
+files named after it); letters, digits and ``. _ = , + -``, starting with a letter or digit (no path separator, no
+space or control character, no hidden folder, no ``.``/``..``)."""
+
+RUN_NAME_RULE_TEXT = ("1-200 ASCII letters, digits and '.', '_', '=', ',', '+', '-', starting with a letter or digit "
+                      "(no space, '/', '\\', control or non-ASCII character)")
+""":data:`RUN_NAME_RULE` in words, for error messages."""
+
+
+def run_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot be a run's name (:data:`RUN_NAME_RULE`), or ``None`` when it can."""
+    if not isinstance(name, str):
+        return f"not a string ({type(name).__name__})"
+    if RUN_NAME_RULE.fullmatch(name):
+        return None
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if size > 200:
+        return f"{size} bytes long, more than 200"
+    return f"must be {RUN_NAME_RULE_TEXT}"
 
 
 class ClientStateError(RuntimeError):
@@ -69,6 +98,19 @@ def user_record_keys(state: RecordDict, user: int) -> list[str]:
     return [key for key in state.keys() if key.endswith(suffix)]
 
 
+def nonfinite_records(state: RecordDict, user: int) -> list[str]:
+    """``"<record>/<array>"`` of each of user ``user``'s private arrays in ``state`` that holds a NaN or an infinity
+    (``[]``: all finite). Such a user cannot be trained or evaluated: its node leaves it out
+    (:func:`fedrec_flwr.app.client_app.isolate_nonfinite_users`)."""
+    bad = []
+    for key in user_record_keys(state, user):
+        for name, array in state[key].items():
+            value = array.numpy()
+            if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+                bad.append(f"{key}/{name}")
+    return bad
+
+
 def state_folder(node_config: Mapping[str, Any], run_config_dir: str, message_config: Mapping[str, Any]) -> Path | None:
     """The folder of this run's state files on this node, or ``None`` when the clients keep state in memory only.
 
@@ -79,7 +121,7 @@ def state_folder(node_config: Mapping[str, Any], run_config_dir: str, message_co
     if not folder:
         return None
     run = message_config.get(RUN_KEY)
-    if not isinstance(run, str) or not _SAFE_NAME.match(run):
+    if not isinstance(run, str) or run_name_problem(run) is not None:
         raise ConfigError(f"'{STATE_DIR_KEY}' is set but the server's message names no usable run "
                           f"({RUN_KEY!r} = {run!r}); use this package's ServerApp, which sends it")
     return Path(folder).expanduser() / run
@@ -142,7 +184,9 @@ class ClientStateStore:
 
     def resume_problems(self, users: Iterable[int], resume_round: int,
                         set_aside: bool = False) -> tuple[list[int], list[int]]:
-        """What this folder holds for a resume after round ``resume_round`` (ids only, no values).
+        """What this folder holds for a resume after round ``resume_round`` (ids only, no values). Temporary files
+        of these users' files left by a writer killed mid-save are removed first
+        (:func:`fedrec_flwr.io.remove_dead_temporaries`).
 
         Args:
             users: the users this node serves.
@@ -150,23 +194,41 @@ class ClientStateStore:
                 restarts from its seeded initial state (``resume-resets-client-state = true``).
 
         Returns:
-            ``(damaged, absent)``: users whose file :meth:`read_versions` cannot read (or is another user's); users
+            ``(damaged, absent)``: users whose file :meth:`read_versions` cannot read (or is another user's), or whose
+            version to resume from holds a NaN or an infinity (:func:`check_finite`; each logged with its file); users
             without a readable version of round ``<= resume_round`` (no file, or only later versions). The server
             decides which absent users lose state: those its checkpoint says trained
             (:func:`fedrec_flwr.state.checkpoint.check_client_state`).
         """
+        users = [int(u) for u in users]
+        removed = remove_dead_temporaries(self.folder, [self.path(u).name for u in users])
+        if removed:  # a writer killed mid-save (its pid is gone): the file it was replacing is intact
+            log.info("removed %d temporary file(s) of a writer killed mid-save in %s (e.g. %s)", len(removed),
+                     self.folder, removed[0].name)
         damaged, absent = [], []
-        for user in (int(u) for u in users):
+        for user in users:
             try:
                 versions = self.read_versions(user)
-            except ClientStateError:
+                resumed = max((r for r in versions if r <= resume_round), default=None)
+                if resumed is not None:
+                    check_finite(self.path(user), resumed, versions[resumed])
+            except ClientStateError as err:
+                log.warning("%s", err)
                 damaged.append(user)
                 if set_aside:
                     self.path(user).replace(self.path(user).with_suffix(".npz.damaged"))
                 continue
-            if not any(r <= resume_round for r in versions):
+            if resumed is None:
                 absent.append(user)
         return damaged, absent
+
+    def earlier_users(self, users: Iterable[int]) -> list[int]:
+        """The users among ``users`` that already have a state file here: left by an earlier run of the same name (a
+        run that failed, or one with another ``results-dir``, even one still running). A new run would load their
+        versions (evaluation, and training in a later round) as if they were its own."""
+        if not self.folder.is_dir():
+            return []
+        return [int(u) for u in users if self.path(int(u)).is_file()]
 
     def save(self, user: int, state: RecordDict, server_round: int, durable_round: int) -> Path:
         """Write the user's records in ``state`` as the version of ``server_round`` (atomically), keeping only the
@@ -187,6 +249,21 @@ class ClientStateStore:
                     arrays[name] = value
         manifest = {"user": int(user), "rounds": sorted(keep), "arrays": index}
         return atomic_save_npz(self.path(user), **arrays, **{_MANIFEST: np.array(json.dumps(manifest))})
+
+
+def check_finite(path: Path, round_: int, records: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+    """Refuse a saved version holding a NaN or an infinity (a client would train on it, and its node's replies would
+    be rejected every round).
+
+    Raises:
+        ClientStateError: naming the file, the round of the version, the record and the array.
+    """
+    for record, arrays in records.items():
+        for key, value in arrays.items():
+            if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+                bad = int(np.size(value) - np.count_nonzero(np.isfinite(value)))
+                raise ClientStateError(f"{path}: the version of round {round_} holds {bad} non-finite value(s) in "
+                                       f"record {record!r}, array {key!r}")
 
 
 def _versions_to_keep(versions: Iterable[int], durable_round: int, newest: int) -> set[int]:

@@ -5,6 +5,10 @@ finished round, never half-written ones. ``summary.json``, written last, marks a
 its folder existed holds ``failed.json`` instead (:func:`write_failure`). Reusing a ``run-name``
 (:func:`check_results_folder`): a finished run's folder, or one holding an interrupted run's ``checkpoint.npz``, is
 refused; a failed or interrupted run's folder without either is replaced, with a warning naming what it held.
+
+A results folder belongs to one live run (:class:`FolderLock`): the ServerApp holds an exclusive lock on
+``.<run-name>.lock`` beside it (``flock``, released by the kernel when the process ends, however it ends) for as long
+as it runs, and a second run of that folder is refused, naming the holder (pid, host, start time).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import json
 import logging
 import math
 import re
+import os
+import socket
 import time
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
@@ -32,7 +38,7 @@ PROGRESS = logging.getLogger("fedrec_flwr.progress")
 
 
 COUNT_COLUMNS = frozenset({"train-users", "num-replies", "num-failures", "eval-users", "gradient-users",
-                           "num-examples", "num-users"})
+                           "num-examples", "num-users", "isolated-users", "eval-isolated-users"})
 """Metric columns that count users, replies or examples: written as integers (the wire carries them as floats)."""
 
 
@@ -109,6 +115,118 @@ def check_results_folder(folder: str | Path, clear: bool = True) -> None:
                     ", ".join(left))
     for name in left:
         (folder / name).unlink(missing_ok=True)
+
+
+LOCK_SUFFIX = ".lock"
+"""The lock file of results folder ``<name>`` is ``.<name>.lock`` beside it (:class:`FolderLock`)."""
+
+
+def lock_path(folder: str | Path) -> Path:
+    """The lock file of a results folder: ``<parent>/.<name>.lock``."""
+    folder = Path(folder)
+    return folder.parent / f".{folder.name}{LOCK_SUFFIX}"
+
+
+class FolderLock:
+    """An exclusive lock on a results folder, held by the run writing into it (see the module docstring).
+
+    The lock is ``flock(LOCK_EX)`` on :func:`lock_path`; the file holds its holder (``pid``, ``host``, ``started``,
+    ``folder``, JSON) for the refusal of a second run. A lock file left by a process that died is not held by anyone
+    (the kernel released its lock), so it never blocks: the next run takes it over. Released (and the file removed)
+    by :meth:`release` or on leaving the ``with`` block.
+
+    Args:
+        folder: the results folder (need not exist; its parent is created).
+        key, value: the run-config key and value the refusal names (``run-name`` or ``resume-from``).
+    """
+
+    def __init__(self, folder: str | Path, key: str = "run-name", value: str | None = None) -> None:
+        self.folder = Path(folder)
+        self.path = lock_path(self.folder)
+        self.key, self.value = key, self.folder.name if value is None else value
+        self._fd: int | None = None
+
+    def acquire(self) -> "FolderLock":
+        """Take the lock.
+
+        Raises:
+            ConfigError: another live process holds it (the message names it and the lock file).
+            OSError: the lock file cannot be created (the message names it).
+        """
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise self._refusal(holder) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            try:  # the holder before us may have removed the file after we opened it: lock the file that is there
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "folder": str(self.folder),
+                  "started": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Remove the lock file and release the lock (idempotent)."""
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> "FolderLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _refusal(self, holder: Mapping[str, Any]):
+        from fedrec_flwr.errors import ConfigError
+
+        who = (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')!r}, since {holder.get('started', '?')}"
+               if holder else "a process that has not written its name yet")
+        return ConfigError(f"run-config key {self.key!r} = {self.value!r}: results folder {str(self.folder)!r} is in "
+                           f"use by a live run ({who}; lock file {str(self.path)!r}); wait for it to end or set "
+                           "another 'run-name'")
+
+
+def check_folder_free(folder: str | Path, key: str = "run-name", value: str | None = None) -> None:
+    """Refuse a results folder a live run holds (:class:`FolderLock`), leaving nothing behind.
+
+    Raises:
+        ConfigError: naming the key, the value and the holder.
+    """
+    lock = FolderLock(folder, key, value)
+    if not lock.path.exists():
+        return
+    lock.acquire()  # raises while the holder lives; else the stale file is ours for a moment
+    lock.release()
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        record = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace") or "{}")
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def write_failure(folder: str | Path, error: BaseException, *, server_round: int | None, rounds_completed: int,
