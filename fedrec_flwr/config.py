@@ -543,7 +543,7 @@ def _plugin_values(declared: Mapping[str, tuple[Any, str, str]], mapping: Mappin
         raise ConfigError(f"run-config key '{twice[0]}' is given twice: {twice[0]}={mapping[twice[0]]!r} and in "
                           f"plugin-config ({twice[0]}={given[twice[0]]!r}); give it once")
     values = {}
-    for key, (default, _, owner) in declared.items():
+    for key, (default, _, _owner) in declared.items():
         value = mapping.get(key, given.get(key, default))
         kind = type(default).__name__
         if kind in ("bool", "int", "float", "str"):

@@ -56,7 +56,7 @@ except ImportError:
     if VENV_PYTHON.is_file() and Path(sys.prefix).resolve() != (ROOT / ".venv").resolve():
         os.execv(str(VENV_PYTHON), [str(VENV_PYTHON), *sys.argv])
     raise SystemExit("error: fedrec-flwr is not installed here: run `bash experiments/quickstart.sh` once (it makes "
-                     ".venv), or call this script with the Python that has it")
+                     ".venv), or call this script with the Python that has it") from None
 sys.path.insert(0, str(ROOT))
 
 from fedrec_flwr.deploy import Deployment, DeploymentError, app_snapshot  # noqa: E402

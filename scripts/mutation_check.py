@@ -414,8 +414,8 @@ def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, 
                               cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return 124, "timeout", time.perf_counter() - started
-    lines = [l for l in done.stdout.splitlines() if l.startswith(("FAILED", "ERROR")) or " passed" in l
-             or " failed" in l]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR")) or " passed" in line
+             or " failed" in line]
     return done.returncode, "; ".join(lines[-3:]), time.perf_counter() - started
 
 

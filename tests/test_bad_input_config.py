@@ -77,7 +77,7 @@ def test_forget_users_given_as_a_toml_array_in_a_string_names_the_string_form():
     with pytest.raises(ConfigError, match=r"'forget-users' = '\[3,17\]': expected comma-separated user indices in one "
                                           r"string, e.g. forget-users=\"3,17\" \(--run-config\) or forget-users=3,17 "
                                           r"\(the launcher\); not a TOML array"):
-        make_run_config(unlearning="retrain", forget_users="[3,17]").forget_user_ids
+        _ = make_run_config(unlearning="retrain", forget_users="[3,17]").forget_user_ids
 
 
 @pytest.mark.parametrize("key", ["ks", "mlp-layers", "forget-users"])

@@ -125,7 +125,7 @@ def test_a_contribution_packs_the_full_table_reply_bit_for_bit_without_building_
     layout = ModelLayout(shared_shapes={"items.weight": (100_000, 32), "mlp.weight": (4, 3)},
                          item_keys=("items.weight",), private_keys=("user.weight",))
     users = []
-    for u in range(num_users):
+    for _ in range(num_users):
         ids = rng.choice(300, size=int(rng.integers(1, 200)), replace=False)  # overlapping, unsorted
         values = rng.normal(size=(len(ids), 32)).astype(np.float32)
         values[0, :3] = [-0.0, 0.0, np.float32(1e-30)]

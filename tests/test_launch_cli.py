@@ -297,8 +297,8 @@ def test_an_unreachable_or_malformed_ray_address_is_refused_before_anything_star
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
-        check_ray_address("127.0.0.1:%d" % listening.getsockname()[1])
-        check_ray_address("ray://127.0.0.1:%d" % listening.getsockname()[1])
+        check_ray_address(f"127.0.0.1:{listening.getsockname()[1]}")
+        check_ray_address(f"ray://127.0.0.1:{listening.getsockname()[1]}")
     check_ray_address("auto")
     done = subprocess.run([sys.executable, "-m", "fedrec_flwr.launch", "run", "--ray-address", f"127.0.0.1:{port}",
                            f"results-dir={str(tmp_path)!r}"], capture_output=True, text=True, timeout=120,

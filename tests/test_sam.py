@@ -88,7 +88,7 @@ def test_sam_gradient_differs_from_plain_gradient_and_rho_zero_is_plain():
     u, i, y = (torch.as_tensor(a)[order] for a in (users, items, labels))
     trainer = SAMTrainer(plain_model, LocalTrainConfig(batch_size=16), rho_shared=0, rho_private=0, update_shared=False)
     trainer.chunked_loss(u, i, y).backward()
-    for key, param in plain_model.shared_state().items():
+    for key in plain_model.shared_state():
         grad = dict(zip(plain_model.shared_state(), plain_model.shared_parameters()))[key].grad
         assert torch.allclose(grads[0.0][key], grad, atol=1e-7), key
     assert any(not torch.allclose(grads[0.0][k], grads[0.5][k]) for k in grads[0.0])

@@ -191,7 +191,7 @@ def _assert_close_vectors(got, expected, rtol=2e-5, what=""):
         np.testing.assert_allclose(got[key], expected[key], rtol=rtol, atol=rtol * scale, err_msg=f"{what} {key}")
 
 
-INFLUENCE_CASES = [(m, l, d) for m in ("mf", "ncf") for l in ("bce", "bpr") for d in (0.0, 0.05)]
+INFLUENCE_CASES = [(m, loss, d) for m in ("mf", "ncf") for loss in ("bce", "bpr") for d in (0.0, 0.05)]
 
 
 @pytest.mark.parametrize(("model", "loss", "decay"), INFLUENCE_CASES)

@@ -505,7 +505,7 @@ def level_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: st
         def losses(arrays, group) -> dict:
             got = scores(runtime, records, arrays, {u: np.concatenate(e) for u, e in group.items()})
             per_user = []
-            for user, (positives, negatives, held) in group.items():
+            for user, (positives, negatives, _held) in group.items():
                 z = got[user]
                 zp, zn = z[:positives.size], z[positives.size:positives.size + negatives.size]
                 train = np.concatenate([_bce(zp, 1.0), _bce(zn, 0.0)])

@@ -128,7 +128,7 @@ def tune(dataset: str, method: str, data_dir: str) -> dict:
             scores = {k: v for k, v in r.items() if k.startswith("val-")} if r is not None else {"failed": True}
             points.setdefault(n, {"setting": s, "stage": stage, **scores})  # the incumbent keeps its first stage
     record = {"setting": fixed, "name": G.setting_name(fixed), "grid": list(points.values()),
-              "selected-on": "val-HR@10 (then val-NDCG@10) at round %d, seed %d" % (G.GRID_ROUNDS, G.GRID_SEED)}
+              "selected-on": f"val-HR@10 (then val-NDCG@10) at round {G.GRID_ROUNDS}, seed {G.GRID_SEED}"}
     path = RESULTS / f"selection-{dataset}.json"
     current = json.loads(path.read_text()) if path.is_file() else {}
     current[method] = record

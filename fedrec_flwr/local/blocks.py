@@ -581,7 +581,6 @@ def train_block(runtime: Runtime, cls: type, users: Sequence[int], state: Record
     server_round = int(config["server-round"])
     block = Block(runtime, users, state)
     data = [block.user_data(u, server_round) for u in block.users]
-    cfg = runtime.config
     groups = _chunks([d.n for d in data])
     updates: list = [None] * len(data)
     make_term = getattr(cls, "block_term", None)

@@ -192,7 +192,7 @@ class RecModel(nn.Module):
         full_items = self.num_items
         index = torch.as_tensor(items, device=next(iter(saved.values()))[0].device)
         try:
-            for name, module in tables.items():
+            for module in tables.values():
                 module.weight = nn.Parameter(module.weight.detach().index_select(0, index).clone())
                 module.num_embeddings = int(items.size)
             self.num_items = int(items.size)

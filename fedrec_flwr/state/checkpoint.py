@@ -250,7 +250,7 @@ def check_client_state(checkpoint: Checkpoint, nodes_without_state: list, accept
                 [int(u) for u in node["absent"] if 0 <= int(u) < trained.size and trained[int(u)]]}
         store = ClientStateStore(node["folder"])
         where = f"node {node['node']} (partition-id {node['partition-id']})"
-        for kind, ids, what in (("damaged", node["damaged"], "has unreadable or non-finite state files"),
+        for _kind, ids, what in (("damaged", node["damaged"], "has unreadable or non-finite state files"),
                                 ("missing", node["missing"], f"has no state file of round <= "
                                  f"{checkpoint.server_round} for users whose training the server accepted in "
                                  f"rounds 1..{checkpoint.server_round}")):
