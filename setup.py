@@ -22,8 +22,13 @@ class BuildPyWithApp(build_py):
         target = Path(self.build_lib) / "fedrec_flwr" / "_app" / "pyproject.toml"
         target.parent.mkdir(parents=True, exist_ok=True)
         text = (Path(__file__).resolve().parent / "pyproject.toml").read_text(encoding="utf-8")
-        text, found = re.subn(r"^fab-include = \[.*?\]", 'fab-include = ["/pyproject.toml"]', text,
-                              count=1, flags=re.MULTILINE | re.DOTALL)
+        text, found = re.subn(
+            r"^fab-include = \[.*?\]",
+            'fab-include = ["/pyproject.toml"]',
+            text,
+            count=1,
+            flags=re.MULTILINE | re.DOTALL,
+        )
         if found != 1:
             raise RuntimeError("pyproject.toml: no fab-include = [...] under [tool.flwr.app] to rewrite")
         target.write_text(text, encoding="utf-8")

@@ -75,16 +75,23 @@ from typing import Any
 
 import torch
 
+from fedrec_flwr.adversary import (
+    ADVERSARY_MODULE,
+    AdversarialTerm,
+    adversary_gradient,
+    adversary_of,
+    class_prior_text,
+    entropy_pull,
+    mean_adversary_gradient,
+    parse_class_prior,
+    user_vectors,
+)
 from fedrec_flwr.clients.fedrec import FedRecClient
 from fedrec_flwr.clients.fedrecgel import FedRecGELClient
-from fedrec_flwr.adversary import (
-    ADVERSARY_MODULE, AdversarialTerm, adversary_gradient, adversary_of, class_prior_text, entropy_pull,
-    mean_adversary_gradient, parse_class_prior, user_vectors,
-)
-from fedrec_flwr.local.blocks import Block
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.seeding import TAG_CLIENT_EXTRA, torch_generator
+from fedrec_flwr.local.blocks import Block
 from fedrec_flwr.local.training import LocalTrainer
+from fedrec_flwr.seeding import TAG_CLIENT_EXTRA, torch_generator
 
 log = logging.getLogger(__name__)
 
@@ -101,25 +108,38 @@ class AttributeUnlearning:
     def check_config(cls, config) -> None:
         super().check_config(config)  # type: ignore[misc]
         if config.model == "pfedrec":
-            raise ConfigError(f"run-config key 'client' = {config.client!r}: attribute unlearning needs a model with a "
-                              f"user embedding (model = 'mf' or 'ncf'), got model = 'pfedrec'")
+            raise ConfigError(
+                f"run-config key 'client' = {config.client!r}: attribute unlearning needs a model with a "
+                f"user embedding (model = 'mf' or 'ncf'), got model = 'pfedrec'"
+            )
         if config.adversary_embedding_optimizer == "sgd" and (
-                config.adversary_training != "server" or not issubclass(cls, FedAU2Client)):
+            config.adversary_training != "server" or not issubclass(cls, FedAU2Client)
+        ):
             raise ConfigError(
                 "run-config key 'adversary-embedding-optimizer' = 'sgd' needs adversary-training = 'server' and "
                 f"client = 'fedau2' (got {config.adversary_training!r}, {config.client!r}; FedRecGEL's SAM evaluates "
-                "the loss three times per step, so its adversarial term must stay a loss: use 'local')")
+                "the loss three times per step, so its adversarial term must stay a loss: use 'local')"
+            )
         if config.adversary != "none":
             class_prior_text(config, warn=True)  # "published" without published shares: says so, once
         if config.adversary == "none" and config.user_embedding_noise == 0:
-            log.warning("client %r with adversary = 'none' and user-embedding-noise = 0 trains the original model",
-                        config.client)
+            log.warning(
+                "client %r with adversary = 'none' and user-embedding-noise = 0 trains the original model",
+                config.client,
+            )
 
-    def _generator(self, config: Mapping[str, Any], stream: int, *keys: int, user: int | None = None
-                   ) -> torch.Generator:
+    def _generator(
+        self, config: Mapping[str, Any], stream: int, *keys: int, user: int | None = None
+    ) -> torch.Generator:
         """This user's (or ``user``'s) seeded stream ``stream`` of the round ``config["server-round"]``."""
-        return torch_generator(self.runtime.config.seed, TAG_CLIENT_EXTRA, self.user if user is None else int(user),
-                               int(config["server-round"]), stream, *keys)
+        return torch_generator(
+            self.runtime.config.seed,
+            TAG_CLIENT_EXTRA,
+            self.user if user is None else int(user),
+            int(config["server-round"]),
+            stream,
+            *keys,
+        )
 
     def _noise_generator(self, config: Mapping[str, Any], user: int | None = None) -> torch.Generator | None:
         """The stream of an upload's DSVAE gradient noise (``dsvae-noise-stream``): seeded from the user alone
@@ -129,8 +149,13 @@ class AttributeUnlearning:
         if stream == "per-upload":
             return None
         key = 0 if stream == "per-user" else int(config["server-round"])  # rounds are 1-based: 0 is no round's
-        return torch_generator(self.runtime.config.seed, TAG_CLIENT_EXTRA, self.user if user is None else int(user),
-                               key, _DSVAE_NOISE_STREAM)
+        return torch_generator(
+            self.runtime.config.seed,
+            TAG_CLIENT_EXTRA,
+            self.user if user is None else int(user),
+            key,
+            _DSVAE_NOISE_STREAM,
+        )
 
     @property
     def protected_label(self) -> int:
@@ -147,11 +172,20 @@ class AttributeUnlearning:
         if cfg.adversary != "none":
             server = cfg.adversary_training == "server"
             sgd = cfg.adversary_embedding_optimizer == "sgd"
-            trainer.loss_terms.append(AdversarialTerm(
-                trainer.model, label=self.protected_label, epsilon=self.round_epsilon(config),
-                trigger=cfg.adversary_trigger, kl_weight=cfg.dsvae_kl_weight,
-                generator=self._generator(config, _ADVERSARY_STREAM), objective=cfg.adversary_objective,
-                frozen=server, embedding_step=cfg.learning_rate if sgd else 0.0, log_prior=self._log_prior()))
+            trainer.loss_terms.append(
+                AdversarialTerm(
+                    trainer.model,
+                    label=self.protected_label,
+                    epsilon=self.round_epsilon(config),
+                    trigger=cfg.adversary_trigger,
+                    kl_weight=cfg.dsvae_kl_weight,
+                    generator=self._generator(config, _ADVERSARY_STREAM),
+                    objective=cfg.adversary_objective,
+                    frozen=server,
+                    embedding_step=cfg.learning_rate if sgd else 0.0,
+                    log_prior=self._log_prior(),
+                )
+            )
         return trainer
 
     def round_epsilon(self, config: Mapping[str, Any]) -> float:
@@ -177,10 +211,15 @@ class AttributeUnlearning:
         update = super().shared_update(trainer, result, config)  # type: ignore[misc]
         cfg = self.runtime.config
         if cfg.adversary != "none" and cfg.adversary_training == "server":
-            grads = adversary_gradient(self.model, label=self.protected_label, kl_weight=cfg.dsvae_kl_weight,
-                                       generator=self._generator(config, _UPLOAD_STREAM), log_prior=self._log_prior(),
-                                       noise_placement=cfg.dsvae_noise_placement,
-                                       noise_generator=self._noise_generator(config))
+            grads = adversary_gradient(
+                self.model,
+                label=self.protected_label,
+                kl_weight=cfg.dsvae_kl_weight,
+                generator=self._generator(config, _UPLOAD_STREAM),
+                log_prior=self._log_prior(),
+                noise_placement=cfg.dsvae_noise_placement,
+                noise_generator=self._noise_generator(config),
+            )
             for key, grad in grads.items():
                 update.dense[key] = grad.cpu().numpy()
         return update
@@ -201,18 +240,26 @@ class AttributeUnlearning:
         """
         cfg = self.runtime.config
         if cfg.adversary == "none" or cfg.adversary_training != "server":
-            raise ConfigError("the adversary_gradient query needs an adversary and adversary-training = 'server' "
-                              f"(got adversary = {cfg.adversary!r}, adversary-training = {cfg.adversary_training!r})")
+            raise ConfigError(
+                "the adversary_gradient query needs an adversary and adversary-training = 'server' "
+                f"(got adversary = {cfg.adversary!r}, adversary-training = {cfg.adversary_training!r})"
+            )
         self.load_shared(shared)
         self.load_private()
-        grads = adversary_gradient(self.model, label=self.protected_label, kl_weight=cfg.dsvae_kl_weight,
-                                   generator=self._generator(config, _QUERY_STREAM, int(config["adversary-step"])),
-                                   log_prior=self._log_prior(), noise_placement=cfg.dsvae_noise_placement,
-                                   noise_generator=self._noise_generator(config))
+        grads = adversary_gradient(
+            self.model,
+            label=self.protected_label,
+            kl_weight=cfg.dsvae_kl_weight,
+            generator=self._generator(config, _QUERY_STREAM, int(config["adversary-step"])),
+            log_prior=self._log_prior(),
+            noise_placement=cfg.dsvae_noise_placement,
+            noise_generator=self._noise_generator(config),
+        )
         return {key: grad.cpu().numpy() for key, grad in grads.items()}
 
-    def adversary_query_mean_gradient(self, shared: Mapping[str, Any], config: Mapping[str, Any],
-                                      users) -> dict[str, Any] | None:
+    def adversary_query_mean_gradient(
+        self, shared: Mapping[str, Any], config: Mapping[str, Any], users
+    ) -> dict[str, Any] | None:
         """The mean of :meth:`adversary_query_gradient` over ``users`` (this node's, in the same state), in one batched
         computation (:func:`fedrec_flwr.adversary.mean_adversary_gradient`; ours, for speed), or ``None`` with
         ``block-training = "off"``, which keeps the per-user loop as the reference arm. A DSVAE adversary's draws come
@@ -229,8 +276,10 @@ class AttributeUnlearning:
         if cfg.block_training == "off":
             return None
         if cfg.adversary == "none" or cfg.adversary_training != "server":
-            raise ConfigError("the adversary_gradient query needs an adversary and adversary-training = 'server' "
-                              f"(got adversary = {cfg.adversary!r}, adversary-training = {cfg.adversary_training!r})")
+            raise ConfigError(
+                "the adversary_gradient query needs an adversary and adversary-training = 'server' "
+                f"(got adversary = {cfg.adversary!r}, adversary-training = {cfg.adversary_training!r})"
+            )
         self.load_shared(shared)
         users = [int(u) for u in users]
         vectors = user_vectors(self.model, Block(self.runtime, users, self.state).load_private(users))
@@ -238,10 +287,16 @@ class AttributeUnlearning:
         labels = torch.as_tensor(self.runtime.protected.labels[users], dtype=torch.long)
         step = int(config["adversary-step"])
         generators = [self._generator(config, _QUERY_STREAM, step, user=user) for user in users]
-        grads = mean_adversary_gradient(adversary_of(self.model), vectors, labels,
-                                        log_prior=self._log_prior(), kl_weight=cfg.dsvae_kl_weight,
-                                        generators=generators, noise_placement=cfg.dsvae_noise_placement,
-                                        noise_generators=[self._noise_generator(config, user) for user in users])
+        grads = mean_adversary_gradient(
+            adversary_of(self.model),
+            vectors,
+            labels,
+            log_prior=self._log_prior(),
+            kl_weight=cfg.dsvae_kl_weight,
+            generators=generators,
+            noise_placement=cfg.dsvae_noise_placement,
+            noise_generators=[self._noise_generator(config, user) for user in users],
+        )
         return {key: grad.cpu().numpy() for key, grad in grads.items()}
 
     def save_private(self) -> None:
@@ -275,11 +330,13 @@ class FedAU2Client(AttributeUnlearning, FedRecClient):
         if config.user_embedding_noise > 0:
             return False
         return config.adversary == "none" or (
-            config.adversary_training == "server" and config.adversary_objective == "entropy"
-            and config.adversary_embedding_optimizer == "local")
+            config.adversary_training == "server"
+            and config.adversary_objective == "entropy"
+            and config.adversary_embedding_optimizer == "local"
+        )
 
     @classmethod
-    def block_term(cls, runtime, users, state, shared, config) -> "EntropyPullBlock | None":
+    def block_term(cls, runtime, users, state, shared, config) -> EntropyPullBlock | None:
         """The block form of :meth:`make_trainer`'s term for a chunk of ``users`` (``None`` without an adversary)."""
         if runtime.config.adversary == "none":
             return None
@@ -314,12 +371,14 @@ class EntropyPullBlock:
         self.adversary = adversary_of(model)
         self.frozen_keys = frozenset(keys)
         self.model = model
-        self.tables = [(f"{name}.weight", module.embedding_dim)
-                       for name, module in model.user_embedding_modules().items()]
+        self.tables = [
+            (f"{name}.weight", module.embedding_dim) for name, module in model.user_embedding_modules().items()
+        ]
         device = self.adversary.head.weight.device
         client.protected_label  # noqa: B018 (raises the ConfigError when no protected-attribute is configured)
-        self.labels = torch.as_tensor(runtime.protected.labels[[int(u) for u in users]], dtype=torch.long,
-                                      device=device)
+        self.labels = torch.as_tensor(
+            runtime.protected.labels[[int(u) for u in users]], dtype=torch.long, device=device
+        )
         self.epsilon, self.trigger = client.round_epsilon(config), cfg.adversary_trigger
         self.generators = [client._generator(config, _UPLOAD_STREAM, user=int(u)) for u in users]
         self.noise_generators = [client._noise_generator(config, int(u)) for u in users]
@@ -335,7 +394,7 @@ class EntropyPullBlock:
         step = strength.unsqueeze(1) * pull
         grads, start = dict(grads), 0
         for key, width in self.tables:
-            grads[key] = grads[key] + step[:, start:start + width].unsqueeze(1)
+            grads[key] = grads[key] + step[:, start : start + width].unsqueeze(1)
             start += width
         return grads, values + strength * (u * pull).sum(dim=-1)
 
@@ -343,10 +402,16 @@ class EntropyPullBlock:
         u = user_vectors(self.model, params).detach()
         out = []
         for k in range(len(u)):
-            grads = mean_adversary_gradient(self.adversary, u[k:k + 1], self.labels[k:k + 1], log_prior=self.log_prior,
-                                            kl_weight=self.kl_weight, generators=self.generators[k:k + 1],
-                                            noise_placement=self.placement,
-                                            noise_generators=self.noise_generators[k:k + 1])
+            grads = mean_adversary_gradient(
+                self.adversary,
+                u[k : k + 1],
+                self.labels[k : k + 1],
+                log_prior=self.log_prior,
+                kl_weight=self.kl_weight,
+                generators=self.generators[k : k + 1],
+                noise_placement=self.placement,
+                noise_generators=self.noise_generators[k : k + 1],
+            )
             out.append({key: grad.cpu().numpy() for key, grad in grads.items()})
         return out
 

@@ -17,23 +17,22 @@ import torch
 from flwr.app import ArrayRecord, RecordDict
 from flwr.client import NumPyClient
 
+from fedrec_flwr.app.runtime import Runtime
 from fedrec_flwr.arrays import decode_record, encode_array
 from fedrec_flwr.data import sample_train_negatives
-from fedrec_flwr.local.blocks import check_block_config
-from fedrec_flwr.state.client_state import STATE_PREFIX
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.unlearning.krylov import CGResult, curvature_vector_product, flatten, gradient, krylov_solve, unflatten
-from fedrec_flwr.unlearning.influence import influence_objective
-from fedrec_flwr.app.runtime import Runtime
-from fedrec_flwr.seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
+from fedrec_flwr.local.blocks import check_block_config
 from fedrec_flwr.local.training import LocalTrainer, ProximalTerm, evaluate_user
+from fedrec_flwr.seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
+from fedrec_flwr.state.client_state import STATE_PREFIX
+from fedrec_flwr.unlearning.influence import influence_objective
+from fedrec_flwr.unlearning.krylov import CGResult, curvature_vector_product, flatten, gradient, krylov_solve, unflatten
 from fedrec_flwr.wire import UserUpdate, support_rows
 
 log = logging.getLogger(__name__)
 
 INFLUENCE_ROUND = 0
 """Round tag of the fixed negative sample in a user's influence loss (training rounds are 1-based, so never 0)."""
-
 
 
 class FedRecClient(NumPyClient):
@@ -75,8 +74,10 @@ class FedRecClient(NumPyClient):
         if "proximal-mu" in config:
             mu = config["proximal-mu"]
             if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not math.isfinite(mu) or mu < 0:
-                raise ConfigError(f"run-config key 'strategy' = {strategy!r} sends 'proximal-mu' = {mu!r}: FedProx's "
-                                  "proximal weight must be a finite number >= 0 (run-config key 'strategy-args')")
+                raise ConfigError(
+                    f"run-config key 'strategy' = {strategy!r} sends 'proximal-mu' = {mu!r}: FedProx's "
+                    "proximal weight must be a finite number >= 0 (run-config key 'strategy-args')"
+                )
 
     unlearns_attributes = False
     """Whether this client trains an attribute adversary and applies ``user-embedding-noise``
@@ -96,20 +97,28 @@ class FedRecClient(NumPyClient):
         (``adversary``, ``user-embedding-noise``) unless :attr:`unlearns_attributes`: they would be silently ignored.
         """
         if not cls.unlearns_attributes:
-            given = [f"'{key}' = {value!r}" for key, value, unset in (
-                ("adversary", config.adversary, config.adversary == "none"),
-                ("user-embedding-noise", config.user_embedding_noise, config.user_embedding_noise == 0))
-                if not unset]  # only the keys this run sets: the other one's default would mislead
+            given = [
+                f"'{key}' = {value!r}"
+                for key, value, unset in (
+                    ("adversary", config.adversary, config.adversary == "none"),
+                    ("user-embedding-noise", config.user_embedding_noise, config.user_embedding_noise == 0),
+                )
+                if not unset
+            ]  # only the keys this run sets: the other one's default would mislead
             if given:
                 keys, them = ("keys", "them") if len(given) > 1 else ("key", "it")
                 raise ConfigError(
                     f"run-config {keys} {' and '.join(given)} need{'s' if len(given) == 1 else ''} an "
                     f"attribute-unlearning client (client = 'fedau2' or 'fedau2-gel'); client {config.client!r} "
-                    f"would ignore {them}")
+                    f"would ignore {them}"
+                )
             if config.protected_attribute:
-                log.warning("run-config key 'protected-attribute' = %r is unused: client %r trains no adversary "
-                            "(the attribute is read by client = 'fedau2' or 'fedau2-gel')", config.protected_attribute,
-                            config.client)
+                log.warning(
+                    "run-config key 'protected-attribute' = %r is unused: client %r trains no adversary "
+                    "(the attribute is read by client = 'fedau2' or 'fedau2-gel')",
+                    config.protected_attribute,
+                    config.client,
+                )
         check_block_config(cls, config)
 
     def __init__(self, runtime: Runtime, user: int, state: RecordDict) -> None:
@@ -186,8 +195,9 @@ class FedRecClient(NumPyClient):
         it trained on (``result.touched_items``)."""
         return self.update_from(self.model.shared_state(), result)
 
-    def update_from(self, values: Mapping[str, torch.Tensor], result, weight: float | None = None,
-                    is_gradient: bool = False) -> UserUpdate:
+    def update_from(
+        self, values: Mapping[str, torch.Tensor], result, weight: float | None = None, is_gradient: bool = False
+    ) -> UserUpdate:
         """A :class:`UserUpdate` of shared ``values`` (parameters or gradients, shaped as the model's current
         parameters): dense keys whole, item tables cut to the rows the user trained on (``result.touched_items``,
         global ids; inside :meth:`RecModel.item_subset` the tables are compact and indexed through the subset)."""
@@ -240,8 +250,9 @@ class FedRecClient(NumPyClient):
             mu = float(config.get("proximal-mu", 0.0) or 0.0)
             if mu:  # FedProx (Li et al. 2020, Eq. 2): stay near the round's global shared parameters
                 self.trainer.loss_terms.append(ProximalTerm(self.model.shared_parameters(), mu))
-            result = self.trainer.train(0, np.searchsorted(items, positives), np.searchsorted(items, negatives),
-                                        generator)
+            result = self.trainer.train(
+                0, np.searchsorted(items, positives), np.searchsorted(items, negatives), generator
+            )
             result.touched_items = items[result.touched_items]
             self.save_private()
             return self.shared_update(self.trainer, result, config)
@@ -274,12 +285,16 @@ class FedRecClient(NumPyClient):
         out: dict[str, float] = {}
         with torch.no_grad():
             if which in ("test", "test+val"):
-                out.update(evaluate_user(self.model, 0, int(split.test_items[self.user]),
-                                         split.test_negatives[self.user], ks=ks))
+                out.update(
+                    evaluate_user(
+                        self.model, 0, int(split.test_items[self.user]), split.test_negatives[self.user], ks=ks
+                    )
+                )
             if which in ("val", "test+val"):
                 prefix = "val-" if which == "test+val" else ""
-                metrics = evaluate_user(self.model, 0, int(split.val_items[self.user]),
-                                        split.val_negatives[self.user], ks=ks)
+                metrics = evaluate_user(
+                    self.model, 0, int(split.val_items[self.user]), split.val_negatives[self.user], ks=ks
+                )
                 out.update({prefix + k: v for k, v in metrics.items()})
         return out
 
@@ -302,8 +317,14 @@ class FedRecClient(NumPyClient):
 
     def _compact(self, vector: Mapping[str, np.ndarray], items: np.ndarray, params) -> dict[str, torch.Tensor]:
         item_keys = self.runtime.layout.item_keys
-        return {k: torch.as_tensor(np.asarray(vector[k])[items] if k in item_keys else np.asarray(vector[k]),
-                                   dtype=p.dtype, device=p.device) for k, p in params.items()}
+        return {
+            k: torch.as_tensor(
+                np.asarray(vector[k])[items] if k in item_keys else np.asarray(vector[k]),
+                dtype=p.dtype,
+                device=p.device,
+            )
+            for k, p in params.items()
+        }
 
     def _expand(self, compact: Mapping[str, torch.Tensor], items: np.ndarray) -> tuple[dict, dict]:
         """Compact tensors -> ``(dense key -> array, item key -> (rows, values))``."""
@@ -320,8 +341,13 @@ class FedRecClient(NumPyClient):
             dense, rows = self._expand(grads, items)
         return dense, rows, loss
 
-    def influence_hvp(self, shared: Mapping[str, np.ndarray], direction: Mapping[str, np.ndarray],
-                      group: list | None = None, curvature: str = "hessian") -> tuple[dict, dict]:
+    def influence_hvp(
+        self,
+        shared: Mapping[str, np.ndarray],
+        direction: Mapping[str, np.ndarray],
+        group: list | None = None,
+        curvature: str = "hessian",
+    ) -> tuple[dict, dict]:
         """``H_u v``: this user's loss Hessian (``curvature = "hessian"``) or Gauss-Newton matrix (``"gauss-newton"``,
         :func:`fedrec_flwr.unlearning.krylov.gauss_newton_vector_product`) at the shared parameters times ``direction`` (full
         arrays by shared key); non-zero only on the user's rows and the dense parameters. With ``group`` (clients of
@@ -330,9 +356,18 @@ class FedRecClient(NumPyClient):
             product = curvature_vector_product(loss_fn, params, self._compact(direction, items, params), curvature)
             return self._expand(product, items)
 
-    def influence_solve(self, shared: Mapping[str, np.ndarray], rhs: Mapping[str, np.ndarray], *, iterations: int,
-                        damping: float, tolerance: float, curvature: str = "hessian", solver: str = "cg",
-                        radius: float | None = None) -> tuple[dict, dict, CGResult]:
+    def influence_solve(
+        self,
+        shared: Mapping[str, np.ndarray],
+        rhs: Mapping[str, np.ndarray],
+        *,
+        iterations: int,
+        damping: float,
+        tolerance: float,
+        curvature: str = "hessian",
+        solver: str = "cg",
+        radius: float | None = None,
+    ) -> tuple[dict, dict, CGResult]:
         """Local CG (HF-KCU's Algorithm 1, client side): ``x_u ≈ (H_u + damping I)^{-1} rhs`` on this user's own
         Hessian (or Gauss-Newton matrix: ``curvature``), by plain CG or trust-region CG within ``radius``
         (``solver``, :func:`fedrec_flwr.unlearning.krylov.krylov_solve`). Rows of ``rhs`` outside the user's rows get ``rhs /
@@ -343,20 +378,25 @@ class FedRecClient(NumPyClient):
         """
         support = support_rows(rhs, self.runtime.layout)
         if damping == 0 and not np.isin(support, self.influence_items()).all():
-            raise ValueError(f"user {self.user}: damping = 0 but the right-hand side has rows this user's loss never "
-                             "touches, where its Hessian is 0 (a singular system); use damping > 0")
+            raise ValueError(
+                f"user {self.user}: damping = 0 but the right-hand side has rows this user's loss never "
+                "touches, where its Hessian is 0 (a singular system); use damping > 0"
+            )
         with self.influence_objective(shared, extra_rows=support) as (loss_fn, params, items):
             shapes = {k: tuple(p.shape) for k, p in params.items()}
             b = flatten({k: v.cpu().numpy() for k, v in self._compact(rhs, items, params).items()}, shapes)
 
             def matvec(flat: np.ndarray) -> np.ndarray:
-                vector = {k: torch.as_tensor(v, dtype=params[k].dtype, device=params[k].device)
-                          for k, v in unflatten(flat, shapes).items()}
+                vector = {
+                    k: torch.as_tensor(v, dtype=params[k].dtype, device=params[k].device)
+                    for k, v in unflatten(flat, shapes).items()
+                }
                 product = curvature_vector_product(loss_fn, params, vector, curvature)
                 return flatten({k: v.detach().cpu().numpy() for k, v in product.items()}, shapes)
 
-            result = krylov_solve(matvec, b, solver=solver, iterations=iterations, damping=damping,
-                                  tolerance=tolerance, radius=radius)
+            result = krylov_solve(
+                matvec, b, solver=solver, iterations=iterations, damping=damping, tolerance=tolerance, radius=radius
+            )
             solution = {k: torch.as_tensor(v) for k, v in unflatten(result.x, shapes).items()}
             dense, rows = self._expand(solution, items)
         return dense, rows, result

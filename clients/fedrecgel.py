@@ -25,12 +25,12 @@ from typing import Any
 
 from flwr.app import Array, ArrayRecord
 
-from fedrec_flwr.state.client_state import OPTIMIZER_PREFIX
 from fedrec_flwr.clients.fedrec import FedRecClient
-from fedrec_flwr.wire import UserUpdate
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.local.sam import SAMTrainer
 from fedrec_flwr.local.training import load_optimizer_state_arrays, optimizer_state_arrays
+from fedrec_flwr.state.client_state import OPTIMIZER_PREFIX
+from fedrec_flwr.wire import UserUpdate
 
 UPLOAD_KEY = "upload"
 """Train-config key by which a strategy asks for ``"gradient"`` or ``"parameters"`` uploads."""
@@ -64,8 +64,13 @@ class FedRecGELClient(FedRecClient):
         if upload not in ("gradient", "parameters"):
             raise ValueError(f"train config '{UPLOAD_KEY}' = {upload!r}: expected 'gradient' or 'parameters'")
         cfg = self.runtime.config
-        trainer = SAMTrainer(self.model, self.runtime.train_config, rho_shared=cfg.rho_shared,
-                             rho_private=cfg.rho_private, update_shared=upload == "parameters")
+        trainer = SAMTrainer(
+            self.model,
+            self.runtime.train_config,
+            rho_shared=cfg.rho_shared,
+            rho_private=cfg.rho_private,
+            update_shared=upload == "parameters",
+        )
         record = self.state_record(self.optimizer_key)
         if record is not None:
             load_optimizer_state_arrays(trainer.optimizer, {k: v.numpy() for k, v in record.items()})

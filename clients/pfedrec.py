@@ -15,19 +15,18 @@ stale table of the user's last round.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
-
-import math
 
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fedrec_flwr.state.client_state import ROWS_PREFIX
 from fedrec_flwr.clients.fedrec import FedRecClient
-from fedrec_flwr.wire import UserUpdate
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.local.training import LocalTrainConfig, LocalTrainer
+from fedrec_flwr.state.client_state import ROWS_PREFIX
+from fedrec_flwr.wire import UserUpdate
 
 LR_ETA = 80
 """PFedRec's ``lr_eta``: its item-embedding rate is ``lr * num_items * lr_eta`` (``train.py`` default)."""

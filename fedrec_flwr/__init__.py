@@ -52,14 +52,18 @@ class _SiblingFolders(importlib.abc.MetaPathFinder):
         folder = self.folders.get(fullname)
         if folder is None:
             return None
-        return importlib.util.spec_from_file_location(fullname, folder / "__init__.py",
-                                                      submodule_search_locations=[str(folder)])
+        return importlib.util.spec_from_file_location(
+            fullname, folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
 
 
 def _map_sibling_folders() -> None:
     here = Path(__file__).resolve().parent
-    folders = {f"{__name__}.{name}": here.parent / name for name in SUBPACKAGE_FOLDERS
-               if not (here / name).is_dir() and (here.parent / name / "__init__.py").is_file()}
+    folders = {
+        f"{__name__}.{name}": here.parent / name
+        for name in SUBPACKAGE_FOLDERS
+        if not (here / name).is_dir() and (here.parent / name / "__init__.py").is_file()
+    }
     if folders and not any(isinstance(f, _SiblingFolders) and f.folders == folders for f in sys.meta_path):
         sys.meta_path.insert(0, _SiblingFolders(folders))
 

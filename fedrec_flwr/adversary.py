@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedrec_flwr.attributes import published_class_prior
-from fedrec_flwr.models.base import RecModel, init_linear, new_linear
 from fedrec_flwr.local.training import LocalTrainConfig, LocalTrainer
+from fedrec_flwr.models.base import RecModel, init_linear, new_linear
 
 log = logging.getLogger(__name__)
 
@@ -227,8 +227,16 @@ class DSVAEAdversary(nn.Module):
 
     stochastic = True
 
-    def __init__(self, in_dim: int, num_classes: int, hidden: int, latent: int, *, gradient_noise: float,
-                 generator: torch.Generator) -> None:
+    def __init__(
+        self,
+        in_dim: int,
+        num_classes: int,
+        hidden: int,
+        latent: int,
+        *,
+        gradient_noise: float,
+        generator: torch.Generator,
+    ) -> None:
         super().__init__()
         if num_classes < 2:
             raise ValueError(f"an attribute adversary needs >= 2 classes, got {num_classes}")
@@ -254,9 +262,14 @@ class DSVAEAdversary(nn.Module):
         mu, logvar = self.encoder(u if self.hidden is None else F.relu(self.hidden(u))).chunk(2, dim=-1)
         return mu, logvar.clamp(-10.0, 10.0)
 
-    def draw(self, generator: torch.Generator | None, rows: int, *, head_noise: bool,
-             noise_generator: torch.Generator | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def draw(
+        self,
+        generator: torch.Generator | None,
+        rows: int,
+        *,
+        head_noise: bool,
+        noise_generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """One training forward's randomness, in the order :meth:`forward` draws it: ``xi`` ``(rows, latent)`` from
         ``generator`` (randomness 1), then, if ``head_noise``, the head weight's ``(C, latent)`` and bias's ``(C,)``
         gradient perturbations, already scaled by ``gradient_noise`` (randomness 2; else ``None``), from
@@ -276,8 +289,9 @@ class DSVAEAdversary(nn.Module):
         bias = self.gradient_noise * torch.randn(self.head.bias.shape, generator=source).to(device)
         return xi, weight, bias
 
-    def forward(self, u: torch.Tensor, draws: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, u: torch.Tensor, draws: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+    ) -> torch.Tensor:
         """``(B, D)`` -> ``(B, C)`` logits with a sampled latent and a noisy last-layer gradient (the training forward).
 
         ``draws``: this forward's randomness as :meth:`draw` returns it (``xi`` ``(B, latent)``, head perturbations or
@@ -286,8 +300,9 @@ class DSVAEAdversary(nn.Module):
         of their perturbations."""
         mu, logvar = self._encode(u)
         if draws is None:
-            draws = self.draw(self.generator, mu.shape[0],
-                              head_noise=self.gradient_noise > 0 and self.head.weight.requires_grad)
+            draws = self.draw(
+                self.generator, mu.shape[0], head_noise=self.gradient_noise > 0 and self.head.weight.requires_grad
+            )
         xi, weight_noise, bias_noise = draws
         z = mu + torch.exp(0.5 * logvar) * xi
         self._kl = 0.5 * (mu.pow(2) + logvar.exp() - 1.0 - logvar).sum(dim=-1).mean()
@@ -307,8 +322,16 @@ class DSVAEAdversary(nn.Module):
         return self._kl if self._kl is not None else self.head.bias.new_zeros(())
 
 
-def build_adversary(kind: str, in_dim: int, num_classes: int, *, hidden: int, latent: int, gradient_noise: float,
-                    generator: torch.Generator) -> nn.Module:
+def build_adversary(
+    kind: str,
+    in_dim: int,
+    num_classes: int,
+    *,
+    hidden: int,
+    latent: int,
+    gradient_noise: float,
+    generator: torch.Generator,
+) -> nn.Module:
     """``"mlp"`` -> :class:`AttributeAdversary`, ``"dsvae"`` -> :class:`DSVAEAdversary` (``hidden = 0``: no hidden
     layer, ``adversary-hidden``).
 
@@ -366,11 +389,14 @@ def class_prior_text(config, classes: tuple[str, ...] | None = None, *, warn: bo
     shares = published_class_prior(config.dataset, config.protected_attribute, classes)
     if shares is None:
         if warn:
-            log.warning("adversary-class-prior = 'published': no published class shares for protected-attribute = "
-                        "%r of dataset = %r, so h_w trains without a prior (its decision leans to the majority "
-                        "class); give public shares, e.g. '0.3,0.7', in class order (the attribute's sorted values; "
-                        "age: its age groups), to balance it",
-                        config.protected_attribute, config.dataset)
+            log.warning(
+                "adversary-class-prior = 'published': no published class shares for protected-attribute = "
+                "%r of dataset = %r, so h_w trains without a prior (its decision leans to the majority "
+                "class); give public shares, e.g. '0.3,0.7', in class order (the attribute's sorted values; "
+                "age: its age groups), to balance it",
+                config.protected_attribute,
+                config.dataset,
+            )
         return ""
     return shares
 
@@ -390,10 +416,14 @@ def parse_class_prior(text: str, num_classes: int) -> torch.Tensor | None:
     try:
         values = [float(v) for v in str(text).split(",")]
     except ValueError:
-        raise ValueError(f"run-config key 'adversary-class-prior' = {text!r}: expected comma-separated numbers") from None
+        raise ValueError(
+            f"run-config key 'adversary-class-prior' = {text!r}: expected comma-separated numbers"
+        ) from None
     if len(values) != num_classes or not all(math.isfinite(v) and v > 0 for v in values):
-        raise ValueError(f"run-config key 'adversary-class-prior' = {text!r}: expected {num_classes} positive numbers "
-                         f"(one per class of the protected attribute)")
+        raise ValueError(
+            f"run-config key 'adversary-class-prior' = {text!r}: expected {num_classes} positive numbers "
+            f"(one per class of the protected attribute)"
+        )
     prior = torch.tensor(values, dtype=torch.float32)
     return torch.log(prior / prior.sum())
 
@@ -444,9 +474,20 @@ class AdversarialTerm:
         ValueError: the model has no adversary, ``label`` is outside its classes, or an unknown trigger or objective.
     """
 
-    def __init__(self, model: RecModel, *, label: int, epsilon: float, trigger: str, kl_weight: float,
-                 generator: torch.Generator, objective: str = "reverse", frozen: bool = False,
-                 embedding_step: float = 0.0, log_prior: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        model: RecModel,
+        *,
+        label: int,
+        epsilon: float,
+        trigger: str,
+        kl_weight: float,
+        generator: torch.Generator,
+        objective: str = "reverse",
+        frozen: bool = False,
+        embedding_step: float = 0.0,
+        log_prior: torch.Tensor | None = None,
+    ) -> None:
         adversary = adversary_of(model)
         if adversary is None:
             raise ValueError("AdversarialTerm: the model has no adversary module")
@@ -467,8 +508,10 @@ class AdversarialTerm:
         if embedding_step < 0 or not math.isfinite(embedding_step):
             raise ValueError(f"AdversarialTerm: embedding_step must be a finite number >= 0, got {embedding_step!r}")
         if embedding_step > 0 and not frozen:
-            raise ValueError("AdversarialTerm: an SGD embedding step needs the frozen global adversary "
-                             "(adversary-training = 'server')")
+            raise ValueError(
+                "AdversarialTerm: an SGD embedding step needs the frozen global adversary "
+                "(adversary-training = 'server')"
+            )
         self.frozen, self.embedding_step = bool(frozen), float(embedding_step)
         self.log_prior = None if log_prior is None else log_prior.to(adversary.head.weight.device)
 
@@ -484,14 +527,13 @@ class AdversarialTerm:
         if self.objective == "entropy":
             grad = -entropy_pull(self.adversary, u)[0]  # the step below adds: descend H_x
         else:
-            (grad,) = torch.autograd.grad(_cross_entropy(self._frozen_logits(leaf), self._target, self.log_prior),
-                                          leaf)
+            (grad,) = torch.autograd.grad(_cross_entropy(self._frozen_logits(leaf), self._target, self.log_prior), leaf)
         step = self.embedding_step * strength * grad[0]
         with torch.no_grad():
             start = 0
             for table in self.model.user_embedding_modules().values():
                 width = table.embedding_dim
-                table.weight[0].add_(step[start:start + width])
+                table.weight[0].add_(step[start : start + width])
                 start += width
 
     def __call__(self) -> torch.Tensor:
@@ -528,11 +570,21 @@ class AdversarialTrainer(LocalTrainer):
     """A :class:`~fedrec_flwr.local.training.LocalTrainer` with FedAU²'s :class:`AdversarialTerm` on every mini-batch
     (arguments as there). ``steps`` / ``triggered`` are the term's counters."""
 
-    def __init__(self, model: RecModel, cfg: LocalTrainConfig, *, label: int, epsilon: float, trigger: str,
-                 kl_weight: float, generator: torch.Generator) -> None:
+    def __init__(
+        self,
+        model: RecModel,
+        cfg: LocalTrainConfig,
+        *,
+        label: int,
+        epsilon: float,
+        trigger: str,
+        kl_weight: float,
+        generator: torch.Generator,
+    ) -> None:
         super().__init__(model, cfg)
-        self.term = AdversarialTerm(self.model, label=label, epsilon=epsilon, trigger=trigger, kl_weight=kl_weight,
-                                    generator=generator)
+        self.term = AdversarialTerm(
+            self.model, label=label, epsilon=epsilon, trigger=trigger, kl_weight=kl_weight, generator=generator
+        )
         self.loss_terms.append(self.term)
 
     @property
@@ -545,9 +597,16 @@ class AdversarialTrainer(LocalTrainer):
 
 
 # ---------------------------------------------------------------------------------------------------- server training
-def adversary_gradient(model: RecModel, *, label: int, kl_weight: float, generator: torch.Generator,
-                       log_prior: torch.Tensor | None = None, noise_placement: str = "head",
-                       noise_generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+def adversary_gradient(
+    model: RecModel,
+    *,
+    label: int,
+    kl_weight: float,
+    generator: torch.Generator,
+    log_prior: torch.Tensor | None = None,
+    noise_placement: str = "head",
+    noise_generator: torch.Generator | None = None,
+) -> dict[str, torch.Tensor]:
     """One user's contribution to the server's step of ``h_w`` (``adversary-training = "server"``, ours; the paper
     does not say how ``h_w`` is aggregated): the gradient of ``CE(h_w(e_u), a) [+ kl_weight * KL]`` with respect to
     ``h_w``'s parameters, at the model's current ``h_w`` (the round's global copy, which the frozen local training
@@ -580,9 +639,16 @@ def adversary_gradient(model: RecModel, *, label: int, kl_weight: float, generat
         raise ValueError("adversary_gradient: the model has no adversary module")
     if not 0 <= int(label) < adversary.num_classes:
         raise ValueError(f"adversary_gradient: label {label} outside [0, {adversary.num_classes})")
-    return mean_adversary_gradient(adversary, user_vector(model), torch.tensor([int(label)]), log_prior=log_prior,
-                                   kl_weight=kl_weight, generators=[generator], noise_placement=noise_placement,
-                                   noise_generators=[noise_generator])
+    return mean_adversary_gradient(
+        adversary,
+        user_vector(model),
+        torch.tensor([int(label)]),
+        log_prior=log_prior,
+        kl_weight=kl_weight,
+        generators=[generator],
+        noise_placement=noise_placement,
+        noise_generators=[noise_generator],
+    )
 
 
 def _check_placement(noise_placement: str) -> None:
@@ -590,8 +656,12 @@ def _check_placement(noise_placement: str) -> None:
         raise ValueError(f"dsvae-noise-placement must be one of {NOISE_PLACEMENTS}, got {noise_placement!r}")
 
 
-def _encoder_noise(adversary: nn.Module, generator: torch.Generator, noise_placement: str,
-                   encoder: list[tuple[str, torch.Size, torch.device]] | None = None) -> dict[str, torch.Tensor]:
+def _encoder_noise(
+    adversary: nn.Module,
+    generator: torch.Generator,
+    noise_placement: str,
+    encoder: list[tuple[str, torch.Size, torch.device]] | None = None,
+) -> dict[str, torch.Tensor]:
     """``dsvae-noise-placement = "all"``'s draws for one upload: ``N(0, noise^2)`` per entry of every parameter of a
     DSVAE ``h_w`` but the head's (whose noise :meth:`DSVAEAdversary.forward` drew), in ``named_parameters`` order,
     from ``generator`` after the forward's draws; ``{}`` for ``"head"``, a plain ``h_w`` or ``noise = 0``.
@@ -599,21 +669,32 @@ def _encoder_noise(adversary: nn.Module, generator: torch.Generator, noise_place
     noise = float(getattr(adversary, "gradient_noise", 0.0))
     if noise_placement != "all" or noise <= 0:
         return {}
-    return {key: noise * torch.randn(shape, generator=generator).to(device)
-            for key, shape, device in (encoder if encoder is not None else _encoder_parameters(adversary))}
+    return {
+        key: noise * torch.randn(shape, generator=generator).to(device)
+        for key, shape, device in (encoder if encoder is not None else _encoder_parameters(adversary))
+    }
 
 
 def _encoder_parameters(adversary: nn.Module) -> list[tuple[str, torch.Size, torch.device]]:
     """``(shared key, shape, device)`` of every parameter of ``h_w`` but the head's, in ``named_parameters`` order."""
-    return [(f"{ADVERSARY_MODULE}.{name}", p.shape, p.device) for name, p in adversary.named_parameters()
-            if not name.startswith("head.")]
+    return [
+        (f"{ADVERSARY_MODULE}.{name}", p.shape, p.device)
+        for name, p in adversary.named_parameters()
+        if not name.startswith("head.")
+    ]
 
 
-def mean_adversary_gradient(adversary: nn.Module, vectors: torch.Tensor, labels: torch.Tensor, *,
-                            log_prior: torch.Tensor | None = None, kl_weight: float = 0.0,
-                            generators: Sequence[torch.Generator] | None = None,
-                            noise_placement: str = "head",
-                            noise_generators: Sequence[torch.Generator | None] | None = None) -> dict[str, torch.Tensor]:
+def mean_adversary_gradient(
+    adversary: nn.Module,
+    vectors: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    log_prior: torch.Tensor | None = None,
+    kl_weight: float = 0.0,
+    generators: Sequence[torch.Generator] | None = None,
+    noise_placement: str = "head",
+    noise_generators: Sequence[torch.Generator | None] | None = None,
+) -> dict[str, torch.Tensor]:
     """The mean over ``n`` users of :func:`adversary_gradient`, in one batched computation (ours, for speed: a
     node answers each of the ``S - 1`` ``adversary_gradient`` queries of a round for all its users at once; the
     per-user loop costs about 1 ms per user and query).
@@ -643,32 +724,38 @@ def mean_adversary_gradient(adversary: nn.Module, vectors: torch.Tensor, labels:
             adversary without one generator per user, or an unknown placement.
     """
     if not isinstance(adversary, (AttributeAdversary, DSVAEAdversary)):
-        raise ValueError(f"mean_adversary_gradient: needs an AttributeAdversary or a DSVAEAdversary, got "
-                         f"{type(adversary).__name__}")
+        raise ValueError(
+            f"mean_adversary_gradient: needs an AttributeAdversary or a DSVAEAdversary, got {type(adversary).__name__}"
+        )
     _check_placement(noise_placement)
     labels = torch.as_tensor(labels, dtype=torch.long, device=adversary.head.weight.device)
     if vectors.dim() != 2 or len(vectors) == 0 or labels.shape != (len(vectors),):
-        raise ValueError(f"mean_adversary_gradient: vectors (n, D) with n >= 1 and labels (n,), got "
-                         f"{tuple(vectors.shape)} and {tuple(labels.shape)}")
+        raise ValueError(
+            f"mean_adversary_gradient: vectors (n, D) with n >= 1 and labels (n,), got "
+            f"{tuple(vectors.shape)} and {tuple(labels.shape)}"
+        )
     if int(labels.min()) < 0 or int(labels.max()) >= adversary.num_classes:
         raise ValueError(f"mean_adversary_gradient: labels outside [0, {adversary.num_classes})")
     names, params = zip(*adversary.named_parameters())
     extra: dict[str, torch.Tensor] = {}
     if isinstance(adversary, DSVAEAdversary):
         if generators is None or len(generators) != len(vectors):
-            raise ValueError(f"mean_adversary_gradient: a DSVAE adversary needs one generator per user ({len(vectors)}),"
-                             f" got {None if generators is None else len(generators)}")
+            raise ValueError(
+                f"mean_adversary_gradient: a DSVAE adversary needs one generator per user ({len(vectors)}),"
+                f" got {None if generators is None else len(generators)}"
+            )
         head_noise = adversary.gradient_noise > 0 and adversary.head.weight.requires_grad
         draws, encoder, listed = [], [], _encoder_parameters(adversary)
         noise_generators = [None] * len(generators) if noise_generators is None else list(noise_generators)
         if len(noise_generators) != len(generators):
-            raise ValueError(f"mean_adversary_gradient: {len(noise_generators)} noise generators for "
-                             f"{len(generators)} users")
+            raise ValueError(
+                f"mean_adversary_gradient: {len(noise_generators)} noise generators for {len(generators)} users"
+            )
         for generator, noise in zip(generators, noise_generators):  # each user's draws in the per-user order
             draws.append(adversary.draw(generator, 1, head_noise=head_noise, noise_generator=noise))
             encoder.append(_encoder_noise(adversary, generator if noise is None else noise, noise_placement, listed))
         xi = torch.cat([d[0] for d in draws])
-        mean_of = (lambda tensors: torch.stack(tensors).mean(dim=0))
+        mean_of = lambda tensors: torch.stack(tensors).mean(dim=0)
         head = (mean_of([d[1] for d in draws]), mean_of([d[2] for d in draws])) if head_noise else (None, None)
         logits = adversary(vectors.detach(), draws=(xi, *head))
         loss = _cross_entropy(logits, labels, log_prior) + kl_weight * adversary.regulariser()
@@ -676,8 +763,10 @@ def mean_adversary_gradient(adversary: nn.Module, vectors: torch.Tensor, labels:
     else:
         loss = _cross_entropy(adversary(vectors.detach()), labels, log_prior)
     grads = torch.autograd.grad(loss, params, allow_unused=True)
-    out = {f"{ADVERSARY_MODULE}.{name}": torch.zeros_like(p) if g is None else g.detach()
-           for name, p, g in zip(names, params, grads)}
+    out = {
+        f"{ADVERSARY_MODULE}.{name}": torch.zeros_like(p) if g is None else g.detach()
+        for name, p, g in zip(names, params, grads)
+    }
     for key, noise in extra.items():
         out[key] = out[key] + noise
     return out
@@ -725,8 +814,18 @@ def adversary_diagnostics(adversary: nn.Module, embeddings: torch.Tensor, labels
         out["auc"] = float(roc_auc_score(labels.numpy(), logits[:, 1].numpy() - logits[:, 0].numpy()))
     else:
         probs = torch.softmax(logits, dim=-1).numpy()
-        out["auc"] = float(roc_auc_score(labels.numpy(), probs[:, present] / probs[:, present].sum(1, keepdims=True),
-                                         multi_class="ovr", labels=present)) if len(present) > 2 else float("nan")
+        out["auc"] = (
+            float(
+                roc_auc_score(
+                    labels.numpy(),
+                    probs[:, present] / probs[:, present].sum(1, keepdims=True),
+                    multi_class="ovr",
+                    labels=present,
+                )
+            )
+            if len(present) > 2
+            else float("nan")
+        )
     return out
 
 
@@ -743,9 +842,15 @@ class DiagnosticsHook:
     def __init__(self, runtime, then=None) -> None:
         self.runtime, self.then = runtime, then
         cfg = runtime.config
-        self.adversary = build_adversary(cfg.adversary, user_vector_dim(runtime.model), runtime.protected.num_classes,
-                                         hidden=cfg.adversary_hidden, latent=cfg.dsvae_latent_dim, gradient_noise=0.0,
-                                         generator=torch.Generator().manual_seed(0))
+        self.adversary = build_adversary(
+            cfg.adversary,
+            user_vector_dim(runtime.model),
+            runtime.protected.num_classes,
+            hidden=cfg.adversary_hidden,
+            latent=cfg.dsvae_latent_dim,
+            gradient_noise=0.0,
+            generator=torch.Generator().manual_seed(0),
+        )
         self.rows: list[dict] = []
 
     def __call__(self, view) -> None:
@@ -762,10 +867,13 @@ class DiagnosticsHook:
         states = [context.state for context in view.grid.contexts.values()]
         x, present = collect_user_embeddings(states, runtime.layout.private_keys, runtime.split.num_users)
         if present.any():
-            row = {"round": view.server_round, **adversary_diagnostics(
-                self.adversary, torch.as_tensor(x[present]), runtime.protected.labels[present])}
+            row = {
+                "round": view.server_round,
+                **adversary_diagnostics(self.adversary, torch.as_tensor(x[present]), runtime.protected.labels[present]),
+            }
             self.rows.append(row)
-            atomic_write_text(Path(view.folder) / DIAGNOSTICS_FILE,
-                              pd.DataFrame(self.rows).to_csv(index=False, float_format="%.5f"))
+            atomic_write_text(
+                Path(view.folder) / DIAGNOSTICS_FILE, pd.DataFrame(self.rows).to_csv(index=False, float_format="%.5f")
+            )
         if self.then is not None:
             self.then(view)

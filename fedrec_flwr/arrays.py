@@ -10,9 +10,9 @@ carries. The bytes are exactly those ``np.save`` writes (``tests/test_arrays.py`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 import functools
 import math
+from collections.abc import Mapping
 from io import BytesIO
 
 import numpy as np
@@ -21,13 +21,15 @@ from flwr.app import Array, ArrayRecord
 NUMPY_STYPE = "numpy.ndarray"
 """``Array.stype`` of a ``.npy`` payload (``flwr.common.constant.SType.NUMPY``)."""
 
+
 @functools.lru_cache(maxsize=4096)
 def _header_for(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
     """The ``.npy`` header ``np.save`` writes for a C-ordered array of ``dtype`` and ``shape`` (format 1.0); the most
     recent 4,096 kept (shapes vary with the number of rows a user touched)."""
     buffer = BytesIO()
     np.lib.format.write_array_header_1_0(
-        buffer, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape})
+        buffer, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+    )
     return buffer.getvalue()
 
 
@@ -65,8 +67,12 @@ def encode_array(value: np.ndarray) -> Array:
     except ValueError:  # header too long for format 1.0: np.save writes 2.0
         return Array(value)
     # one copy of the values (``header + value.tobytes()`` made two); a C-contiguous array's buffer is its C order
-    return Array(dtype=_dtype_name(value.dtype), shape=tuple(int(n) for n in value.shape), stype=NUMPY_STYPE,
-                 data=b"".join((header, value.reshape(-1).view(np.uint8))))
+    return Array(
+        dtype=_dtype_name(value.dtype),
+        shape=tuple(int(n) for n in value.shape),
+        stype=NUMPY_STYPE,
+        data=b"".join((header, value.reshape(-1).view(np.uint8))),
+    )
 
 
 def decode_array(array: Array, copy: bool = True) -> np.ndarray:
@@ -83,8 +89,12 @@ def decode_array(array: Array, copy: bool = True) -> np.ndarray:
             return array.numpy()
         data = array.data
         offset = len(data) - math.prod(array.shape) * dtype.itemsize  # the header's length
-        if not dtype.hasobject and offset > 0 and data.startswith(b"\x93NUMPY") and \
-                data.find(b"'fortran_order': False", 0, offset) >= 0:
+        if (
+            not dtype.hasobject
+            and offset > 0
+            and data.startswith(b"\x93NUMPY")
+            and data.find(b"'fortran_order': False", 0, offset) >= 0
+        ):
             value = np.frombuffer(data, dtype=dtype, offset=offset).reshape(array.shape)
             return value.copy() if copy else value
     return array.numpy()
@@ -98,4 +108,3 @@ def encode_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
 def decode_record(record: ArrayRecord, copy: bool = True) -> dict[str, np.ndarray]:
     """The arrays of ``record`` by key (:func:`decode_array` each)."""
     return {key: decode_array(array, copy) for key, array in record.items()}
-

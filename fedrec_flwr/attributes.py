@@ -18,8 +18,13 @@ import numpy as np
 from fedrec_flwr.errors import ConfigError
 
 AGE_BUCKETS: tuple[tuple[str, float, float], ...] = (
-    ("<18", -np.inf, 18), ("18-24", 18, 25), ("25-34", 25, 35), ("35-44", 35, 45), ("45-49", 45, 50),
-    ("50-55", 50, 56), ("56+", 56, np.inf),
+    ("<18", -np.inf, 18),
+    ("18-24", 18, 25),
+    ("25-34", 25, 35),
+    ("35-44", 35, 45),
+    ("45-49", 45, 50),
+    ("50-55", 50, 56),
+    ("56+", 56, np.inf),
 )
 """MovieLens-1M's age groups: ``(name, lower bound inclusive, upper bound exclusive)`` in years."""
 
@@ -30,10 +35,28 @@ PUBLISHED_CLASS_COUNTS: dict[tuple[str, str], dict[str, int]] = {
     ("ml-100k", "gender"): {"F": 273, "M": 670},
     ("ml-100k", "age"): {"<18": 36, "18-24": 198, "25-34": 310, "35-44": 194, "45-49": 80, "50-55": 73, "56+": 52},
     ("ml-100k", "occupation"): {
-        "administrator": 79, "artist": 28, "doctor": 7, "educator": 95, "engineer": 67, "entertainment": 18,
-        "executive": 32, "healthcare": 16, "homemaker": 7, "lawyer": 12, "librarian": 51, "marketing": 26,
-        "none": 9, "other": 105, "programmer": 66, "retired": 14, "salesman": 12, "scientist": 31, "student": 196,
-        "technician": 27, "writer": 45},
+        "administrator": 79,
+        "artist": 28,
+        "doctor": 7,
+        "educator": 95,
+        "engineer": 67,
+        "entertainment": 18,
+        "executive": 32,
+        "healthcare": 16,
+        "homemaker": 7,
+        "lawyer": 12,
+        "librarian": 51,
+        "marketing": 26,
+        "none": 9,
+        "other": 105,
+        "programmer": 66,
+        "retired": 14,
+        "salesman": 12,
+        "scientist": 31,
+        "student": 196,
+        "technician": 27,
+        "writer": 45,
+    },
 }
 """Users per class of each attribute in a dataset's published user file: ``(dataset, attribute) -> {class: users}``,
 classes in :func:`encode_attribute`'s order. MovieLens-100K: the 943 users of GroupLens' ``u.user`` (its ages
@@ -71,11 +94,14 @@ def check_attribute_name(name: str, available, dataset: str | None = None) -> No
     which = f"the dataset {dataset!r}" if dataset else "the dataset"
     if not available:
         having = ", ".join(f"{key!r} ({', '.join(names)})" for key, names in DATASET_ATTRIBUTES.items() if names)
-        raise ConfigError(f"run-config key 'protected-attribute' = {name!r}: {which} has no user attributes "
-                          f"(datasets with user attributes: {having}; for dataset = 'generic', give them in "
-                          "'generic-attributes-file')")
-    raise ConfigError(f"run-config key 'protected-attribute' = {name!r}: {which}'s user attributes are "
-                      f"{sorted(available)}")
+        raise ConfigError(
+            f"run-config key 'protected-attribute' = {name!r}: {which} has no user attributes "
+            f"(datasets with user attributes: {having}; for dataset = 'generic', give them in "
+            "'generic-attributes-file')"
+        )
+    raise ConfigError(
+        f"run-config key 'protected-attribute' = {name!r}: {which}'s user attributes are {sorted(available)}"
+    )
 
 
 def published_class_prior(dataset: str, attribute: str, classes: tuple[str, ...] | None = None) -> str | None:
@@ -96,9 +122,11 @@ def published_class_prior(dataset: str, attribute: str, classes: tuple[str, ...]
     if counts is None:
         return None
     if classes is not None and tuple(classes) != tuple(counts):
-        raise ConfigError(f"run-config key 'adversary-class-prior' = 'published': the split's classes of "
-                          f"{attribute!r} are {list(classes)}, the published shares' {list(counts)}; give the shares "
-                          f"explicitly or ''")
+        raise ConfigError(
+            f"run-config key 'adversary-class-prior' = 'published': the split's classes of "
+            f"{attribute!r} are {list(classes)}, the published shares' {list(counts)}; give the shares "
+            f"explicitly or ''"
+        )
     total = sum(counts.values())
     return ",".join(f"{n / total:.6g}" for n in counts.values())
 
@@ -152,9 +180,13 @@ def encode_attribute(attributes: dict[str, np.ndarray], name: str) -> AttributeL
         classes = tuple(str(v) for v in names)
         labels = labels.astype(np.int64)
     if len(classes) < 2:
-        raise ConfigError(f"run-config key 'protected-attribute' = {name!r}: every user has the same value "
-                          f"{classes[0]!r}; nothing to protect")
+        raise ConfigError(
+            f"run-config key 'protected-attribute' = {name!r}: every user has the same value "
+            f"{classes[0]!r}; nothing to protect"
+        )
     if len(classes) > MAX_CLASSES:
-        raise ConfigError(f"run-config key 'protected-attribute' = {name!r} has {len(classes)} distinct values "
-                          f"(at most {MAX_CLASSES}); bucket it in the attributes file first")
+        raise ConfigError(
+            f"run-config key 'protected-attribute' = {name!r} has {len(classes)} distinct values "
+            f"(at most {MAX_CLASSES}); bucket it in the attributes file first"
+        )
     return AttributeLabels(name, labels, classes)

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.local.training import LocalTrainConfig, LocalTrainer, evaluate_users
 from fedrec_flwr.metrics import DEFAULT_KS, mean_metrics, ranking_metrics_batch
 from fedrec_flwr.models import RecModel, build_model
 from fedrec_flwr.seeding import TAG_SHUFFLE, torch_generator
-from fedrec_flwr.local.training import LocalTrainConfig, LocalTrainer, evaluate_users
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedrec_flwr.data import Split
@@ -150,7 +150,7 @@ def train_centralized(
         raise ConfigError(f"epochs must be an int >= 1, got {epochs!r}")
     if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
         raise ConfigError(f"eval_every must be an int >= 1, got {eval_every!r}")
-    for which in (("test", "val") if eval_which == "both" else (eval_which,)):
+    for which in ("test", "val") if eval_which == "both" else (eval_which,):
         _eval_targets(split, which)  # fail early on a bad eval_which
     cfg = LocalTrainConfig(
         local_epochs=1,
@@ -174,10 +174,15 @@ def train_centralized(
     for epoch in range(epochs):
         start = time.perf_counter()
         negatives = np.concatenate(
-            [np.asarray(sample_train_negatives(split, u, epoch, k, seed), dtype=np.int64) for u in range(split.num_users)]
+            [
+                np.asarray(sample_train_negatives(split, u, epoch, k, seed), dtype=np.int64)
+                for u in range(split.num_users)
+            ]
         )
         if negatives.size != positives.size * k:
-            raise RuntimeError(f"sample_train_negatives returned {negatives.size} negatives, expected {positives.size * k}")
+            raise RuntimeError(
+                f"sample_train_negatives returned {negatives.size} negatives, expected {positives.size * k}"
+            )
         generator = torch_generator(seed, TAG_SHUFFLE, epoch)
         if loss == "bpr":
             # Positive j of the concatenated users' lists is paired with negatives[j*k:(j+1)*k] (same user).

@@ -30,7 +30,7 @@ import textwrap
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import click
 import typer
@@ -38,6 +38,7 @@ import typer
 from fedrec_flwr import launch
 from fedrec_flwr.config_reference import KeyEntry, entries
 from fedrec_flwr.errors import ConfigError
+
 
 # ------------------------------------------------------------------------------------------ config reference
 def unknown_key_message(name: str, known: Sequence[str]) -> str:
@@ -51,11 +52,22 @@ def format_key(key: KeyEntry, width: int) -> str:
     """``key = default`` and, indented below, its meaning, allowed values and range wrapped to ``width`` columns
     (one :class:`~fedrec_flwr.config_reference.KeyEntry` of the generated reference)."""
     lines = [f"{key.name} = {key.default}"]
-    notes = [key.meaning] + ([f"allowed: {' | '.join(key.allowed)}"] if key.allowed else []) \
+    notes = (
+        [key.meaning]
+        + ([f"allowed: {' | '.join(key.allowed)}"] if key.allowed else [])
         + ([f"range: {key.bounds}"] if key.bounds else [])
+    )
     for note in filter(None, notes):
-        lines.append(textwrap.fill(note, width=max(40, width), initial_indent="    ", subsequent_indent="    ",
-                                   break_on_hyphens=False, break_long_words=False))
+        lines.append(
+            textwrap.fill(
+                note,
+                width=max(40, width),
+                initial_indent="    ",
+                subsequent_indent="    ",
+                break_on_hyphens=False,
+                break_long_words=False,
+            )
+        )
     return "\n".join(lines)
 
 
@@ -76,7 +88,7 @@ def read_run_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, in
         values = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         where = re.search(r"\s*\(at line (\d+), column (\d+)\)$", str(err))
-        problem = str(err)[:where.start()] if where else str(err)
+        problem = str(err)[: where.start()] if where else str(err)
         at = f", line {where.group(1)}, column {where.group(2)}" if where else ""
         raise ConfigError(f"--run-config {path}{at}: not TOML ({problem})") from None
     lines = {}
@@ -84,11 +96,15 @@ def read_run_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, in
         line = _line_of(text, key)
         if isinstance(value, dict):
             shown = text.splitlines()[line - 1].strip() if line else f"[{key}]"
-            raise ConfigError(f"--run-config {path}, line {line}: {shown} is a table; the file holds run-config keys "
-                              "at its top level, one `key = value` a line (see `fedrec config`)")
+            raise ConfigError(
+                f"--run-config {path}, line {line}: {shown} is a table; the file holds run-config keys "
+                "at its top level, one `key = value` a line (see `fedrec config`)"
+            )
         if not isinstance(value, (str, int, float, bool)):
-            raise ConfigError(f"--run-config {path}, line {line}: {key} = {value!r}: a run-config value is a string, "
-                              "a number or a boolean (a list of users: forget-users = \"3,17\")")
+            raise ConfigError(
+                f"--run-config {path}, line {line}: {key} = {value!r}: a run-config value is a string, "
+                'a number or a boolean (a list of users: forget-users = "3,17")'
+            )
         lines[key] = line
     return values, lines
 
@@ -109,9 +125,13 @@ def merge_run_config(file_values: Mapping[str, Any], overrides: Mapping[str, Any
 
 # ------------------------------------------------------------------------------------------------- commands
 app = typer.Typer(
-    name="fedrec", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    name="fedrec",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
-    help="Federated recommendation on Flower: run the app on a local simulation, and read its run config.")
+    help="Federated recommendation on Flower: run the app on a local simulation, and read its run config.",
+)
 
 
 def _version(value: bool) -> None:
@@ -133,13 +153,16 @@ def package_version() -> str:
 
 
 @app.callback()
-def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Print the package version and exit.")) -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the package version and exit."
+    ),
+) -> None:
     """Federated recommendation on Flower: run the app on a local simulation, and read its run config."""
 
 
 @app.command("config")
-def config_command(key: Optional[str] = typer.Argument(None, help="One key (default: every key).")) -> None:
+def config_command(key: str | None = typer.Argument(None, help="One key (default: every key).")) -> None:
     """Print every run-config key with its default and meaning, or one KEY."""
     keys = entries(launch.PROJECT_ROOT / "pyproject.toml")
     width = min(shutil.get_terminal_size((100, 24)).columns, 120) - 1
@@ -159,24 +182,37 @@ def config_command(key: Optional[str] = typer.Argument(None, help="One key (defa
 
 @app.command("run", context_settings={"allow_interspersed_args": True})
 def run_command(
-    overrides: Optional[list[str]] = typer.Argument(None, metavar="[KEY=VALUE]...",
-                                                    help="Run-config overrides (they win over --run-config)."),
-    run_config: Optional[Path] = typer.Option(None, "--run-config", metavar="FILE.toml",
-                                              help="TOML file of run-config keys (key = value a line)."),
-    preset: Optional[str] = typer.Option(None, "--preset", metavar="NAME",
-                                         help="Start from a validation-tuned recipe, e.g. fedrecgel-tuned, for the "
-                                              "run's dataset (`fedrec presets` lists them)."),
-    num_supernodes: Optional[int] = typer.Option(None, "--num-supernodes", metavar="N",
-                                                 help="Simulated SuperNodes (default: ceil(users / users-per-node))."),
-    flwr_home: Optional[str] = typer.Option(None, "--flwr-home", metavar="DIR",
-                                            help="Flower home (default $FLWR_HOME, else ~/.flwr)."),
-    ray_address: Optional[str] = typer.Option(None, "--ray-address", metavar="HOST:PORT",
-                                              help="Run the client actors on this existing Ray cluster."),
-    federation_config: Optional[list[str]] = typer.Option(
-        None, "--federation-config", metavar="KEY=VALUE",
-        help="Another flwr simulation-config key, e.g. client-resources-num-cpus=1 (repeatable)."),
-    timeout: Optional[str] = typer.Option(None, "--timeout", metavar="SECONDS",
-                                          help="Stop the run SECONDS after flwr run starts (exit 124)."),
+    overrides: list[str] | None = typer.Argument(
+        None, metavar="[KEY=VALUE]...", help="Run-config overrides (they win over --run-config)."
+    ),
+    run_config: Path | None = typer.Option(
+        None, "--run-config", metavar="FILE.toml", help="TOML file of run-config keys (key = value a line)."
+    ),
+    preset: str | None = typer.Option(
+        None,
+        "--preset",
+        metavar="NAME",
+        help="Start from a validation-tuned recipe, e.g. fedrecgel-tuned, for the "
+        "run's dataset (`fedrec presets` lists them).",
+    ),
+    num_supernodes: int | None = typer.Option(
+        None, "--num-supernodes", metavar="N", help="Simulated SuperNodes (default: ceil(users / users-per-node))."
+    ),
+    flwr_home: str | None = typer.Option(
+        None, "--flwr-home", metavar="DIR", help="Flower home (default $FLWR_HOME, else ~/.flwr)."
+    ),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", metavar="HOST:PORT", help="Run the client actors on this existing Ray cluster."
+    ),
+    federation_config: list[str] | None = typer.Option(
+        None,
+        "--federation-config",
+        metavar="KEY=VALUE",
+        help="Another flwr simulation-config key, e.g. client-resources-num-cpus=1 (repeatable).",
+    ),
+    timeout: str | None = typer.Option(
+        None, "--timeout", metavar="SECONDS", help="Stop the run SECONDS after flwr run starts (exit 124)."
+    ),
     verbose: bool = typer.Option(False, "--verbose", help="Print Flower's whole log."),
     debug: bool = typer.Option(False, "--debug", help="Print tracebacks of errors caught before the run starts."),
 ) -> None:
@@ -201,9 +237,17 @@ def run_command(
         raise ConfigError(_from_file(str(err), run_config, lines, given)) from None
     total = merged.get("num-server-rounds", defaults["num-server-rounds"])
     with RunDisplay(int(total) if isinstance(total, int) else 0) as display:
-        result = launch.flwr_run(merged, num_supernodes=num_supernodes, flwr_home=flwr_home,
-                                 federation_config=federation, ray_address=ray_address, verbose=verbose,
-                                 timeout=seconds, check=False, display=display)
+        result = launch.flwr_run(
+            merged,
+            num_supernodes=num_supernodes,
+            flwr_home=flwr_home,
+            federation_config=federation,
+            ray_address=ray_address,
+            verbose=verbose,
+            timeout=seconds,
+            check=False,
+            display=display,
+        )
     raise typer.Exit(result.returncode)
 
 
@@ -213,20 +257,25 @@ end's own key: it never reaches the run config; the words win over ``--preset``,
 
 
 @app.command("presets")
-def presets_command(name: Optional[str] = typer.Argument(None, help="One preset: print its run-config keys as TOML."),
-                    dataset: str = typer.Option("ml-100k", "--dataset", help="The dataset whose tuned values to use.")
-                    ) -> None:
+def presets_command(
+    name: str | None = typer.Argument(None, help="One preset: print its run-config keys as TOML."),
+    dataset: str = typer.Option("ml-100k", "--dataset", help="The dataset whose tuned values to use."),
+) -> None:
     """List the validation-tuned recipes with their test HR@10 at round 100, or print one as a --run-config file."""
     from fedrec_flwr import presets
 
     if name is not None:
         keys = presets.resolve(name, dataset)
         row = presets.table_row(name, dataset)
-        typer.echo(f"# {name} on {dataset}: {presets.presets()[name].method}, "
-                   f"{presets.selection(presets.presets()[name].base, dataset)['selected-on']}")
+        typer.echo(
+            f"# {name} on {dataset}: {presets.presets()[name].method}, "
+            f"{presets.selection(presets.presets()[name].base, dataset)['selected-on']}"
+        )
         if row:
-            typer.echo(f"# test HR@10 {float(row['HR@10-mean']):.4f}, NDCG@10 {float(row['NDCG@10-mean']):.4f} at "
-                       f"round {row['round']} (mean of {row['seeds']} seeds, experiments/tuning/results)")
+            typer.echo(
+                f"# test HR@10 {float(row['HR@10-mean']):.4f}, NDCG@10 {float(row['NDCG@10-mean']):.4f} at "
+                f"round {row['round']} (mean of {row['seeds']} seeds, experiments/tuning/results)"
+            )
         typer.echo(f"dataset = {launch._toml_value(dataset)}")
         for key, value in keys.items():
             typer.echo(f"{key} = {launch._toml_value(value)}")
@@ -240,8 +289,11 @@ def presets_command(name: Optional[str] = typer.Argument(None, help="One preset:
                 continue
             tuned = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(chosen.items()))
             row = presets.table_row(preset.name, data)
-            figure = f"test HR@10 {float(row['HR@10-mean']):.4f} at round 100 ({row['seeds']} seeds)" if row \
+            figure = (
+                f"test HR@10 {float(row['HR@10-mean']):.4f} at round 100 ({row['seeds']} seeds)"
+                if row
                 else "no test figure"
+            )
             typer.echo(f"    {data:<13} {figure}; tuned {tuned}")
 
 
@@ -260,8 +312,11 @@ def _from_file(message: str, path: Path | None, lines: Mapping[str, int], given:
 
 
 @app.command("stop")
-def stop_command(flwr_home: Optional[str] = typer.Option(None, "--flwr-home", metavar="DIR",
-                                                         help="Flower home (default $FLWR_HOME, else ~/.flwr).")) -> None:
+def stop_command(
+    flwr_home: str | None = typer.Option(
+        None, "--flwr-home", metavar="DIR", help="Flower home (default $FLWR_HOME, else ~/.flwr)."
+    ),
+) -> None:
     """Stop SuperLinks left by runs whose launcher was killed (never a running run)."""
     raise typer.Exit(launch.stop_main(flwr_home))
 

@@ -55,9 +55,15 @@ stays near ln 2 for about 8 rounds at 0.03 (an initialisation effect, see README
 MovieLens-100K for its validation-best FedMF, ``0.01`` for the first release's."""
 
 FIRST_RELEASE_ADVERSARY: dict[str, Any] = {
-    "adversary-trigger": "sut", "adversary-objective": "reverse", "adversary-epsilon": 1.0, "adversary-hidden": 32,
-    "adversary-server-learning-rate": 0.01, "adversary-server-steps": 1, "adversary-class-prior": "",
-    "dsvae-noise-placement": "head", "dsvae-noise-stream": "per-upload",
+    "adversary-trigger": "sut",
+    "adversary-objective": "reverse",
+    "adversary-epsilon": 1.0,
+    "adversary-hidden": 32,
+    "adversary-server-learning-rate": 0.01,
+    "adversary-server-steps": 1,
+    "adversary-class-prior": "",
+    "dsvae-noise-placement": "head",
+    "dsvae-noise-stream": "per-upload",
 }
 """FedAU²'s adversary keys as its paper states the mechanism (and as the first release's package defaults had them):
 FedAU²'s own selective unlearning trigger and gradient reversal, a 32-wide ``h_w``, one server step of 0.01 per round,
@@ -154,7 +160,9 @@ class RunConfig:
     dsvae_kl_weight: float = _key("dsvae-kl-weight", minimum=0.0)
     dsvae_gradient_noise: float = _key("dsvae-gradient-noise", minimum=0.0)
     dsvae_noise_placement: str = _key("dsvae-noise-placement")  # server uploads: noise on the head only, or all of h_w
-    dsvae_noise_stream: str = _key("dsvae-noise-stream")  # server uploads: one noise draw per user, per round, or per upload
+    dsvae_noise_stream: str = _key(
+        "dsvae-noise-stream"
+    )  # server uploads: one noise draw per user, per round, or per upload
     user_embedding_noise: float = _key("user-embedding-noise", minimum=0.0)
     unlearning: str = _key("unlearning")
     forget_users: str = _key("forget-users")
@@ -226,14 +234,18 @@ class RunConfig:
         try:
             values = sorted({int(p) for p in parts})
         except ValueError:
-            raise ConfigError(f"run-config key 'forget-users' = {self.forget_users!r}: expected comma-separated "
-                              "user indices in one string, e.g. forget-users=\"3,17\" (--run-config) or "
-                              "forget-users=3,17 (the launcher); not a TOML array") from None
+            raise ConfigError(
+                f"run-config key 'forget-users' = {self.forget_users!r}: expected comma-separated "
+                'user indices in one string, e.g. forget-users="3,17" (--run-config) or '
+                "forget-users=3,17 (the launcher); not a TOML array"
+            ) from None
         if values and values[0] < 0:
             raise ConfigError(f"run-config key 'forget-users' = {self.forget_users!r}: user indices are >= 0")
         if values and values[-1] > INT_MAX:
-            raise ConfigError(f"run-config key 'forget-users' = {self.forget_users!r}: user index {values[-1]} is "
-                              f"out of range (at most {INT_MAX})")
+            raise ConfigError(
+                f"run-config key 'forget-users' = {self.forget_users!r}: user index {values[-1]} is "
+                f"out of range (at most {INT_MAX})"
+            )
         return tuple(values)
 
     @property
@@ -252,8 +264,10 @@ class RunConfig:
         """
         roles = ("user", "item", "rating", "timestamp")
         columns = [c.strip() for c in str(self.generic_columns).split(",")]
-        usage = ("give the header names of the user,item[,rating[,timestamp]] columns (e.g. \"user,item,rating\" "
-                 "for a file without timestamps, \"uid,iid,,ts\" for one without ratings)")
+        usage = (
+            'give the header names of the user,item[,rating[,timestamp]] columns (e.g. "user,item,rating" '
+            'for a file without timestamps, "uid,iid,,ts" for one without ratings)'
+        )
         if len(columns) < 2 or len(columns) > 4:
             raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: {usage}")
         named = [c for c in columns if c]
@@ -264,22 +278,27 @@ class RunConfig:
         for name in by_name:
             role = name.lower()
             if role in chosen:
-                raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: columns "
-                                  f"{chosen[role]!r} and {name!r} both name the {role} column")
+                raise ConfigError(
+                    f"run-config key 'generic-columns' = {self.generic_columns!r}: columns "
+                    f"{chosen[role]!r} and {name!r} both name the {role} column"
+                )
             chosen[role] = name
         for position, name in enumerate(columns):
             if not name or name in by_name:
                 continue
             role = roles[position]
             if role in chosen:
-                raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: column {name!r} is "
-                                  f"in the {role} position (position {position + 1} of user,item,rating,timestamp), "
-                                  f"but column {chosen[role]!r} names the {role} column by its name; {usage}")
+                raise ConfigError(
+                    f"run-config key 'generic-columns' = {self.generic_columns!r}: column {name!r} is "
+                    f"in the {role} position (position {position + 1} of user,item,rating,timestamp), "
+                    f"but column {chosen[role]!r} names the {role} column by its name; {usage}"
+                )
             chosen[role] = name
         for role in ("user", "item"):
             if role not in chosen:
-                raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: no {role} column; "
-                                  f"{usage}")
+                raise ConfigError(
+                    f"run-config key 'generic-columns' = {self.generic_columns!r}: no {role} column; {usage}"
+                )
         return chosen["user"], chosen["item"], chosen.get("rating"), chosen.get("timestamp")
 
     def generic_files(self) -> tuple[Path, Path | None]:
@@ -301,25 +320,33 @@ class RunConfig:
             raise ConfigError(f"run-config key '{key_of_base}' = {base_text!r}: no such file or folder")
         if base is not None and base.is_file():
             if self.generic_file and Path(self.generic_file).expanduser().resolve() != base.resolve():
-                raise ConfigError(f"run-config key '{key_of_base}' = {base_text!r} is a file, so it is the "
-                                  f"interactions file, but 'generic-file' = {self.generic_file!r} names another; "
-                                  "set one of them, or make data-dir the folder holding generic-file")
+                raise ConfigError(
+                    f"run-config key '{key_of_base}' = {base_text!r} is a file, so it is the "
+                    f"interactions file, but 'generic-file' = {self.generic_file!r} names another; "
+                    "set one of them, or make data-dir the folder holding generic-file"
+                )
             interactions, folder = base, base.parent
         else:
             if not self.generic_file:
-                raise ConfigError(f"run-config key 'generic-file' is empty and 'data-dir' = {base_text!r} is a "
-                                  "folder: name the interactions file in 'generic-file' (relative to data-dir)")
+                raise ConfigError(
+                    f"run-config key 'generic-file' is empty and 'data-dir' = {base_text!r} is a "
+                    "folder: name the interactions file in 'generic-file' (relative to data-dir)"
+                )
             interactions, folder = _resolve(self.generic_file, base), base
         if not interactions.is_file():
-            raise ConfigError(f"run-config key 'generic-file' = {self.generic_file!r}: file {str(interactions)!r} "
-                              "not found" + (f" (resolved against data-dir {base_text!r})" if base is not None else ""))
+            raise ConfigError(
+                f"run-config key 'generic-file' = {self.generic_file!r}: file {str(interactions)!r} "
+                "not found" + (f" (resolved against data-dir {base_text!r})" if base is not None else "")
+            )
         attributes = None
         if self.generic_attributes_file:
             attributes = _resolve(self.generic_attributes_file, folder)
             if not attributes.is_file():
-                raise ConfigError(f"run-config key 'generic-attributes-file' = {self.generic_attributes_file!r}: file "
-                                  f"{str(attributes)!r} not found"
-                                  + (f" (resolved against data-dir {base_text!r})" if folder is not None else ""))
+                raise ConfigError(
+                    f"run-config key 'generic-attributes-file' = {self.generic_attributes_file!r}: file "
+                    f"{str(attributes)!r} not found"
+                    + (f" (resolved against data-dir {base_text!r})" if folder is not None else "")
+                )
         return interactions, attributes
 
     def check_files(self, data_dir: str | None = None) -> None:
@@ -342,13 +369,20 @@ class RunConfig:
             path = Path(base).expanduser()
             key = "data-dir" if base == self.data_dir else "data-dir ($FEDREC_DATA_DIR)"
             if not path.exists():
-                raise ConfigError(f"run-config key '{key}' = {base!r}: no such folder (it should hold the "
-                                  f"{self.dataset} files, or a '{self.dataset}' folder with them)")
+                raise ConfigError(
+                    f"run-config key '{key}' = {base!r}: no such folder (it should hold the "
+                    f"{self.dataset} files, or a '{self.dataset}' folder with them)"
+                )
             if not path.is_dir():
-                raise ConfigError(f"run-config key '{key}' = {base!r} is a file; for dataset = {self.dataset!r} it "
-                                  "must be the folder holding the dataset's files")
-        if self.cache_dir and Path(self.cache_dir).expanduser().exists() and \
-                not Path(self.cache_dir).expanduser().is_dir():
+                raise ConfigError(
+                    f"run-config key '{key}' = {base!r} is a file; for dataset = {self.dataset!r} it "
+                    "must be the folder holding the dataset's files"
+                )
+        if (
+            self.cache_dir
+            and Path(self.cache_dir).expanduser().exists()
+            and not Path(self.cache_dir).expanduser().is_dir()
+        ):
             raise ConfigError(f"run-config key 'cache-dir' = {self.cache_dir!r} is a file, not a folder")
         if self.device.startswith("cuda"):  # the clients train here: the device must exist here
             import torch
@@ -356,8 +390,10 @@ class RunConfig:
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             index = int(self.device.split(":")[1]) if ":" in self.device else 0
             if index >= count:
-                raise ConfigError(f"run-config key 'device' = {self.device!r}: this machine has {count} CUDA "
-                                  "device(s); use 'cpu' or 'auto'")
+                raise ConfigError(
+                    f"run-config key 'device' = {self.device!r}: this machine has {count} CUDA "
+                    "device(s); use 'cpu' or 'auto'"
+                )
 
     @property
     def effective_unlearn_round(self) -> int:
@@ -406,11 +442,31 @@ class RunConfig:
         return config
 
     def _check_relations(self) -> None:
-        for key in ("dataset", "tie-rule", "model", "loss", "optimizer", "item-aggregation", "server-optimizer",
-                    "adversary", "adversary-trigger", "adversary-objective", "adversary-training",
-                    "adversary-server-optimizer", "adversary-embedding-optimizer", "adversary-query-users",
-                    "dsvae-noise-placement", "dsvae-noise-stream", "unlearning", "krylov-mode",
-                    "krylov-solver", "krylov-preconditioner", "curvature", "line-search", "block-training"):
+        for key in (
+            "dataset",
+            "tie-rule",
+            "model",
+            "loss",
+            "optimizer",
+            "item-aggregation",
+            "server-optimizer",
+            "adversary",
+            "adversary-trigger",
+            "adversary-objective",
+            "adversary-training",
+            "adversary-server-optimizer",
+            "adversary-embedding-optimizer",
+            "adversary-query-users",
+            "dsvae-noise-placement",
+            "dsvae-noise-stream",
+            "unlearning",
+            "krylov-mode",
+            "krylov-solver",
+            "krylov-preconditioner",
+            "curvature",
+            "line-search",
+            "block-training",
+        ):
             value = getattr(self, key.replace("-", "_"))
             if value not in _CHOICES[key]:
                 raise ConfigError(f"run-config key '{key}' = {value!r}: must be one of {list(_CHOICES[key])}")
@@ -427,37 +483,55 @@ class RunConfig:
             self.mlp_layer_sizes  # noqa: B018 - validates
         if self.dataset == "generic":
             if not self.generic_file and not self.data_dir:
-                raise ConfigError("run-config key 'generic-file' is empty but dataset = 'generic' needs the "
-                                  "interactions file: set 'generic-file' (relative paths resolve against 'data-dir'), "
-                                  "or set 'data-dir' to the file itself")
+                raise ConfigError(
+                    "run-config key 'generic-file' is empty but dataset = 'generic' needs the "
+                    "interactions file: set 'generic-file' (relative paths resolve against 'data-dir'), "
+                    "or set 'data-dir' to the file itself"
+                )
             self.generic_column_names  # noqa: B018 - validates
             if self.generic_attributes_user_column and not self.generic_attributes_file:
-                raise ConfigError(f"run-config key 'generic-attributes-user-column' = "
-                                  f"{self.generic_attributes_user_column!r} is set but 'generic-attributes-file' is "
-                                  "empty: name the attributes file, or leave the key empty")
-            if self.generic_attributes_user_column != self.generic_attributes_user_column.strip() or \
-                    "," in self.generic_attributes_user_column:
-                raise ConfigError(f"run-config key 'generic-attributes-user-column' = "
-                                  f"{self.generic_attributes_user_column!r}: give one column name of the attributes "
-                                  "file's header, without surrounding spaces or commas")
+                raise ConfigError(
+                    f"run-config key 'generic-attributes-user-column' = "
+                    f"{self.generic_attributes_user_column!r} is set but 'generic-attributes-file' is "
+                    "empty: name the attributes file, or leave the key empty"
+                )
+            if (
+                self.generic_attributes_user_column != self.generic_attributes_user_column.strip()
+                or "," in self.generic_attributes_user_column
+            ):
+                raise ConfigError(
+                    f"run-config key 'generic-attributes-user-column' = "
+                    f"{self.generic_attributes_user_column!r}: give one column name of the attributes "
+                    "file's header, without surrounding spaces or commas"
+                )
         elif self.generic_file or self.generic_attributes_file or self.generic_attributes_user_column:
-            key = "generic-file" if self.generic_file else "generic-attributes-file" if self.generic_attributes_file \
+            key = (
+                "generic-file"
+                if self.generic_file
+                else "generic-attributes-file"
+                if self.generic_attributes_file
                 else "generic-attributes-user-column"
-            raise ConfigError(f"run-config key '{key}' is set but dataset = {self.dataset!r} does not read it "
-                              "(it is for dataset = 'generic')")
+            )
+            raise ConfigError(
+                f"run-config key '{key}' is set but dataset = {self.dataset!r} does not read it "
+                "(it is for dataset = 'generic')"
+            )
         need = 3 if self.holdout_validation else 2
         if self.min_user_interactions < need:
             raise ConfigError(
                 f"run-config key 'min-user-interactions' = {self.min_user_interactions}: must be >= {need} (the "
                 f"held-out item{'s' if need == 3 else ''} plus at least one training positive"
-                + (", with holdout-validation = true)" if need == 3 else ")"))
+                + (", with holdout-validation = true)" if need == 3 else ")")
+            )
         if not (self.device in ("cpu", "cuda", "auto") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ConfigError(f"run-config key 'device' = {self.device!r}: must be cpu, cuda, cuda:N or auto")
         if self.evaluate_validation and not self.holdout_validation:
             raise ConfigError("run-config key 'evaluate-validation' = true needs 'holdout-validation' = true")
         if self.adversary != "none" and not self.protected_attribute:
-            raise ConfigError(f"run-config key 'adversary' = {self.adversary!r} needs 'protected-attribute' "
-                              "(the user attribute to unlearn, e.g. \"gender\")")
+            raise ConfigError(
+                f"run-config key 'adversary' = {self.adversary!r} needs 'protected-attribute' "
+                '(the user attribute to unlearn, e.g. "gender")'
+            )
         if self.protected_attribute and (self.dataset != "generic" or not self.generic_attributes_file):
             # a named dataset's attributes are known without its files, and 'generic' without an attributes file
             # has none: refused here, before the clients' checks (FedAU²'s warned first that the "published" prior
@@ -467,19 +541,28 @@ class RunConfig:
             check_attribute_name(self.protected_attribute, DATASET_ATTRIBUTES.get(self.dataset, ()), self.dataset)
         forget = self.forget_user_ids  # validates the list
         if self.unlearning != "none" and not forget and self.forget_fraction == 0:
-            raise ConfigError(f"run-config key 'unlearning' = {self.unlearning!r} needs users to forget: set "
-                              "'forget-users' (user indices) or 'forget-fraction'")
+            raise ConfigError(
+                f"run-config key 'unlearning' = {self.unlearning!r} needs users to forget: set "
+                "'forget-users' (user indices) or 'forget-fraction'"
+            )
         if self.unlearn_round > self.num_server_rounds:
-            raise ConfigError(f"run-config key 'unlearn-round' = {self.unlearn_round} is after the last round "
-                              f"(num-server-rounds = {self.num_server_rounds})")
+            raise ConfigError(
+                f"run-config key 'unlearn-round' = {self.unlearn_round} is after the last round "
+                f"(num-server-rounds = {self.num_server_rounds})"
+            )
         if self.unlearning == "hfkcu" and self.krylov_mode == "local" and self.damping == 0:
-            raise ConfigError("run-config key 'damping' = 0 with krylov-mode = 'local': one user's Hessian is singular "
-                              "(zero on every row it never touches); set damping > 0")
-        if self.krylov_preconditioner != "none" and (self.krylov_solver != "steihaug"
-                                                     or self.krylov_mode != "distributed"):
-            raise ConfigError(f"run-config key 'krylov-preconditioner' = {self.krylov_preconditioner!r} needs "
-                              f"krylov-solver = 'steihaug' and krylov-mode = 'distributed', got {self.krylov_solver!r} "
-                              f"and {self.krylov_mode!r}; or set it to 'none'")
+            raise ConfigError(
+                "run-config key 'damping' = 0 with krylov-mode = 'local': one user's Hessian is singular "
+                "(zero on every row it never touches); set damping > 0"
+            )
+        if self.krylov_preconditioner != "none" and (
+            self.krylov_solver != "steihaug" or self.krylov_mode != "distributed"
+        ):
+            raise ConfigError(
+                f"run-config key 'krylov-preconditioner' = {self.krylov_preconditioner!r} needs "
+                f"krylov-solver = 'steihaug' and krylov-mode = 'distributed', got {self.krylov_solver!r} "
+                f"and {self.krylov_mode!r}; or set it to 'none'"
+            )
         if not self.client or not self.strategy:
             raise ConfigError("run-config keys 'client' and 'strategy' must name a registered entry or module:Class")
 
@@ -508,7 +591,8 @@ def plugin_keys(mapping: Mapping[str, Any]) -> dict[str, tuple[Any, str, str]]:
             default, meaning = entry if isinstance(entry, tuple) else (entry, "")
             owner = f"{kind} {spec!r}"
             clash = declared.get(key, (None, "", None))[2] or (
-                "a built-in key" if key in _builtin_keys() or key in _EXTRA_KEYS else None)
+                "a built-in key" if key in _builtin_keys() or key in _EXTRA_KEYS else None
+            )
             if clash:
                 raise ConfigError(f"run-config key '{key}' declared by {owner} is already {clash}: rename it")
             declared[key] = (default, meaning, owner)
@@ -519,8 +603,9 @@ def _builtin_keys() -> set[str]:
     return {f.metadata["key"] for f in dataclasses.fields(RunConfig) if f.metadata["key"]}
 
 
-def _plugin_values(declared: Mapping[str, tuple[Any, str, str]], mapping: Mapping[str, Any],
-                   packed: str) -> dict[str, Any]:
+def _plugin_values(
+    declared: Mapping[str, tuple[Any, str, str]], mapping: Mapping[str, Any], packed: str
+) -> dict[str, Any]:
     """Every declared plug-in key's value: given directly in ``mapping``, else in ``plugin-config`` (``packed``,
     ``"key=value ..."`` as Flower's ``--run-config`` writes it), else its default; checked against the default's type.
 
@@ -532,16 +617,21 @@ def _plugin_values(declared: Mapping[str, tuple[Any, str, str]], mapping: Mappin
     try:
         given = parse_config_args([packed]) if packed else {}
     except Exception as err:  # click.ClickException: not "key=value ..." with TOML values
-        raise ConfigError(f"run-config key 'plugin-config' = {packed!r}: expected \"key=value ...\" with TOML values "
-                          f"({err})") from None
+        raise ConfigError(
+            f"run-config key 'plugin-config' = {packed!r}: expected \"key=value ...\" with TOML values ({err})"
+        ) from None
     stray = sorted(set(given) - set(declared))
     if stray:
-        raise ConfigError(f"run-config key 'plugin-config' names {stray}, which no configured plug-in declares "
-                          f"(declared: {sorted(declared) or 'none'})")
+        raise ConfigError(
+            f"run-config key 'plugin-config' names {stray}, which no configured plug-in declares "
+            f"(declared: {sorted(declared) or 'none'})"
+        )
     twice = sorted(k for k in set(given) & set(mapping) if given[k] != mapping[k])
     if twice:
-        raise ConfigError(f"run-config key '{twice[0]}' is given twice: {twice[0]}={mapping[twice[0]]!r} and in "
-                          f"plugin-config ({twice[0]}={given[twice[0]]!r}); give it once")
+        raise ConfigError(
+            f"run-config key '{twice[0]}' is given twice: {twice[0]}={mapping[twice[0]]!r} and in "
+            f"plugin-config ({twice[0]}={given[twice[0]]!r}); give it once"
+        )
     values = {}
     for key, (default, _, _owner) in declared.items():
         value = mapping.get(key, given.get(key, default))
@@ -560,15 +650,20 @@ def _unknown_keys_message(unknown: list[str], valid: set[str]) -> str:
     for key in unknown:
         close = difflib.get_close_matches(key, sorted(valid), n=3, cutoff=0.6)
         if key == "num-supernodes":
-            hints.append("'num-supernodes' is a federation setting, not a run-config key: python -m fedrec_flwr.launch "
-                         "run --num-supernodes N (flwr run: --federation-config \"num-supernodes=N\")")
+            hints.append(
+                "'num-supernodes' is a federation setting, not a run-config key: python -m fedrec_flwr.launch "
+                'run --num-supernodes N (flwr run: --federation-config "num-supernodes=N")'
+            )
         elif key.startswith(("client-resources-", "init-args-")):
             hints.append(f"'{key}' is a federation setting, not a run-config key: --federation-config {key}=...")
         elif close:
             hints.append(f"'{key}': did you mean {' or '.join(repr(c) for c in close)}")
-    return (f"unknown run-config key(s) {unknown}" + ("; " + "; ".join(hints) if hints else "") +
-            f" (all {len(valid)} keys, with their meaning: pyproject.toml [tool.flwr.app.config]; a plug-in strategy "
-            "or client declares its own keys in its class attribute config_keys)")
+    return (
+        f"unknown run-config key(s) {unknown}"
+        + ("; " + "; ".join(hints) if hints else "")
+        + f" (all {len(valid)} keys, with their meaning: pyproject.toml [tool.flwr.app.config]; a plug-in strategy "
+        "or client declares its own keys in its class attribute config_keys)"
+    )
 
 
 def register_extra_keys(owner: str, keys: Mapping[str, str]) -> None:
@@ -592,8 +687,10 @@ def _int_list(key: str, text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(p) for p in parts)
     except ValueError:
-        raise ConfigError(f"run-config key '{key}' = {text!r}: expected comma-separated integers in one string, e.g. "
-                          f"{key}=\"5,10\" (--run-config) or {key}=5,10 (the launcher); not a TOML array") from None
+        raise ConfigError(
+            f"run-config key '{key}' = {text!r}: expected comma-separated integers in one string, e.g. "
+            f'{key}="5,10" (--run-config) or {key}=5,10 (the launcher); not a TOML array'
+        ) from None
     if any(v <= 0 for v in values):
         raise ConfigError(f"run-config key '{key}' = {text!r}: every value must be a positive integer")
     if any(v > INT_MAX for v in values):
@@ -625,7 +722,7 @@ def _coerce(key: str, value: Any, annotation: Any, meta: Mapping[str, Any]) -> A
         if not isinstance(value, str):
             hint = ""
             if isinstance(value, (list, tuple)):  # e.g. forget-users = [3, 17]: Flower's run config holds no lists
-                hint = f"; write the list as one string, {key} = \"{','.join(str(v) for v in value)}\""
+                hint = f'; write the list as one string, {key} = "{",".join(str(v) for v in value)}"'
             raise ConfigError(f"run-config key '{key}' = {value!r}: expected a string{hint}")
         return value
     if type_name == "int" and meta.get("max") is None and value > INT_MAX:
@@ -652,8 +749,9 @@ def _is_app_pyproject(path: Path) -> bool:
             data = tomllib.load(handle)
     except (OSError, tomllib.TOMLDecodeError):
         return False
-    return (data.get("project", {}).get("name") == "fedrec-flwr"
-            and isinstance(data.get("tool", {}).get("flwr", {}).get("app", {}).get("config"), dict))
+    return data.get("project", {}).get("name") == "fedrec-flwr" and isinstance(
+        data.get("tool", {}).get("flwr", {}).get("app", {}).get("config"), dict
+    )
 
 
 def app_root() -> Path:
@@ -672,7 +770,8 @@ def app_root() -> Path:
             return folder
     raise ConfigError(
         f"cannot find fedrec-flwr's pyproject.toml (the run-config defaults and the Flower app) in {checkout} "
-        f"or {PACKAGED_APP}; reinstall the package (pip install fedrec-flwr) or set FEDREC_FLWR_PYPROJECT")
+        f"or {PACKAGED_APP}; reinstall the package (pip install fedrec-flwr) or set FEDREC_FLWR_PYPROJECT"
+    )
 
 
 def find_pyproject() -> Path:

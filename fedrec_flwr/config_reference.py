@@ -72,12 +72,12 @@ class KeyEntry:
 def _split_comment(line: str) -> tuple[str, str]:
     """``key = value  # comment`` -> (``key = value``, ``comment``): the first ``#`` outside the TOML value."""
     for match in re.finditer("#", line):
-        head = line[:match.start()]
+        head = line[: match.start()]
         try:
             tomllib.loads(head)
         except tomllib.TOMLDecodeError:
             continue
-        return head.rstrip(), line[match.end():].strip()
+        return head.rstrip(), line[match.end() :].strip()
     return line.rstrip(), ""
 
 
@@ -100,15 +100,16 @@ def _declared(pyproject: Path) -> list[tuple[str, str, str, str]]:
             continue
         head, comment = _split_comment(stripped)
         if not comment:
-            raise ConfigError(f"{pyproject}, line {number}: run-config key '{key_match.group(1)}' has no comment "
-                              "saying what it means")
+            raise ConfigError(
+                f"{pyproject}, line {number}: run-config key '{key_match.group(1)}' has no comment saying what it means"
+            )
         out.append((key_match.group(1), head.partition("=")[2].strip(), comment, group))
     return out
 
 
 def _bounds(meta: dict[str, Any], kind: str) -> str:
     low, high, positive = meta.get("min"), meta.get("max"), meta.get("positive")
-    fmt = (lambda v: f"{v:g}" if isinstance(v, float) else str(v))
+    fmt = lambda v: f"{v:g}" if isinstance(v, float) else str(v)
     if positive and high is not None:
         return f"0 < x <= {fmt(high)}"
     if positive:
@@ -170,7 +171,7 @@ def render(pyproject: str | os.PathLike | None = None) -> str:
         f"Every key of a run, {len(items)} in all, with its type, default and meaning. The defaults and meanings are",
         "those of `[tool.flwr.app.config]` in `pyproject.toml`; the types, allowed values and ranges are those that",
         "`fedrec_flwr.config.RunConfig` checks (a value outside them stops the run before it starts, naming the key).",
-        "Override a key with `key=value` on the launcher's command line, `--run-config \"key=value\"` with `flwr run`,",
+        'Override a key with `key=value` on the launcher\'s command line, `--run-config "key=value"` with `flwr run`,',
         "or `make_run_config(key_name=value)` in Python (dashes become underscores). Integer keys without a stated",
         f"maximum are at most {INT_MAX} (2^31 - 1).",
         "",
@@ -201,8 +202,9 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Print, write (``--write FILE``) or check (``--check FILE``: exit 1 if it differs) the reference page."""
-    parser = argparse.ArgumentParser(prog="python -m fedrec_flwr.config_reference",
-                                     description="Generate the run-config reference page.")
+    parser = argparse.ArgumentParser(
+        prog="python -m fedrec_flwr.config_reference", description="Generate the run-config reference page."
+    )
     parser.add_argument("--write", metavar="FILE", help="write the page to FILE (atomically)")
     parser.add_argument("--check", metavar="FILE", help="exit 1 if FILE is not the page this code generates")
     parser.add_argument("--pyproject", metavar="FILE", help="the pyproject.toml to read (default: the project's)")
@@ -215,8 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = Path(args.check).read_text(encoding="utf-8") if Path(args.check).is_file() else ""
         if current != text:
-            print(f"{args.check} is stale: run python -m fedrec_flwr.config_reference --write {args.check}",
-                  file=sys.stderr)
+            print(
+                f"{args.check} is stale: run python -m fedrec_flwr.config_reference --write {args.check}",
+                file=sys.stderr,
+            )
             return 1
         return 0
     if args.write:

@@ -67,7 +67,16 @@ from pathlib import Path
 from typing import Any
 
 from fedrec_flwr.errors import ConfigError, FedRecError
-from fedrec_flwr.launch import PROJECT_ROOT, _alive, _group_members, flwr_env, processes_with_env, run_config_args, shipped_files, terminate
+from fedrec_flwr.launch import (
+    PROJECT_ROOT,
+    _alive,
+    _group_members,
+    flwr_env,
+    processes_with_env,
+    run_config_args,
+    shipped_files,
+    terminate,
+)
 
 CONNECTION = "fedrec-deploy"
 """Name of the SuperLink connection written into the deployment's ``$FLWR_HOME/config.toml``."""
@@ -166,8 +175,10 @@ def merge_setting(target: dict[str, Any], key: str, value: Any, source: str, ear
             came from (``earlier``, ``source``), e.g. ``--partition-id 0`` against ``--node-config "partition-id=1"``.
     """
     if key in target and (target[key] != value or type(target[key]) is not type(value)):
-        raise NodeConfigError(f"'{key}' is given twice with different values: {target[key]!r} ({earlier}) and "
-                              f"{value!r} ({source}); give it once")
+        raise NodeConfigError(
+            f"'{key}' is given twice with different values: {target[key]!r} ({earlier}) and "
+            f"{value!r} ({source}); give it once"
+        )
     target[key] = value
 
 
@@ -189,7 +200,7 @@ def _int_key(config: Mapping[str, Any], key: str) -> int:
     if key not in config:
         raise NodeConfigError(
             f"node config has no '{key}': start the SuperNode with "
-            "--node-config \"partition-id=<i> num-partitions=<N>\""
+            '--node-config "partition-id=<i> num-partitions=<N>"'
         )
     value = config[key]
     if isinstance(value, bool) or not isinstance(value, int):
@@ -215,12 +226,14 @@ def check_node_config(node_config: Mapping[str, Any], run_config: Mapping[str, A
     if num < 1:
         raise NodeConfigError(f"node config 'num-partitions' = {num}: expected at least 1")
     if not 0 <= pid < num:
-        raise NodeConfigError(f"node config 'partition-id' = {pid} is out of range: num-partitions = {num}, so "
-                              f"partition ids run 0..{num - 1}")
+        raise NodeConfigError(
+            f"node config 'partition-id' = {pid} is out of range: num-partitions = {num}, so "
+            f"partition ids run 0..{num - 1}"
+        )
     if run_config is None:
         return None
-    from fedrec_flwr.config import RunConfig, default_mapping
     from fedrec_flwr.app.runtime import load_split_for, node_users
+    from fedrec_flwr.config import RunConfig, default_mapping
 
     mapping = default_mapping()
     mapping.update(run_config)
@@ -248,8 +261,9 @@ class TLSFiles:
     server_key: Path
 
 
-def make_tls_files(folder: str | os.PathLike, hosts: Sequence[str] = ("127.0.0.1", "localhost"),
-                   days: int = 30) -> TLSFiles:
+def make_tls_files(
+    folder: str | os.PathLike, hosts: Sequence[str] = ("127.0.0.1", "localhost"), days: int = 30
+) -> TLSFiles:
     """Write ``ca.crt``, ``server.pem`` and ``server.key`` (EC P-256) into ``folder`` (keys readable by owner only).
 
     The server certificate carries ``hosts`` as subject alternative names (IP addresses as IP SANs), which is what
@@ -263,17 +277,32 @@ def make_tls_files(folder: str | os.PathLike, hosts: Sequence[str] = ("127.0.0.1
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    now = _dt.datetime.now(_dt.timezone.utc) - _dt.timedelta(minutes=5)
+    now = _dt.datetime.now(_dt.UTC) - _dt.timedelta(minutes=5)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedrec-flwr test CA")])
     ca_cert = (
-        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now)
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
         .not_valid_after(now + _dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
@@ -287,8 +316,10 @@ def make_tls_files(folder: str | os.PathLike, hosts: Sequence[str] = ("127.0.0.1
     server_cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
-        .issuer_name(ca_name).public_key(server_key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now)
+        .issuer_name(ca_name)
+        .public_key(server_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
         .not_valid_after(now + _dt.timedelta(days=days))
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
@@ -299,8 +330,12 @@ def make_tls_files(folder: str | os.PathLike, hosts: Sequence[str] = ("127.0.0.1
     files = TLSFiles(folder / "ca.crt", folder / "server.pem", folder / "server.key")
     files.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     files.server_cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
-    _write_private(files.server_key, server_key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    _write_private(
+        files.server_key,
+        server_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ),
+    )
     return files
 
 
@@ -321,10 +356,15 @@ def make_node_keys(folder: str | os.PathLike, name: str) -> NodeKeys:
     folder.mkdir(parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP384R1())
     keys = NodeKeys(folder / name, folder / f"{name}.pub")
-    _write_private(keys.private, key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()))
-    keys.public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                                          serialization.PublicFormat.OpenSSH) + b"\n")
+    _write_private(
+        keys.private,
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        ),
+    )
+    keys.public.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) + b"\n"
+    )
     return keys
 
 
@@ -463,8 +503,10 @@ class Deployment:
         self.logs = self.workdir / "logs"
         self.marker = (MARKER_ENV, uuid.uuid4().hex)
         if self.auth and not self.tls:
-            raise ConfigError("SuperNode authentication needs TLS (flwr refuses --enable-supernode-auth with "
-                              "--insecure): set tls as well")
+            raise ConfigError(
+                "SuperNode authentication needs TLS (flwr refuses --enable-supernode-auth with "
+                "--insecure): set tls as well"
+            )
         if self.node_configs is not None:
             self.num_supernodes = len(self.node_configs)
         if self.num_supernodes < 1:
@@ -479,8 +521,11 @@ class Deployment:
     def env(self, home: Path | None = None) -> dict[str, str]:
         """Environment of a started process: ``FLWR_HOME`` (default: the SuperLink's and the CLI's), no runtime
         dependency installation, no update check, one OpenMP thread, and this deployment's marker."""
-        extra = {self.marker[0]: self.marker[1], "FLWR_DISABLE_UPDATE_CHECK": "1",
-                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        extra = {
+            self.marker[0]: self.marker[1],
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        }
         extra.update(self.env_extra or {})
         return flwr_env(home or self.home, extra)
 
@@ -491,16 +536,30 @@ class Deployment:
         if home is not None:
             home.mkdir(parents=True, exist_ok=True)
         with open(log, "wb") as handle:
-            process = subprocess.Popen(list(command), env=self.env(home), stdout=handle, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.workdir)
+            process = subprocess.Popen(
+                list(command),
+                env=self.env(home),
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=self.workdir,
+            )
         started = Started(name, process, log)
         self.processes.append(started)
         return started
 
     def flwr(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
         """Run the ``flwr`` CLI with this deployment's ``FLWR_HOME`` (its connection :data:`CONNECTION`)."""
-        return subprocess.run([_bin("flwr"), *args], env=self.env(), capture_output=True, text=True,
-                              timeout=timeout, check=False, cwd=self.workdir)
+        return subprocess.run(
+            [_bin("flwr"), *args],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            cwd=self.workdir,
+        )
 
     # -- start ----------------------------------------------------------------------------------------------
     def __enter__(self) -> Deployment:
@@ -544,11 +603,25 @@ class Deployment:
         raise AssertionError("not reached")
 
     def _superlink_command(self) -> list[str]:
-        command = [_bin("flower-superlink"), "--host", self.host, "--port", str(self.port),
-                   "--isolation", "subprocess", "--disable-runtime-dependency-installation"]
+        command = [
+            _bin("flower-superlink"),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--isolation",
+            "subprocess",
+            "--disable-runtime-dependency-installation",
+        ]
         if self.tls_files:
-            command += ["--ssl-ca-certfile", str(self.tls_files.ca_cert), "--ssl-certfile",
-                        str(self.tls_files.server_cert), "--ssl-keyfile", str(self.tls_files.server_key)]
+            command += [
+                "--ssl-ca-certfile",
+                str(self.tls_files.ca_cert),
+                "--ssl-certfile",
+                str(self.tls_files.server_cert),
+                "--ssl-keyfile",
+                str(self.tls_files.server_key),
+            ]
         else:
             command += ["--insecure"]
         if self.auth:
@@ -561,8 +634,9 @@ class Deployment:
             if link.process.poll() is not None:
                 raise DeploymentError(f"flower-superlink exited with code {link.process.returncode}:\n{link.tail()}")
             if time.monotonic() > deadline:
-                raise DeploymentError(f"flower-superlink not healthy after {self.startup_timeout:.0f} s "
-                                      f"at {self.address}:\n{link.tail()}")
+                raise DeploymentError(
+                    f"flower-superlink not healthy after {self.startup_timeout:.0f} s at {self.address}:\n{link.tail()}"
+                )
             time.sleep(0.5)
 
     def _superlink_healthy(self) -> bool:
@@ -576,8 +650,13 @@ class Deployment:
 
     def write_cli_config(self) -> Path:
         """``$FLWR_HOME/config.toml`` with connection :data:`CONNECTION` (the default) for this SuperLink."""
-        lines = ["[superlink]", f'default = "{CONNECTION}"', "", f"[superlink.{CONNECTION}]",
-                 f'address = "{self.address}"']
+        lines = [
+            "[superlink]",
+            f'default = "{CONNECTION}"',
+            "",
+            f"[superlink.{CONNECTION}]",
+            f'address = "{self.address}"',
+        ]
         if self.tls_files:
             lines.append(f"root-certificates = {json.dumps(str(self.tls_files.ca_cert))}")
         else:
@@ -590,9 +669,18 @@ class Deployment:
         """Make a key pair per SuperNode and register the public keys (``flwr supernode register``, in parallel)."""
         keys = [make_node_keys(self.workdir / "keys", f"supernode-{i}") for i in range(self.num_supernodes)]
         env = self.env()
-        running = [subprocess.Popen([_bin("flwr"), "supernode", "register", str(k.public), CONNECTION,
-                                     "--format", "json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, cwd=self.workdir, start_new_session=True) for k in keys]
+        running = [
+            subprocess.Popen(
+                [_bin("flwr"), "supernode", "register", str(k.public), CONNECTION, "--format", "json"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=self.workdir,
+                start_new_session=True,
+            )
+            for k in keys
+        ]
         self.node_ids = []
         for key, process in zip(keys, running):
             try:
@@ -601,21 +689,33 @@ class Deployment:
                 end_processes([p.pid for p in running])
                 raise DeploymentError(f"flwr supernode register {key.public} timed out") from None
             try:
-                reply = json.loads(out[out.index("{"):])
+                reply = json.loads(out[out.index("{") :])
             except ValueError:
                 reply = {}
             if process.returncode != 0 or not reply.get("success"):
-                raise DeploymentError(f"flwr supernode register {key.public} failed ({process.returncode}):\n"
-                                      f"{out[-2000:]}{err[-2000:]}")
+                raise DeploymentError(
+                    f"flwr supernode register {key.public} failed ({process.returncode}):\n{out[-2000:]}{err[-2000:]}"
+                )
             self.node_ids.append(int(reply["node-id"]))
         return keys
 
     def supernode_command(self, index: int, keys: NodeKeys | None = None) -> list[str]:
         """The command line of SuperNode ``index`` (the checking wrapper or ``flower-supernode`` itself)."""
-        node_config = (self.node_configs[index] if self.node_configs is not None
-                       else f"partition-id={index} num-partitions={self.num_supernodes}")
-        flower_args = ["--superlink", self.address, "--host", self.host, "--port", str(free_port(self.host)),
-                       "--isolation", "subprocess"]
+        node_config = (
+            self.node_configs[index]
+            if self.node_configs is not None
+            else f"partition-id={index} num-partitions={self.num_supernodes}"
+        )
+        flower_args = [
+            "--superlink",
+            self.address,
+            "--host",
+            self.host,
+            "--port",
+            str(free_port(self.host)),
+            "--isolation",
+            "subprocess",
+        ]
         if self.tls_files:
             flower_args += ["--root-certificates", str(self.tls_files.ca_cert)]
         else:
@@ -623,10 +723,22 @@ class Deployment:
         if keys is not None:
             flower_args += ["--auth-supernode-private-key", str(keys.private)]
         if self.check_nodes and self.node_configs is None:
-            return [sys.executable, "-m", "fedrec_flwr.deploy", "supernode", "--partition-id", str(index),
-                    "--num-partitions", str(self.num_supernodes), *flower_args]
-        return [_bin("flower-supernode"), *flower_args,
-                *(["--node-config", node_config] if node_config is not None else [])]
+            return [
+                sys.executable,
+                "-m",
+                "fedrec_flwr.deploy",
+                "supernode",
+                "--partition-id",
+                str(index),
+                "--num-partitions",
+                str(self.num_supernodes),
+                *flower_args,
+            ]
+        return [
+            _bin("flower-supernode"),
+            *flower_args,
+            *(["--node-config", node_config] if node_config is not None else []),
+        ]
 
     def start_supernode(self, index: int, keys: NodeKeys | None = None, name: str | None = None) -> Started:
         """Start SuperNode ``index`` (its own ``FLWR_HOME`` ``<workdir>/<name>/flwr-home``: Flower installs the
@@ -651,8 +763,10 @@ class Deployment:
                 elif node.process.poll() is not None:
                     raise DeploymentError(f"{node.name} exited with code {node.process.returncode}:\n{node.tail()}")
             if waiting and time.monotonic() > deadline:
-                raise DeploymentError(f"{[n.name for n in waiting]} did not join the SuperLink within "
-                                      f"{self.startup_timeout:.0f} s:\n{waiting[0].tail()}")
+                raise DeploymentError(
+                    f"{[n.name for n in waiting]} did not join the SuperLink within "
+                    f"{self.startup_timeout:.0f} s:\n{waiting[0].tail()}"
+                )
             if waiting:
                 time.sleep(0.5)
 
@@ -673,8 +787,10 @@ class Deployment:
             raise ConfigError("Deployment.run needs an absolute 'results-dir' and a 'run-name'")
         folder = Path(overrides["results-dir"]) / overrides["run-name"]
         if (folder / "summary.json").exists():
-            raise ConfigError(f"results folder {folder} already holds a finished run (summary.json); set another "
-                              "'run-name' or delete the folder")
+            raise ConfigError(
+                f"results folder {folder} already holds a finished run (summary.json); set another "
+                "'run-name' or delete the folder"
+            )
         command = [_bin("flwr"), "run", str(self.project), CONNECTION, *run_config_args(overrides), "--stream"]
         self.logs.mkdir(parents=True, exist_ok=True)
         log = self.logs / f"flwr-run-{overrides['run-name']}.log"
@@ -682,8 +798,15 @@ class Deployment:
             print("$ " + shlex.join(["flwr", *command[1:]]), file=sys.stderr, flush=True)
         started = time.monotonic()
         with open(log, "wb") as handle:
-            process = subprocess.Popen(command, env=self.env(), stdout=handle, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.workdir)
+            process = subprocess.Popen(
+                command,
+                env=self.env(),
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=self.workdir,
+            )
             self.processes.append(Started("flwr-run", process, log))
             link = self.superlink
             reason = None
@@ -763,32 +886,48 @@ def _follow(path: Path, offset: int) -> int:
 def supernode_main(argv: Sequence[str]) -> int:
     """``supernode`` command: check the node config and the SuperLink address, then exec ``flower-supernode``."""
     parser = argparse.ArgumentParser(
-        prog="python -m fedrec_flwr.deploy supernode", allow_abbrev=False,
+        prog="python -m fedrec_flwr.deploy supernode",
+        allow_abbrev=False,
         description="Check a SuperNode's node config, then exec flower-supernode with it. Arguments not listed "
-                    "here are passed to flower-supernode. The run's own settings (dataset, users-per-node, ...) "
-                    "come from the run config submitted with `flwr run`; --dataset, --users-per-node and "
-                    "--run-config only check this node against them. --data-dir and --cache-dir are passed on to "
-                    "the node (as FEDREC_DATA_DIR / FEDREC_FLWR_CACHE in flower-supernode's environment).")
+        "here are passed to flower-supernode. The run's own settings (dataset, users-per-node, ...) "
+        "come from the run config submitted with `flwr run`; --dataset, --users-per-node and "
+        "--run-config only check this node against them. --data-dir and --cache-dir are passed on to "
+        "the node (as FEDREC_DATA_DIR / FEDREC_FLWR_CACHE in flower-supernode's environment).",
+    )
     parser.add_argument("--partition-id", default=None, help="this node's partition (0..num-partitions-1)")
     parser.add_argument("--num-partitions", default=None, help="number of SuperNodes")
-    parser.add_argument("--dataset", default=None,
-                        help="check only: with --users-per-node, num-partitions must fit this dataset's users "
-                             "(the run uses the dataset of its run config)")
-    parser.add_argument("--users-per-node", default=None,
-                        help="check only: num-partitions must equal ceil(users / this) (the run uses the "
-                             "users-per-node of its run config)")
-    parser.add_argument("--data-dir", default=None,
-                        help="this node's dataset folder (or a folder holding <dataset>/): used for the check and "
-                             "passed on as FEDREC_DATA_DIR=<absolute path>, which the node's ClientApps read when the "
-                             "run config's data-dir is empty (not for dataset generic: its files come from the "
-                             "run config)")
-    parser.add_argument("--cache-dir", default=None,
-                        help=f"this node's processed-split cache: used for the check and passed on as "
-                             f"{CACHE_DIR_ENV}=<absolute path>, read when the run config's cache-dir is empty")
-    parser.add_argument("--run-config", default=None,
-                        help="check only: more run-config keys for the dataset check (k=v ...)")
-    parser.add_argument("--probe-timeout", type=float, default=2.0,
-                        help="seconds to wait for the SuperLink's TCP port (default 2)")
+    parser.add_argument(
+        "--dataset",
+        default=None,
+        help="check only: with --users-per-node, num-partitions must fit this dataset's users "
+        "(the run uses the dataset of its run config)",
+    )
+    parser.add_argument(
+        "--users-per-node",
+        default=None,
+        help="check only: num-partitions must equal ceil(users / this) (the run uses the "
+        "users-per-node of its run config)",
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        help="this node's dataset folder (or a folder holding <dataset>/): used for the check and "
+        "passed on as FEDREC_DATA_DIR=<absolute path>, which the node's ClientApps read when the "
+        "run config's data-dir is empty (not for dataset generic: its files come from the "
+        "run config)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help=f"this node's processed-split cache: used for the check and passed on as "
+        f"{CACHE_DIR_ENV}=<absolute path>, read when the run config's cache-dir is empty",
+    )
+    parser.add_argument(
+        "--run-config", default=None, help="check only: more run-config keys for the dataset check (k=v ...)"
+    )
+    parser.add_argument(
+        "--probe-timeout", type=float, default=2.0, help="seconds to wait for the SuperLink's TCP port (default 2)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="check only; print the flower-supernode command")
     args, rest = parser.parse_known_args(argv)
     passthrough = list(rest)
@@ -813,12 +952,16 @@ def supernode_main(argv: Sequence[str]) -> int:
                     raise NodeConfigError(f"{name} needs a value")
                 if name == "--node-config":
                     for key, item in parse_node_config(value).items():
-                        merge_setting(node_config, key, item, f"--node-config {value!r}",
-                                      node_sources.get(key, ""))
+                        merge_setting(node_config, key, item, f"--node-config {value!r}", node_sources.get(key, ""))
                         node_sources[key] = f"--node-config {value!r}"
                 else:
-                    merge_setting(superlinks, "--superlink", value, f"--superlink {value}",
-                                  f"--superlink {superlinks.get('--superlink')}")
+                    merge_setting(
+                        superlinks,
+                        "--superlink",
+                        value,
+                        f"--superlink {value}",
+                        f"--superlink {superlinks.get('--superlink')}",
+                    )
                     if superlink != value or "--superlink" not in flower_args:
                         flower_args += ["--superlink", value]
                     superlink = value
@@ -827,14 +970,18 @@ def supernode_main(argv: Sequence[str]) -> int:
             i += 1
         for key, value in (("partition-id", args.partition_id), ("num-partitions", args.num_partitions)):
             if value is not None:
-                merge_setting(node_config, key, parse_node_config(f"{key}={value}")[key], f"--{key} {value}",
-                              node_sources.get(key, ""))
+                merge_setting(
+                    node_config,
+                    key,
+                    parse_node_config(f"{key}={value}")[key],
+                    f"--{key} {value}",
+                    node_sources.get(key, ""),
+                )
         run_config: dict[str, Any] | None = None
         if args.dataset or args.users_per_node or args.data_dir or args.run_config:
             run_config = parse_node_config(args.run_config or "")
             earlier = f"--run-config {args.run_config!r}"
-            for key, value in (("dataset", args.dataset), ("data-dir", args.data_dir),
-                               ("cache-dir", args.cache_dir)):
+            for key, value in (("dataset", args.dataset), ("data-dir", args.data_dir), ("cache-dir", args.cache_dir)):
                 if value is not None:
                     merge_setting(run_config, key, value, f"--{key} {value}", earlier)
             if args.users_per_node is not None:
@@ -852,12 +999,19 @@ def supernode_main(argv: Sequence[str]) -> int:
     command = [_bin("flower-supernode"), *flower_args, "--node-config", format_node_config(node_config)]
     served = f", users {users.start}..{users.stop - 1}" if users is not None else ""
     passed = "".join(f"; {key}={value}" for key, value in node_env.items())
-    print(f"fedrec-flwr supernode: partition-id {node_config['partition-id']} of {node_config['num-partitions']}"
-          f"{served}{passed}; SuperLink {superlink}"
-          + (" (not probed: --dry-run)" if args.dry_run else " is listening"), file=sys.stderr, flush=True)
+    print(
+        f"fedrec-flwr supernode: partition-id {node_config['partition-id']} of {node_config['num-partitions']}"
+        f"{served}{passed}; SuperLink {superlink}" + (" (not probed: --dry-run)" if args.dry_run else " is listening"),
+        file=sys.stderr,
+        flush=True,
+    )
     if args.data_dir is not None and (run_config or {}).get("dataset") == "generic":
-        print(f"fedrec-flwr supernode: --data-dir was used for the check only: dataset generic reads its files from "
-              f"the run config (data-dir, generic-file)", file=sys.stderr, flush=True)
+        print(
+            "fedrec-flwr supernode: --data-dir was used for the check only: dataset generic reads its files from "
+            "the run config (data-dir, generic-file)",
+            file=sys.stderr,
+            flush=True,
+        )
     if args.dry_run:
         print(" ".join([*(f"{key}={shlex.quote(value)}" for key, value in node_env.items()), shlex.join(command)]))
         return 0
@@ -875,6 +1029,7 @@ def supernode_environment(data_dir: str | None, cache_dir: str | None, dataset: 
     where the run config's ``data-dir`` / ``cache-dir`` is empty (:func:`fedrec_flwr.app.runtime.data_dir_for`,
     :func:`fedrec_flwr.data.loaders.default_cache_dir`)."""
     from fedrec_flwr.app.runtime import DATA_DIR_ENV  # imports torch: only once the checks passed
+
     env: dict[str, str] = {}
     if data_dir and dataset != "generic":
         env[DATA_DIR_ENV] = str(Path(data_dir).expanduser().resolve())

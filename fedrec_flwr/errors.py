@@ -48,6 +48,7 @@ def reply_error_line(reason: str) -> str:
     else the reason as it is. Used wherever a node's failure is reported in one line."""
     import re
 
-    found = re.findall(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Violation|Failed): .+)$", reason,
-                       flags=re.MULTILINE)
+    found = re.findall(
+        r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Violation|Failed): .+)$", reason, flags=re.MULTILINE
+    )
     return found[-1] if found else reason

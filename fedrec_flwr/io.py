@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
@@ -74,8 +73,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     return path
 
 
-def remove_dead_temporaries(folder: str | os.PathLike, targets: Iterable[str] | None = None, *,
-                            any_writer: bool = False) -> list[Path]:
+def remove_dead_temporaries(
+    folder: str | os.PathLike, targets: Iterable[str] | None = None, *, any_writer: bool = False
+) -> list[Path]:
     """Remove the temporary files that writers killed mid-write (:func:`atomic_write_bytes`) left in ``folder``.
 
     Only files named as :data:`TEMPORARY` (or :data:`OLD_TEMPORARY`) are touched, nothing else in the folder, and of

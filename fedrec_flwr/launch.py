@@ -60,17 +60,18 @@ import traceback
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterator, TextIO
+from typing import Any, TextIO
 
 from fedrec_flwr.config import app_root, default_mapping
 from fedrec_flwr.errors import ConfigError, FedRecError
+from fedrec_flwr.io import atomic_write_text
 from fedrec_flwr.registry import LOGGER_ROOTS
 from fedrec_flwr.state.results import SOURCE_COMMIT_ENV, source_commit
-from fedrec_flwr.io import atomic_write_text
+
 
 def _project_root() -> Path:
     """:func:`~fedrec_flwr.config.app_root`, or the folder above the package when there is none (every use of the
@@ -348,8 +349,10 @@ def claim_home(base: str | os.PathLike, max_slots: int = MAX_CONCURRENT) -> Iter
             home.mkdir(parents=True, exist_ok=True)
             handle = open(home / LOCK_FILE, "a+")
         except OSError as err:
-            raise ConfigError(f"--flwr-home {base} (or $FLWR_HOME): the Flower home {home} cannot be created or "
-                              f"written ({err.strerror or err})") from None
+            raise ConfigError(
+                f"--flwr-home {base} (or $FLWR_HOME): the Flower home {home} cannot be created or "
+                f"written ({err.strerror or err})"
+            ) from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -360,15 +363,17 @@ def claim_home(base: str | os.PathLike, max_slots: int = MAX_CONCURRENT) -> Iter
         try:
             handle.seek(0)
             handle.truncate()
-            handle.write(f"launcher pid {os.getpid()} since {datetime.now().strftime('%H:%M:%S')}: "
-                         f"{' '.join(sys.argv)[:300]}\n")
+            handle.write(
+                f"launcher pid {os.getpid()} since {datetime.now().strftime('%H:%M:%S')}: {' '.join(sys.argv)[:300]}\n"
+            )
             handle.flush()
             yield home, others
         finally:
             handle.close()
         return
-    raise HomeBusy(f"{max_slots} runs already use this checkout's Flower homes; wait for one to finish:\n  "
-                   + "\n  ".join(others))
+    raise HomeBusy(
+        f"{max_slots} runs already use this checkout's Flower homes; wait for one to finish:\n  " + "\n  ".join(others)
+    )
 
 
 def _home_held(home: Path) -> str | None:
@@ -397,8 +402,9 @@ def stop_recorded_superlink(home: str | os.PathLike, timeout: float = 15.0) -> l
     except (OSError, ValueError):
         return []
     pid, token = int(record.get("pid", 0)), str(record.get("token", ""))
-    roots = [pid] if pid > 1 and start_time(pid) == record.get("start-time") and "flower-superlink" in _cmdline(pid) \
-        else []
+    roots = (
+        [pid] if pid > 1 and start_time(pid) == record.get("start-time") and "flower-superlink" in _cmdline(pid) else []
+    )
     sessions: set[int] = set()
     targets = run_processes(token, roots, sessions) if token or roots else set()
     signalled = sorted(terminate(targets, timeout, lambda: run_processes(token, roots, sessions))) if targets else []
@@ -446,17 +452,43 @@ class LocalSuperLink:
                 self.env["FLWR_LOCAL_CONTROL_API_PORT"] = str(_free_port())
             self.env.setdefault("FLWR_LOCAL_CONTROL_API_PORT", "39093")
             self.log.write_text("")
-            command = [str(Path(sys.executable).with_name("flower-superlink")), "--insecure", "--simulation",
-                       "--isolation", "subprocess",
-                       "--control-api-address", f"127.0.0.1:{self.env['FLWR_LOCAL_CONTROL_API_PORT']}",
-                       "--host", "127.0.0.1", "--port", self.port, "--log-file", str(self.log)]
+            command = [
+                str(Path(sys.executable).with_name("flower-superlink")),
+                "--insecure",
+                "--simulation",
+                "--isolation",
+                "subprocess",
+                "--control-api-address",
+                f"127.0.0.1:{self.env['FLWR_LOCAL_CONTROL_API_PORT']}",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                self.port,
+                "--log-file",
+                str(self.log),
+            ]
             # in the caller's folder, as `flwr run` starts it: a relative results-dir means the same folder there
-            self.process = subprocess.Popen(command, env=self.env, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                                            start_new_session=True)
-            atomic_write_text(self.home / RECORD_FILE, json.dumps({  # a write error names the file
-                "pid": self.process.pid, "start-time": start_time(self.process.pid), "token": self.token,
-                "port": self.port, "launcher-pid": os.getpid()}) + "\n")
+            self.process = subprocess.Popen(
+                command,
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            atomic_write_text(
+                self.home / RECORD_FILE,
+                json.dumps(
+                    {  # a write error names the file
+                        "pid": self.process.pid,
+                        "start-time": start_time(self.process.pid),
+                        "token": self.token,
+                        "port": self.port,
+                        "launcher-pid": os.getpid(),
+                    }
+                )
+                + "\n",
+            )
             deadline = time.monotonic() + self.startup_timeout
             while time.monotonic() < deadline and self.process.poll() is None and not self.healthy():
                 time.sleep(0.2)
@@ -467,11 +499,14 @@ class LocalSuperLink:
             if "already in use" in tail.lower() and not self.fixed_ports and attempt + 1 < attempts:
                 continue
             if "already in use" in tail.lower():
-                raise FedRecError(f"the local SuperLink cannot bind port {self.port} "
-                                  f"(FLWR_LOCAL_SUPERLINK_HTTP_API_PORT): another process uses it; unset the "
-                                  "variable to let the launcher choose free ports")
-            raise FedRecError(f"the local SuperLink did not start within {self.startup_timeout:.0f} s "
-                              f"(log {self.log}):\n{tail}")
+                raise FedRecError(
+                    f"the local SuperLink cannot bind port {self.port} "
+                    f"(FLWR_LOCAL_SUPERLINK_HTTP_API_PORT): another process uses it; unset the "
+                    "variable to let the launcher choose free ports"
+                )
+            raise FedRecError(
+                f"the local SuperLink did not start within {self.startup_timeout:.0f} s (log {self.log}):\n{tail}"
+            )
         raise AssertionError("not reached")
 
     def healthy(self) -> bool:
@@ -556,10 +591,13 @@ def run_config_args(overrides: Mapping[str, Any], declared: Iterable[str] | None
             packed = {k: v for k, v in packed.items() if k not in inside or inside[k] != v}
             twice = sorted(set(packed) & set(inside))
             if twice:
-                raise ConfigError(f"run-config key '{twice[0]}' is given twice: {twice[0]}={packed[twice[0]]!r} and "
-                                  f"in plugin-config ({twice[0]}={inside[twice[0]]!r}); give it once")
-        plain["plugin-config"] = " ".join([*([given] if given else []),
-                                           *(f"{k}={_toml_value(v)}" for k, v in packed.items())])
+                raise ConfigError(
+                    f"run-config key '{twice[0]}' is given twice: {twice[0]}={packed[twice[0]]!r} and "
+                    f"in plugin-config ({twice[0]}={inside[twice[0]]!r}); give it once"
+                )
+        plain["plugin-config"] = " ".join(
+            [*([given] if given else []), *(f"{k}={_toml_value(v)}" for k, v in packed.items())]
+        )
     return ["--run-config", " ".join(f"{k}={_toml_value(v)}" for k, v in plain.items())]
 
 
@@ -584,8 +622,10 @@ def parse_override(pair: str, defaults: Mapping[str, Any] | None = None, what: s
     if not sep or not key:
         raise ConfigError(f"{what} override {pair!r} is not key=value")
     if what == "run-config" and key in FEDERATION_KEYS:
-        raise ConfigError(f"'{key}' is a federation setting, not a run-config key: use "
-                          f"{FEDERATION_KEYS[key].replace('N', text or 'N', 1) if text else FEDERATION_KEYS[key]}")
+        raise ConfigError(
+            f"'{key}' is a federation setting, not a run-config key: use "
+            f"{FEDERATION_KEYS[key].replace('N', text or 'N', 1) if text else FEDERATION_KEYS[key]}"
+        )
     defaults = defaults or {}
     if text[:1] in ("'", '"'):
         try:
@@ -598,7 +638,8 @@ def parse_override(pair: str, defaults: Mapping[str, Any] | None = None, what: s
                 raise ConfigError(
                     f"{what} key '{key}': {text!r} is not a TOML string: it holds the raw control character "
                     f"{control!r}, which TOML takes only escaped ({repr(control)[1:-1]}); write it as "
-                    f"{key}={_toml_string(bare)}") from None
+                    f"{key}={_toml_string(bare)}"
+                ) from None
             hint = "an unbalanced quote?" if not balanced else f"TOML: {err}"
             raise ConfigError(
                 f"{what} key '{key}': {text!r} is not a quoted string ({hint}); write it without quotes "
@@ -624,8 +665,8 @@ def check_run(overrides: Mapping[str, Any], num_supernodes: int | None = None) -
             ``num_supernodes`` given and different from the number needed (the message gives the right number).
         DataError: the dataset cannot be loaded.
     """
-    from fedrec_flwr.config import RunConfig
     from fedrec_flwr.app.preflight import preflight
+    from fedrec_flwr.config import RunConfig
 
     mapping = default_mapping(PROJECT_ROOT / "pyproject.toml")
     mapping.update(overrides)
@@ -637,7 +678,8 @@ def check_run(overrides: Mapping[str, Any], num_supernodes: int | None = None) -
         raise ConfigError(
             f"--num-supernodes {num_supernodes}: {config.dataset} has {num_users} users and users-per-node = "
             f"{config.users_per_node}, which needs exactly {needed} SuperNodes (partition-id 0..{needed - 1}); "
-            f"leave --num-supernodes out to get {needed}")
+            f"leave --num-supernodes out to get {needed}"
+        )
     return needed
 
 
@@ -682,13 +724,14 @@ def check_shipped(config: Any, project: str | os.PathLike = PROJECT_ROOT) -> Non
             raise ConfigError(
                 f"run-config key '{kind}' = {spec!r}: {relative} is not shipped with the app (fab-include in "
                 f"pyproject.toml), so the ServerApp and ClientApps cannot import it: move it to plugins/ "
-                f"({kind}=plugins.{path.stem}:{spec.rpartition(':')[2]})")
+                f"({kind}=plugins.{path.stem}:{spec.rpartition(':')[2]})"
+            )
 
 
 def num_supernodes_for(overrides: Mapping[str, Any]) -> int:
     """``ceil(users / users-per-node)`` for the configured dataset (loads the split, cached after the first time)."""
-    from fedrec_flwr.config import RunConfig
     from fedrec_flwr.app.runtime import load_split_for
+    from fedrec_flwr.config import RunConfig
 
     mapping = default_mapping(PROJECT_ROOT / "pyproject.toml")
     mapping.update(overrides)
@@ -759,7 +802,7 @@ def _cli_error(lines: Sequence[str]) -> str | None:
     for i, line in enumerate(lines):
         if line.lstrip().startswith("╭") and " Error " in line:
             body = []
-            for inner in lines[i + 1:]:
+            for inner in lines[i + 1 :]:
                 if not inner.lstrip().startswith("│"):
                     break
                 body.append(inner.strip().strip("│").strip())
@@ -773,9 +816,16 @@ def run_status(env: Mapping[str, str], timeout: float = 60.0) -> tuple[str | Non
     """``(status, details)`` of the last run on the SuperLink of ``env`` (``flwr ls --format json``), e.g.
     ``("finished:completed", "")``; ``(None, why)`` if it cannot be read."""
     try:
-        done = subprocess.run([str(Path(sys.executable).with_name("flwr")), "ls", "--format", "json"], env=dict(env),
-                              capture_output=True, text=True, timeout=timeout, check=False, cwd=PROJECT_ROOT)
-        runs = json.loads(done.stdout[done.stdout.index("{"):])["runs"]
+        done = subprocess.run(
+            [str(Path(sys.executable).with_name("flwr")), "ls", "--format", "json"],
+            env=dict(env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            cwd=PROJECT_ROOT,
+        )
+        runs = json.loads(done.stdout[done.stdout.index("{") :])["runs"]
     except (subprocess.TimeoutExpired, ValueError, KeyError, OSError) as err:
         return None, f"flwr ls failed: {err}"
     if not runs:
@@ -784,8 +834,9 @@ def run_status(env: Mapping[str, str], timeout: float = 60.0) -> tuple[str | Non
     return str(last.get("status")), str(last.get("status-details") or "")
 
 
-def _pump(stream: TextIO, log: TextIO, sink: list[str], echo: TextIO | None, verbose: bool,
-          display: Any = None) -> None:
+def _pump(
+    stream: TextIO, log: TextIO, sink: list[str], echo: TextIO | None, verbose: bool, display: Any = None
+) -> None:
     """Copy the run's output, ANSI codes removed, to ``log`` and ``sink``, and the lines to show to ``echo``; or,
     with a ``display`` (:class:`fedrec_flwr.progress.RunDisplay`), every line to its ``feed`` with the text to show
     (``None``: not shown). Ends quietly when the log was closed (the run was stopped)."""
@@ -796,8 +847,9 @@ def _pump(stream: TextIO, log: TextIO, sink: list[str], echo: TextIO | None, ver
             log.flush()
             sink.append(line)
             if display is not None:
-                display.feed(line, (line if verbose else line.strip() + "\n")
-                             if verbose or shown_quietly(line) else None)
+                display.feed(
+                    line, (line if verbose else line.strip() + "\n") if verbose or shown_quietly(line) else None
+                )
             elif echo is not None and (verbose or shown_quietly(line)):
                 echo.write(line if verbose else line.strip() + "\n")
                 echo.flush()
@@ -838,8 +890,10 @@ def _watch(process: subprocess.Popen, lines: list[str], timeout: float | None, e
         if timeout is not None and now - started > timeout:
             return f"--timeout {timeout:g} s passed"
         if ended_at is not None and now - ended_at > end_grace:
-            return (f"the ServerApp ended ({how}) {now - ended_at:.0f} s ago but the simulation did not exit (a "
-                    "ClientApp that never returned keeps it waiting)")
+            return (
+                f"the ServerApp ended ({how}) {now - ended_at:.0f} s ago but the simulation did not exit (a "
+                "ClientApp that never returned keeps it waiting)"
+            )
         time.sleep(0.5)
     return None
 
@@ -933,18 +987,29 @@ def flwr_run(
     elif num_supernodes is None:
         num_supernodes = num_supernodes_for(overrides)
     command = [
-        str(Path(sys.executable).with_name("flwr")), "run", str(project),
-        "--federation-config", " ".join([f"num-supernodes={num_supernodes}", *(
-            f"{k}={_toml_value(v)}" for k, v in (federation_config or {}).items())]),
-        *run_config_args(overrides), "--stream",
+        str(Path(sys.executable).with_name("flwr")),
+        "run",
+        str(project),
+        "--federation-config",
+        " ".join(
+            [
+                f"num-supernodes={num_supernodes}",
+                *(f"{k}={_toml_value(v)}" for k, v in (federation_config or {}).items()),
+            ]
+        ),
+        *run_config_args(overrides),
+        "--stream",
     ]
     out = sys.stderr
     with claim_home(flwr_home or default_home(extra if "FLWR_HOME" in extra else None)) as (home, others):
         stop_recorded_superlink(home)  # left by a launcher of this home that was killed
         link = LocalSuperLink(home, flwr_env(home, extra))
         if others and not capture:
-            print(f"note: another run holds {others[0]}\n      this run uses FLWR_HOME={home} and its own ports",
-                  file=out, flush=True)
+            print(
+                f"note: another run holds {others[0]}\n      this run uses FLWR_HOME={home} and its own ports",
+                file=out,
+                flush=True,
+            )
         try:
             link.start()
         except BaseException:  # Ctrl-C while it starts, too
@@ -952,9 +1017,11 @@ def flwr_run(
             raise
         logs = home / "logs"
         logs.mkdir(exist_ok=True)
-        log_path = logs / f"run-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S')}-{link.token[:6]}.log"
-        shown = " ".join(c if re.fullmatch(r"[\w@%+=:,./-]+", c) else "'" + c.replace("'", "'\\''") + "'"
-                         for c in ["flwr", *command[1:]])
+        log_path = logs / f"run-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{link.token[:6]}.log"
+        shown = " ".join(
+            c if re.fullmatch(r"[\w@%+=:,./-]+", c) else "'" + c.replace("'", "'\\''") + "'"
+            for c in ["flwr", *command[1:]]
+        )
         env_shown = f"FLWR_HOME={home} FLWR_LOCAL_SUPERLINK_HTTP_API_PORT={link.port} "
         if ray_address:
             env_shown += f"RAY_ADDRESS={ray_address} "
@@ -966,18 +1033,36 @@ def flwr_run(
         try:
             with open(log_path, "w") as log:
                 log.write(f"$ {env_shown}{shown}\n")
-                process = subprocess.Popen(command, env=link.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, text=True, errors="replace")
-                pump = threading.Thread(target=_pump, daemon=True,
-                                        args=(process.stdout, log, lines, None if capture else sys.stdout, verbose,
-                                              None if capture else display))
+                process = subprocess.Popen(
+                    command,
+                    env=link.env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    text=True,
+                    errors="replace",
+                )
+                pump = threading.Thread(
+                    target=_pump,
+                    daemon=True,
+                    args=(
+                        process.stdout,
+                        log,
+                        lines,
+                        None if capture else sys.stdout,
+                        verbose,
+                        None if capture else display,
+                    ),
+                )
                 pump.start()
                 stopped = _watch(process, lines, timeout, end_grace)
                 if stopped is None:
                     pump.join(timeout=30)
             if stopped is not None:
-                message = (f"error: {stopped}; still running: {still_running(''.join(lines), link.leftover())}; "
-                           f"stopped the run\n       full log: {log_path}")
+                message = (
+                    f"error: {stopped}; still running: {still_running(''.join(lines), link.leftover())}; "
+                    f"stopped the run\n       full log: {log_path}"
+                )
                 process.terminate()
                 if capture:
                     lines.append(message + "\n")
@@ -990,9 +1075,11 @@ def flwr_run(
             returncode = 0 if process.returncode == 0 and status == "finished:completed" else 1
             if returncode != 0:
                 error = run_error(text) or details or "no error message in the log"
-                message = (f"error: the run did not finish ({status or 'status unknown'}"
-                           f"{'; flwr run exited ' + str(process.returncode) if process.returncode else ''}): "
-                           f"{error}\n       full log: {log_path}")
+                message = (
+                    f"error: the run did not finish ({status or 'status unknown'}"
+                    f"{'; flwr run exited ' + str(process.returncode) if process.returncode else ''}): "
+                    f"{error}\n       full log: {log_path}"
+                )
                 if capture:
                     lines.append(message + "\n")
                 else:
@@ -1053,8 +1140,11 @@ def flower_superlinks(home: str | os.PathLike) -> list[int]:
         argv = _argv(int(proc.name))
         if not any(Path(a).name == "flower-superlink" for a in argv):
             continue
-        named = {str(Path(b).expanduser().resolve()) for a, b in zip(argv, argv[1:])
-                 if a in ("--database", "--log-file") and b}
+        named = {
+            str(Path(b).expanduser().resolve())
+            for a, b in zip(argv, argv[1:])
+            if a in ("--database", "--log-file") and b
+        }
         if named & own:
             found.append(int(proc.name))
     return found
@@ -1067,8 +1157,10 @@ def stop_main(flwr_home: str | None) -> int:
     base = Path(flwr_home).expanduser().resolve() if flwr_home else default_home()
     homes = [base, *sorted(base.glob("concurrent-*"))] if base.is_dir() else []
     if not Path("/proc").is_dir():
-        print(f"cannot look for processes on this system (no /proc): any SuperLink left in {base} was not stopped; "
-              "end it yourself (its command line names the Flower home)")
+        print(
+            f"cannot look for processes on this system (no /proc): any SuperLink left in {base} was not stopped; "
+            "end it yourself (its command line names the Flower home)"
+        )
         return 0
     stopped, running = [], []
     for home in homes:
@@ -1084,12 +1176,16 @@ def stop_main(flwr_home: str | None) -> int:
             if busy:
                 running.append(f"{home}: the SuperLink of a plain `flwr run` (pid {pid}) runs {busy}")
                 continue
-            stopped += sorted(terminate(members, 15.0, lambda: run_processes("", [pid], sessions)))
+            stopped += sorted(
+                terminate(members, 15.0, lambda pid=pid, sessions=sessions: run_processes("", [pid], sessions))
+            )
     if stopped:
         print(f"stopped {len(stopped)} process(es) of earlier runs: {stopped}")
     else:
-        print(f"no SuperLink of an earlier run is left in {base} (looked for launchers' records and for "
-              "flower-superlink processes naming its local-superlink/ database or log)")
+        print(
+            f"no SuperLink of an earlier run is left in {base} (looked for launchers' records and for "
+            "flower-superlink processes naming its local-superlink/ database or log)"
+        )
     for line in running:
         print(f"a run is in progress (not touched; stop it with Ctrl-C or by ending its launcher): {line}")
     return 0
@@ -1099,25 +1195,50 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     """The parser of ``run`` or ``stop``."""
     prog = f"python -m fedrec_flwr.launch {command}"
     if command == "stop":
-        stop = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
-                                       description="stop SuperLinks left by launchers that were killed "
-                                                   "(never a running run)")
+        stop = argparse.ArgumentParser(
+            prog=prog,
+            allow_abbrev=False,
+            description="stop SuperLinks left by launchers that were killed (never a running run)",
+        )
         stop.add_argument("--flwr-home", default=None, help="Flower home (default $FLWR_HOME, else ~/.flwr)")
         return stop
-    run = argparse.ArgumentParser(prog=prog, allow_abbrev=False,  # --verbos is refused, not read as --verbose
-                                  description="flwr run the app on a fresh local SuperLink, then stop it. "
-                                              "Flags may come anywhere among the key=value overrides.")
-    run.add_argument("--num-supernodes", type=int, default=None,
-                     help="simulated SuperNodes (default: ceil(users / users-per-node); another number is refused)")
+    run = argparse.ArgumentParser(
+        prog=prog,
+        allow_abbrev=False,  # --verbos is refused, not read as --verbose
+        description="flwr run the app on a fresh local SuperLink, then stop it. "
+        "Flags may come anywhere among the key=value overrides.",
+    )
+    run.add_argument(
+        "--num-supernodes",
+        type=int,
+        default=None,
+        help="simulated SuperNodes (default: ceil(users / users-per-node); another number is refused)",
+    )
     run.add_argument("--flwr-home", default=None, help="Flower home (default $FLWR_HOME, else ~/.flwr)")
-    run.add_argument("--ray-address", default=None,
-                     help="host:port of an existing Ray cluster's head (ray start --head) to run the client actors on")
-    run.add_argument("--federation-config", action="append", default=[], metavar="KEY=VALUE",
-                     help="another flwr simulation-config key, e.g. client-resources-num-cpus=1 (repeatable)")
-    run.add_argument("--timeout", default=None, metavar="SECONDS",  # checked in parse_args: one error line
-                     help="stop the run SECONDS after flwr run starts (exit 124), naming what was still running")
-    run.add_argument("--verbose", action="store_true", help="print Flower's whole log (default: progress, warnings, "
-                                                            "errors; the whole log is always in <FLWR_HOME>/logs/)")
+    run.add_argument(
+        "--ray-address",
+        default=None,
+        help="host:port of an existing Ray cluster's head (ray start --head) to run the client actors on",
+    )
+    run.add_argument(
+        "--federation-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another flwr simulation-config key, e.g. client-resources-num-cpus=1 (repeatable)",
+    )
+    run.add_argument(
+        "--timeout",
+        default=None,
+        metavar="SECONDS",  # checked in parse_args: one error line
+        help="stop the run SECONDS after flwr run starts (exit 124), naming what was still running",
+    )
+    run.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print Flower's whole log (default: progress, warnings, "
+        "errors; the whole log is always in <FLWR_HOME>/logs/)",
+    )
     run.add_argument("--debug", action="store_true", help="print tracebacks of errors caught before the run starts")
     run.add_argument("overrides", nargs="*", metavar="key=value", help="run-config overrides")
     return run
@@ -1142,8 +1263,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any],
     return args, overrides, federation
 
 
-def parse_run_options(pairs: Sequence[str], federation_pairs: Sequence[str] = (),
-                      timeout: str | float | None = None) -> tuple[float | None, dict[str, Any], dict[str, Any]]:
+def parse_run_options(
+    pairs: Sequence[str], federation_pairs: Sequence[str] = (), timeout: str | float | None = None
+) -> tuple[float | None, dict[str, Any], dict[str, Any]]:
     """``run``'s values from their words: ``(timeout in seconds or None, run-config overrides, federation config)``.
 
     Args:
@@ -1165,8 +1287,9 @@ def parse_run_options(pairs: Sequence[str], federation_pairs: Sequence[str] = ()
         timeout = seconds
     defaults = default_mapping(PROJECT_ROOT / "pyproject.toml")
     overrides = _once([parse_override(pair, defaults) for pair in pairs], "run-config key")
-    federation = _once([parse_override(pair, {}, "--federation-config") for pair in federation_pairs],
-                       "--federation-config key")
+    federation = _once(
+        [parse_override(pair, {}, "--federation-config") for pair in federation_pairs], "--federation-config key"
+    )
     check_federation_config(federation)
     return timeout, overrides, federation
 
@@ -1202,15 +1325,19 @@ def check_ray_address(address: str, timeout: float = RAY_CONNECT_TIMEOUT) -> Non
         return
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"--ray-address {address!r}: expected host:port of a Ray head (as `ray start --head "
-                          "--port PORT` prints it), e.g. 127.0.0.1:6379")
+        raise ConfigError(
+            f"--ray-address {address!r}: expected host:port of a Ray head (as `ray start --head "
+            "--port PORT` prints it), e.g. 127.0.0.1:6379"
+        )
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
             pass
     except OSError as err:
-        raise ConfigError(f"--ray-address {address!r}: no Ray head answers there ({type(err).__name__}: {err}); start "
-                          f"one with `ray start --head --port {port}` on {host}, or leave --ray-address out to start "
-                          "a local Ray instance") from None
+        raise ConfigError(
+            f"--ray-address {address!r}: no Ray head answers there ({type(err).__name__}: {err}); start "
+            f"one with `ray start --head --port {port}` on {host}, or leave --ray-address out to start "
+            "a local Ray instance"
+        ) from None
 
 
 def check_federation_config(federation: Mapping[str, Any]) -> None:
@@ -1229,8 +1356,10 @@ def check_federation_config(federation: Mapping[str, Any]) -> None:
         if key == "num-supernodes":
             raise ConfigError(f"--federation-config num-supernodes={value}: use --num-supernodes {value}")
         if key not in known:
-            raise ConfigError(f"--federation-config {key}={value}: Flower knows no simulation setting {key!r} "
-                              f"(known: {', '.join(known)})")
+            raise ConfigError(
+                f"--federation-config {key}={value}: Flower knows no simulation setting {key!r} "
+                f"(known: {', '.join(known)})"
+            )
         try:
             simulation_config_from_json({key.replace("-", "_"): value})
         except (TypeError, ValueError) as err:
@@ -1259,8 +1388,9 @@ def absolute_path_env(env: dict | None = None) -> dict[str, str]:
             continue
         path = Path(value).expanduser().resolve()
         if name == "FEDREC_DATA_DIR" and not path.is_dir():
-            raise FedRecError(f"${name} = {value!r}: no such folder ({path}, resolved against the working folder "
-                              f"{os.getcwd()})")
+            raise FedRecError(
+                f"${name} = {value!r}: no such folder ({path}, resolved against the working folder {os.getcwd()})"
+            )
         if str(path) != value:
             env[name] = changed[name] = str(path)
     return changed
@@ -1274,9 +1404,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "stop":
             return stop_main(args.flwr_home)
         absolute_path_env()
-        result = flwr_run(overrides, num_supernodes=args.num_supernodes, flwr_home=args.flwr_home,
-                          federation_config=federation, ray_address=args.ray_address, verbose=args.verbose,
-                          timeout=args.timeout)
+        result = flwr_run(
+            overrides,
+            num_supernodes=args.num_supernodes,
+            flwr_home=args.flwr_home,
+            federation_config=federation,
+            ray_address=args.ray_address,
+            verbose=args.verbose,
+            timeout=args.timeout,
+        )
         return result.returncode
 
     return guarded(command, debug="--debug" in argv)
@@ -1290,8 +1426,10 @@ def guarded(command: Callable[[], int], debug: bool = False) -> int:
     try:
         return command()
     except KeyboardInterrupt as stop:
-        print(f"\nstopped ({stop.args[0] if stop.args else 'Ctrl-C'}): the run, its SuperLink and Ray were ended",
-              file=sys.stderr)
+        print(
+            f"\nstopped ({stop.args[0] if stop.args else 'Ctrl-C'}): the run, its SuperLink and Ray were ended",
+            file=sys.stderr,
+        )
         return stop.args[1] if len(stop.args) > 1 else 128 + signal.SIGINT
     except FedRecError as err:
         if debug:

@@ -46,8 +46,9 @@ def _grid():
     try:
         from experiments.tuning import grid
     except ImportError as err:
-        raise ConfigError(f"presets need the checkout's experiments/tuning (not found from {PROJECT_ROOT}: {err})") \
-            from None
+        raise ConfigError(
+            f"presets need the checkout's experiments/tuning (not found from {PROJECT_ROOT}: {err})"
+        ) from None
     return grid
 
 
@@ -66,7 +67,7 @@ def presets() -> dict[str, Preset]:
 
 def datasets() -> list[str]:
     """The datasets with a selection table (``selection-<dataset>.json``), sorted."""
-    return sorted(p.name[len("selection-"):-len(".json")] for p in RESULTS.glob("selection-*.json"))
+    return sorted(p.name[len("selection-") : -len(".json")] for p in RESULTS.glob("selection-*.json"))
 
 
 def _lookup(name: str) -> Preset:
@@ -76,8 +77,9 @@ def _lookup(name: str) -> Preset:
 
         close = difflib.get_close_matches(name, list(known), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(f"preset {name!r}: no such preset; {hint}known: {', '.join(sorted(known))} "
-                          "(`fedrec presets` lists them)")
+        raise ConfigError(
+            f"preset {name!r}: no such preset; {hint}known: {', '.join(sorted(known))} (`fedrec presets` lists them)"
+        )
     return known[name]
 
 
@@ -89,9 +91,11 @@ def selection(base: str, dataset: str) -> dict[str, Any]:
     """
     path = RESULTS / f"selection-{dataset}.json"
     if not path.is_file():
-        raise ConfigError(f"dataset {dataset!r}: the presets are tuned on {', '.join(datasets())} only (no "
-                          f"{path.relative_to(PROJECT_ROOT)}); give the keys yourself or tune them "
-                          "(experiments/tuning)")
+        raise ConfigError(
+            f"dataset {dataset!r}: the presets are tuned on {', '.join(datasets())} only (no "
+            f"{path.relative_to(PROJECT_ROOT)}); give the keys yourself or tune them "
+            "(experiments/tuning)"
+        )
     table = json.loads(path.read_text(encoding="utf-8"))
     if base not in table:
         raise ConfigError(f"{path.relative_to(PROJECT_ROOT)} has no selection for {base!r}")

@@ -44,8 +44,9 @@ class ReplyProgress:
         clock: injectable for tests.
     """
 
-    def __init__(self, messages: Sequence[Any], interval: float = REPORT_INTERVAL,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, messages: Sequence[Any], interval: float = REPORT_INTERVAL, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.expected = len(messages)
         self.kind, self.round = _describe(messages[0]) if messages else ("messages", None)
         self.interval = interval
@@ -100,8 +101,9 @@ class RunDisplay:
         console: a ``rich.console.Console`` to draw on (tests; default: one on ``out``).
     """
 
-    def __init__(self, total_rounds: int, out: TextIO | None = None, live: bool | None = None,
-                 console: Any = None) -> None:
+    def __init__(
+        self, total_rounds: int, out: TextIO | None = None, live: bool | None = None, console: Any = None
+    ) -> None:
         self.out = out if out is not None else sys.stdout
         self.total = int(total_rounds)
         self.live = bool(live) if live is not None else bool(getattr(self.out, "isatty", lambda: False)())
@@ -122,9 +124,15 @@ class RunDisplay:
 
             console = self._console or Console(file=self.out)
             self._progress = Progress(
-                TextColumn("round {task.fields[round]}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                TextColumn("ETA {task.fields[eta]}"), TimeElapsedColumn(), TextColumn("{task.fields[replies]}"),
-                console=console, transient=False)
+                TextColumn("round {task.fields[round]}"),
+                BarColumn(),
+                TextColumn("{task.percentage:>3.0f}%"),
+                TextColumn("ETA {task.fields[eta]}"),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[replies]}"),
+                console=console,
+                transient=False,
+            )
             self._task = self._progress.add_task("run", total=max(self.total, 1), **self._fields())
             self._progress.start()
         return self
@@ -146,8 +154,11 @@ class RunDisplay:
         text = line.strip()
         match = REPLIES_LINE.match(text)
         if match:
-            self.replies = (int(match.group(1)), int(match.group(2)), match.group(3)
-                            + (f" round {match.group(4)}" if match.group(4) else ""))
+            self.replies = (
+                int(match.group(1)),
+                int(match.group(2)),
+                match.group(3) + (f" round {match.group(4)}" if match.group(4) else ""),
+            )
             self.started = self.started or match.group(4) is not None
         match = ROUND_LINE.match(text)
         if match:
@@ -163,8 +174,7 @@ class RunDisplay:
     def print(self, text: str) -> None:
         """Print ``text`` (one or more lines, ending in a newline): above the live bar, or plainly."""
         if self._progress is not None:
-            self._progress.console.print(text.rstrip("\n"), markup=False, highlight=False, emoji=False,
-                                         soft_wrap=True)
+            self._progress.console.print(text.rstrip("\n"), markup=False, highlight=False, emoji=False, soft_wrap=True)
         else:
             self.out.write(text)
             self.out.flush()
@@ -177,8 +187,9 @@ class RunDisplay:
         """The bar's text without the bar: ``round 4/100 | ETA 2:03 | evaluate round 4: 120/943 replies``
         (``round -/100 (starting)`` before the first round)."""
         fields = self._fields()
-        return " | ".join(part for part in (f"round {fields['round']}", f"ETA {fields['eta']}", fields["replies"])
-                          if part)
+        return " | ".join(
+            part for part in (f"round {fields['round']}", f"ETA {fields['eta']}", fields["replies"]) if part
+        )
 
     def _fields(self) -> dict[str, str]:
         current = min(self.completed + 1, self.total)

@@ -71,12 +71,16 @@ def resolve(kind: str, spec: str) -> type[Any]:
         missing = getattr(err, "name", None)
         if missing and missing != module_name and not module_name.startswith(missing + "."):
             # the module was found, but an import inside it fails: name the line that imports it
-            raise ConfigError(f"run-config key '{kind}' = {spec!r}: module '{module_name}' fails on import: "
-                              f"{type(err).__name__}: {err}{_import_site(err)}") from err
+            raise ConfigError(
+                f"run-config key '{kind}' = {spec!r}: module '{module_name}' fails on import: "
+                f"{type(err).__name__}: {err}{_import_site(err)}"
+            ) from err
         raise ConfigError(f"run-config key '{kind}' = {spec!r}: cannot import module '{module_name}': {err}") from err
     except Exception as err:  # the module itself fails (NameError, SyntaxError, ...): name its file and line
-        raise ConfigError(f"run-config key '{kind}' = {spec!r}: module '{module_name}' fails on import: "
-                          f"{type(err).__name__}: {err}{_import_site(err)}") from err
+        raise ConfigError(
+            f"run-config key '{kind}' = {spec!r}: module '{module_name}' fails on import: "
+            f"{type(err).__name__}: {err}{_import_site(err)}"
+        ) from err
     try:
         cls = getattr(module, class_name)
     except AttributeError:
@@ -84,8 +88,10 @@ def resolve(kind: str, spec: str) -> type[Any]:
 
         names = [n for n in dir(module) if isinstance(getattr(module, n, None), type)]
         found = difflib.get_close_matches(class_name, names, n=1, cutoff=0.75)
-        raise ConfigError(f"run-config key '{kind}' = {spec!r}: module '{module_name}' has no '{class_name}'"
-                          + (f"; did you mean '{module_name}:{found[0]}'?" if found else "")) from None
+        raise ConfigError(
+            f"run-config key '{kind}' = {spec!r}: module '{module_name}' has no '{class_name}'"
+            + (f"; did you mean '{module_name}:{found[0]}'?" if found else "")
+        ) from None
     if not isinstance(cls, type):
         raise ConfigError(f"run-config key '{kind}' = {spec!r}: '{target}' is not a class")
     return cls
@@ -143,8 +149,10 @@ def resolve_strategy(spec: str) -> type[Any]:
         return cls
     if issubclass(cls, Strategy):
         return resolve("strategy", FLOWER_ADAPTER)
-    raise ConfigError(f"run-config key 'strategy' = {spec!r}: {cls.__name__} is not a flwr.serverapp.strategy.Strategy "
-                      "and has no from_run_config(config, layout, topology) class method")
+    raise ConfigError(
+        f"run-config key 'strategy' = {spec!r}: {cls.__name__} is not a flwr.serverapp.strategy.Strategy "
+        "and has no from_run_config(config, layout, topology) class method"
+    )
 
 
 def _table(kind: str) -> dict[str, str]:
@@ -164,8 +172,10 @@ def check_components(config) -> None:
     failed replies from every node.
     """
     if config.strategy_args and resolve_strategy(config.strategy) is not resolve("strategy", FLOWER_ADAPTER):
-        raise ConfigError(f"run-config key 'strategy-args' = {config.strategy_args!r} is for a Flower strategy's "
-                          f"constructor; strategy {config.strategy!r} takes its settings from its own keys")
+        raise ConfigError(
+            f"run-config key 'strategy-args' = {config.strategy_args!r} is for a Flower strategy's "
+            f"constructor; strategy {config.strategy!r} takes its settings from its own keys"
+        )
     for kind, spec in (("client", config.client), ("strategy", config.strategy)):
         cls = resolve_strategy(spec) if kind == "strategy" else resolve(kind, spec)
         check = getattr(cls, "check_config", None)
@@ -176,6 +186,8 @@ def check_components(config) -> None:
         except ConfigError:
             raise
         except Exception as err:  # a plug-in's hook that raised something else: still one clear line, exit 2
-            raise ConfigError(f"{kind} {spec!r} refused the run config in {cls.__qualname__}.check_config: "
-                              f"{type(err).__name__}: {err} (a check_config hook should raise "
-                              f"fedrec_flwr.errors.ConfigError)") from err
+            raise ConfigError(
+                f"{kind} {spec!r} refused the run config in {cls.__qualname__}.check_config: "
+                f"{type(err).__name__}: {err} (a check_config hook should raise "
+                f"fedrec_flwr.errors.ConfigError)"
+            ) from err

@@ -19,14 +19,14 @@ import logging
 import time
 import traceback
 import uuid
-from importlib.metadata import version
 from collections.abc import Iterable, Mapping
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
-from flwr.common.constant import ErrorCode
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run, RunStatus
 from flwr.supercore.task_identity import TaskIdentity
@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 
 _FLWR = version("flwr")
 if not _FLWR.startswith("1.42."):  # message ids and node ids are set through Metadata's private fields below
-    raise ImportError(f"fedrec_flwr.serial is written against flwr 1.42 (found {_FLWR}); check SerialGrid.push_messages")
+    raise ImportError(
+        f"fedrec_flwr.serial is written against flwr 1.42 (found {_FLWR}); check SerialGrid.push_messages"
+    )
 
 SERVER_NODE_ID = 1
 """Node id of the server side (Flower's ``SUPERLINK_NODE_ID``)."""
@@ -58,14 +60,32 @@ class SerialGrid(Grid):
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
         self.client_app = client_app
-        self._run = Run(run_id=run_id, fab_id="", fab_version="", fab_hash="", override_config=dict(run_config),
-                        pending_at="", starting_at="", running_at="", finished_at="",
-                        status=RunStatus("running", "", ""), flwr_aid="", federation_id="", primary_task_id=None,
-                        bytes_sent=0, bytes_recv=0, clientapp_runtime=0.0)
+        self._run = Run(
+            run_id=run_id,
+            fab_id="",
+            fab_version="",
+            fab_hash="",
+            override_config=dict(run_config),
+            pending_at="",
+            starting_at="",
+            running_at="",
+            finished_at="",
+            status=RunStatus("running", "", ""),
+            flwr_aid="",
+            federation_id="",
+            primary_task_id=None,
+            bytes_sent=0,
+            bytes_recv=0,
+            clientapp_runtime=0.0,
+        )
         self.contexts = {
-            1000 + k: Context(run_id=run_id, node_id=1000 + k,
-                              node_config={"partition-id": k, "num-partitions": num_nodes},
-                              state=RecordDict(), run_config=dict(run_config))
+            1000 + k: Context(
+                run_id=run_id,
+                node_id=1000 + k,
+                node_config={"partition-id": k, "num-partitions": num_nodes},
+                state=RecordDict(),
+                run_config=dict(run_config),
+            )
             for k in range(num_nodes)
         }
         self._replies: dict[str, Message] = {}
@@ -88,9 +108,12 @@ class SerialGrid(Grid):
         node_id = self._next_node_id
         self._next_node_id += 1
         self.contexts[node_id] = Context(
-            run_id=self._run.run_id, node_id=node_id,
+            run_id=self._run.run_id,
+            node_id=node_id,
             node_config={"partition-id": int(partition_id), "num-partitions": len(self.contexts) + 1},
-            state=RecordDict(), run_config=dict(self._run.override_config))
+            state=RecordDict(),
+            run_config=dict(self._run.override_config),
+        )
         return node_id
 
     # ------------------------------------------------------------------------------------------------ Grid API
@@ -101,8 +124,9 @@ class SerialGrid(Grid):
     def run(self) -> Run:
         return self._run
 
-    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
-                       ttl: float | None = None) -> Message:
+    def create_message(
+        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
+    ) -> Message:
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
@@ -123,7 +147,8 @@ class SerialGrid(Grid):
             elif message.metadata.dst_node_id in self.stopped:
                 self._replies[message_id] = Message(
                     Error(code=ErrorCode.NODE_UNAVAILABLE, reason="Error: Node Unavailable (the node was stopped)"),
-                    reply_to=message)
+                    reply_to=message,
+                )
             else:
                 raise ValueError(f"no node with id {message.metadata.dst_node_id}")
             ids.append(message_id)
@@ -148,8 +173,13 @@ class SerialGrid(Grid):
             TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
 
 
-def run_serial(run_config: Mapping[str, Any] | RunConfig, *, client_app: ClientApp | None = None,
-               return_grid: bool = False, on_round=None) -> Path | tuple[Path, SerialGrid]:
+def run_serial(
+    run_config: Mapping[str, Any] | RunConfig,
+    *,
+    client_app: ClientApp | None = None,
+    return_grid: bool = False,
+    on_round=None,
+) -> Path | tuple[Path, SerialGrid]:
     """Run one federated experiment in this process (the ServerApp's :func:`~fedrec_flwr.app.server_app.main` over a
     :class:`SerialGrid` with as many nodes as ``users-per-node`` implies).
 
@@ -177,7 +207,9 @@ def run_serial(run_config: Mapping[str, Any] | RunConfig, *, client_app: ClientA
     mapping = config.to_dict()
     num_nodes = -(-runtime.split.num_users // config.users_per_node)
     grid = SerialGrid(client_app or make_client_app(mapping), num_nodes, mapping)
-    if config.adversary != "none" and runtime.protected is not None:  # FedAU²: per-round diagnostics of h_w (evaluation only)
+    if (
+        config.adversary != "none" and runtime.protected is not None
+    ):  # FedAU²: per-round diagnostics of h_w (evaluation only)
         from fedrec_flwr.adversary import DiagnosticsHook
 
         on_round = DiagnosticsHook(runtime, on_round)

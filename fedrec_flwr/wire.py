@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
 # ------------------------------------------------------------------------------------------ message names
 IDENTIFY = "identify"
 """Action of the ``query`` message by which the server learns which users each node serves."""
@@ -94,7 +93,6 @@ class ReplyError(ValueError):
 
 class PrivacyViolation(RuntimeError):
     """A client reply carries a private parameter (a user embedding). The round fails."""
-
 
 
 # ------------------------------------------------------------------------------------------ one user's result
@@ -302,7 +300,9 @@ def check_reply_keys(arrays: Mapping[str, np.ndarray], layout: ModelLayout) -> N
         if rows.ndim != 1 or not np.issubdtype(rows.dtype, np.integer):
             raise ReplyError(f"'{key}{ROWS}' must be a 1-d integer array, got {rows.dtype} {rows.shape}")
         if tuple(sums.shape) != (len(rows), *dim) or tuple(counts.shape) != (len(rows),):
-            raise ReplyError(f"'{key}' sparse arrays disagree: rows {rows.shape}, sum {sums.shape}, count {counts.shape}")
+            raise ReplyError(
+                f"'{key}' sparse arrays disagree: rows {rows.shape}, sum {sums.shape}, count {counts.shape}"
+            )
         if len(rows):
             # strictly increasing rows (what our nodes send) are unique, and their first and last are the extremes
             increasing = len(rows) == 1 or bool((rows[1:] > rows[:-1]).all())
@@ -439,8 +439,9 @@ def unpack_sparse(arrays: Mapping[str, np.ndarray], layout: ModelLayout) -> dict
     expected = {k for k in layout.dense_keys} | {k + s for k in layout.item_keys for s in (ROWS, SUM)}
     missing, unknown = expected - set(arrays), set(arrays) - expected
     if missing or unknown:
-        raise ReplyError(f"sparse vector keys do not match the scheme: missing {sorted(missing)}, "
-                         f"unknown {sorted(unknown)}")
+        raise ReplyError(
+            f"sparse vector keys do not match the scheme: missing {sorted(missing)}, unknown {sorted(unknown)}"
+        )
     out: dict[str, np.ndarray] = {}
     for key, shape in layout.shared_shapes.items():
         if key in layout.item_keys:
@@ -476,8 +477,9 @@ class SparseSum:
         self.total = {k: np.zeros(s, dtype=np.float64) for k, s in layout.shared_shapes.items()}
         self.count = 0
 
-    def add(self, dense: Mapping[str, np.ndarray], rows: Mapping[str, tuple[np.ndarray, np.ndarray]],
-            weight: float = 1.0) -> None:
+    def add(
+        self, dense: Mapping[str, np.ndarray], rows: Mapping[str, tuple[np.ndarray, np.ndarray]], weight: float = 1.0
+    ) -> None:
         """Add ``weight`` times one user's vector (dense key -> array; item key -> ``(row ids, values)``)."""
         for key in self.layout.dense_keys:
             self.total[key] += weight * np.asarray(dense[key], dtype=np.float64)

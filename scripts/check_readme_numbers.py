@@ -42,16 +42,21 @@ ROOT = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"round\s+(\d+) \| HR@10 ([\d.]+|\s*-\s*) \| NDCG@10 ([\d.]+|\s*-\s*) \| train loss ([\d.]+)")
 TOLERANCE = re.compile(r"within \*\*±([\d.]+)\*\*")
 MACHINE_FILE = ROOT / "scripts" / "readme_figures_machine.json"
-FINAL = re.compile(r"HR@10 climbs from ([\d.]+) \(round (\d+)\) to ([\d.]+) \(round (\d+)\), NDCG@10 from ([\d.]+) to "
-                   r"([\d.]+)")
+FINAL = re.compile(
+    r"HR@10 climbs from ([\d.]+) \(round (\d+)\) to ([\d.]+) \(round (\d+)\), NDCG@10 from ([\d.]+) to "
+    r"([\d.]+)"
+)
 
 
 def quoted(readme: str) -> dict[int, dict[str, str]]:
     """The README's quoted progress lines: round -> {"HR@10", "NDCG@10", "train-loss"} as printed ("-" if none)."""
     out = {}
     for match in LINE.finditer(readme):
-        out[int(match.group(1))] = {"HR@10": match.group(2).strip(), "NDCG@10": match.group(3).strip(),
-                                    "train-loss": match.group(4)}
+        out[int(match.group(1))] = {
+            "HR@10": match.group(2).strip(),
+            "NDCG@10": match.group(3).strip(),
+            "train-loss": match.group(4),
+        }
     return out
 
 
@@ -69,8 +74,13 @@ def machine() -> dict[str, str]:
             cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"cpu": cpu, "cpu-capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
-            "torch": torch.__version__, "numpy": numpy.__version__}
+    return {
+        "cpu": cpu,
+        "cpu-capability": torch.backends.cpu.get_cpu_capability(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+    }
 
 
 def describe(record: dict) -> str:
@@ -100,7 +110,7 @@ def compare(quotes: dict[int, dict[str, str]], rows: list[dict], tolerance: floa
             decimals = len(value.partition(".")[2])
             fresh = f"{row[column]:.{decimals}f}" if column in row else "-"
             if tolerance > 0 and value != "-" and fresh != "-":
-                if abs(float(row[column]) - float(value)) <= tolerance + 0.5 * 10 ** -decimals:
+                if abs(float(row[column]) - float(value)) <= tolerance + 0.5 * 10**-decimals:
                     continue
             if value != fresh:
                 problems.append(f"round {rnd} {key}: README {value}, fresh run {fresh}")
@@ -111,12 +121,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=10, help="rounds to run (default 10)")
     parser.add_argument("--readme", default=str(ROOT / "README.md"))
-    parser.add_argument("--results-dir", default=None,
-                        help="where the run's folder goes (default: a temp folder, removed unless a figure differs)")
-    parser.add_argument("--machine-file", default=str(MACHINE_FILE),
-                        help="the record of the machine that wrote the figures (default scripts/readme_figures_machine.json)")
-    parser.add_argument("--record-machine", action="store_true",
-                        help="record this machine as the one that wrote the figures, when every figure matches exactly")
+    parser.add_argument(
+        "--results-dir",
+        default=None,
+        help="where the run's folder goes (default: a temp folder, removed unless a figure differs)",
+    )
+    parser.add_argument(
+        "--machine-file",
+        default=str(MACHINE_FILE),
+        help="the record of the machine that wrote the figures (default scripts/readme_figures_machine.json)",
+    )
+    parser.add_argument(
+        "--record-machine",
+        action="store_true",
+        help="record this machine as the one that wrote the figures, when every figure matches exactly",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(ROOT))
@@ -143,23 +162,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"comparing exactly: this is the machine that wrote the figures ({describe(here)})")
     else:
         tolerance = stated_tolerance(text) or 0.0
-        how = (f"comparing within ±{tolerance:g}, the spread the README states across machines" if tolerance
-               else "the README states no spread across machines: comparing exactly")
-        print(f"this machine ({describe(here)}) is not the one that wrote the figures "
-              f"({describe(recorded) if recorded else 'not recorded'}): {how}")
+        how = (
+            f"comparing within ±{tolerance:g}, the spread the README states across machines"
+            if tolerance
+            else "the README states no spread across machines: comparing exactly"
+        )
+        print(
+            f"this machine ({describe(here)}) is not the one that wrote the figures "
+            f"({describe(recorded) if recorded else 'not recorded'}): {how}"
+        )
     temp = None if args.results_dir else Path(tempfile.mkdtemp(prefix="readme-check-"))
     problems = None
     try:
-        config = make_run_config(num_server_rounds=args.rounds, results_dir=str(args.results_dir or temp),
-                                 run_name="readme-check")
+        config = make_run_config(
+            num_server_rounds=args.rounds, results_dir=str(args.results_dir or temp), run_name="readme-check"
+        )
         folder = run_serial(config)
         rows = json.loads((folder / "metrics.json").read_text())
         problems = compare(ran, rows, tolerance)
         for line in problems:
             print(line)
-        print(f"{len(ran)} quoted round(s) checked against {folder}: "
-              f"{'all match' if not problems else f'{len(problems)} difference(s)'}"
-              + (f" (within ±{tolerance:g})" if tolerance else " (exactly)"))
+        print(
+            f"{len(ran)} quoted round(s) checked against {folder}: "
+            f"{'all match' if not problems else f'{len(problems)} difference(s)'}"
+            + (f" (within ±{tolerance:g})" if tolerance else " (exactly)")
+        )
         if args.record_machine and not problems:
             Path(args.machine_file).write_text(json.dumps(here, indent=2) + "\n")
             print(f"recorded this machine in {args.machine_file}")

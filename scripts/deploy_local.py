@@ -37,14 +37,14 @@ from __future__ import annotations
 
 import argparse
 import csv
-import signal
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
 import traceback
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -55,18 +55,31 @@ try:
 except ImportError:
     if VENV_PYTHON.is_file() and Path(sys.prefix).resolve() != (ROOT / ".venv").resolve():
         os.execv(str(VENV_PYTHON), [str(VENV_PYTHON), *sys.argv])
-    raise SystemExit("error: fedrec-flwr is not installed here: run `bash experiments/quickstart.sh` once (it makes "
-                     ".venv), or call this script with the Python that has it") from None
+    raise SystemExit(
+        "error: fedrec-flwr is not installed here: run `bash experiments/quickstart.sh` once (it makes "
+        ".venv), or call this script with the Python that has it"
+    ) from None
 sys.path.insert(0, str(ROOT))
 
 from fedrec_flwr.deploy import Deployment, DeploymentError, app_snapshot  # noqa: E402
 from fedrec_flwr.errors import FedRecError  # noqa: E402
-from fedrec_flwr.launch import parse_override, raise_stopped, run_error  # noqa: E402
+from fedrec_flwr.launch import (  # noqa: E402
+    absolute_path_env,  # noqa: E402
+    parse_override,
+    raise_stopped,
+    run_error,
+)
 from fedrec_flwr.state.results import headline_k  # noqa: E402
-from fedrec_flwr.launch import absolute_path_env  # noqa: E402
 
-PATH_KEYS = ("data-dir", "cache-dir", "results-dir", "generic-file", "generic-attributes-file", "resume-from",
-             "client-state-dir")
+PATH_KEYS = (
+    "data-dir",
+    "cache-dir",
+    "results-dir",
+    "generic-file",
+    "generic-attributes-file",
+    "resume-from",
+    "client-state-dir",
+)
 """Run-config keys naming a file or folder: made absolute against the caller's working folder (the ServerApp and the
 ClientApps run in other folders)."""
 
@@ -106,8 +119,8 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def plan_nodes(overrides: dict[str, Any], supernodes: int | None) -> int:
     """Number of SuperNodes, and ``users-per-node`` set in ``overrides``, consistent with the dataset's users."""
-    from fedrec_flwr.config import RunConfig, default_mapping
     from fedrec_flwr.app.runtime import load_split_for
+    from fedrec_flwr.config import RunConfig, default_mapping
 
     mapping = default_mapping()
     mapping.update(overrides)
@@ -117,15 +130,19 @@ def plan_nodes(overrides: dict[str, Any], supernodes: int | None) -> int:
     if "users-per-node" in overrides:
         needed = -(-num_users // int(overrides["users-per-node"]))
         if supernodes is not None and supernodes != needed:
-            raise FedRecError(f"--supernodes {supernodes} does not match users-per-node = {overrides['users-per-node']}: "
-                              f"{num_users} users need exactly {needed} SuperNodes")
+            raise FedRecError(
+                f"--supernodes {supernodes} does not match users-per-node = {overrides['users-per-node']}: "
+                f"{num_users} users need exactly {needed} SuperNodes"
+            )
         return needed
     supernodes = 3 if supernodes is None else supernodes
     per_node = -(-num_users // supernodes)
     if -(-num_users // per_node) != supernodes:
-        raise FedRecError(f"{num_users} users cannot be split into exactly {supernodes} non-empty blocks of equal size "
-                          f"(users-per-node {per_node} gives {-(-num_users // per_node)} SuperNodes); choose another "
-                          "--supernodes or set users-per-node")
+        raise FedRecError(
+            f"{num_users} users cannot be split into exactly {supernodes} non-empty blocks of equal size "
+            f"(users-per-node {per_node} gives {-(-num_users // per_node)} SuperNodes); choose another "
+            "--supernodes or set users-per-node"
+        )
     overrides["users-per-node"] = per_node
     return supernodes
 
@@ -140,24 +157,35 @@ def report(folder: Path, startup: float, run_seconds: float, supernodes: int) ->
     for row in rows:
         hr = f"{float(row[f'HR@{k}']):.4f}" if row.get(f"HR@{k}") else "-"
         ndcg = f"{float(row[f'NDCG@{k}']):.4f}" if row.get(f"NDCG@{k}") else "-"
-        print(f"{row['round']:>5}  {float(row['seconds']):8.1f}  {float(row.get('train-seconds') or 0):8.1f}  "
-              f"{hr:>7}  {ndcg:>7}")
+        print(
+            f"{row['round']:>5}  {float(row['seconds']):8.1f}  {float(row.get('train-seconds') or 0):8.1f}  "
+            f"{hr:>7}  {ndcg:>7}"
+        )
     seconds = [float(r["seconds"]) for r in rows]
     final = summary.get("final", {})
     result = {
-        "supernodes": supernodes, "rounds": len(rows), "round-seconds": seconds,
+        "supernodes": supernodes,
+        "rounds": len(rows),
+        "round-seconds": seconds,
         "train-seconds": [float(r.get("train-seconds") or 0) for r in rows],
         "mean-round-seconds": sum(seconds) / len(seconds) if seconds else None,
-        "startup-seconds": round(startup, 3), "run-seconds": round(run_seconds, 3),
+        "startup-seconds": round(startup, 3),
+        "run-seconds": round(run_seconds, 3),
         "server-total-seconds": summary.get("total-seconds"),
-        f"HR@{k}": final.get(f"HR@{k}"), f"NDCG@{k}": final.get(f"NDCG@{k}"), "folder": str(folder),
+        f"HR@{k}": final.get(f"HR@{k}"),
+        f"NDCG@{k}": final.get(f"NDCG@{k}"),
+        "folder": str(folder),
     }
-    print(f"\n{supernodes} SuperNodes: mean {result['mean-round-seconds']:.1f} s per round over {len(rows)} rounds; "
-          f"startup {startup:.1f} s, run {run_seconds:.1f} s (submit to results), ServerApp "
-          f"{summary.get('total-seconds')} s")
-    print(f"final HR@{k} {final.get(f'HR@{k}', float('nan')):.4f}  "
-          f"NDCG@{k} {final.get(f'NDCG@{k}', float('nan')):.4f}"
-          f"  -> {folder}")
+    print(
+        f"\n{supernodes} SuperNodes: mean {result['mean-round-seconds']:.1f} s per round over {len(rows)} rounds; "
+        f"startup {startup:.1f} s, run {run_seconds:.1f} s (submit to results), ServerApp "
+        f"{summary.get('total-seconds')} s"
+    )
+    print(
+        f"final HR@{k} {final.get(f'HR@{k}', float('nan')):.4f}  "
+        f"NDCG@{k} {final.get(f'NDCG@{k}', float('nan')):.4f}"
+        f"  -> {folder}"
+    )
     return result
 
 
@@ -165,11 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--supernodes", type=int, default=None, help="SuperNodes to start (default 3)")
     parser.add_argument("--tls", action="store_true", help="TLS on the SuperLink (a CA made for this run)")
-    parser.add_argument("--auth", action="store_true",
-                        help="SuperNode authentication (registered keys only; implies --tls)")
+    parser.add_argument(
+        "--auth", action="store_true", help="SuperNode authentication (registered keys only; implies --tls)"
+    )
     parser.add_argument("--workdir", default=None, help="folder for FLWR_HOMEs, logs, certificates, keys")
-    parser.add_argument("--snapshot", action="store_true",
-                        help="flwr run a lean copy of the app (faster FAB build; same code)")
+    parser.add_argument(
+        "--snapshot", action="store_true", help="flwr run a lean copy of the app (faster FAB build; same code)"
+    )
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the results")
     parser.add_argument("--json", default=None, help="also write the timings and final metrics to this file")
     parser.add_argument("--quiet", action="store_true", help="do not echo the run's log")
@@ -190,12 +220,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fedrec-deploy-")).resolve()
     overrides.setdefault("results-dir", str(workdir / "results"))
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    overrides.setdefault("run-name", f"deploy-{supernodes}nodes{'-tls' if tls else ''}{'-auth' if args.auth else ''}"
-                                     f"-{stamp}")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    overrides.setdefault(
+        "run-name", f"deploy-{supernodes}nodes{'-tls' if tls else ''}{'-auth' if args.auth else ''}-{stamp}"
+    )
     try:  # every check that needs no Flower, before any process starts (as the launcher and run_serial do)
-        from fedrec_flwr.config import default_mapping
         from fedrec_flwr.app.preflight import preflight
+        from fedrec_flwr.config import default_mapping
 
         preflight({**default_mapping(), **overrides}, with_data=True)
     except FedRecError as err:
@@ -204,19 +235,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     project = app_snapshot(workdir / "app") if args.snapshot else None
-    print(f"deploying {supernodes} SuperNodes (users-per-node {overrides['users-per-node']}), "
-          f"{'TLS' if tls else 'insecure'}{' + SuperNode auth' if args.auth else ''}; work folder {workdir}",
-          file=sys.stderr, flush=True)
+    print(
+        f"deploying {supernodes} SuperNodes (users-per-node {overrides['users-per-node']}), "
+        f"{'TLS' if tls else 'insecure'}{' + SuperNode auth' if args.auth else ''}; work folder {workdir}",
+        file=sys.stderr,
+        flush=True,
+    )
     started = time.monotonic()
     # SIGTERM / SIGHUP end the deployment like Ctrl-C (the `with` below ends every process it started); exit 128 + signal
     previous = {sig: signal.signal(sig, raise_stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    deployment = Deployment(workdir, num_supernodes=supernodes, tls=tls, auth=args.auth,
-                            **({"project": project} if project else {}))
+    deployment = Deployment(
+        workdir, num_supernodes=supernodes, tls=tls, auth=args.auth, **({"project": project} if project else {})
+    )
     try:
         with deployment:
             startup = time.monotonic() - started
-            print(f"SuperLink at {deployment.address}, {supernodes} SuperNodes joined after {startup:.1f} s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"SuperLink at {deployment.address}, {supernodes} SuperNodes joined after {startup:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
             outcome = deployment.run(overrides, timeout=args.timeout, echo=not args.quiet)
     except (DeploymentError, FedRecError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -225,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: the run did not finish: {own}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as stop:
-        print(f"\nstopped ({stop.args[0] if stop.args else 'Ctrl-C'}): every process of this deployment was ended",
-              file=sys.stderr)
+        print(
+            f"\nstopped ({stop.args[0] if stop.args else 'Ctrl-C'}): every process of this deployment was ended",
+            file=sys.stderr,
+        )
         return stop.args[1] if len(stop.args) > 1 else 128 + signal.SIGINT
     finally:
         for sig, handler in previous.items():
@@ -235,8 +275,15 @@ def main(argv: list[str] | None = None) -> int:
         if left:
             print(f"warning: processes still running: {left}", file=sys.stderr)
     result = report(outcome.folder, startup, outcome.seconds, supernodes)
-    result.update({"tls": tls, "auth": args.auth, "users-per-node": overrides["users-per-node"],
-                   "total-seconds": round(time.monotonic() - started, 3), "workdir": str(workdir)})
+    result.update(
+        {
+            "tls": tls,
+            "auth": args.auth,
+            "users-per-node": overrides["users-per-node"],
+            "total-seconds": round(time.monotonic() - started, 3),
+            "workdir": str(workdir),
+        }
+    )
     if args.json:
         from fedrec_flwr.io import atomic_write_json
 

@@ -78,8 +78,15 @@ class AdversaryServerStep:
         ValueError: no keys, an unknown optimizer or query_users, a learning rate <= 0 or steps < 1.
     """
 
-    def __init__(self, keys, *, optimizer: str = "adam", learning_rate: float = 0.01, steps: int = 1,
-                 query_users: str = "sampled") -> None:
+    def __init__(
+        self,
+        keys,
+        *,
+        optimizer: str = "adam",
+        learning_rate: float = 0.01,
+        steps: int = 1,
+        query_users: str = "sampled",
+    ) -> None:
         self.keys = tuple(keys)
         if not self.keys:
             raise ValueError("AdversaryServerStep: the model has no adversary keys")
@@ -110,15 +117,20 @@ class AdversaryServerStep:
             parse_class_prior(class_prior_text(config), layout.shared_shapes[PREFIX + "head.bias"][0])
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        return cls(keys, optimizer=config.adversary_server_optimizer,
-                   learning_rate=config.adversary_server_learning_rate, steps=config.adversary_server_steps,
-                   query_users=config.adversary_query_users)
+        return cls(
+            keys,
+            optimizer=config.adversary_server_optimizer,
+            learning_rate=config.adversary_server_learning_rate,
+            steps=config.adversary_server_steps,
+            query_users=config.adversary_query_users,
+        )
 
     def _ensure(self, current: Mapping[str, np.ndarray]) -> None:
         if self.optimizer is not None:
             return
-        self.parameters = {k: torch.nn.Parameter(torch.tensor(np.asarray(current[k]), dtype=torch.float32))
-                           for k in self.keys}
+        self.parameters = {
+            k: torch.nn.Parameter(torch.tensor(np.asarray(current[k]), dtype=torch.float32)) for k in self.keys
+        }
         make = torch.optim.Adam if self.optimizer_name == "adam" else torch.optim.SGD
         self.optimizer = make(list(self.parameters.values()), lr=self.learning_rate)
 
@@ -141,8 +153,9 @@ class AdversaryServerStep:
         new = self.step({k: current[k].numpy() for k in self.keys}, mean_reply_gradient(accepted, self.keys))
         return ArrayRecord({k: Array(new[k]) if k in new else v for k, v in arrays.items()})
 
-    def extra_steps(self, strategy, grid, server_round: int, arrays: ArrayRecord,
-                    nodes: Mapping[int, list[int]]) -> ArrayRecord:
+    def extra_steps(
+        self, strategy, grid, server_round: int, arrays: ArrayRecord, nodes: Mapping[int, list[int]]
+    ) -> ArrayRecord:
         """The round's ``steps - 1`` further steps (module docstring): each sends ``arrays`` (the current shared
         parameters) in an ``adversary_gradient`` query to every node of ``nodes`` (node -> the round's users there)
         and :meth:`apply` s the valid replies' mean gradient. A failed or invalid reply is left out with a warning;
@@ -159,17 +172,43 @@ class AdversaryServerStep:
             topology = strategy._topology()
             nodes = topology.group(range(topology.num_users))
         for step in range(1, self.steps):
-            messages = [Message(content=RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord(
-                {**strategy.message_config, "server-round": server_round, "users": list(users),
-                 "adversary-step": step})}), message_type=f"{MessageType.QUERY}.{ADVERSARY_GRADIENT}",
-                dst_node_id=node) for node, users in nodes.items() if len(users)]
+            messages = [
+                Message(
+                    content=RecordDict(
+                        {
+                            ARRAYS: arrays,
+                            CONFIG: ConfigRecord(
+                                {
+                                    **strategy.message_config,
+                                    "server-round": server_round,
+                                    "users": list(users),
+                                    "adversary-step": step,
+                                }
+                            ),
+                        }
+                    ),
+                    message_type=f"{MessageType.QUERY}.{ADVERSARY_GRADIENT}",
+                    dst_node_id=node,
+                )
+                for node, users in nodes.items()
+                if len(users)
+            ]
             replies = strategy._canonical_order(grid.send_and_receive(messages, timeout=strategy.round_timeout))
             accepted, observed = [], []
             for reply in replies:
-                problem = reply_error_line(reply.error.reason) if reply.has_error() else self._reply_problem(reply.content, arrays)
+                problem = (
+                    reply_error_line(reply.error.reason)
+                    if reply.has_error()
+                    else self._reply_problem(reply.content, arrays)
+                )
                 if problem:
-                    log.warning("round %d, adversary step %d: node %d left out: %s", server_round, step + 1,
-                                reply.metadata.src_node_id, problem)
+                    log.warning(
+                        "round %d, adversary step %d: node %d left out: %s",
+                        server_round,
+                        step + 1,
+                        reply.metadata.src_node_id,
+                        problem,
+                    )
                 else:
                     accepted.append(reply.content)
                     node = int(reply.metadata.src_node_id)
@@ -178,8 +217,12 @@ class AdversaryServerStep:
             if observe is not None and observed:
                 observe(server_round, observed)
             if not accepted:
-                log.warning("round %d: no valid adversary_gradient reply; %d of %d server steps of h_w taken",
-                            server_round, step, self.steps)
+                log.warning(
+                    "round %d: no valid adversary_gradient reply; %d of %d server steps of h_w taken",
+                    server_round,
+                    step,
+                    self.steps,
+                )
                 break
             arrays = self.apply(arrays, accepted, arrays)
         return arrays

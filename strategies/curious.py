@@ -75,9 +75,12 @@ class LabelLeakageAudit:
         if config.adversary == "none":
             log.warning("curious server: adversary = 'none', so there is no adversary update to attack")
         elif config.users_per_node > 1:
-            log.warning("curious server: users-per-node = %d, so only a reply of a node that trained exactly one user "
-                        "in the round is attacked (a reply mixing several users is not); set users-per-node = 1 to "
-                        "audit every user", config.users_per_node)
+            log.warning(
+                "curious server: users-per-node = %d, so only a reply of a node that trained exactly one user "
+                "in the round is attacked (a reply mixing several users is not); set users-per-node = 1 to "
+                "audit every user",
+                config.users_per_node,
+            )
         self._audit_config = config
         self._audit_folder: Path | None = None
         self._adversary = None
@@ -96,19 +99,27 @@ class LabelLeakageAudit:
         ``label-leakage.csv`` keeps the rounds before the checkpoint."""
         state, arrays = super().checkpoint_state()
         linked = {str(node): [total.tolist(), count, single] for node, (total, count, single) in self._linked.items()}
-        return {**state, "label-leakage": [dict(r) for r in self.leakage_records],
-                "label-leakage-linked": linked}, arrays
+        return {
+            **state,
+            "label-leakage": [dict(r) for r in self.leakage_records],
+            "label-leakage-linked": linked,
+        }, arrays
 
     def restore_checkpoint_state(self, state, arrays, shared) -> None:
         """Inverse of :meth:`checkpoint_state`; rewrites ``label-leakage.csv`` with the restored records (a crash after
         the checkpoint may have left later rounds' records in it, which the resumed run attacks again)."""
         super().restore_checkpoint_state(state, arrays, shared)
         self.leakage_records = [dict(r) for r in state.get("label-leakage", [])]
-        self._linked = {int(node): [np.asarray(total, dtype=np.float64), int(count), bool(single)]
-                        for node, (total, count, single) in state.get("label-leakage-linked", {}).items()}
+        self._linked = {
+            int(node): [np.asarray(total, dtype=np.float64), int(count), bool(single)]
+            for node, (total, count, single) in state.get("label-leakage-linked", {}).items()
+        }
         if "label-leakage" not in state:
-            log.warning("curious server: the checkpoint holds no label-leakage records (written by an older version); "
-                        "%s restarts with the resumed rounds only", LEAKAGE_FILE)
+            log.warning(
+                "curious server: the checkpoint holds no label-leakage records (written by an older version); "
+                "%s restarts with the resumed rounds only",
+                LEAKAGE_FILE,
+            )
         self._write_records()
 
     def _adversary_template(self, sent: ArrayRecord):
@@ -117,9 +128,14 @@ class LabelLeakageAudit:
             shapes = self.layout.shared_shapes
             first = next(k for k in shapes if k.startswith(ADVERSARY_MODULE + ".") and k.endswith(".weight"))
             self._adversary = build_adversary(  # in_dim: the input width of h_w's first layer (hidden or linear)
-                cfg.adversary, shapes[first][1],
-                shapes[f"{ADVERSARY_MODULE}.head.bias"][0], hidden=cfg.adversary_hidden, latent=cfg.dsvae_latent_dim,
-                gradient_noise=0.0, generator=torch.Generator().manual_seed(0))
+                cfg.adversary,
+                shapes[first][1],
+                shapes[f"{ADVERSARY_MODULE}.head.bias"][0],
+                hidden=cfg.adversary_hidden,
+                latent=cfg.dsvae_latent_dim,
+                gradient_noise=0.0,
+                generator=torch.Generator().manual_seed(0),
+            )
         prefix = ADVERSARY_MODULE + "."
         with torch.no_grad():
             for name, param in self._adversary.named_parameters():
@@ -167,18 +183,28 @@ class LabelLeakageAudit:
             trained = self._sampled_nodes.get(node, [])
             user = int(trained[0]) if len(trained) == 1 else -1
             if self._audit_config.adversary_training == "server":  # the reply carries h_w's gradient itself
-                update = {k[len(prefix):]: arrays[k].numpy() for k in arrays.keys() if k.startswith(prefix)}
+                update = {k[len(prefix) :]: arrays[k].numpy() for k in arrays.keys() if k.startswith(prefix)}
             else:  # updated values: the update w_sent - w_returned has the accumulated gradient's sign pattern
-                update = {k[len(prefix):]: sent[k].numpy() - arrays[k].numpy() for k in arrays.keys()
-                          if k.startswith(prefix)}
+                update = {
+                    k[len(prefix) :]: sent[k].numpy() - arrays[k].numpy() for k in arrays.keys() if k.startswith(prefix)
+                }
             if not all(np.isfinite(v).all() for v in update.values()):
                 continue
-            record = {"round": server_round, "node": node, "user": user,
-                      "idlg-label": idlg_label(update["head.bias"]), "dlg-label": -1,
-                      "idlg-linked-label": self._link(node, update["head.bias"])}
+            record = {
+                "round": server_round,
+                "node": node,
+                "user": user,
+                "idlg-label": idlg_label(update["head.bias"]),
+                "dlg-label": -1,
+                "idlg-linked-label": self._link(node, update["head.bias"]),
+            }
             if run_dlg and dlg_done < self.dlg_per_round:
-                record["dlg-label"] = dlg_label(self._adversary_template(sent), update,
-                                                iterations=self.dlg_iterations, seed=server_round * 100003 + node % 100003)
+                record["dlg-label"] = dlg_label(
+                    self._adversary_template(sent),
+                    update,
+                    iterations=self.dlg_iterations,
+                    seed=server_round * 100003 + node % 100003,
+                )
                 dlg_done += 1
             self.leakage_records.append(record)
         self._write_records()
@@ -202,8 +228,9 @@ class CuriousItemFedAvg(LabelLeakageAudit, ItemEmbeddingFedAvg):
         strategy.setup_audit(config)
         return strategy
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]
-                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
         self.audit(server_round, replies)
         return super().aggregate_train(server_round, replies)

@@ -73,19 +73,39 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedrec_flwr.state.client_state import DURABLE_ROUND_KEY, RUN_KEY
-from fedrec_flwr.config import RunConfig
-from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.app.message_window import GridProxy
 from fedrec_flwr.app.preflight import quiet
+from fedrec_flwr.config import RunConfig
+from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.registry import resolve
-from fedrec_flwr.wire import ARRAYS, CONFIG, COUNT, GRADIENT_USERS, METRICS, NUM_EXAMPLES, ROWS, SUM, ModelLayout, \
-    ReplyError, Topology
+from fedrec_flwr.state.client_state import DURABLE_ROUND_KEY, RUN_KEY
+from fedrec_flwr.wire import (
+    ARRAYS,
+    CONFIG,
+    COUNT,
+    GRADIENT_USERS,
+    METRICS,
+    NUM_EXAMPLES,
+    ROWS,
+    SUM,
+    ModelLayout,
+    ReplyError,
+    Topology,
+)
 
 from .item_fedavg import ItemEmbeddingFedAvg, RoundFailed
 
-__all__ = ["FlowerStrategyAdapter", "RoundNodes", "build_flower_strategy", "check_sent_keys", "dense_reply",
-           "dp_sample_size_mismatch", "parse_strategy_args", "robust_aggregation_shortfall", "server_side_dp"]
+__all__ = [
+    "FlowerStrategyAdapter",
+    "RoundNodes",
+    "build_flower_strategy",
+    "check_sent_keys",
+    "dense_reply",
+    "dp_sample_size_mismatch",
+    "parse_strategy_args",
+    "robust_aggregation_shortfall",
+    "server_side_dp",
+]
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +133,10 @@ REPLY_WEIGHT_KEYS = (NUM_EXAMPLES, "num-users")
 :func:`_with_users`): what a Flower strategy's ``weighted_by_key`` may name."""
 
 ARGUMENT_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "weighted_by_key": (lambda v: v in REPLY_WEIGHT_KEYS,
-                        f"must name a count every reply carries, {' or '.join(map(repr, REPLY_WEIGHT_KEYS))}"),
+    "weighted_by_key": (
+        lambda v: v in REPLY_WEIGHT_KEYS,
+        f"must name a count every reply carries, {' or '.join(map(repr, REPLY_WEIGHT_KEYS))}",
+    ),
     "train_loss_key": (lambda v: v == "train-loss", "must be 'train-loss', the train replies' loss metric"),
     "eta": (lambda v: v > 0, "must be > 0 (the server learning rate)"),
     "tau": (lambda v: v > 0, "must be > 0 (it keeps the step's denominator sqrt(v) + tau away from 0)"),
@@ -133,7 +155,7 @@ our replies do not carry, a division by zero) or quietly do something else (a ne
 
 REFUSED = {
     "FedXgbBagging": "FedXgbBagging aggregates XGBoost boosters serialized in one byte array (it refuses any "
-                     "ArrayRecord with more than one array); it cannot aggregate a recommender's parameters",
+    "ArrayRecord with more than one array); it cannot aggregate a recommender's parameters",
 }
 """Flower strategies (by class name, subclasses included) that cannot serve any model of this package, and why."""
 
@@ -167,21 +189,26 @@ def parse_strategy_args(text: str) -> dict[str, Any]:
         current += char
     entries.append(current)
     if quote or depth:
-        raise ConfigError(f"run-config key 'strategy-args' = {text!r}: "
-                          + (f"the quote {quote} is never closed" if quote else "its brackets do not balance"))
+        raise ConfigError(
+            f"run-config key 'strategy-args' = {text!r}: "
+            + (f"the quote {quote} is never closed" if quote else "its brackets do not balance")
+        )
     if not str(text).strip():
         return {}
     out: dict[str, Any] = {}
     for number, entry in enumerate((e.strip() for e in entries), start=1):
         if not entry:
-            raise ConfigError(f"run-config key 'strategy-args' = {text!r}: entry {number} of {len(entries)} is "
-                              "empty (two commas in a row, or a comma at an end); give name=value entries "
-                              "separated by single commas")
+            raise ConfigError(
+                f"run-config key 'strategy-args' = {text!r}: entry {number} of {len(entries)} is "
+                "empty (two commas in a row, or a comma at an end); give name=value entries "
+                "separated by single commas"
+            )
         name, sep, raw = entry.partition("=")
         name, raw = name.strip(), raw.strip()
         if not sep or not name.isidentifier():
-            raise ConfigError(f"run-config key 'strategy-args': {entry!r} is not name=value "
-                              "(e.g. \"proximal_mu=0.1,eta=0.01\")")
+            raise ConfigError(
+                f"run-config key 'strategy-args': {entry!r} is not name=value (e.g. \"proximal_mu=0.1,eta=0.01\")"
+            )
         if name in out:
             raise ConfigError(f"run-config key 'strategy-args': {name!r} is given twice")
         lowered = raw.lower()
@@ -204,8 +231,10 @@ def _coerce(cls: type, name: str, value: Any, annotation: Any) -> Any:
     kinds = [o for o in options if o is not type(None)]
     text = " | ".join(getattr(k, "__name__", str(k)) for k in kinds)
     if any("Callable" in str(k) or typing.get_origin(k) is _CALLABLE for k in kinds):
-        raise ConfigError(f"{where}: takes a callable, which strategy-args cannot give; subclass the strategy and set "
-                          "it in the subclass's __init__")
+        raise ConfigError(
+            f"{where}: takes a callable, which strategy-args cannot give; subclass the strategy and set "
+            "it in the subclass's __init__"
+        )
     for kind in kinds:
         if kind is inspect.Parameter.empty or kind is Any:
             return value
@@ -257,17 +286,22 @@ def build_flower_strategy(cls: type, args: Mapping[str, Any]) -> tuple[Strategy,
         hints = typing.get_type_hints(cls.__init__)
     except Exception:  # noqa: BLE001 - an unresolvable annotation: fall back to the raw ones
         hints = {}
-    params = {n: p for n, p in list(signature.parameters.items())[1:]
-              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    params = {
+        n: p for n, p in list(signature.parameters.items())[1:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
     takes_any = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
     kwargs: dict[str, Any] = {}
     for name, value in args.items():
         if name in SET_BY_ADAPTER and name in params:
-            raise ConfigError(f"run-config key 'strategy-args': {name!r} is set by the adapter ({name} = "
-                              f"{SET_BY_ADAPTER[name]!r}); choose users with 'fraction-train' / 'fraction-evaluate'")
+            raise ConfigError(
+                f"run-config key 'strategy-args': {name!r} is set by the adapter ({name} = "
+                f"{SET_BY_ADAPTER[name]!r}); choose users with 'fraction-train' / 'fraction-evaluate'"
+            )
         if name not in params and not takes_any:
-            raise ConfigError(f"run-config key 'strategy-args': {cls.__name__} has no argument {name!r}; it takes "
-                              f"{sorted(n for n in params if n not in SET_BY_ADAPTER)}")
+            raise ConfigError(
+                f"run-config key 'strategy-args': {cls.__name__} has no argument {name!r}; it takes "
+                f"{sorted(n for n in params if n not in SET_BY_ADAPTER)}"
+            )
         kwargs[name] = _coerce(cls, name, value, hints.get(name, params[name].annotation if name in params else Any))
         _check_value(cls, name, kwargs[name])
     for name, value in {**DEFAULTS, **SET_BY_ADAPTER}.items():
@@ -275,13 +309,16 @@ def build_flower_strategy(cls: type, args: Mapping[str, Any]) -> tuple[Strategy,
             kwargs[name] = value
     missing = [n for n, p in params.items() if p.default is p.empty and n not in kwargs]
     if missing:
-        raise ConfigError(f"strategy {cls.__name__} needs {missing}: give them in run-config key 'strategy-args', "
-                          f"e.g. strategy-args = \"{missing[0]}=...\"")
+        raise ConfigError(
+            f"strategy {cls.__name__} needs {missing}: give them in run-config key 'strategy-args', "
+            f'e.g. strategy-args = "{missing[0]}=..."'
+        )
     try:
         strategy = cls(**kwargs)
     except (TypeError, ValueError) as err:
-        raise ConfigError(f"run-config key 'strategy-args': strategy {cls.__name__}({kwargs}) refused its arguments: "
-                          f"{err}") from None
+        raise ConfigError(
+            f"run-config key 'strategy-args': strategy {cls.__name__}({kwargs}) refused its arguments: {err}"
+        ) from None
     for name in ("min_train_nodes", "min_evaluate_nodes", "min_available_nodes"):
         if getattr(strategy, name, 1) > 1:  # a constructor that fixes it (FedXgbCyclic: 2) would wait for nodes
             setattr(strategy, name, 1)
@@ -304,9 +341,15 @@ def _check_value(cls: type, name: str, value: Any) -> None:
         ConfigError: naming the strategy, the argument, the value and the rule.
     """
     rule = ARGUMENT_RULES.get(name)
-    if rule is None or value is None or not any(
+    if (
+        rule is None
+        or value is None
+        or not any(
             base.__module__.startswith("flwr.") and name in inspect.signature(base.__init__).parameters
-            for base in cls.__mro__ if base is not object):
+            for base in cls.__mro__
+            if base is not object
+        )
+    ):
         return
     check, text = rule
     try:
@@ -346,8 +389,10 @@ class RoundNodes(GridProxy):
     def get_node_ids(self) -> list[int]:
         self.calls += 1
         if self.calls > self.patience:
-            raise ConfigError(f"strategy {self.strategy_name} keeps waiting for more nodes than the {len(self.nodes)} "
-                              "serving this round's users (does it fix min_available_nodes above that?)")
+            raise ConfigError(
+                f"strategy {self.strategy_name} keeps waiting for more nodes than the {len(self.nodes)} "
+                "serving this round's users (does it fix min_available_nodes above that?)"
+            )
         return list(self.nodes)
 
 
@@ -405,8 +450,15 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
         **options: :class:`~fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg`'s (seed, fraction-train, ...).
     """
 
-    def __init__(self, layout: ModelLayout, *, wrapped: Strategy, client_config_keys: Iterable[str] = (),
-                 arguments: Mapping[str, Any] | None = None, **options) -> None:
+    def __init__(
+        self,
+        layout: ModelLayout,
+        *,
+        wrapped: Strategy,
+        client_config_keys: Iterable[str] = (),
+        arguments: Mapping[str, Any] | None = None,
+        **options,
+    ) -> None:
         super().__init__(layout, **options)
         if isinstance(wrapped, ItemEmbeddingFedAvg) or not isinstance(wrapped, Strategy):
             raise TypeError(f"wrapped must be a flwr.serverapp.strategy.Strategy of Flower's kind, got {wrapped!r}")
@@ -418,8 +470,10 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
         self._replies: dict[int, Message] = {}
         self._round = 0
         if type(wrapped).start is not Strategy.start:
-            log.warning("%s overrides start(); the adapter runs Flower's Strategy.start loop with its hooks instead",
-                        type(wrapped).__name__)
+            log.warning(
+                "%s overrides start(); the adapter runs Flower's Strategy.start loop with its hooks instead",
+                type(wrapped).__name__,
+            )
 
     @property
     def name(self) -> str:
@@ -431,13 +485,18 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
         let it configure a dry round (:func:`check_sent_keys`: a key the client ignores fails here, not in round 1);
         ``item-aggregation`` must stay ``"auto"`` (the wrapped strategy aggregates the dense replies itself)."""
         if getattr(config, "adversary", "none") != "none" and getattr(config, "adversary_training", "") == "server":
-            raise ConfigError(f"adversary-training = 'server' needs an item-fedavg-derived strategy (its replies carry "
-                              f"the adversary's gradients); {config.strategy} would average them as parameters")
+            raise ConfigError(
+                f"adversary-training = 'server' needs an item-fedavg-derived strategy (its replies carry "
+                f"the adversary's gradients); {config.strategy} would average them as parameters"
+            )
         if config.item_aggregation != "auto":
-            raise ConfigError(f"run-config key 'item-aggregation' = {config.item_aggregation!r} does not apply to "
-                              f"{config.strategy}: it aggregates dense replies itself (see strategies/flower_adapter.py)")
-        wrapped, _ = build_flower_strategy(resolve("strategy", config.strategy),
-                                           parse_strategy_args(config.strategy_args))
+            raise ConfigError(
+                f"run-config key 'item-aggregation' = {config.item_aggregation!r} does not apply to "
+                f"{config.strategy}: it aggregates dense replies itself (see strategies/flower_adapter.py)"
+            )
+        wrapped, _ = build_flower_strategy(
+            resolve("strategy", config.strategy), parse_strategy_args(config.strategy_args)
+        )
         client = resolve("client", config.client)
         sent = check_sent_keys(wrapped, getattr(client, "strategy_config_keys", ()))
         if hasattr(client, "check_strategy_config"):  # the values of the keys it honours (e.g. proximal-mu >= 0)
@@ -472,7 +531,8 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
             raise ConfigError(
                 f"strategy {self.name}: {robust_aggregation_shortfall(self.wrapped, all_nodes)}, but the federation "
                 f"has only {all_nodes} nodes ({num_users} users, users-per-node {users_per_node}); lower "
-                "'users-per-node' (more nodes), or change the strategy's arguments in 'strategy-args'")
+                "'users-per-node' (more nodes), or change the strategy's arguments in 'strategy-args'"
+            )
         rounds: dict[int, tuple[int, int]] = {}  # nodes -> (the first round with that many, its users)
         for server_round in self.planned_train_rounds():  # after unlearn-round: without the forgotten users
             users = self.planned_train_users(server_round)
@@ -484,10 +544,20 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
                     f"strategy {self.name}: {problem}, but round {server_round} trains {len(users)} users on {nodes} "
                     f"nodes (fraction-train {self.fraction_train:g} of {num_users} users, users-per-node "
                     f"{users_per_node}{self._forgotten_note(server_round)}); raise 'fraction-train' (or lower "
-                    "'users-per-node'), or change the strategy's arguments in 'strategy-args'")
-        problem = dp_sample_size_mismatch(dp, rounds, num_users=num_users, fraction_train=self.fraction_train,
-                                          users_per_node=users_per_node, remedy=self._forgetting_remedy(rounds)) \
-            if dp is not None else None
+                    "'users-per-node'), or change the strategy's arguments in 'strategy-args'"
+                )
+        problem = (
+            dp_sample_size_mismatch(
+                dp,
+                rounds,
+                num_users=num_users,
+                fraction_train=self.fraction_train,
+                users_per_node=users_per_node,
+                remedy=self._forgetting_remedy(rounds),
+            )
+            if dp is not None
+            else None
+        )
         if problem:
             raise ConfigError(problem)
 
@@ -501,11 +571,15 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
             return None
         first, nodes = late[0]
         which = f"round {first}" if first <= self.num_rounds else f"its continue round {first - self.num_rounds}"
-        why = (f"the rounds after the unlearning phase of round {u.round} train without its {len(u.forget)} forgotten "
-               f"users ({which}: {nodes} nodes)")
+        why = (
+            f"the rounds after the unlearning phase of round {u.round} train without its {len(u.forget)} forgotten "
+            f"users ({which}: {nodes} nodes)"
+        )
         if u.method == "continue":
-            return (f"{why}; unlearning = 'continue' always trains rounds without them (its own, after the last), so "
-                    "with a server-side DP wrapper use another unlearning method and unlearn-round = 0")
+            return (
+                f"{why}; unlearning = 'continue' always trains rounds without them (its own, after the last), so "
+                "with a server-side DP wrapper use another unlearning method and unlearn-round = 0"
+            )
         return f"{why}: set unlearn-round = 0 (the phase after the last round, so every round trains the same users)"
 
     def _forgotten_note(self, server_round: int) -> str:
@@ -517,8 +591,10 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
         if u is None or u.method not in PHASE_METHODS or not u.forget or server_round <= u.round:
             return ""
         if server_round > self.num_rounds:  # one of unlearning = "continue"'s own rounds
-            return (f", round {server_round - self.num_rounds} of the {u.continue_rounds} continue-rounds of the "
-                    f"unlearning phase after round {u.round}, without its {len(u.forget)} forgotten users")
+            return (
+                f", round {server_round - self.num_rounds} of the {u.continue_rounds} continue-rounds of the "
+                f"unlearning phase after round {u.round}, without its {len(u.forget)} forgotten users"
+            )
         return f", without the {len(u.forget)} forgotten users after the unlearning phase of round {u.round}"
 
     @classmethod
@@ -526,12 +602,15 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
         """Our options, plus the Flower strategy ``config.strategy`` built with ``config.strategy_args``
         (:func:`build_flower_strategy`) and the client's ``strategy_config_keys``."""
         options = super().options_from_config(config)
-        wrapped, arguments = build_flower_strategy(resolve("strategy", config.strategy),
-                                                   parse_strategy_args(config.strategy_args))
+        wrapped, arguments = build_flower_strategy(
+            resolve("strategy", config.strategy), parse_strategy_args(config.strategy_args)
+        )
         client_keys = getattr(resolve("client", config.client), "strategy_config_keys", ())
         if config.resume_from:
-            log.warning("resuming with %s: its own state (e.g. optimizer moments) is not in checkpoints and restarts",
-                        config.strategy)
+            log.warning(
+                "resuming with %s: its own state (e.g. optimizer moments) is not in checkpoints and restarts",
+                config.strategy,
+            )
         warning = node_level_dp_warning(wrapped, config.users_per_node)
         if warning:
             log.warning("%s", warning)
@@ -539,14 +618,18 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
 
     def run_info(self) -> dict[str, Any]:
         """What ``config.json`` records: the wrapped class, its constructor arguments and the item-table semantics."""
-        return {"wrapped": self.name, "arguments": self.arguments, "set-by-adapter": {
-            k: v for k, v in SET_BY_ADAPTER.items() if k in self.arguments},
+        return {
+            "wrapped": self.name,
+            "arguments": self.arguments,
+            "set-by-adapter": {k: v for k, v in SET_BY_ADAPTER.items() if k in self.arguments},
             "item-rows": "dense reply = mean over the node's users of their full tables (untouched rows = the "
-                         "round's global value); weight = num-examples"}
+            "round's global value); weight = num-examples",
+        }
 
     # ------------------------------------------------------------------------------------------------ train
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """The wrapped strategy's train messages for the nodes of this round's users, each naming its users."""
         super().configure_train(server_round, arrays, config, grid)  # samples users, sets _sampled_nodes, _current
         self._round = server_round
@@ -593,8 +676,10 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
             dense.append(Message(content=dense_reply(content, self.layout, self._current), metadata=reply.metadata))
         problem = robust_aggregation_shortfall(self.wrapped, len(dense))
         if problem:  # the start-up check counted the sampled nodes; failed or rejected replies make fewer
-            raise RoundFailed(f"round {self._round}: {self.name}: {problem}, but this round has {len(dense)} "
-                              f"accepted replies of the {len(self._sampled_nodes)} sampled nodes")
+            raise RoundFailed(
+                f"round {self._round}: {self.name}: {problem}, but this round has {len(dense)} "
+                f"accepted replies of the {len(self._sampled_nodes)} sampled nodes"
+            )
         new, self.wrapped_metrics = self.wrapped.aggregate_train(self._round, dense)
         if new is None:
             log.warning("round %d: %s returned no arrays; the model stays as it was", self._round, self.name)
@@ -612,8 +697,9 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
         return ArrayRecord(out)
 
     # ------------------------------------------------------------------------------------------------ evaluate
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """On evaluation rounds, the wrapped strategy's evaluate messages for the nodes of the evaluated users."""
         ours = super().configure_evaluate(server_round, arrays, config, grid)
         if not ours:
@@ -635,8 +721,9 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
         return theirs if theirs is not None else ours
 
     # ------------------------------------------------------------------------------------------------ helpers
-    def _address(self, server_round: int, messages: Iterable[Message], groups: Mapping[int, list[int]],
-                 config: ConfigRecord) -> list[Message]:
+    def _address(
+        self, server_round: int, messages: Iterable[Message], groups: Mapping[int, list[int]], config: ConfigRecord
+    ) -> list[Message]:
         """Each of the wrapped strategy's messages, with its own content record and the users of its node added.
 
         Raises:
@@ -647,22 +734,31 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
         for message in messages:
             node = int(message.metadata.dst_node_id)
             if node not in groups:
-                raise ConfigError(f"{self.name} addressed node {node}, which serves none of round {server_round}'s "
-                                  "users")
+                raise ConfigError(
+                    f"{self.name} addressed node {node}, which serves none of round {server_round}'s users"
+                )
             content = RecordDict(dict(message.content.items()))
             theirs = dict(content[CONFIG]) if CONFIG in content else {}
-            _refuse_unhonoured(self.name, {k: v for k, v in theirs.items() if k not in config},
-                               self.client_config_keys)
-            content[CONFIG] = ConfigRecord({**self.message_config, **theirs, "server-round": server_round,
-                                            "users": list(groups[node])})
+            _refuse_unhonoured(self.name, {k: v for k, v in theirs.items() if k not in config}, self.client_config_keys)
+            content[CONFIG] = ConfigRecord(
+                {**self.message_config, **theirs, "server-round": server_round, "users": list(groups[node])}
+            )
             out.append(Message(content=content, message_type=message.metadata.message_type, dst_node_id=node))
         return out
 
     def summary(self) -> None:
-        log.info("%s running %s %s: fraction-train %.3f, fraction-evaluate %.3f, min-train-fraction %.2f, eval-every "
-                 "%d, %d item tables (dense replies, untouched rows = the round's value)", type(self).__name__,
-                 self.name, self.arguments, self.fraction_train, self.fraction_evaluate, self.min_train_fraction,
-                 self.eval_every, len(self.layout.item_keys))
+        log.info(
+            "%s running %s %s: fraction-train %.3f, fraction-evaluate %.3f, min-train-fraction %.2f, eval-every "
+            "%d, %d item tables (dense replies, untouched rows = the round's value)",
+            type(self).__name__,
+            self.name,
+            self.arguments,
+            self.fraction_train,
+            self.fraction_evaluate,
+            self.min_train_fraction,
+            self.eval_every,
+            len(self.layout.item_keys),
+        )
         self.wrapped.summary()
 
 
@@ -692,15 +788,21 @@ def robust_aggregation_shortfall(wrapped: Strategy, replies: int) -> str | None:
     for strategy in _chain(wrapped):
         name, f = type(strategy).__name__, getattr(strategy, "num_malicious_nodes", 0)
         if isinstance(strategy, Bulyan) and replies < 4 * f + 3:
-            return (f"{name} needs at least 4 * num_malicious_nodes + 3 = {4 * f + 3} train replies per round "
-                    f"(num_malicious_nodes = {f}; El Mhamdi et al. 2018; with fewer Flower skips the aggregation)")
+            return (
+                f"{name} needs at least 4 * num_malicious_nodes + 3 = {4 * f + 3} train replies per round "
+                f"(num_malicious_nodes = {f}; El Mhamdi et al. 2018; with fewer Flower skips the aggregation)"
+            )
         if isinstance(strategy, MultiKrum):
             if replies <= 2 * f + 2:
-                return (f"{name} needs more than 2 * num_malicious_nodes + 2 = {2 * f + 2} train replies per round "
-                        f"(num_malicious_nodes = {f}; Blanchard et al. 2017)")
+                return (
+                    f"{name} needs more than 2 * num_malicious_nodes + 2 = {2 * f + 2} train replies per round "
+                    f"(num_malicious_nodes = {f}; Blanchard et al. 2017)"
+                )
             if not isinstance(strategy, Krum) and strategy.num_nodes_to_select > replies:
-                return (f"{name} with num_nodes_to_select = {strategy.num_nodes_to_select} needs at least that many "
-                        "train replies per round (with fewer it averages all of them, plain FedAvg)")
+                return (
+                    f"{name} with num_nodes_to_select = {strategy.num_nodes_to_select} needs at least that many "
+                    "train replies per round (with fewer it averages all of them, plain FedAvg)"
+                )
     return None
 
 
@@ -708,18 +810,27 @@ def server_side_dp(wrapped: Strategy) -> Strategy | None:
     """The first of Flower's server-side DP wrappers (``DifferentialPrivacyServerSide{Fixed,Adaptive}Clipping``) in
     ``wrapped``'s chain of wrapped strategies, or ``None``."""
     from flwr.serverapp.strategy import (
-        DifferentialPrivacyServerSideAdaptiveClipping, DifferentialPrivacyServerSideFixedClipping,
+        DifferentialPrivacyServerSideAdaptiveClipping,
+        DifferentialPrivacyServerSideFixedClipping,
     )
 
     for strategy in _chain(wrapped):
-        if isinstance(strategy, (DifferentialPrivacyServerSideFixedClipping,
-                                 DifferentialPrivacyServerSideAdaptiveClipping)):
+        if isinstance(
+            strategy, (DifferentialPrivacyServerSideFixedClipping, DifferentialPrivacyServerSideAdaptiveClipping)
+        ):
             return strategy
     return None
 
 
-def dp_sample_size_mismatch(dp: Strategy, rounds: Mapping[int, tuple[int, int]], *, num_users: int,
-                            fraction_train: float, users_per_node: int, remedy: str | None = None) -> str | None:
+def dp_sample_size_mismatch(
+    dp: Strategy,
+    rounds: Mapping[int, tuple[int, int]],
+    *,
+    num_users: int,
+    fraction_train: float,
+    users_per_node: int,
+    remedy: str | None = None,
+) -> str | None:
     """Why the server-side DP wrapper ``dp`` would not get ``num_sampled_clients`` train replies in every round, as
     one message naming the keys, the values and what to change, or ``None`` when every round gets exactly that many.
 
@@ -739,20 +850,31 @@ def dp_sample_size_mismatch(dp: Strategy, rounds: Mapping[int, tuple[int, int]],
     if set(rounds) <= {expected}:
         return None
     name = type(dp).__name__
-    where = (f"run-config key 'strategy-args': {name}(num_sampled_clients={expected}) must be the number of train "
-             f"replies per round (one per node serving a sampled user: fraction-train {fraction_train:g} of "
-             f"{num_users} users, users-per-node {users_per_node})")
+    where = (
+        f"run-config key 'strategy-args': {name}(num_sampled_clients={expected}) must be the number of train "
+        f"replies per round (one per node serving a sampled user: fraction-train {fraction_train:g} of "
+        f"{num_users} users, users-per-node {users_per_node})"
+    )
     if len(rounds) == 1:
         nodes, (server_round, users) = next(iter(rounds.items()))
-        return (f"{where}, but every round has {nodes} (round {server_round}: {users} users on {nodes} nodes); with "
-                f"{expected} its noise "
-                f"would be calibrated to the wrong number of replies (Flower only warns, each round): set "
-                f"num_sampled_clients={nodes} in 'strategy-args'")
+        return (
+            f"{where}, but every round has {nodes} (round {server_round}: {users} users on {nodes} nodes); with "
+            f"{expected} its noise "
+            f"would be calibrated to the wrong number of replies (Flower only warns, each round): set "
+            f"num_sampled_clients={nodes} in 'strategy-args'"
+        )
     low, high = min(rounds), max(rounds)
-    return (f"{where}, but the rounds have from {low} (round {rounds[low][0]}) to {high} (round {rounds[high][0]}) "
-            "nodes, so no num_sampled_clients fits every round; " + (remedy or (
+    return (
+        f"{where}, but the rounds have from {low} (round {rounds[low][0]}) to {high} (round {rounds[high][0]}) "
+        "nodes, so no num_sampled_clients fits every round; "
+        + (
+            remedy
+            or (
                 "make every round reach the same number of nodes: users-per-node = 1 (one reply per sampled user) or "
-                "fraction-train = 1 (every node every round)")))
+                "fraction-train = 1 (every node every round)"
+            )
+        )
+    )
 
 
 def node_level_dp_warning(wrapped: Strategy, users_per_node: int) -> str | None:
@@ -764,9 +886,11 @@ def node_level_dp_warning(wrapped: Strategy, users_per_node: int) -> str | None:
     protected unit is a node's group of users, not one user: user-level DP needs ``users-per-node = 1``."""
     strategy = server_side_dp(wrapped)
     if strategy is not None and users_per_node > 1:
-        return (f"{type(strategy).__name__} clips and noises each reply, and with users-per-node = {users_per_node} "
-                f"a reply is the mean of up to {users_per_node} users' updates: its guarantee is per node (a group "
-                "of users), not per user; use users-per-node = 1 for user-level differential privacy")
+        return (
+            f"{type(strategy).__name__} clips and noises each reply, and with users-per-node = {users_per_node} "
+            f"a reply is the mean of up to {users_per_node} users' updates: its guarantee is per node (a group "
+            "of users), not per user; use users-per-node = 1 for user-level differential privacy"
+        )
     return None
 
 
@@ -786,7 +910,8 @@ def _refuse_unhonoured(name: str, sent: Mapping[str, Any], honoured: Iterable[st
             f"run-config key 'strategy' = {name!r} sends the config key {key!r} = {value!r}, which the client does "
             f"not honour (its strategy_config_keys: {sorted(honoured)}); without it the strategy is not what it "
             "claims (e.g. FedProx without a proximal term, client-side DP without clipping). Use a client that "
-            "honours it, or a value of 0 (run-config key 'strategy-args')")
+            "honours it, or a value of 0 (run-config key 'strategy-args')"
+        )
 
 
 def check_sent_keys(wrapped: Strategy, honoured: Iterable[str]) -> list[dict[str, Any]]:

@@ -40,14 +40,27 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, aggregate_metricrecords
 
 from fedrec_flwr.arrays import decode_array, decode_record
-from fedrec_flwr.state.checkpoint import TRAINED_KEY
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError, reply_error_line
 from fedrec_flwr.io import atomic_save_npz, atomic_write_json
+from fedrec_flwr.state.checkpoint import TRAINED_KEY
 from fedrec_flwr.wire import (
-    ARRAYS, CONFIG, COUNT, GRADIENT_USERS, ISOLATED_USERS, ITEM_AGGREGATIONS, METRICS, NUM_EXAMPLES, ROWS, SUM,
-    ModelLayout, ReplyError,
-    Topology, check_reply_keys, merge_rows, sample_users,
+    ARRAYS,
+    CONFIG,
+    COUNT,
+    GRADIENT_USERS,
+    ISOLATED_USERS,
+    ITEM_AGGREGATIONS,
+    METRICS,
+    NUM_EXAMPLES,
+    ROWS,
+    SUM,
+    ModelLayout,
+    ReplyError,
+    Topology,
+    check_reply_keys,
+    merge_rows,
+    sample_users,
 )
 
 __all__ = ["ItemEmbeddingFedAvg", "RoundFailed", "Topology"]
@@ -139,7 +152,8 @@ class ItemEmbeddingFedAvg(FedAvg):
             raise ValueError(f"max_update_norm must be >= 0, got {max_update_norm!r}")
         self.max_update_norm = float(max_update_norm)
         self.removed_users: frozenset[int] = frozenset(
-            unlearning.forget if unlearning is not None and unlearning.method == "retrain" else ())
+            unlearning.forget if unlearning is not None and unlearning.method == "retrain" else ()
+        )
         """Users no longer sampled for training (the forgotten ones, once forgotten; from the start for ``retrain``)."""
         self.unlearning_report: dict | None = None
         self.trained: np.ndarray | None = None
@@ -174,9 +188,13 @@ class ItemEmbeddingFedAvg(FedAvg):
             options["unlearning"] = UnlearningSettings.from_config(config, topology.num_users)
             if config.unlearning == "none":
                 count = len(options["unlearning"].forget)
-                log.warning("forget-users / forget-fraction set with unlearning = 'none': %s still train%s and %s "
-                            "only left out of evaluation", f"those {count} users" if count != 1 else "that 1 user",
-                            "" if count != 1 else "s", "are" if count != 1 else "is")
+                log.warning(
+                    "forget-users / forget-fraction set with unlearning = 'none': %s still train%s and %s "
+                    "only left out of evaluation",
+                    f"those {count} users" if count != 1 else "that 1 user",
+                    "" if count != 1 else "s",
+                    "are" if count != 1 else "is",
+                )
         strategy = cls(layout, topology=topology, **options)
         from .adversary import AdversaryServerStep
 
@@ -189,8 +207,10 @@ class ItemEmbeddingFedAvg(FedAvg):
         self._results_folder = Path(folder)
         if self.unlearning is not None and self.unlearning.method == "retrain":
             self._results_folder.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(self._results_folder / "unlearning.json",
-                              {"method": "retrain", "forget-users": list(self.unlearning.forget)})
+            atomic_write_json(
+                self._results_folder / "unlearning.json",
+                {"method": "retrain", "forget-users": list(self.unlearning.forget)},
+            )
 
     def adopt_arrays(self, arrays: ArrayRecord) -> None:
         """Take ``arrays`` as the current shared parameters after a change outside a training round (the unlearning
@@ -200,12 +220,18 @@ class ItemEmbeddingFedAvg(FedAvg):
         """The strategy's state for a server checkpoint (:mod:`fedrec_flwr.state.checkpoint`): JSON-able facts (failure
         counts per node, users no longer trained, the unlearning report) and arrays (none here; subclasses with an
         optimizer add its moments). Subclasses extend what ``super()`` returns."""
-        state = {"failures": {str(k): v for k, v in self.failures.items()},
-                 "evaluation-failures": {str(k): v for k, v in self.evaluation_failures.items()},
-                 "removed-users": sorted(int(u) for u in self.removed_users),
-                 "unlearning-report": self.unlearning_report, "isolated-users": self.isolated_users}
-        arrays = {} if self.adversary_step is None else {
-            f"adversary-step/{k}": v for k, v in self.adversary_step.state_arrays().items()}
+        state = {
+            "failures": {str(k): v for k, v in self.failures.items()},
+            "evaluation-failures": {str(k): v for k, v in self.evaluation_failures.items()},
+            "removed-users": sorted(int(u) for u in self.removed_users),
+            "unlearning-report": self.unlearning_report,
+            "isolated-users": self.isolated_users,
+        }
+        arrays = (
+            {}
+            if self.adversary_step is None
+            else {f"adversary-step/{k}": v for k, v in self.adversary_step.state_arrays().items()}
+        )
         if self.trained is not None:
             arrays[TRAINED_KEY] = self.trained.copy()
         return state, arrays
@@ -218,18 +244,24 @@ class ItemEmbeddingFedAvg(FedAvg):
             current = {int(n) for n in np.unique(self.topology.user_to_node)}
             gone = sorted((set(self.failures) | set(self.evaluation_failures)) - current)
             if gone:
-                log.warning("resumed failure counts name node ids %s that are not connected now (a restarted "
-                            "SuperNode gets a new id): their counts stay under the old ids, and the new nodes' "
-                            "counts start at 0", gone)
+                log.warning(
+                    "resumed failure counts name node ids %s that are not connected now (a restarted "
+                    "SuperNode gets a new id): their counts stay under the old ids, and the new nodes' "
+                    "counts start at 0",
+                    gone,
+                )
         self.removed_users = frozenset(int(u) for u in state.get("removed-users", []))
         self.unlearning_report = state.get("unlearning-report")
-        self.isolated_users = {phase: {str(k): int(v) for k, v in state.get("isolated-users", {}).get(phase, {}).items()}
-                               for phase in ("train", "evaluate")}
+        self.isolated_users = {
+            phase: {str(k): int(v) for k, v in state.get("isolated-users", {}).get(phase, {}).items()}
+            for phase in ("train", "evaluate")
+        }
         self.trained = np.asarray(arrays[TRAINED_KEY], dtype=bool).copy() if TRAINED_KEY in arrays else None
         if self.adversary_step is not None:
             prefix = "adversary-step/"
-            self.adversary_step.load_state_arrays(shared, {k[len(prefix):]: v for k, v in arrays.items()
-                                                           if k.startswith(prefix)})
+            self.adversary_step.load_state_arrays(
+                shared, {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
+            )
         self.adopt_arrays(shared)
 
     @classmethod
@@ -278,16 +310,26 @@ class ItemEmbeddingFedAvg(FedAvg):
         for fact in facts:
             node = int(fact["node"])
             if fact.get("fingerprint") != topology.fingerprint or fact.get("num-users-total") != topology.num_users:
-                log.warning("node %d joined with another dataset (%s users, fingerprint %s); ignored", node,
-                            fact.get("num-users-total"), fact.get("fingerprint"))
+                log.warning(
+                    "node %d joined with another dataset (%s users, fingerprint %s); ignored",
+                    node,
+                    fact.get("num-users-total"),
+                    fact.get("fingerprint"),
+                )
                 self._rejected_nodes.add(node)
                 continue
             block = slice(int(fact["first-user"]), int(fact["first-user"]) + int(fact["num-users"]))
             replaced = sorted({int(n) for n in user_to_node[block]})
             user_to_node[block] = node
             joined.append(node)
-            log.info("node %d joined: partition-id %s, users %d..%d (before: node %s)", node,
-                     fact.get("partition-id"), block.start, block.stop - 1, ", ".join(map(str, replaced)))
+            log.info(
+                "node %d joined: partition-id %s, users %d..%d (before: node %s)",
+                node,
+                fact.get("partition-id"),
+                block.start,
+                block.stop - 1,
+                ", ".join(map(str, replaced)),
+            )
         self.topology = Topology(user_to_node, topology.fingerprint)
         return joined
 
@@ -376,7 +418,9 @@ class ItemEmbeddingFedAvg(FedAvg):
                 log.warning("round %d: rejected the reply of node %d: %s", server_round, node, err)
                 reasons.append(f"node {node}'s reply rejected: {err}")
         for node in sorted(set(self._sampled_nodes) - answered):
-            reason = unattributed.pop(0) if unattributed else f"no reply within round-timeout ({self.round_timeout:g} s)"
+            reason = (
+                unattributed.pop(0) if unattributed else f"no reply within round-timeout ({self.round_timeout:g} s)"
+            )
             self._count_failure(server_round, node, reason, reasons)
         expected = len(self._sampled_nodes)
         needed = max(1, math.ceil(self.min_train_fraction * expected))
@@ -411,8 +455,9 @@ class ItemEmbeddingFedAvg(FedAvg):
             self.last_train[ISOLATED_USERS] = float(isolated)
         # clients' own metrics (UserUpdate.metrics): weighted means over the round's users, as the nodes sent them
         standard = {NUM_EXAMPLES, "num-users", "train-users", "train-loss", GRADIENT_USERS}
-        self.last_train.update({k: float(v) for k, v in metrics.items()
-                                if k not in standard and isinstance(v, (int, float))})
+        self.last_train.update(
+            {k: float(v) for k, v in metrics.items() if k not in standard and isinstance(v, (int, float))}
+        )
         if self._phase_due(server_round):
             arrays = self.run_unlearning(server_round, arrays)
         return arrays, metrics
@@ -436,8 +481,9 @@ class ItemEmbeddingFedAvg(FedAvg):
         from .unlearning import PHASE_METHODS
 
         u = self.unlearning
-        return u is not None and u.method in PHASE_METHODS and server_round == u.round and \
-            self.unlearning_report is None
+        return (
+            u is not None and u.method in PHASE_METHODS and server_round == u.round and self.unlearning_report is None
+        )
 
     def run_unlearning(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
         """The unlearning phase after ``server_round`` (:class:`fedrec_flwr.strategies.unlearning.ClientUnlearning`): evaluate the
@@ -447,20 +493,30 @@ class ItemEmbeddingFedAvg(FedAvg):
 
         assert self._grid is not None and self.unlearning is not None
         if self._results_folder is not None:
-            atomic_save_npz(self._results_folder / "before-unlearning.npz",
-                            **{k.replace("/", "_"): v.numpy() for k, v in arrays.items()})
+            atomic_save_npz(
+                self._results_folder / "before-unlearning.npz",
+                **{k.replace("/", "_"): v.numpy() for k, v in arrays.items()},
+            )
         before = self.evaluate_arrays(self._grid, arrays, server_round)
         if line := describe_before(before, server_round):
             log.info("%s", line)
         saved_train = dict(self.last_train)
         try:
             new, report = ClientUnlearning(self, self.unlearning, timeout=self.round_timeout).run(
-                self._grid, arrays, server_round)
+                self._grid, arrays, server_round
+            )
         except UnlearningFailed as err:
             if self._results_folder is not None:
-                atomic_write_json(self._results_folder / "unlearning.json",
-                                  {"method": self.unlearning.method, "round": server_round,
-                                   "forget-users": list(self.unlearning.forget), "error": str(err), "before": before})
+                atomic_write_json(
+                    self._results_folder / "unlearning.json",
+                    {
+                        "method": self.unlearning.method,
+                        "round": server_round,
+                        "forget-users": list(self.unlearning.forget),
+                        "error": str(err),
+                        "before": before,
+                    },
+                )
             raise
         self.last_train = saved_train
         self.removed_users = frozenset(self.removed_users) | set(self.unlearning.forget)
@@ -469,12 +525,16 @@ class ItemEmbeddingFedAvg(FedAvg):
         self.unlearning_report = report
         if self._results_folder is not None:
             atomic_write_json(self._results_folder / "unlearning.json", report)
-            log.info("unlearning report (every figure of the phase) written to %s; the model before it to %s",
-                     self._results_folder / "unlearning.json", self._results_folder / "before-unlearning.npz")
+            log.info(
+                "unlearning report (every figure of the phase) written to %s; the model before it to %s",
+                self._results_folder / "unlearning.json",
+                self._results_folder / "before-unlearning.npz",
+            )
         return new
 
-    def evaluate_arrays(self, grid: Grid, arrays: ArrayRecord, server_round: int,
-                        users: np.ndarray | None = None) -> dict[str, float]:
+    def evaluate_arrays(
+        self, grid: Grid, arrays: ArrayRecord, server_round: int, users: np.ndarray | None = None
+    ) -> dict[str, float]:
         """Federated evaluation of ``arrays`` now, on ``users`` (default: :meth:`evaluation_users`); mean metrics.
         Leaves :attr:`last_evaluate` as it was."""
         if self.fraction_evaluate <= 0 and users is None:
@@ -526,10 +586,11 @@ class ItemEmbeddingFedAvg(FedAvg):
             else:
                 value = decode_array(arrays[key], copy=False).astype(np.float64)
                 reference = decode_array(self._current[key], copy=False)
-            gradient = self.replies_carry_gradients or (self.adversary_step is not None
-                                                        and key in self.adversary_step.keys)
+            gradient = self.replies_carry_gradients or (
+                self.adversary_step is not None and key in self.adversary_step.keys
+            )
             delta = value if gradient else value - reference
-            total += float(np.sum(delta ** 2))
+            total += float(np.sum(delta**2))
         return math.sqrt(total)
 
     def aggregate_arrays(self, accepted: list[RecordDict]) -> ArrayRecord:
@@ -545,8 +606,9 @@ class ItemEmbeddingFedAvg(FedAvg):
         out: dict[str, np.ndarray] = {}
         for key in self.layout.shared_shapes:
             if key in self.layout.item_keys:
-                out[key], _ = merge_rows(self._current[key].numpy(), self.row_updates(accepted, key),
-                                         self.item_aggregation, num_users)
+                out[key], _ = merge_rows(
+                    self._current[key].numpy(), self.row_updates(accepted, key), self.item_aggregation, num_users
+                )
             else:
                 out[key] = dense[key].numpy().astype(np.float32)
         return ArrayRecord({k: Array(v) for k, v in out.items()})
@@ -555,8 +617,7 @@ class ItemEmbeddingFedAvg(FedAvg):
     def row_updates(accepted: list[RecordDict], key: str) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """The ``(rows, sums, counts)`` of item table ``key`` in each accepted reply."""
         return [
-            tuple(decode_array(r[ARRAYS][key + suffix], copy=False) for suffix in (ROWS, SUM, COUNT))
-            for r in accepted
+            tuple(decode_array(r[ARRAYS][key + suffix], copy=False) for suffix in (ROWS, SUM, COUNT)) for r in accepted
         ]
 
     @staticmethod
@@ -567,9 +628,12 @@ class ItemEmbeddingFedAvg(FedAvg):
     # ------------------------------------------------------------------------------------------------ evaluate
     def is_evaluation_round(self, server_round: int) -> bool:
         """Evaluate every ``eval-every`` rounds and after the last round."""
-        phase = self.unlearning is not None and self.unlearning.method != "none" and server_round == self.unlearning.round
-        return self.fraction_evaluate > 0 and (server_round % self.eval_every == 0 or server_round == self.num_rounds
-                                               or phase)
+        phase = (
+            self.unlearning is not None and self.unlearning.method != "none" and server_round == self.unlearning.round
+        )
+        return self.fraction_evaluate > 0 and (
+            server_round % self.eval_every == 0 or server_round == self.num_rounds or phase
+        )
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -609,13 +673,16 @@ class ItemEmbeddingFedAvg(FedAvg):
                 failed += 1
                 self._count_evaluation_failure(server_round, node, message.error.reason)
         for node in sorted(set(self._evaluated_nodes) - answered):
-            reason = unattributed.pop(0) if unattributed else f"no reply within round-timeout ({self.round_timeout:g} s)"
+            reason = (
+                unattributed.pop(0) if unattributed else f"no reply within round-timeout ({self.round_timeout:g} s)"
+            )
             failed += 1
             self._count_evaluation_failure(server_round, node, reason)
         for reason in unattributed:  # not matched to a node we sent to (no record of the sent nodes)
             failed += 1
-            log.warning("round %d: evaluation failed on a node the SuperLink reports unavailable: %s", server_round,
-                        reason)
+            log.warning(
+                "round %d: evaluation failed on a node the SuperLink reports unavailable: %s", server_round, reason
+            )
         self._evaluated_nodes = {}
         if not ok:
             if failed:
@@ -640,9 +707,13 @@ class ItemEmbeddingFedAvg(FedAvg):
             del metrics[ISOLATED_USERS]
         if isolated:
             self.isolated_users[phase][str(server_round)] = isolated
-            log.warning("round %d: %d user(s) left out of %s for non-finite private state (their nodes' logs name "
-                        "them; the other users went on)", server_round, isolated,
-                        "training" if phase == "train" else "evaluation")
+            log.warning(
+                "round %d: %d user(s) left out of %s for non-finite private state (their nodes' logs name "
+                "them; the other users went on)",
+                server_round,
+                isolated,
+                "training" if phase == "train" else "evaluation",
+            )
         return isolated
 
     def _count_evaluation_failure(self, server_round: int, node: int, reason: str) -> None:
@@ -650,8 +721,9 @@ class ItemEmbeddingFedAvg(FedAvg):
         users = self._evaluated_nodes.get(node, [])
         left_out = f" ({len(users)} users not evaluated: {users[0]}..{users[-1]})" if users else ""
         log.debug("round %d: evaluation failed on node %d, whole reason: %s", server_round, node, reason)
-        log.warning("round %d: evaluation failed on node %d%s: %s", server_round, node, left_out,
-                    reply_error_line(reason))
+        log.warning(
+            "round %d: evaluation failed on node %d%s: %s", server_round, node, left_out, reply_error_line(reason)
+        )
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _topology(self) -> Topology:
@@ -683,6 +755,12 @@ class ItemEmbeddingFedAvg(FedAvg):
         """Log the configuration."""
         log.info(
             "%s: fraction-train %.3f, fraction-evaluate %.3f, min-train-fraction %.2f, eval-every %d, %d item tables "
-            "(%s rows)", type(self).__name__, self.fraction_train, self.fraction_evaluate, self.min_train_fraction,
-            self.eval_every, len(self.layout.item_keys), self.item_aggregation,
+            "(%s rows)",
+            type(self).__name__,
+            self.fraction_train,
+            self.fraction_evaluate,
+            self.min_train_fraction,
+            self.eval_every,
+            len(self.layout.item_keys),
+            self.item_aggregation,
         )

@@ -40,8 +40,8 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.local.training import load_optimizer_state_arrays, optimizer_state_arrays
-from fedrec_flwr.wire import ARRAYS, GRADIENT_USERS, METRICS, NUM_EXAMPLES, ModelLayout, ReplyError, merge_rows
 from fedrec_flwr.strategies.item_fedavg import ItemEmbeddingFedAvg
+from fedrec_flwr.wire import ARRAYS, GRADIENT_USERS, METRICS, NUM_EXAMPLES, ModelLayout, ReplyError, merge_rows
 
 UPLOAD_KEY = "upload"
 """Train-config key asking clients for ``"gradient"`` uploads (see :mod:`fedrec_flwr.clients.fedrecgel`)."""
@@ -62,8 +62,9 @@ class ServerOptimizerStrategy(ItemEmbeddingFedAvg):
     default_item_aggregation = "selected"
     replies_carry_gradients = True
 
-    def __init__(self, layout: ModelLayout, *, server_optimizer: str = "adam", server_learning_rate: float = 0.001,
-                 **kwargs) -> None:
+    def __init__(
+        self, layout: ModelLayout, *, server_optimizer: str = "adam", server_learning_rate: float = 0.001, **kwargs
+    ) -> None:
         super().__init__(layout, **kwargs)
         if server_optimizer not in ("adam", "sgd"):
             raise ValueError(f"server_optimizer must be 'adam' or 'sgd', got {server_optimizer!r}")
@@ -76,8 +77,11 @@ class ServerOptimizerStrategy(ItemEmbeddingFedAvg):
 
     @classmethod
     def options_from_config(cls, config: RunConfig) -> dict:
-        return {**super().options_from_config(config), "server_optimizer": config.server_optimizer,
-                "server_learning_rate": config.server_learning_rate}
+        return {
+            **super().options_from_config(config),
+            "server_optimizer": config.server_optimizer,
+            "server_learning_rate": config.server_learning_rate,
+        }
 
     @classmethod
     def check_config(cls, config: RunConfig) -> None:
@@ -87,12 +91,15 @@ class ServerOptimizerStrategy(ItemEmbeddingFedAvg):
 
         client = resolve("client", config.client)
         if not getattr(client, "uploads_gradients", False):
-            raise ConfigError(f"strategy {config.strategy!r} steps a server optimizer with client gradients, but "
-                              f"client {config.client!r} uploads parameters; use client = 'fedrecgel' (or "
-                              "strategy = 'item-fedavg')")
+            raise ConfigError(
+                f"strategy {config.strategy!r} steps a server optimizer with client gradients, but "
+                f"client {config.client!r} uploads parameters; use client = 'fedrecgel' (or "
+                "strategy = 'item-fedavg')"
+            )
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         config = ConfigRecord(dict(config))
         config[UPLOAD_KEY] = "gradient"
         return super().configure_train(server_round, arrays, config, grid)
@@ -105,7 +112,8 @@ class ServerOptimizerStrategy(ItemEmbeddingFedAvg):
         if metrics.get(GRADIENT_USERS, 0) != metrics.get("num-users", -1):
             raise ReplyError(
                 f"{metrics.get('num-users')} users replied but {metrics.get(GRADIENT_USERS, 0)} sent gradients: this "
-                "strategy needs a client that uploads gradients (client = 'fedrecgel')")
+                "strategy needs a client that uploads gradients (client = 'fedrecgel')"
+            )
         return content
 
     def _ensure_optimizers(self, current: ArrayRecord) -> None:
@@ -113,7 +121,8 @@ class ServerOptimizerStrategy(ItemEmbeddingFedAvg):
         if self.parameters:
             return
         self.parameters = {
-            k: torch.nn.Parameter(torch.tensor(current[k].numpy(), dtype=torch.float32)) for k in self.layout.shared_shapes
+            k: torch.nn.Parameter(torch.tensor(current[k].numpy(), dtype=torch.float32))
+            for k in self.layout.shared_shapes
         }
         lazy = self.item_aggregation == "touched" and self.server_optimizer == "adam"
         dense = [p for k, p in self.parameters.items() if not (lazy and k in self.layout.item_keys)]
@@ -149,16 +158,25 @@ class ServerOptimizerStrategy(ItemEmbeddingFedAvg):
         self._ensure_optimizers(shared)
         for i, optimizer in enumerate(self.optimizers):
             prefix = f"optimizer-{i}/"
-            load_optimizer_state_arrays(optimizer, {k[len(prefix):]: v for k, v in arrays.items()
-                                                    if k.startswith(prefix)})
+            load_optimizer_state_arrays(
+                optimizer, {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
+            )
 
     def mean_gradients(self, accepted: list[RecordDict]) -> dict[str, torch.Tensor]:
         """Shared key -> the round's mean gradient: dense keys averaged over users; item tables per
         ``item-aggregation`` (a sparse ``(num_items, d)`` tensor of the touched rows for ``"touched"``)."""
         dense_keys = self.layout.dense_keys
-        dense = aggregate_arrayrecords(
-            [RecordDict({ARRAYS: ArrayRecord({k: r[ARRAYS][k] for k in dense_keys}), METRICS: r[METRICS]})
-             for r in accepted], NUM_EXAMPLES) if dense_keys else ArrayRecord()
+        dense = (
+            aggregate_arrayrecords(
+                [
+                    RecordDict({ARRAYS: ArrayRecord({k: r[ARRAYS][k] for k in dense_keys}), METRICS: r[METRICS]})
+                    for r in accepted
+                ],
+                NUM_EXAMPLES,
+            )
+            if dense_keys
+            else ArrayRecord()
+        )
         num_users = self.replied_users(accepted)
         grads: dict[str, torch.Tensor] = {k: torch.tensor(dense[k].numpy()) for k in dense_keys}
         for key in self.layout.item_keys:

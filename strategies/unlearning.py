@@ -127,19 +127,38 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from fedrec_flwr.wire import (
-    SUPPORT, UNLEARN_AFFECTED, UNLEARN_COUNTS, UNLEARN_DIAGONAL, UNLEARN_GRADIENT, UNLEARN_HVP, UNLEARN_LOCAL_CG,
-    UNLEARN_LOSS, UNLEARN_MARGIN, VECTOR,
-)
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError, reply_error_line
-from fedrec_flwr.unlearning.krylov import (
-    TERMINATIONS, CGResult, LineSearchResult, flatten, krylov_solve, ladder_line_search, unflatten,
-)
 from fedrec_flwr.seeding import numpy_rng
+from fedrec_flwr.unlearning.krylov import (
+    TERMINATIONS,
+    CGResult,
+    LineSearchResult,
+    flatten,
+    krylov_solve,
+    ladder_line_search,
+    unflatten,
+)
 from fedrec_flwr.unlearning.margin import bracket_root, dominated_items, popularity_bins
 from fedrec_flwr.wire import (
-    ARRAYS, CONFIG, METRICS, ReplyError, nonzero_rows, pack_sparse, support_rows, unpack_sparse,
+    ARRAYS,
+    CONFIG,
+    METRICS,
+    SUPPORT,
+    UNLEARN_AFFECTED,
+    UNLEARN_COUNTS,
+    UNLEARN_DIAGONAL,
+    UNLEARN_GRADIENT,
+    UNLEARN_HVP,
+    UNLEARN_LOCAL_CG,
+    UNLEARN_LOSS,
+    UNLEARN_MARGIN,
+    VECTOR,
+    ReplyError,
+    nonzero_rows,
+    pack_sparse,
+    support_rows,
+    unpack_sparse,
 )
 
 log = logging.getLogger(__name__)
@@ -176,8 +195,10 @@ def forget_set(config: RunConfig, num_users: int) -> np.ndarray:
     """
     explicit = np.asarray(config.forget_user_ids, dtype=np.int64)
     if explicit.size and explicit.max() >= num_users:
-        raise ConfigError(f"run-config key 'forget-users' = {config.forget_users!r}: user index "
-                          f"{int(explicit.max())} is out of range (the dataset has {num_users} users)")
+        raise ConfigError(
+            f"run-config key 'forget-users' = {config.forget_users!r}: user index "
+            f"{int(explicit.max())} is out of range (the dataset has {num_users} users)"
+        )
     drawn = np.zeros(0, dtype=np.int64)
     if config.forget_fraction > 0:
         size = max(1, int(round(config.forget_fraction * num_users)))
@@ -220,16 +241,29 @@ class UnlearningSettings:
     def from_config(cls, config: RunConfig, num_users: int) -> UnlearningSettings:
         """Settings of a validated config for a federation of ``num_users`` users (raises as :func:`forget_set`)."""
         return cls(
-            method=config.unlearning, forget=tuple(int(u) for u in forget_set(config, num_users)),
-            round=config.effective_unlearn_round, krylov_mode=config.krylov_mode,
-            krylov_solver=config.krylov_solver, preconditioner=config.krylov_preconditioner,
-            curvature=config.curvature, trust_radius=config.trust_radius,
-            cg_iterations=config.cg_iterations, cg_tolerance=config.cg_tolerance, damping=config.damping,
-            scale=config.unlearn_scale, adaptive_scale=config.adaptive_scale, max_step=config.unlearn_max_step,
-            line_search=config.line_search, line_search_max_step=config.line_search_max_step,
-            line_search_rounds=config.line_search_rounds, curvature_sample=config.curvature_sample,
-            seed=config.seed, causal_weighting=config.causal_weighting, ascent_steps=config.ascent_steps,
-            ascent_learning_rate=config.ascent_learning_rate, continue_rounds=config.continue_rounds,
+            method=config.unlearning,
+            forget=tuple(int(u) for u in forget_set(config, num_users)),
+            round=config.effective_unlearn_round,
+            krylov_mode=config.krylov_mode,
+            krylov_solver=config.krylov_solver,
+            preconditioner=config.krylov_preconditioner,
+            curvature=config.curvature,
+            trust_radius=config.trust_radius,
+            cg_iterations=config.cg_iterations,
+            cg_tolerance=config.cg_tolerance,
+            damping=config.damping,
+            scale=config.unlearn_scale,
+            adaptive_scale=config.adaptive_scale,
+            max_step=config.unlearn_max_step,
+            line_search=config.line_search,
+            line_search_max_step=config.line_search_max_step,
+            line_search_rounds=config.line_search_rounds,
+            curvature_sample=config.curvature_sample,
+            seed=config.seed,
+            causal_weighting=config.causal_weighting,
+            ascent_steps=config.ascent_steps,
+            ascent_learning_rate=config.ascent_learning_rate,
+            continue_rounds=config.continue_rounds,
         )
 
     def replace(self, **changes) -> UnlearningSettings:
@@ -306,21 +340,31 @@ class ClientUnlearning:
         return new, report
 
     # ------------------------------------------------------------------------------------------------ methods
-    def _hfkcu(self, grid: Grid, arrays: ArrayRecord, theta: dict, g_forget: dict, forget: np.ndarray,
-               report: dict) -> dict:
+    def _hfkcu(
+        self, grid: Grid, arrays: ArrayRecord, theta: dict, g_forget: dict, forget: np.ndarray, report: dict
+    ) -> dict:
         s = self.settings
         support = support_rows(g_forget, self.layout)
         affected = self.affected(grid, arrays, support, forget)
         nodes = [n for n, count in affected.items() if count > 0] if s.causal_weighting else list(affected)
         # each queried node's users in the curvature sum (curvature-sample scales a sample of nodes by it)
         self._curvature_users = {n: (affected[n] if s.causal_weighting else self._remaining[n]) for n in nodes}
-        report.update({"krylov-mode": s.krylov_mode, "causal-weighting": s.causal_weighting,
-                       "support-rows": int(support.size), "affected-users": int(sum(affected.values())),
-                       "remaining-users": int(self.strategy._topology().num_users - forget.size),
-                       "queried-nodes": len(nodes), "nodes": len(affected),
-                       "damping": s.damping, "cg-max-iterations": s.cg_iterations,
-                       "krylov-solver": s.krylov_solver, "krylov-preconditioner": s.preconditioner,
-                       "curvature": s.curvature})
+        report.update(
+            {
+                "krylov-mode": s.krylov_mode,
+                "causal-weighting": s.causal_weighting,
+                "support-rows": int(support.size),
+                "affected-users": int(sum(affected.values())),
+                "remaining-users": int(self.strategy._topology().num_users - forget.size),
+                "queried-nodes": len(nodes),
+                "nodes": len(affected),
+                "damping": s.damping,
+                "cg-max-iterations": s.cg_iterations,
+                "krylov-solver": s.krylov_solver,
+                "krylov-preconditioner": s.preconditioner,
+                "curvature": s.curvature,
+            }
+        )
         radius = None
         if s.krylov_solver == "steihaug":
             radius = s.trust_radius * _norm(_restrict(theta, g_forget, self.layout))
@@ -336,23 +380,37 @@ class ClientUnlearning:
             preconditioner = None
             if s.preconditioner != "none":
                 if s.krylov_solver != "steihaug":
-                    raise ValueError(f"preconditioner {s.preconditioner!r} needs krylov_solver 'steihaug', got "
-                                     f"{s.krylov_solver!r}")
+                    raise ValueError(
+                        f"preconditioner {s.preconditioner!r} needs krylov_solver 'steihaug', got {s.krylov_solver!r}"
+                    )
                 preconditioner = self.preconditioner(grid, arrays, nodes, forget, support, g_forget, report)
-            result = self.distributed_cg(grid, arrays, nodes, forget, support, g_forget, radius=radius,
-                                         preconditioner=preconditioner)
+            result = self.distributed_cg(
+                grid, arrays, nodes, forget, support, g_forget, radius=radius, preconditioner=preconditioner
+            )
             report.update(result.summary())
-            report.update({"curvature-sample": s.curvature_sample, "curvature-nodes": len(self.curvature_nodes),
-                           "curvature-factor": self.curvature_factor})
+            report.update(
+                {
+                    "curvature-sample": s.curvature_sample,
+                    "curvature-nodes": len(self.curvature_nodes),
+                    "curvature-factor": self.curvature_factor,
+                }
+            )
             if not result.converged and not result.boundary:
                 # ours: a residual within 1e-3 of |g| is an accurate solve for a step scaled by unlearn-scale; only a
                 # larger one (or a dropped step) is worth a warning
                 level = logging.WARNING if result.residual > 1e-3 or result.negative_curvature else logging.INFO
-                log.log(level, "unlearning: CG used all %d iterations (cg-iterations) and stopped at relative residual "
-                        "%.1e, above cg-tolerance %.0e: |H x - g| is %.1e of |g|%s", result.iterations,
-                        result.residual, s.cg_tolerance, result.residual,
-                        "; non-positive curvature: step dropped" if result.negative_curvature
-                        else " (raise cg-iterations, or cg-tolerance to accept it)")
+                log.log(
+                    level,
+                    "unlearning: CG used all %d iterations (cg-iterations) and stopped at relative residual "
+                    "%.1e, above cg-tolerance %.0e: |H x - g| is %.1e of |g|%s",
+                    result.iterations,
+                    result.residual,
+                    s.cg_tolerance,
+                    result.residual,
+                    "; non-positive curvature: step dropped"
+                    if result.negative_curvature
+                    else " (raise cg-iterations, or cg-tolerance to accept it)",
+                )
             x = unflatten(result.x, self.layout.shared_shapes)
         else:
             x, stats = self.local_cg(grid, arrays, nodes, forget, support, g_forget, radius=radius)
@@ -422,28 +480,32 @@ class ClientUnlearning:
         """Node -> how many of its remaining users share an influence-loss row with ``support`` (every node asked)."""
         nodes = sorted({int(n) for n in self.strategy._topology().user_to_node.tolist()})
         exclude = [int(u) for u in forget]
-        replies = self._query(grid, UNLEARN_AFFECTED, {n: {"exclude": exclude} for n in nodes}, arrays,
-                              support=support)
-        self._remaining = {int(r.metadata.src_node_id): int(r.content[CONFIG].get("remaining-users", 0))
-                           for r in replies}
+        replies = self._query(grid, UNLEARN_AFFECTED, {n: {"exclude": exclude} for n in nodes}, arrays, support=support)
+        self._remaining = {
+            int(r.metadata.src_node_id): int(r.content[CONFIG].get("remaining-users", 0)) for r in replies
+        }
         return {int(r.metadata.src_node_id): int(r.content[CONFIG]["affected-users"]) for r in replies}
 
     def _targets(self, nodes, forget: np.ndarray, extra: Mapping | None = None) -> dict[int, dict]:
-        return {int(n): {"exclude": [int(u) for u in forget], "causal": self.settings.causal_weighting,
-                         **(extra or {})} for n in nodes}
+        return {
+            int(n): {"exclude": [int(u) for u in forget], "causal": self.settings.causal_weighting, **(extra or {})}
+            for n in nodes
+        }
 
     def _curvature_targets(self, nodes, forget: np.ndarray, extra: Mapping) -> tuple[dict, float]:
         """The nodes that answer curvature queries (with ``curvature-sample`` < 1 a seeded share of ``nodes``,
         :func:`curvature_sample_nodes`) with their configs, and the factor their sums are scaled by."""
         s = self.settings
         counts = getattr(self, "_curvature_users", None) or {int(n): 1 for n in nodes}
-        sampled, factor = curvature_sample_nodes({int(n): counts.get(int(n), 1) for n in nodes},
-                                                 s.curvature_sample, s.seed)
+        sampled, factor = curvature_sample_nodes(
+            {int(n): counts.get(int(n), 1) for n in nodes}, s.curvature_sample, s.seed
+        )
         self.curvature_nodes, self.curvature_factor = sampled, factor
         return self._targets(sampled, forget, dict(extra)), factor
 
-    def preconditioner(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
-                       rhs: dict, report: dict) -> np.ndarray:
+    def preconditioner(
+        self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray, rhs: dict, report: dict
+    ) -> np.ndarray:
         """``krylov-preconditioner``: the diagonal of ``M`` for the trust-region solve (flattened in the layout's key
         order), from one ``unlearn_diagonal`` query round (ours).
 
@@ -472,9 +534,14 @@ class ClientUnlearning:
         report["preconditioner-bytes-received"] = self.bytes_received - received
         diagonal = {k: factor * v for k, v in self._sum(replies).items()}
         if s.preconditioner == "row":
-            diagonal = {k: (np.broadcast_to(v.mean(axis=tuple(range(1, v.ndim)), keepdims=True), v.shape).copy()
-                            if k in self.layout.item_keys and v.ndim > 1 else np.full_like(v, v.mean()))
-                        for k, v in diagonal.items()}
+            diagonal = {
+                k: (
+                    np.broadcast_to(v.mean(axis=tuple(range(1, v.ndim)), keepdims=True), v.shape).copy()
+                    if k in self.layout.item_keys and v.ndim > 1
+                    else np.full_like(v, v.mean())
+                )
+                for k, v in diagonal.items()
+            }
         touched = _restrict(diagonal, rhs, self.layout)
         count = sum(v.size for v in touched.values())
         mean = sum(float(v.sum()) for v in touched.values()) / count if count else 0.0
@@ -485,12 +552,27 @@ class ClientUnlearning:
         floor = PRECONDITIONER_FLOOR * mean
         m = (flatten(diagonal, shapes) + floor) / (mean + floor)
         on_support = (np.concatenate([v.reshape(-1) for v in touched.values()]) + floor) / (mean + floor)
-        report.update({"krylov-preconditioner": s.preconditioner, "preconditioner-mean": mean,
-                       "preconditioner-min": float(on_support.min()), "preconditioner-max": float(on_support.max())})
+        report.update(
+            {
+                "krylov-preconditioner": s.preconditioner,
+                "preconditioner-mean": mean,
+                "preconditioner-min": float(on_support.min()),
+                "preconditioner-max": float(on_support.max()),
+            }
+        )
         return m
 
-    def distributed_cg(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
-                       rhs: dict, radius: float | None = None, preconditioner: np.ndarray | None = None) -> CGResult:
+    def distributed_cg(
+        self,
+        grid: Grid,
+        arrays: ArrayRecord,
+        nodes,
+        forget: np.ndarray,
+        support: np.ndarray,
+        rhs: dict,
+        radius: float | None = None,
+        preconditioner: np.ndarray | None = None,
+    ) -> CGResult:
         """CG (``krylov-solver``: plain, or trust-region within ``radius``, in the ``M``-norm of ``preconditioner``
         when given, :meth:`preconditioner`) on ``(sum_u C_u + damping I) x = rhs``
         over the remaining (with causal weighting: affected) users of ``nodes``, ``C_u`` the curvature of
@@ -503,31 +585,55 @@ class ClientUnlearning:
         def matvec(flat: np.ndarray) -> np.ndarray:
             if not targets:
                 return np.zeros_like(flat)
-            replies = self._query(grid, UNLEARN_HVP, targets, arrays, vector=unflatten(flat, shapes),
-                                  support=support)
+            replies = self._query(grid, UNLEARN_HVP, targets, arrays, vector=unflatten(flat, shapes), support=support)
             return factor * flatten(self._sum(replies), shapes)
 
-        return krylov_solve(matvec, flatten(rhs, shapes), solver=s.krylov_solver, iterations=s.cg_iterations,
-                            damping=s.damping, tolerance=s.cg_tolerance, radius=radius, preconditioner=preconditioner)
+        return krylov_solve(
+            matvec,
+            flatten(rhs, shapes),
+            solver=s.krylov_solver,
+            iterations=s.cg_iterations,
+            damping=s.damping,
+            tolerance=s.cg_tolerance,
+            radius=radius,
+            preconditioner=preconditioner,
+        )
 
-    def remaining_loss(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
-                       direction: dict, steps: list) -> list[float]:
+    def remaining_loss(
+        self,
+        grid: Grid,
+        arrays: ArrayRecord,
+        nodes,
+        forget: np.ndarray,
+        support: np.ndarray,
+        direction: dict,
+        steps: list,
+    ) -> list[float]:
         """``[L_R(theta + a d) for a in steps]``: the remaining (with causal weighting: affected) users' summed
         influence loss along ``direction``, from one ``unlearn_loss`` query round (each node returns one scalar sum
         per step)."""
-        replies = self._query(grid, UNLEARN_LOSS, self._targets(nodes, forget, {"steps": [float(a) for a in steps]}),
-                              arrays, vector=direction, support=support)
+        replies = self._query(
+            grid,
+            UNLEARN_LOSS,
+            self._targets(nodes, forget, {"steps": [float(a) for a in steps]}),
+            arrays,
+            vector=direction,
+            support=support,
+        )
         return _step_sums(replies, UNLEARN_LOSS, "loss-sums", len(steps)).tolist()
 
-    def line_search(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
-                    step: dict) -> LineSearchResult:
+    def line_search(
+        self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray, step: dict
+    ) -> LineSearchResult:
         """``line-search = "remaining-loss"``: the multiple ``a`` of the solver's step that minimises the remaining
         users' summed training loss ``L_R(theta + a step)`` (:func:`fedrec_flwr.unlearning.krylov.ladder_line_search`; every
         round one :meth:`remaining_loss` query)."""
         s = self.settings
         return ladder_line_search(
             lambda steps: self.remaining_loss(grid, arrays, nodes, forget, support, step, steps),
-            max_step=s.line_search_max_step, max_rounds=s.line_search_rounds)
+            max_step=s.line_search_max_step,
+            max_rounds=s.line_search_rounds,
+        )
 
     def margin_step(self, grid: Grid, arrays: ArrayRecord, forget: np.ndarray, step: dict, report: dict) -> float:
         """``line-search = "membership-margin"``: the multiple ``a`` of the solver's step at which the forgotten
@@ -540,10 +646,14 @@ class ClientUnlearning:
         nodes = sorted({int(n) for n in topology.user_to_node.tolist()})
         exclude = [int(u) for u in forget]
         smallest = int(np.unique(topology.user_to_node, return_counts=True)[1].min())
-        log.warning("line-search = 'membership-margin': every node sends its users' training-positive counts per item "
-                    "(unlearn_counts); a node serving %d user%s reveals %s (fedrec_flwr/unlearning/margin.py, 'Privacy "
-                    "cost')", smallest, "" if smallest == 1 else "s",
-                    "that user's training items" if smallest == 1 else "the sum of its users' training items")
+        log.warning(
+            "line-search = 'membership-margin': every node sends its users' training-positive counts per item "
+            "(unlearn_counts); a node serving %d user%s reveals %s (fedrec_flwr/unlearning/margin.py, 'Privacy "
+            "cost')",
+            smallest,
+            "" if smallest == 1 else "s",
+            "that user's training items" if smallest == 1 else "the sum of its users' training items",
+        )
         replies = self._query(grid, UNLEARN_COUNTS, {n: {"exclude": exclude} for n in nodes}, ArrayRecord())
         counts = {"remaining": 0.0, "forgotten": 0.0}
         for reply in replies:
@@ -558,8 +668,13 @@ class ClientUnlearning:
         def evaluate(steps) -> list[float]:
             if not steps:
                 return []
-            got = self._query(grid, UNLEARN_MARGIN, {n: {"users": us, "steps": [float(a) for a in steps], **common}
-                                                     for n, us in groups.items()}, arrays, vector=step)
+            got = self._query(
+                grid,
+                UNLEARN_MARGIN,
+                {n: {"users": us, "steps": [float(a) for a in steps], **common} for n, us in groups.items()},
+                arrays,
+                vector=step,
+            )
             sums = _step_sums(got, UNLEARN_MARGIN, "margin-sums", len(steps))
             count = found["count"] = sum(int(reply.content[METRICS]["margin-count"]) for reply in got)
             return (sums / count).tolist() if count else [0.0] * len(steps)
@@ -573,17 +688,33 @@ class ClientUnlearning:
         report["margin-terms"] = int(found.get("count", 0))
         return result.step
 
-    def local_cg(self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray,
-                 rhs: dict, radius: float | None = None) -> tuple[dict, dict]:
+    def local_cg(
+        self,
+        grid: Grid,
+        arrays: ArrayRecord,
+        nodes,
+        forget: np.ndarray,
+        support: np.ndarray,
+        rhs: dict,
+        radius: float | None = None,
+    ) -> tuple[dict, dict]:
         """``sum_u w_u x_u / sum_u w_u`` over the remaining (affected) users of ``nodes``, each ``x_u`` solved on its
         own node (``w_u`` = gradient norm with causal weighting, else 1), and the solves' statistics."""
         s = self.settings
         if not nodes:
             return {k: v / s.damping for k, v in rhs.items()}, {"local-cg-users": 0}
-        targets = self._targets(nodes, forget, {"iterations": s.cg_iterations, "damping": s.damping,
-                                                "tolerance": s.cg_tolerance, "curvature": s.curvature,
-                                                "solver": s.krylov_solver,
-                                                **({"radius": float(radius)} if radius is not None else {})})
+        targets = self._targets(
+            nodes,
+            forget,
+            {
+                "iterations": s.cg_iterations,
+                "damping": s.damping,
+                "tolerance": s.cg_tolerance,
+                "curvature": s.curvature,
+                "solver": s.krylov_solver,
+                **({"radius": float(radius)} if radius is not None else {}),
+            },
+        )
         replies = self._query(grid, UNLEARN_LOCAL_CG, targets, arrays, vector=rhs, support=support)
         metrics = [r.content[METRICS] for r in replies]
         weight_sum = sum(float(m["weight-sum"]) for m in metrics)
@@ -597,9 +728,13 @@ class ClientUnlearning:
             "local-cg-boundary": int(sum(float(m.get("boundary", 0.0)) for m in metrics)),
         }
         if stats["local-cg-not-converged"] or stats["local-cg-dropped"]:
-            log.warning("unlearning: %d local CG solves did not converge, %d were left out (non-positive curvature "
-                        "or residual > 1); %d used", stats["local-cg-not-converged"], stats["local-cg-dropped"],
-                        stats["local-cg-users"])
+            log.warning(
+                "unlearning: %d local CG solves did not converge, %d were left out (non-positive curvature "
+                "or residual > 1); %d used",
+                stats["local-cg-not-converged"],
+                stats["local-cg-dropped"],
+                stats["local-cg-users"],
+            )
         total = self._sum(replies)
         if weight_sum <= 0:
             log.warning("unlearning: no local CG solve was usable; the step is 0")
@@ -607,8 +742,16 @@ class ClientUnlearning:
         return {k: v / weight_sum for k, v in total.items()}, stats
 
     # ------------------------------------------------------------------------------------------------ transport
-    def _query(self, grid: Grid, action: str, targets: Mapping[int, Mapping], arrays: ArrayRecord, *,
-               vector: Mapping[str, np.ndarray] | None = None, support: np.ndarray | None = None) -> list[Message]:
+    def _query(
+        self,
+        grid: Grid,
+        action: str,
+        targets: Mapping[int, Mapping],
+        arrays: ArrayRecord,
+        *,
+        vector: Mapping[str, np.ndarray] | None = None,
+        support: np.ndarray | None = None,
+    ) -> list[Message]:
         """Send ``action`` to each node of ``targets`` (node -> its config) and return the replies in canonical order.
 
         Raises:
@@ -616,10 +759,10 @@ class ClientUnlearning:
         """
         if not targets:
             return []
-        vector_record = None if vector is None else ArrayRecord(
-            {k: Array(v) for k, v in pack_sparse(vector, self.layout).items()})
-        support_record = None if support is None else ArrayRecord(
-            {"rows": Array(np.asarray(support, dtype=np.int64))})
+        vector_record = (
+            None if vector is None else ArrayRecord({k: Array(v) for k, v in pack_sparse(vector, self.layout).items()})
+        )
+        support_record = None if support is None else ArrayRecord({"rows": Array(np.asarray(support, dtype=np.int64))})
         messages = []
         for node, config in targets.items():
             # the run's message context (run name, durable round) and the round whose private state to use
@@ -636,11 +779,13 @@ class ClientUnlearning:
         self.bytes_received += sum(_payload_bytes(m.content) for m in replies if not m.has_error())
         failed = [m for m in replies if m.has_error()]
         if failed:
-            raise UnlearningFailed(f"{action}: node {failed[0].metadata.src_node_id} failed: "
-                                   f"{reply_error_line(failed[0].error.reason)}")
+            raise UnlearningFailed(
+                f"{action}: node {failed[0].metadata.src_node_id} failed: {reply_error_line(failed[0].error.reason)}"
+            )
         if len(replies) != len(messages):
-            raise UnlearningFailed(f"{action}: {len(replies)} of {len(messages)} nodes answered within "
-                                   f"{self.timeout:.0f} s")
+            raise UnlearningFailed(
+                f"{action}: {len(replies)} of {len(messages)} nodes answered within {self.timeout:.0f} s"
+            )
         return self.strategy._canonical_order(replies)
 
     def _sum(self, replies: list[Message]) -> dict[str, np.ndarray]:
@@ -662,8 +807,10 @@ def describe_unlearning(report: Mapping) -> str:
     ``"negative-curvature"``, ``"boundary"``, ``"zero-rhs"``; :class:`fedrec_flwr.unlearning.krylov.CGResult`), the line search's
     step and why it stopped, and the size of the change (``relative-update``: ``||step|| / ||theta||``). Keys a method
     does not produce are left out, so this serves ``continue``, ``gradient-ascent`` and ``hfkcu``."""
-    parts = [f"unlearning ({report.get('method')}) of {len(report.get('forget-users', ()))} users after round "
-             f"{report.get('round')}: {float(report.get('seconds', 0.0)):.2f} s, {report.get('messages', 0)} messages"]
+    parts = [
+        f"unlearning ({report.get('method')}) of {len(report.get('forget-users', ()))} users after round "
+        f"{report.get('round')}: {float(report.get('seconds', 0.0)):.2f} s, {report.get('messages', 0)} messages"
+    ]
     if "cg-iterations" in report:
         solve = f"CG {report['cg-iterations']} it, relative residual {float(report['cg-residual']):.2e}"
         if report.get("cg-termination"):
@@ -672,8 +819,9 @@ def describe_unlearning(report: Mapping) -> str:
                 solve += f" ({TERMINATIONS[report['cg-termination']]})"
         parts.append(solve)
     if "line-search-step" in report:
-        parts.append(f"line search step {float(report['line-search-step']):.3g} "
-                     f"({report.get('line-search-termination', '')})")
+        parts.append(
+            f"line search step {float(report['line-search-step']):.3g} ({report.get('line-search-termination', '')})"
+        )
     if "relative-update" in report:
         parts.append(f"update {100 * float(report['relative-update']):.3g}% of the model's norm")
     return "; ".join(parts)
@@ -688,8 +836,11 @@ def describe_before(before: Mapping, server_round: int) -> str:
     if not shown:
         return ""
     order = sorted(shown, key=lambda k: (k.split("@")[0], int(k.split("@")[1]) if k.split("@")[1].isdigit() else 0))
-    return ("before unlearning: " + ", ".join(f"{k} {shown[k]:.4f}" for k in order)
-            + f"; every evaluation from round {server_round} on is of the unlearned model")
+    return (
+        "before unlearning: "
+        + ", ".join(f"{k} {shown[k]:.4f}" for k in order)
+        + f"; every evaluation from round {server_round} on is of the unlearned model"
+    )
 
 
 def curvature_sample_nodes(users: Mapping[int, int], fraction: float, seed: int) -> tuple[list[int], float]:
@@ -734,8 +885,9 @@ def _step_sums(replies: list[Message], action: str, key: str, steps: int) -> np.
     for reply in replies:
         sums = list(reply.content[METRICS].get(key, []))
         if len(sums) != steps:
-            raise UnlearningFailed(f"{action}: node {reply.metadata.src_node_id} sent {len(sums)} sums for {steps} "
-                                   "steps")
+            raise UnlearningFailed(
+                f"{action}: node {reply.metadata.src_node_id} sent {len(sums)} sums for {steps} steps"
+            )
         totals += np.asarray(sums, dtype=np.float64)
     return totals
 

@@ -21,8 +21,11 @@ def dataset_dir(name: str) -> Path:
     path = SHARED_DATA / name
     if not path.is_dir():
         if os.environ.get(SHARED_DATA_ENV):
-            pytest.fail(f"{SHARED_DATA_ENV}={os.environ[SHARED_DATA_ENV]} is set, but the dataset folder {path} does "
-                        "not exist (fix the variable or unset it to skip the real-data tests)", pytrace=False)
+            pytest.fail(
+                f"{SHARED_DATA_ENV}={os.environ[SHARED_DATA_ENV]} is set, but the dataset folder {path} does "
+                "not exist (fix the variable or unset it to skip the real-data tests)",
+                pytrace=False,
+            )
         pytest.skip(f"real dataset folder {path} not found ({SHARED_DATA_ENV} unset)")
     return path
 
@@ -58,7 +61,9 @@ def task_identity():
 
 
 # ------------------------------------------------------------------------------------------ tiny generated data
-def write_tiny_dataset(folder: Path, num_users: int = 24, num_items: int = 60, per_user: int = 12, seed: int = 0) -> Path:
+def write_tiny_dataset(
+    folder: Path, num_users: int = 24, num_items: int = 60, per_user: int = 12, seed: int = 0
+) -> Path:
     """A small interactions CSV with structure (users prefer one of three item groups), for fast simulations."""
     import numpy as np
 
@@ -81,12 +86,23 @@ def tiny_run_config(folder: Path, **overrides):
     from fedrec_flwr.config import default_mapping
 
     mapping = default_mapping()
-    mapping.update({
-        "dataset": "generic", "generic-file": str(write_tiny_dataset(folder)), "cache-dir": str(folder / "cache"),
-        "num-test-negatives": 20, "ks": "5,10", "embedding-dim": 8, "mlp-layers": "16,8", "num-server-rounds": 3,
-        "fraction-train": 0.5, "eval-every": 1, "results-dir": str(folder / "results"), "run-name": "run",
-        "round-timeout": 600.0,  # an upper bound only; a loaded 2-core machine can take minutes to start Ray actors
-    })
+    mapping.update(
+        {
+            "dataset": "generic",
+            "generic-file": str(write_tiny_dataset(folder)),
+            "cache-dir": str(folder / "cache"),
+            "num-test-negatives": 20,
+            "ks": "5,10",
+            "embedding-dim": 8,
+            "mlp-layers": "16,8",
+            "num-server-rounds": 3,
+            "fraction-train": 0.5,
+            "eval-every": 1,
+            "results-dir": str(folder / "results"),
+            "run-name": "run",
+            "round-timeout": 600.0,  # an upper bound only; a loaded 2-core machine can take minutes to start Ray actors
+        }
+    )
     mapping.update({k.replace("_", "-"): v for k, v in overrides.items()})
     return mapping
 
@@ -112,13 +128,15 @@ class MessageRecorder:
             "partition-id": context.node_config.get("partition-id"),
             "reply-arrays": {
                 name: {k: v.numpy() for k, v in rec.items()} for name, rec in reply.content.array_records.items()
-            } if not reply.has_error() else {},
-            "reply-metrics": {
-                name: dict(rec) for name, rec in reply.content.metric_records.items()
-            } if not reply.has_error() else {},
-            "reply-configs": {
-                name: dict(rec) for name, rec in reply.content.config_records.items()
-            } if not reply.has_error() else {},
+            }
+            if not reply.has_error()
+            else {},
+            "reply-metrics": {name: dict(rec) for name, rec in reply.content.metric_records.items()}
+            if not reply.has_error()
+            else {},
+            "reply-configs": {name: dict(rec) for name, rec in reply.content.config_records.items()}
+            if not reply.has_error()
+            else {},
             "error": reply.error.reason if reply.has_error() else None,
             "state-before": before,
             "state": _state_arrays(context),
@@ -132,8 +150,14 @@ class MessageRecorder:
         return [pickle.loads(p.read_bytes()) for p in sorted(self.folder.glob("*.pkl"))]
 
 
-def simulate(run_config: dict, *, num_supernodes: int | None = None, num_cpus: int = 2, cpus_per_client: float = 1,
-             recorder: MessageRecorder | None = None) -> Path:
+def simulate(
+    run_config: dict,
+    *,
+    num_supernodes: int | None = None,
+    num_cpus: int = 2,
+    cpus_per_client: float = 1,
+    recorder: MessageRecorder | None = None,
+) -> Path:
     """Run the ServerApp and ClientApp in-process with Flower's simulation engine; returns the results folder."""
     import os
 
@@ -151,8 +175,10 @@ def simulate(run_config: dict, *, num_supernodes: int | None = None, num_cpus: i
         make_server_app(run_config),
         make_client_app(run_config, mods=[recorder] if recorder else None),
         num_supernodes=num_supernodes,
-        backend_config={"client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0},
-                        "init_args": {"num_cpus": num_cpus, "num_gpus": 0, "include_dashboard": False}},
+        backend_config={
+            "client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0},
+            "init_args": {"num_cpus": num_cpus, "num_gpus": 0, "include_dashboard": False},
+        },
     )
     return Path(run_config["results-dir"]) / run_config["run-name"]
 
@@ -196,8 +222,8 @@ def seeded_private_vectors(run_config) -> list:
     import numpy as np
     from flwr.app import RecordDict
 
-    from fedrec_flwr.registry import resolve
     from fedrec_flwr.app.runtime import get_runtime
+    from fedrec_flwr.registry import resolve
 
     runtime = get_runtime(run_config)
     cls = resolve("client", runtime.config.client)
@@ -227,7 +253,7 @@ def find_vector(haystack, needles, rel: float = 1e-3):
         by_length.setdefault(len(needle), []).append(index)
     for length, indices in by_length.items():
         for start in range(0, len(indices), 256):
-            chunk = indices[start:start + 256]
+            chunk = indices[start : start + 256]
             group = np.stack([needles[i] for i in chunk])
             tol = rel * np.abs(group).max(axis=1)
             for flat in flats:
@@ -249,24 +275,33 @@ def assert_no_private_value_in_replies(records, layout, private_rows=None, *, ex
     records (state before and after every handler); plus ``extra`` (e.g. :func:`seeded_private_vectors`)."""
     import numpy as np
 
-    rows = [np.asarray(r, np.float64).ravel() for r in (private_rows if private_rows is not None else
-                                                       private_vectors(records))] + [
-        np.asarray(v, np.float64).ravel() for v in extra]
+    rows = [
+        np.asarray(r, np.float64).ravel()
+        for r in (private_rows if private_rows is not None else private_vectors(records))
+    ] + [np.asarray(v, np.float64).ravel() for v in extra]
     rows = [r for r in rows if len(r) >= 2 and np.abs(r).max() > 0]  # scalars and zero vectors carry nothing
     assert len(rows) > 0
     for record in records:
         assert not record["error"], record["error"]
         values = {f"array {key}": array for arrays in record["reply-arrays"].values() for key, array in arrays.items()}
         for kind in ("reply-metrics", "reply-configs"):
-            values.update({f"{kind} {key}": value for rec in record[kind].values() for key, value in rec.items()
-                           if isinstance(value, (list, tuple, np.ndarray))})
+            values.update(
+                {
+                    f"{kind} {key}": value
+                    for rec in record[kind].values()
+                    for key, value in rec.items()
+                    if isinstance(value, (list, tuple, np.ndarray))
+                }
+            )
         for arrays in record["reply-arrays"].values():
             for key in arrays:
                 assert key.split("#")[0] not in layout.private_keys, key
         for name, value in values.items():
             found = find_vector(value, rows)
-            assert found is None, (f"{record['type']} reply of partition {record['partition-id']} (round "
-                                   f"{record['round']}): {name} contains private vector {rows[found]}")
+            assert found is None, (
+                f"{record['type']} reply of partition {record['partition-id']} (round "
+                f"{record['round']}): {name} contains private vector {rows[found]}"
+            )
 
 
 TIMING_KEYS = ("seconds", "train-seconds")

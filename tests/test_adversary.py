@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import without_timings
 from torch.distributions import Normal, kl_divergence
 
@@ -26,9 +25,8 @@ from fedrec_flwr.adversary import (
 )
 from fedrec_flwr.attributes import AGE_BUCKETS, encode_attribute
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.models import build_model
 from fedrec_flwr.local.training import LocalTrainConfig, LocalTrainer
-
+from fedrec_flwr.models import build_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -79,8 +77,10 @@ def test_grl_reverses_the_user_vector_gradient_but_not_the_adversary_parameter_g
 
 # ---------------------------------------------------------------------------------------------------- SUT
 def test_sut_gives_epsilon_only_when_the_deterministic_prediction_is_the_label():
-    for adversary in (AttributeAdversary(6, 3, 8, generator=_gen(4)),
-                      DSVAEAdversary(6, 3, 8, 4, gradient_noise=1.0, generator=_gen(5))):
+    for adversary in (
+        AttributeAdversary(6, 3, 8, generator=_gen(4)),
+        DSVAEAdversary(6, 3, 8, 4, gradient_noise=1.0, generator=_gen(5)),
+    ):
         assert adversary.generator is None  # the SUT must not draw: a DSVAE forward would raise here
         for seed in range(10):
             u = torch.randn(1, 6, generator=_gen(seed))
@@ -111,8 +111,11 @@ def test_dsvae_kl_equals_torch_kl_of_the_posterior_to_the_standard_normal(batch)
     adversary(u)
     mu, logvar = adversary.encoder(F.relu(adversary.hidden(u))).chunk(2, dim=-1)
     logvar = logvar.clamp(-10.0, 10.0)
-    expected = kl_divergence(Normal(mu, torch.exp(0.5 * logvar)),
-                             Normal(torch.zeros_like(mu), torch.ones_like(mu))).sum(dim=-1).mean()
+    expected = (
+        kl_divergence(Normal(mu, torch.exp(0.5 * logvar)), Normal(torch.zeros_like(mu), torch.ones_like(mu)))
+        .sum(dim=-1)
+        .mean()
+    )
     assert float(expected.detach()) > 0
     torch.testing.assert_close(adversary.regulariser(), expected, rtol=1e-5, atol=1e-6)
 
@@ -173,8 +176,10 @@ def test_dsvae_without_generator_raises():
 
 
 def test_build_adversary_kinds_and_refusals():
-    assert type(build_adversary("mlp", 6, 2, hidden=8, latent=4, gradient_noise=1.0, generator=_gen(0))) \
+    assert (
+        type(build_adversary("mlp", 6, 2, hidden=8, latent=4, gradient_noise=1.0, generator=_gen(0)))
         is AttributeAdversary
+    )
     dsvae = build_adversary("dsvae", 6, 2, hidden=8, latent=4, gradient_noise=0.5, generator=_gen(0))
     assert type(dsvae) is DSVAEAdversary and dsvae.gradient_noise == 0.5 and dsvae.latent == 4
     with pytest.raises(ValueError, match="unknown adversary"):
@@ -194,8 +199,9 @@ BATCHES = 4  # ceil(30 / 8) per epoch
 def _mf(with_adversary: str | None = "mlp", seed: int = 0):
     model = build_model("mf", 1, NUM_ITEMS, embedding_dim=8, seed=seed)
     if with_adversary:
-        adversary = build_adversary(with_adversary, user_vector_dim(model), 2, hidden=8, latent=4,
-                                    gradient_noise=1.0, generator=_gen(11))
+        adversary = build_adversary(
+            with_adversary, user_vector_dim(model), 2, hidden=8, latent=4, gradient_noise=1.0, generator=_gen(11)
+        )
         model.attach_shared_module(ADVERSARY_MODULE, adversary)
     return model
 
@@ -205,8 +211,9 @@ def _cfg(lr: float = 0.1, epochs: int = 2) -> LocalTrainConfig:
 
 
 def _adversarial(model, *, label=1, epsilon=1.0, trigger="always", lr=0.1, seed=3):
-    return AdversarialTrainer(model, _cfg(lr), label=label, epsilon=epsilon, trigger=trigger, kl_weight=0.01,
-                              generator=_gen(seed))
+    return AdversarialTrainer(
+        model, _cfg(lr), label=label, epsilon=epsilon, trigger=trigger, kl_weight=0.01, generator=_gen(seed)
+    )
 
 
 @pytest.mark.parametrize("kind", ["mlp", "dsvae"])
@@ -265,8 +272,9 @@ def test_trainer_refuses_a_model_without_adversary_or_a_label_out_of_range():
 @pytest.fixture(scope="module")
 def ml100k_split():
     from conftest import dataset_dir
-    from fedrec_flwr.config import make_run_config
+
     from fedrec_flwr.app.runtime import load_split_for
+    from fedrec_flwr.config import make_run_config
 
     return load_split_for(make_run_config(dataset="ml-100k", data_dir=str(dataset_dir("ml-100k"))))
 
@@ -315,11 +323,15 @@ def test_fedau2_with_pfedrec_model_is_refused_by_check_components():
     from fedrec_flwr.config import make_run_config
     from fedrec_flwr.registry import check_components
 
-    check_components(make_run_config(client="fedau2", model="mf", adversary="dsvae", protected_attribute="gender",
-                                     strategy="curious-item-fedavg"))  # accepted
+    check_components(
+        make_run_config(
+            client="fedau2", model="mf", adversary="dsvae", protected_attribute="gender", strategy="curious-item-fedavg"
+        )
+    )  # accepted
     with pytest.raises(ConfigError, match="(?i)fedau2"):
-        check_components(make_run_config(client="fedau2", model="pfedrec", adversary="mlp",
-                                         protected_attribute="gender"))
+        check_components(
+            make_run_config(client="fedau2", model="pfedrec", adversary="mlp", protected_attribute="gender")
+        )
 
 
 @pytest.mark.parametrize("client", ["fedrec", "fedrecgel", "pfedrec"])
@@ -334,13 +346,22 @@ def test_clients_without_attribute_unlearning_refuse_its_keys(client, keys):
         check_components(make_run_config(client=client, model=model, **keys))
 
 
-@pytest.mark.parametrize(("keys", "named", "unnamed"), [
-    ({"adversary": "dsvae", "protected_attribute": "gender"}, "run-config key 'adversary' = 'dsvae' needs",
-     "user-embedding-noise"),
-    ({"user_embedding_noise": 0.1}, "run-config key 'user-embedding-noise' = 0.1 needs", "'adversary'"),
-    ({"adversary": "mlp", "protected_attribute": "gender", "user_embedding_noise": 0.1},
-     "run-config keys 'adversary' = 'mlp' and 'user-embedding-noise' = 0.1 need", None),
-])
+@pytest.mark.parametrize(
+    ("keys", "named", "unnamed"),
+    [
+        (
+            {"adversary": "dsvae", "protected_attribute": "gender"},
+            "run-config key 'adversary' = 'dsvae' needs",
+            "user-embedding-noise",
+        ),
+        ({"user_embedding_noise": 0.1}, "run-config key 'user-embedding-noise' = 0.1 needs", "'adversary'"),
+        (
+            {"adversary": "mlp", "protected_attribute": "gender", "user_embedding_noise": 0.1},
+            "run-config keys 'adversary' = 'mlp' and 'user-embedding-noise' = 0.1 need",
+            None,
+        ),
+    ],
+)
 def test_a_plain_client_names_only_the_attribute_unlearning_keys_the_user_set(keys, named, unnamed):
     """``adversary = "dsvae"`` with ``client = "fedrec"`` was refused naming ``'user-embedding-noise' = 0.0`` too, a
     key the user never set (a fresh user's finding); the message names the keys set and the clients they need."""
@@ -361,18 +382,26 @@ def test_adversarial_term_composes_with_fedrecgel_sam_client(tmp_path):
     loss evaluations of a SAM step), the uploaded SAM gradient includes the adversary's, and a whole run works."""
     import math
 
+    from conftest import tiny_run_config
     from flwr.app import RecordDict
 
-    from fedrec_flwr.clients.fedau2 import FedAU2GELClient
     from fedrec_flwr.app.runtime import get_runtime
+    from fedrec_flwr.clients.fedau2 import FedAU2GELClient
     from fedrec_flwr.serial import run_serial
-    from conftest import tiny_run_config
 
     attributes = tmp_path / "attributes.csv"
     attributes.write_text("user,gender\n" + "".join(f"u{u},{'F' if u % 3 else 'M'}\n" for u in range(24)))
-    config = tiny_run_config(tmp_path, client="fedau2-gel", strategy="server-optimizer", adversary="dsvae",
-                             protected_attribute="gender", generic_attributes_file=str(attributes),
-                             learning_rate=0.1, batch_size=1000, num_server_rounds=2)
+    config = tiny_run_config(
+        tmp_path,
+        client="fedau2-gel",
+        strategy="server-optimizer",
+        adversary="dsvae",
+        protected_attribute="gender",
+        generic_attributes_file=str(attributes),
+        learning_rate=0.1,
+        batch_size=1000,
+        num_server_rounds=2,
+    )
     runtime = get_runtime(config)
     shared = {k: v.numpy().copy() for k, v in runtime.model.shared_state().items()}
     client = FedAU2GELClient(runtime, 0, RecordDict())
@@ -393,8 +422,9 @@ def test_entropy_objective_pulls_the_embedding_the_same_way_for_every_label():
     def grads(label: int, objective: str):
         model = build_model("mf", 1, 10, embedding_dim=4, seed=0)
         model.attach_shared_module("adversary", AttributeAdversary(4, 2, 8, generator=_gen(3)))
-        term = AdversarialTerm(model, label=label, epsilon=0.7, trigger="always", kl_weight=0.0, generator=_gen(0),
-                               objective=objective)
+        term = AdversarialTerm(
+            model, label=label, epsilon=0.7, trigger="always", kl_weight=0.0, generator=_gen(0), objective=objective
+        )
         term().backward()
         return model.user_embedding.weight.grad.clone(), [p.grad.clone() for p in model.adversary.parameters()]
 
@@ -413,12 +443,19 @@ def test_fedau2_dsvae_run_is_the_same_under_ray_as_in_the_serial_grid(tmp_path):
     """The DSVAE's random draws and the SUT come from per-(user, round) streams: Flower's Ray simulation and the
     in-process serial grid give bit-identical models (adversary included) and metrics."""
     from conftest import simulate, tiny_run_config
+
     from fedrec_flwr.serial import run_serial
 
     attributes = tmp_path / "attributes.csv"
     attributes.write_text("user,gender\n" + "".join(f"u{u},{'F' if u % 3 else 'M'}\n" for u in range(24)))
-    overrides = dict(client="fedau2", adversary="dsvae", protected_attribute="gender", users_per_node=5,
-                     generic_attributes_file=str(attributes), strategy="curious-item-fedavg")
+    overrides = dict(
+        client="fedau2",
+        adversary="dsvae",
+        protected_attribute="gender",
+        users_per_node=5,
+        generic_attributes_file=str(attributes),
+        strategy="curious-item-fedavg",
+    )
     ray_results = simulate(tiny_run_config(tmp_path / "ray", **overrides))
     serial_results = run_serial(tiny_run_config(tmp_path / "serial", **overrides))
     a, b = np.load(ray_results / "final_arrays.npz"), np.load(serial_results / "final_arrays.npz")
@@ -427,7 +464,8 @@ def test_fedau2_dsvae_run_is_the_same_under_ray_as_in_the_serial_grid(tmp_path):
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
     strip = without_timings
     assert strip(json.loads((ray_results / "metrics.json").read_text())) == strip(
-        json.loads((serial_results / "metrics.json").read_text()))
+        json.loads((serial_results / "metrics.json").read_text())
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- GRL as trained
@@ -458,8 +496,16 @@ def test_one_sgd_step_moves_the_embedding_up_the_adversary_loss_by_exactly_lr_ep
     u0 = model.user_embedding.weight.detach().double().numpy()[0].copy()
     expected = lr * eps * _hand_ce_gradient_wrt_u(model.adversary, u0, label)
     assert np.abs(expected).max() > 1e-4
-    term = AdversarialTerm(model, label=label, epsilon=eps, trigger="always", kl_weight=0.0, generator=_gen(0),
-                           frozen=mode != "per-client", embedding_step=lr if mode == "server-sgd" else 0.0)
+    term = AdversarialTerm(
+        model,
+        label=label,
+        epsilon=eps,
+        trigger="always",
+        kl_weight=0.0,
+        generator=_gen(0),
+        frozen=mode != "per-client",
+        embedding_step=lr if mode == "server-sgd" else 0.0,
+    )
     optimizer = torch.optim.SGD([model.user_embedding.weight], lr=lr)
     optimizer.zero_grad()
     loss = term()
@@ -480,14 +526,16 @@ def test_adversarial_trainer_step_differs_from_the_plain_step_by_exactly_lr_eps_
     def step(epsilon: float) -> np.ndarray:
         model = _mf("mlp")
         cfg = LocalTrainConfig(learning_rate=lr, optimizer="sgd", batch_size=1000, local_epochs=1)
-        trainer = AdversarialTrainer(model, cfg, label=0, epsilon=epsilon, trigger="always", kl_weight=0.0,
-                                     generator=_gen(3))
+        trainer = AdversarialTrainer(
+            model, cfg, label=0, epsilon=epsilon, trigger="always", kl_weight=0.0, generator=_gen(3)
+        )
         trainer.train(0, POSITIVES, NEGATIVES, _gen(0))
         return model.user_embedding.weight.detach().double().numpy()[0]
 
     start = _mf("mlp")
-    expected = lr * eps * _hand_ce_gradient_wrt_u(start.adversary, start.user_embedding.weight.detach().double()
-                                                  .numpy()[0], 0)
+    expected = (
+        lr * eps * _hand_ce_gradient_wrt_u(start.adversary, start.user_embedding.weight.detach().double().numpy()[0], 0)
+    )
     np.testing.assert_allclose(step(eps) - step(0.0), expected, rtol=1e-4, atol=1e-7)
 
 

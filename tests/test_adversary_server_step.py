@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
-from fedrec_flwr.wire import ARRAYS, METRICS, NUM_EXAMPLES
 from fedrec_flwr.strategies.adversary import AdversaryServerStep, mean_reply_gradient
+from fedrec_flwr.wire import ARRAYS, METRICS, NUM_EXAMPLES
 
 KEYS = ("adversary.head.weight", "adversary.head.bias")
 
@@ -44,14 +44,15 @@ def test_adam_second_step_starts_from_the_new_values_with_the_kept_moments():
     for key in KEYS:
         m = (1 - b1) * (b1 * g1[key].astype(np.float64) + g2[key])
         v = (1 - b2) * (b2 * g1[key].astype(np.float64) ** 2 + g2[key].astype(np.float64) ** 2)
-        m_hat, v_hat = m / (1 - b1 ** 2), v / (1 - b2 ** 2)
+        m_hat, v_hat = m / (1 - b1**2), v / (1 - b2**2)
         expected = sent2[key] - lr * m_hat / (np.sqrt(v_hat) + eps)
         np.testing.assert_allclose(second[key], expected, rtol=1e-5, atol=1e-6)
 
 
 def _reply(gradient: dict, weight: float) -> RecordDict:
-    return RecordDict({ARRAYS: ArrayRecord({k: Array(v) for k, v in gradient.items()}),
-                       METRICS: MetricRecord({NUM_EXAMPLES: weight})})
+    return RecordDict(
+        {ARRAYS: ArrayRecord({k: Array(v) for k, v in gradient.items()}), METRICS: MetricRecord({NUM_EXAMPLES: weight})}
+    )
 
 
 def test_apply_steps_on_the_user_weighted_mean_of_the_replies_and_keeps_the_other_keys():
@@ -70,8 +71,9 @@ def test_apply_steps_on_the_user_weighted_mean_of_the_replies_and_keeps_the_othe
     np.testing.assert_array_equal(new["item_embedding.weight"].numpy(), other)
 
 
-@pytest.mark.parametrize("kwargs", [{"optimizer": "rmsprop"}, {"learning_rate": 0.0}, {"steps": 0},
-                                    {"query_users": "some"}])
+@pytest.mark.parametrize(
+    "kwargs", [{"optimizer": "rmsprop"}, {"learning_rate": 0.0}, {"steps": 0}, {"query_users": "some"}]
+)
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         AdversaryServerStep(KEYS, **kwargs)
@@ -84,7 +86,12 @@ def test_a_reply_is_usable_only_with_h_ws_keys_shapes_finite_values_and_a_positi
     bad_shape = {**_values(9), KEYS[1]: np.zeros(3, np.float32)}
     non_finite = {**_values(9), KEYS[0]: np.full((2, 3), np.nan, np.float32)}
     extra_key = {**_values(9), "item_embedding.weight": np.zeros(2, np.float32)}
-    for content, words in ((_reply(bad_shape, 1.0), "shape"), (_reply(non_finite, 1.0), "non-finite"),
-                           (_reply(extra_key, 1.0), "keys"), (_reply(_values(9), 0.0), "positive"),
-                           (_reply(_values(9), float("inf")), "positive"), (RecordDict(), "no arrays")):
+    for content, words in (
+        (_reply(bad_shape, 1.0), "shape"),
+        (_reply(non_finite, 1.0), "non-finite"),
+        (_reply(extra_key, 1.0), "keys"),
+        (_reply(_values(9), 0.0), "positive"),
+        (_reply(_values(9), float("inf")), "positive"),
+        (RecordDict(), "no arrays"),
+    ):
         assert words in step._reply_problem(content, sent)

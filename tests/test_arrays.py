@@ -24,8 +24,12 @@ VALUES = [
 @pytest.mark.parametrize("value", VALUES, ids=[f"{v.dtype}-{v.shape}-{i}" for i, v in enumerate(VALUES)])
 def test_encode_array_is_flowers_array_byte_for_byte_and_decodes_back(value):
     ours, flowers = encode_array(value), Array(np.ascontiguousarray(value) if value.ndim else value)
-    assert (ours.dtype, ours.shape, ours.stype, ours.data) == (flowers.dtype, flowers.shape, flowers.stype,
-                                                               flowers.data)
+    assert (ours.dtype, ours.shape, ours.stype, ours.data) == (
+        flowers.dtype,
+        flowers.shape,
+        flowers.stype,
+        flowers.data,
+    )
     for decoded in (decode_array(ours), decode_array(flowers), decode_array(ours, copy=False)):
         assert decoded.dtype == value.dtype and decoded.shape == value.shape
         np.testing.assert_array_equal(decoded, ours.numpy())

@@ -22,7 +22,7 @@ def test_each_split_is_its_own_seeded_draw_of_stratified_halves():
         expected_train = []
         for c in (0, 1):
             members = np.flatnonzero(LABELS == c)
-            expected_train.append(rng.permutation(members)[:int(round(0.5 * members.size))])
+            expected_train.append(rng.permutation(members)[: int(round(0.5 * members.size))])
         np.testing.assert_array_equal(train, np.sort(np.concatenate(expected_train)))
         np.testing.assert_array_equal(np.sort(np.concatenate([train, test])), np.arange(LABELS.size))
         for c in (0, 1):  # every class in both halves

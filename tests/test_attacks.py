@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import MessageRecorder, assert_no_private_value_in_replies, tiny_run_config, write_tiny_dataset
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from conftest import MessageRecorder, assert_no_private_value_in_replies, tiny_run_config, write_tiny_dataset
 from fedrec_flwr.adversary import AttributeAdversary, DSVAEAdversary
-from fedrec_flwr.attacks import attribute_inference, collect_user_embeddings, dlg_label, idlg_label
 from fedrec_flwr.app.client_app import make_client_app
-from fedrec_flwr.errors import DataError
 from fedrec_flwr.app.runtime import get_runtime
+from fedrec_flwr.attacks import attribute_inference, collect_user_embeddings, dlg_label, idlg_label
+from fedrec_flwr.errors import DataError
 from fedrec_flwr.serial import run_serial
 from fedrec_flwr.strategies.curious import CuriousItemFedAvg
 
@@ -120,8 +120,14 @@ def test_collect_user_embeddings_reads_each_users_row_and_marks_missing_users():
         return ArrayRecord({"gmf": Array(np.asarray([a], np.float32)), "mlp": Array(np.asarray([b], np.float32))})
 
     states = [
-        RecordDict({"user:0": record([1, 2], [3, 4]), "user:3": record([5, 6], [7, 8]),
-                    "user-opt:0": record([9, 9], [9, 9]), "cfg": ConfigRecord({"x": 1})}),
+        RecordDict(
+            {
+                "user:0": record([1, 2], [3, 4]),
+                "user:3": record([5, 6], [7, 8]),
+                "user-opt:0": record([9, 9], [9, 9]),
+                "cfg": ConfigRecord({"x": 1}),
+            }
+        ),
         RecordDict({"user:1": record([-1, -2], [-3, -4])}),
     ]
     embeddings, present = collect_user_embeddings(states, ["mlp", "gmf"], num_users=5)
@@ -189,12 +195,21 @@ def test_idlg_against_dsvae_gradient_noise_matches_the_analytic_rate_and_is_far_
     assert rate < 0.85  # the plain adversary leaks 100 %
 
 
-@pytest.mark.parametrize("noise", [
-    pytest.param(1.0, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
-                                              reason="dsvae-gradient-noise = 1 masks iDLG only partly: "
-                                              "0.675 binary recovery here (analytic mean Phi(sqrt(2) p_o) = 0.72)")),
-    10.0,
-])
+@pytest.mark.parametrize(
+    "noise",
+    [
+        pytest.param(
+            1.0,
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=AssertionError,
+                reason="dsvae-gradient-noise = 1 masks iDLG only partly: "
+                "0.675 binary recovery here (analytic mean Phi(sqrt(2) p_o) = 0.72)",
+            ),
+        ),
+        10.0,
+    ],
+)
 def test_idlg_against_dsvae_gradient_noise_is_near_chance(noise):
     hits = []
     for seed in range(200):
@@ -250,9 +265,17 @@ def _write_attributes(folder):
 
 
 def _fedau2_config(folder, **overrides):
-    options = dict(client="fedau2", adversary="mlp", protected_attribute="gender", strategy="curious-item-fedavg",
-                   users_per_node=1, optimizer="sgd", learning_rate=0.1, num_server_rounds=2,
-                   generic_attributes_file=str(_write_attributes(folder)))
+    options = dict(
+        client="fedau2",
+        adversary="mlp",
+        protected_attribute="gender",
+        strategy="curious-item-fedavg",
+        users_per_node=1,
+        optimizer="sgd",
+        learning_rate=0.1,
+        num_server_rounds=2,
+        generic_attributes_file=str(_write_attributes(folder)),
+    )
     options.update(overrides)
     return tiny_run_config(folder, **options)
 
@@ -324,8 +347,13 @@ def test_dsvae_run_completes_and_writes_the_leakage_log(dsvae_run):
 def _private_rows(records, grid):
     """Every private row ever stored: per table and concatenated (the adversary's user vector)."""
     states = [r["state"] for r in records]
-    states.append({k: {n: a.numpy() for n, a in rec.items()}
-                   for c in grid.contexts.values() for k, rec in c.state.array_records.items()})
+    states.append(
+        {
+            k: {n: a.numpy() for n, a in rec.items()}
+            for c in grid.contexts.values()
+            for k, rec in c.state.array_records.items()
+        }
+    )
     rows = []
     for state in states:
         for key, record in state.items():
@@ -363,15 +391,31 @@ def test_dp_baseline_adds_laplace_noise_of_scale_b_to_the_stored_embedding(tmp_p
     for scale in (0.0, b):
         # both per user (user-embedding-noise has no block path; without it FedAU2 would take the block path, equal
         # only to float32 rounding): the comparison below is bit for bit
-        config = tiny_run_config(tmp_path / str(scale), client="fedau2", user_embedding_noise=scale,
-                                 num_server_rounds=1, fraction_train=1.0, users_per_node=1, block_training="off")
+        config = tiny_run_config(
+            tmp_path / str(scale),
+            client="fedau2",
+            user_embedding_noise=scale,
+            num_server_rounds=1,
+            fraction_train=1.0,
+            users_per_node=1,
+            block_training="off",
+        )
         folder, grid = run_serial(config, return_grid=True)
-        states = {k: {n: a.numpy() for n, a in rec.items()} for c in grid.contexts.values()
-                  for k, rec in c.state.array_records.items() if k.startswith("user:")}
+        states = {
+            k: {n: a.numpy() for n, a in rec.items()}
+            for c in grid.contexts.values()
+            for k, rec in c.state.array_records.items()
+            if k.startswith("user:")
+        }
         runs[scale] = (folder, states)
     assert runs[0.0][1].keys() == runs[b][1].keys() and len(runs[b][1]) == 24
-    noise = np.concatenate([(runs[b][1][user][name].astype(np.float64) - clean).ravel()
-                            for user, record in runs[0.0][1].items() for name, clean in record.items()])
+    noise = np.concatenate(
+        [
+            (runs[b][1][user][name].astype(np.float64) - clean).ravel()
+            for user, record in runs[0.0][1].items()
+            for name, clean in record.items()
+        ]
+    )
     assert noise.size == 24 * 16  # ncf: two 8-wide user tables
     assert abs(np.abs(noise).mean() - b) < 0.2 * b  # Laplace: E|x| = b; std of the mean = b / sqrt(384)
     assert abs(np.median(noise)) < 0.2 * b
@@ -410,9 +454,9 @@ def test_membership_auc_refuses_bad_input():
 
 
 def test_nonmember_items_never_holds_an_interacted_item(tmp_path):
+    from fedrec_flwr.app.runtime import get_runtime
     from fedrec_flwr.attacks import nonmember_items
     from fedrec_flwr.errors import DataError
-    from fedrec_flwr.app.runtime import get_runtime
 
     write_tiny_dataset(tmp_path)
     split = get_runtime(tiny_run_config(tmp_path)).split
@@ -441,11 +485,17 @@ def test_the_readmes_attack_your_own_run_snippet_runs(tmp_path):
     assert 'data_dir="../shared/data/ml-100k"' in code and "num_server_rounds=3" in code
     code = code.replace('"../shared/data/ml-100k"', repr(str(dataset_dir("ml-100k")))).replace(
         "num_server_rounds=3",
-        f"num_server_rounds=1, results_dir={str(tmp_path)!r}, cache_dir={str(tmp_path / 'cache')!r}")
+        f"num_server_rounds=1, results_dir={str(tmp_path)!r}, cache_dir={str(tmp_path / 'cache')!r}",
+    )
     script = tmp_path / "attack_your_own_run.py"
     script.write_text(code)
-    done = subprocess.run([sys.executable, str(script)], cwd=Path(__file__).resolve().parents[1], capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     line = done.stdout.strip().splitlines()[-1]
     folder, auc = re.fullmatch(r"(\S+) \(([-\d.e]+), ([-\d.e]+)\)", line).group(1, 2)

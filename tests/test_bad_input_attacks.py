@@ -39,7 +39,9 @@ def test_a_class_of_one_user_is_named():
     x, labels = _rare_classes()
     labels = labels.copy()
     labels[0] = 9  # class 9 has one user, class 0 is left with one
-    with pytest.raises(DataError, match=r"class 0 has 1 user; every class needs >= 2 .* classes with < 2 users: \[0, 9\]"):
+    with pytest.raises(
+        DataError, match=r"class 0 has 1 user; every class needs >= 2 .* classes with < 2 users: \[0, 9\]"
+    ):
         attribute_inference(x, labels, splits=1)
     with pytest.raises(DataError, match="test_labels has class 7, which labels lacks"):
         attribute_inference(*_rare_classes(), splits=1, test_labels=np.where(_rare_classes()[1] == 6, 7, 0))

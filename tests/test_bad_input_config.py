@@ -17,8 +17,11 @@ INT_KEYS = [f.metadata["key"] for f in dataclasses.fields(RunConfig) if f.metada
 
 def test_forget_users_beyond_a_c_long_is_a_config_error():
     """Case 5: ``forget-users = "10000000000000000000"`` ended in a raw OverflowError in strategies/unlearning.py."""
-    with pytest.raises(ConfigError, match=r"'forget-users' = '10000000000000000000': user index "
-                                          r"10000000000000000000 is out of range \(at most 2147483647\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'forget-users' = '10000000000000000000': user index "
+        r"10000000000000000000 is out of range \(at most 2147483647\)",
+    ):
         make_run_config(unlearning="retrain", forget_users="10000000000000000000")
     assert make_run_config(unlearning="retrain", forget_users=f"3,{INT_MAX}").forget_user_ids == (3, INT_MAX)
 
@@ -43,10 +46,15 @@ def test_every_integer_key_refuses_a_float_even_an_integral_one(key):
     assert type(default) is int  # pyproject.toml declares every integer key's default as an integer
     with pytest.raises(ConfigError) as caught:
         RunConfig.from_mapping({**mapping, key: float(default)})
-    assert str(caught.value) == (f"run-config key '{key}' = {float(default)!r}: expected an integer, got the float "
-                                 f"{float(default)!r}; write {default}")
-    with pytest.raises(ConfigError, match=rf"^run-config key '{key}' = {default + 0.5!r}: expected an integer, got "
-                                          rf"the float {default + 0.5!r}$"):
+    assert str(caught.value) == (
+        f"run-config key '{key}' = {float(default)!r}: expected an integer, got the float "
+        f"{float(default)!r}; write {default}"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=rf"^run-config key '{key}' = {default + 0.5!r}: expected an integer, got "
+        rf"the float {default + 0.5!r}$",
+    ):
         RunConfig.from_mapping({**mapping, key: default + 0.5})
     assert getattr(RunConfig.from_mapping(mapping), key.replace("-", "_")) == default
 
@@ -60,23 +68,30 @@ def test_every_integer_key_refuses_a_boolean(key):
 
 @pytest.mark.parametrize("key", ["ks", "mlp-layers"])
 def test_integer_lists_are_range_checked(key):
-    with pytest.raises(ConfigError, match=f"run-config key '{key}' = '8,10000000000000000000': every value must be "
-                                          f"<= {INT_MAX}"):
+    with pytest.raises(
+        ConfigError, match=f"run-config key '{key}' = '8,10000000000000000000': every value must be <= {INT_MAX}"
+    ):
         make_run_config(**{key: "8,10000000000000000000"})
 
 
 @pytest.mark.parametrize("key", ["ks", "mlp-layers"])
 def test_an_integer_list_given_as_a_toml_array_names_the_string_form(key):
-    with pytest.raises(ConfigError, match=rf"run-config key '{key}' = '\[5, 10\]': expected comma-separated integers "
-                                          rf"in one string, e.g. {key}=\"5,10\""):
+    with pytest.raises(
+        ConfigError,
+        match=rf"run-config key '{key}' = '\[5, 10\]': expected comma-separated integers "
+        rf"in one string, e.g. {key}=\"5,10\"",
+    ):
         make_run_config(**{key: "[5, 10]"})
 
 
 def test_forget_users_given_as_a_toml_array_in_a_string_names_the_string_form():
     """``--run-config 'forget-users="[3,17]"'`` (a fresh user's try: the README says values are TOML)."""
-    with pytest.raises(ConfigError, match=r"'forget-users' = '\[3,17\]': expected comma-separated user indices in one "
-                                          r"string, e.g. forget-users=\"3,17\" \(--run-config\) or forget-users=3,17 "
-                                          r"\(the launcher\); not a TOML array"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'forget-users' = '\[3,17\]': expected comma-separated user indices in one "
+        r"string, e.g. forget-users=\"3,17\" \(--run-config\) or forget-users=3,17 "
+        r"\(the launcher\); not a TOML array",
+    ):
         _ = make_run_config(unlearning="retrain", forget_users="[3,17]").forget_user_ids
 
 
@@ -84,21 +99,34 @@ def test_forget_users_given_as_a_toml_array_in_a_string_names_the_string_form():
 def test_a_list_value_names_the_one_string_form(key):
     """A TOML array given to the launcher (``forget-users=[3,17]``) arrives as a Python list, which Flower's run
     config cannot hold: refused naming the key, the value and the string to write instead."""
-    with pytest.raises(ConfigError, match=rf"run-config key '{key}' = \[3, 17\]: expected a string; write the list "
-                                          rf"as one string, {key} = \"3,17\""):
+    with pytest.raises(
+        ConfigError,
+        match=rf"run-config key '{key}' = \[3, 17\]: expected a string; write the list "
+        rf"as one string, {key} = \"3,17\"",
+    ):
         make_run_config(**{key: [3, 17]})
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"min_user_interactions": 1}, "'min-user-interactions' = 1: must be >= 2"),
-    ({"min_user_interactions": 2, "holdout_validation": True},
-     "'min-user-interactions' = 2: must be >= 3 .*holdout-validation = true"),
-    ({"dataset": "generic", "generic_file": "x.csv", "generic_columns": "user"}, "'generic-columns' = 'user': give"),
-    ({"dataset": "generic", "generic_file": "x.csv", "generic_columns": "u,i,,u"},
-     "'generic-columns' = 'u,i,,u': a column is named twice"),
-    ({"device": "cuda:x"}, "'device' = 'cuda:x': must be cpu, cuda, cuda:N or auto"),
-    ({"generic_file": "x.csv"}, "'generic-file' is set but dataset = 'ml-100k' does not read it"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"min_user_interactions": 1}, "'min-user-interactions' = 1: must be >= 2"),
+        (
+            {"min_user_interactions": 2, "holdout_validation": True},
+            "'min-user-interactions' = 2: must be >= 3 .*holdout-validation = true",
+        ),
+        (
+            {"dataset": "generic", "generic_file": "x.csv", "generic_columns": "user"},
+            "'generic-columns' = 'user': give",
+        ),
+        (
+            {"dataset": "generic", "generic_file": "x.csv", "generic_columns": "u,i,,u"},
+            "'generic-columns' = 'u,i,,u': a column is named twice",
+        ),
+        ({"device": "cuda:x"}, "'device' = 'cuda:x': must be cpu, cuda, cuda:N or auto"),
+        ({"generic_file": "x.csv"}, "'generic-file' is set but dataset = 'ml-100k' does not read it"),
+    ],
+)
 def test_checks_a_config_can_fail_are_in_run_config_validation(overrides, message):
     """Case 6 and its kind: refused when the config is validated, naming the kebab-case key the user wrote."""
     with pytest.raises(ConfigError, match=message) as caught:
@@ -120,10 +148,14 @@ def test_paths_are_checked_by_run_config_where_the_data_is_read(tmp_path):
         make_run_config(data_dir=str(tmp_path / "file")).check_files()
     with pytest.raises(ConfigError, match=r"run-config key 'cache-dir' = '.*file' is a file, not a folder"):
         make_run_config(cache_dir=str(tmp_path / "file")).check_files()
-    generic = make_run_config(dataset="generic", generic_file=str(tmp_path / "file"),
-                              generic_attributes_file="nope.csv")
-    with pytest.raises(ConfigError, match=r"run-config key 'generic-attributes-file' = 'nope.csv': file 'nope.csv' "
-                                          "not found"):
+    generic = make_run_config(
+        dataset="generic", generic_file=str(tmp_path / "file"), generic_attributes_file="nope.csv"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"run-config key 'generic-attributes-file' = 'nope.csv': file 'nope.csv' "
+        "not found",
+    ):
         generic.check_files()
     import torch
 
@@ -151,23 +183,58 @@ def listening_port():
     server.close()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--partition-id", "0", "--node-config", "partition-id=1 num-partitions=3"],
-     r"'partition-id' is given twice with different values: 1 \(--node-config 'partition-id=1 num-partitions=3'\) "
-     r"and 0 \(--partition-id 0\)"),
-    (["--num-partitions", "4", "--node-config", "partition-id=1 num-partitions=3"],
-     "'num-partitions' is given twice with different values: 3 .* and 4"),
-    (["--node-config", "partition-id=1 num-partitions=3", "--node-config", "partition-id=2"],
-     "'partition-id' is given twice with different values: 1 .* and 2"),
-    (["--node-config", "partition-id=1 num-partitions=3 partition-id=2"],
-     "'partition-id' is given twice with different values: 1 .* and 2"),
-    (["--partition-id", "0", "--num-partitions", "2", "--dataset", "filmtrust", "--run-config", "dataset='ml-100k'"],
-     "'dataset' is given twice with different values: 'ml-100k' .* and 'filmtrust'"),
-    (["--partition-id", "0", "--num-partitions", "2", "--users-per-node", "3", "--run-config", "users-per-node=4"],
-     "'users-per-node' is given twice with different values: 4 .* and 3"),
-    (["--partition-id", "0", "--num-partitions", "2", "--superlink", "127.0.0.1:1", "--superlink=127.0.0.1:2"],
-     "'--superlink' is given twice with different values"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--partition-id", "0", "--node-config", "partition-id=1 num-partitions=3"],
+            r"'partition-id' is given twice with different values: 1 \(--node-config 'partition-id=1 num-partitions=3'\) "
+            r"and 0 \(--partition-id 0\)",
+        ),
+        (
+            ["--num-partitions", "4", "--node-config", "partition-id=1 num-partitions=3"],
+            "'num-partitions' is given twice with different values: 3 .* and 4",
+        ),
+        (
+            ["--node-config", "partition-id=1 num-partitions=3", "--node-config", "partition-id=2"],
+            "'partition-id' is given twice with different values: 1 .* and 2",
+        ),
+        (
+            ["--node-config", "partition-id=1 num-partitions=3 partition-id=2"],
+            "'partition-id' is given twice with different values: 1 .* and 2",
+        ),
+        (
+            [
+                "--partition-id",
+                "0",
+                "--num-partitions",
+                "2",
+                "--dataset",
+                "filmtrust",
+                "--run-config",
+                "dataset='ml-100k'",
+            ],
+            "'dataset' is given twice with different values: 'ml-100k' .* and 'filmtrust'",
+        ),
+        (
+            [
+                "--partition-id",
+                "0",
+                "--num-partitions",
+                "2",
+                "--users-per-node",
+                "3",
+                "--run-config",
+                "users-per-node=4",
+            ],
+            "'users-per-node' is given twice with different values: 4 .* and 3",
+        ),
+        (
+            ["--partition-id", "0", "--num-partitions", "2", "--superlink", "127.0.0.1:1", "--superlink=127.0.0.1:2"],
+            "'--superlink' is given twice with different values",
+        ),
+    ],
+)
 def test_the_supernode_wrapper_refuses_contradictory_values(argv, message, capsys):
     """Case 8: ``--partition-id 0 --node-config "partition-id=1 ..."`` silently used 0."""
     from fedrec_flwr.deploy import supernode_main
@@ -181,8 +248,19 @@ def test_the_supernode_wrapper_accepts_the_same_value_twice(listening_port, caps
     from fedrec_flwr.deploy import supernode_main
 
     address = f"127.0.0.1:{listening_port}"
-    argv = ["--partition-id", "1", "--num-partitions", "3", "--node-config", "partition-id=1 num-partitions=3",
-            "--superlink", address, "--superlink", address, "--dry-run"]
+    argv = [
+        "--partition-id",
+        "1",
+        "--num-partitions",
+        "3",
+        "--node-config",
+        "partition-id=1 num-partitions=3",
+        "--superlink",
+        address,
+        "--superlink",
+        address,
+        "--dry-run",
+    ]
     assert supernode_main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("--superlink") == 1 and "partition-id=1 num-partitions=3" in out
@@ -192,8 +270,12 @@ def test_supernode_dry_run_prints_the_command_without_probing_the_superlink(caps
     """``--dry-run`` checks the node config and prints the command; it does not need a SuperLink to be up."""
     from fedrec_flwr.deploy import supernode_main
 
-    assert supernode_main(["--partition-id", "0", "--num-partitions", "3", "--superlink", "127.0.0.1:9",
-                           "--insecure", "--dry-run"]) == 0
+    assert (
+        supernode_main(
+            ["--partition-id", "0", "--num-partitions", "3", "--superlink", "127.0.0.1:9", "--insecure", "--dry-run"]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert "--superlink 127.0.0.1:9" in captured.out and "partition-id=0 num-partitions=3" in captured.out
     assert "not probed: --dry-run" in captured.err

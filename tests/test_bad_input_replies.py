@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedrec_flwr.clients.fedrec import FedRecClient
 from fedrec_flwr.app.client_app import RecordValueError, UserMetrics, metric_record, record_number
+from fedrec_flwr.clients.fedrec import FedRecClient
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.serial import run_serial
 from fedrec_flwr.wire import sample_users
@@ -63,8 +63,9 @@ def _tiny(tmp_path, **overrides):
 
 
 def test_record_values_are_converted_or_refused_by_key_and_client_class():
-    assert record_number(np.float32(0.25), "k", None) == 0.25 and type(record_number(np.float32(0.25), "k", None)) \
-        is float
+    assert (
+        record_number(np.float32(0.25), "k", None) == 0.25 and type(record_number(np.float32(0.25), "k", None)) is float
+    )
     assert type(record_number(np.int64(3), "k", None)) is int and record_number(np.bool_(True), "k", None) == 1
     assert record_number(torch.tensor(2.5), "k", None) == 2.5 and record_number(np.array([4]), "k", None) == 4
     record = metric_record({"a": np.float16(0.5), "b": np.arange(3), "c": [1, np.float64(2.5)]}, None)
@@ -95,8 +96,9 @@ def test_user_update_metrics_reach_metrics_csv_as_weighted_means(tmp_path):
     """Case 10: ``UserUpdate.metrics`` were dropped; now each is the weighted mean over the round's trained users
     (weights: the users' aggregation weights, 1 here), whatever their grouping into nodes."""
     for upn in (1, 4):
-        config = _tiny(tmp_path / f"upn{upn}", client=f"{HERE}:UserIndexMetricClient", num_server_rounds=2,
-                       users_per_node=upn)
+        config = _tiny(
+            tmp_path / f"upn{upn}", client=f"{HERE}:UserIndexMetricClient", num_server_rounds=2, users_per_node=upn
+        )
         rows = _rows(run_serial(config))
         for row in rows:
             users = sample_users(0, int(row["round"]), 24, 0.5)
@@ -117,16 +119,19 @@ def test_a_node_silent_during_evaluation_is_logged_and_counted(tmp_path, task_id
     from flwr.app import Context, RecordDict
 
     from fedrec_flwr.app.client_app import make_client_app
-    from fedrec_flwr.serial import SerialGrid
     from fedrec_flwr.app.server_app import main
+    from fedrec_flwr.serial import SerialGrid
 
     class SilentInEvaluation(SerialGrid):
         silent = 1002
 
         def send_and_receive(self, messages, *, timeout=None):
             replies = list(super().send_and_receive(messages, timeout=timeout))
-            return [m for m in replies if not (m.metadata.message_type == "evaluate"
-                                               and int(m.metadata.src_node_id) == self.silent)]
+            return [
+                m
+                for m in replies
+                if not (m.metadata.message_type == "evaluate" and int(m.metadata.src_node_id) == self.silent)
+            ]
 
     config = _tiny(tmp_path, users_per_node=6, num_server_rounds=2)
     grid = SilentInEvaluation(make_client_app(config), 4, config)
@@ -134,8 +139,10 @@ def test_a_node_silent_during_evaluation_is_logged_and_counted(tmp_path, task_id
     folder = main(grid, Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=config))
     rows = json.loads((folder / "metrics.json").read_text())
     assert [r["eval-users"] for r in rows] == [18, 18] and [r["eval-failures"] for r in rows] == [1, 1]
-    assert "round 1: evaluation failed on node 1002 (6 users not evaluated: 12..17): no reply within round-timeout" \
+    assert (
+        "round 1: evaluation failed on node 1002 (6 users not evaluated: 12..17): no reply within round-timeout"
         in caplog.text
+    )
     assert json.loads((folder / "summary.json").read_text())["evaluation-failures"] == {"1002": 2}
 
 
@@ -152,9 +159,12 @@ def test_resume_without_client_state_files_is_refused_or_warned(tmp_path, caplog
     """Case 12: a resume without ``client-state-dir`` silently restarted every user's embedding."""
     config, folder = _checkpointed_run(tmp_path, "memory")
     resume = {**config, "resume-from": str(folder)}
-    with pytest.raises(ConfigError, match=r"run-config key 'resume-from': resuming after round 2 loses the clients' "
-                                          r"private state: the interrupted run .* did not keep .*user embedding.*"
-                                          r"Set 'resume-resets-client-state' = true"):
+    with pytest.raises(
+        ConfigError,
+        match=r"run-config key 'resume-from': resuming after round 2 loses the clients' "
+        r"private state: the interrupted run .* did not keep .*user embedding.*"
+        r"Set 'resume-resets-client-state' = true",
+    ):
         run_serial(resume)
     from fedrec_flwr.app.preflight import preflight
 
@@ -188,8 +198,8 @@ def test_other_resumable_state_survives_or_is_named(tmp_path, caplog):
     """The kind of case 12: the curious server's label-leakage records survive a resume; failure counts of node ids
     that are gone are kept and said to be so."""
     from fedrec_flwr.config import make_run_config
-    from fedrec_flwr.wire import ModelLayout, Topology
     from fedrec_flwr.strategies.curious import LEAKAGE_FILE, CuriousItemFedAvg
+    from fedrec_flwr.wire import ModelLayout, Topology
 
     layout = ModelLayout(shared_shapes={}, item_keys=(), private_keys=())
     config = make_run_config()

@@ -68,9 +68,21 @@ def test_train_centralized_is_deterministic(loss):
     split = tiny_split(with_val=True)
     seen = []
     runs = [
-        train_centralized(split, "ncf", epochs=3, batch_size=4, learning_rate=0.01, loss=loss, embedding_dim=4,
-                          mlp_layers=(8, 4), eval_every=2, eval_which="val", ks=(1, 3), seed=seed,
-                          progress=seen.append)
+        train_centralized(
+            split,
+            "ncf",
+            epochs=3,
+            batch_size=4,
+            learning_rate=0.01,
+            loss=loss,
+            embedding_dim=4,
+            mlp_layers=(8, 4),
+            eval_every=2,
+            eval_which="val",
+            ks=(1, 3),
+            seed=seed,
+            progress=seen.append,
+        )
         for seed in (1, 1, 2)
     ]
     history = runs[0].history

@@ -12,15 +12,20 @@ from experiments.bench.bench_floor import run_floor
 from fedrec_flwr.serial import run_serial
 
 
-@pytest.mark.parametrize("overrides", [{}, {"client": "fedrecgel", "rho-private": 0.02, "strategy": "server-optimizer"}],
-                         ids=["fedncf", "fedrecgel"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"client": "fedrecgel", "rho-private": 0.02, "strategy": "server-optimizer"}],
+    ids=["fedncf", "fedrecgel"],
+)
 def test_floor_equals_the_serial_block_run_after_two_rounds(tmp_path, overrides):
     """The floor (block functions and the strategy's aggregation, no messages) gives run_serial's final arrays bit
     for bit with block-training = "on" and 10 users per node, and the same per-round HR@10 and train loss."""
-    floor = run_floor(tiny_run_config(tmp_path / "floor", users_per_node=10, block_training="on",
-                                      num_server_rounds=2, **overrides))
-    folder = run_serial(tiny_run_config(tmp_path / "serial", users_per_node=10, block_training="on",
-                                        num_server_rounds=2, **overrides))
+    floor = run_floor(
+        tiny_run_config(tmp_path / "floor", users_per_node=10, block_training="on", num_server_rounds=2, **overrides)
+    )
+    folder = run_serial(
+        tiny_run_config(tmp_path / "serial", users_per_node=10, block_training="on", num_server_rounds=2, **overrides)
+    )
     final = np.load(folder / "final_arrays.npz")
     assert set(final.files) == set(floor["arrays"])
     for key in final.files:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_run_config
 from flwr.app import RecordDict
 
-from conftest import tiny_run_config
+from fedrec_flwr.app.runtime import build_shared_model, get_runtime
 from fedrec_flwr.local import blocks
 from fedrec_flwr.registry import resolve
-from fedrec_flwr.app.runtime import build_shared_model, get_runtime
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -19,8 +19,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def _train(mapping, users, fused: bool):
     runtime = get_runtime(mapping)
     cls = resolve("client", runtime.config.client)
-    shared = {k: v.detach().numpy().copy() for k, v in
-              build_shared_model(runtime.config, runtime.split.num_items).shared_state().items()}
+    shared = {
+        k: v.detach().numpy().copy()
+        for k, v in build_shared_model(runtime.config, runtime.split.num_items).shared_state().items()
+    }
     old, blocks.FUSED_ADAM = blocks.FUSED_ADAM, fused
     try:
         state = RecordDict()
@@ -46,8 +48,10 @@ def test_ncf_blocks_step_with_the_fused_adam_kernel(tmp_path, monkeypatch, users
 
     monkeypatch.setattr(torch, "_fused_adam_", counting)
     fused = _train(mapping, users, fused=True)
-    assert calls and all(n == len(get_runtime(mapping).layout.private_keys) + len(
-        get_runtime(mapping).layout.shared_shapes) for n in calls)
+    assert calls and all(
+        n == len(get_runtime(mapping).layout.private_keys) + len(get_runtime(mapping).layout.shared_shapes)
+        for n in calls
+    )
     calls.clear()
     formula = _train(mapping, users, fused=False)
     assert not calls
@@ -59,8 +63,9 @@ def test_ncf_blocks_step_with_the_fused_adam_kernel(tmp_path, monkeypatch, users
             np.testing.assert_allclose(values, b.rows[key][1], rtol=2e-4, atol=2e-6, err_msg=key)
 
 
-@pytest.mark.parametrize(("rows", "ok"), [([1, 4, 7], True), ([7, 1, 4], True), ([1, 4, 4], False),
-                                          ([4, 1, 4], False), ([2], True)])
+@pytest.mark.parametrize(
+    ("rows", "ok"), [([1, 4, 7], True), ([7, 1, 4], True), ([1, 4, 4], False), ([4, 1, 4], False), ([2], True)]
+)
 def test_a_contribution_refuses_repeated_rows_sorted_or_not(tmp_path, rows, ok):
     """``Contribution.add_user`` skips the sort for strictly increasing rows (what clients send) and still refuses a
     repeated row in any order."""
@@ -106,8 +111,11 @@ def _full_table_pack(layout, users):
             table[ids] += values
             count[ids] += 1.0
         touched = np.flatnonzero(count > 0).astype(np.int64)
-        out[key + "#rows"], out[key + "#sum"], out[key + "#count"] = \
-            touched, table[touched].astype(np.float32), count[touched].astype(np.float32)
+        out[key + "#rows"], out[key + "#sum"], out[key + "#count"] = (
+            touched,
+            table[touched].astype(np.float32),
+            count[touched].astype(np.float32),
+        )
     return out
 
 
@@ -122,15 +130,24 @@ def test_a_contribution_packs_the_full_table_reply_bit_for_bit_without_building_
     from fedrec_flwr.wire import Contribution, ModelLayout
 
     rng = np.random.default_rng(num_users)
-    layout = ModelLayout(shared_shapes={"items.weight": (100_000, 32), "mlp.weight": (4, 3)},
-                         item_keys=("items.weight",), private_keys=("user.weight",))
+    layout = ModelLayout(
+        shared_shapes={"items.weight": (100_000, 32), "mlp.weight": (4, 3)},
+        item_keys=("items.weight",),
+        private_keys=("user.weight",),
+    )
     users = []
     for _ in range(num_users):
         ids = rng.choice(300, size=int(rng.integers(1, 200)), replace=False)  # overlapping, unsorted
         values = rng.normal(size=(len(ids), 32)).astype(np.float32)
         values[0, :3] = [-0.0, 0.0, np.float32(1e-30)]
-        users.append(({"mlp.weight": rng.normal(size=(4, 3)).astype(np.float32)}, {"items.weight": (ids, values)},
-                      int(rng.integers(1, 500)), float(rng.random())))
+        users.append(
+            (
+                {"mlp.weight": rng.normal(size=(4, 3)).astype(np.float32)},
+                {"items.weight": (ids, values)},
+                int(rng.integers(1, 500)),
+                float(rng.random()),
+            )
+        )
     contribution = Contribution(layout)
     tracemalloc.start()
     for user in users:
@@ -204,18 +221,34 @@ def test_one_user_block_steps_equal_with_one_shared_step_tensor(tmp_path):
             assert np.array_equal(a.rows[key][1], b.rows[key][1])
 
 
-@pytest.mark.parametrize(("rows", "ok"), [([1, 4, 7], True), ([7, 1, 4], True), ([1, 4, 4], False), ([4, 1, 4], False),
-                                          ([0], True), ([9], True), ([10], False), ([-1, 3], False), ([3, 10], False),
-                                          ([10, 3], False), ([-1], False)])
+@pytest.mark.parametrize(
+    ("rows", "ok"),
+    [
+        ([1, 4, 7], True),
+        ([7, 1, 4], True),
+        ([1, 4, 4], False),
+        ([4, 1, 4], False),
+        ([0], True),
+        ([9], True),
+        ([10], False),
+        ([-1, 3], False),
+        ([3, 10], False),
+        ([10, 3], False),
+        ([-1], False),
+    ],
+)
 def test_the_reply_check_takes_sorted_rows_without_a_sort_and_still_refuses_bad_ones(rows, ok):
     """``check_reply_keys`` reads the extremes of strictly increasing rows (what nodes send) off their ends instead of
     sorting them; repeated or out-of-range rows are refused in any order."""
-    from fedrec_flwr.wire import ROWS, SUM, COUNT, ModelLayout, ReplyError, check_reply_keys
+    from fedrec_flwr.wire import COUNT, ROWS, SUM, ModelLayout, ReplyError, check_reply_keys
 
     layout = ModelLayout(shared_shapes={"items.weight": (10, 2)}, item_keys=("items.weight",), private_keys=())
     ids = np.asarray(rows, dtype=np.int64)
-    reply = {"items.weight" + ROWS: ids, "items.weight" + SUM: np.ones((len(ids), 2), np.float32),
-             "items.weight" + COUNT: np.ones(len(ids), np.float32)}
+    reply = {
+        "items.weight" + ROWS: ids,
+        "items.weight" + SUM: np.ones((len(ids), 2), np.float32),
+        "items.weight" + COUNT: np.ones(len(ids), np.float32),
+    }
     if ok:
         check_reply_keys(reply, layout)
     else:

@@ -11,25 +11,29 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import (
+    MessageRecorder,
+    assert_no_private_value_in_replies,
+    dataset_dir,
+    seeded_private_vectors,
+    tiny_run_config,
+)
 from flwr.app import RecordDict
 
-from conftest import (MessageRecorder, assert_no_private_value_in_replies, dataset_dir, seeded_private_vectors,
-                      tiny_run_config)
-from fedrec_flwr.clients import fedrec, fedrecgel
-from fedrec_flwr.local import blocks
-from fedrec_flwr.local.blocks import block_kind, evaluate_block, train_block, use_blocks
 from fedrec_flwr.app.client_app import make_client_app
+from fedrec_flwr.app.runtime import get_runtime
+from fedrec_flwr.clients import fedrec, fedrecgel
 from fedrec_flwr.config import make_run_config
 from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.local import blocks
+from fedrec_flwr.local.blocks import block_kind, evaluate_block, train_block, use_blocks
 from fedrec_flwr.registry import check_components, resolve
-from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.serial import run_serial
 from fedrec_flwr.wire import Contribution
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-FEDRECGEL = {"client": "fedrecgel", "rho-shared": 0.1, "rho-private": 0.02, "batch-size": 128,
-             "learning-rate": 0.1}
+FEDRECGEL = {"client": "fedrecgel", "rho-shared": 0.1, "rho-private": 0.02, "batch-size": 128, "learning-rate": 0.1}
 FEDAU2 = {"client": "fedau2", "protected-attribute": "gender"}
 CASES = {
     "fedncf": ({}, "parameters"),
@@ -41,8 +45,10 @@ CASES = {
     "fedrecgel-sgd": ({**FEDRECGEL, "optimizer": "sgd"}, "gradient"),
     # FedAU2's default arm (entropy pull on every step, frozen server h_w, local Adam) with its h_w upload
     "fedau2-dsvae": ({**FEDAU2, "adversary": "dsvae"}, "parameters"),
-    "fedau2-mf-mlp-sut": ({**FEDAU2, "model": "mf", "adversary": "mlp", "adversary-trigger": "sut",
-                           "adversary-epsilon": 1.0}, "parameters"),
+    "fedau2-mf-mlp-sut": (
+        {**FEDAU2, "model": "mf", "adversary": "mlp", "adversary-trigger": "sut", "adversary-epsilon": 1.0},
+        "parameters",
+    ),
 }
 USERS = [0, 1, 2, 3, 4, 5, 6, 7, 12, 404]
 """Real ML-100K users (index 404 has several hundred positives: a block with very unequal users, padded)."""
@@ -57,8 +63,11 @@ on one entry of 32k)."""
 
 @pytest.fixture(scope="module")
 def ml100k(tmp_path_factory):
-    return {"dataset": "ml-100k", "data-dir": str(dataset_dir("ml-100k")),
-            "cache-dir": str(tmp_path_factory.mktemp("cache"))}
+    return {
+        "dataset": "ml-100k",
+        "data-dir": str(dataset_dir("ml-100k")),
+        "cache-dir": str(tmp_path_factory.mktemp("cache")),
+    }
 
 
 def _runtime(ml100k, overrides, dtype=torch.float32):
@@ -67,8 +76,9 @@ def _runtime(ml100k, overrides, dtype=torch.float32):
     runtime = get_runtime(make_run_config(**ml100k, **overrides).to_dict())
     if dtype == torch.float32:
         return runtime
-    return dataclasses.replace(runtime, model=copy.deepcopy(runtime.model).to(dtype), loaded_shared=None,
-                               dirty_shared=set())
+    return dataclasses.replace(
+        runtime, model=copy.deepcopy(runtime.model).to(dtype), loaded_shared=None, dirty_shared=set()
+    )
 
 
 def _shared(runtime):
@@ -109,8 +119,10 @@ def _assert_states_equal(a: RecordDict, b: RecordDict, rtol, atol):
             np.testing.assert_allclose(arrays_a[name], arrays_b[name], rtol=rtol, atol=atol, err_msg=f"{key} {name}")
 
 
-@pytest.mark.parametrize(("case", "dtype"), [(case, torch.float64) for case in CASES]
-                         + [("fedmf", torch.float32), ("fedmf-bpr-sgd", torch.float32)])
+@pytest.mark.parametrize(
+    ("case", "dtype"),
+    [(case, torch.float64) for case in CASES] + [("fedmf", torch.float32), ("fedmf-bpr-sgd", torch.float32)],
+)
 def test_block_training_gives_the_per_user_updates_and_private_state(ml100k, case, dtype):
     """Two rounds on real users: every user's upload (dense values, item rows, weight, example count, loss) and its
     private records after each round (embeddings; FedRecGEL's Adam moments and step) agree, and so does the node's
@@ -151,10 +163,18 @@ def test_block_training_gives_the_per_user_updates_and_private_state(ml100k, cas
 ONE_USER_CASES = {**CASES, "fedncf-sgd": ({"optimizer": "sgd"}, "parameters")}
 
 
-@pytest.mark.parametrize(("case", "dtype"), [("fedncf-sgd", torch.float32), ("fedncf", torch.float64),
-                                             ("fedmf", torch.float32), ("fedrecgel-gradient", torch.float32),
-                                             ("fedrecgel-parameters-2-steps", torch.float32),
-                                             ("fedau2-mf-mlp-sut", torch.float32), ("fedau2-dsvae", torch.float64)])
+@pytest.mark.parametrize(
+    ("case", "dtype"),
+    [
+        ("fedncf-sgd", torch.float32),
+        ("fedncf", torch.float64),
+        ("fedmf", torch.float32),
+        ("fedrecgel-gradient", torch.float32),
+        ("fedrecgel-parameters-2-steps", torch.float32),
+        ("fedau2-mf-mlp-sut", torch.float32),
+        ("fedau2-dsvae", torch.float64),
+    ],
+)
 def test_one_user_messages_on_the_block_path_equal_the_per_user_path(ml100k, case, dtype):
     """The default ``auto`` trains a one-user message (one user per node) on the block path; ``off`` keeps the
     per-user client. On real ML-100K users, one message each, two rounds: every upload and the private records after
@@ -210,8 +230,12 @@ def test_block_path_selection_and_its_config_key(ml100k):
     assert block_kind(fedau2, config.replace(client="fedau2")) == "plain"  # no adversary
     default_arm = config.replace(client="fedau2", adversary="dsvae", protected_attribute="gender")
     assert block_kind(fedau2, default_arm) == "plain"
-    for per_user in ({"adversary_objective": "reverse"}, {"adversary_embedding_optimizer": "sgd"},
-                     {"adversary_training": "per-client"}, {"user_embedding_noise": 0.1}):
+    for per_user in (
+        {"adversary_objective": "reverse"},
+        {"adversary_embedding_optimizer": "sgd"},
+        {"adversary_training": "per-client"},
+        {"user_embedding_noise": 0.1},
+    ):
         assert block_kind(fedau2, default_arm.replace(**per_user)) is None, per_user
     assert block_kind(resolve("client", "fedau2-gel"), default_arm.replace(client="fedau2-gel")) is None
 
@@ -233,8 +257,11 @@ def test_block_path_selection_and_its_config_key(ml100k):
         make_run_config(**ml100k, block_training="yes")
 
 
-@pytest.mark.parametrize("overrides", [{}, {"client": "fedrecgel", "rho-private": 0.02, "strategy": "server-optimizer"}],
-                         ids=["fedncf", "fedrecgel"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"client": "fedrecgel", "rho-private": 0.02, "strategy": "server-optimizer"}],
+    ids=["fedncf", "fedrecgel"],
+)
 def test_serial_run_with_block_training_on_equals_off(tmp_path, overrides):
     """A whole serial run with users-per-node = 10: the final model and metrics with the block path equal the
     per-user path's up to float32 rounding; and the block-trained run's replies carry no private value."""
@@ -255,8 +282,11 @@ def test_serial_run_with_block_training_on_equals_off(tmp_path, overrides):
     assert_no_private_value_in_replies(records, get_runtime(on_config).layout, extra=seeded_private_vectors(on_config))
 
 
-@pytest.mark.parametrize("overrides", [{}, {"loss": "bpr"}, {"model": "mf"}, {"model": "mf", "loss": "bpr"}],
-                         ids=["ncf-bce", "ncf-bpr", "mf-bce", "mf-bpr"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"loss": "bpr"}, {"model": "mf"}, {"model": "mf", "loss": "bpr"}],
+    ids=["ncf-bce", "ncf-bpr", "mf-bce", "mf-bpr"],
+)
 def test_batched_forward_gradients_equal_vmap_of_the_model(ml100k, overrides):
     """The batched forward pass of MF / NCF (``blocks.batched_loss``, the default) gives every user's loss and, by
     autograd, every key's gradient as ``vmap`` of the process's own model does (float64, perturbed parameters so that
@@ -322,8 +352,15 @@ def test_all_finite_is_isfinite_all():
     from fedrec_flwr.models.base import all_finite
 
     nan, inf = float("nan"), float("inf")
-    for values, dtype in [([1.0, 2.0], torch.float32), ([1.0, nan], torch.float32), ([inf, 1.0], torch.float64),
-                          ([inf, -inf], torch.float32), ([3e38, 3e38], torch.float32), ([6e4, 6e4], torch.float16),
-                          ([], torch.float32), ([-inf], torch.float16)]:
+    for values, dtype in [
+        ([1.0, 2.0], torch.float32),
+        ([1.0, nan], torch.float32),
+        ([inf, 1.0], torch.float64),
+        ([inf, -inf], torch.float32),
+        ([3e38, 3e38], torch.float32),
+        ([6e4, 6e4], torch.float16),
+        ([], torch.float32),
+        ([-inf], torch.float16),
+    ]:
         tensor = torch.tensor(values, dtype=dtype)
         assert all_finite(tensor) == bool(torch.isfinite(tensor).all()), (values, dtype)

@@ -29,8 +29,9 @@ def one_torch_thread():
 
 def test_centralized_ncf_beats_popularity(split, one_torch_thread):
     popularity = evaluate_popularity(split, ks=(10,))
-    result = train_centralized(split, "ncf", epochs=4, batch_size=1024, learning_rate=0.001, optimizer="adam",
-                               eval_every=4, ks=(10,), seed=0)
+    result = train_centralized(
+        split, "ncf", epochs=4, batch_size=1024, learning_rate=0.001, optimizer="adam", eval_every=4, ks=(10,), seed=0
+    )
     final = result.history[-1]
     assert [r["epoch"] for r in result.history] == [1, 2, 3, 4]
     assert "HR@10" not in result.history[0] and "HR@10" in final
@@ -47,8 +48,10 @@ def test_centralized_ncf_beats_popularity(split, one_torch_thread):
     assert final["HR@10"] == pytest.approx(np.mean(rank < 10), abs=1e-12)
     assert final["NDCG@10"] == pytest.approx(np.mean(np.where(rank < 10, 1 / np.log2(rank + 2), 0.0)), abs=1e-12)
     assert evaluate_model(result.model, split, ks=(10,)) == {"HR@10": final["HR@10"], "NDCG@10": final["NDCG@10"]}
-    print(f"\nML-100K HR@10/NDCG@10: centralized NCF {final['HR@10']:.4f}/{final['NDCG@10']:.4f}, "
-          f"popularity {popularity['HR@10']:.4f}/{popularity['NDCG@10']:.4f}")
+    print(
+        f"\nML-100K HR@10/NDCG@10: centralized NCF {final['HR@10']:.4f}/{final['NDCG@10']:.4f}, "
+        f"popularity {popularity['HR@10']:.4f}/{popularity['NDCG@10']:.4f}"
+    )
     # the seeded split (tie rule "random"): 371 of 943 test items rank in the popularity top 10 (README: 0.393)
     assert popularity["HR@10"] == 371 / 943
     assert popularity["NDCG@10"] == pytest.approx(0.21477365640561655, abs=1e-12)

@@ -11,16 +11,17 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, RecordDict
 
+from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.state.checkpoint import MAY_DIFFER, Checkpoint, check_resumable, load_checkpoint, save_checkpoint
 from fedrec_flwr.state.client_state import ClientStateStore
-from fedrec_flwr.errors import ConfigError
 
 CONFIG = {"num-server-rounds": 5, "seed": 0, "learning-rate": 0.1}
 
 
 def _checkpoint(**changes) -> Checkpoint:
-    return Checkpoint(**{"server_round": 3, "run_name": "r", "run_config": dict(CONFIG),
-                         "arrays": {"w": np.arange(3.0)}, **changes})
+    return Checkpoint(
+        **{"server_round": 3, "run_name": "r", "run_config": dict(CONFIG), "arrays": {"w": np.arange(3.0)}, **changes}
+    )
 
 
 def test_a_resume_with_the_same_config_or_only_may_differ_keys_changed_is_accepted():
@@ -29,8 +30,10 @@ def test_a_resume_with_the_same_config_or_only_may_differ_keys_changed_is_accept
     check_resumable(_checkpoint(server_round=5), dict(CONFIG))  # the last round: nothing left, but not past it
 
 
-@pytest.mark.parametrize("new", [{**CONFIG, "seed": 1}, {**CONFIG, "dataset": "ml-1m"},
-                                 {k: v for k, v in CONFIG.items() if k != "learning-rate"}])
+@pytest.mark.parametrize(
+    "new",
+    [{**CONFIG, "seed": 1}, {**CONFIG, "dataset": "ml-1m"}, {k: v for k, v in CONFIG.items() if k != "learning-rate"}],
+)
 def test_a_resume_with_a_changed_added_or_removed_key_is_refused_naming_it(new):
     with pytest.raises(ConfigError, match="resume-from") as error:
         check_resumable(_checkpoint(), new)

@@ -13,9 +13,9 @@ import sys
 import numpy as np
 import pytest
 
-from fedrec_flwr.state.checkpoint import CHECKPOINT_FILE, Checkpoint, load_checkpoint, save_checkpoint
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.serial import run_serial
+from fedrec_flwr.state.checkpoint import CHECKPOINT_FILE, Checkpoint, load_checkpoint, save_checkpoint
 from fedrec_flwr.wire import sample_users
 from tests.conftest import PROJECT_ROOT, tiny_run_config, without_timings
 
@@ -42,14 +42,27 @@ run_serial(config, client_app=make_client_app(config, mods=[kill_mid_round]))
 CASES = {
     "fedmf": {"model": "mf"},
     # the server's Adam moments must survive the restart too
-    "fedrecgel-server-adam": {"client": "fedrecgel", "strategy": "server-optimizer", "learning_rate": 0.1,
-                              "server_learning_rate": 0.01},
+    "fedrecgel-server-adam": {
+        "client": "fedrecgel",
+        "strategy": "server-optimizer",
+        "learning_rate": 0.1,
+        "server_learning_rate": 0.01,
+    },
 }
 
 
 def _config(folder, run_name, **extra):
-    return tiny_run_config(folder, users_per_node=4, num_server_rounds=6, eval_every=2, fraction_train=0.5,
-                           checkpoint_every=2, client_state_dir=str(folder / "device"), run_name=run_name, **extra)
+    return tiny_run_config(
+        folder,
+        users_per_node=4,
+        num_server_rounds=6,
+        eval_every=2,
+        fraction_train=0.5,
+        checkpoint_every=2,
+        client_state_dir=str(folder / "device"),
+        run_name=run_name,
+        **extra,
+    )
 
 
 def _final(result):
@@ -64,8 +77,14 @@ def test_a_run_killed_mid_round_resumes_to_the_same_result(tmp_path, case):
 
     config = _config(tmp_path, "killed", **CASES[case])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
-    done = subprocess.run([sys.executable, "-c", KILLED_RUN, json.dumps(config), "4"], cwd=PROJECT_ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_RUN, json.dumps(config), "4"],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     folder = tmp_path / "results" / "killed"
     assert not (folder / "summary.json").exists()
@@ -94,8 +113,10 @@ def test_a_checkpoint_keeps_the_order_of_each_metrics_rows_keys(tmp_path):
     """The manifest is written with sorted keys; the rows come back in the order the run recorded them (a resumed
     run's metrics.csv then has an uninterrupted run's columns), and a checkpoint without ``row-columns`` (older
     format) keeps the sorted order."""
-    rows = [{"round": 1, "seconds": 0.5, "train-loss": 0.6, "num-replies": 3}, {"round": 2, "seconds": 0.4,
-            "train-loss": 0.5, "num-replies": 3, "HR@10": 0.3, "HR@5": 0.2}]
+    rows = [
+        {"round": 1, "seconds": 0.5, "train-loss": 0.6, "num-replies": 3},
+        {"round": 2, "seconds": 0.4, "train-loss": 0.5, "num-replies": 3, "HR@10": 0.3, "HR@5": 0.2},
+    ]
     checkpoint = Checkpoint(server_round=2, run_name="r", run_config={}, arrays={"w": np.zeros(2)}, rows=rows)
     save_checkpoint(tmp_path, checkpoint)
     assert [list(r) for r in load_checkpoint(tmp_path).rows] == [list(r) for r in rows]
@@ -122,8 +143,11 @@ def test_resume_refuses_a_different_config_a_missing_and_a_damaged_checkpoint(tm
         run_serial({**config, "num-server-rounds": 2, "resume-from": str(folder)})
     text = tmp_path / "notes.txt"
     text.write_text("round 2 went fine\n")
-    with pytest.raises(ConfigError, match=r"notes.txt is unreadable \(ValueError: not an .npz archive: a file "
-                                          r"starting with b'roun'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"notes.txt is unreadable \(ValueError: not an .npz archive: a file "
+        r"starting with b'roun'",
+    ):
         run_serial({**config, "num-server-rounds": 2, "resume-from": str(text)})
 
 
@@ -164,12 +188,16 @@ def test_users_whose_node_failed_every_round_before_the_checkpoint_are_not_repor
     """The resume check recomputed "users who trained" on each node from the seeded sampler, so a user whose node
     failed every round it was sampled in (no reply, no state file) was reported missing and the resume refused. The
     server now records the users whose replies it accepted (the checkpoint's ``trained-users``) and only those count."""
-    from fedrec_flwr.state.checkpoint import TRAINED_KEY
     from fedrec_flwr.app.client_app import make_client_app
+    from fedrec_flwr.state.checkpoint import TRAINED_KEY
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
-    config = {**_config(tmp_path, "failing", model="mf"), "num-server-rounds": 3, "eval-every": 3,
-              "min-train-fraction": 0.1}
+    config = {
+        **_config(tmp_path, "failing", model="mf"),
+        "num-server-rounds": 3,
+        "eval-every": 3,
+        "min-train-fraction": 0.1,
+    }
 
     def partition_1_fails_to_train(message, context, call_next):
         if message.metadata.message_type == "train" and int(context.node_config["partition-id"]) == 1:
@@ -208,13 +236,19 @@ def test_a_resume_with_damaged_or_deleted_client_state_files_is_refused_before_r
     kept = deleted.read_bytes()
 
     garbage.write_text("garbage\n")
-    with pytest.raises(ConfigError, match=rf"resuming after round 2 .*node \d+ \(partition-id \d\) has unreadable or "
-                                          rf"non-finite state files: {garbage}; users \[{trained[0]}\] restart .*Restore these "
-                                          r"files .*'resume-resets-client-state' = true"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"resuming after round 2 .*node \d+ \(partition-id \d\) has unreadable or "
+        rf"non-finite state files: {garbage}; users \[{trained[0]}\] restart .*Restore these "
+        r"files .*'resume-resets-client-state' = true",
+    ):
         run_serial(resume)
     deleted.unlink()
-    with pytest.raises(ConfigError, match=rf"has no state file of round <= 2 for users whose training the server "
-                                          rf"accepted in rounds 1..2: {deleted}"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"has no state file of round <= 2 for users whose training the server "
+        rf"accepted in rounds 1..2: {deleted}",
+    ):
         run_serial(resume)
     deleted.write_bytes(kept)
     garbage.unlink()
@@ -240,16 +274,29 @@ def test_the_client_state_check_counts_absent_files_only_for_users_the_server_sa
 
     trained = np.zeros(8, dtype=bool)
     trained[[1, 2, 5]] = True
-    checkpoint = Checkpoint(server_round=4, run_name="r", run_config={"client-state-dir": "x"}, arrays={},
-                            strategy_state={"removed-users": [5]}, strategy_arrays={TRAINED_KEY: trained},
-                            client_state=True, folder=tmp_path)
+    checkpoint = Checkpoint(
+        server_round=4,
+        run_name="r",
+        run_config={"client-state-dir": "x"},
+        arrays={},
+        strategy_state={"removed-users": [5]},
+        strategy_arrays={TRAINED_KEY: trained},
+        client_state=True,
+        folder=tmp_path,
+    )
     node = {"partition-id": 0, "node": 7, "folder": str(tmp_path), "damaged": [], "absent": [0, 2, 5, 6]}
     with pytest.raises(ConfigError, match=r"node 7 \(partition-id 0\) has no state file .*user-2\.npz; users \[2\]"):
         check_client_state(checkpoint, [], accept_reset=False, state_problems=[node])  # 0, 6 never trained; 5 forgotten
     assert check_client_state(checkpoint, [], False, [{**node, "absent": [0, 5, 6]}]) is None
 
-    older = Checkpoint(server_round=4, run_name="r", run_config={"client-state-dir": "x"}, arrays={},
-                       client_state=True, folder=tmp_path)
+    older = Checkpoint(
+        server_round=4,
+        run_name="r",
+        run_config={"client-state-dir": "x"},
+        arrays={},
+        client_state=True,
+        folder=tmp_path,
+    )
     caplog.set_level(logging.WARNING, logger="fedrec_flwr")
     package_logger = logging.getLogger("fedrec_flwr")  # the ServerApp's handler may stop propagation
     package_logger.addHandler(caplog.handler)

@@ -14,29 +14,41 @@ import tomllib
 from importlib.metadata import version
 
 import pytest
+from conftest import write_tiny_dataset
 
 from fedrec_flwr import cli, launch
+from fedrec_flwr.app.message_window import send_and_receive
 from fedrec_flwr.config import default_mapping
 from fedrec_flwr.launch import PROJECT_ROOT
-from fedrec_flwr.app.message_window import send_and_receive
 from fedrec_flwr.progress import REPLIES_LINE, ReplyProgress, RunDisplay, eta_seconds, format_duration
-
-from conftest import write_tiny_dataset
 
 
 def _fedrec(*argv, cwd=PROJECT_ROOT, timeout=300):
     """``python -m fedrec_flwr ARGV`` (what the ``fedrec`` script runs) in a subprocess."""
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "fedrec_flwr", *argv], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "fedrec_flwr", *argv], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env
+    )
 
 
 def _tiny_pairs(tmp_path, **more) -> dict:
     data = write_tiny_dataset(tmp_path / "data")
-    return {"dataset": "generic", "generic-file": str(data), "cache-dir": str(tmp_path / "cache"),
-            "num-test-negatives": 20, "ks": "5,10", "embedding-dim": 8, "mlp-layers": "16,8", "num-server-rounds": 2,
-            "fraction-train": 0.5, "eval-every": 1, "users-per-node": 12, "results-dir": str(tmp_path / "results"),
-            "run-name": "cli", **more}
+    return {
+        "dataset": "generic",
+        "generic-file": str(data),
+        "cache-dir": str(tmp_path / "cache"),
+        "num-test-negatives": 20,
+        "ks": "5,10",
+        "embedding-dim": 8,
+        "mlp-layers": "16,8",
+        "num-server-rounds": 2,
+        "fraction-train": 0.5,
+        "eval-every": 1,
+        "users-per-node": 12,
+        "results-dir": str(tmp_path / "results"),
+        "run-name": "cli",
+        **more,
+    }
 
 
 def _toml(pairs: dict) -> str:
@@ -107,21 +119,36 @@ def test_a_run_config_file_is_read_first_and_key_value_words_win(tmp_path, monke
         return subprocess.CompletedProcess([], 0, "", "")
 
     monkeypatch.setattr(launch, "flwr_run", fake_run)
-    code = cli.main(["run", "--run-config", str(tmp_path / "run.toml"), "seed=5", "--timeout", "30",
-                     "run-name=from-the-command-line"])
+    code = cli.main(
+        [
+            "run",
+            "--run-config",
+            str(tmp_path / "run.toml"),
+            "seed=5",
+            "--timeout",
+            "30",
+            "run-name=from-the-command-line",
+        ]
+    )
     assert code == 0
     assert seen["overrides"] == {**pairs, "seed": 5, "run-name": "from-the-command-line"}
     assert seen["num_supernodes"] == 2 and seen["timeout"] == 30.0 and seen["check"] is False
     assert seen["display"].total == 7
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("num-server-rounds = 2\nseed = = 3\n", "run.toml, line 2, column 8: not TOML (Invalid value)"),
-    ("num-server-rounds = 2\n[tool.flwr.app.config]\nseed = 1\n", "run.toml, line 2: [tool.flwr.app.config] is a table"),
-    ("forget-users = [1, 2]\n", "run.toml, line 1: forget-users = [1, 2]: a run-config value is a string"),
-    ("num-server-rounds = 2\nserver-lr = 0.3\n", "unknown run-config key(s) ['server-lr']"),
-    ("num-server-rounds = 'x'\n", "'num-server-rounds' = 'x': expected an integer (--run-config "),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("num-server-rounds = 2\nseed = = 3\n", "run.toml, line 2, column 8: not TOML (Invalid value)"),
+        (
+            "num-server-rounds = 2\n[tool.flwr.app.config]\nseed = 1\n",
+            "run.toml, line 2: [tool.flwr.app.config] is a table",
+        ),
+        ("forget-users = [1, 2]\n", "run.toml, line 1: forget-users = [1, 2]: a run-config value is a string"),
+        ("num-server-rounds = 2\nserver-lr = 0.3\n", "unknown run-config key(s) ['server-lr']"),
+        ("num-server-rounds = 'x'\n", "'num-server-rounds' = 'x': expected an integer (--run-config "),
+    ],
+)
 def test_a_bad_run_config_file_is_one_line_naming_the_file_and_line_exit_2(tmp_path, capsys, text, expected):
     (tmp_path / "run.toml").write_text(text)
     code = cli.main(["run", "--flwr-home", str(tmp_path / "home"), "--run-config", str(tmp_path / "run.toml")])
@@ -136,13 +163,17 @@ def test_a_bad_run_config_file_is_one_line_naming_the_file_and_line_exit_2(tmp_p
 def test_an_unknown_key_from_the_file_names_its_line(tmp_path, capsys):
     (tmp_path / "run.toml").write_text("num-server-rounds = 2\nserver-lr = 0.3\n")
     assert cli.main(["run", "--flwr-home", str(tmp_path / "home"), "--run-config", str(tmp_path / "run.toml")]) == 2
-    assert capsys.readouterr().err.strip().endswith("(--run-config " + str(tmp_path / "run.toml") + ", line 2: server-lr)")
+    assert (
+        capsys.readouterr().err.strip().endswith("(--run-config " + str(tmp_path / "run.toml") + ", line 2: server-lr)")
+    )
 
 
 def test_a_missing_run_config_file(tmp_path, capsys):
     assert cli.main(["run", "--run-config", str(tmp_path / "nope.toml")]) == 2
-    assert capsys.readouterr().err.strip() == f"error: --run-config {tmp_path / 'nope.toml'}: cannot read it (No such " \
-                                              "file or directory)"
+    assert (
+        capsys.readouterr().err.strip() == f"error: --run-config {tmp_path / 'nope.toml'}: cannot read it (No such "
+        "file or directory)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- progress
@@ -192,8 +223,9 @@ def test_the_message_window_reports_the_replies_received_so_far():
     def pull(ids):
         return [Reply(i) for i in sorted(ids)[:2]]
 
-    replies = send_and_receive(push, pull, list(range(5)), window=3, timeout=None, sleep=lambda s: None,
-                               on_reply=counts.append)
+    replies = send_and_receive(
+        push, pull, list(range(5)), window=3, timeout=None, sleep=lambda s: None, on_reply=counts.append
+    )
     assert len(replies) == 5 and counts == [2, 4, 5]
 
 
@@ -202,8 +234,11 @@ ROUND = "round    {r} | HR@10 0.4000 | NDCG@10 0.2000 | train loss 0.4000 | {s} 
 
 def test_plain_output_is_the_launchers_lines_unchanged():
     out = io.StringIO()
-    lines = ["INFO fedrec_flwr.app.server_app: ready\n", "replies 120/943 | evaluate round 1\n",
-             ROUND.format(r=1, s="10.0") + "\n"]
+    lines = [
+        "INFO fedrec_flwr.app.server_app: ready\n",
+        "replies 120/943 | evaluate round 1\n",
+        ROUND.format(r=1, s="10.0") + "\n",
+    ]
     with RunDisplay(100, out=out) as display:  # a StringIO is no terminal
         assert not display.live
         for line in lines:
@@ -242,11 +277,13 @@ def test_the_launchers_pump_feeds_every_line_to_the_display():
         def feed(self, line, shown):
             fed.append((line, shown))
 
-    stream = io.StringIO("INFO flwr: a Flower line\nreplies 1/2 | train round 1\n" + ROUND.format(r=1, s="1.0")
-                         + "\n")
+    stream = io.StringIO("INFO flwr: a Flower line\nreplies 1/2 | train round 1\n" + ROUND.format(r=1, s="1.0") + "\n")
     launch._pump(stream, io.StringIO(), [], io.StringIO(), False, Display())
-    assert fed == [("INFO flwr: a Flower line\n", None), ("replies 1/2 | train round 1\n", None),
-                   (ROUND.format(r=1, s="1.0") + "\n", ROUND.format(r=1, s="1.0") + "\n")]
+    assert fed == [
+        ("INFO flwr: a Flower line\n", None),
+        ("replies 1/2 | train round 1\n", None),
+        (ROUND.format(r=1, s="1.0") + "\n", ROUND.format(r=1, s="1.0") + "\n"),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------- real run
@@ -255,8 +292,16 @@ def test_real_one_round_fedrec_run_from_a_run_config_file(tmp_path):
     file's values and the override reach the ServerApp, the plain per-round line is printed (not a terminal)."""
     pairs = _tiny_pairs(tmp_path, **{"num-server-rounds": 5})
     (tmp_path / "run.toml").write_text(_toml(pairs))
-    done = _fedrec("run", "--flwr-home", str(tmp_path / "home"), "--federation-config",
-                   "client-resources-num-cpus=1", "--run-config", str(tmp_path / "run.toml"), "num-server-rounds=1")
+    done = _fedrec(
+        "run",
+        "--flwr-home",
+        str(tmp_path / "home"),
+        "--federation-config",
+        "client-resources-num-cpus=1",
+        "--run-config",
+        str(tmp_path / "run.toml"),
+        "num-server-rounds=1",
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(r"^round\s+1 \| HR@10 \d\.\d{4} \|", done.stdout, re.M), done.stdout
     assert "\x1b[" not in done.stdout  # no live bar off a terminal
@@ -268,33 +313,47 @@ def test_real_one_round_fedrec_run_from_a_run_config_file(tmp_path):
 
 # ----------------------------------------------------------------------------------------------------- presets
 def _selected(method: str, dataset: str) -> dict:
-    return json.loads((PROJECT_ROOT / "experiments" / "tuning" / "results" / f"selection-{dataset}.json")
-                      .read_text())[method]["setting"]
+    return json.loads((PROJECT_ROOT / "experiments" / "tuning" / "results" / f"selection-{dataset}.json").read_text())[
+        method
+    ]["setting"]
 
 
-def test_a_preset_is_the_tuned_recipe_of_the_runs_dataset_under_the_file_and_the_words(tmp_path, monkeypatch,
-                                                                                       ml100k_dir):
+def test_a_preset_is_the_tuned_recipe_of_the_runs_dataset_under_the_file_and_the_words(
+    tmp_path, monkeypatch, ml100k_dir
+):
     from experiments.tuning import grid
-
     from fedrec_flwr.config import make_run_config
 
     seen = {}
-    monkeypatch.setattr(launch, "flwr_run", lambda overrides, **kw: seen.update(overrides=dict(overrides), **kw)
-                        or subprocess.CompletedProcess([], 0, "", ""))
+    monkeypatch.setattr(
+        launch,
+        "flwr_run",
+        lambda overrides, **kw: (
+            seen.update(overrides=dict(overrides), **kw) or subprocess.CompletedProcess([], 0, "", "")
+        ),
+    )
     (tmp_path / "run.toml").write_text(f'preset = "fedncf-tuned"\ndata-dir = "{ml100k_dir}"\nbatch-size = 64\n')
-    words = ["run", "--run-config", str(tmp_path / "run.toml"), f"cache-dir={tmp_path / 'cache'}",
-             "num-server-rounds=3"]
+    words = [
+        "run",
+        "--run-config",
+        str(tmp_path / "run.toml"),
+        f"cache-dir={tmp_path / 'cache'}",
+        "num-server-rounds=3",
+    ]
     assert cli.main([*words, "--preset", "fedrecgel-tuned"]) == 0  # --preset wins over the file's preset
     got = seen["overrides"]
     expected = {**grid.PROTOCOL, **grid.METHODS["FedRecGEL"], **_selected("FedRecGEL", "ml-100k")}
-    assert {k: got[k] for k in expected if k not in ("num-server-rounds", "batch-size")} == \
-        {k: v for k, v in expected.items() if k not in ("num-server-rounds", "batch-size")}
+    assert {k: got[k] for k in expected if k not in ("num-server-rounds", "batch-size")} == {
+        k: v for k, v in expected.items() if k not in ("num-server-rounds", "batch-size")
+    }
     assert got["num-server-rounds"] == 3 and got["batch-size"] == 64 and "preset" not in got  # file, words win
     assert seen["num_supernodes"] == 1 and seen["display"].total == 3  # users-per-node 1000: one node
     make_run_config(**got)  # a valid run config
     assert cli.main(words) == 0  # the file's preset
-    assert seen["overrides"]["client"] == "fedrec" and \
-        seen["overrides"]["learning-rate"] == _selected("FedNCF", "ml-100k")["learning-rate"]
+    assert (
+        seen["overrides"]["client"] == "fedrec"
+        and seen["overrides"]["learning-rate"] == _selected("FedNCF", "ml-100k")["learning-rate"]
+    )
 
 
 def test_presets_lists_each_recipe_with_its_table_figure_and_prints_one_as_a_run_config_file(capsys, tmp_path):
@@ -314,11 +373,17 @@ def test_presets_lists_each_recipe_with_its_table_figure_and_prints_one_as_a_run
     assert {k: values[k] for k in _selected("FedRecGEL", "filmtrust")} == _selected("FedRecGEL", "filmtrust")
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["run", "--preset", "fedrecgel-tund"], "preset 'fedrecgel-tund': no such preset; did you mean 'fedrecgel-tuned'?"),
-    (["run", "--preset", "fedrecgel-tuned", "dataset=generic"], "dataset 'generic': the presets are tuned on "),
-    (["presets", "nope-tuned"], "preset 'nope-tuned': no such preset"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (
+            ["run", "--preset", "fedrecgel-tund"],
+            "preset 'fedrecgel-tund': no such preset; did you mean 'fedrecgel-tuned'?",
+        ),
+        (["run", "--preset", "fedrecgel-tuned", "dataset=generic"], "dataset 'generic': the presets are tuned on "),
+        (["presets", "nope-tuned"], "preset 'nope-tuned': no such preset"),
+    ],
+)
 def test_a_bad_preset_is_one_line_exit_2(tmp_path, capsys, argv, expected):
     assert cli.main([*argv, "--flwr-home", str(tmp_path / "home")] if argv[0] == "run" else argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

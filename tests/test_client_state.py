@@ -9,10 +9,14 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, RecordDict
 
-from fedrec_flwr.state.client_state import (
-    ClientStateError, ClientStateStore, _versions_to_keep, state_folder, user_record_keys,
-)
 from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.state.client_state import (
+    ClientStateError,
+    ClientStateStore,
+    _versions_to_keep,
+    state_folder,
+    user_record_keys,
+)
 from tests.conftest import tiny_run_config
 
 
@@ -73,8 +77,11 @@ def test_a_damaged_or_foreign_state_file_is_a_clear_error(tmp_path):
     with pytest.raises(ClientStateError, match="user-3.npz: holds user 2"):
         store.read_versions(3)
     store.path(5).write_bytes(b"not a zip")
-    with pytest.raises(ClientStateError, match="user-5.npz: unreadable client state file \\(ValueError: not an "
-                                                "\\.npz archive: a file starting with b'not '"):
+    with pytest.raises(
+        ClientStateError,
+        match="user-5.npz: unreadable client state file \\(ValueError: not an "
+        "\\.npz archive: a file starting with b'not '",
+    ):
         store.load(5, RecordDict(), as_of=None)
     store.path(6).write_bytes(b"")
     with pytest.raises(ClientStateError, match="user-6.npz: unreadable .*an empty file"):
@@ -84,8 +91,10 @@ def test_a_damaged_or_foreign_state_file_is_a_clear_error(tmp_path):
 def test_state_folder_needs_a_safe_run_name(tmp_path):
     assert state_folder({}, "", {"run": "x"}) is None
     assert state_folder({}, str(tmp_path), {"run": "run-1"}) == tmp_path / "run-1"
-    assert state_folder({"client-state-dir": str(tmp_path / "node")}, "/elsewhere", {"run": "r"}) == \
-        tmp_path / "node" / "r"  # the device's own folder wins over the run config's
+    assert (
+        state_folder({"client-state-dir": str(tmp_path / "node")}, "/elsewhere", {"run": "r"})
+        == tmp_path / "node" / "r"
+    )  # the device's own folder wins over the run config's
     for bad in (None, "../escape", "a/b", ""):
         with pytest.raises(ConfigError, match="client-state-dir"):
             state_folder({}, str(tmp_path), {"run": bad})
@@ -108,11 +117,13 @@ def test_state_files_hold_exactly_what_the_memory_run_holds(tmp_path):
     from fedrec_flwr.serial import run_serial
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
-    memory_folder, memory_grid = run_serial(tiny_run_config(tmp_path / "a", model="mf", users_per_node=6),
-                                            return_grid=True)
+    memory_folder, memory_grid = run_serial(
+        tiny_run_config(tmp_path / "a", model="mf", users_per_node=6), return_grid=True
+    )
     state_dir = tmp_path / "device"
-    file_folder, file_grid = run_serial(tiny_run_config(tmp_path / "b", model="mf", users_per_node=6,
-                                                        client_state_dir=str(state_dir)), return_grid=True)
+    file_folder, file_grid = run_serial(
+        tiny_run_config(tmp_path / "b", model="mf", users_per_node=6, client_state_dir=str(state_dir)), return_grid=True
+    )
     in_memory = _embeddings(memory_grid, range(24))
     assert in_memory, "the in-memory run trained someone"
     assert _embeddings(file_grid, range(24)) == {}, "with client-state-dir the node's memory keeps no private record"

@@ -17,11 +17,14 @@ HEAVY = ("sklearn", "matplotlib", "pandas", "experiments", "scipy")
 
 def _loaded_after(code: str) -> list[str]:
     """The :data:`HEAVY` packages and ``torch._dynamo`` that a fresh interpreter has loaded after running ``code``."""
-    probe = (f"import sys\n{code}\nimport json\n"
-             f"top = {{name.split('.')[0] for name in sys.modules}} & set({HEAVY!r})\n"
-             "print(json.dumps(sorted(top | ({'torch._dynamo'} & set(sys.modules)))))")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=PROJECT_ROOT,
-                          timeout=600, check=True)
+    probe = (
+        f"import sys\n{code}\nimport json\n"
+        f"top = {{name.split('.')[0] for name in sys.modules}} & set({HEAVY!r})\n"
+        "print(json.dumps(sorted(top | ({'torch._dynamo'} & set(sys.modules)))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=600, check=True
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -31,13 +34,18 @@ def test_importing_the_client_app_loads_no_sklearn_matplotlib_pandas_or_experime
 
 def test_building_a_model_does_not_import_torch_dynamo():
     """``torch.nn.utils.skip_init`` (meta-device init) imported ``torch._dynamo``: ~1.5-4 s of every runtime build."""
-    assert _loaded_after("from fedrec_flwr.models import build_model\n"
-                         "build_model('ncf', num_users=1, num_items=30, embedding_dim=8, mlp_layers=(16, 8), seed=1)"
-                         ) == []
+    assert (
+        _loaded_after(
+            "from fedrec_flwr.models import build_model\n"
+            "build_model('ncf', num_users=1, num_items=30, embedding_dim=8, mlp_layers=(16, 8), seed=1)"
+        )
+        == []
+    )
 
 
-@pytest.mark.parametrize(("users_per_node", "block_training", "expected"),
-                         [(4, "auto", []), (1, "auto", []), (1, "off", ["torch._dynamo"])])
+@pytest.mark.parametrize(
+    ("users_per_node", "block_training", "expected"), [(4, "auto", []), (1, "auto", []), (1, "off", ["torch._dynamo"])]
+)
 def test_a_train_message_from_the_cached_split_stays_lean(tmp_path, users_per_node, block_training, expected):
     """A whole train message through the ClientApp (tiny data, split cached beforehand as the ServerApp's identify
     round leaves it) loads none of the heavy packages either, also for one user under the default ``block-training``

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+from pathlib import Path
 
 import pytest
 
 from fedrec_flwr.config import RunConfig, default_mapping, default_run_config, make_run_config
 from fedrec_flwr.errors import ConfigError
-from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,9 +19,26 @@ def test_every_pyproject_key_is_typed_and_every_typed_key_is_declared():
         declared = set(tomllib.load(handle)["tool"]["flwr"]["app"]["config"])
     typed = {f.metadata["key"] for f in dataclasses.fields(RunConfig) if f.metadata["key"]}
     assert declared == typed
-    required = {"dataset", "data-dir", "model", "client", "strategy", "num-server-rounds", "fraction-train",
-                "fraction-evaluate", "eval-every", "local-epochs", "batch-size", "learning-rate", "embedding-dim",
-                "num-train-negatives", "seed", "device", "users-per-node", "results-dir"}
+    required = {
+        "dataset",
+        "data-dir",
+        "model",
+        "client",
+        "strategy",
+        "num-server-rounds",
+        "fraction-train",
+        "fraction-evaluate",
+        "eval-every",
+        "local-epochs",
+        "batch-size",
+        "learning-rate",
+        "embedding-dim",
+        "num-train-negatives",
+        "seed",
+        "device",
+        "users-per-node",
+        "results-dir",
+    }
     assert required <= declared
 
 
@@ -74,8 +91,9 @@ def test_get_runtime_takes_a_validated_run_config_as_its_mapping(tmp_path):
     """``get_runtime(make_run_config(...))`` (the README's attack snippet) is the runtime of the same mapping (it
     raised AttributeError: 'RunConfig' object has no attribute 'items')."""
     from conftest import tiny_run_config
-    from fedrec_flwr.config import RunConfig
+
     from fedrec_flwr.app.runtime import get_runtime
+    from fedrec_flwr.config import RunConfig
 
     mapping = tiny_run_config(tmp_path)
     assert get_runtime(RunConfig.from_mapping(mapping)) is get_runtime(RunConfig.from_mapping(mapping).to_dict())

@@ -6,8 +6,8 @@ from __future__ import annotations
 import tomllib
 
 import pytest
-
 from conftest import PROJECT_ROOT
+
 from fedrec_flwr import config_reference
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError
@@ -18,7 +18,8 @@ PAGE = PROJECT_ROOT / "docs" / "reference" / "run-config.md"
 def test_the_committed_reference_page_is_current():
     assert PAGE.read_text(encoding="utf-8") == config_reference.render(), (
         "docs/reference/run-config.md is stale: python -m fedrec_flwr.config_reference --write "
-        "docs/reference/run-config.md")
+        "docs/reference/run-config.md"
+    )
     assert config_reference.main(["--check", str(PAGE)]) == 0
 
 
@@ -34,10 +35,16 @@ def test_every_key_appears_with_its_default():
 
 def test_one_entry_gives_type_default_meaning_and_allowed_values():
     entry = config_reference.entry("krylov-solver")
-    assert (entry.name, entry.type, entry.default, entry.allowed) == ("krylov-solver", "string", '"steihaug"',
-                                                                      ("steihaug", "cg"))
-    assert entry.meaning.startswith("hfkcu:") and entry.group == "client unlearning (HF-KCU and its baselines; " \
-        "strategies item-fedavg and server-optimizer)"
+    assert (entry.name, entry.type, entry.default, entry.allowed) == (
+        "krylov-solver",
+        "string",
+        '"steihaug"',
+        ("steihaug", "cg"),
+    )
+    assert (
+        entry.meaning.startswith("hfkcu:")
+        and entry.group == "client unlearning (HF-KCU and its baselines; strategies item-fedavg and server-optimizer)"
+    )
     fraction = config_reference.entry("fraction-train")
     assert (fraction.type, fraction.default, fraction.bounds) == ("float", "0.1", "0 < x <= 1")
     assert "fraction-train = 0.1" in fraction.as_text()
@@ -47,7 +54,9 @@ def test_one_entry_gives_type_default_meaning_and_allowed_values():
 
 def test_a_stale_page_and_an_undocumented_key_are_caught(tmp_path, capsys):
     stale = tmp_path / "run-config.md"
-    stale.write_text(PAGE.read_text(encoding="utf-8").replace("| `seed` | integer | `0` |", "| `seed` | integer | `1` |"))
+    stale.write_text(
+        PAGE.read_text(encoding="utf-8").replace("| `seed` | integer | `0` |", "| `seed` | integer | `1` |")
+    )
     assert config_reference.main(["--check", str(stale)]) == 1
     assert "is stale" in capsys.readouterr().err
     text = (PROJECT_ROOT / "pyproject.toml").read_text(encoding="utf-8")
@@ -59,8 +68,9 @@ def test_a_stale_page_and_an_undocumented_key_are_caught(tmp_path, capsys):
     extra.write_text(text.replace("[tool.flwr.app.config]\n", "[tool.flwr.app.config]\nnew-key = 1  # new\n"))
     with pytest.raises(ConfigError, match="'new-key' is not a field of fedrec_flwr.config.RunConfig"):
         config_reference.entries(extra)
-    assert len(config_reference.entries()) == len([f for f in RunConfig.__dataclass_fields__.values()
-                                                   if f.metadata.get("key")])
+    assert len(config_reference.entries()) == len(
+        [f for f in RunConfig.__dataclass_fields__.values() if f.metadata.get("key")]
+    )
 
 
 def test_a_hash_inside_a_quoted_default_is_part_of_the_value():

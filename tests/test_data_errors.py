@@ -22,8 +22,7 @@ from fedrec_flwr.errors import ConfigError, DataError
 
 def _csv(path: Path, text: str) -> GenericSource:
     path.write_text(text)
-    return GenericSource(path=str(path), user_col="user", item_col="item", rating_col="rating",
-                         timestamp_col="ts")
+    return GenericSource(path=str(path), user_col="user", item_col="item", rating_col="rating", timestamp_col="ts")
 
 
 def _dense_csv(path: Path, users: int = 12, per_user: int = 10) -> GenericSource:
@@ -96,8 +95,9 @@ def test_too_few_items_for_99_negatives(tmp_path):
 
 
 def test_train_negative_sampling_errors(tmp_path):
-    split = load_split("generic", cache_dir=tmp_path / "c", generic=_dense_csv(tmp_path / "a.csv"),
-                       num_test_negatives=5)
+    split = load_split(
+        "generic", cache_dir=tmp_path / "c", generic=_dense_csv(tmp_path / "a.csv"), num_test_negatives=5
+    )
     with pytest.raises(ConfigError, match="out of range"):
         sample_train_negatives(split, split.num_users, 0, 1, 0)
     full = type(split)(**{**split.__dict__, "num_items": len(split.positives(0))})
@@ -176,14 +176,18 @@ def test_dropped_duplicates_are_announced_in_one_line(tmp_path, caplog):
         load_interactions("generic", generic=_csv(tmp_path / "d.csv", text))
     lines = [r.getMessage() for r in caplog.records if "duplicate" in r.getMessage()]
     assert len(lines) == 1 and caplog.records[0].levelno == logging.WARNING
-    assert lines[0].endswith("d.csv: dropped 2 duplicate (user, item) rows, keeping for each pair its row with the "
-                             "latest timestamp (the first of equal ones): line 2 dropped, line 3 kept (user 'a', item "
-                             "'1'); line 4 dropped, line 3 kept (user 'a', item '1')"), lines
+    assert lines[0].endswith(
+        "d.csv: dropped 2 duplicate (user, item) rows, keeping for each pair its row with the "
+        "latest timestamp (the first of equal ones): line 2 dropped, line 3 kept (user 'a', item "
+        "'1'); line 4 dropped, line 3 kept (user 'a', item '1')"
+    ), lines
     caplog.clear()
     path = tmp_path / "n.csv"
     path.write_text("user,item\na,1\nb,1\n\na,1\na,2\n")
     with caplog.at_level(logging.WARNING, logger="fedrec_flwr.data"):
         load_interactions("generic", generic=GenericSource(str(path), user_col="user", item_col="item"))
     (line,) = [r.getMessage() for r in caplog.records if "duplicate" in r.getMessage()]
-    assert line.endswith("n.csv: dropped 1 duplicate (user, item) row, keeping for each pair its first row (the file "
-                         "has no timestamps): line 5 dropped, line 2 kept (user 'a', item '1')"), line
+    assert line.endswith(
+        "n.csv: dropped 1 duplicate (user, item) row, keeping for each pair its first row (the file "
+        "has no timestamps): line 5 dropped, line 2 kept (user 'a', item '1')"
+    ), line

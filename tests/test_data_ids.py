@@ -30,8 +30,9 @@ def _ml100k(tmp_path: Path, rows: list[str]) -> Path:
 
 def _refused(dataset: str, folder: Path | None, match: str, generic: GenericSource | None = None) -> str:
     with pytest.raises(DataError, match=match) as info:
-        load_interactions(dataset, folder, cache_dir=folder or Path(generic.path).parent, generic=generic,
-                          download=False)
+        load_interactions(
+            dataset, folder, cache_dir=folder or Path(generic.path).parent, generic=generic, download=False
+        )
     return str(info.value)
 
 
@@ -71,8 +72,11 @@ def test_amazon_ids_must_be_reviewer_ids_and_asins(tmp_path):
 
 
 def test_amazon_well_formed_ids_load(tmp_path):
-    folder = _write(tmp_path / "amazon-video", "ratings.dat",
-                    "AGZ8SM1BGK3CK,B000GFDAUG,5.0,1198195200\r\nA9RNMO9MUSMTJ,B000GIOPK2,2.0,1281052800\r\n")
+    folder = _write(
+        tmp_path / "amazon-video",
+        "ratings.dat",
+        "AGZ8SM1BGK3CK,B000GFDAUG,5.0,1198195200\r\nA9RNMO9MUSMTJ,B000GIOPK2,2.0,1281052800\r\n",
+    )
     frame = load_interactions("amazon-video", folder, cache_dir=folder, download=False).frame
     assert list(frame["item"]) == ["B000GFDAUG", "B000GIOPK2"]
 
@@ -81,12 +85,14 @@ def test_amazon_well_formed_ids_load(tmp_path):
 def test_generic_integer_id_column_refuses_a_non_integer(tmp_path, bad):
     rows = ["user,item,rating,ts", "1,10,4,1", "1,11,4,2", "2,10,5,3", f"2,{bad},3,4"]
     (tmp_path / "d.csv").write_text("\n".join(rows) + "\n")
-    source = GenericSource(path=str(tmp_path / "d.csv"), user_col="user", item_col="item", rating_col="rating",
-                           timestamp_col="ts")
+    source = GenericSource(
+        path=str(tmp_path / "d.csv"), user_col="user", item_col="item", rating_col="rating", timestamp_col="ts"
+    )
     message = _refused("generic", None, r"d\.csv, line 5: item column 'item' has value", generic=source)
     assert repr(bad) in message and message.endswith(
         "not a non-negative integer id (digits only); 3 of the 4 ids of item column 'item' are integers, at least "
-        "half, so every id must be one")
+        "half, so every id must be one"
+    )
 
 
 def test_generic_label_ids_stay_accepted(tmp_path):
@@ -99,8 +105,9 @@ def test_generic_label_ids_stay_accepted(tmp_path):
 def test_generic_attributes_user_ids_are_checked(tmp_path):
     (tmp_path / "d.csv").write_text("user,item\n1,10\n2,11\n")
     (tmp_path / "attrs.csv").write_text("user,gender\n1,M\n2,F\n2.5,F\n")
-    source = GenericSource(path=str(tmp_path / "d.csv"), user_col="user", item_col="item",
-                           attributes_path=str(tmp_path / "attrs.csv"))
+    source = GenericSource(
+        path=str(tmp_path / "d.csv"), user_col="user", item_col="item", attributes_path=str(tmp_path / "attrs.csv")
+    )
     _refused("generic", None, r"attrs\.csv, line 4: attributes user column 'user' has value '2\.5'", generic=source)
 
 
@@ -113,8 +120,14 @@ def test_a_split_cached_before_ids_were_checked_is_not_reused(tmp_path, monkeypa
     from fedrec_flwr.data.loaders import locate_source
 
     rows = [f"{u}\t{i}\t3\t{100 * u + i}" for u in (1, 2, 3) for i in range(10 + 3 * u, 17 + 3 * u)]
-    good = load_split("ml-100k", _ml100k(tmp_path / "good", rows), cache_dir=tmp_path / "c1", download=False,
-                      min_user_interactions=3, num_test_negatives=2)
+    good = load_split(
+        "ml-100k",
+        _ml100k(tmp_path / "good", rows),
+        cache_dir=tmp_path / "c1",
+        download=False,
+        min_user_interactions=3,
+        num_test_negatives=2,
+    )
     bad = _ml100k(tmp_path / "bad", rows + ["2\tabc\t3\t999"])
     cache = tmp_path / "cache"
     sha = locate_source("ml-100k", bad, cache_dir=cache, download=False).combined_sha256
@@ -141,17 +154,22 @@ def test_a_file_with_several_bad_rows_is_refused_once_in_line_order_with_exact_c
     rows[5900 - 2] = "u5,5898,,6898"
     rows[5950 - 2] = "u6,5948,4.5,"
     (tmp_path / "d.csv").write_text("user,item,rating,ts\n" + "\n".join(rows) + "\n")
-    source = GenericSource(path=str(tmp_path / "d.csv"), user_col="user", item_col="item", rating_col="rating",
-                           timestamp_col="ts")
-    message = _refused("generic", None, r"d\.csv, line 103: timestamp column 'ts' has non-numeric value 'soon'",
-                       generic=source)
-    assert "(7 bad values in all, on 6 lines of 6000 data lines; the next in line order: line 2004: item column " \
-           "'item' has value 'x2004', not a non-negative integer id (digits only); line 5003: rating column 'rating' " \
-           "has non-numeric value 'bad'; line 5500: item column 'item' has value 'x5500', not a non-negative integer " \
-           "id (digits only); line 5500: rating column 'rating' has non-numeric value 'bad'; ...); a timestamp " \
-           "column holds numbers" in message, message
-    assert message.endswith("; 5998 of the 6000 ids of item column 'item' are integers, at least half, so every id "
-                            "must be one"), message
+    source = GenericSource(
+        path=str(tmp_path / "d.csv"), user_col="user", item_col="item", rating_col="rating", timestamp_col="ts"
+    )
+    message = _refused(
+        "generic", None, r"d\.csv, line 103: timestamp column 'ts' has non-numeric value 'soon'", generic=source
+    )
+    assert (
+        "(7 bad values in all, on 6 lines of 6000 data lines; the next in line order: line 2004: item column "
+        "'item' has value 'x2004', not a non-negative integer id (digits only); line 5003: rating column 'rating' "
+        "has non-numeric value 'bad'; line 5500: item column 'item' has value 'x5500', not a non-negative integer "
+        "id (digits only); line 5500: rating column 'rating' has non-numeric value 'bad'; ...); a timestamp "
+        "column holds numbers" in message
+    ), message
+    assert message.endswith(
+        "; 5998 of the 6000 ids of item column 'item' are integers, at least half, so every id must be one"
+    ), message
     assert "100.0%" not in message and "\n" not in message
 
 
@@ -160,10 +178,14 @@ def test_an_attributes_file_with_several_bad_rows_is_refused_once(tmp_path):
     folder.mkdir()
     (folder / "u.data").write_text("1\t10\t3\t100\n2\t11\t4\t101\n")
     (folder / "u.user").write_text("1|24|M|student|0\n2|x|F|writer|1\n3|30.5||artist|2\n1|40|M|other|3\n")
-    message = _refused("ml-100k", folder, r"u\.user, line 2: age column 1 has non-numeric value 'x' \(4 bad values "
-                                          r"in all, on 3 lines of 4 data lines; the next in line order: line 3: age "
-                                          r"30\.5 is not an integer; line 3: gender column 2 \(field 3\) is empty; "
-                                          r"line 4: user '1' appears more than once\)")
+    message = _refused(
+        "ml-100k",
+        folder,
+        r"u\.user, line 2: age column 1 has non-numeric value 'x' \(4 bad values "
+        r"in all, on 3 lines of 4 data lines; the next in line order: line 3: age "
+        r"30\.5 is not an integer; line 3: gender column 2 \(field 3\) is empty; "
+        r"line 4: user '1' appears more than once\)",
+    )
     assert message.endswith("more than once)")
 
 
@@ -174,6 +196,11 @@ def test_lines_with_too_many_fields_are_all_counted_in_one_refusal(tmp_path):
     rows[2999 - 2] += ",more"
     (tmp_path / "d.csv").write_text("user,item,rating\n" + "\n".join(rows) + "\n")
     source = GenericSource(path=str(tmp_path / "d.csv"), user_col="user", item_col="item", rating_col="rating")
-    _refused("generic", None, r"d\.csv, line 103: 4 fields, more than the 3 of line 1 \(4 such lines in all; the next: "
-                              r"line 2004 \(4 fields\), line 2503 \(4 fields\), line 2999 \(5 fields\)\); check the "
-                              r"separator \(','\) and quoting$", generic=source)
+    _refused(
+        "generic",
+        None,
+        r"d\.csv, line 103: 4 fields, more than the 3 of line 1 \(4 such lines in all; the next: "
+        r"line 2004 \(4 fields\), line 2503 \(4 fields\), line 2999 \(5 fields\)\); check the "
+        r"separator \(','\) and quoting$",
+        generic=source,
+    )

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-
 from conftest import dataset_dir as _need
+
 from fedrec_flwr.data import load_interactions, load_split
 
 

@@ -17,12 +17,16 @@ NODE = ["--partition-id", "0", "--num-partitions", "3", "--users-per-node", "315
 
 
 def test_dry_run_prints_the_data_and_cache_folders_as_the_nodes_environment(ml100k_dir, tmp_path, capsys):
-    code = deploy.supernode_main([*NODE, "--data-dir", str(ml100k_dir), "--cache-dir", str(tmp_path / "cache"),
-                                  "--insecure", "--dry-run"])
+    code = deploy.supernode_main(
+        [*NODE, "--data-dir", str(ml100k_dir), "--cache-dir", str(tmp_path / "cache"), "--insecure", "--dry-run"]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     words = shlex.split(out)
-    assert words[:2] == [f"{DATA_DIR_ENV}={ml100k_dir.resolve()}", f"FEDREC_FLWR_CACHE={(tmp_path / 'cache').resolve()}"]
+    assert words[:2] == [
+        f"{DATA_DIR_ENV}={ml100k_dir.resolve()}",
+        f"FEDREC_FLWR_CACHE={(tmp_path / 'cache').resolve()}",
+    ]
     assert words[2].endswith("flower-supernode")
     assert words[3:] == ["--insecure", "--node-config", "partition-id=0 num-partitions=3"]
     assert f"{DATA_DIR_ENV}={ml100k_dir.resolve()}" in err and "users 0..314" in err
@@ -37,12 +41,27 @@ def test_started_supernode_gets_the_data_folder_in_its_environment(ml100k_dir, t
     monkeypatch.setattr(deploy, "check_superlink_listening", lambda address, timeout: None)
     monkeypatch.setattr(deploy.os, "execve", fake_execve)
     monkeypatch.chdir(ml100k_dir.parent)
-    code = deploy.supernode_main([*NODE, "--data-dir", ml100k_dir.name, "--cache-dir", str(tmp_path / "cache"),
-                                  "--superlink", "127.0.0.1:1", "--insecure"])
+    code = deploy.supernode_main(
+        [
+            *NODE,
+            "--data-dir",
+            ml100k_dir.name,
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--superlink",
+            "127.0.0.1:1",
+            "--insecure",
+        ]
+    )
     assert code == 0
     assert started["env"][DATA_DIR_ENV] == str(ml100k_dir.resolve())  # absolute: relative paths would break
-    assert started["argv"][1:] == ["--superlink", "127.0.0.1:1", "--insecure", "--node-config",
-                                   "partition-id=0 num-partitions=3"]
+    assert started["argv"][1:] == [
+        "--superlink",
+        "127.0.0.1:1",
+        "--insecure",
+        "--node-config",
+        "partition-id=0 num-partitions=3",
+    ]
 
 
 def test_without_data_dir_nothing_is_added(capsys):

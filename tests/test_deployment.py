@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedrec_flwr.state.client_state import ClientStateStore
 from fedrec_flwr.config import make_run_config
 from fedrec_flwr.deploy import Deployment, DeploymentError, app_snapshot, free_port, make_node_keys
 from fedrec_flwr.launch import _group_members, processes_with_env
 from fedrec_flwr.serial import run_serial
+from fedrec_flwr.state.client_state import ClientStateStore
 from tests.conftest import without_timings, write_tiny_dataset
 
 BASE = {"model": "mf", "users-per-node": 315, "fraction-train": 0.1, "seed": 0}
@@ -87,8 +87,9 @@ def test_deployed_run_equals_serial_simulation(tmp_path, ml100k_dir, cache_dir, 
     """3 SuperNodes (insecure loopback), 2 rounds, evaluation after round 2: same metrics and model as serial."""
     overrides = _overrides(ml100k_dir, cache_dir, **{"num-server-rounds": 2, "eval-every": 2})
     serial = _serial(tmp_path, overrides)
-    outcome = three_supernodes.run({**overrides, "results-dir": str(tmp_path / "deployed"), "run-name": "deployed"},
-                                   timeout=900)
+    outcome = three_supernodes.run(
+        {**overrides, "results-dir": str(tmp_path / "deployed"), "run-name": "deployed"}, timeout=900
+    )
 
     assert "ml-100k: 943 users on 3 nodes" in outcome.output
     assert "round    2 | HR@10" in outcome.output
@@ -98,8 +99,10 @@ def test_deployed_run_equals_serial_simulation(tmp_path, ml100k_dir, cache_dir, 
     assert rows[-1]["eval-users"] == 943
     _assert_same_run(outcome.folder, serial)
     final, want = outcome.summary()["final"], json.loads((serial / "summary.json").read_text())["final"]
-    print(f"deployed HR@10 {final['HR@10']!r} NDCG@10 {final['NDCG@10']!r}; serial HR@10 {want['HR@10']!r} "
-          f"NDCG@10 {want['NDCG@10']!r}; per-round seconds {[r['seconds'] for r in rows]}")
+    print(
+        f"deployed HR@10 {final['HR@10']!r} NDCG@10 {final['NDCG@10']!r}; serial HR@10 {want['HR@10']!r} "
+        f"NDCG@10 {want['NDCG@10']!r}; per-round seconds {[r['seconds'] for r in rows]}"
+    )
     assert (final["HR@10"], final["NDCG@10"]) == (want["HR@10"], want["NDCG@10"])
 
 
@@ -110,12 +113,14 @@ def test_deployed_run_with_tls_and_supernode_auth(tmp_path, ml100k_dir, cache_di
     overrides = _overrides(ml100k_dir, cache_dir, **{"num-server-rounds": 1, "eval-every": 1})
     serial = _serial(tmp_path, overrides)
 
-    deployment = Deployment(tmp_path / "deploy", num_supernodes=3, tls=True, auth=True,
-                            project=app_snapshot(tmp_path / "app"))
+    deployment = Deployment(
+        tmp_path / "deploy", num_supernodes=3, tls=True, auth=True, project=app_snapshot(tmp_path / "app")
+    )
     with deployment:
         intruder = deployment.start_supernode(0, make_node_keys(tmp_path / "intruder", "key"), name="intruder")
-        outcome = deployment.run({**overrides, "results-dir": str(tmp_path / "deployed"), "run-name": "deployed"},
-                                 timeout=900)
+        outcome = deployment.run(
+            {**overrides, "results-dir": str(tmp_path / "deployed"), "run-name": "deployed"}, timeout=900
+        )
         deadline = time.monotonic() + 120
         while intruder.process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -136,8 +141,13 @@ def test_deployed_run_with_tls_and_supernode_auth(tmp_path, ml100k_dir, cache_di
 
 
 def _supernode(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fedrec_flwr.deploy", "supernode", *args],
-                          capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "fedrec_flwr.deploy", "supernode", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_supernode_wrapper_refuses_bad_node_config_and_missing_superlink(ml100k_dir, cache_dir):
@@ -159,13 +169,27 @@ def test_supernode_wrapper_refuses_bad_node_config_and_missing_superlink(ml100k_
         assert no_partitions.returncode == 2 and "'num-partitions'" in no_partitions.stderr
         # against the dataset: 943 users with 315 per node need exactly 3 SuperNodes
         data = ["--dataset", "ml-100k", "--data-dir", str(ml100k_dir), "--cache-dir", str(cache_dir)]
-        wrong_count = _supernode("--partition-id", "3", "--num-partitions", "4", "--users-per-node", "315", *data,
-                                 "--superlink", live)
+        wrong_count = _supernode(
+            "--partition-id", "3", "--num-partitions", "4", "--users-per-node", "315", *data, "--superlink", live
+        )
         assert wrong_count.returncode == 2 and "'num-partitions' = 4" in wrong_count.stderr, wrong_count.stderr
         assert "needs exactly 3" in wrong_count.stderr
 
-        good = _supernode("--partition-id", "2", "--num-partitions", "3", "--users-per-node", "315", *data,
-                          "--superlink", live, "--insecure", "--port", "9999", "--dry-run")
+        good = _supernode(
+            "--partition-id",
+            "2",
+            "--num-partitions",
+            "3",
+            "--users-per-node",
+            "315",
+            *data,
+            "--superlink",
+            live,
+            "--insecure",
+            "--port",
+            "9999",
+            "--dry-run",
+        )
         assert good.returncode == 0, good.stderr
         assert "users 630..942" in good.stderr
         assert "flower-supernode --superlink " + live in good.stdout
@@ -187,8 +211,14 @@ def test_supernode_without_node_config_fails_the_run_naming_partition_id(tmp_pat
     deployment = Deployment(tmp_path / "deploy", node_configs=[None])  # 1 SuperNode, no node config
     with deployment:
         with pytest.raises(DeploymentError) as failure:
-            deployment.run({**_overrides(ml100k_dir, cache_dir, **{"users-per-node": 943, "num-server-rounds": 1}),
-                            "results-dir": str(tmp_path / "deployed"), "run-name": "deployed"}, timeout=600)
+            deployment.run(
+                {
+                    **_overrides(ml100k_dir, cache_dir, **{"users-per-node": 943, "num-server-rounds": 1}),
+                    "results-dir": str(tmp_path / "deployed"),
+                    "run-name": "deployed",
+                },
+                timeout=600,
+            )
     _assert_nothing_left(deployment)
     message = str(failure.value)
     assert "cannot serve this run" in message and "node config has no 'partition-id'" in message, message[-3000:]
@@ -223,12 +253,22 @@ def test_a_supernode_killed_mid_round_costs_its_reply_then_rejoins_with_its_user
     in-process versions, with exact model comparisons, are in test_fault_tolerance.py."""
     results, state_dir = tmp_path / "results", tmp_path / "client-state"
     overrides = {
-        "dataset": "generic", "generic-file": str(write_tiny_dataset(tmp_path / "data", num_users=24)),
-        "cache-dir": str(tmp_path / "cache"), "results-dir": str(results), "run-name": "faults", "model": "mf",
-        "embedding-dim": 8, "num-test-negatives": 20, "ks": "5,10", "users-per-node": 8,
-        "num-server-rounds": FAULT_ROUNDS, "fraction-train": 1.0, "eval-every": FAULT_ROUNDS,
+        "dataset": "generic",
+        "generic-file": str(write_tiny_dataset(tmp_path / "data", num_users=24)),
+        "cache-dir": str(tmp_path / "cache"),
+        "results-dir": str(results),
+        "run-name": "faults",
+        "model": "mf",
+        "embedding-dim": 8,
+        "num-test-negatives": 20,
+        "ks": "5,10",
+        "users-per-node": 8,
+        "num-server-rounds": FAULT_ROUNDS,
+        "fraction-train": 1.0,
+        "eval-every": FAULT_ROUNDS,
         "min-train-fraction": 0.5,
-        "round-timeout": 180.0, "client-state-dir": str(state_dir),  # an upper bound: a dead node is
+        "round-timeout": 180.0,
+        "client-state-dir": str(state_dir),  # an upper bound: a dead node is
         # reported by the SuperLink once its heartbeats stop (about 30 s), long before this
     }
     folder = results / "faults"
@@ -245,8 +285,11 @@ def test_a_supernode_killed_mid_round_costs_its_reply_then_rejoins_with_its_user
     runner.start()
     victim = next(p for p in deployment.processes if p.name == "supernode-1")
     deadline = time.monotonic() + 600
-    while runner.is_alive() and time.monotonic() < deadline and not (
-            _rows(folder) and _running_clientapp(victim.process.pid)):
+    while (
+        runner.is_alive()
+        and time.monotonic() < deadline
+        and not (_rows(folder) and _running_clientapp(victim.process.pid))
+    ):
         time.sleep(0.05)
     assert _rows(folder) and runner.is_alive(), f"round 2 never started: {outcome}"
     killed_after = len(_rows(folder))

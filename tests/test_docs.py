@@ -13,9 +13,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
-
-from conftest import PROJECT_ROOT
-from conftest import tiny_run_config
+from conftest import PROJECT_ROOT, tiny_run_config
 
 DOCS = PROJECT_ROOT / "docs"
 
@@ -25,15 +23,26 @@ def built_site(tmp_path_factory) -> Path:
     """The site built with ``sphinx -W --keep-going`` (every warning an error) into a temp folder."""
     pytest.importorskip("sphinx")
     out = tmp_path_factory.mktemp("docs") / "html"
-    done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS),
-                           str(out)], capture_output=True, text=True, timeout=600, cwd=PROJECT_ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=PROJECT_ROOT,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return out
 
 
 def test_docs_build_in_strict_mode(built_site):
-    for page in ("index", "tutorials/quickstart", "how-to/forget-a-user", "explanation/architecture",
-                 "reference/run-config", "reference/api"):
+    for page in (
+        "index",
+        "tutorials/quickstart",
+        "how-to/forget-a-user",
+        "explanation/architecture",
+        "reference/run-config",
+        "reference/api",
+    ):
         assert (built_site / f"{page}.html").is_file(), page
 
 
@@ -105,8 +114,11 @@ def test_the_first_client_tutorial_runs_as_written(tmp_path, monkeypatch):
     assert rows_trained > 0
 
 
-HISTORY = re.compile(r"\b((this|last|next|earlier|previous|first|second|third|fourth|fifth|sixth|seventh|eighth) "
-                     r"(session|pass))\b|issue [0-9]+", re.IGNORECASE)
+HISTORY = re.compile(
+    r"\b((this|last|next|earlier|previous|first|second|third|fourth|fifth|sixth|seventh|eighth) "
+    r"(session|pass))\b|issue [0-9]+",
+    re.IGNORECASE,
+)
 PRODUCT = ("README.md", "docs", "pyproject.toml", "fedrec_flwr", "strategies", "clients")
 
 
@@ -115,9 +127,15 @@ def history_mentions(root: Path) -> list[str]:
     found = []
     for name in PRODUCT:
         base = root / name
-        files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file()
-                                                     and p.suffix in (".py", ".md", ".toml", ".txt", ".rst")
-                                                     and "_build" not in p.parts)
+        files = (
+            [base]
+            if base.is_file()
+            else sorted(
+                p
+                for p in base.rglob("*")
+                if p.is_file() and p.suffix in (".py", ".md", ".toml", ".txt", ".rst") and "_build" not in p.parts
+            )
+        )
         for path in files:
             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
                 if HISTORY.search(line):

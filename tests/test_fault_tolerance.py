@@ -17,8 +17,14 @@ ROUNDS = 5
 
 def _run(folder, *, on_round=None, **overrides):
     logging.getLogger("flwr").setLevel(logging.WARNING)
-    settings = {"model": "mf", "users_per_node": 6, "num_server_rounds": ROUNDS, "fraction_train": 0.5,
-                "min_train_fraction": 0.5, **overrides}
+    settings = {
+        "model": "mf",
+        "users_per_node": 6,
+        "num_server_rounds": ROUNDS,
+        "fraction_train": 0.5,
+        "min_train_fraction": 0.5,
+        **overrides,
+    }
     config = tiny_run_config(folder, **settings)
     result, grid = run_serial(config, on_round=on_round, return_grid=True)
     rows = json.loads((result / "metrics.json").read_text())
@@ -32,11 +38,13 @@ def _final(result):
 
 def _restart_node_after(round_: int, restarted: dict):
     """An on_round hook that kills node 1001 (partition 1) after ``round_`` and starts it again at once."""
+
     def hook(view):
         if view.server_round == round_:
             old = view.grid.stop_node(1001)
             restarted["old-state-keys"] = len(old.state)
             restarted["new"] = view.grid.start_node(1)
+
     return hook
 
 
@@ -96,9 +104,9 @@ def test_a_node_without_its_data_stops_the_run_at_start_naming_node_and_file(tmp
     from flwr.app import Context, RecordDict
 
     from fedrec_flwr.app.client_app import make_client_app
+    from fedrec_flwr.app.server_app import main
     from fedrec_flwr.errors import ConfigError
     from fedrec_flwr.serial import SerialGrid
-    from fedrec_flwr.app.server_app import main
 
     good = tiny_run_config(tmp_path, users_per_node=24)
     broken = {**good, "generic-file": str(tmp_path / "missing" / "tiny.csv")}  # what the node sees

@@ -7,16 +7,17 @@ import logging
 
 import numpy as np
 import pytest
-
 from conftest import tiny_run_config
+
 from experiments.fedau2.methods import ARMS, CLASS_PRIORS, PROTOCOL
 from fedrec_flwr.adversary import class_prior_text, parse_class_prior
 from fedrec_flwr.attributes import PUBLISHED_CLASS_COUNTS, encode_attribute, published_class_prior
 from fedrec_flwr.config import FIRST_RELEASE_ADVERSARY, default_mapping, make_run_config
 from fedrec_flwr.errors import ConfigError
 
-MEASURED_ARM = ("FedAU2-server, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1, "
-                "noise on all of h_w")
+MEASURED_ARM = (
+    "FedAU2-server, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1, noise on all of h_w"
+)
 """The arm whose settings the package defaults are (experiments/fedau2/README.md, items 10-13)."""
 
 
@@ -77,13 +78,19 @@ def test_published_prior_without_published_shares_falls_back_to_none_and_says_so
 
     attributes = tmp_path / "attributes.csv"
     attributes.write_text("user,gender\n" + "".join(f"u{u},{'FM'[u % 3 == 0]}\n" for u in range(24)))
-    config = make_run_config(**tiny_run_config(tmp_path, client="fedau2", adversary="dsvae",
-                                               protected_attribute="gender", generic_attributes_file=str(attributes)))
+    config = make_run_config(
+        **tiny_run_config(
+            tmp_path,
+            client="fedau2",
+            adversary="dsvae",
+            protected_attribute="gender",
+            generic_attributes_file=str(attributes),
+        )
+    )
     assert config.adversary_class_prior == "published" and class_prior_text(config) == ""
     with caplog.at_level(logging.WARNING, logger="fedrec_flwr.adversary"):
         FedAU2Client.check_config(config)
-    assert any("no published class shares" in r.getMessage() and "'generic'" in r.getMessage()
-               for r in caplog.records)
+    assert any("no published class shares" in r.getMessage() and "'generic'" in r.getMessage() for r in caplog.records)
 
 
 def test_published_prior_refuses_a_split_whose_classes_differ():
@@ -94,12 +101,16 @@ def test_published_prior_refuses_a_split_whose_classes_differ():
 
 
 def test_an_attribute_of_a_generic_dataset_without_an_attributes_file_is_refused_before_any_prior_warning(
-        tmp_path, caplog):
+    tmp_path, caplog
+):
     """'generic' without 'generic-attributes-file' has no user attributes: the run config refuses the protected
     attribute itself, so FedAU²'s "no published class shares" warning (about a prior it would never use) is not
     printed before the error."""
     with caplog.at_level(logging.WARNING):
-        with pytest.raises(ConfigError, match="'protected-attribute' = 'gender': the dataset 'generic' has no user attributes"):
-            make_run_config(**tiny_run_config(tmp_path, client="fedau2", adversary="dsvae",
-                                              protected_attribute="gender"))
+        with pytest.raises(
+            ConfigError, match="'protected-attribute' = 'gender': the dataset 'generic' has no user attributes"
+        ):
+            make_run_config(
+                **tiny_run_config(tmp_path, client="fedau2", adversary="dsvae", protected_attribute="gender")
+            )
     assert not any("published class shares" in r.getMessage() for r in caplog.records)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-
 from conftest import tiny_run_config
 
 
@@ -19,9 +18,17 @@ def _run(tmp_path, **overrides):
     attributes = tmp_path / "attributes.csv"
     labels = np.array([int(u % 3 == 0) for u in range(24)])  # class 1 ("M") for a third of the users
     attributes.write_text("user,gender\n" + "".join(f"u{u},{'FM'[label]}\n" for u, label in enumerate(labels)))
-    options = dict(client="fedau2", adversary="dsvae", protected_attribute="gender", users_per_node=1,
-                   generic_attributes_file=str(attributes), strategy="curious-item-fedavg", num_server_rounds=6,
-                   eval_every=6, adversary_class_prior="")
+    options = dict(
+        client="fedau2",
+        adversary="dsvae",
+        protected_attribute="gender",
+        users_per_node=1,
+        generic_attributes_file=str(attributes),
+        strategy="curious-item-fedavg",
+        num_server_rounds=6,
+        eval_every=6,
+        adversary_class_prior="",
+    )
     options.update(overrides)
     config = tiny_run_config(tmp_path, **options)
     folder = run_serial(config)
@@ -66,21 +73,30 @@ def test_the_noise_of_a_users_uploads_is_drawn_per_upload_round_or_user(tmp_path
     latent comes from the upload's own stream in both) is the same for a user's train reply and its queries of a
     round with ``"per-round"``, for every upload of the run with ``"per-user"``, and fresh for each with
     ``"per-upload"``; another user's is another draw."""
-    from fedrec_flwr.clients.fedau2 import FedAU2Client
     from flwr.app import RecordDict
-    from fedrec_flwr.app.runtime import get_runtime
     from test_fedau2_server import _config
+
+    from fedrec_flwr.app.runtime import get_runtime
+    from fedrec_flwr.clients.fedau2 import FedAU2Client
 
     def noise_part(user, server_round, step):
         parts = []
         for noise in (1.0, 0.0):
-            runtime = get_runtime(_config(tmp_path / str(noise), adversary="dsvae", dsvae_gradient_noise=noise,
-                                          dsvae_noise_stream=stream, dsvae_noise_placement="all",
-                                          adversary_server_steps=3))
+            runtime = get_runtime(
+                _config(
+                    tmp_path / str(noise),
+                    adversary="dsvae",
+                    dsvae_gradient_noise=noise,
+                    dsvae_noise_stream=stream,
+                    dsvae_noise_placement="all",
+                    adversary_server_steps=3,
+                )
+            )
             shared = {k: v.numpy().copy() for k, v in runtime.model.shared_state().items()}
             client = FedAU2Client(runtime, user, RecordDict())
-            parts.append(client.adversary_query_gradient(shared, {"server-round": server_round,
-                                                                   "adversary-step": step}))
+            parts.append(
+                client.adversary_query_gradient(shared, {"server-round": server_round, "adversary-step": step})
+            )
         return np.concatenate([(parts[0][k] - parts[1][k]).ravel() for k in sorted(parts[0])])
 
     first = noise_part(3, 1, 1)

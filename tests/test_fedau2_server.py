@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import MessageRecorder, assert_no_private_value_in_replies, seeded_private_vectors, tiny_run_config
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
-from conftest import MessageRecorder, assert_no_private_value_in_replies, seeded_private_vectors, tiny_run_config
 from fedrec_flwr.adversary import ADVERSARY_MODULE, AttributeAdversary, adversary_diagnostics
-from fedrec_flwr.config import FIRST_RELEASE_ADVERSARY
 from fedrec_flwr.app.runtime import get_runtime
-from fedrec_flwr.wire import ARRAYS, METRICS, NUM_EXAMPLES
+from fedrec_flwr.config import FIRST_RELEASE_ADVERSARY
 from fedrec_flwr.strategies.adversary import AdversaryServerStep
+from fedrec_flwr.wire import ARRAYS, METRICS, NUM_EXAMPLES
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -31,8 +31,14 @@ def _config(folder, flip: bool = False, first_release: bool = True, **overrides)
     attributes.write_text("user,gender\n" + "".join(f"u{u},{genders[u % 3 == 0]}\n" for u in range(24)))
     # the mechanism tests were written for the first release's adversary keys (SUT, reversal, MLP h_w, one server
     # step): pinned, so they keep testing that mechanism whatever the package defaults are
-    options = dict(client="fedau2", adversary="mlp", protected_attribute="gender", generic_attributes_file=str(attributes),
-                   users_per_node=1, **(FIRST_RELEASE_ADVERSARY if first_release else {}))
+    options = dict(
+        client="fedau2",
+        adversary="mlp",
+        protected_attribute="gender",
+        generic_attributes_file=str(attributes),
+        users_per_node=1,
+        **(FIRST_RELEASE_ADVERSARY if first_release else {}),
+    )
     options.update(overrides)
     return tiny_run_config(folder, **options)
 
@@ -42,19 +48,21 @@ def _user_vector(record, layout) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("training", ["server", "per-client"])
-def test_every_sut_decision_of_a_round_reads_the_global_adversary_only_with_server_training(tmp_path, monkeypatch,
-                                                                                            training):
+def test_every_sut_decision_of_a_round_reads_the_global_adversary_only_with_server_training(
+    tmp_path, monkeypatch, training
+):
     """Server arm: at every local step the SUT reads exactly the h_w the server sent (the model's copy never moves), and
     the upload under h_w's keys is the gradient of CE(h_w(e_u), a) at that copy and the user's final embedding. The
     per-client arm (as first implemented) trains its local copy, so its later SUT decisions read a changed h_w."""
     import fedrec_flwr.adversary as adversary_module
     from fedrec_flwr.clients.fedau2 import FedAU2Client
 
-    config = _config(tmp_path, adversary_training=training, optimizer="sgd", learning_rate=0.5, batch_size=8,
-                     local_epochs=2)
+    config = _config(
+        tmp_path, adversary_training=training, optimizer="sgd", learning_rate=0.5, batch_size=8, local_epochs=2
+    )
     runtime = get_runtime(config)
     shared = {k: v.numpy().copy() for k, v in runtime.model.shared_state().items()}
-    sent = {k[len(PREFIX):]: torch.as_tensor(v) for k, v in shared.items() if k.startswith(PREFIX)}
+    sent = {k[len(PREFIX) :]: torch.as_tensor(v) for k, v in shared.items() if k.startswith(PREFIX)}
     reads_global = []
     original = adversary_module.sut_strength
 
@@ -70,19 +78,23 @@ def test_every_sut_decision_of_a_round_reads_the_global_adversary_only_with_serv
         assert reads_global[0] and not all(reads_global)
         return
     assert all(reads_global)
-    hand = AttributeAdversary(sent["hidden.weight"].shape[1], 2, sent["hidden.weight"].shape[0],
-                              generator=torch.Generator().manual_seed(0))
+    hand = AttributeAdversary(
+        sent["hidden.weight"].shape[1], 2, sent["hidden.weight"].shape[0], generator=torch.Generator().manual_seed(0)
+    )
     hand.load_state_dict(sent)
     label = int(runtime.protected.labels[0])
     F.cross_entropy(hand(_user_vector(client.state["user:0"], runtime.layout)), torch.tensor([label])).backward()
     for name, param in hand.named_parameters():
-        np.testing.assert_allclose(update.dense[PREFIX + name], param.grad.numpy(), rtol=1e-5, atol=1e-8,
-                                   err_msg=name)
+        np.testing.assert_allclose(update.dense[PREFIX + name], param.grad.numpy(), rtol=1e-5, atol=1e-8, err_msg=name)
 
 
 def _reply(weight: float, grads: dict[str, np.ndarray]) -> RecordDict:
-    return RecordDict({ARRAYS: ArrayRecord({k: Array(v.astype(np.float32)) for k, v in grads.items()}),
-                       METRICS: MetricRecord({NUM_EXAMPLES: weight})})
+    return RecordDict(
+        {
+            ARRAYS: ArrayRecord({k: Array(v.astype(np.float32)) for k, v in grads.items()}),
+            METRICS: MetricRecord({NUM_EXAMPLES: weight}),
+        }
+    )
 
 
 def test_server_step_is_sgd_or_adam_on_the_weighted_mean_of_the_replies_gradients():
@@ -113,7 +125,7 @@ def test_server_step_is_sgd_or_adam_on_the_weighted_mean_of_the_replies_gradient
             g = (replies[0][k].astype(np.float32).astype(np.float64) + 3 * replies[1][k].astype(np.float32)) / 4
             m[k] = 0.9 * m[k] + 0.1 * g
             v[k] = 0.999 * v[k] + 0.001 * g * g
-            values[k] = values[k] - 0.01 * (m[k] / (1 - 0.9 ** t)) / (np.sqrt(v[k] / (1 - 0.999 ** t)) + 1e-8)
+            values[k] = values[k] - 0.01 * (m[k] / (1 - 0.9**t)) / (np.sqrt(v[k] / (1 - 0.999**t)) + 1e-8)
             np.testing.assert_allclose(out[k].numpy(), values[k], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="optimizer"):
         AdversaryServerStep(keys, optimizer="rmsprop")
@@ -125,10 +137,10 @@ def test_strategy_steps_the_global_adversary_on_the_replies_weighted_mean_gradie
     from fedrec_flwr.app.client_app import make_client_app
     from fedrec_flwr.serial import run_serial
 
-    config = _config(tmp_path, adversary_server_optimizer="sgd", adversary_server_learning_rate=0.3,
-                     num_server_rounds=1)
-    initial = {k: v.numpy().copy() for k, v in get_runtime(config).model.shared_state().items()
-               if k.startswith(PREFIX)}
+    config = _config(
+        tmp_path, adversary_server_optimizer="sgd", adversary_server_learning_rate=0.3, num_server_rounds=1
+    )
+    initial = {k: v.numpy().copy() for k, v in get_runtime(config).model.shared_state().items() if k.startswith(PREFIX)}
     recorder = MessageRecorder(tmp_path / "messages")
     folder = run_serial(config, client_app=make_client_app(config, mods=[recorder]))
     train = [r for r in recorder.records() if r["type"] == "train"]
@@ -143,8 +155,11 @@ def test_strategy_steps_the_global_adversary_on_the_replies_weighted_mean_gradie
     assert diagnostics[0].split(",")[:3] == ["round", "users", "predicted-share-0"] and len(diagnostics) == 2
 
 
-@pytest.mark.parametrize("adversary,first_release", [("mlp", True), ("dsvae", True), ("dsvae", False)],
-                         ids=["mlp", "dsvae", "dsvae-package-defaults"])
+@pytest.mark.parametrize(
+    "adversary,first_release",
+    [("mlp", True), ("dsvae", True), ("dsvae", False)],
+    ids=["mlp", "dsvae", "dsvae-package-defaults"],
+)
 def test_no_reply_carries_a_label_a_class_count_or_an_embedding(tmp_path, adversary, first_release):
     """Server arm, one user per node: every train reply holds exactly the layout's keys and the four standard metrics
     (no label, no count, no config), no private vector; and in round 1 (one local step, the loss reported at the
@@ -156,8 +171,15 @@ def test_no_reply_carries_a_label_a_class_count_or_an_embedding(tmp_path, advers
 
     runs = {}
     for flip in (False, True):
-        config = _config(tmp_path / f"flip{flip}", flip=flip, first_release=first_release, adversary=adversary,
-                         num_server_rounds=1, batch_size=1000, eval_every=1)
+        config = _config(
+            tmp_path / f"flip{flip}",
+            flip=flip,
+            first_release=first_release,
+            adversary=adversary,
+            num_server_rounds=1,
+            batch_size=1000,
+            eval_every=1,
+        )
         recorder = MessageRecorder(tmp_path / f"flip{flip}" / "messages")
         run_serial(config, client_app=make_client_app(config, mods=[recorder]))
         runs[flip] = sorted((r for r in recorder.records() if r["type"] == "train"), key=lambda r: r["users"])
@@ -208,8 +230,7 @@ def test_server_step_state_survives_a_checkpoint_round_trip():
     expected = straight.apply(first, replies[1], first)
     resumed = AdversaryServerStep(keys, optimizer="adam", learning_rate=0.1)
     resumed.load_state_arrays(first, saved)
-    np.testing.assert_array_equal(resumed.apply(first, replies[1], first)[keys[0]].numpy(),
-                                  expected[keys[0]].numpy())
+    np.testing.assert_array_equal(resumed.apply(first, replies[1], first)[keys[0]].numpy(), expected[keys[0]].numpy())
     fresh = AdversaryServerStep(keys, optimizer="adam", learning_rate=0.1).apply(first, replies[1], first)
     assert not np.array_equal(fresh[keys[0]].numpy(), expected[keys[0]].numpy())  # the moments matter
 
@@ -235,9 +256,17 @@ def test_sgd_entropy_pull_steps_by_exactly_lr_eps_grad_and_not_at_the_uniform_po
     p /= p.sum()
     expected = -lr * eps * w.T @ (p - 1.0 / classes)
     assert np.abs(expected).max() > 1e-4
-    term = AdversarialTerm(model, label=1, epsilon=eps, trigger="always", kl_weight=0.0,
-                           generator=torch.Generator().manual_seed(0), objective="entropy", frozen=True,
-                           embedding_step=lr)
+    term = AdversarialTerm(
+        model,
+        label=1,
+        epsilon=eps,
+        trigger="always",
+        kl_weight=0.0,
+        generator=torch.Generator().manual_seed(0),
+        objective="entropy",
+        frozen=True,
+        embedding_step=lr,
+    )
     loss = term()
     assert float(loss) == 0.0 and not loss.requires_grad
     change = model.user_embedding.weight.detach().double().numpy()[0] - u0

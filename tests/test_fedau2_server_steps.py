@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import MessageRecorder, assert_no_private_value_in_replies, seeded_private_vectors
+from test_fedau2_server import _config
+
 from fedrec_flwr.adversary import ADVERSARY_MODULE, AttributeAdversary
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.config import make_run_config
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.wire import NUM_EXAMPLES
-from test_fedau2_server import _config
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -30,10 +30,19 @@ def _run(folder, steps: int, **overrides):
     from fedrec_flwr.app.client_app import make_client_app
     from fedrec_flwr.serial import run_serial
 
-    config = _config(folder, adversary_server_optimizer="sgd", adversary_server_learning_rate=LR,
-                     num_server_rounds=1, adversary_server_steps=steps, **overrides)
-    initial = {k: v.numpy().astype(np.float64) for k, v in get_runtime(config).model.shared_state().items()
-               if k.startswith(PREFIX)}  # before the run: the in-process runtime's model is the clients' model
+    config = _config(
+        folder,
+        adversary_server_optimizer="sgd",
+        adversary_server_learning_rate=LR,
+        num_server_rounds=1,
+        adversary_server_steps=steps,
+        **overrides,
+    )
+    initial = {
+        k: v.numpy().astype(np.float64)
+        for k, v in get_runtime(config).model.shared_state().items()
+        if k.startswith(PREFIX)
+    }  # before the run: the in-process runtime's model is the clients' model
     recorder = MessageRecorder(folder / "messages")
     out = run_serial(config, client_app=make_client_app(config, mods=[recorder]))
     return config, initial, np.load(out / "final_arrays.npz"), recorder.records()
@@ -42,9 +51,13 @@ def _run(folder, steps: int, **overrides):
 def _train_step(initial, train):
     """h_w after the train replies' SGD step (num-examples-weighted mean gradient), as in test_fedau2_server."""
     weights = np.array([r["reply-metrics"]["metrics"][NUM_EXAMPLES] for r in train])
-    return {k: v - LR * np.tensordot(weights, np.stack([r["reply-arrays"]["arrays"][k].astype(np.float64)
-                                                        for r in train]), axes=1) / weights.sum()
-            for k, v in initial.items()}
+    return {
+        k: v
+        - LR
+        * np.tensordot(weights, np.stack([r["reply-arrays"]["arrays"][k].astype(np.float64) for r in train]), axes=1)
+        / weights.sum()
+        for k, v in initial.items()
+    }
 
 
 def test_one_step_sends_no_query_and_three_steps_apply_two_more_hand_computed_gradients(tmp_path):
@@ -75,11 +88,18 @@ def test_one_step_sends_no_query_and_three_steps_apply_two_more_hand_computed_gr
 
     users = sorted(u for r in train3 for u in r["users"])
     assert sorted(u for r in queries for u in r["users"]) == sorted(2 * users)  # the round's users, twice
-    embeddings = torch.as_tensor(np.stack([np.concatenate(
-        [r["state"][f"user:{u}"][k][0] for k in runtime.layout.private_keys])
-        for r in train3 for u in r["users"]]), dtype=torch.float32)
+    embeddings = torch.as_tensor(
+        np.stack(
+            [
+                np.concatenate([r["state"][f"user:{u}"][k][0] for k in runtime.layout.private_keys])
+                for r in train3
+                for u in r["users"]
+            ]
+        ),
+        dtype=torch.float32,
+    )
     labels = torch.as_tensor([int(runtime.protected.labels[u]) for r in train3 for u in r["users"]])
-    names = [k[len(PREFIX):] for k in initial]
+    names = [k[len(PREFIX) :] for k in initial]
     hidden = initial[PREFIX + "hidden.weight"].shape[0]
     hand = AttributeAdversary(embeddings.shape[1], 2, hidden, generator=torch.Generator().manual_seed(0))
     values = one
@@ -129,26 +149,45 @@ def test_query_users_all_sends_every_extra_step_to_every_user_of_the_federation(
     queries = [r for r in every if r["type"] == QUERY]
     assert len(train) == 12 and sorted(u for r in queries for u in r["users"]) == sorted(2 * list(range(24)))
     assert sorted(u for r in train for u in r["users"]) == sorted(
-        u for r in sampled if r["type"] == "train" for u in r["users"])
+        u for r in sampled if r["type"] == "train" for u in r["users"]
+    )
     with pytest.raises(ConfigError, match="adversary-query-users"):
         make_run_config(adversary_query_users="some")
 
 
-@pytest.mark.parametrize("adversary, hidden, placement, noise", [
-    ("mlp", 0, "all", 1.0), ("mlp", 8, "all", 1.0), ("dsvae", 0, "all", 1.0), ("dsvae", 8, "head", 1.0),
-    ("dsvae", 8, "all", 1.0), ("dsvae", 0, "all", 0.0)])
+@pytest.mark.parametrize(
+    "adversary, hidden, placement, noise",
+    [
+        ("mlp", 0, "all", 1.0),
+        ("mlp", 8, "all", 1.0),
+        ("dsvae", 0, "all", 1.0),
+        ("dsvae", 8, "head", 1.0),
+        ("dsvae", 8, "all", 1.0),
+        ("dsvae", 0, "all", 0.0),
+    ],
+)
 @pytest.mark.parametrize("query_users", ["sampled", "all"])
-def test_batched_query_gradient_equals_the_per_user_loop_mean(tmp_path, adversary, hidden, placement, noise, query_users):
+def test_batched_query_gradient_equals_the_per_user_loop_mean(
+    tmp_path, adversary, hidden, placement, noise, query_users
+):
     """A node answers an adversary_gradient query with one batched computation (clients/fedau2.py,
     mean_adversary_gradient): the mean over its users of each one's h_w gradient, with the class prior, and for DSVAE
     each user's latent and label-masking noise from the user's own stream, equal to the per-user loop's mean (float
     summation order only; noise 0 checks the noiseless gradient on its own). block-training = "off" keeps the loop."""
-    from fedrec_flwr.clients.fedau2 import FedAU2Client
     from flwr.app import RecordDict
 
-    keys = dict(adversary=adversary, adversary_hidden=hidden, adversary_query_users=query_users,
-                adversary_class_prior="0.3,0.7", adversary_server_steps=3, dsvae_noise_placement=placement,
-                dsvae_gradient_noise=noise, dsvae_kl_weight=0.5)
+    from fedrec_flwr.clients.fedau2 import FedAU2Client
+
+    keys = dict(
+        adversary=adversary,
+        adversary_hidden=hidden,
+        adversary_query_users=query_users,
+        adversary_class_prior="0.3,0.7",
+        adversary_server_steps=3,
+        dsvae_noise_placement=placement,
+        dsvae_gradient_noise=noise,
+        dsvae_kl_weight=0.5,
+    )
     runtime = get_runtime(_config(tmp_path, **keys))
     state = RecordDict()
     shared = {k: v.numpy().copy() for k, v in runtime.model.shared_state().items()}
@@ -170,8 +209,9 @@ def test_batched_query_gradient_equals_the_per_user_loop_mean(tmp_path, adversar
         assert np.abs(expected).max() > 1e-4, key  # a gradient, not zeros
         np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6, err_msg=key)
     if adversary == "dsvae" and noise > 0:  # the users' own draws: another round's streams give another mean
-        other = FedAU2Client(runtime, 0, state).adversary_query_mean_gradient(shared, {**query, "server-round": 3},
-                                                                                users)
+        other = FedAU2Client(runtime, 0, state).adversary_query_mean_gradient(
+            shared, {**query, "server-round": 3}, users
+        )
         assert any(not np.allclose(other[k], batched[k]) for k in batched)
     off = get_runtime(_config(tmp_path / "off", block_training="off", **keys))
     assert FedAU2Client(off, 0, RecordDict()).adversary_query_mean_gradient(shared, query, users) is None

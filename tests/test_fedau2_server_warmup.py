@@ -8,13 +8,19 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_run_config
 from flwr.app import RecordDict
 
-from conftest import tiny_run_config
-from fedrec_flwr.adversary import ADVERSARY_MODULE, AttributeAdversary, DSVAEAdversary, adversary_gradient, build_adversary
+from fedrec_flwr.adversary import (
+    ADVERSARY_MODULE,
+    AttributeAdversary,
+    DSVAEAdversary,
+    adversary_gradient,
+    build_adversary,
+)
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.config import FIRST_RELEASE_ADVERSARY, make_run_config
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.app.runtime import get_runtime
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -25,8 +31,14 @@ def _config(folder, **overrides):
     folder.mkdir(parents=True, exist_ok=True)
     attributes = folder / "attributes.csv"
     attributes.write_text("user,gender\n" + "".join(f"u{u},{'FM'[u % 3 == 0]}\n" for u in range(24)))
-    options = dict(client="fedau2", adversary="mlp", protected_attribute="gender", users_per_node=1,
-                   generic_attributes_file=str(attributes), **FIRST_RELEASE_ADVERSARY)
+    options = dict(
+        client="fedau2",
+        adversary="mlp",
+        protected_attribute="gender",
+        users_per_node=1,
+        generic_attributes_file=str(attributes),
+        **FIRST_RELEASE_ADVERSARY,
+    )
     options.update(adversary_trigger="always", optimizer="sgd", learning_rate=0.5, adversary_epsilon=3.0)
     options.update(overrides)
     return tiny_run_config(folder, **options)
@@ -71,10 +83,15 @@ def test_warmup_rounds_still_step_h_w_on_the_server(tmp_path):
     server's step), and no SUT decision fired (the diagnostics file is written every round)."""
     from fedrec_flwr.serial import run_serial
 
-    config = _config(tmp_path, adversary_warmup_rounds=2, num_server_rounds=2, adversary_trigger="sut",
-                     adversary_server_optimizer="sgd", adversary_server_learning_rate=0.3)
-    initial = {k: v.numpy().copy() for k, v in get_runtime(config).model.shared_state().items()
-               if k.startswith(PREFIX)}
+    config = _config(
+        tmp_path,
+        adversary_warmup_rounds=2,
+        num_server_rounds=2,
+        adversary_trigger="sut",
+        adversary_server_optimizer="sgd",
+        adversary_server_learning_rate=0.3,
+    )
+    initial = {k: v.numpy().copy() for k, v in get_runtime(config).model.shared_state().items() if k.startswith(PREFIX)}
     folder = run_serial(config)
     final = np.load(folder / "final_arrays.npz")
     assert any(not np.allclose(final[k], v) for k, v in initial.items())
@@ -129,18 +146,31 @@ def _dsvae_uploads(tmp_path, placement: str, trials: int = 16, noise: float = 1.
     given ``dsvae-noise-placement``; returns ``(adversary as sent, [(update, label)])``."""
     from fedrec_flwr.adversary import adversary_gradient, adversary_of
 
-    model = get_runtime(_config(tmp_path / f"{placement}{noise:g}", adversary="dsvae", dsvae_noise_placement=placement,
-                                dsvae_gradient_noise=noise)).model
+    model = get_runtime(
+        _config(
+            tmp_path / f"{placement}{noise:g}",
+            adversary="dsvae",
+            dsvae_noise_placement=placement,
+            dsvae_gradient_noise=noise,
+        )
+    ).model
     adversary = adversary_of(model)
     uploads = []
     for trial in range(trials):
         with torch.no_grad():
             for table in model.user_embedding_modules().values():
-                table.weight[0] = 0.1 * torch.randn(table.embedding_dim,  # trained embeddings' scale (~0.1)
-                                                    generator=torch.Generator().manual_seed(trial))
-        grads = adversary_gradient(model, label=trial % 2, kl_weight=0.0, noise_placement=placement,
-                                   generator=torch.Generator().manual_seed(100 + trial))
-        uploads.append(({k[len(PREFIX):]: v.numpy() for k, v in grads.items()}, trial % 2))
+                table.weight[0] = 0.1 * torch.randn(
+                    table.embedding_dim,  # trained embeddings' scale (~0.1)
+                    generator=torch.Generator().manual_seed(trial),
+                )
+        grads = adversary_gradient(
+            model,
+            label=trial % 2,
+            kl_weight=0.0,
+            noise_placement=placement,
+            generator=torch.Generator().manual_seed(100 + trial),
+        )
+        uploads.append(({k[len(PREFIX) :]: v.numpy() for k, v in grads.items()}, trial % 2))
     return adversary, uploads
 
 
@@ -164,9 +194,12 @@ def test_dsvae_noise_placement_changes_nothing_without_dsvae(tmp_path):
     """A plain adversary (``adversary = "mlp"``) has no DSVAE noise, so ``"all"`` (the package default since issue
     14's seventh session) uploads exactly the ``"head"`` placement's gradient."""
     model = get_runtime(_config(tmp_path, adversary_hidden=8)).model
-    grads = {placement: adversary_gradient(model, label=1, kl_weight=0.0, noise_placement=placement,
-                                           generator=torch.Generator().manual_seed(3))
-             for placement in ("head", "all")}
+    grads = {
+        placement: adversary_gradient(
+            model, label=1, kl_weight=0.0, noise_placement=placement, generator=torch.Generator().manual_seed(3)
+        )
+        for placement in ("head", "all")
+    }
     assert any(not name.startswith(PREFIX + "head.") for name in grads["all"])
     for name, value in grads["head"].items():
         torch.testing.assert_close(grads["all"][name], value, rtol=0, atol=0, msg=name)
@@ -182,6 +215,5 @@ def test_dsvae_noise_on_all_of_h_w_stops_dlg_reading_the_label_from_the_encoder(
     rates = {}
     for placement in ("head", "all"):
         adversary, uploads = _dsvae_uploads(tmp_path, placement, noise=10.0)
-        rates[placement] = np.mean([dlg_label(adversary, update, iterations=30) == label
-                                    for update, label in uploads])
+        rates[placement] = np.mean([dlg_label(adversary, update, iterations=30) == label for update, label in uploads])
     assert rates["head"] >= 0.9 and rates["all"] <= 0.7, rates

@@ -21,11 +21,11 @@ import logging
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_run_config, write_tiny_dataset
+
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.attacks import attribute_inference, collect_user_embeddings
 from fedrec_flwr.config import FIRST_RELEASE_ADVERSARY
-from fedrec_flwr.app.runtime import get_runtime
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -40,20 +40,29 @@ def _federation(folder, **overrides):
     embedding gets ``DELTA * (+1 | -1) * v`` (``v`` the unit diagonal) at its first visit, by a client mod (the
     interactions do not depend on the attribute: users of ``write_tiny_dataset`` prefer one of 3 item groups, the
     attribute is ``user % 2``)."""
-    from fedrec_flwr.clients.fedau2 import FedAU2Client
     from fedrec_flwr.app.client_app import make_client_app
+    from fedrec_flwr.clients.fedau2 import FedAU2Client
     from fedrec_flwr.serial import run_serial
 
     data = write_tiny_dataset(folder / "data", num_users=USERS)
     labels = np.arange(USERS) % 2
     attributes = folder / "attributes.csv"
     attributes.write_text("user,gender\n" + "".join(f"u{u},{'FM'[labels[u]]}\n" for u in range(USERS)))
-    config = tiny_run_config(folder / "run", generic_file=str(data), client="fedau2", protected_attribute="gender",
-                             generic_attributes_file=str(attributes), model="mf", users_per_node=USERS,
-                             fraction_train=1.0, num_server_rounds=ROUNDS, eval_every=ROUNDS,
-                             **{**FIRST_RELEASE_ADVERSARY, **overrides})  # the settings its numbers were measured at
+    config = tiny_run_config(
+        folder / "run",
+        generic_file=str(data),
+        client="fedau2",
+        protected_attribute="gender",
+        generic_attributes_file=str(attributes),
+        model="mf",
+        users_per_node=USERS,
+        fraction_train=1.0,
+        num_server_rounds=ROUNDS,
+        eval_every=ROUNDS,
+        **{**FIRST_RELEASE_ADVERSARY, **overrides},
+    )  # the settings its numbers were measured at
     runtime = get_runtime(config)
-    direction = torch.full((runtime.config.embedding_dim,), runtime.config.embedding_dim ** -0.5)
+    direction = torch.full((runtime.config.embedding_dim,), runtime.config.embedding_dim**-0.5)
     truth = runtime.protected.labels
     start = []
 
@@ -71,8 +80,7 @@ def _federation(folder, **overrides):
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     _, grid = run_serial(config, client_app=make_client_app(config, mods=[plant]), return_grid=True)
-    x, present = collect_user_embeddings([c.state for c in grid.contexts.values()], runtime.layout.private_keys,
-                                         USERS)
+    x, present = collect_user_embeddings([c.state for c in grid.contexts.values()], runtime.layout.private_keys, USERS)
     assert present.all() and len(start) == USERS
     before = attribute_inference(np.stack(start), truth, classifier="logreg", splits=5).auc[0]
     after = attribute_inference(x, truth, classifier="logreg", splits=5).auc[0]
@@ -80,8 +88,14 @@ def _federation(folder, **overrides):
 
 
 def test_server_trained_fedau2_drives_a_planted_linear_attribute_to_chance(tmp_path):
-    before, after = _federation(tmp_path, adversary="mlp", adversary_objective="entropy", adversary_trigger="always",
-                                adversary_server_learning_rate=0.05, learning_rate=LEARNING_RATE)
+    before, after = _federation(
+        tmp_path,
+        adversary="mlp",
+        adversary_objective="entropy",
+        adversary_trigger="always",
+        adversary_server_learning_rate=0.05,
+        learning_rate=LEARNING_RATE,
+    )
     if before < 0.9:  # the federation must start leaking (a failure of the construction, not of the method)
         pytest.fail(f"the planted direction gives attacker AUC {before:.3f} < 0.9 at the start")
     assert after <= 0.6, (before, after)
@@ -91,7 +105,13 @@ def test_the_same_federation_without_the_pull_keeps_the_planted_attribute_readab
     """The control of the test above: the same arm at ``adversary-epsilon = 0`` (``h_w`` still trained, the embedding
     gets no adversarial step) leaves the planted direction readable, so the fall to chance above is the method's,
     not the low local rate's or recommendation training's."""
-    before, after = _federation(tmp_path, adversary="mlp", adversary_objective="entropy", adversary_trigger="always",
-                                adversary_server_learning_rate=0.05, learning_rate=LEARNING_RATE,
-                                adversary_epsilon=0.0)
+    before, after = _federation(
+        tmp_path,
+        adversary="mlp",
+        adversary_objective="entropy",
+        adversary_trigger="always",
+        adversary_server_learning_rate=0.05,
+        learning_rate=LEARNING_RATE,
+        adversary_epsilon=0.0,
+    )
     assert before >= 0.9 and after >= 0.9, (before, after)

@@ -9,15 +9,15 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_run_config
 from flwr.app import RecordDict
 from flwr.serverapp.strategy import FedProx
 
-from fedrec_flwr.clients.fedrec import FedRecClient
-from conftest import tiny_run_config
-from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.app.runtime import get_runtime
-from fedrec_flwr.serial import run_serial
+from fedrec_flwr.clients.fedrec import FedRecClient
+from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.local.training import ProximalTerm
+from fedrec_flwr.serial import run_serial
 from fedrec_flwr.strategies.flower_adapter import build_flower_strategy, check_sent_keys
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -63,11 +63,14 @@ def test_fedprox_runs_through_the_adapter_and_a_node_of_users_trains_them_per_us
     """FedProx with mu > 0 is accepted, differs from FedAvg, and gives the same model whether a node's users would
     go through the block path (which has no proximal term, so they are trained per user) or not."""
     common = dict(num_server_rounds=2, users_per_node=6, eval_every=2, local_epochs=3)  # one step: FedProx = FedAvg
-    runs = {name: run_serial(tiny_run_config(tmp_path / name, **extra, **common)) for name, extra in {
-        "prox-blocks": dict(strategy=FLOWER + "FedProx", strategy_args="proximal_mu=0.5", block_training="on"),
-        "prox-per-user": dict(strategy=FLOWER + "FedProx", strategy_args="proximal_mu=0.5", block_training="off"),
-        "fedavg": dict(strategy=FLOWER + "FedAvg", block_training="off"),
-    }.items()}
+    runs = {
+        name: run_serial(tiny_run_config(tmp_path / name, **extra, **common))
+        for name, extra in {
+            "prox-blocks": dict(strategy=FLOWER + "FedProx", strategy_args="proximal_mu=0.5", block_training="on"),
+            "prox-per-user": dict(strategy=FLOWER + "FedProx", strategy_args="proximal_mu=0.5", block_training="off"),
+            "fedavg": dict(strategy=FLOWER + "FedAvg", block_training="off"),
+        }.items()
+    }
     final = {name: np.load(folder / "final_arrays.npz") for name, folder in runs.items()}
     for key in final["fedavg"].files:
         np.testing.assert_array_equal(final["prox-blocks"][key], final["prox-per-user"][key], err_msg=key)
@@ -84,7 +87,15 @@ def test_a_client_that_does_not_honour_proximal_mu_is_still_refused():
 
 
 def test_fedprox_is_refused_for_pfedrec_whose_item_rate_would_make_it_diverge(tmp_path):
-    config = tiny_run_config(tmp_path, model="pfedrec", client="pfedrec", optimizer="sgd", learning_rate=0.1,
-                             strategy=FLOWER + "FedProx", strategy_args="proximal_mu=0.1", num_server_rounds=1)
+    config = tiny_run_config(
+        tmp_path,
+        model="pfedrec",
+        client="pfedrec",
+        optimizer="sgd",
+        learning_rate=0.1,
+        strategy=FLOWER + "FedProx",
+        strategy_args="proximal_mu=0.1",
+        num_server_rounds=1,
+    )
     with pytest.raises(ConfigError, match="'proximal-mu' = 0.1, which the client does not honour"):
         run_serial(config)

@@ -38,8 +38,15 @@ def _fake_run(base, dataset, name, seed, hr_final, hr_val_rounds):
     (folder / "metrics.json").write_text(json.dumps(rows))
     (folder / "config.json").write_text(json.dumps({"run-config": {"seed": seed}}))
     best = max(rows, key=lambda r: (r["val-HR@10"], -r["round"]))
-    (folder / "summary.json").write_text(json.dumps({"final": {"HR@10": hr_final, "NDCG@10": hr_final / 2},
-                                                     "selected-on-validation": best, "total-seconds": 1.0}))
+    (folder / "summary.json").write_text(
+        json.dumps(
+            {
+                "final": {"HR@10": hr_final, "NDCG@10": hr_final / 2},
+                "selected-on-validation": best,
+                "total-seconds": 1.0,
+            }
+        )
+    )
 
 
 def test_report_averages_seeds_and_never_selects_on_test(tmp_path):
@@ -66,7 +73,7 @@ def test_landscape_plots_are_written(tmp_path):
     from experiments.fedrecgel import landscape
 
     a, b = np.meshgrid(landscape.GRID, landscape.GRID)
-    grids = {"FedNCF": 0.7 + a ** 2 + b ** 2, "FedRecGEL": 0.6 + 0.5 * (a ** 2 + b ** 2)}
+    grids = {"FedNCF": 0.7 + a**2 + b**2, "FedRecGEL": 0.6 + 0.5 * (a**2 + b**2)}
     landscape._plots("tiny", grids, tmp_path)
     for kind in ("contour", "surface"):
         assert (tmp_path / f"landscape-tiny-{kind}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -52,8 +52,7 @@ def test_the_patched_lookup_returns_what_flowers_returns_poll_by_poll():
         limit = rng.choice([1, 1, 2, None])
         run_id = rng.choice([None, RUN_ID, other_run])
         flower = InMemoryLinkState.get_message_ins(state_a, node_id=nodes_a[node], limit=limit, run_id=run_id)
-        ours = flower_patches.get_message_ins_by_destination(state_b, node_id=nodes_b[node], limit=limit,
-                                                             run_id=run_id)
+        ours = flower_patches.get_message_ins_by_destination(state_b, node_id=nodes_b[node], limit=limit, run_id=run_id)
         assert [m.metadata.message_id for m in ours] == [m.metadata.message_id for m in flower]
         assert all(m.metadata.delivered_at != "" for m in ours + flower)
         assert {position_b[m.metadata.dst_node_id] for m in ours} <= {node}

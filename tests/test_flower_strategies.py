@@ -9,26 +9,31 @@ import json
 
 import numpy as np
 import pytest
+from conftest import MessageRecorder, assert_no_private_value_in_replies, tiny_run_config
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import strategy as flower
 from flwr.serverapp.strategy import FedAvg, FedMedian, Strategy
 
-from conftest import MessageRecorder, assert_no_private_value_in_replies, tiny_run_config
 from fedrec_flwr.app.client_app import make_client_app
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.registry import resolve_strategy
-from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.serial import run_serial
-from fedrec_flwr.wire import ARRAYS, METRICS, ModelLayout, PrivacyViolation
 from fedrec_flwr.strategies.flower_adapter import FlowerStrategyAdapter, build_flower_strategy, parse_strategy_args
 from fedrec_flwr.strategies.item_fedavg import ItemEmbeddingFedAvg, Topology
+from fedrec_flwr.wire import ARRAYS, METRICS, ModelLayout, PrivacyViolation
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 FLOWER = "flwr.serverapp.strategy:"
 
-REQUIRED_VALUES = {"strategy": FLOWER + "FedAvg", "noise_multiplier": 0.1, "clipping_norm": 100.0,
-                   "num_sampled_clients": 4, "client_learning_rate": 0.01}
+REQUIRED_VALUES = {
+    "strategy": FLOWER + "FedAvg",
+    "noise_multiplier": 0.1,
+    "clipping_norm": 100.0,
+    "num_sampled_clients": 4,
+    "client_learning_rate": 0.01,
+}
 """Values for constructor arguments without a default (a new Flower strategy with another one fails the test below
 with the argument's name: add a value here)."""
 
@@ -51,8 +56,12 @@ def flower_strategy_classes() -> list[str]:
     names = []
     for name in sorted(dir(flower)):
         cls = getattr(flower, name)
-        if isinstance(cls, type) and issubclass(cls, Strategy) and not inspect.isabstract(cls) \
-                and not _needs_callable(cls):
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, Strategy)
+            and not inspect.isabstract(cls)
+            and not _needs_callable(cls)
+        ):
             names.append(name)
     return names
 
@@ -72,8 +81,15 @@ def test_every_flower_strategy_runs_two_rounds_through_the_adapter(tmp_path, nam
     if unknown:
         pytest.fail(f"{name} needs {unknown}: add test values to REQUIRED_VALUES")
     args = ",".join(f"{n}={REQUIRED_VALUES[n]}" for n in required)
-    config = tiny_run_config(tmp_path, strategy=FLOWER + name, strategy_args=args, num_server_rounds=2,
-                             users_per_node=6, eval_every=2, fraction_evaluate=0.5)
+    config = tiny_run_config(
+        tmp_path,
+        strategy=FLOWER + name,
+        strategy_args=args,
+        num_server_rounds=2,
+        users_per_node=6,
+        eval_every=2,
+        fraction_evaluate=0.5,
+    )
     if name in REFUSED:
         with pytest.raises(ConfigError, match=REFUSED[name]):
             run_serial(config)
@@ -100,9 +116,11 @@ TABLE = np.array([[0, 1], [2, 3], [4, 5], [6, 7]], dtype=np.float32)  # row i = 
 SENT_SCORE = np.ones((1, 2), dtype=np.float32)
 TOPOLOGY = Topology(np.array([10, 10, 11, 11, 12]))  # users 0,1 on node 10; 2,3 on node 11; 4 on node 12
 # per node: (num-users, rows, sums, counts, dense value)
-REPLIES = {10: (2, [0], [[10.0, 10.0]], [1], [[3.0, 3.0]]),
-           11: (2, [0, 1], [[4.0, 4.0], [6.0, 6.0]], [2, 1], [[5.0, 5.0]]),
-           12: (1, [3], [[1.0, 1.0]], [1], [[0.0, 0.0]])}
+REPLIES = {
+    10: (2, [0], [[10.0, 10.0]], [1], [[3.0, 3.0]]),
+    11: (2, [0, 1], [[4.0, 4.0], [6.0, 6.0]], [2, 1], [[5.0, 5.0]]),
+    12: (1, [3], [[1.0, 1.0]], [1], [[0.0, 0.0]]),
+}
 
 
 def _round(strategy, examples: dict[int, float], extra=None, silent=()):
@@ -113,12 +131,19 @@ def _round(strategy, examples: dict[int, float], extra=None, silent=()):
     for node, (users, rows, sums, counts, dense) in REPLIES.items():
         if node in silent:
             continue
-        reply = {ITEMS + "#rows": np.asarray(rows, np.int64), ITEMS + "#sum": np.asarray(sums, np.float32),
-                 ITEMS + "#count": np.asarray(counts, np.float32), SCORE: np.asarray(dense, np.float32),
-                 **(extra or {})}
-        content = RecordDict({ARRAYS: ArrayRecord({k: Array(v) for k, v in reply.items()}),
-                              METRICS: MetricRecord({"num-examples": examples[node], "num-users": users,
-                                                     "train-loss": 0.5})})
+        reply = {
+            ITEMS + "#rows": np.asarray(rows, np.int64),
+            ITEMS + "#sum": np.asarray(sums, np.float32),
+            ITEMS + "#count": np.asarray(counts, np.float32),
+            SCORE: np.asarray(dense, np.float32),
+            **(extra or {}),
+        }
+        content = RecordDict(
+            {
+                ARRAYS: ArrayRecord({k: Array(v) for k, v in reply.items()}),
+                METRICS: MetricRecord({"num-examples": examples[node], "num-users": users, "train-loss": 0.5}),
+            }
+        )
         replies.append(Message(content=content, reply_to=requests[node]))
     new, _ = strategy.aggregate_train(1, replies)
     return {k: v.numpy() for k, v in new.items()}, requests
@@ -126,8 +151,9 @@ def _round(strategy, examples: dict[int, float], extra=None, silent=()):
 
 def _adapter(cls=FedAvg, **args):
     wrapped, arguments = build_flower_strategy(cls, args)
-    return FlowerStrategyAdapter(LAYOUT, wrapped=wrapped, arguments=arguments, topology=TOPOLOGY, seed=0,
-                                 fraction_train=1.0)
+    return FlowerStrategyAdapter(
+        LAYOUT, wrapped=wrapped, arguments=arguments, topology=TOPOLOGY, seed=0, fraction_train=1.0
+    )
 
 
 def _dense_by_hand() -> dict[int, np.ndarray]:
@@ -154,8 +180,10 @@ def test_a_node_reply_is_its_users_mean_full_table_and_fedavg_weights_it_by_exam
 
 def test_fedavg_equals_item_fedavg_selected_when_examples_are_proportional_to_users(task_identity):
     examples = {10: 6.0, 11: 6.0, 12: 3.0}  # 3 examples per user
-    ours, _ = _round(ItemEmbeddingFedAvg(LAYOUT, topology=TOPOLOGY, seed=0, fraction_train=1.0,
-                                         item_aggregation="selected"), examples)
+    ours, _ = _round(
+        ItemEmbeddingFedAvg(LAYOUT, topology=TOPOLOGY, seed=0, fraction_train=1.0, item_aggregation="selected"),
+        examples,
+    )
     theirs, _ = _round(_adapter(), examples)
     for key in ours:
         np.testing.assert_allclose(theirs[key], ours[key], rtol=1e-6, err_msg=key)
@@ -165,8 +193,10 @@ def test_fedavg_equals_item_fedavg_selected_when_examples_are_proportional_to_us
     np.testing.assert_allclose(by_users[ITEMS], ours[ITEMS], rtol=1e-6)  # ... unless weighted by num-users
     # Dense parameters (NCF's MLP): ours are weighted by examples like FedAvg, so FedAvg-by-users differs there; this
     # is why FedAvg-by-users equals item-fedavg-selected for FedMF but not for FedNCF (experiments/flower_strategies).
-    ours_unequal, _ = _round(ItemEmbeddingFedAvg(LAYOUT, topology=TOPOLOGY, seed=0, fraction_train=1.0,
-                                                 item_aggregation="selected"), {10: 6.0, 11: 2.0, 12: 4.0})
+    ours_unequal, _ = _round(
+        ItemEmbeddingFedAvg(LAYOUT, topology=TOPOLOGY, seed=0, fraction_train=1.0, item_aggregation="selected"),
+        {10: 6.0, 11: 2.0, 12: 4.0},
+    )
     np.testing.assert_allclose(unequal[SCORE], ours_unequal[SCORE], rtol=1e-6)
     np.testing.assert_allclose(by_users[ITEMS], ours_unequal[ITEMS], rtol=1e-6)
     assert not np.allclose(by_users[SCORE], ours_unequal[SCORE])
@@ -202,8 +232,14 @@ def test_flower_fedavg_through_the_adapter_equals_item_fedavg_selected(tmp_path)
 
 def test_no_reply_carries_private_parameters_through_the_adapter(tmp_path):
     recorder = MessageRecorder(tmp_path / "messages")
-    config = tiny_run_config(tmp_path, strategy=FLOWER + "FedMedian", users_per_node=4, num_server_rounds=2,
-                             eval_every=2, fraction_evaluate=0.5)
+    config = tiny_run_config(
+        tmp_path,
+        strategy=FLOWER + "FedMedian",
+        users_per_node=4,
+        num_server_rounds=2,
+        eval_every=2,
+        fraction_evaluate=0.5,
+    )
     run_serial(config, client_app=make_client_app(config, mods=[recorder]))
     assert_no_private_value_in_replies(recorder.records(), get_runtime(config).layout)
 
@@ -211,25 +247,34 @@ def test_no_reply_carries_private_parameters_through_the_adapter(tmp_path):
 # ---------------------------------------------------------------------------------------------- strategy-args
 def test_strategy_args_parse_literals_and_keep_commas_inside_brackets():
     assert parse_strategy_args(" eta=1e-2, beta_1 = 0.9,flag=true, name='a,b', xs=[1, 2], s=flwr.x:Y") == {
-        "eta": 0.01, "beta_1": 0.9, "flag": True, "name": "a,b", "xs": [1, 2], "s": "flwr.x:Y"}
+        "eta": 0.01,
+        "beta_1": 0.9,
+        "flag": True,
+        "name": "a,b",
+        "xs": [1, 2],
+        "s": "flwr.x:Y",
+    }
     assert parse_strategy_args("") == {}
     assert parse_strategy_args("  ") == {}
 
 
-@pytest.mark.parametrize(("cls", "args", "message"), [
-    (flower.FedAdam, "etta=0.1", "has no argument 'etta'"),
-    (flower.FedAdam, "fraction_train=0.5", "set by the adapter"),
-    (flower.FedAdam, "eta='fast'", "does not fit the parameter's type float"),
-    (flower.FedAvg, "train_metrics_aggr_fn=print", "takes a callable"),
-    (flower.QFedAvg, "", r"needs \['client_learning_rate'\]"),
-    (flower.FedAvg, "eta", "is not name=value"),
-    (flower.FedAdam, "eta=0.1,,beta_1=0.9", "entry 2 of 3 is empty"),
-    (flower.FedAdam, "eta=0.1,", "entry 2 of 2 is empty"),
-    (flower.FedAdam, "eta=0.1,name='a", "the quote ' is never closed"),
-    (flower.FedAdam, "xs=[1,2", "its brackets do not balance"),
-    (flower.FedAdam, "xs=1]", "its brackets do not balance"),
-    (flower.FedXgbBagging, "", "XGBoost"),
-])
+@pytest.mark.parametrize(
+    ("cls", "args", "message"),
+    [
+        (flower.FedAdam, "etta=0.1", "has no argument 'etta'"),
+        (flower.FedAdam, "fraction_train=0.5", "set by the adapter"),
+        (flower.FedAdam, "eta='fast'", "does not fit the parameter's type float"),
+        (flower.FedAvg, "train_metrics_aggr_fn=print", "takes a callable"),
+        (flower.QFedAvg, "", r"needs \['client_learning_rate'\]"),
+        (flower.FedAvg, "eta", "is not name=value"),
+        (flower.FedAdam, "eta=0.1,,beta_1=0.9", "entry 2 of 3 is empty"),
+        (flower.FedAdam, "eta=0.1,", "entry 2 of 2 is empty"),
+        (flower.FedAdam, "eta=0.1,name='a", "the quote ' is never closed"),
+        (flower.FedAdam, "xs=[1,2", "its brackets do not balance"),
+        (flower.FedAdam, "xs=1]", "its brackets do not balance"),
+        (flower.FedXgbBagging, "", "XGBoost"),
+    ],
+)
 def test_bad_strategy_args_name_the_problem(cls, args, message):
     with pytest.raises(ConfigError, match=message):
         build_flower_strategy(cls, parse_strategy_args(args))
@@ -261,22 +306,30 @@ def test_server_side_dp_with_several_users_per_node_warns_that_its_unit_is_the_n
     mean, so the guarantee is per node. That ran with no warning (the tester's finding); now it is named."""
     from fedrec_flwr.strategies.flower_adapter import node_level_dp_warning
 
-    dp, _ = build_flower_strategy(flower.DifferentialPrivacyServerSideFixedClipping, parse_strategy_args(
-        "strategy=flwr.serverapp.strategy:FedAvg,noise_multiplier=0.1,clipping_norm=1.0,num_sampled_clients=19"))
+    dp, _ = build_flower_strategy(
+        flower.DifferentialPrivacyServerSideFixedClipping,
+        parse_strategy_args(
+            "strategy=flwr.serverapp.strategy:FedAvg,noise_multiplier=0.1,clipping_norm=1.0,num_sampled_clients=19"
+        ),
+    )
     warning = node_level_dp_warning(dp, users_per_node=50)
     assert warning is not None and "per node (a group of users), not per user" in warning and "= 50" in warning
     assert node_level_dp_warning(dp, users_per_node=1) is None
     assert node_level_dp_warning(FedAvg(), users_per_node=50) is None
 
 
-DP_SERVER_SIDE = {"DifferentialPrivacyServerSideFixedClipping": "clipping_norm=1.0,",
-                  "DifferentialPrivacyServerSideAdaptiveClipping": ""}
+DP_SERVER_SIDE = {
+    "DifferentialPrivacyServerSideFixedClipping": "clipping_norm=1.0,",
+    "DifferentialPrivacyServerSideAdaptiveClipping": "",
+}
 """Flower's server-side DP wrappers, with the arguments each needs beyond the inner strategy, noise and sample size."""
 
 
 def _dp_args(name: str, sampled: int) -> str:
-    return (f"strategy=flwr.serverapp.strategy:FedAvg,noise_multiplier=0.1,{DP_SERVER_SIDE[name]}"
-            f"num_sampled_clients={sampled}")
+    return (
+        f"strategy=flwr.serverapp.strategy:FedAvg,noise_multiplier=0.1,{DP_SERVER_SIDE[name]}"
+        f"num_sampled_clients={sampled}"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(DP_SERVER_SIDE))
@@ -295,16 +348,19 @@ def test_server_side_dp_whose_num_sampled_clients_is_not_the_rounds_replies_is_r
     assert "fraction-train 0.5 of 24 users, users-per-node 1" in message and "every round has 12" in message
     assert "set num_sampled_clients=12 in 'strategy-args'" in message and "\n" not in message
     assert not (tmp_path / "results" / "run").exists()  # refused before the run's folder and its first round
-    preflight(tiny_run_config(tmp_path, strategy=FLOWER + name, strategy_args=_dp_args(name, 12), users_per_node=1),
-              with_data=True)
+    preflight(
+        tiny_run_config(tmp_path, strategy=FLOWER + name, strategy_args=_dp_args(name, 12), users_per_node=1),
+        with_data=True,
+    )
 
 
 def test_server_side_dp_whose_rounds_reach_different_numbers_of_nodes_is_refused(tmp_path):
     """fraction-train 0.25 samples 6 of 24 users; with 6 users per node they fall on 4, 4 and 3 nodes in rounds 1-3,
     so no num_sampled_clients fits every round: the message says so and how to make the count constant."""
     name = "DifferentialPrivacyServerSideFixedClipping"
-    config = tiny_run_config(tmp_path, strategy=FLOWER + name, strategy_args=_dp_args(name, 4), users_per_node=6,
-                             fraction_train=0.25)
+    config = tiny_run_config(
+        tmp_path, strategy=FLOWER + name, strategy_args=_dp_args(name, 4), users_per_node=6, fraction_train=0.25
+    )
     with pytest.raises(ConfigError) as caught:
         run_serial(config)
     message = str(caught.value)
@@ -320,35 +376,46 @@ def test_the_readme_dp_example_passes_the_sample_size_check():
     from fedrec_flwr.strategies.flower_adapter import dp_sample_size_mismatch, server_side_dp
     from fedrec_flwr.wire import sample_users
 
-    dp, _ = build_flower_strategy(flower.DifferentialPrivacyServerSideFixedClipping, parse_strategy_args(
-        _dp_args("DifferentialPrivacyServerSideFixedClipping", 94)))
+    dp, _ = build_flower_strategy(
+        flower.DifferentialPrivacyServerSideFixedClipping,
+        parse_strategy_args(_dp_args("DifferentialPrivacyServerSideFixedClipping", 94)),
+    )
     assert server_side_dp(dp) is dp and server_side_dp(FedAvg()) is None
     rounds = {}
     for server_round in range(1, 101):
         rounds.setdefault(len(sample_users(0, server_round, 943, 0.1)), (server_round, 94))
     assert dp_sample_size_mismatch(dp, rounds, num_users=943, fraction_train=0.1, users_per_node=1) is None
     assert "set num_sampled_clients=94" in dp_sample_size_mismatch(
-        build_flower_strategy(flower.DifferentialPrivacyServerSideFixedClipping, parse_strategy_args(
-            _dp_args("DifferentialPrivacyServerSideFixedClipping", 95)))[0],
-        rounds, num_users=943, fraction_train=0.1, users_per_node=1)
+        build_flower_strategy(
+            flower.DifferentialPrivacyServerSideFixedClipping,
+            parse_strategy_args(_dp_args("DifferentialPrivacyServerSideFixedClipping", 95)),
+        )[0],
+        rounds,
+        num_users=943,
+        fraction_train=0.1,
+        users_per_node=1,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- values refused up front
-@pytest.mark.parametrize(("name", "args", "argument", "value"), [
-    ("FedAvg", "weighted_by_key=foo", "weighted_by_key", "'foo'"),  # was: InconsistentMessageReplies in round 1
-    ("FedMedian", "weighted_by_key=train-loss", "weighted_by_key", "'train-loss'"),
-    ("QFedAvg", "client_learning_rate=0.1,train_loss_key=train_loss", "train_loss_key", "'train_loss'"),
-    ("QFedAvg", "client_learning_rate=0", "client_learning_rate", "0.0"),  # was: ZeroDivisionError in round 1
-    ("QFedAvg", "client_learning_rate=0.1,q=-1", "q", "-1.0"),
-    ("FedAdam", "tau=0", "tau", "0.0"),
-    ("FedAdam", "eta=-0.1", "eta", "-0.1"),
-    ("FedYogi", "beta_2=1.5", "beta_2", "1.5"),
-    ("FedAdam", "beta_1=1", "beta_1", "1.0"),
-    ("FedAvgM", "server_momentum=1", "server_momentum", "1.0"),
-    ("FedAvgM", "server_learning_rate=0", "server_learning_rate", "0.0"),
-    ("Krum", "num_malicious_nodes=-1", "num_malicious_nodes", "-1"),
-    ("MultiKrum", "num_nodes_to_select=0", "num_nodes_to_select", "0"),  # was: "returned arrays {}" in round 1
-])
+@pytest.mark.parametrize(
+    ("name", "args", "argument", "value"),
+    [
+        ("FedAvg", "weighted_by_key=foo", "weighted_by_key", "'foo'"),  # was: InconsistentMessageReplies in round 1
+        ("FedMedian", "weighted_by_key=train-loss", "weighted_by_key", "'train-loss'"),
+        ("QFedAvg", "client_learning_rate=0.1,train_loss_key=train_loss", "train_loss_key", "'train_loss'"),
+        ("QFedAvg", "client_learning_rate=0", "client_learning_rate", "0.0"),  # was: ZeroDivisionError in round 1
+        ("QFedAvg", "client_learning_rate=0.1,q=-1", "q", "-1.0"),
+        ("FedAdam", "tau=0", "tau", "0.0"),
+        ("FedAdam", "eta=-0.1", "eta", "-0.1"),
+        ("FedYogi", "beta_2=1.5", "beta_2", "1.5"),
+        ("FedAdam", "beta_1=1", "beta_1", "1.0"),
+        ("FedAvgM", "server_momentum=1", "server_momentum", "1.0"),
+        ("FedAvgM", "server_learning_rate=0", "server_learning_rate", "0.0"),
+        ("Krum", "num_malicious_nodes=-1", "num_malicious_nodes", "-1"),
+        ("MultiKrum", "num_nodes_to_select=0", "num_nodes_to_select", "0"),  # was: "returned arrays {}" in round 1
+    ],
+)
 def test_flower_strategy_args_that_break_in_round_1_are_refused_by_the_preflight(tmp_path, name, args, argument, value):
     """Values that pass the signature and type checks but break (or silently mislead) once replies arrive are refused
     when the run config is checked (the launcher's, run_serial's and the ServerApp's preflight, no data needed): one
@@ -366,8 +433,13 @@ def test_flower_strategies_may_weight_by_either_count_every_reply_carries(tmp_pa
     from fedrec_flwr.app.preflight import preflight
 
     preflight(tiny_run_config(tmp_path, strategy=FLOWER + "FedAvg", strategy_args=args))
-    preflight(tiny_run_config(tmp_path, strategy=FLOWER + "QFedAvg",
-                              strategy_args="client_learning_rate=0.1,train_loss_key=train-loss,q=0"))
+    preflight(
+        tiny_run_config(
+            tmp_path,
+            strategy=FLOWER + "QFedAvg",
+            strategy_args="client_learning_rate=0.1,train_loss_key=train-loss,q=0",
+        )
+    )
 
 
 # ---------------------------------------------------------------------------------------------- Krum, MultiKrum, Bulyan
@@ -386,17 +458,24 @@ def test_robust_strategies_name_the_reply_count_they_need():
     bulyan, _ = build_flower_strategy(flower.Bulyan, {"num_malicious_nodes": 1})
     assert "at least 4 * num_malicious_nodes + 3 = 7" in shortfall(bulyan, 6)
     assert shortfall(bulyan, 7) is None
-    dp, _ = build_flower_strategy(flower.DifferentialPrivacyServerSideFixedClipping, parse_strategy_args(
-        "strategy=flwr.serverapp.strategy:Bulyan,noise_multiplier=0.1,clipping_norm=1.0,num_sampled_clients=2"))
+    dp, _ = build_flower_strategy(
+        flower.DifferentialPrivacyServerSideFixedClipping,
+        parse_strategy_args(
+            "strategy=flwr.serverapp.strategy:Bulyan,noise_multiplier=0.1,clipping_norm=1.0,num_sampled_clients=2"
+        ),
+    )
     assert "at least 4 * num_malicious_nodes + 3 = 3" in shortfall(dp, 2)
     assert shortfall(FedAvg(), 1) is None
 
 
-@pytest.mark.parametrize(("name", "args", "condition"), [
-    ("Krum", "num_malicious_nodes=5", "more than 2 * num_malicious_nodes + 2 = 12"),
-    ("Bulyan", "num_malicious_nodes=3", "at least 4 * num_malicious_nodes + 3 = 15"),
-    ("MultiKrum", "num_nodes_to_select=13", "num_nodes_to_select = 13"),
-])
+@pytest.mark.parametrize(
+    ("name", "args", "condition"),
+    [
+        ("Krum", "num_malicious_nodes=5", "more than 2 * num_malicious_nodes + 2 = 12"),
+        ("Bulyan", "num_malicious_nodes=3", "at least 4 * num_malicious_nodes + 3 = 15"),
+        ("MultiKrum", "num_nodes_to_select=13", "num_nodes_to_select = 13"),
+    ],
+)
 def test_a_round_too_small_for_a_robust_strategy_is_refused_before_any_round(tmp_path, name, args, condition):
     """fraction-train 0.5 of the tiny data's 24 users samples 12 users, one per node: too few for these arguments.
     That ran (Krum, MultiKrum: silently scoring with fewer neighbours or averaging everyone; Bulyan: skipping every
@@ -409,8 +488,12 @@ def test_a_round_too_small_for_a_robust_strategy_is_refused_before_any_round(tmp
     assert not (tmp_path / "results" / "run").exists()  # refused before the run's folder and its first round
 
 
-FORGET_AFTER_ROUND_1 = {"users_per_node": 1, "forget_users": "0,1,2,3,4,5", "unlearning": "gradient-ascent",
-                        "unlearn_round": 1}
+FORGET_AFTER_ROUND_1 = {
+    "users_per_node": 1,
+    "forget_users": "0,1,2,3,4,5",
+    "unlearning": "gradient-ascent",
+    "unlearn_round": 1,
+}
 """The tiny data's 24 users, fraction-train 0.5: 12 train per round; forgetting users 0-5 after round 1 leaves 10 in
 rounds 2 and 3 (the seeded draws), one per node."""
 
@@ -422,8 +505,9 @@ def test_a_round_after_the_unlearning_phase_too_small_for_a_robust_strategy_is_r
     naming the round and the forgotten users; with the phase after the last round (unlearn-round = 0) it passes."""
     from fedrec_flwr.app.preflight import preflight
 
-    config = tiny_run_config(tmp_path, strategy=FLOWER + "Krum", strategy_args="num_malicious_nodes=4",
-                             **FORGET_AFTER_ROUND_1)
+    config = tiny_run_config(
+        tmp_path, strategy=FLOWER + "Krum", strategy_args="num_malicious_nodes=4", **FORGET_AFTER_ROUND_1
+    )
     with pytest.raises(ConfigError) as caught:
         preflight(config, with_data=True)
     message = str(caught.value)
@@ -432,19 +516,27 @@ def test_a_round_after_the_unlearning_phase_too_small_for_a_robust_strategy_is_r
     preflight({**config, "unlearn-round": 0}, with_data=True)
 
 
-@pytest.mark.parametrize(("unlearning", "remedy"), [
-    ("gradient-ascent", "set unlearn-round = 0"),
-    ("continue", "use another unlearning method and unlearn-round = 0"),
-])
+@pytest.mark.parametrize(
+    ("unlearning", "remedy"),
+    [
+        ("gradient-ascent", "set unlearn-round = 0"),
+        ("continue", "use another unlearning method and unlearn-round = 0"),
+    ],
+)
 def test_server_side_dp_whose_rounds_after_the_unlearning_phase_have_fewer_replies_is_refused(
-        tmp_path, unlearning, remedy):
+    tmp_path, unlearning, remedy
+):
     """num_sampled_clients = 12 fits rounds 1..unlearn-round, not the rounds after it (10 replies: the forgotten users
     train no more), nor unlearning = "continue"'s own rounds; the check took every round as 12 and passed."""
     from fedrec_flwr.app.preflight import preflight
 
     name = "DifferentialPrivacyServerSideFixedClipping"
-    config = tiny_run_config(tmp_path, strategy=FLOWER + name, strategy_args=_dp_args(name, 12),
-                             **{**FORGET_AFTER_ROUND_1, "unlearning": unlearning})
+    config = tiny_run_config(
+        tmp_path,
+        strategy=FLOWER + name,
+        strategy_args=_dp_args(name, 12),
+        **{**FORGET_AFTER_ROUND_1, "unlearning": unlearning},
+    )
     with pytest.raises(ConfigError) as caught:
         preflight(config, with_data=True)
     message = str(caught.value)
@@ -458,13 +550,14 @@ def test_server_side_dp_whose_rounds_after_the_unlearning_phase_have_fewer_repli
 def test_the_checked_users_of_each_round_are_the_ones_it_trains(tmp_path):
     """:meth:`ItemEmbeddingFedAvg.planned_train_users`, which the reply-count checks count before round 1, against
     a run: 12 users in round 1, 10 after the unlearning phase of round 1 removed users 0-5."""
-    from fedrec_flwr.config import RunConfig
     from fedrec_flwr.app.preflight import _block_topology
+    from fedrec_flwr.config import RunConfig
 
     config = tiny_run_config(tmp_path, eval_every=3, **FORGET_AFTER_ROUND_1)
     runtime = get_runtime(config)
-    strategy = ItemEmbeddingFedAvg.from_run_config(RunConfig.from_mapping(config), runtime.layout,
-                                                   _block_topology(RunConfig.from_mapping(config), 24))
+    strategy = ItemEmbeddingFedAvg.from_run_config(
+        RunConfig.from_mapping(config), runtime.layout, _block_topology(RunConfig.from_mapping(config), 24)
+    )
     planned = [len(strategy.planned_train_users(r)) for r in strategy.planned_train_rounds()]
     rows = json.loads((run_serial(config) / "metrics.json").read_text())
     assert planned == [row["train-users"] for row in rows if "train-users" in row] == [12, 10, 10]
@@ -476,16 +569,20 @@ def test_a_robust_strategy_whose_round_loses_replies_fails_it_with_the_numbers(t
     from fedrec_flwr.strategies.item_fedavg import RoundFailed
 
     _round(_adapter(flower.Krum), {10: 6.0, 11: 2.0, 12: 4.0})
-    with pytest.raises(RoundFailed, match=r"round 1: .*Krum.* more than 2 \* num_malicious_nodes \+ 2 = 2 .* 2 "
-                                          r"accepted replies of the 3 sampled nodes"):
+    with pytest.raises(
+        RoundFailed,
+        match=r"round 1: .*Krum.* more than 2 \* num_malicious_nodes \+ 2 = 2 .* 2 "
+        r"accepted replies of the 3 sampled nodes",
+    ):
         _round(_adapter(flower.Krum), {10: 6.0, 11: 2.0, 12: 4.0}, silent=(12,))
 
 
 def test_a_federation_with_too_few_nodes_for_a_robust_strategy_is_told_to_lower_users_per_node(tmp_path):
     """24 users, 6 per node: 4 nodes, fewer than Krum with num_malicious_nodes 1 ever gets (n > 4); raising
     fraction-train cannot help, so the error says so instead of suggesting it (a new user's finding)."""
-    config = tiny_run_config(tmp_path, strategy=FLOWER + "Krum", strategy_args="num_malicious_nodes=1",
-                             users_per_node=6)
+    config = tiny_run_config(
+        tmp_path, strategy=FLOWER + "Krum", strategy_args="num_malicious_nodes=1", users_per_node=6
+    )
     with pytest.raises(ConfigError) as caught:
         run_serial(config)
     message = str(caught.value)
@@ -493,8 +590,13 @@ def test_a_federation_with_too_few_nodes_for_a_robust_strategy_is_told_to_lower_
 
 
 def test_a_bad_inner_strategy_is_blamed_on_strategy_args_not_on_strategy(tmp_path):
-    config = tiny_run_config(tmp_path, strategy=FLOWER + "DifferentialPrivacyServerSideFixedClipping", strategy_args=(
-        "strategy=flwr.serverapp.strategy:NoSuch,noise_multiplier=0.1,clipping_norm=1.0,num_sampled_clients=2"))
+    config = tiny_run_config(
+        tmp_path,
+        strategy=FLOWER + "DifferentialPrivacyServerSideFixedClipping",
+        strategy_args=(
+            "strategy=flwr.serverapp.strategy:NoSuch,noise_multiplier=0.1,clipping_norm=1.0,num_sampled_clients=2"
+        ),
+    )
     with pytest.raises(ConfigError) as caught:
         run_serial(config)
     message = str(caught.value)

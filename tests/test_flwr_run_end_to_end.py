@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import socket
 
-
 from fedrec_flwr.baselines import evaluate_popularity
 from fedrec_flwr.data import load_split
 from fedrec_flwr.launch import flwr_env, flwr_run, processes_with_env, superlink_pids
@@ -25,15 +24,20 @@ def test_flwr_run_on_movielens_beats_popularity(tmp_path, ml100k_dir):
     results = tmp_path / "results"
     ports = {"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()), "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port())}
     overrides = {
-        "data-dir": str(ml100k_dir), "cache-dir": str(tmp_path / "cache"), "results-dir": str(results),
-        "run-name": "e2e", "num-server-rounds": 6, "fraction-train": 0.5, "eval-every": 6,
+        "data-dir": str(ml100k_dir),
+        "cache-dir": str(tmp_path / "cache"),
+        "results-dir": str(results),
+        "run-name": "e2e",
+        "num-server-rounds": 6,
+        "fraction-train": 0.5,
+        "eval-every": 6,
         # chosen on the validation item (val HR@10 0.506 vs popularity 0.457 after 6 rounds), never on test items
-        "learning-rate": 0.03, "local-epochs": 3,
+        "learning-rate": 0.03,
+        "local-epochs": 3,
     }
     flwr_home = tmp_path / "flwr-home"
     try:
-        done = flwr_run(overrides, num_supernodes=943, flwr_home=flwr_home, env_extra=ports, capture=True,
-                        timeout=1500)
+        done = flwr_run(overrides, num_supernodes=943, flwr_home=flwr_home, env_extra=ports, capture=True, timeout=1500)
     finally:
         env = flwr_env(flwr_home, ports)
         leftover = superlink_pids(env) + processes_with_env("FLWR_HOME", str(flwr_home))
@@ -43,7 +47,14 @@ def test_flwr_run_on_movielens_beats_popularity(tmp_path, ml100k_dir):
     assert "Deprecat" not in output, "a normal run prints no deprecation warning"
 
     folder = results / "e2e"
-    for name in ("config.json", "metrics.csv", "metrics.json", "final_arrays.npz", "summary.json", "learning_curves.png"):
+    for name in (
+        "config.json",
+        "metrics.csv",
+        "metrics.json",
+        "final_arrays.npz",
+        "summary.json",
+        "learning_curves.png",
+    ):
         assert (folder / name).is_file(), f"{name} missing; output tail:\n{output[-3000:]}"
     rows = json.loads((folder / "metrics.json").read_text())
     assert [r["round"] for r in rows] == [1, 2, 3, 4, 5, 6]

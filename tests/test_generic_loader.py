@@ -84,10 +84,14 @@ def test_whitespace_file_is_sniffed(tmp_path):
 def test_attributes_file(tmp_path):
     path = _write(tmp_path / "data.csv", ",", header=True, with_ts=True)
     attrs = tmp_path / "users.tsv"
-    attrs.write_text("id\tgender\tage\n" + "".join(f"user{u}\t{'MF'[u % 2]}\t{20 + u}\n" for u in range(NUM_USERS))
-                     + "heavy\tF\t50\nnobody\tM\t1\n")
-    source = GenericSource(str(path), "uid", "iid", timestamp_col="when", attributes_path=str(attrs),
-                           attributes_user_col="id")
+    attrs.write_text(
+        "id\tgender\tage\n"
+        + "".join(f"user{u}\t{'MF'[u % 2]}\t{20 + u}\n" for u in range(NUM_USERS))
+        + "heavy\tF\t50\nnobody\tM\t1\n"
+    )
+    source = GenericSource(
+        str(path), "uid", "iid", timestamp_col="when", attributes_path=str(attrs), attributes_user_col="id"
+    )
     inter = load_interactions("generic", generic=source)
     assert inter.attributes.loc["user3", "age"] == 23
     split = preprocess(inter, num_test_negatives=10)
@@ -117,25 +121,34 @@ def test_generic_columns_that_list_the_header_are_matched_by_name(tmp_path):
     """Header ``user,item,timestamp`` and ``generic-columns = "user,item,timestamp"``: the third column is read as
     the timestamps, not as ratings (and the split does not fall back to a seeded random order); a role's name
     in another role's position is refused naming both."""
+    from fedrec_flwr.app.runtime import load_split_for
     from fedrec_flwr.config import make_run_config
     from fedrec_flwr.errors import ConfigError
-    from fedrec_flwr.app.runtime import load_split_for
 
     path = tmp_path / "data.csv"
     rows = [(user, item, ts) for user, item, _, ts in _rows()]
     rows = rows[::-1]  # file order is not time order
     path.write_text("user,item,timestamp\n" + "".join(f"{u},{i},{t}\n" for u, i, t in rows))
-    common = dict(dataset="generic", generic_file=str(path), cache_dir=str(tmp_path / "cache"),
-                  num_test_negatives=10, ks="5", min_user_interactions=2)
+    common = dict(
+        dataset="generic",
+        generic_file=str(path),
+        cache_dir=str(tmp_path / "cache"),
+        num_test_negatives=10,
+        ks="5",
+        min_user_interactions=2,
+    )
     for columns in ("user,item,timestamp", "item,user,,timestamp", "user,item,,timestamp"):
         config = make_run_config(generic_columns=columns, **common)
         assert config.generic_column_names == ("user", "item", None, "timestamp")
         split = load_split_for(config)
         assert split.meta["timestamps"] == "file"
         _check_latest(split)
-    with pytest.raises(ConfigError, match=r"'generic-columns' = 'user,item,when,rating': column 'when' is in the "
-                                          r"rating position \(position 3 of user,item,rating,timestamp\), but column "
-                                          r"'rating' names the rating column by its name"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'generic-columns' = 'user,item,when,rating': column 'when' is in the "
+        r"rating position \(position 3 of user,item,rating,timestamp\), but column "
+        r"'rating' names the rating column by its name",
+    ):
         make_run_config(generic_columns="user,item,when,rating", **common)
     with pytest.raises(ConfigError, match="columns 'user' and 'USER' both name the user column"):
         make_run_config(generic_columns="user,item,USER", **common)
@@ -150,9 +163,15 @@ def test_timestamps_in_the_rating_position_are_pointed_out(tmp_path, caplog):
     path.write_text("uid,iid,time\n" + "".join(f"{u},{i},{1614834367 + 60 * int(i)}\n" for u, i, _, _ in _rows()))
     with caplog.at_level(logging.WARNING, logger="fedrec_flwr.data"):
         load_interactions("generic", generic=GenericSource(str(path), "uid", "iid", rating_col="time"))
-    assert any("the rating column 'time' holds values from 1.61483e+09 to" in r.getMessage()
-               and "(e.g. \"user,item,,time\")" in r.getMessage() for r in caplog.records), caplog.text
+    assert any(
+        "the rating column 'time' holds values from 1.61483e+09 to" in r.getMessage()
+        and '(e.g. "user,item,,time")' in r.getMessage()
+        for r in caplog.records
+    ), caplog.text
     path.write_text("uid,iid,time\n" + "".join(f"{u},{i},2021-03-04\n" for u, i, _, _ in _rows()))
-    with pytest.raises(DataError, match=r"line 2: rating column 'time' has non-numeric value '2021-03-04' \(a date: "
-                                        r"name a timestamp column in the timestamp position of 'generic-columns'"):
+    with pytest.raises(
+        DataError,
+        match=r"line 2: rating column 'time' has non-numeric value '2021-03-04' \(a date: "
+        r"name a timestamp column in the timestamp position of 'generic-columns'",
+    ):
         load_interactions("generic", generic=GenericSource(str(path), "uid", "iid", rating_col="time"))

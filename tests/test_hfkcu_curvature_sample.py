@@ -8,8 +8,8 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import MessageRecorder, tiny_run_config
+
 from fedrec_flwr.app.client_app import make_client_app
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.serial import run_serial
@@ -62,15 +62,18 @@ def recorded_phase(tmp_path, model: str, keys: dict) -> tuple[list, dict, dict, 
     """A serial run (2 rounds, 2 users per node, every user trains) whose HF-KCU phase forgets user 0 with causal
     weighting off (every node holds remaining users), 3 CG iterations and the run-config ``keys``, every reply
     recorded: ``(records, partition id -> its remaining users, unlearning.json, the run config)``."""
-    mapping = tiny_run_config(tmp_path, model=model, num_server_rounds=2, fraction_train=1.0, eval_every=2,
-                              users_per_node=2)
-    mapping.update({"unlearning": "hfkcu", "forget-users": "0", "causal-weighting": False, "cg-iterations": 3,
-                    **keys})
+    mapping = tiny_run_config(
+        tmp_path, model=model, num_server_rounds=2, fraction_train=1.0, eval_every=2, users_per_node=2
+    )
+    mapping.update({"unlearning": "hfkcu", "forget-users": "0", "causal-weighting": False, "cg-iterations": 3, **keys})
     recorder = MessageRecorder(tmp_path / "messages")
     run_serial(mapping, client_app=make_client_app(mapping, mods=[recorder]))
     records = recorder.records()
-    remaining = {r["partition-id"]: r["reply-configs"]["config"]["remaining-users"]
-                 for r in records if r["type"] == "query.unlearn_affected"}
+    remaining = {
+        r["partition-id"]: r["reply-configs"]["config"]["remaining-users"]
+        for r in records
+        if r["type"] == "query.unlearn_affected"
+    }
     (report_file,) = (tmp_path / "results").rglob("unlearning.json")
     return records, remaining, json.loads(report_file.read_text()), mapping
 
@@ -89,6 +92,5 @@ def test_only_the_drawn_nodes_answer_the_products_as_sums(tmp_path):
         (metrics,) = record["reply-metrics"].values()
         assert metrics["num-users"] == remaining[record["partition-id"]]
     assert report["curvature-nodes"] == len(asked)
-    assert report["curvature-factor"] == pytest.approx(sum(remaining.values())
-                                                       / sum(remaining[p] for p in asked))
+    assert report["curvature-factor"] == pytest.approx(sum(remaining.values()) / sum(remaining[p] for p in asked))
     assert report["cg-iterations"] >= 1

@@ -10,14 +10,14 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from conftest import MessageRecorder, tiny_run_config
+
 from fedrec_flwr.app.client_app import make_client, make_client_app
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.config import RunConfig
+from fedrec_flwr.serial import run_serial
 from fedrec_flwr.unlearning.influence import influence_loss_sums
 from fedrec_flwr.unlearning.krylov import ladder_line_search
-from fedrec_flwr.app.runtime import get_runtime
-from fedrec_flwr.serial import run_serial
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -79,17 +79,25 @@ def test_ladder_search_stops_at_its_largest_step_or_round_budget():
     assert result.step == 8.0 and result.termination == "rounds" and result.rounds == 1
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"ladder": ()}, "increasing"), ({"ladder": (1.0, 0.5)}, "increasing"), ({"ladder": (0.0, 1.0)}, "increasing"),
-    ({"factor": 1.0}, "factor"), ({"max_step": 2.0}, "max_step"), ({"max_rounds": 0}, "max_rounds"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"ladder": ()}, "increasing"),
+        ({"ladder": (1.0, 0.5)}, "increasing"),
+        ({"ladder": (0.0, 1.0)}, "increasing"),
+        ({"factor": 1.0}, "factor"),
+        ({"max_step": 2.0}, "max_step"),
+        ({"max_rounds": 0}, "max_rounds"),
+    ],
+)
 def test_ladder_search_refuses_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ladder_line_search(lambda steps: [0.0] * len(steps), **kwargs)
 
 
-@pytest.mark.parametrize("reply, message", [(lambda s: [0.0], "values for"), (lambda s: [float("nan")] * len(s),
-                                                                              "non-finite")])
+@pytest.mark.parametrize(
+    "reply, message", [(lambda s: [0.0], "values for"), (lambda s: [float("nan")] * len(s), "non-finite")]
+)
 def test_ladder_search_refuses_bad_replies(reply, message):
     with pytest.raises(ValueError, match=message):
         ladder_line_search(reply)
@@ -104,11 +112,20 @@ def random_node(folder, model: str, seed: int, users: int = 4, **overrides):
     mapping = RunConfig.from_mapping(tiny_run_config(folder, model=model, **overrides)).to_dict()
     runtime = get_runtime(mapping)
     rng = np.random.default_rng(seed)
-    context = Context(run_id=1, node_id=1000, node_config={"partition-id": 0, "num-partitions": 1},
-                      state=RecordDict(), run_config=mapping)
+    context = Context(
+        run_id=1,
+        node_id=1000,
+        node_config={"partition-id": 0, "num-partitions": 1},
+        state=RecordDict(),
+        run_config=mapping,
+    )
     for user in range(users):
-        context.state[f"user:{user}"] = ArrayRecord({k: Array(rng.normal(scale=0.7, size=v.shape).astype(np.float32))
-                                                     for k, v in runtime.model.private_state().items()})
+        context.state[f"user:{user}"] = ArrayRecord(
+            {
+                k: Array(rng.normal(scale=0.7, size=v.shape).astype(np.float32))
+                for k, v in runtime.model.private_state().items()
+            }
+        )
     shared = {k: rng.normal(scale=0.5, size=s).astype(np.float32) for k, s in runtime.layout.shared_shapes.items()}
     direction = {k: rng.normal(scale=0.1, size=s) for k, s in runtime.layout.shared_shapes.items()}
     return runtime, [make_client(runtime, user, context) for user in range(users)], shared, direction
@@ -137,8 +154,9 @@ def test_line_search_phase_replies_carry_only_scalar_sums(tmp_path):
     from conftest import write_tiny_dataset
 
     write_tiny_dataset(tmp_path)
-    mapping = tiny_run_config(tmp_path, model="mf", num_server_rounds=2, fraction_train=1.0, eval_every=2,
-                              users_per_node=3)
+    mapping = tiny_run_config(
+        tmp_path, model="mf", num_server_rounds=2, fraction_train=1.0, eval_every=2, users_per_node=3
+    )
     mapping.update({"unlearning": "hfkcu", "forget-users": "0,1", "line-search": "remaining-loss"})
     recorder = MessageRecorder(tmp_path / "messages")
     run_serial(mapping, client_app=make_client_app(mapping, mods=[recorder]))
@@ -160,8 +178,9 @@ def test_line_search_phase_replies_carry_only_scalar_sums(tmp_path):
     assert report["scale"] == pytest.approx(report["line-search-step"])
 
 
-@pytest.mark.parametrize("key, value", [("line-search", "armijo"), ("line-search-max-step", 4.0),
-                                        ("line-search-rounds", 0)])
+@pytest.mark.parametrize(
+    "key, value", [("line-search", "armijo"), ("line-search-max-step", 4.0), ("line-search-rounds", 0)]
+)
 def test_line_search_keys_are_validated_with_the_key_named(key, value):
     from fedrec_flwr.config import default_mapping
     from fedrec_flwr.errors import ConfigError
@@ -174,11 +193,20 @@ def test_line_search_keys_reach_the_unlearning_settings():
     from fedrec_flwr.config import default_mapping
     from fedrec_flwr.strategies.unlearning import UnlearningSettings
 
-    mapping = {**default_mapping(), "unlearning": "hfkcu", "forget-users": "1", "line-search": "remaining-loss",
-               "line-search-max-step": 16.0, "line-search-rounds": 2}
+    mapping = {
+        **default_mapping(),
+        "unlearning": "hfkcu",
+        "forget-users": "1",
+        "line-search": "remaining-loss",
+        "line-search-max-step": 16.0,
+        "line-search-rounds": 2,
+    }
     settings = UnlearningSettings.from_config(RunConfig.from_mapping(mapping), num_users=10)
     assert (settings.line_search, settings.line_search_max_step, settings.line_search_rounds) == (
-        "remaining-loss", 16.0, 2)
+        "remaining-loss",
+        16.0,
+        2,
+    )
     default = UnlearningSettings.from_config(RunConfig.from_mapping({**mapping, "line-search": "none"}), 10)
     assert default.line_search == "none"
     assert RunConfig.from_mapping(default_mapping()).line_search == "none"  # the fixed radius stays the default

@@ -5,13 +5,12 @@ tiny poisoned federation stopping where the forgotten users' mean margin on thei
 from __future__ import annotations
 
 import logging
-
 import math
 
 import numpy as np
 import pytest
-
 from conftest import MessageRecorder
+
 from fedrec_flwr.unlearning.margin import bracket_root, dominated_items, popularity_bins, user_margins
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -40,8 +39,9 @@ def test_user_margins_equal_the_hand_computed_differences():
     are dominated. Margin of 1: s1 - mean(s0) (2 left out as interacted); of 4: s4 - mean(s3, s5)."""
     scores = np.array([0.5, 3.0, 9.0, -1.0, 2.0, 1.0])
     bins = np.array([0, 0, 0, 1, 1, 1])
-    got = user_margins(scores, positives=np.array([1, 4]), interacted=np.array([1, 2, 4]), bins=bins,
-                       dominated=np.array([1, 4]))
+    got = user_margins(
+        scores, positives=np.array([1, 4]), interacted=np.array([1, 2, 4]), bins=bins, dominated=np.array([1, 4])
+    )
     np.testing.assert_allclose(got, [3.0 - 0.5, 2.0 - 0.0])
     only = user_margins(scores, np.array([1, 4]), np.array([1, 2, 4]), bins, dominated=np.array([4, 5]))
     np.testing.assert_allclose(only, [2.0])
@@ -114,24 +114,39 @@ def test_margin_step_on_a_poisoned_federation_replies_with_sums_and_reaches_zero
     def on_round(view):
         if view.server_round != ROUNDS:
             return
-        config = RunConfig.from_mapping({**mapping, "unlearning": "hfkcu", "line-search": "membership-margin",
-                                         "forget-users": ",".join(str(int(u)) for u in fakes)})
+        config = RunConfig.from_mapping(
+            {
+                **mapping,
+                "unlearning": "hfkcu",
+                "line-search": "membership-margin",
+                "forget-users": ",".join(str(int(u)) for u in fakes),
+            }
+        )
         settings = UnlearningSettings.from_config(config, split.num_users)
         theta = {k: v.numpy().astype(np.float64) for k, v in view.arrays.items()}
         new, report = ClientUnlearning(view.strategy, settings).run(view.grid, view.arrays, view.server_round)
         records = private_records(view.grid, range(split.num_users))
         moved = {k: v.numpy() for k, v in new.items()}
-        seen.update(report=report, theta=theta, moved=moved,
-                    before=exposure(runtime, records, theta, genuine, target)["target-percentile"],
-                    after=exposure(runtime, records, moved, genuine, target)["target-percentile"],
-                    scores={k: scores(runtime, records, a, {int(u): np.arange(split.num_items) for u in fakes})
-                            for k, a in (("before", theta), ("after", moved))})
+        seen.update(
+            report=report,
+            theta=theta,
+            moved=moved,
+            before=exposure(runtime, records, theta, genuine, target)["target-percentile"],
+            after=exposure(runtime, records, moved, genuine, target)["target-percentile"],
+            scores={
+                k: scores(runtime, records, a, {int(u): np.arange(split.num_items) for u in fakes})
+                for k, a in (("before", theta), ("after", moved))
+            },
+        )
 
     caplog.set_level(logging.WARNING, logger="fedrec_flwr.strategies")
-    logging.getLogger("fedrec_flwr.strategies").addHandler(caplog.handler)  # the ServerApp's logging setup stops propagation
+    logging.getLogger("fedrec_flwr.strategies").addHandler(
+        caplog.handler
+    )  # the ServerApp's logging setup stops propagation
     try:
-        run_serial(RunConfig.from_mapping(mapping), on_round=on_round,
-                   client_app=make_client_app(mapping, mods=[recorder]))
+        run_serial(
+            RunConfig.from_mapping(mapping), on_round=on_round, client_app=make_client_app(mapping, mods=[recorder])
+        )
     finally:
         logging.getLogger("fedrec_flwr.strategies").removeHandler(caplog.handler)
     report = seen["report"]
@@ -144,8 +159,12 @@ def test_margin_step_on_a_poisoned_federation_replies_with_sums_and_reaches_zero
     assert target in dominated and report["margin-dominated-items"] == dominated.size
 
     def mean_margin(which):
-        got = [user_margins(seen["scores"][which][int(u)], split.positives(int(u)), split.interacted(int(u)), bins,
-                            dominated) for u in fakes]
+        got = [
+            user_margins(
+                seen["scores"][which][int(u)], split.positives(int(u)), split.interacted(int(u)), bins, dominated
+            )
+            for u in fakes
+        ]
         return float(np.concatenate(got).mean())
 
     assert mean_margin("before") > 0.1
@@ -174,8 +193,10 @@ def test_membership_margin_is_a_valid_line_search_value_and_not_the_default():
     from fedrec_flwr.config import RunConfig, default_mapping
     from fedrec_flwr.errors import ConfigError
 
-    assert RunConfig.from_mapping({**default_mapping(), "line-search": "membership-margin"}).line_search == \
-        "membership-margin"
+    assert (
+        RunConfig.from_mapping({**default_mapping(), "line-search": "membership-margin"}).line_search
+        == "membership-margin"
+    )
     assert RunConfig.from_mapping(default_mapping()).line_search == "none"
     with pytest.raises(ConfigError, match="line-search"):
         RunConfig.from_mapping({**default_mapping(), "line-search": "membership"})

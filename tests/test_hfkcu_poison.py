@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import tiny_run_config
+
 from experiments.hfkcu.analysis import exposure, private_records
-from fedrec_flwr.config import RunConfig
 from fedrec_flwr.app.runtime import get_runtime
+from fedrec_flwr.config import RunConfig
 from fedrec_flwr.serial import run_serial
 from fedrec_flwr.strategies.unlearning import ClientUnlearning, UnlearningSettings
 
@@ -42,8 +42,15 @@ def _poisoned_file(folder):
 
 def poisoned_setting(folder, model: str):
     """``(mapping, runtime, fakes, target, genuine)`` of the tiny poisoned federation (:func:`_poisoned_file`)."""
-    mapping = tiny_run_config(folder, model=model, num_server_rounds=ROUNDS, fraction_train=1.0,
-                              eval_every=ROUNDS, learning_rate=0.05, users_per_node=10)
+    mapping = tiny_run_config(
+        folder,
+        model=model,
+        num_server_rounds=ROUNDS,
+        fraction_train=1.0,
+        eval_every=ROUNDS,
+        learning_rate=0.05,
+        users_per_node=10,
+    )
     mapping["generic-file"] = str(_poisoned_file(folder))
     runtime = get_runtime(RunConfig.from_mapping(mapping).to_dict())
     split = runtime.split
@@ -65,15 +72,17 @@ def test_default_phase_moves_the_poisoned_target_toward_the_retrained_model(tmp_
         if view.server_round != ROUNDS:
             return
         records = private_records(view.grid, genuine)
-        seen["original"] = exposure(runtime, records, {k: v.numpy() for k, v in view.arrays.items()}, genuine,
-                                    target)["target-percentile"]
+        seen["original"] = exposure(runtime, records, {k: v.numpy() for k, v in view.arrays.items()}, genuine, target)[
+            "target-percentile"
+        ]
         config = RunConfig.from_mapping({**mapping, "unlearning": "hfkcu", "forget-users": forget})
         settings = UnlearningSettings.from_config(config, split.num_users)  # the run config's defaults
         assert (settings.krylov_solver, settings.curvature, settings.scale) == ("steihaug", "gauss-newton", 1.0)
         new, report = ClientUnlearning(view.strategy, settings).run(view.grid, view.arrays, view.server_round)
         seen["report"] = report
-        seen["unlearned"] = exposure(runtime, records, {k: v.numpy() for k, v in new.items()}, genuine,
-                                     target)["target-percentile"]
+        seen["unlearned"] = exposure(runtime, records, {k: v.numpy() for k, v in new.items()}, genuine, target)[
+            "target-percentile"
+        ]
 
     run_serial(RunConfig.from_mapping(mapping), on_round=on_round)
     retrain_mapping = {**mapping, "unlearning": "retrain", "forget-users": forget, "run-name": "retrain"}
@@ -82,8 +91,9 @@ def test_default_phase_moves_the_poisoned_target_toward_the_retrained_model(tmp_
     def at_end(view):
         if view.server_round == ROUNDS:
             records = private_records(view.grid, genuine)
-            retrained["value"] = exposure(runtime, records, {k: v.numpy() for k, v in view.arrays.items()}, genuine,
-                                          target)["target-percentile"]
+            retrained["value"] = exposure(
+                runtime, records, {k: v.numpy() for k, v in view.arrays.items()}, genuine, target
+            )["target-percentile"]
 
     run_serial(RunConfig.from_mapping(retrain_mapping), on_round=at_end)
     original, unlearned, reference = seen["original"], seen["unlearned"], retrained["value"]

@@ -9,30 +9,36 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import RecordDict
+from test_hfkcu_curvature_sample import recorded_phase  # the recorded tiny phase (shared with that test)
+from test_hfkcu_trust_region import _model_value, _symmetric  # the small dense problems
 
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.clients.fedrec import FedRecClient
 from fedrec_flwr.config import RunConfig, default_mapping
 from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.models import build_model
 from fedrec_flwr.unlearning.influence import influence_gn_diagonal
 from fedrec_flwr.unlearning.krylov import CompositeLoss, gauss_newton_diagonal, krylov_solve, steihaug_cg
-from fedrec_flwr.models import build_model
-from fedrec_flwr.app.runtime import get_runtime
-from test_hfkcu_curvature_sample import recorded_phase  # the recorded tiny phase (shared with that test)
-from test_hfkcu_trust_region import _model_value, _symmetric  # the small dense problems
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 # ---------------------------------------------------------------------------------------------- preconditioned Steihaug
-@pytest.mark.parametrize("eigenvalues, radius", [([6.0, 4.0, 3.0, 1.5, 1.0, 0.5, 0.2], 0.4),  # SPD, boundary
-                                                 ([6.0, 4.0, 3.0, 1.5, 1.0, 0.5, 0.2], 50.0),  # SPD, inside
-                                                 ([5.0, 3.0, 2.0, 1.0, -0.5, -2.0, 0.7], 3.0)])  # indefinite
+@pytest.mark.parametrize(
+    "eigenvalues, radius",
+    [
+        ([6.0, 4.0, 3.0, 1.5, 1.0, 0.5, 0.2], 0.4),  # SPD, boundary
+        ([6.0, 4.0, 3.0, 1.5, 1.0, 0.5, 0.2], 50.0),  # SPD, inside
+        ([5.0, 3.0, 2.0, 1.0, -0.5, -2.0, 0.7], 3.0),
+    ],
+)  # indefinite
 def test_identity_preconditioner_gives_the_euclidean_solve(eigenvalues, radius):
     matrix = _symmetric(eigenvalues, seed=1)
     b = np.random.default_rng(2).normal(size=7)
     plain = steihaug_cg(lambda v: matrix @ v, b, radius=radius, iterations=30, damping=0.1, tolerance=1e-12)
-    ones = steihaug_cg(lambda v: matrix @ v, b, radius=radius, iterations=30, damping=0.1, tolerance=1e-12,
-                       preconditioner=np.ones(7))
+    ones = steihaug_cg(
+        lambda v: matrix @ v, b, radius=radius, iterations=30, damping=0.1, tolerance=1e-12, preconditioner=np.ones(7)
+    )
     assert (ones.termination, ones.iterations, ones.boundary) == (plain.termination, plain.iterations, plain.boundary)
     np.testing.assert_allclose(ones.x, plain.x, rtol=1e-12, atol=1e-14)
     assert ones.residual == pytest.approx(plain.residual, rel=1e-10, abs=1e-14)
@@ -45,12 +51,21 @@ def test_preconditioned_steihaug_on_spd_equals_the_exact_solve_inside_the_radius
     m = np.array([50.0, 0.1, 3.0, 1.0, 7.0, 0.5, 2.0])
     exact = np.linalg.solve(matrix + damping * np.eye(7), b)
     radius = 2.0 * np.sqrt(exact @ (m * exact))  # the solution lies strictly inside the M-norm ball
-    result = steihaug_cg(lambda v: matrix @ v, b, radius=radius, iterations=50, damping=damping, tolerance=1e-12,
-                         preconditioner=m)
+    result = steihaug_cg(
+        lambda v: matrix @ v, b, radius=radius, iterations=50, damping=damping, tolerance=1e-12, preconditioner=m
+    )
     assert result.converged and not result.boundary and result.termination == "tolerance"
     np.testing.assert_allclose(result.x, exact, rtol=1e-8, atol=1e-10)
-    dispatched = krylov_solve(lambda v: matrix @ v, b, solver="steihaug", iterations=50, damping=damping,
-                              tolerance=1e-12, radius=radius, preconditioner=m)
+    dispatched = krylov_solve(
+        lambda v: matrix @ v,
+        b,
+        solver="steihaug",
+        iterations=50,
+        damping=damping,
+        tolerance=1e-12,
+        radius=radius,
+        preconditioner=m,
+    )
     np.testing.assert_allclose(dispatched.x, result.x, rtol=0, atol=0)
 
 
@@ -89,14 +104,17 @@ def test_indefinite_preconditioned_solve_ends_on_the_m_norm_boundary_with_lower_
     assert _model_value(matrix, b, result.x) < 0.0
 
 
-@pytest.mark.parametrize("bad", [np.ones(3), np.array([1.0, 0.0, 1.0, 1.0]), np.array([1.0, np.nan, 1.0, 1.0]),
-                                 np.array([1.0, -1.0, 1.0, 1.0])])
+@pytest.mark.parametrize(
+    "bad",
+    [np.ones(3), np.array([1.0, 0.0, 1.0, 1.0]), np.array([1.0, np.nan, 1.0, 1.0]), np.array([1.0, -1.0, 1.0, 1.0])],
+)
 def test_a_bad_preconditioner_is_refused(bad):
     with pytest.raises(ValueError, match="preconditioner"):
         steihaug_cg(lambda v: v, np.ones(4), radius=1.0, preconditioner=bad)
     with pytest.raises(ValueError, match="preconditioner"):
-        krylov_solve(lambda v: v, np.ones(4), solver="cg", iterations=3, damping=0.0, tolerance=1e-6,
-                     preconditioner=np.ones(4))
+        krylov_solve(
+            lambda v: v, np.ones(4), solver="cg", iterations=3, damping=0.0, tolerance=1e-6, preconditioner=np.ones(4)
+        )
 
 
 # ---------------------------------------------------------------------------------------------- Gauss-Newton diagonal
@@ -139,15 +157,21 @@ def _tiny_rows(name: str, loss: str):
 
     params = {k: p.detach().clone() for k, p in model.named_parameters() if not k.startswith("user_embedding")}
     item_keys = tuple(k for k in params if k.startswith("item_embedding"))
-    composite = CompositeLoss(outputs, output_loss, lambda p: 0.05 * sum(v.pow(2).sum() for v in p.values()),
-                              output_curvature=output_curvature, row_keys=item_keys, example_rows=items,
-                              example_outputs=example_outputs)
+    composite = CompositeLoss(
+        outputs,
+        output_loss,
+        lambda p: 0.05 * sum(v.pow(2).sum() for v in p.values()),
+        output_curvature=output_curvature,
+        row_keys=item_keys,
+        example_rows=items,
+        example_outputs=example_outputs,
+    )
     flat = torch.cat([v.reshape(-1) for v in params.values()])
 
     def unflat(f):
         out, start = {}, 0
         for k, v in params.items():
-            out[k] = f[start:start + v.numel()].reshape(v.shape)
+            out[k] = f[start : start + v.numel()].reshape(v.shape)
             start += v.numel()
         return out
 

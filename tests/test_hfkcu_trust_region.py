@@ -9,11 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedrec_flwr.unlearning.krylov import (
-    CompositeLoss, conjugate_gradient, curvature_vector_product, gauss_newton_vector_product, hessian_vector_product,
-    krylov_solve, steihaug_cg,
-)
 from fedrec_flwr.models import build_model
+from fedrec_flwr.unlearning.krylov import (
+    CompositeLoss,
+    conjugate_gradient,
+    curvature_vector_product,
+    gauss_newton_vector_product,
+    hessian_vector_product,
+    krylov_solve,
+    steihaug_cg,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -132,8 +137,9 @@ def _tiny(name: str, loss: str, seed: int = 0):
         n = users.numel()
 
         def outputs(params):
-            return torch.func.functional_call(model, params, (torch.cat([users, users]),
-                                                              torch.cat([positives, negatives])))
+            return torch.func.functional_call(
+                model, params, (torch.cat([users, users]), torch.cat([positives, negatives]))
+            )
 
         def output_loss(z):
             return -(weights * F.logsigmoid(z[:n] - z[n:])).sum()
@@ -149,7 +155,7 @@ def _flat(params):
 def _unflat(flat, params):
     out, start = {}, 0
     for k, v in params.items():
-        out[k] = flat[start:start + v.numel()].reshape(v.shape)
+        out[k] = flat[start : start + v.numel()].reshape(v.shape)
         start += v.numel()
     return out
 
@@ -169,7 +175,9 @@ def test_gauss_newton_product_equals_j_transpose_h_loss_j_built_by_hand(name, lo
         n = w.numel()
         d = z[:n] - z[n:]
         c = w * torch.sigmoid(d) * torch.sigmoid(-d)
-        h_loss = torch.cat([torch.cat([torch.diag(c), -torch.diag(c)], 1), torch.cat([-torch.diag(c), torch.diag(c)], 1)])
+        h_loss = torch.cat(
+            [torch.cat([torch.diag(c), -torch.diag(c)], 1), torch.cat([-torch.diag(c), torch.diag(c)], 1)]
+        )
     regulariser = 0.1 * torch.eye(flat.numel(), dtype=torch.float64)  # Hessian of 0.05 ||theta||^2
     ggn = jacobian.T @ h_loss @ jacobian + regulariser
     assert torch.linalg.eigvalsh(ggn).min() >= -1e-10  # PSD by construction

@@ -9,14 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_run_config
 from flwr.app import Array, ArrayRecord, Context, RecordDict
 
-from conftest import tiny_run_config
 from fedrec_flwr.app.client_app import make_client
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.unlearning.influence import influence_objective
 from fedrec_flwr.unlearning.krylov import gauss_newton_diagonal, gauss_newton_vector_product
-from fedrec_flwr.app.runtime import get_runtime
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -38,12 +38,21 @@ def _node(folder, model, loss):
     mapping["generic-file"] = str(folder / "varied.csv")
     mapping = RunConfig.from_mapping(mapping).to_dict()
     runtime = get_runtime(mapping)
-    context = Context(run_id=1, node_id=1000, node_config={"partition-id": 0, "num-partitions": 1},
-                      state=RecordDict(), run_config=mapping)
+    context = Context(
+        run_id=1,
+        node_id=1000,
+        node_config={"partition-id": 0, "num-partitions": 1},
+        state=RecordDict(),
+        run_config=mapping,
+    )
     users = [int(np.flatnonzero(runtime.split.user_ids == f"u{u}")[0]) for u in range(len(COUNTS))]
     for user in users:
-        context.state[f"user:{user}"] = ArrayRecord({k: Array(rng.normal(scale=0.7, size=v.shape).astype(np.float32))
-                                                     for k, v in runtime.model.private_state().items()})
+        context.state[f"user:{user}"] = ArrayRecord(
+            {
+                k: Array(rng.normal(scale=0.7, size=v.shape).astype(np.float32))
+                for k, v in runtime.model.private_state().items()
+            }
+        )
     shared = {k: rng.normal(scale=0.5, size=s).astype(np.float32) for k, s in runtime.layout.shared_shapes.items()}
     return runtime, [make_client(runtime, u, context) for u in users], shared
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 
-from fedrec_flwr.wire import ARRAYS, METRICS, ModelLayout, PrivacyViolation
 from fedrec_flwr.strategies.item_fedavg import ItemEmbeddingFedAvg, RoundFailed, Topology
+from fedrec_flwr.wire import ARRAYS, METRICS, ModelLayout, PrivacyViolation
 
 LAYOUT = ModelLayout(
     shared_shapes={"item_embedding.weight": (4, 2), "output.weight": (1, 2)},
@@ -38,10 +38,12 @@ def _reply(request: Message, rows, sums, counts, dense, n, extra=None, loss=0.5)
         "output.weight": np.asarray(dense, dtype=np.float32).reshape(1, 2),
     }
     arrays.update(extra or {})
-    content = RecordDict({
-        ARRAYS: ArrayRecord({k: Array(v) for k, v in arrays.items()}),
-        METRICS: MetricRecord({"num-examples": float(n), "num-users": 1, "train-loss": loss}),
-    })
+    content = RecordDict(
+        {
+            ARRAYS: ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+            METRICS: MetricRecord({"num-examples": float(n), "num-users": 1, "train-loss": loss}),
+        }
+    )
     return Message(content=content, reply_to=request)
 
 
@@ -191,7 +193,9 @@ def test_evaluation_metrics_are_the_mean_over_users_weighting_each_reply_by_its_
         return Message(content=content, reply_to=requests[node])
 
     failed = Message(Error(code=1, reason="crash"), reply_to=requests[12])
-    metrics = strategy.aggregate_evaluate(1, [evaluate_reply(11, 3, 0.0, 0.25), failed, evaluate_reply(10, 1, 1.0, 0.5)])
+    metrics = strategy.aggregate_evaluate(
+        1, [evaluate_reply(11, 3, 0.0, 0.25), failed, evaluate_reply(10, 1, 1.0, 0.5)]
+    )
     assert metrics["HR@10"] == (1 * 1.0 + 3 * 0.0) / 4 == 0.25
     assert metrics["NDCG@10"] == (1 * 0.5 + 3 * 0.25) / 4 == 0.3125
     assert strategy.last_evaluate == {"HR@10": 0.25, "NDCG@10": 0.3125, "eval-users": 4.0, "eval-failures": 1.0}

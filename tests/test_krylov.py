@@ -12,8 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedrec_flwr.unlearning.krylov import CGResult, conjugate_gradient, flatten, gradient, hessian_vector_product, unflatten
 from fedrec_flwr.models import build_model
+from fedrec_flwr.unlearning.krylov import (
+    CGResult,
+    conjugate_gradient,
+    flatten,
+    gradient,
+    hessian_vector_product,
+    unflatten,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -54,9 +61,14 @@ def test_cg_solves_a_diagonal_spd_system_in_at_most_n_iterations():
     assert result.residual <= 1e-10
     np.testing.assert_allclose(result.x, b / diagonal, rtol=1e-9, atol=0)
     assert _true_residual(np.diag(diagonal), 0.0, result.x, b) <= 1e-9
-    assert result.summary() == {"cg-iterations": result.iterations, "cg-residual": result.residual,
-                                "cg-converged": True, "cg-negative-curvature": False, "cg-boundary": False,
-                                "cg-termination": "tolerance"}
+    assert result.summary() == {
+        "cg-iterations": result.iterations,
+        "cg-residual": result.residual,
+        "cg-converged": True,
+        "cg-negative-curvature": False,
+        "cg-boundary": False,
+        "cg-termination": "tolerance",
+    }
 
 
 def test_cg_takes_as_many_iterations_as_distinct_eigenvalues():
@@ -92,7 +104,6 @@ def test_cg_stops_on_negative_curvature_without_damping_and_converges_with_enoug
     np.testing.assert_allclose(damped.x, np.linalg.solve(matrix + 0.6 * np.eye(6), b), rtol=1e-7, atol=1e-9)
 
 
-
 @pytest.mark.parametrize("iterations", [6, 50])
 def test_cg_on_a_singular_semidefinite_operator_returns_a_bounded_iterate(iterations):
     """``A`` positive semi-definite with a null direction that ``b`` has a component on (HF-KCU with damping 0: an MF
@@ -106,8 +117,9 @@ def test_cg_on_a_singular_semidefinite_operator_returns_a_bounded_iterate(iterat
     assert not result.converged
     assert np.isfinite(result.x).all()
     assert np.linalg.norm(result.x) <= 10 * np.linalg.norm(range_solution), np.linalg.norm(result.x)
-    assert result.residual == pytest.approx(float(np.linalg.norm(b - diagonal * result.x) / np.linalg.norm(b)),
-                                            rel=1e-6)
+    assert result.residual == pytest.approx(
+        float(np.linalg.norm(b - diagonal * result.x) / np.linalg.norm(b)), rel=1e-6
+    )
 
 
 def test_cg_negative_curvature_on_the_first_direction_returns_zero():
@@ -142,11 +154,20 @@ def test_cg_with_zero_right_hand_side_returns_zeros_without_products():
     assert not calls
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"iterations": 0}, {"iterations": -2}, {"iterations": 1.5}, {"iterations": True},
-    {"damping": -1e-3}, {"damping": math.nan}, {"damping": math.inf},
-    {"tolerance": -1.0}, {"tolerance": math.nan},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"iterations": 0},
+        {"iterations": -2},
+        {"iterations": 1.5},
+        {"iterations": True},
+        {"damping": -1e-3},
+        {"damping": math.nan},
+        {"damping": math.inf},
+        {"tolerance": -1.0},
+        {"tolerance": math.nan},
+    ],
+)
 def test_cg_refuses_bad_settings(kwargs):
     matvec, calls = _explicit(np.eye(3))
     with pytest.raises(ValueError):
@@ -162,12 +183,15 @@ def test_cg_refuses_a_non_finite_right_hand_side(bad):
         conjugate_gradient(lambda v: v, b)
 
 
-@pytest.mark.parametrize(("matvec", "message"), [
-    (lambda v: np.ones(len(v) + 1), "shape"),
-    (lambda v: v.reshape(1, -1), "shape"),
-    (lambda v: np.full_like(v, np.nan), "NaN"),
-    (lambda v: np.full_like(v, np.inf), "NaN or Inf"),
-])
+@pytest.mark.parametrize(
+    ("matvec", "message"),
+    [
+        (lambda v: np.ones(len(v) + 1), "shape"),
+        (lambda v: v.reshape(1, -1), "shape"),
+        (lambda v: np.full_like(v, np.nan), "NaN"),
+        (lambda v: np.full_like(v, np.inf), "NaN or Inf"),
+    ],
+)
 def test_cg_refuses_a_bad_operator(matvec, message):
     with pytest.raises(ValueError, match=message):
         conjugate_gradient(matvec, np.ones(4), iterations=3)

@@ -44,7 +44,7 @@ def test_steihaug_stops_where_the_third_iterate_would_leave_the_radius(radius):
     assert np.linalg.norm(result.x) == pytest.approx(radius, rel=1e-12)
     # on the segment x2 + t (x* - x2), 0 < t < 1: the point of that segment at distance radius from 0
     d = SOLUTION - x2
-    t = (-(x2 @ d) + np.sqrt((x2 @ d) ** 2 - (d @ d) * (x2 @ x2 - radius ** 2))) / (d @ d)
+    t = (-(x2 @ d) + np.sqrt((x2 @ d) ** 2 - (d @ d) * (x2 @ x2 - radius**2))) / (d @ d)
     assert 0.0 < t < 1.0
     np.testing.assert_allclose(result.x, x2 + t * d, rtol=1e-10)
     assert result.residual == pytest.approx(np.linalg.norm(B - A * result.x) / np.linalg.norm(B), rel=1e-10)
@@ -56,8 +56,9 @@ def test_steihaug_never_returns_a_step_longer_than_the_radius(radius):
     for iterations in range(1, 6):
         result = steihaug_cg(lambda v: A * v, B, radius=radius, iterations=iterations, tolerance=1e-12)
         assert np.linalg.norm(result.x) <= radius * (1 + 1e-12), (radius, iterations, result.termination)
-        dispatched = krylov_solve(lambda v: A * v, B, solver="steihaug", iterations=iterations, damping=0.0,
-                                  tolerance=1e-12, radius=radius)
+        dispatched = krylov_solve(
+            lambda v: A * v, B, solver="steihaug", iterations=iterations, damping=0.0, tolerance=1e-12, radius=radius
+        )
         np.testing.assert_array_equal(dispatched.x, result.x)
 
 
@@ -78,15 +79,18 @@ def test_to_boundary_is_the_positive_root_in_both_norms():
     # from x = (0.6, 0) along p = (0, 1): ||x + tau p|| = 1 at tau = 0.8
     assert _to_boundary(np.array([0.6, 0.0]), np.array([0.0, 1.0]), 1.0) == pytest.approx(0.8, rel=1e-14)
     # in the M-norm with M = diag(4, 1): ||(0.3, tau)||_M^2 = 0.36 + tau^2 = 1 at tau = 0.8
-    assert _to_boundary(np.array([0.3, 0.0]), np.array([0.0, 1.0]), 1.0, np.array([4.0, 1.0])) == \
-        pytest.approx(0.8, rel=1e-14)
+    assert _to_boundary(np.array([0.3, 0.0]), np.array([0.0, 1.0]), 1.0, np.array([4.0, 1.0])) == pytest.approx(
+        0.8, rel=1e-14
+    )
     # backwards along p: x = (0.6, 0), p = (-1, 0): 0.6 - tau = -1 at tau = 1.6
     assert _to_boundary(np.array([0.6, 0.0]), np.array([-1.0, 0.0]), 1.0) == pytest.approx(1.6, rel=1e-14)
 
 
 def test_damping_shifts_the_diagonal_in_the_solve():
     """``(A + 2 I) x = b`` on the diagonal system: ``x = b / (a + 2)``, from both solvers."""
-    for result in (conjugate_gradient(lambda v: A * v, B, iterations=10, damping=2.0, tolerance=1e-13),
-                   steihaug_cg(lambda v: A * v, B, radius=10.0, iterations=10, damping=2.0, tolerance=1e-13)):
+    for result in (
+        conjugate_gradient(lambda v: A * v, B, iterations=10, damping=2.0, tolerance=1e-13),
+        steihaug_cg(lambda v: A * v, B, radius=10.0, iterations=10, damping=2.0, tolerance=1e-13),
+    ):
         assert result.converged and result.iterations == 3
         np.testing.assert_allclose(result.x, B / (A + 2.0), rtol=1e-10)

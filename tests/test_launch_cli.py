@@ -47,11 +47,24 @@ def test_values_reach_flower_exactly():
 
 def test_command_line_values_round_trip(tmp_path):
     """From the shell words a user types to what Flower parses: apostrophes, backslashes, quotes, non-ASCII."""
-    argv = ["run", "data-dir=/data/o'brien/ml-100k", "run-name=bob's-run", "results-dir=C:\\r\\\"q\"",
-            "generic-file='/x/ü日.csv'", 'generic-columns="user,item"', "num-server-rounds=2"]
+    argv = [
+        "run",
+        "data-dir=/data/o'brien/ml-100k",
+        "run-name=bob's-run",
+        'results-dir=C:\\r\\"q"',
+        "generic-file='/x/ü日.csv'",
+        'generic-columns="user,item"',
+        "num-server-rounds=2",
+    ]
     _, overrides, _ = parse_args(argv)
-    assert overrides == {"data-dir": "/data/o'brien/ml-100k", "run-name": "bob's-run", "results-dir": 'C:\\r\\"q"',
-                         "generic-file": "/x/ü日.csv", "generic-columns": "user,item", "num-server-rounds": 2}
+    assert overrides == {
+        "data-dir": "/data/o'brien/ml-100k",
+        "run-name": "bob's-run",
+        "results-dir": 'C:\\r\\"q"',
+        "generic-file": "/x/ü日.csv",
+        "generic-columns": "user,item",
+        "num-server-rounds": 2,
+    }
     assert parse_config_args([run_config_args(overrides)[1]]) == overrides
 
 
@@ -70,11 +83,24 @@ def test_spaces_around_the_equals_sign_of_one_override_are_dropped_and_quoted_on
     ``"run-name = x"`` made a run named ``' x'`` (a fresh user's finding); Flower's own ``--run-config`` parser skips
     such a pair silently. Now the spaces around ``=`` and the value go, and a quoted value keeps its inner ones."""
     defaults = default_mapping()
-    argv = ["run", "model = ncf", "num-server-rounds= 5", " fraction-train =0.5 ", "run-name = ' a b '",
-            "data-dir =  /data/ml-100k ", "adversary-class-prior = "]
+    argv = [
+        "run",
+        "model = ncf",
+        "num-server-rounds= 5",
+        " fraction-train =0.5 ",
+        "run-name = ' a b '",
+        "data-dir =  /data/ml-100k ",
+        "adversary-class-prior = ",
+    ]
     _, overrides, _ = parse_args(argv)
-    assert overrides == {"model": "ncf", "num-server-rounds": 5, "fraction-train": 0.5, "run-name": " a b ",
-                         "data-dir": "/data/ml-100k", "adversary-class-prior": ""}
+    assert overrides == {
+        "model": "ncf",
+        "num-server-rounds": 5,
+        "fraction-train": 0.5,
+        "run-name": " a b ",
+        "data-dir": "/data/ml-100k",
+        "adversary-class-prior": "",
+    }
     assert parse_config_args([run_config_args(overrides)[1]]) == overrides  # what Flower's parser reads back
     with pytest.raises(ConfigError, match=r"use --num-supernodes 3$"):
         parse_override("num-supernodes = 3", defaults)
@@ -91,8 +117,18 @@ def test_bad_values_name_the_key_and_the_fix():
 
 
 def test_flags_anywhere():
-    args, overrides, federation = parse_args(["run", "--num-supernodes", "7", "num-server-rounds=2", "--verbose",
-                                              "dataset=filmtrust", "--federation-config", "client-resources-num-cpus=1"])
+    args, overrides, federation = parse_args(
+        [
+            "run",
+            "--num-supernodes",
+            "7",
+            "num-server-rounds=2",
+            "--verbose",
+            "dataset=filmtrust",
+            "--federation-config",
+            "client-resources-num-cpus=1",
+        ]
+    )
     assert args.num_supernodes == 7 and args.verbose
     assert overrides == {"num-server-rounds": 2, "dataset": "filmtrust"}
     assert federation == {"client-resources-num-cpus": 1}
@@ -106,18 +142,30 @@ def test_an_abbreviated_flag_is_refused_not_read_as_the_flag_it_begins(capsys):
 
 
 def _launch(*argv, env=None):
-    return subprocess.run([sys.executable, "-m", "fedrec_flwr.launch", *argv], capture_output=True, text=True,
-                          cwd=PROJECT_ROOT, timeout=300, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "fedrec_flwr.launch", *argv],
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["num-server-rounds=abc"], "run-config key 'num-server-rounds' = 'abc': expected an integer"),
-    (["num-server-rounds=1e9"], "run-config key 'num-server-rounds' = 1000000000.0: expected an integer, got the "
-                                "float 1000000000.0; write 1000000000"),  # was: taken as 10**9 rounds
-    (["strategy=my_module:MyStrategy"], "cannot import module 'my_module'"),
-    (["num-supernodes=1000"], "use --num-supernodes 1000"),
-    (["server-lr=0.3"], "unknown run-config key(s) ['server-lr']"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["num-server-rounds=abc"], "run-config key 'num-server-rounds' = 'abc': expected an integer"),
+        (
+            ["num-server-rounds=1e9"],
+            "run-config key 'num-server-rounds' = 1000000000.0: expected an integer, got the "
+            "float 1000000000.0; write 1000000000",
+        ),  # was: taken as 10**9 rounds
+        (["strategy=my_module:MyStrategy"], "cannot import module 'my_module'"),
+        (["num-supernodes=1000"], "use --num-supernodes 1000"),
+        (["server-lr=0.3"], "unknown run-config key(s) ['server-lr']"),
+    ],
+)
 def test_errors_before_the_run_are_one_line_and_exit_non_zero(tmp_path, capsys, argv, expected):
     assert main(["run", "--flwr-home", str(tmp_path / "home"), *argv]) == 2
     out = capsys.readouterr()
@@ -135,8 +183,16 @@ def test_debug_shows_the_traceback(tmp_path, capsys):
 
 def test_too_many_supernodes_is_one_short_message(tmp_path, ml100k_dir):
     """`--num-supernodes 1000` on ML-100K (943 users): refused before anything starts, with the right number."""
-    done = _launch("run", "--num-supernodes", "1000", "num-server-rounds=2", f"data-dir={ml100k_dir}",
-                   f"cache-dir={tmp_path / 'cache'}", "--flwr-home", str(tmp_path / "home"))
+    done = _launch(
+        "run",
+        "--num-supernodes",
+        "1000",
+        "num-server-rounds=2",
+        f"data-dir={ml100k_dir}",
+        f"cache-dir={tmp_path / 'cache'}",
+        "--flwr-home",
+        str(tmp_path / "home"),
+    )
     output = (done.stdout + done.stderr).strip().splitlines()
     assert done.returncode == 2
     assert len(output) < 20
@@ -193,10 +249,12 @@ def test_a_plugin_loggers_lines_are_printed_with_their_level_and_kept_by_the_qui
 
 
 def test_run_error_is_the_end_of_the_last_traceback():
-    log = ("INFO :      starting\nERROR :     ServerApp raised an exception\nTraceback (most recent call last):\n"
-           '  File "x.py", line 1, in <module>\n'
-           "fedrec_flwr.errors.ConfigError: run-config key 'resume-from' = '/x': no checkpoint at /x\n"
-           "INFO :      done\n")
+    log = (
+        "INFO :      starting\nERROR :     ServerApp raised an exception\nTraceback (most recent call last):\n"
+        '  File "x.py", line 1, in <module>\n'
+        "fedrec_flwr.errors.ConfigError: run-config key 'resume-from' = '/x': no checkpoint at /x\n"
+        "INFO :      done\n"
+    )
     assert run_error(log) == "fedrec_flwr.errors.ConfigError: run-config key 'resume-from' = '/x': no checkpoint at /x"
     assert run_error("ERROR :     something\nINFO : x\n") == "ERROR :     something"
     assert run_error("all fine\n") is None
@@ -208,10 +266,23 @@ def test_deploy_local_runs_outside_the_venv_and_refuses_bad_input_in_one_line(tm
     import shutil
 
     python = shutil.which("python3") or sys.executable
-    done = subprocess.run([python, str(PROJECT_ROOT / "scripts" / "deploy_local.py"), "users-per-node=1",
-                           f"data-dir={ml100k_dir}", f"cache-dir={tmp_path / 'cache'}", "--supernodes", "1000",
-                           "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)
+    done = subprocess.run(
+        [
+            python,
+            str(PROJECT_ROOT / "scripts" / "deploy_local.py"),
+            "users-per-node=1",
+            f"data-dir={ml100k_dir}",
+            f"cache-dir={tmp_path / 'cache'}",
+            "--supernodes",
+            "1000",
+            "--workdir",
+            str(tmp_path / "work"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "943 users need exactly 943 SuperNodes" in lines[0], done.stderr
@@ -243,26 +314,57 @@ def test_deploy_local_runs_the_preflight_before_starting_any_process(tmp_path, m
     finished = tmp_path / "results" / "done"
     finished.mkdir(parents=True)
     (finished / "summary.json").write_text("{}")
-    done = subprocess.run([sys.executable, str(PROJECT_ROOT / "scripts" / "deploy_local.py"), "users-per-node=472",
-                           f"data-dir={ml100k_dir}", f"cache-dir={tmp_path / 'cache'}",
-                           f"results-dir={tmp_path / 'results'}", "run-name=done", "--workdir", str(tmp_path / "work")],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(PROJECT_ROOT / "scripts" / "deploy_local.py"),
+            "users-per-node=472",
+            f"data-dir={ml100k_dir}",
+            f"cache-dir={tmp_path / 'cache'}",
+            f"results-dir={tmp_path / 'results'}",
+            "run-name=done",
+            "--workdir",
+            str(tmp_path / "work"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "holds a finished run" in lines[0], done.stderr
     assert not (tmp_path / "work").exists()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--supernodes", "0"], "--supernodes 0: expected at least 1"),
-    (["--supernodes", "-1"], "--supernodes -1: expected at least 1"),
-    (["--timeout", "-5"], "--timeout -5.0: expected a positive number of seconds"),
-    (["--json", "/nonexistent/dir/t.json"], "--json /nonexistent/dir/t.json: folder /nonexistent/dir does not exist"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--supernodes", "0"], "--supernodes 0: expected at least 1"),
+        (["--supernodes", "-1"], "--supernodes -1: expected at least 1"),
+        (["--timeout", "-5"], "--timeout -5.0: expected a positive number of seconds"),
+        (
+            ["--json", "/nonexistent/dir/t.json"],
+            "--json /nonexistent/dir/t.json: folder /nonexistent/dir does not exist",
+        ),
+    ],
+)
 def test_deploy_local_refuses_bad_flags_before_starting_any_process(tmp_path, ml100k_dir, flags, message):
-    done = subprocess.run([sys.executable, str(PROJECT_ROOT / "scripts" / "deploy_local.py"), f"data-dir={ml100k_dir}",
-                           f"cache-dir={tmp_path / 'cache'}", "--workdir", str(tmp_path / "work"), *flags],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(PROJECT_ROOT / "scripts" / "deploy_local.py"),
+            f"data-dir={ml100k_dir}",
+            f"cache-dir={tmp_path / 'cache'}",
+            "--workdir",
+            str(tmp_path / "work"),
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], done.stderr
@@ -300,9 +402,21 @@ def test_an_unreachable_or_malformed_ray_address_is_refused_before_anything_star
         check_ray_address(f"127.0.0.1:{listening.getsockname()[1]}")
         check_ray_address(f"ray://127.0.0.1:{listening.getsockname()[1]}")
     check_ray_address("auto")
-    done = subprocess.run([sys.executable, "-m", "fedrec_flwr.launch", "run", "--ray-address", f"127.0.0.1:{port}",
-                           f"results-dir={str(tmp_path)!r}"], capture_output=True, text=True, timeout=120,
-                          cwd=PROJECT_ROOT)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedrec_flwr.launch",
+            "run",
+            "--ray-address",
+            f"127.0.0.1:{port}",
+            f"results-dir={str(tmp_path)!r}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=PROJECT_ROOT,
+    )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("error: --ray-address"), done.stderr
     assert not any(tmp_path.iterdir())

@@ -9,9 +9,9 @@ import types
 
 import numpy as np
 import pytest
+from conftest import tiny_run_config
 from flwr.common.config import parse_config_args
 
-from conftest import tiny_run_config
 from fedrec_flwr.config import RunConfig, default_mapping, make_run_config
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.launch import check_shipped, run_config_args, shipped_files
@@ -39,7 +39,7 @@ def test_plugin_keys_are_declared_validated_and_defaulted():
 
 def test_plugin_keys_travel_through_flowers_run_config_exactly():
     """What Flower's parser makes of the launcher's `--run-config` validates to the same plug-in values."""
-    overrides = {"strategy": PLUGIN, "server-lr": 0.3, "run-name": "o'brien \"x\" \\ ü"}
+    overrides = {"strategy": PLUGIN, "server-lr": 0.3, "run-name": 'o\'brien "x" \\ ü'}
     parsed = parse_config_args([run_config_args(overrides)[1]])
     assert "server-lr" not in parsed and parsed["plugin-config"] == "server-lr=0.3"
     config = RunConfig.from_mapping({**default_mapping(), **parsed})
@@ -56,7 +56,9 @@ def test_a_module_the_app_does_not_ship_is_refused_with_the_fix(tmp_path, monkey
     (tmp_path / "my_strategy_at_root.py").write_text("class MyStrategy:\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     config = types.SimpleNamespace(strategy="my_strategy_at_root:MyStrategy", client="fedrec")
-    with pytest.raises(ConfigError, match=r"my_strategy_at_root.py is not shipped.*plugins\.my_strategy_at_root:MyStrategy"):
+    with pytest.raises(
+        ConfigError, match=r"my_strategy_at_root.py is not shipped.*plugins\.my_strategy_at_root:MyStrategy"
+    ):
         check_shipped(config, project=tmp_path)
     check_shipped(types.SimpleNamespace(strategy="shipped.one_strategy:S", client="fedrec"), project=tmp_path)
 
@@ -79,7 +81,6 @@ def test_plugin_strategy_with_its_own_key_runs_and_is_recorded(tmp_path):
     assert json.loads((folder / "config.json").read_text())["run-config"]["server-lr"] == 0.3
 
 
-
 def test_a_plugin_key_given_flat_or_packed_resumes_and_is_refused_when_given_twice_differently(tmp_path):
     """A launcher run of a plug-in records plugin-config = "server-lr=0.3" (how its key travels through flwr run),
     while the resuming command's preflight sees server-lr=0.3 and an empty plugin-config: the resume was refused as
@@ -97,9 +98,15 @@ def test_a_plugin_key_given_flat_or_packed_resumes_and_is_refused_when_given_twi
     both = {"strategy": PLUGIN, "plugin-config": "server-lr=0.3", "server-lr": 0.3}
     assert parse_config_args([run_config_args(both)[1]])["plugin-config"] == "server-lr=0.3"  # once, not twice
     assert make_run_config(**both).extra == {"server-lr": 0.3}
-    for where in (lambda: run_config_args({**both, "server-lr": 0.5}), lambda: make_run_config(**{**both, "server-lr": 0.5})):
-        with pytest.raises(ConfigError, match=r"run-config key 'server-lr' is given twice: server-lr=0.5 and in "
-                                              r"plugin-config \(server-lr=0.3\)"):
+    for where in (
+        lambda: run_config_args({**both, "server-lr": 0.5}),
+        lambda: make_run_config(**{**both, "server-lr": 0.5}),
+    ):
+        with pytest.raises(
+            ConfigError,
+            match=r"run-config key 'server-lr' is given twice: server-lr=0.5 and in "
+            r"plugin-config \(server-lr=0.3\)",
+        ):
             where()
 
 
@@ -115,7 +122,10 @@ def test_a_plugin_check_config_that_raises_another_exception_is_one_config_error
     module = types.ModuleType("t_picky_strategy")
     module.Picky = Picky
     monkeypatch.setitem(__import__("sys").modules, "t_picky_strategy", module)
-    with pytest.raises(ConfigError, match=r"strategy 't_picky_strategy:Picky' refused the run config in "
-                                          r".*Picky.check_config: ValueError: median-min-nodes must be >= 1 \(a "
-                                          r"check_config hook should raise fedrec_flwr.errors.ConfigError\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"strategy 't_picky_strategy:Picky' refused the run config in "
+        r".*Picky.check_config: ValueError: median-min-nodes must be >= 1 \(a "
+        r"check_config hook should raise fedrec_flwr.errors.ConfigError\)",
+    ):
         check_components(make_run_config(strategy="t_picky_strategy:Picky"))

@@ -67,10 +67,18 @@ def test_terminate_never_signals_this_process_or_its_ancestors(cleanup):
 def test_stop_spares_a_bystander_and_the_parent_sharing_flwr_home(tmp_path):
     """`FLWR_HOME=dir bash -c 'sleep 300 & launch stop; echo survived'`: the shell and the sleep survive."""
     home = tmp_path / "home"
-    script = (f"sleep 300 & S=$!; {sys.executable} -m fedrec_flwr.launch stop; rc=$?; "
-              "kill -0 $S && echo bystander-alive; kill $S; echo parent-survived $rc")
-    done = subprocess.run(["bash", "-c", script], env={**os.environ, "FLWR_HOME": str(home)}, capture_output=True,
-                          text=True, cwd=PROJECT_ROOT, timeout=120)
+    script = (
+        f"sleep 300 & S=$!; {sys.executable} -m fedrec_flwr.launch stop; rc=$?; "
+        "kill -0 $S && echo bystander-alive; kill $S; echo parent-survived $rc"
+    )
+    done = subprocess.run(
+        ["bash", "-c", script],
+        env={**os.environ, "FLWR_HOME": str(home)},
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "bystander-alive" in done.stdout and "parent-survived 0" in done.stdout, done.stdout + done.stderr
 
@@ -100,8 +108,10 @@ def test_a_record_whose_pid_was_reused_is_not_acted_on(tmp_path, cleanup):
     plain = _sleep({"FLWR_HOME": str(home)})
     cleanup += [other, plain]
     _wait_exec(other, "flower-superlink")
-    for record in ({"pid": other.pid, "start-time": start_time(other.pid) - 1, "token": ""},
-                   {"pid": plain.pid, "start-time": start_time(plain.pid), "token": ""}):
+    for record in (
+        {"pid": other.pid, "start-time": start_time(other.pid) - 1, "token": ""},
+        {"pid": plain.pid, "start-time": start_time(plain.pid), "token": ""},
+    ):
         (home / RECORD_FILE).write_text(json.dumps(record))
         assert stop_recorded_superlink(home, timeout=5) == []
     assert other.poll() is None and plain.poll() is None
@@ -128,8 +138,7 @@ def test_stop_leaves_a_running_launchers_superlink_alone(tmp_path, cleanup, caps
         link = _sleep(name="flower-superlink")
         cleanup.append(link)
         _wait_exec(link, "flower-superlink")
-        (home / RECORD_FILE).write_text(json.dumps({"pid": link.pid, "start-time": start_time(link.pid),
-                                                    "token": ""}))
+        (home / RECORD_FILE).write_text(json.dumps({"pid": link.pid, "start-time": start_time(link.pid), "token": ""}))
         assert stop_main(str(base)) == 0
         assert link.poll() is None
         assert "a run is in progress" in capsys.readouterr().out
@@ -141,8 +150,13 @@ def test_run_processes_finds_a_daemon_that_lost_the_token_by_its_session(cleanup
     """A Ray daemon that rewrote its environment (no token left) is found as a member of a session our process
     leads, also after the leader exited; a process of this test's own session is never included."""
     token = uuid.uuid4().hex
-    leader = subprocess.Popen(["bash", "-c", f"env -u {TOKEN_ENV} sleep 300 & echo $!; wait"], stdout=subprocess.PIPE,
-                              text=True, env={**os.environ, TOKEN_ENV: token}, start_new_session=True)
+    leader = subprocess.Popen(
+        ["bash", "-c", f"env -u {TOKEN_ENV} sleep 300 & echo $!; wait"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, TOKEN_ENV: token},
+        start_new_session=True,
+    )
     bystander = _sleep({TOKEN_ENV: "another-run"}, new_session=False)
     cleanup += [leader, bystander]
     daemon = int(leader.stdout.readline())

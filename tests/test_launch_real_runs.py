@@ -14,10 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import write_tiny_dataset
 
 from fedrec_flwr.launch import PROJECT_ROOT, RECORD_FILE, processes_with_env
-
-from conftest import write_tiny_dataset
 
 BOOM = '''
 from fedrec_flwr.errors import ConfigError
@@ -34,16 +33,36 @@ class Boom(ItemEmbeddingFedAvg):
 
 def _overrides(tmp_path: Path, name: str, **more) -> list[str]:
     data = write_tiny_dataset(tmp_path / "data")
-    pairs = {"dataset": "generic", "generic-file": str(data), "cache-dir": str(tmp_path / "cache"),
-             "num-test-negatives": 20, "ks": "5,10", "embedding-dim": 8, "mlp-layers": "16,8", "num-server-rounds": 2,
-             "fraction-train": 0.5, "eval-every": 1, "users-per-node": 12, "results-dir": str(tmp_path / "results"),
-             "run-name": name, "round-timeout": 600.0, **more}
+    pairs = {
+        "dataset": "generic",
+        "generic-file": str(data),
+        "cache-dir": str(tmp_path / "cache"),
+        "num-test-negatives": 20,
+        "ks": "5,10",
+        "embedding-dim": 8,
+        "mlp-layers": "16,8",
+        "num-server-rounds": 2,
+        "fraction-train": 0.5,
+        "eval-every": 1,
+        "users-per-node": 12,
+        "results-dir": str(tmp_path / "results"),
+        "run-name": name,
+        "round-timeout": 600.0,
+        **more,
+    }
     return [f"{k}={v}" for k, v in pairs.items()]
 
 
 def _launcher(tmp_path, name, **more):
-    return [sys.executable, "-m", "fedrec_flwr.launch", "run", "--federation-config", "client-resources-num-cpus=1",
-            *_overrides(tmp_path, name, **more)]
+    return [
+        sys.executable,
+        "-m",
+        "fedrec_flwr.launch",
+        "run",
+        "--federation-config",
+        "client-resources-num-cpus=1",
+        *_overrides(tmp_path, name, **more),
+    ]
 
 
 def _left_in(homes) -> list[int]:
@@ -68,17 +87,34 @@ def test_two_runs_at_once_spare_bystanders_and_a_failed_run_exits_non_zero(tmp_p
     plugins = tmp_path / "plugins"
     plugins.mkdir()
     (plugins / "boom_strategy.py").write_text(BOOM)
-    env = {**os.environ, "FLWR_HOME": str(home),
-           "PYTHONPATH": os.pathsep.join([str(plugins), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(home),
+        "PYTHONPATH": os.pathsep.join([str(plugins), os.environ.get("PYTHONPATH", "")]),
+    }
     bystander = subprocess.Popen(["sleep", "600"], env=env)
-    command_a = " ".join(f"'{c}'" for c in _launcher(tmp_path, "a", strategy="plugins.server_lr:ServerLrItemFedAvg",
-                                                     **{"server-lr": 0.3}))
-    run_a = subprocess.Popen(["bash", "-c", f"timeout 900 nice -n 5 {command_a}; echo parent-alive $?"], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=PROJECT_ROOT)
+    command_a = " ".join(
+        f"'{c}'"
+        for c in _launcher(tmp_path, "a", strategy="plugins.server_lr:ServerLrItemFedAvg", **{"server-lr": 0.3})
+    )
+    run_a = subprocess.Popen(
+        ["bash", "-c", f"timeout 900 nice -n 5 {command_a}; echo parent-alive $?"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=PROJECT_ROOT,
+    )
     try:
         _wait_for(lambda: (home / RECORD_FILE).is_file() or run_a.poll() is not None, 300, "run A's SuperLink")
-        run_b = subprocess.run(["nice", "-n", "5", *_launcher(tmp_path, "b", strategy="boom_strategy:Boom")],
-                               env=env, capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=900)
+        run_b = subprocess.run(
+            ["nice", "-n", "5", *_launcher(tmp_path, "b", strategy="boom_strategy:Boom")],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=PROJECT_ROOT,
+            timeout=900,
+        )
         output_a, _ = run_a.communicate(timeout=900)
     finally:
         run_a.kill()
@@ -105,18 +141,22 @@ def test_ctrl_c_stops_the_run_its_superlink_and_ray(tmp_path):
     of the run left (SuperLink, simulation, Ray daemons), and the round-1 checkpoint stays for resume-from."""
     home = tmp_path / "home"
     env = {**os.environ, "FLWR_HOME": str(home)}
-    launcher = subprocess.Popen(["nice", "-n", "5", *_launcher(tmp_path, "c", **{"num-server-rounds": 5000,
-                                                                                 "checkpoint-every": 1})],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                cwd=PROJECT_ROOT, start_new_session=True,
-                                # as from a terminal: pytest may run with SIGINT ignored (a background job)
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    launcher = subprocess.Popen(
+        ["nice", "-n", "5", *_launcher(tmp_path, "c", **{"num-server-rounds": 5000, "checkpoint-every": 1})],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=PROJECT_ROOT,
+        start_new_session=True,
+        # as from a terminal: pytest may run with SIGINT ignored (a background job)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
     reader.start()
     try:
-        _wait_for(lambda: any("round    1 |" in line for line in lines) or launcher.poll() is not None, 600,
-                  "round 1")
+        _wait_for(lambda: any("round    1 |" in line for line in lines) or launcher.poll() is not None, 600, "round 1")
         ray = [p for p in _left_in([home]) if "raylet" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
         assert ray, "no Ray process to check (the run ended early?):\n" + "".join(lines)[-3000:]
         os.killpg(launcher.pid, signal.SIGINT)
@@ -141,8 +181,15 @@ def test_too_many_supernodes_in_a_plain_run_print_one_error_not_a_traceback_per_
     from fedrec_flwr.launch import flwr_run, parse_override
 
     overrides = dict(parse_override(pair, default_mapping()) for pair in _overrides(tmp_path, "too-many"))
-    done = flwr_run(overrides, num_supernodes=8, check=False, flwr_home=tmp_path / "home", capture=True, verbose=True,
-                    federation_config={"client-resources-num-cpus": 1})
+    done = flwr_run(
+        overrides,
+        num_supernodes=8,
+        check=False,
+        flwr_home=tmp_path / "home",
+        capture=True,
+        verbose=True,
+        federation_config={"client-resources-num-cpus": 1},
+    )
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 1
     assert done.stdout.count("Traceback") == 1 and len(lines) < 80, done.stdout[-4000:]

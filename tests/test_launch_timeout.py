@@ -14,11 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import write_tiny_dataset
 
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.launch import PROJECT_ROOT, parse_args, processes_with_env, still_running
-
-from conftest import write_tiny_dataset
 
 HANGING_CLIENT = '''
 import time
@@ -37,11 +36,13 @@ class HangingClient(FedRecClient):
 
 
 def test_still_running_names_silent_nodes_by_round_and_the_processes():
-    log = ("round    1 | train-loss 0.69\n"
-           "WARNING fedrec_flwr.strategies.item_fedavg: round 2: node 4242 failed: no reply within round-timeout (20 s)\n"
-           "WARNING fedrec_flwr.strategies.item_fedavg: round 2: evaluation failed on node 4242 (12 users not evaluated: 0..11): "
-           "no reply within round-timeout (20 s)\n"
-           "WARNING fedrec_flwr.strategies.item_fedavg: round 3: node 7 failed: the ClientApp raised ValueError\n")
+    log = (
+        "round    1 | train-loss 0.69\n"
+        "WARNING fedrec_flwr.strategies.item_fedavg: round 2: node 4242 failed: no reply within round-timeout (20 s)\n"
+        "WARNING fedrec_flwr.strategies.item_fedavg: round 2: evaluation failed on node 4242 (12 users not evaluated: 0..11): "
+        "no reply within round-timeout (20 s)\n"
+        "WARNING fedrec_flwr.strategies.item_fedavg: round 3: node 7 failed: the ClientApp raised ValueError\n"
+    )
     text = still_running(log, [os.getpid()])
     assert "node 4242 (no reply in round 2)" in text
     assert "node 7" not in text  # it answered (with an error): not what is still running
@@ -63,18 +64,47 @@ def test_a_client_that_never_returns_ends_the_run_with_the_node_and_round_named(
     plugins.mkdir()
     (plugins / "hanging_client.py").write_text(HANGING_CLIENT)
     home = (tmp_path / "home").resolve()
-    env = {**os.environ, "FLWR_HOME": str(home),
-           "PYTHONPATH": os.pathsep.join([str(plugins), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(home),
+        "PYTHONPATH": os.pathsep.join([str(plugins), os.environ.get("PYTHONPATH", "")]),
+    }
     round_timeout = 20.0
-    overrides = {"dataset": "generic", "generic-file": write_tiny_dataset(tmp_path / "data"),
-                 "cache-dir": tmp_path / "cache", "num-test-negatives": 20, "ks": "5,10", "embedding-dim": 8,
-                 "mlp-layers": "16,8", "num-server-rounds": 2, "fraction-train": 1.0, "min-train-fraction": 0.5,
-                 "eval-every": 1, "users-per-node": 12, "results-dir": tmp_path / "results", "run-name": "hang",
-                 "round-timeout": round_timeout, "client": "hanging_client:HangingClient"}
-    command = ["nice", "-n", "5", sys.executable, "-m", "fedrec_flwr.launch", "run", "--federation-config",
-               "client-resources-num-cpus=1", "--timeout", "900", *(f"{k}={v}" for k, v in overrides.items())]
-    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                cwd=PROJECT_ROOT)
+    overrides = {
+        "dataset": "generic",
+        "generic-file": write_tiny_dataset(tmp_path / "data"),
+        "cache-dir": tmp_path / "cache",
+        "num-test-negatives": 20,
+        "ks": "5,10",
+        "embedding-dim": 8,
+        "mlp-layers": "16,8",
+        "num-server-rounds": 2,
+        "fraction-train": 1.0,
+        "min-train-fraction": 0.5,
+        "eval-every": 1,
+        "users-per-node": 12,
+        "results-dir": tmp_path / "results",
+        "run-name": "hang",
+        "round-timeout": round_timeout,
+        "client": "hanging_client:HangingClient",
+    }
+    command = [
+        "nice",
+        "-n",
+        "5",
+        sys.executable,
+        "-m",
+        "fedrec_flwr.launch",
+        "run",
+        "--federation-config",
+        "client-resources-num-cpus=1",
+        "--timeout",
+        "900",
+        *(f"{k}={v}" for k, v in overrides.items()),
+    ]
+    launcher = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=PROJECT_ROOT
+    )
     lines, times = [], []
     try:
         for line in launcher.stdout:

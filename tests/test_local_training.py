@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from fedrec_flwr.errors import ConfigError, DataError
-from fedrec_flwr.models import build_model
 from fedrec_flwr.local.training import LocalTrainConfig, LocalTrainer, evaluate_user, resolve_device
+from fedrec_flwr.models import build_model
 
 ITEMS = 30
 POS = np.array([1, 4, 7, 9, 12], dtype=np.int64)
@@ -17,11 +17,20 @@ def gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("name, loss, opt, lr", [("ncf", "bce", "adam", 0.01), ("mf", "bce", "sgd", 5.0),
-                                                  ("ncf", "bpr", "adam", 0.01), ("mf", "bpr", "adam", 0.05)])
+@pytest.mark.parametrize(
+    "name, loss, opt, lr",
+    [
+        ("ncf", "bce", "adam", 0.01),
+        ("mf", "bce", "sgd", 5.0),
+        ("ncf", "bpr", "adam", 0.01),
+        ("mf", "bpr", "adam", 0.05),
+    ],
+)
 def test_loss_decreases_on_tiny_problem(name, loss, opt, lr):
     model = build_model(name, 1, ITEMS, embedding_dim=8, seed=0)
-    trainer = LocalTrainer(model, LocalTrainConfig(local_epochs=5, batch_size=8, learning_rate=lr, loss=loss, optimizer=opt))
+    trainer = LocalTrainer(
+        model, LocalTrainConfig(local_epochs=5, batch_size=8, learning_rate=lr, loss=loss, optimizer=opt)
+    )
     g = gen()
     first = trainer.train(0, POS, NEG, g).loss
     for _ in range(10):
@@ -77,7 +86,9 @@ def test_empty_positives_and_bad_indices():
 def test_same_generator_seed_is_bit_identical():
     def run(seed):
         model = build_model("ncf", 1, ITEMS, seed=0)
-        trainer = LocalTrainer(model, LocalTrainConfig(local_epochs=2, batch_size=4, optimizer="adam", learning_rate=0.01))
+        trainer = LocalTrainer(
+            model, LocalTrainConfig(local_epochs=2, batch_size=4, optimizer="adam", learning_rate=0.01)
+        )
         result = trainer.train(0, POS, NEG, gen(seed))
         return result, model.state_dict()
 
@@ -112,7 +123,9 @@ def test_nan_guard_restores_parameters_from_before_local_training():
     state = model.state_dict()
     assert all(torch.isfinite(v).all() for v in state.values())
     assert all(torch.equal(state[k], trainer.before_step[0][k]) for k in state)
-    assert not torch.equal(trainer.before_step[2]["item_embedding.weight"], trainer.before_step[0]["item_embedding.weight"])
+    assert not torch.equal(
+        trainer.before_step[2]["item_embedding.weight"], trainer.before_step[0]["item_embedding.weight"]
+    )
 
 
 def test_divergence_raises_and_leaves_a_finite_model():
@@ -132,13 +145,26 @@ def test_evaluate_user_ties_and_order():
     with torch.no_grad():
         model.user_embedding.weight.fill_(1.0)
         model.item_embedding.weight[0] = 1.0  # the target scores highest
-    assert evaluate_user(model, 0, 0, negatives, ks=(1, 10)) == {"HR@1": 1.0, "NDCG@1": 1.0, "HR@10": 1.0, "NDCG@10": 1.0}
+    assert evaluate_user(model, 0, 0, negatives, ks=(1, 10)) == {
+        "HR@1": 1.0,
+        "NDCG@1": 1.0,
+        "HR@10": 1.0,
+        "NDCG@10": 1.0,
+    }
     assert model.training  # train/eval mode restored
 
 
-@pytest.mark.parametrize("kwargs, key", [({"local_epochs": 0}, "local_epochs"), ({"learning_rate": -1.0}, "learning_rate"),
-                                         ({"loss": "mse"}, "loss"), ({"optimizer": "rmsprop"}, "optimizer"),
-                                         ({"batch_size": 2.5}, "batch_size"), ({"weight_decay": float("nan")}, "weight_decay")])
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"local_epochs": 0}, "local_epochs"),
+        ({"learning_rate": -1.0}, "learning_rate"),
+        ({"loss": "mse"}, "loss"),
+        ({"optimizer": "rmsprop"}, "optimizer"),
+        ({"batch_size": 2.5}, "batch_size"),
+        ({"weight_decay": float("nan")}, "weight_decay"),
+    ],
+)
 def test_config_errors_name_the_key(kwargs, key):
     with pytest.raises(ConfigError, match=key):
         LocalTrainConfig(**kwargs)
@@ -170,8 +196,9 @@ def test_training_in_a_compact_item_subset_equals_training_on_the_full_tables(op
     items = np.union1d(positives, negatives)
     with compact.item_subset(items) as subset:
         assert compact.num_items == len(items) and compact.item_embedding_gmf.weight.shape[0] == len(items)
-        LocalTrainer(compact, cfg).train(0, np.searchsorted(subset, positives), np.searchsorted(subset, negatives),
-                                         torch.Generator().manual_seed(1))
+        LocalTrainer(compact, cfg).train(
+            0, np.searchsorted(subset, positives), np.searchsorted(subset, negatives), torch.Generator().manual_seed(1)
+        )
         trained = {k: v.clone() for k, v in compact.shared_state().items()}
     assert compact.num_items == 60 and compact.active_item_subset is None
     for key, value in full.shared_state().items():

@@ -31,8 +31,9 @@ def test_per_user_auc_counts_ties_as_half_and_std_is_over_users():
     assert result["auc-std"] == pytest.approx(np.std([0.75, 0.75, 0.0]))
 
 
-@pytest.mark.parametrize(("members", "others"), [([], []), ([[1.0]], []), ([[]], [[1.0]]), ([[np.nan]], [[0.0]]),
-                                                 ([[1.0]], [[np.inf]])])
+@pytest.mark.parametrize(
+    ("members", "others"), [([], []), ([[1.0]], []), ([[]], [[1.0]]), ([[np.nan]], [[0.0]]), ([[1.0]], [[np.inf]])]
+)
 def test_bad_scores_are_refused(members, others):
     with pytest.raises(ValueError, match="membership_auc"):
         membership_auc(members, others)

@@ -5,9 +5,16 @@ from __future__ import annotations
 import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 
+from fedrec_flwr.app.message_window import (
+    MIN_WINDOW,
+    WindowedGrid,
+    send_and_receive,
+    simulation_window,
+    window_for,
+    windowed,
+)
 from fedrec_flwr.config import RunConfig, default_mapping
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.app.message_window import MIN_WINDOW, WindowedGrid, send_and_receive, simulation_window, window_for, windowed
 
 
 class FakeLink:
@@ -59,8 +66,10 @@ def _identity(task_identity):
 
 
 def messages(n: int) -> list[Message]:
-    return [Message(RecordDict({"config": ConfigRecord({"i": i})}), dst_node_id=i + 1, message_type="train")
-            for i in range(n)]
+    return [
+        Message(RecordDict({"config": ConfigRecord({"i": i})}), dst_node_id=i + 1, message_type="train")
+        for i in range(n)
+    ]
 
 
 class Clock:
@@ -80,8 +89,9 @@ def replied_nodes(replies) -> list[int]:
 
 def test_every_message_is_answered_and_no_more_than_the_window_is_ever_stored():
     link, clock = FakeLink(delay={n: n % 3 for n in range(1, 51)}), Clock()
-    replies = send_and_receive(link.push, link.pull, messages(50), window=8, timeout=60.0, clock=clock,
-                               sleep=clock.sleep)
+    replies = send_and_receive(
+        link.push, link.pull, messages(50), window=8, timeout=60.0, clock=clock, sleep=clock.sleep
+    )
     assert replied_nodes(replies) == list(range(1, 51))
     assert link.most_stored == 8
     assert link.pushed == list(range(1, 51))  # in the batch's order, each once
@@ -96,8 +106,9 @@ def test_without_a_window_all_would_be_stored_at_once():
 def test_the_deadline_counts_for_the_whole_batch_and_unsent_messages_are_never_pushed():
     # node 1 never answers and holds the only slot: nothing after it is sent before the deadline
     link, clock = FakeLink(delay={1: None}), Clock()
-    replies = send_and_receive(link.push, link.pull, messages(5), window=1, timeout=1.0, pull_interval=0.1,
-                               clock=clock, sleep=clock.sleep)
+    replies = send_and_receive(
+        link.push, link.pull, messages(5), window=1, timeout=1.0, pull_interval=0.1, clock=clock, sleep=clock.sleep
+    )
     assert replies == []
     assert link.pushed == [1]
     assert 1.0 <= clock.t <= 1.1 + 1e-9  # returns within one pull interval of the deadline
@@ -105,15 +116,15 @@ def test_the_deadline_counts_for_the_whole_batch_and_unsent_messages_are_never_p
 
 def test_a_stuck_node_holds_one_slot_while_the_others_go_through():
     link, clock = FakeLink(delay={3: None}), Clock()
-    replies = send_and_receive(link.push, link.pull, messages(20), window=4, timeout=5.0, clock=clock,
-                               sleep=clock.sleep)
+    replies = send_and_receive(
+        link.push, link.pull, messages(20), window=4, timeout=5.0, clock=clock, sleep=clock.sleep
+    )
     assert replied_nodes(replies) == [n for n in range(1, 21) if n != 3]
 
 
 def test_a_message_the_link_refuses_frees_its_slot():
     link, clock = FakeLink(refuse={2, 4}), Clock()
-    replies = send_and_receive(link.push, link.pull, messages(6), window=2, timeout=5.0, clock=clock,
-                               sleep=clock.sleep)
+    replies = send_and_receive(link.push, link.pull, messages(6), window=2, timeout=5.0, clock=clock, sleep=clock.sleep)
     assert replied_nodes(replies) == [1, 3, 5, 6]
 
 

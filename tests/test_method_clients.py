@@ -8,18 +8,17 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import MessageRecorder, assert_no_private_value_in_replies, seeded_private_vectors, tiny_run_config
 from test_serial_equals_ray import FEDRECGEL, PFEDREC
+
 from fedrec_flwr.app.client_app import make_client_app
-from fedrec_flwr.models import build_model
 from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.local.sam import SAMTrainer
-from fedrec_flwr.serial import run_serial
 from fedrec_flwr.local.training import LocalTrainConfig, LocalTrainer
+from fedrec_flwr.models import build_model
+from fedrec_flwr.serial import run_serial
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
 
 
 def _serial(folder, recorder=None, **overrides):
@@ -28,11 +27,14 @@ def _serial(folder, recorder=None, **overrides):
     return config, run_serial(config, client_app=make_client_app(config, mods=mods))
 
 
-@pytest.mark.parametrize(("name", "overrides", "kinds"), [
-    ("fedrecgel", FEDRECGEL, {"user", "user-opt"}),
-    ("fedrecgel-fedavg-of-updates", {**FEDRECGEL, "strategy": "item-fedavg"}, {"user", "user-opt"}),
-    ("pfedrec", PFEDREC, {"user", "user-rows"}),
-])
+@pytest.mark.parametrize(
+    ("name", "overrides", "kinds"),
+    [
+        ("fedrecgel", FEDRECGEL, {"user", "user-opt"}),
+        ("fedrecgel-fedavg-of-updates", {**FEDRECGEL, "strategy": "item-fedavg"}, {"user", "user-opt"}),
+        ("pfedrec", PFEDREC, {"user", "user-rows"}),
+    ],
+)
 def test_no_reply_carries_private_parameters(tmp_path, name, overrides, kinds):
     """Every private record (``user:`` parameters, FedRecGEL's ``user-opt:`` Adam moments, ...) held before or after
     any handler, and each user's seeded initial parameters, appear in no reply (conftest's check)."""
@@ -50,7 +52,9 @@ def test_no_reply_carries_private_parameters(tmp_path, name, overrides, kinds):
 def test_fedrecgel_uploads_gradients_with_unit_weight_and_keeps_its_optimizer_state(tmp_path):
     recorder = MessageRecorder(tmp_path / "messages")
     _serial(tmp_path, recorder, users_per_node=1, fraction_train=1.0, **FEDRECGEL)
-    train = sorted((r for r in recorder.records() if r["type"] == "train"), key=lambda r: (r["partition-id"], r["round"]))
+    train = sorted(
+        (r for r in recorder.records() if r["type"] == "train"), key=lambda r: (r["partition-id"], r["round"])
+    )
     assert train
     for record in train:
         assert record["reply-metrics"]["metrics"]["num-examples"] == 1.0  # each user's gradient counts once
@@ -60,8 +64,9 @@ def test_fedrecgel_uploads_gradients_with_unit_weight_and_keeps_its_optimizer_st
 
 
 def test_pfedrec_evaluates_with_its_personalised_rows(tmp_path):
-    from fedrec_flwr.clients.pfedrec import PFedRecClient
     from flwr.app import RecordDict
+
+    from fedrec_flwr.clients.pfedrec import PFedRecClient
 
     config = tiny_run_config(tmp_path, **PFEDREC)
     runtime = get_runtime(config)
@@ -90,16 +95,17 @@ def test_fedrecgel_with_both_rho_zero_is_a_plain_full_batch_step():
     models = [build_model("ncf", 1, 40, embedding_dim=8, mlp_layers=(16, 8), seed=1) for _ in range(2)]
     cfg = LocalTrainConfig(learning_rate=0.05, optimizer="sgd", batch_size=20)
     SAMTrainer(models[0], cfg, rho_shared=0, rho_private=0, update_shared=True).fit_examples(
-        users, items, labels, torch.Generator().manual_seed(0))
+        users, items, labels, torch.Generator().manual_seed(0)
+    )
     LocalTrainer(models[1], cfg).fit_examples(users, items, labels, torch.Generator().manual_seed(0))
     for (key, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=key)
 
 
 def test_pfedrec_client_needs_the_pfedrec_model(tmp_path):
-    from fedrec_flwr.clients.pfedrec import PFedRecClient
     from flwr.app import RecordDict
 
+    from fedrec_flwr.clients.pfedrec import PFedRecClient
     from fedrec_flwr.errors import ConfigError
 
     runtime = get_runtime(tiny_run_config(tmp_path, client="pfedrec"))
@@ -107,11 +113,14 @@ def test_pfedrec_client_needs_the_pfedrec_model(tmp_path):
         PFedRecClient(runtime, 0, RecordDict())
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    ({"strategy": "server-optimizer"}, "uploads parameters"),  # client = fedrec
-    ({"client": "pfedrec"}, "needs model = 'pfedrec'"),
-    ({**FEDRECGEL, "loss": "bpr"}, "loss = 'bce'"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"strategy": "server-optimizer"}, "uploads parameters"),  # client = fedrec
+        ({"client": "pfedrec"}, "needs model = 'pfedrec'"),
+        ({**FEDRECGEL, "loss": "bpr"}, "loss = 'bce'"),
+    ],
+)
 def test_incompatible_client_strategy_model_fail_at_start_with_one_message(tmp_path, overrides, message):
     from fedrec_flwr.errors import ConfigError
 

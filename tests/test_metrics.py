@@ -95,14 +95,17 @@ def test_metric_keys_and_values():
 
 
 # ------------------------------------------------------------------ edge cases (as recommender libraries pin them)
-@pytest.mark.parametrize(("scores", "target", "rank"), [
-    ([np.inf, 1.0, 2.0], 0, 0),  # +inf target beats every finite score
-    ([1.0, np.inf, 2.0], 0, 2),  # a +inf competitor beats it
-    ([-np.inf, 1.0, -5.0], 0, 2),  # -inf target: worst
-    ([np.inf, np.inf, 0.0], 0, 1),  # tie at +inf: counted against the target
-    ([-np.inf, -np.inf, -np.inf], 2, 2),  # all -inf: a tie, worst rank
-    ([0.5, -np.inf, -np.inf], 0, 0),
-])
+@pytest.mark.parametrize(
+    ("scores", "target", "rank"),
+    [
+        ([np.inf, 1.0, 2.0], 0, 0),  # +inf target beats every finite score
+        ([1.0, np.inf, 2.0], 0, 2),  # a +inf competitor beats it
+        ([-np.inf, 1.0, -5.0], 0, 2),  # -inf target: worst
+        ([np.inf, np.inf, 0.0], 0, 1),  # tie at +inf: counted against the target
+        ([-np.inf, -np.inf, -np.inf], 2, 2),  # all -inf: a tie, worst rank
+        ([0.5, -np.inf, -np.inf], 0, 0),
+    ],
+)
 def test_infinite_scores_are_ordered_and_ties_at_infinity_count_against(scores, target, rank):
     assert rank_of_target(np.array(scores), target) == rank
     assert ranks_batch(np.array([scores]), target).tolist() == [rank]
@@ -135,8 +138,12 @@ def test_numpy_integer_ks_are_accepted_as_ints():
 def test_mean_over_users_is_exact_and_empty_input_raises():
     per_user = ranking_metrics_batch(np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 2.0], [0.0, 1.0, -1.0]]), 0, ks=(1, 2))
     # ranks 0, 2, 1
-    assert mean_metrics(per_user) == {"HR@1": 1 / 3, "NDCG@1": 1 / 3, "HR@2": 2 / 3,
-                                      "NDCG@2": (1.0 + 0.0 + 1 / math.log2(3)) / 3}
+    assert mean_metrics(per_user) == {
+        "HR@1": 1 / 3,
+        "NDCG@1": 1 / 3,
+        "HR@2": 2 / 3,
+        "NDCG@2": (1.0 + 0.0 + 1 / math.log2(3)) / 3,
+    }
     with pytest.raises(ValueError, match="no users for HR@5"):
         mean_metrics(ranking_metrics_batch(np.zeros((0, 4)), 0, ks=(5,)))
     with pytest.raises(ValueError, match="no metrics to average"):
@@ -169,9 +176,11 @@ def test_ks_without_10_gives_a_full_summary_progress_lines_and_curves(tmp_path, 
     recorder = RunRecorder(tmp_path / "run", {"ks": "5,20"}, {})
     with caplog.at_level(logging.INFO, logger="fedrec_flwr.progress"):
         for server_round, hr in ((1, 0.25), (2, 0.5)):
-            recorder.record(server_round, {"train-loss": 0.6},
-                            {"HR@5": hr, "NDCG@5": hr / 2, "HR@20": 2 * hr, "NDCG@20": hr,
-                             "val-HR@5": 1 - hr, "val-HR@20": 0.9})
+            recorder.record(
+                server_round,
+                {"train-loss": 0.6},
+                {"HR@5": hr, "NDCG@5": hr / 2, "HR@20": 2 * hr, "NDCG@20": hr, "val-HR@5": 1 - hr, "val-HR@20": 0.9},
+            )
     progress = [r.getMessage() for r in caplog.records if r.name == "fedrec_flwr.progress"]
     assert progress[-1].startswith("round    2 | HR@5 0.5000 | NDCG@5 0.2500 | train loss 0.6000"), progress
     recorder.finish({}, {})

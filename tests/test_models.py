@@ -46,9 +46,16 @@ def test_pfedrec_private_state_is_the_score_function_and_resets_to_its_initial_v
 def test_ncf_shared_keys_and_item_tables():
     model = build_model("ncf", USERS, ITEMS)
     assert list(model.shared_state()) == [
-        "item_embedding_gmf.weight", "item_embedding_mlp.weight",
-        "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias", "mlp.4.weight", "mlp.4.bias",
-        "output.weight", "output.bias",
+        "item_embedding_gmf.weight",
+        "item_embedding_mlp.weight",
+        "mlp.0.weight",
+        "mlp.0.bias",
+        "mlp.2.weight",
+        "mlp.2.bias",
+        "mlp.4.weight",
+        "mlp.4.bias",
+        "output.weight",
+        "output.bias",
     ]
     assert set(model.item_embedding_modules()) == {"item_embedding_gmf", "item_embedding_mlp"}
     assert model.shared_state()["mlp.0.weight"].shape == (64, 64)
@@ -159,6 +166,9 @@ def test_build_model_errors():
 def test_custom_mlp_layers():
     model = build_model("ncf", USERS, ITEMS, embedding_dim=8, mlp_layers=(16, 4))
     assert [k for k in model.shared_state() if k.startswith("mlp")] == [
-        "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"
+        "mlp.0.weight",
+        "mlp.0.bias",
+        "mlp.2.weight",
+        "mlp.2.bias",
     ]
     assert model.output.in_features == 8 + 4

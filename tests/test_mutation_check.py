@@ -32,10 +32,20 @@ def test_every_mutation_applies_to_todays_source_and_names_existing_tests(script
 
 
 def test_every_covered_file_has_at_least_five_mutations(script):
-    for target in ("fedrec_flwr/unlearning/krylov.py", "fedrec_flwr/unlearning/influence.py", "strategies/unlearning.py",
-                   "fedrec_flwr/unlearning/margin.py", "fedrec_flwr/adversary.py", "strategies/adversary.py",
-                   "fedrec_flwr/data/split.py", "fedrec_flwr/attacks/", "fedrec_flwr/state/checkpoint.py",
-                   "fedrec_flwr/state/client_state.py", "strategies/server_optimizer.py", "clients/pfedrec.py"):
+    for target in (
+        "fedrec_flwr/unlearning/krylov.py",
+        "fedrec_flwr/unlearning/influence.py",
+        "strategies/unlearning.py",
+        "fedrec_flwr/unlearning/margin.py",
+        "fedrec_flwr/adversary.py",
+        "strategies/adversary.py",
+        "fedrec_flwr/data/split.py",
+        "fedrec_flwr/attacks/",
+        "fedrec_flwr/state/checkpoint.py",
+        "fedrec_flwr/state/client_state.py",
+        "strategies/server_optimizer.py",
+        "clients/pfedrec.py",
+    ):
         assert script.COVERAGE[target] >= 5
         assert sum(script._covers(target, m.path) for m in script.MUTATIONS) >= 5, target
 
@@ -53,8 +63,9 @@ def test_the_check_reports_a_stale_mutation_a_missing_test_and_thin_coverage(scr
 
     stale = script.Mutation("stale", "pkg/a.py", (one("a = 2", "a = 3"),), ("tests/test_a.py",))
     broken = script.Mutation("broken", "pkg/a.py", (one("b = a + 1", "b = (a"),), ("tests/test_a.py",))
-    missing = script.Mutation("missing", "pkg/a.py", (one("a = 1", "a = 0"),), ("tests/test_a.py::test_b",
-                                                                               "tests/test_gone.py"))
+    missing = script.Mutation(
+        "missing", "pkg/a.py", (one("a = 1", "a = 0"),), ("tests/test_a.py::test_b", "tests/test_gone.py")
+    )
     twice = script.Mutation("good", "pkg/a.py", (one("a", "c", 1),), ("tests/test_a.py",))
     monkeypatch.setattr(script, "MUTATIONS", (good, stale, broken, missing, twice))
     monkeypatch.setattr(script, "COVERAGE", {"pkg/a.py": 1, "pkg/other/": 2})

@@ -12,13 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_run_config
 from flwr.app import RecordDict
 
-from fedrec_flwr.clients.pfedrec import LR_ETA, PFedRecClient, PFedRecTrainer
-from conftest import tiny_run_config
-from fedrec_flwr.models import build_model
 from fedrec_flwr.app.runtime import get_runtime
+from fedrec_flwr.clients.pfedrec import LR_ETA, PFedRecClient, PFedRecTrainer
 from fedrec_flwr.local.training import LocalTrainConfig
+from fedrec_flwr.models import build_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -48,10 +48,12 @@ def test_one_batch_moves_the_score_function_then_the_item_rows_by_their_own_rate
     w0 = model.score.weight.detach().double().numpy()[0].copy()
     b0 = float(model.score.bias.detach()[0])
     table0 = model.item_embedding.weight.detach().double().numpy().copy()
-    trainer = PFedRecTrainer(model, LocalTrainConfig(learning_rate=lr, optimizer="sgd", batch_size=8),
-                             item_learning_rate=item_lr)
-    trainer.step(torch.zeros(ITEMS.size, dtype=torch.long), torch.as_tensor(ITEMS),
-                 torch.as_tensor(LABELS, dtype=torch.float32))
+    trainer = PFedRecTrainer(
+        model, LocalTrainConfig(learning_rate=lr, optimizer="sgd", batch_size=8), item_learning_rate=item_lr
+    )
+    trainer.step(
+        torch.zeros(ITEMS.size, dtype=torch.long), torch.as_tensor(ITEMS), torch.as_tensor(LABELS, dtype=torch.float32)
+    )
     w1, b1, table1 = _hand_step(w0, b0, table0, lr, item_lr)
     np.testing.assert_allclose(model.score.weight.detach().numpy()[0], w1, rtol=1e-5, atol=1e-7)
     assert float(model.score.bias.detach()[0]) == pytest.approx(b1, rel=1e-5, abs=1e-7)
@@ -71,8 +73,9 @@ def test_item_learning_rate_must_be_positive():
 
 @pytest.mark.parametrize("item_lr", [0.0, 7.5])
 def test_default_item_rate_is_lr_times_num_items_times_80(tmp_path, item_lr):
-    config = tiny_run_config(tmp_path, model="pfedrec", client="pfedrec", optimizer="sgd", learning_rate=0.3,
-                             item_learning_rate=item_lr)
+    config = tiny_run_config(
+        tmp_path, model="pfedrec", client="pfedrec", optimizer="sgd", learning_rate=0.3, item_learning_rate=item_lr
+    )
     runtime = get_runtime(config)
     trainer = PFedRecClient(runtime, 0, RecordDict()).make_trainer({})
     expected = item_lr or 0.3 * runtime.split.num_items * LR_ETA

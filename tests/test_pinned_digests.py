@@ -15,7 +15,6 @@ import json
 import math
 
 import pytest
-
 from conftest import PROJECT_ROOT
 
 _SPEC = importlib.util.spec_from_file_location("pinned_digests", PROJECT_ROOT / "tests" / "pinned" / "digests.py")

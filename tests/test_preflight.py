@@ -9,13 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import tiny_run_config
 from flwr.app import Context, RecordDict
 
 from fedrec_flwr import launch
-from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.app.preflight import preflight
-
-from conftest import tiny_run_config
+from fedrec_flwr.errors import ConfigError
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -47,17 +46,23 @@ def _results_dir_is_a_file(tmp_path: Path) -> dict:
 
 CASES = {
     "finished-run-name": (_finished_run, "'run-name' = 'done'"),
-    "fedau2-without-attributes": (lambda _: {"client": "fedau2", "adversary": "mlp", "protected-attribute": "gender"},
-                                  "'protected-attribute' = 'gender': the dataset 'generic' has no user attributes"),
-    "fedau2-unknown-attribute": (lambda p: {**_with_attributes(p), "client": "fedau2", "adversary": "mlp",
-                                            "protected-attribute": "zodiac"},
-                                 "'protected-attribute' = 'zodiac': the dataset's user attributes are ['gender']"),
-    "forget-users-out-of-range": (lambda _: {"unlearning": "retrain", "forget-users": "3,24"},
-                                  "'forget-users' = '3,24': user index 24 is out of range"),
+    "fedau2-without-attributes": (
+        lambda _: {"client": "fedau2", "adversary": "mlp", "protected-attribute": "gender"},
+        "'protected-attribute' = 'gender': the dataset 'generic' has no user attributes",
+    ),
+    "fedau2-unknown-attribute": (
+        lambda p: {**_with_attributes(p), "client": "fedau2", "adversary": "mlp", "protected-attribute": "zodiac"},
+        "'protected-attribute' = 'zodiac': the dataset's user attributes are ['gender']",
+    ),
+    "forget-users-out-of-range": (
+        lambda _: {"unlearning": "retrain", "forget-users": "3,24"},
+        "'forget-users' = '3,24': user index 24 is out of range",
+    ),
     "resume-from-without-checkpoint": (_empty_folder, "'resume-from' = "),
-    "fedprox-negative-mu": (lambda _: {"strategy": "flwr.serverapp.strategy:FedProx",
-                                       "strategy-args": "proximal_mu=-0.1"},
-                            "sends 'proximal-mu' = -0.1: FedProx's proximal weight must be a finite number >= 0"),
+    "fedprox-negative-mu": (
+        lambda _: {"strategy": "flwr.serverapp.strategy:FedProx", "strategy-args": "proximal_mu=-0.1"},
+        "sends 'proximal-mu' = -0.1: FedProx's proximal weight must be a finite number >= 0",
+    ),
     "results-dir-is-a-file": (_results_dir_is_a_file, "'results-dir' = "),
 }
 """Each case: (its overrides, made in ``tmp_path``; the text the error must hold, naming the key and the value)."""
@@ -73,8 +78,15 @@ def _config(tmp_path: Path, case: str) -> dict:
 def _results_left(tmp_path: Path) -> list[str]:
     """What is under results-dir, the finished run's own files aside."""
     folder = tmp_path / "results"
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.parts[-2:] != ("done", "summary.json")
-                  and p != folder / "done") if folder.is_dir() else []
+    return (
+        sorted(
+            str(p.relative_to(folder))
+            for p in folder.rglob("*")
+            if p.parts[-2:] != ("done", "summary.json") and p != folder / "done"
+        )
+        if folder.is_dir()
+        else []
+    )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -110,8 +122,8 @@ def test_the_server_app_refuses_before_training_and_creates_no_folder(tmp_path, 
     any message; what needs the nodes' data (attributes, forget-users) after the identify query only. Either way
     before any training message, and no results folder."""
     from fedrec_flwr.app.client_app import make_client_app
-    from fedrec_flwr.serial import SerialGrid
     from fedrec_flwr.app.server_app import main
+    from fedrec_flwr.serial import SerialGrid
 
     mapping = _config(tmp_path, case)
     grid = SerialGrid(make_client_app(mapping), 24 // USERS_PER_NODE, mapping)
@@ -146,23 +158,40 @@ def test_an_interrupted_runs_files_stay_until_the_run_starts(tmp_path):
     assert (tmp_path / "results" / "again" / "metrics.csv").is_file()
 
 
-@pytest.mark.parametrize(("dataset", "expected"), [
-    ("ml-100k", "'protected-attribute' = 'zodiac': the dataset 'ml-100k''s user attributes are ['age', 'gender', 'occupation']"),
-    ("filmtrust", "'protected-attribute' = 'zodiac': the dataset 'filmtrust' has no user attributes "
-                  "(datasets with user attributes: 'ml-100k' (age, gender, occupation)"),
-])
+@pytest.mark.parametrize(
+    ("dataset", "expected"),
+    [
+        (
+            "ml-100k",
+            "'protected-attribute' = 'zodiac': the dataset 'ml-100k''s user attributes are ['age', 'gender', 'occupation']",
+        ),
+        (
+            "filmtrust",
+            "'protected-attribute' = 'zodiac': the dataset 'filmtrust' has no user attributes "
+            "(datasets with user attributes: 'ml-100k' (age, gender, occupation)",
+        ),
+    ],
+)
 def test_an_attribute_a_named_dataset_lacks_is_refused_alone_before_the_published_prior_warning(
-        tmp_path, caplog, dataset, expected):
+    tmp_path, caplog, dataset, expected
+):
     """FedAU² with ``adversary-class-prior = "published"`` (the default) and an attribute the dataset lacks first
     warned that the published prior falls back to none for it, then refused the attribute (a fresh user's finding).
     A named dataset's attributes are known without its files, so the run config refuses it, with the data-less
     ServerApp's preflight too, and nothing is logged before the error."""
     from fedrec_flwr.config import make_run_config
 
-    overrides = {"dataset": dataset, "client": "fedau2", "adversary": "dsvae", "protected-attribute": "zodiac",
-                 "results-dir": str(tmp_path / "results")}
-    for attempt in (lambda: make_run_config(**overrides),
-                    lambda: preflight({**launch.default_mapping(launch.PROJECT_ROOT / "pyproject.toml"), **overrides})):
+    overrides = {
+        "dataset": dataset,
+        "client": "fedau2",
+        "adversary": "dsvae",
+        "protected-attribute": "zodiac",
+        "results-dir": str(tmp_path / "results"),
+    }
+    for attempt in (
+        lambda: make_run_config(**overrides),
+        lambda: preflight({**launch.default_mapping(launch.PROJECT_ROOT / "pyproject.toml"), **overrides}),
+    ):
         caplog.clear()
         with caplog.at_level("INFO"), pytest.raises(ConfigError) as caught:
             attempt()
@@ -174,6 +203,7 @@ def test_an_attribute_a_named_dataset_lacks_is_refused_alone_before_the_publishe
 def test_the_named_datasets_attributes_are_the_ones_their_loaders_read():
     """:data:`fedrec_flwr.attributes.DATASET_ATTRIBUTES` (checked without the data) against the real files."""
     from conftest import dataset_dir
+
     from fedrec_flwr.attributes import DATASET_ATTRIBUTES
     from fedrec_flwr.data import DATASETS, load_interactions
 

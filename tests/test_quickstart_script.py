@@ -21,8 +21,13 @@ def _launcher_args(tmp_path, *args: str) -> list[str]:
     python.chmod(0o755)
     (tmp_path / ".venv" / ".fedrec-installed").touch()  # installed: newer than pyproject.toml
     os.utime(tmp_path / "pyproject.toml", (1, 1))
-    out = subprocess.run(["bash", str(tmp_path / "experiments" / "quickstart.sh"), *args], capture_output=True,
-                         text=True, check=True, env={**os.environ, "FEDREC_DATA_DIR": str(tmp_path)})
+    out = subprocess.run(
+        ["bash", str(tmp_path / "experiments" / "quickstart.sh"), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "FEDREC_DATA_DIR": str(tmp_path)},
+    )
     return out.stdout.splitlines()
 
 
@@ -31,4 +36,9 @@ def test_quickstart_writes_under_results_unless_a_results_dir_is_given(tmp_path)
     assert args == ["-m", "fedrec_flwr.launch", "run", f"results-dir={tmp_path / 'a'}/results", "num-server-rounds=1"]
     args = _launcher_args(tmp_path / "b", "results-dir=/tmp/elsewhere", "num-server-rounds=1")
     assert args == ["-m", "fedrec_flwr.launch", "run", "results-dir=/tmp/elsewhere", "num-server-rounds=1"]
-    assert _launcher_args(tmp_path / "c") == ["-m", "fedrec_flwr.launch", "run", f"results-dir={tmp_path / 'c'}/results"]
+    assert _launcher_args(tmp_path / "c") == [
+        "-m",
+        "fedrec_flwr.launch",
+        "run",
+        f"results-dir={tmp_path / 'c'}/results",
+    ]

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import dataset_dir, without_timings
+
 from fedrec_flwr.launch import _alive, flwr_env, flwr_run, processes_with_env, superlink_pids
 
 RAY = Path(sys.executable).with_name("ray")
@@ -83,22 +83,50 @@ class LocalRayCluster:
         self.token = uuid.uuid4().hex
         self.root = Path(tempfile.mkdtemp(prefix="fr-ray-", dir="/tmp"))
         self.address = f"127.0.0.1:{_free_port()}"
-        self.env = dict(os.environ, **{MARKER: self.token}, RAY_USAGE_STATS_ENABLED="0",
-                        RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0", PYTHONWARNINGS="ignore::DeprecationWarning")
+        self.env = dict(
+            os.environ,
+            **{MARKER: self.token},
+            RAY_USAGE_STATS_ENABLED="0",
+            RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0",
+            PYTHONWARNINGS="ignore::DeprecationWarning",
+        )
         self.env.setdefault("OMP_NUM_THREADS", "1")
         self.env["PATH"] = os.pathsep.join([str(RAY.parent), self.env.get("PATH", "")])
         self.env.pop("RAY_ADDRESS", None)
         self.sessions: set[int] = set()  # the session of each `ray start`: every process of the node stays in it
 
     def _start(self, name: str, *args: str) -> None:
-        command = [str(RAY), "start", *args, "--node-name", name, "--node-ip-address", "127.0.0.1",
-                   "--num-cpus", "1", "--num-gpus", "0", "--temp-dir", str(self.root / name), "--disable-usage-stats",
-                   "--node-manager-port", str(_free_port()), "--object-manager-port", str(_free_port()),
-                   "--dashboard-agent-listen-port", str(_free_port()),
-                   "--dashboard-agent-grpc-port", str(_free_port()),
-                   "--runtime-env-agent-port", str(_free_port()), "--metrics-export-port", str(_free_port())]
-        with subprocess.Popen(command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True) as process:
+        command = [
+            str(RAY),
+            "start",
+            *args,
+            "--node-name",
+            name,
+            "--node-ip-address",
+            "127.0.0.1",
+            "--num-cpus",
+            "1",
+            "--num-gpus",
+            "0",
+            "--temp-dir",
+            str(self.root / name),
+            "--disable-usage-stats",
+            "--node-manager-port",
+            str(_free_port()),
+            "--object-manager-port",
+            str(_free_port()),
+            "--dashboard-agent-listen-port",
+            str(_free_port()),
+            "--dashboard-agent-grpc-port",
+            str(_free_port()),
+            "--runtime-env-agent-port",
+            str(_free_port()),
+            "--metrics-export-port",
+            str(_free_port()),
+        ]
+        with subprocess.Popen(
+            command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        ) as process:
             self.sessions.add(process.pid)
             try:
                 stdout, stderr = process.communicate(timeout=240)
@@ -108,14 +136,27 @@ class LocalRayCluster:
         assert process.returncode == 0, f"{' '.join(command)}\n{stdout[-2000:]}\n{stderr[-3000:]}"
 
     def start(self) -> None:
-        self._start("head", "--head", "--port", self.address.rsplit(":", 1)[1], "--include-dashboard=false",
-                    "--ray-client-server-port", str(_free_port()))
+        self._start(
+            "head",
+            "--head",
+            "--port",
+            self.address.rsplit(":", 1)[1],
+            "--include-dashboard=false",
+            "--ray-client-server-port",
+            str(_free_port()),
+        )
         self._start("worker", "--address", self.address)
 
     def query(self) -> dict:
         """Nodes, client actors and task counts (``name|node|finished``) from the cluster's GCS."""
-        done = subprocess.run([sys.executable, "-c", _QUERY, self.address], env=self.env, capture_output=True,
-                              text=True, timeout=180, check=False)
+        done = subprocess.run(
+            [sys.executable, "-c", _QUERY, self.address],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -169,16 +210,29 @@ def test_flwr_run_on_a_two_node_ray_cluster_matches_one_process(tmp_path, ray_cl
     assert len(ray_cluster.processes()) >= 6, "the cluster's processes are not found: stop() could not end them"
 
     overrides = {
-        "dataset": "filmtrust", "data-dir": str(data), "cache-dir": str(tmp_path / "cache"), "model": "mf",
-        "users-per-node": 100, "num-server-rounds": 2, "eval-every": 2, "learning-rate": 0.05, "seed": 0,
+        "dataset": "filmtrust",
+        "data-dir": str(data),
+        "cache-dir": str(tmp_path / "cache"),
+        "model": "mf",
+        "users-per-node": 100,
+        "num-server-rounds": 2,
+        "eval-every": 2,
+        "learning-rate": 0.05,
+        "seed": 0,
     }
     results = tmp_path / "results"
     ports = {"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()), "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port())}
     flwr_home = tmp_path / "flwr-home"
     try:
-        done = flwr_run({**overrides, "results-dir": str(results), "run-name": "cluster"}, flwr_home=flwr_home,
-                        env_extra=ports, capture=True, timeout=900, ray_address=ray_cluster.address,
-                        federation_config={"client-resources-num-cpus": 1})
+        done = flwr_run(
+            {**overrides, "results-dir": str(results), "run-name": "cluster"},
+            flwr_home=flwr_home,
+            env_extra=ports,
+            capture=True,
+            timeout=900,
+            ray_address=ray_cluster.address,
+            federation_config={"client-resources-num-cpus": 1},
+        )
     finally:
         env = flwr_env(flwr_home, ports)
         leftover = superlink_pids(env) + processes_with_env("FLWR_HOME", str(flwr_home))
@@ -204,8 +258,10 @@ def test_flwr_run_on_a_two_node_ray_cluster_matches_one_process(tmp_path, ray_cl
     assert set(runs) == {"head", "worker"} and min(runs.values()) > 0, after["tasks"]
     # one task per message: the identify query (13 nodes), the train and evaluate messages of every round
     assert sum(runs.values()) == 13 + sum(r["num-replies"] for r in rows) + 13, (runs, rows)
-    print(f"client actors: {sorted((a['node'], a['pid']) for a in actors)}; ClientAppActor.run tasks per node: "
-          f"{dict(runs)}")
+    print(
+        f"client actors: {sorted((a['node'], a['pid']) for a in actors)}; ClientAppActor.run tasks per node: "
+        f"{dict(runs)}"
+    )
 
     # The same config in one process gives the same metrics and the same final parameters, bit for bit.
     from fedrec_flwr.config import make_run_config
@@ -219,5 +275,7 @@ def test_flwr_run_on_a_two_node_ray_cluster_matches_one_process(tmp_path, ray_cl
     for key in a.files:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
     final = json.loads((folder / "summary.json").read_text())["final"]
-    print(f"cluster run: HR@10 {final['HR@10']:.4f}, NDCG@10 {final['NDCG@10']:.4f}, "
-          f"{time.monotonic() - started:.0f} s after the cluster started")
+    print(
+        f"cluster run: HR@10 {final['HR@10']:.4f}, NDCG@10 {final['NDCG@10']:.4f}, "
+        f"{time.monotonic() - started:.0f} s after the cluster started"
+    )

@@ -10,7 +10,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from conftest import PROJECT_ROOT
 
 SCRIPT = PROJECT_ROOT / "scripts" / "check_readme_numbers.py"
@@ -25,13 +24,19 @@ def _script():
 
 def test_quoted_figures_are_compared_at_the_readme_precision():
     check = _script()
-    readme = ("```\nround    9 | HR@10    -   | NDCG@10    -   | train loss 0.3673 | 3.9 s\n"
-              "round   10 | HR@10 0.3807 | NDCG@10 0.1967 | train loss 0.3764 | 14.9 s\n```\n")
+    readme = (
+        "```\nround    9 | HR@10    -   | NDCG@10    -   | train loss 0.3673 | 3.9 s\n"
+        "round   10 | HR@10 0.3807 | NDCG@10 0.1967 | train loss 0.3764 | 14.9 s\n```\n"
+    )
     quotes = check.quoted(readme)
-    assert quotes == {9: {"HR@10": "-", "NDCG@10": "-", "train-loss": "0.3673"},
-                      10: {"HR@10": "0.3807", "NDCG@10": "0.1967", "train-loss": "0.3764"}}
-    rows = [{"round": 9, "train-loss": 0.36731}, {"round": 10, "HR@10": 0.38070, "NDCG@10": 0.19674,
-                                                  "train-loss": 0.37644}]
+    assert quotes == {
+        9: {"HR@10": "-", "NDCG@10": "-", "train-loss": "0.3673"},
+        10: {"HR@10": "0.3807", "NDCG@10": "0.1967", "train-loss": "0.3764"},
+    }
+    rows = [
+        {"round": 9, "train-loss": 0.36731},
+        {"round": 10, "HR@10": 0.38070, "NDCG@10": 0.19674, "train-loss": 0.37644},
+    ]
     assert check.compare(quotes, rows) == []
     rows[1]["HR@10"] = 0.3796
     assert check.compare(quotes, rows) == ["round 10 HR@10: README 0.3807, fresh run 0.3796"]
@@ -45,9 +50,13 @@ def test_the_readme_quotes_quickstart_figures():
 
 @pytest.mark.slow  # 70 s of MovieLens-100K training in process (10 rounds, 943 users)
 def test_readme_quickstart_figures_match_a_fresh_10_round_run(ml100k_dir, tmp_path):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "10", "--results-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, "FEDREC_DATA_DIR": str(ml100k_dir.parent)})
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--rounds", "10", "--results-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={**os.environ, "FEDREC_DATA_DIR": str(ml100k_dir.parent)},
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
@@ -60,8 +69,9 @@ def _fake_run(monkeypatch, hr10: float):
     def fake_run_serial(config):
         folder = Path(config.results_dir) / config.run_name
         folder.mkdir(parents=True)
-        (folder / "metrics.json").write_text(json.dumps([{"round": 10, "HR@10": hr10, "NDCG@10": 0.1967,
-                                                          "train-loss": 0.3764}]))
+        (folder / "metrics.json").write_text(
+            json.dumps([{"round": 10, "HR@10": hr10, "NDCG@10": 0.1967, "train-loss": 0.3764}])
+        )
         return folder
 
     monkeypatch.setattr(fedrec_flwr.serial, "run_serial", fake_run_serial)
@@ -108,8 +118,10 @@ def test_figures_are_compared_within_the_stated_spread_off_the_recording_machine
     check = _script()
     quotes = {100: {"HR@10": "0.4751", "NDCG@10": "0.2671"}}
     other_cpu = [{"round": 100, "HR@10": 0.4740, "NDCG@10": 0.2664}]  # an AVX-512 machine's figures
-    assert check.compare(quotes, other_cpu) == ["round 100 HR@10: README 0.4751, fresh run 0.4740",
-                                                "round 100 NDCG@10: README 0.2671, fresh run 0.2664"]
+    assert check.compare(quotes, other_cpu) == [
+        "round 100 HR@10: README 0.4751, fresh run 0.4740",
+        "round 100 NDCG@10: README 0.2671, fresh run 0.2664",
+    ]
     assert check.compare(quotes, other_cpu, tolerance=0.002) == []
     far = [{"round": 100, "HR@10": 0.4720, "NDCG@10": 0.2671}]
     assert check.compare(quotes, far, tolerance=0.002) == ["round 100 HR@10: README 0.4751, fresh run 0.4720"]
@@ -132,9 +144,20 @@ def _check_with_machine(monkeypatch, tmp_path, recorded: dict | None, fresh_hr10
     machine_file = tmp_path / "machine.json"
     if recorded is not None:
         import json
+
         machine_file.write_text(json.dumps(recorded))
-    return _script().main(["--rounds", "10", "--readme", str(readme), "--results-dir", str(tmp_path / "r"),
-                           "--machine-file", str(machine_file)])
+    return _script().main(
+        [
+            "--rounds",
+            "10",
+            "--readme",
+            str(readme),
+            "--results-dir",
+            str(tmp_path / "r"),
+            "--machine-file",
+            str(machine_file),
+        ]
+    )
 
 
 def test_the_check_is_exact_on_the_recording_machine_and_says_so(monkeypatch, tmp_path, capsys):

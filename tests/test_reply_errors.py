@@ -20,6 +20,8 @@ def test_the_clients_own_error_is_picked_from_rays_reason():
 
 
 def test_a_qualified_error_of_ours_keeps_its_message_and_a_plain_reason_is_kept_as_it_is():
-    assert reply_error_line("x\nfedrec_flwr.errors.ClientStateError: user-3.npz: unreadable\n") == \
-        "ClientStateError: user-3.npz: unreadable"
+    assert (
+        reply_error_line("x\nfedrec_flwr.errors.ClientStateError: user-3.npz: unreadable\n")
+        == "ClientStateError: user-3.npz: unreadable"
+    )
     assert reply_error_line("no reply within round-timeout (20 s)") == "no reply within round-timeout (20 s)"

@@ -12,12 +12,11 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import tiny_run_config
 
 from fedrec_flwr import launch
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError
-
-from conftest import tiny_run_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -47,8 +46,14 @@ def finished(tmp_path_factory):
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     base = tmp_path_factory.mktemp("finished")
-    config = tiny_run_config(base, users_per_node=USERS_PER_NODE, num_server_rounds=2, checkpoint_every=1,
-                             client_state_dir=str(base / "client-state"), run_name="fin")
+    config = tiny_run_config(
+        base,
+        users_per_node=USERS_PER_NODE,
+        num_server_rounds=2,
+        checkpoint_every=1,
+        client_state_dir=str(base / "client-state"),
+        run_name="fin",
+    )
     folder = run_serial(config)
     assert (folder / "summary.json").is_file() and (folder / "checkpoint.npz").is_file()
     return base, config, folder
@@ -120,12 +125,18 @@ def test_a_run_name_that_is_a_path_is_refused(tmp_path, capsys, name):
     assert list((tmp_path / "results").iterdir()) == []
 
 
-@pytest.mark.parametrize("pair, expected", [
-    ("foo=1", "Flower knows no simulation setting 'foo'"),
-    ("client-resources-num-cpus=abc", "--federation-config client-resources-num-cpus=abc: Flower refuses the value"),
-    ("client-resources-num-cpus=-1", "--federation-config client-resources-num-cpus=-1: Flower refuses the value"),
-    ("num-supernodes=3", "use --num-supernodes 3"),
-])
+@pytest.mark.parametrize(
+    "pair, expected",
+    [
+        ("foo=1", "Flower knows no simulation setting 'foo'"),
+        (
+            "client-resources-num-cpus=abc",
+            "--federation-config client-resources-num-cpus=abc: Flower refuses the value",
+        ),
+        ("client-resources-num-cpus=-1", "--federation-config client-resources-num-cpus=-1: Flower refuses the value"),
+        ("num-supernodes=3", "use --num-supernodes 3"),
+    ],
+)
 def test_federation_config_is_checked_as_flower_checks_it(tmp_path, capsys, pair, expected):
     """Defect 5: an unknown --federation-config key (or a non-integer CPU count) started the SuperLink and failed
     19 s later with 'status unknown ... the SuperLink knows no run', Flower's own reason only in the log. Now
@@ -135,8 +146,9 @@ def test_federation_config_is_checked_as_flower_checks_it(tmp_path, capsys, pair
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
     assert not (tmp_path / "home").exists()
     # what Flower accepts passes
-    _, _, federation = launch.parse_args(["run", "--federation-config", "client-resources-num-cpus=1",
-                                          "--federation-config", "init-args-num-cpus=2"])
+    _, _, federation = launch.parse_args(
+        ["run", "--federation-config", "client-resources-num-cpus=1", "--federation-config", "init-args-num-cpus=2"]
+    )
     assert federation == {"client-resources-num-cpus": 1, "init-args-num-cpus": 2}
 
 
@@ -164,13 +176,17 @@ def test_a_failed_runs_last_line_names_its_first_cause():
     exception line, is the error."""
     assert launch.run_error(FAILED_RUN_LOG) == "InconsistentMessageReplies: Missing required key 'nosuch'"
     without_ours = "\n".join(line for line in FAILED_RUN_LOG.splitlines() if "fedrec_flwr" not in line)
-    assert launch.run_error(without_ours) == \
-        "flwr.serverapp.exception.InconsistentMessageReplies: Missing required key 'nosuch'"
+    assert (
+        launch.run_error(without_ours)
+        == "flwr.serverapp.exception.InconsistentMessageReplies: Missing required key 'nosuch'"
+    )
     completed = "INFO fedrec_flwr.app.server_app: the ServerApp has ended: completed\nERROR :     Exit Code: 700\n"
     assert launch.run_error(completed) == "ERROR :     Exit Code: 700"
     # flwr run's own refusal (defect 5's key, had it passed the launcher): typer's Error box, as Flower prints it
-    refused = ("Loading project configuration...\n╭─ Error ─────────────────────────────╮\n"
-               "│ Unknown simulation config field(s): foo │\n╰─────────────────────────────────────╯\n")
+    refused = (
+        "Loading project configuration...\n╭─ Error ─────────────────────────────╮\n"
+        "│ Unknown simulation config field(s): foo │\n╰─────────────────────────────────────╯\n"
+    )
     assert launch.run_error(refused) == "Unknown simulation config field(s): foo"
 
 
@@ -188,7 +204,8 @@ def test_a_plugin_that_fails_on_import_is_one_error_line(tmp_path, capsys, monke
     error, its file and line, exit 2."""
     (tmp_path / "plugin_broken_at_import.py").write_text(
         "from fedrec_flwr.strategies.item_fedavg import ItemEmbeddingFedAvg\n\nsteps = undefined_name\n\n\n"
-        "class Broken(ItemEmbeddingFedAvg):\n    pass\n")
+        "class Broken(ItemEmbeddingFedAvg):\n    pass\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     mapping = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, strategy="plugin_broken_at_import:Broken")
     code, lines = _launch(capsys, tmp_path, *_pairs(mapping))
@@ -205,9 +222,12 @@ def test_a_plugin_whose_own_import_is_missing_names_its_file_and_line(tmp_path, 
 
     (tmp_path / "plugin_missing_dependency.py").write_text("import math\nimport nonexistent_pkg_xyz\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ConfigError, match=r"module 'plugin_missing_dependency' fails on import: "
-                                          r"ModuleNotFoundError: No module named 'nonexistent_pkg_xyz' "
-                                          r"\(.*plugin_missing_dependency.py, line 2\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"module 'plugin_missing_dependency' fails on import: "
+        r"ModuleNotFoundError: No module named 'nonexistent_pkg_xyz' "
+        r"\(.*plugin_missing_dependency.py, line 2\)",
+    ):
         resolve("strategy", "plugin_missing_dependency:X")
     with pytest.raises(ConfigError, match="cannot import module 'plugin_not_there_at_all'"):
         resolve("strategy", "plugin_not_there_at_all:X")
@@ -219,13 +239,21 @@ def test_the_readme_plugin_snippet_runs_as_copied(tmp_path, monkeypatch):
     from fedrec_flwr.serial import run_serial
 
     readme = (launch.PROJECT_ROOT / "docs" / "tutorials" / "first-strategy.md").read_text()
-    snippet = next(block for block in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
-                   if "class ServerLrItemFedAvg" in block)
+    snippet = next(
+        block for block in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "class ServerLrItemFedAvg" in block
+    )
     (tmp_path / "readme_server_lr.py").write_text(snippet)
     monkeypatch.syspath_prepend(str(tmp_path))
     logging.getLogger("flwr").setLevel(logging.WARNING)
-    folder = run_serial(tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, num_server_rounds=1,
-                                        strategy="readme_server_lr:ServerLrItemFedAvg", server_lr=0.3))
+    folder = run_serial(
+        tiny_run_config(
+            tmp_path,
+            users_per_node=USERS_PER_NODE,
+            num_server_rounds=1,
+            strategy="readme_server_lr:ServerLrItemFedAvg",
+            server_lr=0.3,
+        )
+    )
     assert (folder / "summary.json").is_file()
 
 
@@ -234,8 +262,14 @@ def test_a_key_given_twice_and_a_repeated_k_are_refused(tmp_path, capsys):
     are refused before anything starts, naming the key."""
     code, lines = _launch(capsys, tmp_path, "num-server-rounds=1", "num-server-rounds=2")
     assert code == 2 and len(lines) == 1 and "'num-server-rounds' is given twice" in lines[0], lines
-    code, lines = _launch(capsys, tmp_path, "--federation-config", "client-resources-num-cpus=1",
-                          "--federation-config", "client-resources-num-cpus=2")
+    code, lines = _launch(
+        capsys,
+        tmp_path,
+        "--federation-config",
+        "client-resources-num-cpus=1",
+        "--federation-config",
+        "client-resources-num-cpus=2",
+    )
     assert code == 2 and len(lines) == 1 and "'client-resources-num-cpus' is given twice" in lines[0], lines
     with pytest.raises(ConfigError, match=r"run-config key 'ks' = '5,5': a cut-off is given twice"):
         RunConfig.from_mapping(tiny_run_config(tmp_path, ks="5,5"))
@@ -252,8 +286,11 @@ def test_metrics_csv_writes_counts_as_integers_and_rates_as_floats(tmp_path):
     from fedrec_flwr.state.results import RunRecorder
 
     recorder = RunRecorder(tmp_path / "run", {"rounds": 1}, {})
-    recorder.record(1, {"train-loss": 0.5, "train-users": 12.0, "num-replies": 4.0, "num-failures": 0.0},
-                    {"HR@10": 1.0, "eval-users": 12.0})
+    recorder.record(
+        1,
+        {"train-loss": 0.5, "train-users": 12.0, "num-replies": 4.0, "num-failures": 0.0},
+        {"HR@10": 1.0, "eval-users": 12.0},
+    )
     with open(tmp_path / "run" / "metrics.csv") as handle:
         row = next(csv.DictReader(handle))
     assert (row["train-users"], row["num-replies"], row["num-failures"], row["eval-users"]) == ("12", "4", "0", "12")
@@ -270,8 +307,11 @@ def test_the_learning_curve_marks_the_unlearning_phase(tmp_path, monkeypatch):
 
     drawn = []
     original = matplotlib.axes.Axes.axvline
-    monkeypatch.setattr(matplotlib.axes.Axes, "axvline",
-                        lambda self, x=0, *a, **k: drawn.append((x, k.get("label"))) or original(self, x, *a, **k))
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "axvline",
+        lambda self, x=0, *a, **k: drawn.append((x, k.get("label"))) or original(self, x, *a, **k),
+    )
     recorder = RunRecorder(tmp_path / "run", {}, {})
     for r in (1, 2, 3, 4):
         recorder.record(r, {"train-loss": 0.5}, {"HR@10": 0.1 * r, "NDCG@10": 0.05 * r})
@@ -332,11 +372,20 @@ def test_the_learning_curve_legend_covers_no_plotted_point_of_a_short_run(evalua
             legends = [axis.get_legend() for axis in fig.axes if axis.get_legend() is not None] + fig.legends
             assert legends, "the HR@10 / NDCG@10 panel has a legend"
             boxes = [legend.get_window_extent(renderer) for legend in legends]
-            points = [axis.transData.transform(np.column_stack(line.get_data()))  # the curves, not the dashed mark
-                      for axis in fig.axes for line in axis.lines if line.get_linestyle() != "--"]
+            points = [
+                axis.transData.transform(np.column_stack(line.get_data()))  # the curves, not the dashed mark
+                for axis in fig.axes
+                for line in axis.lines
+                if line.get_linestyle() != "--"
+            ]
             assert sum(len(block) for block in points) == 2 * len(evaluated_rounds) + 5
-            covered = [(x, y) for block in points for x, y in block for box in boxes
-                       if box.x0 - 6 <= x <= box.x1 + 6 and box.y0 - 6 <= y <= box.y1 + 6]  # 6 px: a marker's radius
+            covered = [
+                (x, y)
+                for block in points
+                for x, y in block
+                for box in boxes
+                if box.x0 - 6 <= x <= box.x1 + 6 and box.y0 - 6 <= y <= box.y1 + 6
+            ]  # 6 px: a marker's radius
             assert covered == []
         finally:
             plt.close(fig)
@@ -366,11 +415,13 @@ def test_the_highest_learning_curve_marker_stays_inside_the_panel(hr10):
 def _fail_in_round(failing_round: int, kind=RuntimeError):
     """A client mod that raises ``kind`` in every train message of ``failing_round`` (every reply an error: with
     min-train-fraction 0.5 the round fails with RoundFailed; the serial grid raises a KeyboardInterrupt through)."""
+
     def mod(message, context, call_next):
         config = message.content["config"] if "config" in message.content else {}
         if message.metadata.message_type == "train" and config.get("server-round") == failing_round:
             raise kind(f"injected failure in round {failing_round}")
         return call_next(message, context)
+
     return mod
 
 
@@ -414,10 +465,16 @@ def test_a_run_that_fails_in_a_round_records_it_and_its_run_name_is_replaced_by_
 
     caplog.clear()
     assert _warnings_of(caplog, lambda: run_serial(config)) == folder.resolve()
-    assert caplog.text.count(f"results folder {folder.resolve()} held a failed run (failed in round 2: RoundFailed: "
-                             "round 2") == 1, caplog.text
-    assert "config.json, metrics.csv, metrics.json, failed.json, no summary.json): this run replaces its files" \
+    assert (
+        caplog.text.count(
+            f"results folder {folder.resolve()} held a failed run (failed in round 2: RoundFailed: round 2"
+        )
+        == 1
+    ), caplog.text
+    assert (
+        "config.json, metrics.csv, metrics.json, failed.json, no summary.json): this run replaces its files"
         in caplog.text
+    )
     assert not (folder / "failed.json").exists() and (folder / "summary.json").is_file()
     assert [r["round"] for r in _read(folder / "metrics.json")] == [1, 2, 3]
     assert (folder / "provenance.json").read_text() == "{}"
@@ -433,8 +490,9 @@ def test_a_failed_run_with_a_checkpoint_is_resumed_and_its_failure_record_remove
     from fedrec_flwr.strategies.item_fedavg import RoundFailed
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
-    config = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, num_server_rounds=3, checkpoint_every=1,
-                             run_name="flaky")
+    config = tiny_run_config(
+        tmp_path, users_per_node=USERS_PER_NODE, num_server_rounds=3, checkpoint_every=1, run_name="flaky"
+    )
     folder = (tmp_path / "results" / "flaky").resolve()
     with pytest.raises(RoundFailed):
         run_serial(config, client_app=make_client_app(config, mods=[_fail_in_round(3)]))
@@ -444,8 +502,9 @@ def test_a_failed_run_with_a_checkpoint_is_resumed_and_its_failure_record_remove
     resume = {**config, "resume-from": str(folder), "resume-resets-client-state": True}
     caplog.clear()
     assert _warnings_of(caplog, lambda: run_serial(resume)) == folder
-    assert "held a failed run (failed in round 3: RoundFailed: " in caplog.text and "failed.json is removed" \
-        in caplog.text
+    assert (
+        "held a failed run (failed in round 3: RoundFailed: " in caplog.text and "failed.json is removed" in caplog.text
+    )
     assert not (folder / "failed.json").exists() and (folder / "summary.json").is_file()
     assert [r["round"] for r in _read(folder / "metrics.json")] == [1, 2, 3]
 
@@ -477,8 +536,7 @@ def test_a_folder_holding_only_a_config_is_replaced_with_a_warning(tmp_path, cap
 def test_a_failure_record_is_one_atomic_json_object(tmp_path):
     from fedrec_flwr.state.results import read_failure, write_failure
 
-    path = write_failure(tmp_path, ValueError("two\nlines"), server_round=None, rounds_completed=3,
-                         num_server_rounds=3)
+    path = write_failure(tmp_path, ValueError("two\nlines"), server_round=None, rounds_completed=3, num_server_rounds=3)
     record = read_failure(tmp_path)
     assert path == tmp_path / "failed.json" and record["error"] == "ValueError: two lines" and record["round"] is None
     assert record["rounds-completed"] == 3 and record["failed-at"].endswith("Z")

@@ -9,11 +9,10 @@ import logging
 from pathlib import Path
 
 import pytest
+from conftest import tiny_run_config
 
 from fedrec_flwr import launch
 from fedrec_flwr.errors import ConfigError
-
-from conftest import tiny_run_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -42,8 +41,11 @@ def _pairs(mapping: dict) -> list[str]:
     import json
 
     defaults = launch.default_mapping(launch.PROJECT_ROOT / "pyproject.toml")
-    return [f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
-            for k, v in mapping.items() if v != defaults.get(k)]
+    return [
+        f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
+        for k, v in mapping.items()
+        if v != defaults.get(k)
+    ]
 
 
 def _launch(capsys, tmp_path: Path, *words: str) -> tuple[int, list[str]]:
@@ -74,8 +76,9 @@ def test_a_run_name_the_clients_state_folder_would_refuse_is_refused_by_the_pref
     from fedrec_flwr.serial import run_serial
 
     name = BAD_NAMES[case]
-    mapping = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, run_name=name,
-                              client_state_dir=str(tmp_path / "state"))
+    mapping = tiny_run_config(
+        tmp_path, users_per_node=USERS_PER_NODE, run_name=name, client_state_dir=str(tmp_path / "state")
+    )
     with pytest.raises(ConfigError) as caught:
         run_serial(mapping)
     message = str(caught.value)
@@ -92,12 +95,13 @@ def test_the_launcher_refuses_such_a_run_name_before_anything_starts(tmp_path, c
     assert not (tmp_path / "home").exists() and not (tmp_path / "results").exists()
 
 
-@pytest.mark.parametrize("name", ["a", "learning-rate=0.03-seed0", "rho-shared=0.02,server-lr=0.03-seed1",
-                                  "Run_1.v2+x", "x" * 200])
+@pytest.mark.parametrize(
+    "name", ["a", "learning-rate=0.03-seed0", "rho-shared=0.02,server-lr=0.03-seed1", "Run_1.v2+x", "x" * 200]
+)
 def test_every_name_the_preflight_accepts_names_a_clients_state_folder(tmp_path, name):
     """One rule: a name the preflight lets through is one the clients' state folder takes."""
-    from fedrec_flwr.state.client_state import RUN_KEY, state_folder
     from fedrec_flwr.app.preflight import preflight
+    from fedrec_flwr.state.client_state import RUN_KEY, state_folder
 
     plan = preflight(tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, run_name=name))
     assert plan.folder.name == name
@@ -108,11 +112,17 @@ def test_a_generated_run_name_follows_the_rule(tmp_path):
     """A plug-in's class name may hold characters the rule refuses, a dataset name may be long."""
     from types import SimpleNamespace
 
-    from fedrec_flwr.state.client_state import run_name_problem
     from fedrec_flwr.app.preflight import default_run_name
+    from fedrec_flwr.state.client_state import run_name_problem
 
-    config = SimpleNamespace(run_name="", dataset="_my data" * 40, model="mf", client="my_pkg:My Client (v2)",
-                             strategy="item-fedavg", unlearning="none")
+    config = SimpleNamespace(
+        run_name="",
+        dataset="_my data" * 40,
+        model="mf",
+        client="my_pkg:My Client (v2)",
+        strategy="item-fedavg",
+        unlearning="none",
+    )
     name = default_run_name(config)
     assert run_name_problem(name) is None, name
 
@@ -122,16 +132,28 @@ def test_a_resume_from_a_folder_whose_name_breaks_the_rule_is_refused(tmp_path):
     renamed to ``my run`` would fail in round 1 on every node; it is refused before anything starts."""
     import numpy as np
 
-    from fedrec_flwr.state.checkpoint import Checkpoint, save_checkpoint
-    from fedrec_flwr.config import RunConfig
     from fedrec_flwr.app.preflight import preflight
+    from fedrec_flwr.config import RunConfig
+    from fedrec_flwr.state.checkpoint import Checkpoint, save_checkpoint
 
-    mapping = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, run_name="ok", checkpoint_every=1,
-                              client_state_dir=str(tmp_path / "state"))
+    mapping = tiny_run_config(
+        tmp_path,
+        users_per_node=USERS_PER_NODE,
+        run_name="ok",
+        checkpoint_every=1,
+        client_state_dir=str(tmp_path / "state"),
+    )
     folder = tmp_path / "results" / "my run"
-    save_checkpoint(folder, Checkpoint(server_round=1, run_name="ok", run_config=RunConfig.from_mapping(mapping).to_dict(),
-                                       arrays={"w": np.zeros(1)},
-                                       client_state=True))
+    save_checkpoint(
+        folder,
+        Checkpoint(
+            server_round=1,
+            run_name="ok",
+            run_config=RunConfig.from_mapping(mapping).to_dict(),
+            arrays={"w": np.zeros(1)},
+            client_state=True,
+        ),
+    )
     with pytest.raises(ConfigError, match=r"'resume-from' = .*: the checkpoint's folder name 'my run' cannot name"):
         preflight({**mapping, "resume-from": str(folder)})
 
@@ -140,8 +162,8 @@ def test_a_resume_from_a_folder_whose_name_breaks_the_rule_is_refused(tmp_path):
 def test_two_generated_run_names_of_the_same_second_differ():
     """Two runs started in the same second with ``run-name = ""`` got the same folder; the name now holds the pid and
     a random part."""
-    from fedrec_flwr.config import make_run_config
     from fedrec_flwr.app.preflight import default_run_name
+    from fedrec_flwr.config import make_run_config
 
     config = make_run_config(run_name="")
     names = {default_run_name(config) for _ in range(20)}
@@ -154,8 +176,8 @@ def test_a_second_run_of_a_live_runs_folder_is_refused_naming_the_holder(tmp_pat
     the live run's pid; the first run finishes with its own files, and its lock is gone afterwards."""
     import os
 
-    from fedrec_flwr.state.results import lock_path
     from fedrec_flwr.serial import run_serial
+    from fedrec_flwr.state.results import lock_path
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     config = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, num_server_rounds=2, run_name="shared")
@@ -183,14 +205,23 @@ def test_a_lock_file_left_by_a_dead_process_does_not_block(tmp_path):
     import subprocess
     import sys
 
-    from fedrec_flwr.state.results import FolderLock, lock_path
     from fedrec_flwr.serial import run_serial
+    from fedrec_flwr.state.results import FolderLock, lock_path
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     folder = tmp_path / "results" / "again"
-    held = subprocess.run([sys.executable, "-c", "import os, signal, sys; from fedrec_flwr.state.results import FolderLock; "
-                           f"FolderLock({str(folder)!r}).acquire(); os.kill(os.getpid(), signal.SIGKILL)"],
-                          env={**__import__("os").environ}, capture_output=True, text=True, timeout=120)
+    held = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, signal, sys; from fedrec_flwr.state.results import FolderLock; "
+            f"FolderLock({str(folder)!r}).acquire(); os.kill(os.getpid(), signal.SIGKILL)",
+        ],
+        env={**__import__("os").environ},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert held.returncode == -9, held.stderr
     assert json.loads(lock_path(folder).read_text())["pid"] != __import__("os").getpid()  # the dead one's
     config = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, num_server_rounds=1, run_name="again")
@@ -213,11 +244,25 @@ def _interrupted_after_round_two(tmp_path):
     from conftest import PROJECT_ROOT
     from test_checkpoint_resume import KILLED_RUN
 
-    config = tiny_run_config(tmp_path, users_per_node=4, num_server_rounds=4, eval_every=2, fraction_train=0.5,
-                             checkpoint_every=2, client_state_dir=str(tmp_path / "device"), run_name="edited")
+    config = tiny_run_config(
+        tmp_path,
+        users_per_node=4,
+        num_server_rounds=4,
+        eval_every=2,
+        fraction_train=0.5,
+        checkpoint_every=2,
+        client_state_dir=str(tmp_path / "device"),
+        run_name="edited",
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
-    done = subprocess.run([sys.executable, "-c", KILLED_RUN, json.dumps(config), "3"], cwd=PROJECT_ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_RUN, json.dumps(config), "3"],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     return config, tmp_path / "results" / "edited"
 
@@ -232,10 +277,10 @@ def test_a_resume_on_changed_data_is_refused_before_training_naming_both_checksu
 
     from flwr.app import Context, RecordDict
 
-    from fedrec_flwr.state.checkpoint import load_checkpoint
     from fedrec_flwr.app.client_app import make_client_app
-    from fedrec_flwr.serial import SerialGrid, run_serial
     from fedrec_flwr.app.server_app import main
+    from fedrec_flwr.serial import SerialGrid, run_serial
+    from fedrec_flwr.state.checkpoint import load_checkpoint
 
     config, folder = _interrupted_after_round_two(tmp_path)
     import json
@@ -285,8 +330,14 @@ def _killed_writer(path: Path) -> None:
 
     from conftest import PROJECT_ROOT
 
-    done = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(path)], cwd=PROJECT_ROOT, capture_output=True,
-                          text=True, timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_WRITER, str(path)],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "PYTHONPATH": str(PROJECT_ROOT)},
+    )
     assert done.returncode == -9, done.stderr
 
 
@@ -296,8 +347,8 @@ def test_a_dead_writers_temporary_files_are_removed_at_the_next_start_and_only_t
     import subprocess
     import sys
 
-    from fedrec_flwr.state.client_state import ClientStateStore
     from fedrec_flwr.io import TEMPORARY
+    from fedrec_flwr.state.client_state import ClientStateStore
 
     folder = tmp_path / "device" / "run"
     for user in (3, 5):
@@ -357,13 +408,14 @@ def test_a_path_with_a_newline_is_one_console_line_and_one_refusal_line(tmp_path
     refusal naming such a path is one line too (run_serial and the launcher)."""
     import io
 
-    from fedrec_flwr.serial import run_serial
     from fedrec_flwr.app.server_app import _setup_logging
+    from fedrec_flwr.serial import run_serial
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     results = tmp_path / "res\nults"
-    config = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, num_server_rounds=1, run_name="nl",
-                             results_dir=str(results))
+    config = tiny_run_config(
+        tmp_path, users_per_node=USERS_PER_NODE, num_server_rounds=1, run_name="nl", results_dir=str(results)
+    )
     _setup_logging()
     handlers = logging.getLogger("fedrec_flwr").handlers
     stream = io.StringIO()
@@ -417,10 +469,15 @@ def test_a_resume_from_a_client_state_file_holding_nan_is_refused_naming_it(tmp_
 
 
 # ------------------------------------------------------------------------------------------------ the launcher
-@pytest.mark.parametrize("spec, guess", [("FedAdam", "flwr.serverapp.strategy:FedAdam"),
-                                         ("fedprox", "flwr.serverapp.strategy:FedProx"),
-                                         ("item-fedavgg", "item-fedavg"),
-                                         ("flwr.serverapp.strategy:FedAdamm", "flwr.serverapp.strategy:FedAdam")])
+@pytest.mark.parametrize(
+    "spec, guess",
+    [
+        ("FedAdam", "flwr.serverapp.strategy:FedAdam"),
+        ("fedprox", "flwr.serverapp.strategy:FedProx"),
+        ("item-fedavgg", "item-fedavg"),
+        ("flwr.serverapp.strategy:FedAdamm", "flwr.serverapp.strategy:FedAdam"),
+    ],
+)
 def test_an_unknown_strategy_name_points_to_the_closest_one_flowers_too(tmp_path, capsys, spec, guess):
     mapping = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, strategy=spec)
     code, lines = _launch(capsys, tmp_path, *_pairs(mapping))
@@ -432,7 +489,9 @@ def _deploy_local():
 
     from conftest import PROJECT_ROOT
 
-    spec = importlib.util.spec_from_file_location("deploy_local_under_test", PROJECT_ROOT / "scripts" / "deploy_local.py")
+    spec = importlib.util.spec_from_file_location(
+        "deploy_local_under_test", PROJECT_ROOT / "scripts" / "deploy_local.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -480,8 +539,12 @@ def test_the_supernode_wrapper_finds_flowers_executables_without_the_venv_on_pat
     monkeypatch.setattr(deploy, "check_superlink_listening", lambda address, timeout: None)
     monkeypatch.setattr(deploy.os, "execve", lambda path, argv, env: started.update(env=env))
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
-    assert deploy.supernode_main(["--partition-id", "0", "--num-partitions", "3", "--superlink", "127.0.0.1:1",
-                                  "--insecure"]) == 0
+    assert (
+        deploy.supernode_main(
+            ["--partition-id", "0", "--num-partitions", "3", "--superlink", "127.0.0.1:1", "--insecure"]
+        )
+        == 0
+    )
     assert started["env"]["PATH"].split(":")[0] == str(Path(sys.executable).parent)
 
 
@@ -507,8 +570,18 @@ def test_stop_finds_the_superlink_a_plain_flwr_run_left_in_its_home(tmp_path, ca
     other = tmp_path / "other"
 
     def superlink(flwr_home, *extra):
-        return subprocess.Popen([sys.executable, "-c", FAKE_SUPERLINK, "flower-superlink", "--database",
-                                 str(flwr_home / "local-superlink" / "state.db"), *extra], start_new_session=True)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                FAKE_SUPERLINK,
+                "flower-superlink",
+                "--database",
+                str(flwr_home / "local-superlink" / "state.db"),
+                *extra,
+            ],
+            start_new_session=True,
+        )
 
     left, foreign = superlink(home), superlink(other)
     try:
@@ -542,14 +615,22 @@ def test_a_new_run_refuses_a_clients_state_folder_an_earlier_run_of_its_name_lef
     from fedrec_flwr.serial import run_serial
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
-    config = tiny_run_config(tmp_path, users_per_node=USERS_PER_NODE, num_server_rounds=1, run_name="same",
-                             client_state_dir=str(tmp_path / "device"))
+    config = tiny_run_config(
+        tmp_path,
+        users_per_node=USERS_PER_NODE,
+        num_server_rounds=1,
+        run_name="same",
+        client_state_dir=str(tmp_path / "device"),
+    )
     run_serial(config)
     state = tmp_path / "device" / "same"
     before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in state.iterdir()}
     assert before
-    with pytest.raises(ConfigError, match=r"run-config key 'run-name' = 'same': the clients' state folder "
-                                          rf"'{state}' .* already holds state files of an earlier run of this name"):
+    with pytest.raises(
+        ConfigError,
+        match=r"run-config key 'run-name' = 'same': the clients' state folder "
+        rf"'{state}' .* already holds state files of an earlier run of this name",
+    ):
         run_serial({**config, "results-dir": str(tmp_path / "elsewhere")})
     assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in state.iterdir()} == before
     assert not (tmp_path / "elsewhere" / "same").exists()
@@ -568,14 +649,21 @@ def test_one_users_nonfinite_state_leaves_that_user_out_and_its_nodes_other_user
     from fedrec_flwr.serial import run_serial
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
-    config = tiny_run_config(tmp_path, users_per_node=4, num_server_rounds=3, fraction_train=1.0, run_name="inf",
-                             block_training=block_training)
+    config = tiny_run_config(
+        tmp_path,
+        users_per_node=4,
+        num_server_rounds=3,
+        fraction_train=1.0,
+        run_name="inf",
+        block_training=block_training,
+    )
 
     def poison(view):
         if view.server_round == 1:
             context = next(c for c in view.grid.contexts.values() if c.node_config["partition-id"] == 0)
-            context.state["user:0"] = ArrayRecord({k: Array(np.full_like(v.numpy(), np.inf))
-                                                   for k, v in context.state["user:0"].items()})
+            context.state["user:0"] = ArrayRecord(
+                {k: Array(np.full_like(v.numpy(), np.inf)) for k, v in context.state["user:0"].items()}
+            )
 
     import io
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedrec_flwr.models import build_model
 from fedrec_flwr.local.sam import SAMTrainer, sam_gradient, sam_perturbation
 from fedrec_flwr.local.training import LocalTrainConfig
+from fedrec_flwr.models import build_model
 
 
 def test_perturbation_norm_over_the_group_equals_rho():
@@ -19,7 +19,9 @@ def test_perturbation_norm_over_the_group_equals_rho():
         norm = torch.sqrt(sum((e.double() ** 2).sum() for e in eps if e is not None))
         assert float(norm) == pytest.approx(rho, rel=1e-6)
         # direction: parallel to the gradient
-        assert torch.allclose(eps[0] / rho, grads[0] / torch.sqrt(grads[0].pow(2).sum() + grads[1].pow(2).sum()), atol=1e-6)
+        assert torch.allclose(
+            eps[0] / rho, grads[0] / torch.sqrt(grads[0].pow(2).sum() + grads[1].pow(2).sum()), atol=1e-6
+        )
 
 
 @pytest.mark.parametrize("grads", [[torch.zeros(4, 2), torch.zeros(3)], [None, None], []])
@@ -49,7 +51,9 @@ def test_sam_gradient_on_a_quadratic_matches_hand_computation():
     expected_eps = rho * (A @ w.detach()) / torch.linalg.norm(A @ w.detach())
     expected = A @ (w.detach() + expected_eps)
     assert torch.allclose(sam[0], expected, atol=1e-12)
-    assert float(perturbed_loss) == pytest.approx(float(0.5 * (w.detach() + expected_eps) @ A @ (w.detach() + expected_eps)))
+    assert float(perturbed_loss) == pytest.approx(
+        float(0.5 * (w.detach() + expected_eps) @ A @ (w.detach() + expected_eps))
+    )
     assert torch.equal(w.detach(), torch.tensor([1.0, -2.0], dtype=torch.float64))  # restored exactly
 
 
@@ -79,8 +83,13 @@ def test_sam_gradient_differs_from_plain_gradient_and_rho_zero_is_plain():
     grads = {}
     for rho in (0.0, 0.5):
         model = build_model("ncf", 1, 50, embedding_dim=8, mlp_layers=(16, 8), seed=3)
-        trainer = SAMTrainer(model, LocalTrainConfig(learning_rate=0.1, optimizer="adam", batch_size=16),
-                             rho_shared=rho, rho_private=rho, update_shared=False)
+        trainer = SAMTrainer(
+            model,
+            LocalTrainConfig(learning_rate=0.1, optimizer="adam", batch_size=16),
+            rho_shared=rho,
+            rho_private=rho,
+            update_shared=False,
+        )
         trainer.fit_examples(users, items, labels, torch.Generator().manual_seed(0))
         grads[rho] = trainer.shared_grads
     plain_model = build_model("ncf", 1, 50, embedding_dim=8, mlp_layers=(16, 8), seed=3)
@@ -97,8 +106,13 @@ def test_sam_gradient_differs_from_plain_gradient_and_rho_zero_is_plain():
 def test_gradient_mode_leaves_shared_parameters_unchanged_and_updates_private():
     model = build_model("ncf", 1, 50, embedding_dim=8, mlp_layers=(16, 8), seed=3)
     shared_before, private_before = model.shared_state(), model.private_state()
-    trainer = SAMTrainer(model, LocalTrainConfig(learning_rate=0.1, optimizer="adam", batch_size=16),
-                         rho_shared=0.05, rho_private=0.05, update_shared=False)
+    trainer = SAMTrainer(
+        model,
+        LocalTrainConfig(learning_rate=0.1, optimizer="adam", batch_size=16),
+        rho_shared=0.05,
+        rho_private=0.05,
+        update_shared=False,
+    )
     users, items, labels = _examples(50)
     trainer.fit_examples(users, items, labels, torch.Generator().manual_seed(0))
     for key, value in model.shared_state().items():
@@ -171,8 +185,13 @@ def test_decoupled_sam_gradients_equal_the_float64_hand_computation(rho_shared, 
     the two radii, or one joint perturbation of both groups (plain SAM), from the decoupled rule."""
     model = _mf64()
     lr = 0.5
-    trainer = SAMTrainer(model, LocalTrainConfig(learning_rate=lr, optimizer="sgd", batch_size=64),
-                         rho_shared=rho_shared, rho_private=rho_private, update_shared=False)
+    trainer = SAMTrainer(
+        model,
+        LocalTrainConfig(learning_rate=lr, optimizer="sgd", batch_size=64),
+        rho_shared=rho_shared,
+        rho_private=rho_private,
+        update_shared=False,
+    )
     trainer.fit_examples(np.zeros(len(ITEMS), np.int64), ITEMS, LABELS, torch.Generator().manual_seed(0), epochs=1)
     sam_p, sam_q = _hand_sam(rho_shared, rho_private)
     np.testing.assert_allclose(trainer.shared_grads["item_embedding.weight"].numpy(), sam_q, rtol=0, atol=1e-13)
@@ -188,8 +207,13 @@ def test_decoupled_sam_gradients_equal_the_float64_hand_computation(rho_shared, 
 def test_decoupled_sam_updates_the_shared_group_with_its_own_sam_gradient_in_fedavg_of_updates_mode():
     model = _mf64()
     lr = 0.5
-    trainer = SAMTrainer(model, LocalTrainConfig(learning_rate=lr, optimizer="sgd", batch_size=64),
-                         rho_shared=0.3, rho_private=0.1, update_shared=True)
+    trainer = SAMTrainer(
+        model,
+        LocalTrainConfig(learning_rate=lr, optimizer="sgd", batch_size=64),
+        rho_shared=0.3,
+        rho_private=0.1,
+        update_shared=True,
+    )
     trainer.fit_examples(np.zeros(len(ITEMS), np.int64), ITEMS, LABELS, torch.Generator().manual_seed(0), epochs=1)
     sam_p, sam_q = _hand_sam(0.3, 0.1)
     np.testing.assert_allclose(model.item_embedding.weight.detach().numpy(), Q0 - lr * sam_q, rtol=0, atol=1e-13)
@@ -200,14 +224,20 @@ def test_uploaded_shared_gradient_is_the_mean_over_local_steps():
     """Two full-batch steps in gradient mode: the private group moves after step 1, so step 2's shared SAM gradient
     is taken at (P1, Q0); the upload is the mean of the two."""
     model, lr = _mf64(), 0.5
-    trainer = SAMTrainer(model, LocalTrainConfig(learning_rate=lr, optimizer="sgd", batch_size=64),
-                         rho_shared=0.3, rho_private=0.1, update_shared=False)
+    trainer = SAMTrainer(
+        model,
+        LocalTrainConfig(learning_rate=lr, optimizer="sgd", batch_size=64),
+        rho_shared=0.3,
+        rho_private=0.1,
+        update_shared=False,
+    )
     trainer.fit_examples(np.zeros(len(ITEMS), np.int64), ITEMS, LABELS, torch.Generator().manual_seed(0), epochs=2)
     sam_p1, sam_q1 = _hand_sam(0.3, 0.1)
     p1 = P0 - lr * sam_p1
     sam_p2, sam_q2 = _hand_sam(0.3, 0.1, p1, Q0)
-    np.testing.assert_allclose(trainer.shared_grads["item_embedding.weight"].numpy(), (sam_q1 + sam_q2) / 2,
-                               rtol=0, atol=1e-13)
+    np.testing.assert_allclose(
+        trainer.shared_grads["item_embedding.weight"].numpy(), (sam_q1 + sam_q2) / 2, rtol=0, atol=1e-13
+    )
     np.testing.assert_allclose(model.user_embedding.weight.detach().numpy()[0], p1 - lr * sam_p2, rtol=0, atol=1e-13)
     assert np.abs(sam_q1 - sam_q2).max() > 1e-4  # the two steps' gradients differ: a sum or a last-only would show
 
@@ -216,14 +246,20 @@ def test_reported_loss_is_the_mean_of_the_chunk_means_at_the_start_of_the_last_s
     """batch-size 2 over 5 examples: chunks of 2, 2 and 1 examples in the step's shuffled order; the loss summed over
     chunks (FedRecGEL's objective) is reported divided by the number of chunks."""
     model = _mf64()
-    trainer = SAMTrainer(model, LocalTrainConfig(learning_rate=0.5, optimizer="sgd", batch_size=2),
-                         rho_shared=0.3, rho_private=0.1, update_shared=True)
-    loss, n = trainer.fit_examples(np.zeros(len(ITEMS), np.int64), ITEMS, LABELS, torch.Generator().manual_seed(0),
-                                   epochs=1)
+    trainer = SAMTrainer(
+        model,
+        LocalTrainConfig(learning_rate=0.5, optimizer="sgd", batch_size=2),
+        rho_shared=0.3,
+        rho_private=0.1,
+        update_shared=True,
+    )
+    loss, n = trainer.fit_examples(
+        np.zeros(len(ITEMS), np.int64), ITEMS, LABELS, torch.Generator().manual_seed(0), epochs=1
+    )
     order = torch.randperm(len(ITEMS), generator=torch.Generator().manual_seed(0)).numpy()
     z = Q0[ITEMS[order]] @ P0
     per_example = np.logaddexp(0.0, z) - LABELS[order] * z  # BCE with logits
-    chunk_means = [per_example[i:i + 2].mean() for i in range(0, len(ITEMS), 2)]
+    chunk_means = [per_example[i : i + 2].mean() for i in range(0, len(ITEMS), 2)]
     assert n == 5 and len(chunk_means) == 3
     assert loss == pytest.approx(sum(chunk_means) / 3, rel=0, abs=1e-13)
     assert abs(sum(chunk_means) / 3 - per_example.mean()) > 1e-6  # the chunking is visible in the value
@@ -245,20 +281,28 @@ class _NaNAtCall:
         return float("nan") * sum(p.sum() for p in self.params)
 
 
-@pytest.mark.parametrize(("at", "poisoned", "message"), [
-    # one chunk, both radii > 0: each SAM step evaluates the loss 3 times (current point, shared-perturbed,
-    # private-perturbed); calls 4-6 are the second step, after the first step moved both groups
-    (4, None, "loss nan at SAM step 2"),
-    (5, "shared", "shared SAM gradient at SAM step 2"),
-    (6, "private", "parameters after SAM step 2"),
-])
+@pytest.mark.parametrize(
+    ("at", "poisoned", "message"),
+    [
+        # one chunk, both radii > 0: each SAM step evaluates the loss 3 times (current point, shared-perturbed,
+        # private-perturbed); calls 4-6 are the second step, after the first step moved both groups
+        (4, None, "loss nan at SAM step 2"),
+        (5, "shared", "shared SAM gradient at SAM step 2"),
+        (6, "private", "parameters after SAM step 2"),
+    ],
+)
 def test_a_non_finite_step_after_the_parameters_moved_restores_them_exactly(at, poisoned, message):
     """A NaN in the second SAM step (its loss, its shared SAM gradient, or the parameters after it) raises and puts
     back the values from before the whole local training, not just before that step."""
     model = _mf64()
     groups = {None: (), "shared": model.shared_parameters(), "private": model.private_parameters()}
-    trainer = SAMTrainer(model, LocalTrainConfig(learning_rate=0.5, optimizer="sgd", batch_size=64, local_epochs=3),
-                         rho_shared=0.3, rho_private=0.1, update_shared=True)
+    trainer = SAMTrainer(
+        model,
+        LocalTrainConfig(learning_rate=0.5, optimizer="sgd", batch_size=64, local_epochs=3),
+        rho_shared=0.3,
+        rho_private=0.1,
+        update_shared=True,
+    )
     term = _NaNAtCall(at, groups[poisoned])
     trainer.loss_terms.append(term)
     with pytest.raises(FloatingPointError, match=message):

@@ -11,16 +11,28 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import simulate, tiny_run_config, without_timings
+
 from fedrec_flwr.serial import run_serial
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-FEDRECGEL = {"client": "fedrecgel", "strategy": "server-optimizer", "learning-rate": 0.1, "batch-size": 16,
-             "server-learning-rate": 0.01, "rho-shared": 0.1, "rho-private": 0.05}
-PFEDREC = {"model": "pfedrec", "client": "pfedrec", "optimizer": "sgd", "learning-rate": 0.1,
-           "item-aggregation": "selected"}
+FEDRECGEL = {
+    "client": "fedrecgel",
+    "strategy": "server-optimizer",
+    "learning-rate": 0.1,
+    "batch-size": 16,
+    "server-learning-rate": 0.01,
+    "rho-shared": 0.1,
+    "rho-private": 0.05,
+}
+PFEDREC = {
+    "model": "pfedrec",
+    "client": "pfedrec",
+    "optimizer": "sgd",
+    "learning-rate": 0.1,
+    "item-aggregation": "selected",
+}
 FAMILIES = {"fedrec": {}, "fedrecgel": FEDRECGEL, "pfedrec": PFEDREC}
 RAY_ONLY = {"fedrec": {"max_in_flight": 2}, "pfedrec": {"fast_link_state": False}}
 """The Ray run of one family keeps at most two messages in flight (fedrec_flwr.app.message_window; the auto window is
@@ -33,8 +45,9 @@ way."""
 def ray_and_serial(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     overrides = dict(users_per_node=5, num_server_rounds=2, **FAMILIES[request.param])
-    ray = simulate(tiny_run_config(folder / "ray", **overrides, **RAY_ONLY.get(request.param, {})), num_cpus=2,
-                   cpus_per_client=1)  # 2 actors
+    ray = simulate(
+        tiny_run_config(folder / "ray", **overrides, **RAY_ONLY.get(request.param, {})), num_cpus=2, cpus_per_client=1
+    )  # 2 actors
     serial = run_serial(tiny_run_config(folder / "serial", **overrides))
     return ray, serial
 

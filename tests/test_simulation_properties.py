@@ -13,10 +13,15 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import (
+    MessageRecorder,
+    assert_no_private_value_in_replies,
+    private_vectors,
+    seeded_private_vectors,
+    tiny_run_config,
+)
 from flwr.app import Context, RecordDict
 
-from conftest import (MessageRecorder, assert_no_private_value_in_replies, private_vectors, seeded_private_vectors,
-                      tiny_run_config)
 from fedrec_flwr.app.client_app import make_client_app
 from fedrec_flwr.registry import resolve
 from fedrec_flwr.serial import run_serial
@@ -42,7 +47,14 @@ def _runtime(config):
 
 def test_run_writes_its_results_folder_and_the_metrics_of_its_final_model(recorded_run):
     config, _, results, grid = recorded_run
-    for name in ("config.json", "metrics.csv", "metrics.json", "final_arrays.npz", "summary.json", "learning_curves.png"):
+    for name in (
+        "config.json",
+        "metrics.csv",
+        "metrics.json",
+        "final_arrays.npz",
+        "summary.json",
+        "learning_curves.png",
+    ):
         assert (results / name).is_file(), name
     rows = json.loads((results / "metrics.json").read_text())
     assert [r["round"] for r in rows] == [1, 2, 3]
@@ -132,9 +144,9 @@ def test_users_per_node_1_and_10_give_the_same_model(tmp_path):
 @pytest.mark.parametrize(("num_nodes", "message"), [(20, "needs exactly 24"), (30, "out of range")])
 def test_a_number_of_nodes_that_does_not_match_the_users_fails_at_start(tmp_path, task_identity, num_nodes, message):
     """As with ``num-supernodes`` in Flower's simulation: the ServerApp's identify phase refuses the federation."""
+    from fedrec_flwr.app.server_app import main
     from fedrec_flwr.errors import ConfigError
     from fedrec_flwr.serial import SERVER_NODE_ID, SerialGrid
-    from fedrec_flwr.app.server_app import main
 
     config = tiny_run_config(tmp_path)
     grid = SerialGrid(make_client_app(config), num_nodes, config)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import dataset_dir
+
 from fedrec_flwr.data import load_interactions, load_split, preprocess, sample_train_negatives
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import write_tiny_dataset
+
 from fedrec_flwr.data import GenericSource, load_interactions, preprocess, sample_train_negatives
 from fedrec_flwr.data.split import TAG_TEST_NEG, TAG_TRAIN_NEG, TAG_VAL_NEG, complement_items
 
@@ -19,8 +19,9 @@ NEGATIVES = 20
 @pytest.fixture(scope="module")
 def interactions(tmp_path_factory):
     path = write_tiny_dataset(tmp_path_factory.mktemp("split"))
-    return load_interactions("generic", generic=GenericSource(str(path), user_col="user", item_col="item",
-                                                              timestamp_col="timestamp"))
+    return load_interactions(
+        "generic", generic=GenericSource(str(path), user_col="user", item_col="item", timestamp_col="timestamp")
+    )
 
 
 def _all_interacted(split, user):
@@ -29,8 +30,9 @@ def _all_interacted(split, user):
 
 def _expected(split, user, seed, tag):
     interacted = _all_interacted(split, user)
-    ranks = np.random.default_rng([seed, tag, user]).choice(split.num_items - interacted.size, size=NEGATIVES,
-                                                            replace=False)
+    ranks = np.random.default_rng([seed, tag, user]).choice(
+        split.num_items - interacted.size, size=NEGATIVES, replace=False
+    )
     return complement_items(interacted, ranks)
 
 
@@ -62,7 +64,8 @@ def test_training_negatives_come_from_the_user_and_round_stream(interactions):
         got = sample_train_negatives(split, user, round_, 3, seed=4)
         positives = split.positives(user)
         ranks = np.random.default_rng([4, TAG_TRAIN_NEG, user, round_]).integers(
-            0, split.num_items - positives.size, size=3 * positives.size, dtype=np.int64)
+            0, split.num_items - positives.size, size=3 * positives.size, dtype=np.int64
+        )
         np.testing.assert_array_equal(got, complement_items(positives, ranks))
         assert not np.isin(got, positives).any()
     assert not np.array_equal(sample_train_negatives(split, 5, 1, 3, 4), sample_train_negatives(split, 5, 2, 3, 4))
@@ -77,9 +80,12 @@ def test_complement_items_maps_ranks_to_the_items_left_out():
 def test_leave_one_out_holds_out_the_latest_and_second_latest(tmp_path):
     """User a's items by time: 4 (t=1), 1 (t=2), 3 (t=3), 2 (t=4): test item 2, validation item 3, training {1, 4}."""
     path = tmp_path / "d.csv"
-    path.write_text("user,item,ts\na,4,1\na,1,2\na,3,3\na,2,4\nb,1,1\nb,2,2\nb,3,3\nb,5,4\nb,4,9\nc,6,1\nc,7,2\nc,8,3\n")
-    inter = load_interactions("generic", generic=GenericSource(str(path), user_col="user", item_col="item",
-                                                                timestamp_col="ts"))
+    path.write_text(
+        "user,item,ts\na,4,1\na,1,2\na,3,3\na,2,4\nb,1,1\nb,2,2\nb,3,3\nb,5,4\nb,4,9\nc,6,1\nc,7,2\nc,8,3\n"
+    )
+    inter = load_interactions(
+        "generic", generic=GenericSource(str(path), user_col="user", item_col="item", timestamp_col="ts")
+    )
     split = preprocess(inter, min_user_interactions=3, num_test_negatives=0, holdout_validation=True)
     ids = lambda idx: [split.item_ids[i] for i in np.atleast_1d(idx)]  # noqa: E731
     assert ids(split.test_items[0]) == ["2"] and ids(split.val_items[0]) == ["3"]

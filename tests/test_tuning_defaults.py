@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-
 from fedrec_flwr.config import MODEL_LEARNING_RATES, make_run_config
 from tests.conftest import dataset_dir
 
@@ -27,10 +26,22 @@ def test_fedmf_default_leaves_ln2_in_the_first_rounds_where_the_old_rate_stalls(
 
     losses = {}
     for name, extra in (("default", {}), ("old", {"learning-rate": 0.01})):
-        folder = run_serial(make_run_config(**{
-            "dataset": "ml-100k", "data-dir": str(dataset_dir("ml-100k")), "model": "mf", "num-server-rounds": 5,
-            "users-per-node": 1000, "eval-every": 1000, "fraction-evaluate": 0.05, "results-dir": str(tmp_path),
-            "run-name": name, **extra}))
+        folder = run_serial(
+            make_run_config(
+                **{
+                    "dataset": "ml-100k",
+                    "data-dir": str(dataset_dir("ml-100k")),
+                    "model": "mf",
+                    "num-server-rounds": 5,
+                    "users-per-node": 1000,
+                    "eval-every": 1000,
+                    "fraction-evaluate": 0.05,
+                    "results-dir": str(tmp_path),
+                    "run-name": name,
+                    **extra,
+                }
+            )
+        )
         losses[name] = [row["train-loss"] for row in json.loads((folder / "metrics.json").read_text())]
     assert min(losses["old"]) > 0.68  # the plateau: ln 2 = 0.693
     assert losses["default"][-1] < 0.665 and losses["default"][-1] < losses["old"][-1] - 0.025

@@ -7,10 +7,9 @@ import json
 
 import numpy as np
 import pytest
-import torch
-
-from conftest import tiny_run_config
 import test_blocks
+import torch
+from conftest import tiny_run_config
 from test_blocks import _runtime, ml100k  # noqa: F401 - ml100k is a fixture
 
 from experiments.tuning import grid as G
@@ -26,18 +25,35 @@ def test_the_public_ncf_preset_has_the_public_codes_layer_shapes():
     """FedRecGEL's ``models/fedrecgel.py`` at its defaults (factor_num 32, num_layers 3): GMF 32, MLP embeddings 128,
     Linear(256, 128), (128, 64), (64, 32), output Linear(64, 1); the preset is the base method's config plus its keys,
     and its folder setting takes the preset's rho-shared over the selected one (the rates stay the selection's)."""
-    overrides = G.run_overrides(PUBLIC, G.preset_setting(PUBLIC, {"rho-shared": 0.05, "server-learning-rate": 0.01}),
-                                "ml-100k", 0, 100)
+    overrides = G.run_overrides(
+        PUBLIC, G.preset_setting(PUBLIC, {"rho-shared": 0.05, "server-learning-rate": 0.01}), "ml-100k", 0, 100
+    )
     assert overrides["client"] == "fedrecgel" and overrides["rho-shared"] == 0.02
     assert overrides["server-learning-rate"] == 0.01
     cfg = make_run_config(**overrides)
-    model = build_model(cfg.model, 1, 7, embedding_dim=cfg.embedding_dim, mlp_layers=cfg.mlp_layer_sizes,
-                        mlp_embedding_dim=cfg.mlp_embedding_dim)
+    model = build_model(
+        cfg.model,
+        1,
+        7,
+        embedding_dim=cfg.embedding_dim,
+        mlp_layers=cfg.mlp_layer_sizes,
+        mlp_embedding_dim=cfg.mlp_embedding_dim,
+    )
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    assert shapes == {"user_embedding_gmf.weight": (1, 32), "user_embedding_mlp.weight": (1, 128),
-                      "item_embedding_gmf.weight": (7, 32), "item_embedding_mlp.weight": (7, 128),
-                      "mlp.0.weight": (128, 256), "mlp.0.bias": (128,), "mlp.2.weight": (64, 128), "mlp.2.bias": (64,),
-                      "mlp.4.weight": (32, 64), "mlp.4.bias": (32,), "output.weight": (1, 64), "output.bias": (1,)}
+    assert shapes == {
+        "user_embedding_gmf.weight": (1, 32),
+        "user_embedding_mlp.weight": (1, 128),
+        "item_embedding_gmf.weight": (7, 32),
+        "item_embedding_mlp.weight": (7, 128),
+        "mlp.0.weight": (128, 256),
+        "mlp.0.bias": (128,),
+        "mlp.2.weight": (64, 128),
+        "mlp.2.bias": (64,),
+        "mlp.4.weight": (32, 64),
+        "mlp.4.bias": (32,),
+        "output.weight": (1, 64),
+        "output.bias": (1,),
+    }
     default = build_model("ncf", 1, 7, embedding_dim=32, mlp_layers=(64, 32, 16))  # 0 = embedding-dim: unchanged
     assert default.mlp_embedding_dim == 32 and tuple(default.item_embedding_mlp.weight.shape) == (7, 32)
     with pytest.raises(KeyError, match="unknown method or preset"):
@@ -56,8 +72,11 @@ def test_block_path_gradients_of_the_wider_ncf_equal_the_models(ml100k):  # noqa
     test_blocks.test_batched_forward_gradients_equal_vmap_of_the_model(ml100k, overrides)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"client": "fedrecgel", "strategy": "server-optimizer", "rho-private": 0.02,
-                                            "mlp-embedding-dim": 12}], ids=["fedncf", "fedrecgel-wide"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"client": "fedrecgel", "strategy": "server-optimizer", "rho-private": 0.02, "mlp-embedding-dim": 12}],
+    ids=["fedncf", "fedrecgel-wide"],
+)
 def test_a_sparser_evaluation_schedule_trains_the_same_model(tmp_path, overrides):
     """The protocol's sparser evaluation on a large dataset (``grid.EVAL_EVERY``) is sound: training
     does not depend on when the server evaluates (users are drawn from (seed, round)), so evaluating every round or

@@ -19,8 +19,10 @@ def test_select_setting_follows_validation_where_test_disagrees():
     ]
     assert select_setting(results) == "learning-rate=0.03"
     # a validation HR@10 tie is broken by validation NDCG@10, never by test metrics
-    tie = [("a", {"HR@10": 0.9, "NDCG@10": 0.9, "val-HR@10": 0.5, "val-NDCG@10": 0.2}),
-           ("b", {"HR@10": 0.1, "NDCG@10": 0.1, "val-HR@10": 0.5, "val-NDCG@10": 0.3})]
+    tie = [
+        ("a", {"HR@10": 0.9, "NDCG@10": 0.9, "val-HR@10": 0.5, "val-NDCG@10": 0.2}),
+        ("b", {"HR@10": 0.1, "NDCG@10": 0.1, "val-HR@10": 0.5, "val-NDCG@10": 0.3}),
+    ]
     assert select_setting(tie) == "b"
 
 
@@ -34,10 +36,12 @@ def test_selection_refuses_test_metrics_and_rows_without_validation():
 
 
 def test_select_epoch_follows_validation_and_takes_the_earliest_tie():
-    history = [{"epoch": 1, "loss": 0.5},  # not evaluated
-               {"epoch": 2, "HR@10": 0.9, "val-HR@10": 0.3, "val-NDCG@10": 0.1},
-               {"epoch": 3, "HR@10": 0.2, "val-HR@10": 0.6, "val-NDCG@10": 0.2},
-               {"epoch": 4, "HR@10": 0.3, "val-HR@10": 0.6, "val-NDCG@10": 0.2}]
+    history = [
+        {"epoch": 1, "loss": 0.5},  # not evaluated
+        {"epoch": 2, "HR@10": 0.9, "val-HR@10": 0.3, "val-NDCG@10": 0.1},
+        {"epoch": 3, "HR@10": 0.2, "val-HR@10": 0.6, "val-NDCG@10": 0.2},
+        {"epoch": 4, "HR@10": 0.3, "val-HR@10": 0.6, "val-NDCG@10": 0.2},
+    ]
     assert select_epoch(history)["epoch"] == 3
 
 
@@ -67,8 +71,9 @@ def test_centralized_both_records_test_and_validation_metrics_per_epoch():
     from tests.test_baselines import tiny_split
 
     split = tiny_split(with_val=True)
-    result = train_centralized(split, "mf", epochs=2, batch_size=4, learning_rate=0.01, embedding_dim=4,
-                               eval_which="both", ks=(1, 2))
+    result = train_centralized(
+        split, "mf", epochs=2, batch_size=4, learning_rate=0.01, embedding_dim=4, eval_which="both", ks=(1, 2)
+    )
     last = result.history[-1]
     assert last["HR@1"] == evaluate_model(result.model, split, (1, 2), "test")["HR@1"]
     assert last["val-HR@2"] == evaluate_model(result.model, split, (1, 2), "val")["HR@2"]
@@ -82,8 +87,10 @@ def test_a_later_stage_keeps_the_incumbent_when_it_scores_best(tmp_path, monkeyp
     search without the incumbent chose 0.02."""
     from experiments.tuning import run as R
 
-    val = {"server-learning-rate": {0.0003: 0.35, 0.001: 0.40, 0.003: 0.45, 0.01: 0.60, 0.03: 0.50, 0.1: 0.30},
-           "rho-shared": {0.02: 0.55, 0.1: 0.58}}
+    val = {
+        "server-learning-rate": {0.0003: 0.35, 0.001: 0.40, 0.003: 0.45, 0.01: 0.60, 0.03: 0.50, 0.1: 0.30},
+        "rho-shared": {0.02: 0.55, 0.1: 0.58},
+    }
 
     def score(setting):
         if setting["rho-shared"] != 0.05:
@@ -135,16 +142,24 @@ def test_a_failed_grid_point_keeps_the_runs_own_failure_record_in_its_own_folder
             raise ConfigError("run-config key 'learning-rate' = 0.3: refused")  # before the run wrote anything
         if config.learning_rate != 0.01:
             error = FloatingPointError(f"non-finite train loss at learning-rate {config.learning_rate:g}")
-            write_failure(folder / config.run_name, error, server_round=42, rounds_completed=41,
-                          num_server_rounds=config.num_server_rounds)
+            write_failure(
+                folder / config.run_name,
+                error,
+                server_round=42,
+                rounds_completed=41,
+                num_server_rounds=config.num_server_rounds,
+            )
             raise error
         (folder / config.run_name / "summary.json").write_text("{}")
 
     monkeypatch.setattr(fedrec_flwr.serial, "run_serial", run_serial)
     monkeypatch.setattr(R, "RESULTS", tmp_path)
     monkeypatch.setattr(R, "RUNS", tmp_path / "runs")
-    monkeypatch.setattr(R, "last_row", lambda folder, rounds: {"val-HR@10": 0.5, "val-NDCG@10": 0.3}
-                        if (folder / "summary.json").is_file() else None)
+    monkeypatch.setattr(
+        R,
+        "last_row",
+        lambda folder, rounds: {"val-HR@10": 0.5, "val-NDCG@10": 0.3} if (folder / "summary.json").is_file() else None,
+    )
     monkeypatch.setitem(G.GRIDS, "FedMF", [{"learning-rate": (0.01, 0.03, 0.1, 0.3)}])
     record = R.tune("ml-100k", "FedMF", "")
     folders = {p.parent.name: json.loads(p.read_text()) for p in tmp_path.rglob("failed.json")}

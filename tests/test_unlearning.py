@@ -19,22 +19,34 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import MessageRecorder, assert_no_private_value_in_replies, tiny_run_config, write_tiny_dataset
 from flwr.app import Array, ArrayRecord, Context, RecordDict
 
-from conftest import MessageRecorder, assert_no_private_value_in_replies, tiny_run_config, write_tiny_dataset
 from fedrec_flwr.app.client_app import make_client, make_client_app
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.config import RunConfig, default_mapping
 from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.local.training import LocalTrainer
+from fedrec_flwr.models import build_model
+from fedrec_flwr.serial import run_serial
+from fedrec_flwr.strategies.unlearning import (
+    ClientUnlearning,
+    UnlearningSettings,
+    describe_before,
+    describe_unlearning,
+    forget_set,
+)
 from fedrec_flwr.unlearning.influence import can_batch, influence_objective
 from fedrec_flwr.unlearning.krylov import conjugate_gradient, gradient, hessian_vector_product
-from fedrec_flwr.models import build_model
-from fedrec_flwr.app.runtime import get_runtime
-from fedrec_flwr.serial import run_serial
-from fedrec_flwr.local.training import LocalTrainer
 from fedrec_flwr.wire import (
-    ModelLayout, PrivacyViolation, ReplyError, SparseSum, pack_sparse, sample_users, unpack_sparse,
+    ModelLayout,
+    PrivacyViolation,
+    ReplyError,
+    SparseSum,
+    pack_sparse,
+    sample_users,
+    unpack_sparse,
 )
-from fedrec_flwr.strategies.unlearning import ClientUnlearning, UnlearningSettings, describe_before, describe_unlearning, forget_set
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -103,8 +115,9 @@ def test_hfkcu_step_on_a_quadratic_lands_on_the_retrained_optimum_and_its_sign_m
         assert away > distance, damping
         previous = toward
     for scale in (0.25, 0.5):  # a fraction of the undamped step covers that fraction of the way
-        np.testing.assert_allclose(np.linalg.norm(theta_star + scale * x - theta_retrained), (1 - scale) * distance,
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            np.linalg.norm(theta_star + scale * x - theta_retrained), (1 - scale) * distance, rtol=1e-6
+        )
 
 
 # ================================================================================================ influence objective
@@ -114,11 +127,18 @@ def _influence_setup(folder: Path, model: str, loss: str, num_users: int = 5, se
     mapping = RunConfig.from_mapping(tiny_run_config(folder, model=model, loss=loss, num_train_negatives=2)).to_dict()
     runtime = get_runtime(mapping)
     rng = np.random.default_rng(seed)
-    context = Context(run_id=1, node_id=1000, node_config={"partition-id": 0, "num-partitions": 1},
-                      state=RecordDict(), run_config=mapping)
+    context = Context(
+        run_id=1,
+        node_id=1000,
+        node_config={"partition-id": 0, "num-partitions": 1},
+        state=RecordDict(),
+        run_config=mapping,
+    )
     for user in range(num_users):
-        record = {k: Array(rng.normal(scale=0.7, size=v.shape).astype(np.float32))
-                  for k, v in runtime.model.private_state().items()}
+        record = {
+            k: Array(rng.normal(scale=0.7, size=v.shape).astype(np.float32))
+            for k, v in runtime.model.private_state().items()
+        }
         context.state[f"user:{user}"] = ArrayRecord(record)
     shared = {k: (rng.normal(scale=0.5, size=s)).astype(np.float32) for k, s in runtime.layout.shared_shapes.items()}
     clients = [make_client(runtime, user, context) for user in range(num_users)]
@@ -178,10 +198,14 @@ def _reference_gradient_and_hvp(runtime, client, shared, direction):
     for table in model.user_embedding_modules().values():  # the user row's L2 term is no function of theta
         loss = loss - 0.5 * cfg.weight_decay * table.weight[0].detach().pow(2).sum()
     grads = torch.autograd.grad(loss, [named[k] for k in keys], create_graph=True)
-    products = torch.autograd.grad(grads, [named[k] for k in keys],
-                                   grad_outputs=[torch.as_tensor(direction[k], dtype=torch.float32) for k in keys])
-    return (float(loss.detach()), {k: g.detach().double().numpy() for k, g in zip(keys, grads)},
-            {k: p.double().numpy() for k, p in zip(keys, products)})
+    products = torch.autograd.grad(
+        grads, [named[k] for k in keys], grad_outputs=[torch.as_tensor(direction[k], dtype=torch.float32) for k in keys]
+    )
+    return (
+        float(loss.detach()),
+        {k: g.detach().double().numpy() for k, g in zip(keys, grads)},
+        {k: p.double().numpy() for k, p in zip(keys, products)},
+    )
 
 
 def _assert_close_vectors(got, expected, rtol=2e-5, what=""):
@@ -217,8 +241,7 @@ def test_influence_objective_is_the_users_training_loss(tmp_path, with_weight_de
 
 
 @pytest.mark.parametrize(("model", "loss", "decay"), INFLUENCE_CASES)
-def test_batched_node_objective_equals_the_sum_of_the_users_objectives(tmp_path, with_weight_decay, model, loss,
-                                                                       decay):
+def test_batched_node_objective_equals_the_sum_of_the_users_objectives(tmp_path, with_weight_decay, model, loss, decay):
     runtime, clients, shared = _influence_setup(tmp_path, model, loss, num_users=5)
     with_weight_decay(runtime, decay)
     assert can_batch(runtime.model)
@@ -240,8 +263,11 @@ def test_batched_node_objective_equals_the_sum_of_the_users_objectives(tmp_path,
         with influence_objective(runtime, clients, round_shared) as (loss_fn, params, items):
             batched_value = float(loss_fn(params).detach())
             grads = gradient(loss_fn, params)
-            batched_grad = _full(layout, {k: grads[k].detach().double().numpy() for k in layout.dense_keys},
-                                 {k: (items, grads[k].detach().double().numpy()) for k in layout.item_keys})
+            batched_grad = _full(
+                layout,
+                {k: grads[k].detach().double().numpy() for k in layout.dense_keys},
+                {k: (items, grads[k].detach().double().numpy()) for k in layout.item_keys},
+            )
         batched_hvp = _full(layout, *clients[0].influence_hvp(round_shared, direction, group=clients))
         assert batched_value == pytest.approx(total_loss, rel=1e-5)
         _assert_close_vectors(batched_grad, total_grad, rtol=1e-5, what="gradient")
@@ -282,8 +308,9 @@ def test_local_solve_of_one_user_matches_an_explicit_solve_on_its_rows(tmp_path)
         hv = _full(layout, *client.influence_hvp(shared, {"item_embedding.weight": basis}))["item_embedding.weight"]
         hessian[:, column] = hv[items].reshape(-1)
     np.testing.assert_allclose(hessian, hessian.T, atol=1e-6)
-    expected = np.linalg.solve(hessian + damping * np.eye(items.size * d),
-                               rhs["item_embedding.weight"][items].reshape(-1))
+    expected = np.linalg.solve(
+        hessian + damping * np.eye(items.size * d), rhs["item_embedding.weight"][items].reshape(-1)
+    )
     np.testing.assert_allclose(x[items].reshape(-1), expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
 
 
@@ -385,9 +412,25 @@ def _damage(packed, layout, how):
     return packed
 
 
-@pytest.mark.parametrize("how", ["dense-shape", "sum-shape", "sum-width", "rows-2d", "rows-float", "row-too-large",
-                                 "row-negative", "row-repeated", "nan-dense", "nan-sum", "inf-sum", "missing",
-                                 "unknown", "count"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "dense-shape",
+        "sum-shape",
+        "sum-width",
+        "rows-2d",
+        "rows-float",
+        "row-too-large",
+        "row-negative",
+        "row-repeated",
+        "nan-dense",
+        "nan-sum",
+        "inf-sum",
+        "missing",
+        "unknown",
+        "count",
+    ],
+)
 def test_unpack_sparse_rejects_malformed_vectors(how):
     layout = _ncf_layout()
     packed = pack_sparse(_sparse_vector(layout), layout)
@@ -426,9 +469,15 @@ def test_forget_set_is_seeded_and_the_union_of_ids_and_fraction():
     assert forget_set(_config(), 24).size == 0
 
 
-@pytest.mark.parametrize("overrides", [{"forget_users": "3,24"}, {"forget_fraction": 1.0},
-                                       {"forget_users": ",".join(str(u) for u in range(24))},
-                                       {"forget_users": "0,1", "forget_fraction": 0.95}])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"forget_users": "3,24"},
+        {"forget_fraction": 1.0},
+        {"forget_users": ",".join(str(u) for u in range(24))},
+        {"forget_users": "0,1", "forget_fraction": 0.95},
+    ],
+)
 def test_forget_set_refuses_out_of_range_ids_and_forgetting_everyone(overrides):
     config = _config(unlearning="hfkcu", **overrides)
     with pytest.raises(ConfigError):
@@ -438,30 +487,46 @@ def test_forget_set_refuses_out_of_range_ids_and_forgetting_everyone(overrides):
 
 
 def test_unlearning_settings_come_from_the_config():
-    config = _config(unlearning="hfkcu", forget_users="4,1", krylov_mode="local", cg_iterations=7, damping=0.2,
-                     unlearn_scale=0.5, adaptive_scale=False, causal_weighting=False, num_server_rounds=9)
+    config = _config(
+        unlearning="hfkcu",
+        forget_users="4,1",
+        krylov_mode="local",
+        cg_iterations=7,
+        damping=0.2,
+        unlearn_scale=0.5,
+        adaptive_scale=False,
+        causal_weighting=False,
+        num_server_rounds=9,
+    )
     settings = UnlearningSettings.from_config(config, 10)
     assert settings.method == "hfkcu" and settings.forget == (1, 4) and settings.round == 9
     assert (settings.krylov_mode, settings.cg_iterations, settings.damping, settings.scale) == ("local", 7, 0.2, 0.5)
     assert not settings.adaptive_scale and not settings.causal_weighting
-    assert UnlearningSettings.from_config(_config(unlearning="hfkcu", forget_users="1", unlearn_round=3,
-                                                  num_server_rounds=9), 10).round == 3
+    assert (
+        UnlearningSettings.from_config(
+            _config(unlearning="hfkcu", forget_users="1", unlearn_round=3, num_server_rounds=9), 10
+        ).round
+        == 3
+    )
     with pytest.raises(ValueError, match="phase"):
         ClientUnlearning(object(), settings.replace(method="retrain"))
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    ({"unlearning": "hfkcu"}, "forget"),
-    ({"unlearning": "retrain", "forget_users": ""}, "forget"),
-    ({"unlearning": "hfkcu", "forget_users": "1", "unlearn_round": 11, "num_server_rounds": 10}, "unlearn-round"),
-    ({"unlearning": "hfkcu", "forget_users": "1", "krylov_mode": "local", "damping": 0.0}, "damping"),
-    ({"unlearning": "forget-it", "forget_users": "1"}, "unlearning"),
-    ({"unlearning": "hfkcu", "forget_users": "1", "krylov_mode": "global"}, "krylov-mode"),
-    ({"unlearning": "hfkcu", "forget_users": "1,x"}, "forget-users"),
-    ({"unlearning": "hfkcu", "forget_users": "-1"}, "forget-users"),
-    ({"unlearning": "hfkcu", "forget_fraction": 1.5}, "forget-fraction"),
-    ({"unlearning": "hfkcu", "forget_users": "1", "damping": -0.1}, "damping"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"unlearning": "hfkcu"}, "forget"),
+        ({"unlearning": "retrain", "forget_users": ""}, "forget"),
+        ({"unlearning": "hfkcu", "forget_users": "1", "unlearn_round": 11, "num_server_rounds": 10}, "unlearn-round"),
+        ({"unlearning": "hfkcu", "forget_users": "1", "krylov_mode": "local", "damping": 0.0}, "damping"),
+        ({"unlearning": "forget-it", "forget_users": "1"}, "unlearning"),
+        ({"unlearning": "hfkcu", "forget_users": "1", "krylov_mode": "global"}, "krylov-mode"),
+        ({"unlearning": "hfkcu", "forget_users": "1,x"}, "forget-users"),
+        ({"unlearning": "hfkcu", "forget_users": "-1"}, "forget-users"),
+        ({"unlearning": "hfkcu", "forget_fraction": 1.5}, "forget-fraction"),
+        ({"unlearning": "hfkcu", "forget_users": "1", "damping": -0.1}, "damping"),
+    ],
+)
 def test_config_refuses_inconsistent_unlearning_keys(overrides, message):
     with pytest.raises(ConfigError, match=message):
         _config(**overrides)
@@ -508,8 +573,9 @@ def _arrays(path) -> dict[str, np.ndarray]:
         return {k: data[k] for k in data.files}
 
 
-@pytest.mark.parametrize(("method", "extra"), METHODS, ids=["hfkcu-distributed", "hfkcu-local", "gradient-ascent",
-                                                            "continue", "retrain"])
+@pytest.mark.parametrize(
+    ("method", "extra"), METHODS, ids=["hfkcu-distributed", "hfkcu-local", "gradient-ascent", "continue", "retrain"]
+)
 def test_serial_run_unlearns_and_leaves_the_forgotten_users_out(tmp_path, reference_run, method, extra, caplog):
     caplog.set_level(logging.INFO)
     config = _run_config(tmp_path, unlearning=method, unlearn_round=PHASE_ROUND, **extra)
@@ -549,8 +615,10 @@ def test_serial_run_unlearns_and_leaves_the_forgotten_users_out(tmp_path, refere
         assert set(named) == set(range(24)) - forget
 
     if method == "retrain":
-        assert json.loads((folder / "unlearning.json").read_text()) == {"method": "retrain",
-                                                                         "forget-users": sorted(FORGET)}
+        assert json.loads((folder / "unlearning.json").read_text()) == {
+            "method": "retrain",
+            "forget-users": sorted(FORGET),
+        }
         assert not (folder / "before-unlearning.npz").exists()
         assert "unlearning" not in summary
         assert not [r for r in records if r["type"].startswith("query.unlearn")]
@@ -569,12 +637,15 @@ def test_serial_run_unlearns_and_leaves_the_forgotten_users_out(tmp_path, refere
     # --- the console says what the phase did, why the solve stopped, and that later metrics are after it
     console = [r.getMessage() for r in caplog.records]
     assert describe_unlearning(report) in console, console
-    assert (f"HR@10 {report['before']['HR@10']:.4f}" in describe_before(report["before"], PHASE_ROUND)
-            and describe_before(report["before"], PHASE_ROUND) in console), console
+    assert (
+        f"HR@10 {report['before']['HR@10']:.4f}" in describe_before(report["before"], PHASE_ROUND)
+        and describe_before(report["before"], PHASE_ROUND) in console
+    ), console
     assert console.index(describe_before(report["before"], PHASE_ROUND)) < console.index(describe_unlearning(report))
     assert describe_before(report["before"], PHASE_ROUND).startswith("before unlearning: HR@5 ")  # K in order
     assert describe_before(report["before"], PHASE_ROUND).endswith(
-        f"; every evaluation from round {PHASE_ROUND} on is of the unlearned model")
+        f"; every evaluation from round {PHASE_ROUND} on is of the unlearned model"
+    )
     if "cg-termination" in report:
         assert f"stopped on {report['cg-termination']}" in describe_unlearning(report)
     before = _arrays(folder / "before-unlearning.npz")
@@ -595,7 +666,9 @@ def test_serial_run_unlearns_and_leaves_the_forgotten_users_out(tmp_path, refere
     assert report["update-norm"] > 0 and report["forget-gradient-norm"] > 0
     assert report["relative-update"] == pytest.approx(
         np.sqrt(sum(np.sum((after_phase[k].astype(np.float64) - before[k]) ** 2) for k in before))
-        / np.sqrt(sum(np.sum(before[k].astype(np.float64) ** 2) for k in before)), rel=1e-3)
+        / np.sqrt(sum(np.sum(before[k].astype(np.float64) ** 2) for k in before)),
+        rel=1e-3,
+    )
     gradient_queries = [r for r in queries if r["type"] == "query.unlearn_gradient"]
     assert {u for r in gradient_queries for u in r["users"]} == forget
     others = [r for r in queries if r["type"] != "query.unlearn_gradient"]
@@ -625,21 +698,33 @@ def test_serial_run_unlearns_and_leaves_the_forgotten_users_out(tmp_path, refere
 
     # --- privacy: no unlearning reply carries a private key or a user-embedding value
     layout = get_runtime(config).layout
-    private_rows = np.unique(np.concatenate([np.atleast_2d(a).astype(np.float64) for r in records
-                                             for rec in r["state"].values() for a in rec.values()]), axis=0)
+    private_rows = np.unique(
+        np.concatenate(
+            [np.atleast_2d(a).astype(np.float64) for r in records for rec in r["state"].values() for a in rec.values()]
+        ),
+        axis=0,
+    )
     assert_no_private_value_in_replies(queries, layout, list(private_rows))
 
 
 def test_server_optimizer_strategy_continues_from_the_unlearned_model(tmp_path):
     """A strategy that keeps its own copy of the parameters (server optimizer) adopts the phase's result: the next
     round steps from the unlearned model, not from the one before the phase."""
-    config = _run_config(tmp_path, strategy="server-optimizer", client="fedrecgel", unlearning="gradient-ascent",
-                         unlearn_round=PHASE_ROUND, ascent_steps=1)
+    config = _run_config(
+        tmp_path,
+        strategy="server-optimizer",
+        client="fedrecgel",
+        unlearning="gradient-ascent",
+        unlearn_round=PHASE_ROUND,
+        ascent_steps=1,
+    )
     seen = {}
 
     def on_round(view):
-        seen[view.server_round] = ({k: p.detach().numpy().copy() for k, p in view.strategy.parameters.items()},
-                                   {k: v.numpy().copy() for k, v in view.arrays.items()})
+        seen[view.server_round] = (
+            {k: p.detach().numpy().copy() for k, p in view.strategy.parameters.items()},
+            {k: v.numpy().copy() for k, v in view.arrays.items()},
+        )
 
     folder = run_serial(config, on_round=on_round)
     before = _arrays(folder / "before-unlearning.npz")
@@ -659,10 +744,14 @@ def test_unlearning_replies_never_carry_a_private_value_even_for_one_user(tmp_pa
     run_serial(config, client_app=make_client_app(config, mods=[recorder]))
     records = recorder.records()
     queries = [r for r in records if r["type"].startswith("query.unlearn")]
-    assert {r["type"] for r in queries} == {"query.unlearn_gradient", "query.unlearn_affected",
-                                            "query.unlearn_local_cg"}
-    private_rows = [row for r in records for rec in r["state"].values() for a in rec.values()
-                    for row in np.atleast_2d(a)]
+    assert {r["type"] for r in queries} == {
+        "query.unlearn_gradient",
+        "query.unlearn_affected",
+        "query.unlearn_local_cg",
+    }
+    private_rows = [
+        row for r in records for rec in r["state"].values() for a in rec.values() for row in np.atleast_2d(a)
+    ]
     assert_no_private_value_in_replies(queries, get_runtime(config).layout, private_rows)
     for record in queries:
         for arrays in record["reply-arrays"].values():
@@ -693,14 +782,31 @@ def mf_phase(tmp_path_factory):
     model, several unlearning variants run through ClientUnlearning on the live grid; plus every user's explicit
     MF gradient and Hessian blocks."""
     folder = tmp_path_factory.mktemp("mf")
-    mapping = tiny_run_config(folder, model="mf", num_train_negatives=1, num_server_rounds=MF_ROUNDS,
-                              fraction_train=1.0, optimizer="sgd", learning_rate=20.0, eval_every=MF_ROUNDS,
-                              users_per_node=MF_USERS_PER_NODE)
+    mapping = tiny_run_config(
+        folder,
+        model="mf",
+        num_train_negatives=1,
+        num_server_rounds=MF_ROUNDS,
+        fraction_train=1.0,
+        optimizer="sgd",
+        learning_rate=20.0,
+        eval_every=MF_ROUNDS,
+        users_per_node=MF_USERS_PER_NODE,
+    )
     write_tiny_dataset(folder, num_items=300, per_user=6)  # sparse: many users share no row with user 0
     config = RunConfig.from_mapping(mapping).to_dict()
-    base = UnlearningSettings(method="hfkcu", forget=MF_FORGET, round=MF_ROUNDS, cg_iterations=200,
-                              cg_tolerance=1e-9, damping=MF_DAMPING, scale=1.0, adaptive_scale=False,
-                              krylov_solver="cg", curvature="hessian")
+    base = UnlearningSettings(
+        method="hfkcu",
+        forget=MF_FORGET,
+        round=MF_ROUNDS,
+        cg_iterations=200,
+        cg_tolerance=1e-9,
+        damping=MF_DAMPING,
+        scale=1.0,
+        adaptive_scale=False,
+        krylov_solver="cg",
+        curvature="hessian",
+    )
     variants = {
         "causal": base,
         # MF's Gauss-Newton matrix is its Hessian; a radius no step reaches leaves Steihaug equal to plain CG
@@ -709,8 +815,14 @@ def mf_phase(tmp_path_factory):
         "all-users": base.replace(causal_weighting=False),
         "adaptive": base.replace(adaptive_scale=True, max_step=0.05),
         "local": base.replace(krylov_mode="local", damping=MF_LOCAL_DAMPING, cg_iterations=100),
-        "local-trust-region": base.replace(krylov_mode="local", damping=MF_LOCAL_DAMPING, cg_iterations=100,
-                                           krylov_solver="steihaug", curvature="gauss-newton", trust_radius=0.01),
+        "local-trust-region": base.replace(
+            krylov_mode="local",
+            damping=MF_LOCAL_DAMPING,
+            cg_iterations=100,
+            krylov_solver="steihaug",
+            curvature="gauss-newton",
+            trust_radius=0.01,
+        ),
         "ascent": base.replace(method="gradient-ascent", ascent_steps=2, ascent_learning_rate=3.0),
     }
     out = {"results": {}}
@@ -734,8 +846,15 @@ def mf_phase(tmp_path_factory):
         positives, negatives = client.influence_examples()
         items = np.concatenate([positives, negatives])
         labels = np.concatenate([np.ones(positives.size), np.zeros(negatives.size)])
-        users.append({"p": p, "items": items, "labels": labels, "rows": client.influence_items(),
-                      "terms": _mf_terms(p, items, labels, table)})
+        users.append(
+            {
+                "p": p,
+                "items": items,
+                "labels": labels,
+                "rows": client.influence_items(),
+                "terms": _mf_terms(p, items, labels, table),
+            }
+        )
     out.update(runtime=runtime, users=users, table=table)
     return out
 
@@ -834,16 +953,18 @@ def test_mf_local_cg_is_the_gradient_norm_weighted_sum_of_per_user_solves(mf_pha
     sharing = [u for u in remaining if np.isin(mf["users"][u]["rows"], support).any()]
     norms = np.array([np.linalg.norm(mf["users"][u]["terms"][1]) for u in sharing])
     weights = norms / norms.sum()
-    expected = sum(w * _explicit_solve(mf["users"][u]["terms"][2], g_forget, MF_LOCAL_DAMPING)
-                   for w, u in zip(weights, sharing))
+    expected = sum(
+        w * _explicit_solve(mf["users"][u]["terms"][2], g_forget, MF_LOCAL_DAMPING) for w, u in zip(weights, sharing)
+    )
     new, report = mf["results"]["local"]
     assert report["krylov-mode"] == "local" and report["local-cg-users"] == len(sharing)
     assert report["local-cg-negative-curvature"] == 0
     step = new["item_embedding.weight"] - mf["table"]
     assert _rel(step, expected) < 1e-5
     # the uniform average would be a different step: the weighting is really applied
-    uniform = sum(_explicit_solve(mf["users"][u]["terms"][2], g_forget, MF_LOCAL_DAMPING)
-                  for u in sharing) / len(sharing)
+    uniform = sum(_explicit_solve(mf["users"][u]["terms"][2], g_forget, MF_LOCAL_DAMPING) for u in sharing) / len(
+        sharing
+    )
     assert _rel(uniform, expected) > 1e-3  # far above the 1e-5 agreement above
 
 

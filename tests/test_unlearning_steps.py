@@ -16,13 +16,18 @@ import numpy as np
 import pytest
 
 from fedrec_flwr.config import RunConfig, default_mapping
-from fedrec_flwr.unlearning.krylov import flatten, unflatten
 from fedrec_flwr.models import build_model
 from fedrec_flwr.seeding import numpy_rng
-from fedrec_flwr.wire import ModelLayout
 from fedrec_flwr.strategies.unlearning import (
-    PRECONDITIONER_FLOOR, TAG_CURVATURE_SAMPLE, TAG_FORGET, ClientUnlearning, UnlearningSettings, forget_set,
+    PRECONDITIONER_FLOOR,
+    TAG_CURVATURE_SAMPLE,
+    TAG_FORGET,
+    ClientUnlearning,
+    UnlearningSettings,
+    forget_set,
 )
+from fedrec_flwr.unlearning.krylov import flatten, unflatten
+from fedrec_flwr.wire import ModelLayout
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -5,7 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedrec_flwr.wire import ROWS, SUM, COUNT, Contribution, ModelLayout, PrivacyViolation, ReplyError, check_reply_keys, merge_rows
+from fedrec_flwr.wire import (
+    COUNT,
+    ROWS,
+    SUM,
+    Contribution,
+    ModelLayout,
+    PrivacyViolation,
+    ReplyError,
+    check_reply_keys,
+    merge_rows,
+)
 
 LAYOUT = ModelLayout(
     shared_shapes={"item.weight": (6, 3), "out.weight": (1, 3)},
@@ -18,8 +28,14 @@ def _users(rng, count):
     users = []
     for _ in range(count):
         rows = np.sort(rng.choice(6, size=rng.integers(1, 6), replace=False))
-        users.append(({"out.weight": rng.normal(size=(1, 3))}, {"item.weight": (rows, rng.normal(size=(len(rows), 3)))},
-                      int(rng.integers(1, 50)), float(rng.random())))
+        users.append(
+            (
+                {"out.weight": rng.normal(size=(1, 3))},
+                {"item.weight": (rows, rng.normal(size=(len(rows), 3)))},
+                int(rng.integers(1, 50)),
+                float(rng.random()),
+            )
+        )
     return users
 
 
@@ -31,7 +47,9 @@ def _aggregate(groups, current):
             contribution.add_user(dense, rows, n, loss)
         packs.append(contribution.pack())
         weights.append(contribution.num_examples)
-    table, _ = merge_rows(current, [(p["item.weight" + ROWS], p["item.weight" + SUM], p["item.weight" + COUNT]) for p in packs])
+    table, _ = merge_rows(
+        current, [(p["item.weight" + ROWS], p["item.weight" + SUM], p["item.weight" + COUNT]) for p in packs]
+    )
     dense = sum(w * p["out.weight"].astype(np.float64) for w, p in zip(weights, packs)) / sum(weights)
     return table, dense
 
@@ -68,16 +86,21 @@ def test_check_reply_keys_flags_private_and_malformed_arrays():
 
 def test_zero_example_user_is_refused():
     with pytest.raises(ReplyError):
-        Contribution(LAYOUT).add_user({"out.weight": np.ones((1, 3))}, {"item.weight": (np.array([1]), np.ones((1, 3)))}, 0, 0.0)
+        Contribution(LAYOUT).add_user(
+            {"out.weight": np.ones((1, 3))}, {"item.weight": (np.array([1]), np.ones((1, 3)))}, 0, 0.0
+        )
 
 
 def test_a_node_reply_is_the_example_weighted_mean_of_its_users_dense_parameters():
     """Hand computation: users with 1 and 3 examples; dense (1,1,1) and (5,5,5) -> (1*1 + 3*5) / 4 = 4; losses 0.2 and
     0.6 -> 0.5; row 2 touched by both (sum and count 2), rows 0 and 5 by one each."""
     contribution = Contribution(LAYOUT)
-    contribution.add_user({"out.weight": np.full((1, 3), 1.0)}, {"item.weight": (np.array([0, 2]), np.ones((2, 3)))}, 1, 0.2)
-    contribution.add_user({"out.weight": np.full((1, 3), 5.0)},
-                          {"item.weight": (np.array([2, 5]), np.full((2, 3), 2.0))}, 3, 0.6)
+    contribution.add_user(
+        {"out.weight": np.full((1, 3), 1.0)}, {"item.weight": (np.array([0, 2]), np.ones((2, 3)))}, 1, 0.2
+    )
+    contribution.add_user(
+        {"out.weight": np.full((1, 3), 5.0)}, {"item.weight": (np.array([2, 5]), np.full((2, 3), 2.0))}, 3, 0.6
+    )
     packed = contribution.pack()
     np.testing.assert_array_equal(packed["out.weight"], np.full((1, 3), 4.0, np.float32))
     np.testing.assert_array_equal(packed["item.weight" + ROWS], [0, 2, 5])

@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 from flwr.app import RecordDict
 
+from fedrec_flwr.app.runtime import get_runtime
+from fedrec_flwr.config import make_run_config
 from fedrec_flwr.local import blocks
 from fedrec_flwr.local.blocks import evaluate_block, train_block
-from fedrec_flwr.config import make_run_config
 from fedrec_flwr.registry import resolve
-from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.serial import run_serial
 
 METHODS = {
@@ -74,8 +74,15 @@ def bench_local(method: str, sizes=BLOCK_SIZES) -> list[dict]:
             autograd = time.perf_counter() - start
         finally:
             blocks.GRADIENTS, blocks.FUSED_ADAM = saved
-        rows.append({"method": method, "k": len(users), "sequential-s": sequential, "block-s": block,
-                     "block-autograd-s": autograd})
+        rows.append(
+            {
+                "method": method,
+                "k": len(users),
+                "sequential-s": sequential,
+                "block-s": block,
+                "block-autograd-s": autograd,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -117,12 +124,24 @@ def bench_messages(count: int = 100) -> dict:
         return Message(RecordDict({METRICS: MetricRecord({"num-examples": 1.0})}), reply_to=message)
 
     def run(app, kind: str) -> float:
-        contexts = [Context(run_id=1, node_id=1000 + u, node_config={"partition-id": u, "num-partitions": 943},
-                            state=RecordDict(), run_config=config) for u in range(count)]
+        contexts = [
+            Context(
+                run_id=1,
+                node_id=1000 + u,
+                node_config={"partition-id": u, "num-partitions": 943},
+                state=RecordDict(),
+                run_config=config,
+            )
+            for u in range(count)
+        ]
 
         def send(user: int, rnd: int):
-            msg = Message(RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({"server-round": rnd})}), 1000 + user,
-                          kind, group_id=str(rnd))
+            msg = Message(
+                RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({"server-round": rnd})}),
+                1000 + user,
+                kind,
+                group_id=str(rnd),
+            )
             msg.metadata.__dict__.update(_message_id=f"{kind}-{user}-{rnd}", _src_node_id=1)
             reply = app(msg, contexts[user])
             assert not reply.has_error(), reply.error
@@ -149,8 +168,15 @@ def bench_messages(count: int = 100) -> dict:
 
 def bench_rounds(users_per_node: int, rounds: int, folder: Path) -> float:
     """Mean seconds of a training round (``train-seconds`` of metrics.json) with every user sampled."""
-    config = make_run_config(dataset="ml-100k", fraction_train=1.0, num_server_rounds=rounds, eval_every=1000,
-                             users_per_node=users_per_node, results_dir=str(folder), run_name=f"upn{users_per_node}")
+    config = make_run_config(
+        dataset="ml-100k",
+        fraction_train=1.0,
+        num_server_rounds=rounds,
+        eval_every=1000,
+        users_per_node=users_per_node,
+        results_dir=str(folder),
+        run_name=f"upn{users_per_node}",
+    )
     results = run_serial(config)
     rows = json.loads((results / "metrics.json").read_text())
     return sum(float(r["train-seconds"]) for r in rows) / len(rows), rows[-1]
@@ -173,27 +199,41 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rounds = {upn: bench_rounds(upn, args.rounds, Path(tmp)) for upn in (1, 50)}
     load_end = os.getloadavg()
-    print("\n| method | k | sequential per user (ms) | block per user (ms) | sequential per node (s) | block per node (s) "
-          "| ratio | block with vmap + autograd, per user (ms) |")
+    print(
+        "\n| method | k | sequential per user (ms) | block per user (ms) | sequential per node (s) | block per node (s) "
+        "| ratio | block with vmap + autograd, per user (ms) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in local:
-        print(f"| {r['method']} | {r['k']} | {1000 * r['sequential-s'] / r['k']:.2f} | {1000 * r['block-s'] / r['k']:.2f}"
-              f" | {r['sequential-s']:.3f} | {r['block-s']:.3f} | {r['sequential-s'] / r['block-s']:.1f}x "
-              f"| {1000 * r['block-autograd-s'] / r['k']:.2f} |")
+        print(
+            f"| {r['method']} | {r['k']} | {1000 * r['sequential-s'] / r['k']:.2f} | {1000 * r['block-s'] / r['k']:.2f}"
+            f" | {r['sequential-s']:.3f} | {r['block-s']:.3f} | {r['sequential-s'] / r['block-s']:.1f}x "
+            f"| {1000 * r['block-autograd-s'] / r['k']:.2f} |"
+        )
     e = evaluation
-    print(f"\nevaluation of {e['k']} users (FedNCF): per-user {1000 * e['sequential-s'] / e['k']:.2f} ms/user, block "
-          f"{1000 * e['block-s'] / e['k']:.3f} ms/user, ratio {e['sequential-s'] / e['block-s']:.1f}x")
+    print(
+        f"\nevaluation of {e['k']} users (FedNCF): per-user {1000 * e['sequential-s'] / e['k']:.2f} ms/user, block "
+        f"{1000 * e['block-s'] / e['k']:.3f} ms/user, ratio {e['sequential-s'] / e['block-s']:.1f}x"
+    )
     m = messages
-    print(f"\nper message in-process, 1 user per node (FedNCF): bare ClientApp (decode arrays, reply) "
-          f"{m['bare-train-ms']:.2f} ms; ours train {m['ours-train-ms']:.2f} ms (arrays decoded per message as before: "
-          f"{m['before-train-ms']:.2f}), evaluate {m['ours-evaluate-ms']:.2f} ms (before: {m['before-evaluate-ms']:.2f})")
+    print(
+        f"\nper message in-process, 1 user per node (FedNCF): bare ClientApp (decode arrays, reply) "
+        f"{m['bare-train-ms']:.2f} ms; ours train {m['ours-train-ms']:.2f} ms (arrays decoded per message as before: "
+        f"{m['before-train-ms']:.2f}), evaluate {m['ours-evaluate-ms']:.2f} ms (before: {m['before-evaluate-ms']:.2f})"
+    )
     (t1, m1), (t50, m50) = rounds[1], rounds[50]
-    print(f"\nrun_serial, FedNCF, 943 sampled users per round, {args.rounds} rounds: users-per-node = 1: {t1:.2f} s "
-          f"per training round; users-per-node = 50: {t50:.2f} s; ratio {t1 / t50:.1f}x")
-    print(f"last round: train-loss {m1['train-loss']:.6f} vs {m50['train-loss']:.6f}; HR@10 {m1['HR@10']:.6f} vs "
-          f"{m50['HR@10']:.6f}")
-    print(f"\nload average at start {load_start}, at end {load_end}; torch threads 1; "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(
+        f"\nrun_serial, FedNCF, 943 sampled users per round, {args.rounds} rounds: users-per-node = 1: {t1:.2f} s "
+        f"per training round; users-per-node = 50: {t50:.2f} s; ratio {t1 / t50:.1f}x"
+    )
+    print(
+        f"last round: train-loss {m1['train-loss']:.6f} vs {m50['train-loss']:.6f}; HR@10 {m1['HR@10']:.6f} vs "
+        f"{m50['HR@10']:.6f}"
+    )
+    print(
+        f"\nload average at start {load_start}, at end {load_end}; torch threads 1; "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
 
 
 if __name__ == "__main__":

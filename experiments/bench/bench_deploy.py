@@ -58,6 +58,7 @@ def child(app_kind: str, message_path: str, context_path: str) -> None:
     """One message in this fresh process; prints ``{phase: unix time}`` as JSON on stdout."""
     import flwr.app  # noqa: F401
     import flwr.clientapp  # noqa: F401
+
     _stamp("flwr")
     if app_kind == "ours":
         from fedrec_flwr.app.client_app import app
@@ -82,8 +83,9 @@ def child(app_kind: str, message_path: str, context_path: str) -> None:
     proto.ParseFromString(Path(message_path).read_bytes())
     message = message_from_proto(proto)
     saved = json.loads(Path(context_path).read_text())
-    context = Context(run_id=1, node_id=1, node_config=saved["node_config"], state=RecordDict(),
-                      run_config=saved["run_config"])
+    context = Context(
+        run_id=1, node_id=1, node_config=saved["node_config"], state=RecordDict(), run_config=saved["run_config"]
+    )
     from flwr.supercore.task_identity import TaskIdentity
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 2  # as flwr-clientapp sets them
@@ -191,8 +193,14 @@ def deployed(work: Path, rounds: int, shapes: dict) -> dict:
     with Deployment(work / "bare", num_supernodes=3, check_nodes=False, project=bare) as deployment:
         deployment.run({"results-dir": str(work / "results"), "run-name": "bare", "num-server-rounds": rounds})
     out["bare"] = json.loads((work / "results" / "bare" / "summary.json").read_text())["round-seconds"]
-    overrides = {"dataset": "ml-100k", "users-per-node": 315, "fraction-train": 0.1, "num-server-rounds": rounds,
-                 "eval-every": rounds, "results-dir": str(work / "results")}
+    overrides = {
+        "dataset": "ml-100k",
+        "users-per-node": 315,
+        "fraction-train": 0.1,
+        "num-server-rounds": rounds,
+        "eval-every": rounds,
+        "results-dir": str(work / "results"),
+    }
     with Deployment(work / "ours", num_supernodes=3, project=app_snapshot(work / "snapshot")) as deployment:
         deployment.run({**overrides, "run-name": "ours"})
     out["ours"] = _round_seconds(work / "results" / "ours")
@@ -207,9 +215,8 @@ def _messages(folder: Path, run_config: dict, users: list[int]) -> dict[str, Pat
     from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
     from flwr.common.serde import message_to_proto
 
-    from fedrec_flwr.wire import IDENTIFY
     from fedrec_flwr.app.runtime import build_shared_model, get_runtime
-    from fedrec_flwr.wire import ARRAYS, CONFIG
+    from fedrec_flwr.wire import ARRAYS, CONFIG, IDENTIFY
 
     runtime = get_runtime(run_config)  # loads (and caches on disk) the split once, before any child runs
     model = build_shared_model(runtime.config, runtime.split.num_items)
@@ -231,14 +238,27 @@ def _messages(folder: Path, run_config: dict, users: list[int]) -> dict[str, Pat
 def run_child(app_kind: str, message: Path, context: Path) -> dict[str, float]:
     """Seconds per :data:`PHASES` of one message in a fresh process."""
     spawned = time.time()
-    done = subprocess.run([sys.executable, __file__, "--child", app_kind, str(message), str(context)],
-                          capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", app_kind, str(message), str(context)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     exited = time.time()
     if done.returncode != 0:
         raise SystemExit(f"child ({app_kind}, {message.name}) failed:\n{done.stderr[-3000:]}")
     stamps = dict(json.loads(done.stdout.strip().splitlines()[-1])["stamps"])
-    times = [spawned, stamps["main"], stamps["flwr"], stamps["app"], stamps["decode"], stamps["runtime"],
-             stamps["work"], stamps["reply"], exited]
+    times = [
+        spawned,
+        stamps["main"],
+        stamps["flwr"],
+        stamps["app"],
+        stamps["decode"],
+        stamps["runtime"],
+        stamps["work"],
+        stamps["reply"],
+        exited,
+    ]
     return {phase: b - a for phase, a, b in zip(PHASES, times, times[1:])}
 
 
@@ -247,10 +267,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=5, help="messages of each kind per app (interleaved)")
     parser.add_argument("--dataset", default="ml-100k")
     parser.add_argument("--users-per-node", type=int, default=1)
-    parser.add_argument("--deployed", type=int, default=0, metavar="ROUNDS",
-                        help="also time ROUNDS deployed rounds (3 SuperNodes) of ours and of the bare app, and "
-                             "the same rounds in-process (the last round also evaluates; the others are the "
-                             "training rounds)")
+    parser.add_argument(
+        "--deployed",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="also time ROUNDS deployed rounds (3 SuperNodes) of ours and of the bare app, and "
+        "the same rounds in-process (the last round also evaluates; the others are the "
+        "training rounds)",
+    )
     parser.add_argument("--out", default=None, help="write the per-message timings and the summary as JSON here")
     args = parser.parse_args(argv)
 
@@ -265,8 +290,14 @@ def main(argv: list[str] | None = None) -> dict:
         contexts = {}
         for arm, block in (("ours", run_config["block-training"]), ("ours block-training=off", "off")):
             contexts[arm] = folder / f"context-{block}.json"
-            contexts[arm].write_text(json.dumps({"run_config": {**run_config, "block-training": block},
-                                                 "node_config": {"partition-id": 0, "num-partitions": 1}}))
+            contexts[arm].write_text(
+                json.dumps(
+                    {
+                        "run_config": {**run_config, "block-training": block},
+                        "node_config": {"partition-id": 0, "num-partitions": 1},
+                    }
+                )
+            )
         contexts["bare"] = contexts["ours"]
         size = (paths["train"].stat().st_size) / 1e6
         rows: dict[str, list[dict[str, float]]] = {}
@@ -278,13 +309,16 @@ def main(argv: list[str] | None = None) -> dict:
                     app_kind = "bare" if arm == "bare" else "ours"
                     rows.setdefault(f"{arm} {kind}", []).append(run_child(app_kind, paths[kind], context))
     load_end = os.getloadavg()
-    summary = {name: {phase: statistics.median(r[phase] for r in runs) for phase in PHASES}
-               for name, runs in rows.items()}
+    summary = {
+        name: {phase: statistics.median(r[phase] for r in runs) for phase in PHASES} for name, runs in rows.items()
+    }
     for values in summary.values():
         values["total"] = sum(values[p] for p in PHASES)
-    print(f"load average at start {load_start[0]:.1f} / {load_start[1]:.1f} / {load_start[2]:.1f}, at end "
-          f"{load_end[0]:.1f} / {load_end[1]:.1f} / {load_end[2]:.1f} ({os.cpu_count()} CPUs); train message "
-          f"{size:.2f} MB; median of {args.repeats} fresh processes per row, seconds\n")
+    print(
+        f"load average at start {load_start[0]:.1f} / {load_start[1]:.1f} / {load_start[2]:.1f}, at end "
+        f"{load_end[0]:.1f} / {load_end[1]:.1f} / {load_end[2]:.1f} ({os.cpu_count()} CPUs); train message "
+        f"{size:.2f} MB; median of {args.repeats} fresh processes per row, seconds\n"
+    )
     print("| message | " + " | ".join(PHASES) + " | total |")
     print("|---|" + "---|" * (len(PHASES) + 1))
     for name, values in summary.items():
@@ -299,22 +333,34 @@ def main(argv: list[str] | None = None) -> dict:
         from fedrec_flwr.app.runtime import build_shared_model, get_runtime
 
         runtime = get_runtime(run_config)
-        shapes = {k: tuple(v.shape) for k, v in build_shared_model(runtime.config, runtime.split.num_items)
-                  .shared_state().items()}
+        shapes = {
+            k: tuple(v.shape)
+            for k, v in build_shared_model(runtime.config, runtime.split.num_items).shared_state().items()
+        }
         deploy_load = [os.getloadavg()]
         with tempfile.TemporaryDirectory() as tmp:
             deploy = deployed(Path(tmp), args.deployed, shapes)
         deploy_load.append(os.getloadavg())
         train = {arm: statistics.mean(seconds[:-1]) for arm, seconds in deploy.items()}
-        print(f"\ndeployed, 3 SuperNodes, mean of training rounds 1..{args.deployed - 1} (load average "
-              f"{deploy_load[0][0]:.1f} at the start, {deploy_load[1][0]:.1f} at the end): ours {train['ours']:.1f} s, "
-              f"bare {train['bare']:.1f} s, ours in-process {train['serial']:.1f} s; ours / (bare + in-process) = "
-              f"{train['ours'] / (train['bare'] + train['serial']):.2f}x")
+        print(
+            f"\ndeployed, 3 SuperNodes, mean of training rounds 1..{args.deployed - 1} (load average "
+            f"{deploy_load[0][0]:.1f} at the start, {deploy_load[1][0]:.1f} at the end): ours {train['ours']:.1f} s, "
+            f"bare {train['bare']:.1f} s, ours in-process {train['serial']:.1f} s; ours / (bare + in-process) = "
+            f"{train['ours'] / (train['bare'] + train['serial']):.2f}x"
+        )
         deploy = {"round-seconds": deploy, "mean-training-round": train, "load-average": deploy_load}
-    result = {"load-average-start": load_start, "load-average-end": load_end, "cpus": os.cpu_count(),
-              "train-message-mb": size, "repeats": args.repeats, "dataset": args.dataset,
-              "users-per-node": args.users_per_node, "median-seconds": summary, "runs": rows,
-              "deployed": deploy}
+    result = {
+        "load-average-start": load_start,
+        "load-average-end": load_end,
+        "cpus": os.cpu_count(),
+        "train-message-mb": size,
+        "repeats": args.repeats,
+        "dataset": args.dataset,
+        "users-per-node": args.users_per_node,
+        "median-seconds": summary,
+        "runs": rows,
+        "deployed": deploy,
+    }
     if args.out:
         from fedrec_flwr.io import atomic_write_text
 

@@ -50,8 +50,15 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-FEDRECGEL = {"client": "fedrecgel", "strategy": "server-optimizer", "model": "ncf", "learning-rate": 0.1,
-             "batch-size": 128, "server-learning-rate": 0.03, "rho-shared": 0.02}
+FEDRECGEL = {
+    "client": "fedrecgel",
+    "strategy": "server-optimizer",
+    "model": "ncf",
+    "learning-rate": 0.1,
+    "batch-size": 128,
+    "server-learning-rate": 0.03,
+    "rho-shared": 0.02,
+}
 """FedRecGEL as the README's ``flwr run`` example runs it (section Methods)."""
 
 
@@ -86,18 +93,20 @@ def _floor(run_config: Mapping[str, Any], started: float) -> dict:
     import numpy as np
     from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-    from fedrec_flwr.local.blocks import block_kind, evaluate_block, train_block
     from fedrec_flwr.app.preflight import _block_topology, build_strategy, preflight
-    from fedrec_flwr.registry import resolve
     from fedrec_flwr.app.runtime import build_shared_model
+    from fedrec_flwr.local.blocks import block_kind, evaluate_block, train_block
+    from fedrec_flwr.registry import resolve
     from fedrec_flwr.wire import ARRAYS, CONFIG, GRADIENT_USERS, METRICS, NUM_EXAMPLES, Contribution
 
     plan = preflight(run_config, with_data=True)
     config, runtime = plan.config, plan.runtime
     cls = resolve("client", config.client)
     if config.block_training == "off" or block_kind(cls, config) is None:
-        raise ValueError(f"the compute floor runs the block path: client {config.client!r} with block-training "
-                         f"{config.block_training!r} has none")
+        raise ValueError(
+            f"the compute floor runs the block path: client {config.client!r} with block-training "
+            f"{config.block_training!r} has none"
+        )
     topology = _block_topology(config, runtime.split.num_users)  # node id = partition id, as the floor's own nodes
     model = build_shared_model(config, runtime.split.num_items)
     strategy = build_strategy(config, runtime.layout, topology)
@@ -118,10 +127,20 @@ def _floor(run_config: Mapping[str, Any], started: float) -> dict:
             for update in train_block(runtime, cls, users, state, shared, message_config):
                 contribution.add_user(update.dense, update.rows, update.aggregation_weight, update.loss)
                 gradients += int(update.is_gradient)
-            metrics = {NUM_EXAMPLES: float(contribution.num_examples), "num-users": contribution.num_users,
-                       "train-loss": float(contribution.mean_loss), GRADIENT_USERS: gradients}
-            accepted.append(RecordDict({ARRAYS: ArrayRecord({k: Array(v) for k, v in contribution.pack().items()}),
-                                        METRICS: MetricRecord(metrics)}))
+            metrics = {
+                NUM_EXAMPLES: float(contribution.num_examples),
+                "num-users": contribution.num_users,
+                "train-loss": float(contribution.mean_loss),
+                GRADIENT_USERS: gradients,
+            }
+            accepted.append(
+                RecordDict(
+                    {
+                        ARRAYS: ArrayRecord({k: Array(v) for k, v in contribution.pack().items()}),
+                        METRICS: MetricRecord(metrics),
+                    }
+                )
+            )
             loss_sum += contribution.mean_loss * contribution.num_examples
             examples += contribution.num_examples
         arrays = strategy.aggregate_arrays(accepted)
@@ -132,15 +151,24 @@ def _floor(run_config: Mapping[str, Any], started: float) -> dict:
             results: list[dict[str, float]] = []
             for message in evaluations:
                 state = states.setdefault(int(message.metadata.dst_node_id), RecordDict())
-                results += evaluate_block(runtime, [int(u) for u in message.content[CONFIG]["users"]], state, shared,
-                                          dict(message.content[CONFIG]))
+                results += evaluate_block(
+                    runtime,
+                    [int(u) for u in message.content[CONFIG]["users"]],
+                    state,
+                    shared,
+                    dict(message.content[CONFIG]),
+                )
             row.update({key: float(np.mean([r[key] for r in results])) for key in results[0]})
             row["eval-users"] = len(results)
         row["seconds"] = round(time.perf_counter() - round_start, 3)
         rows.append(row)
     finished = time.perf_counter()
-    return {"rows": rows, "arrays": {k: v.numpy() for k, v in arrays.items()},
-            "load-seconds": loaded - started, "loop-seconds": finished - loaded}
+    return {
+        "rows": rows,
+        "arrays": {k: v.numpy() for k, v in arrays.items()},
+        "load-seconds": loaded - started,
+        "loop-seconds": finished - loaded,
+    }
 
 
 def run_config_for(args: argparse.Namespace, work: Path, name: str, **extra: Any) -> dict:
@@ -149,10 +177,21 @@ def run_config_for(args: argparse.Namespace, work: Path, name: str, **extra: Any
 
     mapping = default_mapping()
     mapping.update(FEDRECGEL)
-    mapping.update({"dataset": args.dataset, "data-dir": str(Path(args.data_root) / args.dataset),
-                    "num-server-rounds": args.rounds, "fraction-train": args.fraction_train,
-                    "fraction-evaluate": 1.0, "eval-every": 1, "users-per-node": args.users_per_node,
-                    "seed": args.seed, "block-training": "on", "results-dir": str(work), "run-name": name})
+    mapping.update(
+        {
+            "dataset": args.dataset,
+            "data-dir": str(Path(args.data_root) / args.dataset),
+            "num-server-rounds": args.rounds,
+            "fraction-train": args.fraction_train,
+            "fraction-evaluate": 1.0,
+            "eval-every": 1,
+            "users-per-node": args.users_per_node,
+            "seed": args.seed,
+            "block-training": "on",
+            "results-dir": str(work),
+            "run-name": name,
+        }
+    )
     mapping.update(extra)
     return mapping
 
@@ -179,8 +218,11 @@ def _child(spec: str) -> int:
     started = time.perf_counter()
     if job["function"] == "floor":
         result = run_floor(job["config"])
-        payload = {"rows": result["rows"], "load-seconds": result["load-seconds"],
-                   "loop-seconds": result["loop-seconds"]}
+        payload = {
+            "rows": result["rows"],
+            "load-seconds": result["load-seconds"],
+            "loop-seconds": result["loop-seconds"],
+        }
     else:
         from fedrec_flwr.serial import run_serial
 
@@ -200,14 +242,18 @@ def _final(rows: list[dict], key: str = "HR@10") -> float | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", default="ml-100k")
-    parser.add_argument("--data-root", default=os.environ.get("FEDREC_SHARED_DATA",
-                                                              str(ROOT.parent / "shared" / "data")))
+    parser.add_argument(
+        "--data-root", default=os.environ.get("FEDREC_SHARED_DATA", str(ROOT.parent / "shared" / "data"))
+    )
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--fraction-train", type=float, default=0.1)
     parser.add_argument("--users-per-node", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--per-user", action="store_true",
-                        help="also run the per-user path (block-training off, in-process) for its HR@10")
+    parser.add_argument(
+        "--per-user",
+        action="store_true",
+        help="also run the per-user path (block-training off, in-process) for its HR@10",
+    )
     parser.add_argument("--skip-flwr", action="store_true", help="the floor (and --per-user) only")
     parser.add_argument("--out", default=None, help="write the summary here as JSON")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -216,17 +262,30 @@ def main() -> int:
         return _child(args.child)
 
     work = Path(tempfile.mkdtemp(prefix="fedrec-floor-"))
-    summary: dict[str, Any] = {"dataset": args.dataset, "rounds": args.rounds, "fraction-train": args.fraction_train,
-                               "users-per-node": args.users_per_node, "seed": args.seed, "method": FEDRECGEL,
-                               "load-before": os.getloadavg()[0]}
+    summary: dict[str, Any] = {
+        "dataset": args.dataset,
+        "rounds": args.rounds,
+        "fraction-train": args.fraction_train,
+        "users-per-node": args.users_per_node,
+        "seed": args.seed,
+        "method": FEDRECGEL,
+        "load-before": os.getloadavg()[0],
+    }
     floor_config = run_config_for(args, work, "floor")
     seconds = _in_subprocess("floor", floor_config, work / "floor.json")
     floor = json.loads((work / "floor.json").read_text())
-    summary["floor"] = {"wall-seconds": round(seconds, 1), "loop-seconds": round(floor["loop-seconds"], 1),
-                        "load-seconds": round(floor["load-seconds"], 1), "HR@10": _final(floor["rows"]),
-                        "NDCG@10": _final(floor["rows"], "NDCG@10"), "load-after": os.getloadavg()[0]}
-    print(f"floor: {seconds:.1f} s wall ({floor['loop-seconds']:.1f} s of rounds), HR@10 {_final(floor['rows'])}",
-          flush=True)
+    summary["floor"] = {
+        "wall-seconds": round(seconds, 1),
+        "loop-seconds": round(floor["loop-seconds"], 1),
+        "load-seconds": round(floor["load-seconds"], 1),
+        "HR@10": _final(floor["rows"]),
+        "NDCG@10": _final(floor["rows"], "NDCG@10"),
+        "load-after": os.getloadavg()[0],
+    }
+    print(
+        f"floor: {seconds:.1f} s wall ({floor['loop-seconds']:.1f} s of rounds), HR@10 {_final(floor['rows'])}",
+        flush=True,
+    )
     if not args.skip_flwr:
         flwr_config = run_config_for(args, work, "flwr")
         env = {**os.environ, "FLWR_HOME": str(work / "flwr-home")}
@@ -237,22 +296,37 @@ def main() -> int:
         seconds = time.perf_counter() - started
         rows = json.loads((work / "flwr" / "metrics.json").read_text())
         loop = sum(r["seconds"] for r in rows)
-        summary["flwr"] = {"wall-seconds": round(seconds, 1), "loop-seconds": round(loop, 1),
-                           "returncode": done.returncode, "HR@10": _final(rows), "NDCG@10": _final(rows, "NDCG@10"),
-                           "rounds-completed": len(rows), "load-after": os.getloadavg()[0]}
+        summary["flwr"] = {
+            "wall-seconds": round(seconds, 1),
+            "loop-seconds": round(loop, 1),
+            "returncode": done.returncode,
+            "HR@10": _final(rows),
+            "NDCG@10": _final(rows, "NDCG@10"),
+            "rounds-completed": len(rows),
+            "load-after": os.getloadavg()[0],
+        }
         summary["ratio-wall"] = round(seconds / summary["floor"]["wall-seconds"], 2)
         summary["ratio-loop"] = round(loop / floor["loop-seconds"], 2)
-        print(f"flwr run: {seconds:.1f} s wall ({loop:.1f} s of rounds), HR@10 {_final(rows)}; "
-              f"ratio {summary['ratio-wall']}x wall, {summary['ratio-loop']}x rounds", flush=True)
+        print(
+            f"flwr run: {seconds:.1f} s wall ({loop:.1f} s of rounds), HR@10 {_final(rows)}; "
+            f"ratio {summary['ratio-wall']}x wall, {summary['ratio-loop']}x rounds",
+            flush=True,
+        )
     if args.per_user:
         serial_config = run_config_for(args, work, "per-user", **{"block-training": "off"})
         seconds = _in_subprocess("serial", serial_config, work / "per-user.json")
         serial = json.loads((work / "per-user.json").read_text())
-        summary["per-user"] = {"wall-seconds": round(seconds, 1), "loop-seconds": round(serial["loop-seconds"], 1),
-                               "HR@10": _final(serial["rows"]), "NDCG@10": _final(serial["rows"], "NDCG@10"),
-                               "load-after": os.getloadavg()[0]}
-        print(f"per-user (run_serial, block-training off): {seconds:.1f} s wall, HR@10 {_final(serial['rows'])}",
-              flush=True)
+        summary["per-user"] = {
+            "wall-seconds": round(seconds, 1),
+            "loop-seconds": round(serial["loop-seconds"], 1),
+            "HR@10": _final(serial["rows"]),
+            "NDCG@10": _final(serial["rows"], "NDCG@10"),
+            "load-after": os.getloadavg()[0],
+        }
+        print(
+            f"per-user (run_serial, block-training off): {seconds:.1f} s wall, HR@10 {_final(serial['rows'])}",
+            flush=True,
+        )
     print(json.dumps(summary, indent=1))
     if args.out:
         from fedrec_flwr.io import atomic_write_json

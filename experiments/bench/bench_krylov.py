@@ -32,10 +32,10 @@ def rss_mib() -> float:
 
 def main() -> None:
     from fedrec_flwr.app.client_app import make_client
+    from fedrec_flwr.app.runtime import get_runtime
     from fedrec_flwr.config import make_run_config
     from fedrec_flwr.unlearning.influence import influence_objective
     from fedrec_flwr.unlearning.krylov import curvature_vector_product
-    from fedrec_flwr.app.runtime import get_runtime
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-root", required=True)
@@ -47,21 +47,29 @@ def main() -> None:
     print("| model | curvature | mode | users per pass | ms per pass | ms per user | RSS MiB after each 100 passes |")
     print("|---|---|---|---|---|---|---|")
     for model in ("mf", "ncf"):
-        runtime = get_runtime(make_run_config(dataset="ml-100k", data_dir=f"{args.data_root}/ml-100k",
-                                              model=model).to_dict())
+        runtime = get_runtime(
+            make_run_config(dataset="ml-100k", data_dir=f"{args.data_root}/ml-100k", model=model).to_dict()
+        )
         shared = {k: v.numpy() for k, v in runtime.model.shared_state().items()}
         context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={})
         clients = [make_client(runtime, u, context) for u in range(args.node_users)]
         direction = {k: np.random.default_rng(0).normal(size=v.shape) for k, v in shared.items()}
-        runs = [(curvature, mode, groups) for curvature in args.curvature.split(",")
-                for mode, groups in (("one user", [[c] for c in clients]), ("node batch", [clients]))]
+        runs = [
+            (curvature, mode, groups)
+            for curvature in args.curvature.split(",")
+            for mode, groups in (("one user", [[c] for c in clients]), ("node batch", [clients]))
+        ]
         for curvature, mode, groups in runs:
             memory, started, passes = [], time.perf_counter(), 0
             while passes < args.products:
                 for group in groups:
                     with influence_objective(runtime, group, shared) as (loss_fn, params, items):
-                        vector = {k: torch.as_tensor(direction[k][items] if k in runtime.layout.item_keys
-                                                     else direction[k], dtype=p.dtype) for k, p in params.items()}
+                        vector = {
+                            k: torch.as_tensor(
+                                direction[k][items] if k in runtime.layout.item_keys else direction[k], dtype=p.dtype
+                            )
+                            for k, p in params.items()
+                        }
                         curvature_vector_product(loss_fn, params, vector, curvature)
                     passes += 1
                     if passes % 100 == 0:
@@ -70,8 +78,11 @@ def main() -> None:
                         break
             elapsed = (time.perf_counter() - started) * 1000
             users = len(groups[0])
-            print(f"| {model} | {curvature} | {mode} | {users} | {elapsed / passes:.1f} | {elapsed / passes / users:.2f} | "
-                  f"{' '.join(memory)} |", flush=True)
+            print(
+                f"| {model} | {curvature} | {mode} | {users} | {elapsed / passes:.1f} | {elapsed / passes / users:.2f} | "
+                f"{' '.join(memory)} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

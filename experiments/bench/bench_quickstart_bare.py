@@ -43,8 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_deploy import BARE_PYPROJECT  # noqa: E402  (bench_deploy's bare project; here another module and more keys)
 
 PYPROJECT = BARE_PYPROJECT.replace('"bare_app:', '"bare_quickstart:').replace(
-    "num-server-rounds = 3\n", "num-server-rounds = 100\nfraction-train = 0.1\neval-every = 10\nnum-users = 943\n"
-    "seed = 0\nreply-floats = REPLY_FLOATS\n")
+    "num-server-rounds = 3\n",
+    "num-server-rounds = 100\nfraction-train = 0.1\neval-every = 10\nnum-users = 943\n"
+    "seed = 0\nreply-floats = REPLY_FLOATS\n",
+)
 assert "bare_quickstart:client" in PYPROJECT and "REPLY_FLOATS" in PYPROJECT, "bench_deploy.BARE_PYPROJECT changed"
 
 APP = """\"\"\"A bare Flower app with the default quickstart's message pattern (experiments/bench/bench_quickstart_bare.py).\"\"\"
@@ -124,8 +126,8 @@ def main(grid, context):
 
 def model_shapes() -> dict[str, tuple[int, ...]]:
     """The default config's shared arrays on ML-100K (key -> shape), as the strategy sends them."""
-    from fedrec_flwr.config import RunConfig, default_mapping
     from fedrec_flwr.app.runtime import build_shared_model, load_split_for
+    from fedrec_flwr.config import RunConfig, default_mapping
 
     config = RunConfig.from_mapping(default_mapping())
     model = build_shared_model(config, load_split_for(config).num_items)
@@ -135,21 +137,34 @@ def model_shapes() -> dict[str, tuple[int, ...]]:
 def summarize_bare(summary: dict, wall: float) -> dict:
     train = [row[2] for row in summary["train"]]
     evaluate = [row[2] for row in summary["evaluate"]]
-    return {"app": "bare", "wall-seconds": round(wall, 1), "serverapp-seconds": round(summary["serverapp-seconds"], 1),
-            "identify-seconds": round(summary["identify-seconds"], 2), "rounds": len(train),
-            "train-round-mean": round(statistics.mean(train), 3), "train-round-median": round(statistics.median(train), 3),
-            "train-ms-per-message": round(1000 * sum(train) / sum(row[1] for row in summary["train"]), 2),
-            "evaluate-rounds": len(evaluate), "evaluate-round-mean": round(statistics.mean(evaluate), 2),
-            "evaluate-ms-per-message": round(1000 * sum(evaluate) / sum(row[1] for row in summary["evaluate"]), 2),
-            "train-total": round(sum(train), 1), "evaluate-total": round(sum(evaluate), 1)}
+    return {
+        "app": "bare",
+        "wall-seconds": round(wall, 1),
+        "serverapp-seconds": round(summary["serverapp-seconds"], 1),
+        "identify-seconds": round(summary["identify-seconds"], 2),
+        "rounds": len(train),
+        "train-round-mean": round(statistics.mean(train), 3),
+        "train-round-median": round(statistics.median(train), 3),
+        "train-ms-per-message": round(1000 * sum(train) / sum(row[1] for row in summary["train"]), 2),
+        "evaluate-rounds": len(evaluate),
+        "evaluate-round-mean": round(statistics.mean(evaluate), 2),
+        "evaluate-ms-per-message": round(1000 * sum(evaluate) / sum(row[1] for row in summary["evaluate"]), 2),
+        "train-total": round(sum(train), 1),
+        "evaluate-total": round(sum(evaluate), 1),
+    }
 
 
 def summarize_ours(folder: Path, wall: float) -> dict:
     rows = json.loads((folder / "metrics.json").read_text())
     seconds = [float(r["seconds"]) for r in rows]
-    return {"app": "ours", "wall-seconds": round(wall, 1), "rounds": len(rows),
-            "round-seconds-total": round(sum(seconds), 1), "round-mean": round(statistics.mean(seconds), 3),
-            "keys": sorted(rows[0])}
+    return {
+        "app": "ours",
+        "wall-seconds": round(wall, 1),
+        "rounds": len(rows),
+        "round-seconds-total": round(sum(seconds), 1),
+        "round-mean": round(statistics.mean(seconds), 3),
+        "keys": sorted(rows[0]),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,33 +189,61 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     load = [round(v, 2) for v in os.getloadavg()]
     started = time.monotonic()
-    result = flwr_run({"results-dir": str(work / "results"), "run-name": "bare", "num-server-rounds": args.rounds,
-                       "eval-every": args.eval_every},
-                      num_supernodes=943, flwr_home=work / ".flwr", project=project, check=False, capture=True,
-                      timeout=args.timeout)
+    result = flwr_run(
+        {
+            "results-dir": str(work / "results"),
+            "run-name": "bare",
+            "num-server-rounds": args.rounds,
+            "eval-every": args.eval_every,
+        },
+        num_supernodes=943,
+        flwr_home=work / ".flwr",
+        project=project,
+        check=False,
+        capture=True,
+        timeout=args.timeout,
+    )
     wall = time.monotonic() - started
     if result.returncode != 0:
         print(result.stdout[-4000:], file=sys.stderr)
         return 1
     row = summarize_bare(json.loads((work / "results" / "bare" / "summary.json").read_text()), wall)
-    row.update({"load-start": load, "load-end": [round(v, 2) for v in os.getloadavg()],
-                "vs-17-min": round(wall / BEFORE_SECONDS, 3)})
+    row.update(
+        {
+            "load-start": load,
+            "load-end": [round(v, 2) for v in os.getloadavg()],
+            "vs-17-min": round(wall / BEFORE_SECONDS, 3),
+        }
+    )
     rows.append(row)
     print(json.dumps(row), flush=True)
     if args.ours:
         load = [round(v, 2) for v in os.getloadavg()]
         rounds = args.ours_rounds or args.rounds
         started = time.monotonic()
-        result = flwr_run({"results-dir": str(work / "results"), "run-name": "ours", "num-server-rounds": rounds,
-                           "eval-every": args.eval_every}, flwr_home=work / ".flwr", capture=True,
-                          timeout=args.timeout)
+        result = flwr_run(
+            {
+                "results-dir": str(work / "results"),
+                "run-name": "ours",
+                "num-server-rounds": rounds,
+                "eval-every": args.eval_every,
+            },
+            flwr_home=work / ".flwr",
+            capture=True,
+            timeout=args.timeout,
+        )
         wall = time.monotonic() - started
         if result.returncode != 0:
             print(result.stdout[-4000:], file=sys.stderr)
             return 1
         row = summarize_ours(work / "results" / "ours", wall)
-        row.update({"load-start": load, "load-end": [round(v, 2) for v in os.getloadavg()],
-                    "vs-17-min": round(wall / BEFORE_SECONDS, 3)})
+        row.update(
+            {
+                "load-start": load,
+                "load-end": [round(v, 2) for v in os.getloadavg()],
+                "vs-17-min": round(wall / BEFORE_SECONDS, 3),
+            }
+        )
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:

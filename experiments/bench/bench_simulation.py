@@ -79,8 +79,16 @@ REPLY_BYTES = 110_000
 touched item rows)."""
 
 
-def bare_apps(num_users: int, users_per_node: int, sampled: int, rounds: int, times: list[float],
-              payload: dict | None = None, reply: bool = False, window: int = 0):
+def bare_apps(
+    num_users: int,
+    users_per_node: int,
+    sampled: int,
+    rounds: int,
+    times: list[float],
+    payload: dict | None = None,
+    reply: bool = False,
+    window: int = 0,
+):
     """A ServerApp/ClientApp pair with the same messaging pattern and no training; with ``payload`` (name -> array)
     each train message also carries those arrays, as ours carry the shared model; with ``reply`` each reply carries
     :data:`REPLY_BYTES` of array; with ``window`` the ServerApp keeps at most that many messages in flight
@@ -125,25 +133,47 @@ def bare_apps(num_users: int, users_per_node: int, sampled: int, rounds: int, ti
     return server, client
 
 
-def run_case(dataset: str, sampled: int, users_per_node: int, rounds: int, data_root: str, bare: str | None,
-             overrides: dict | None = None) -> dict:
+def run_case(
+    dataset: str,
+    sampled: int,
+    users_per_node: int,
+    rounds: int,
+    data_root: str,
+    bare: str | None,
+    overrides: dict | None = None,
+) -> dict:
     """One benchmark row; the run's results folder lives in a ``fedrec-bench-*`` temp folder, removed afterwards."""
     with tempfile.TemporaryDirectory(prefix="fedrec-bench-", ignore_cleanup_errors=True) as tmp:
         return _run_case_in(tmp, dataset, sampled, users_per_node, rounds, data_root, bare, overrides)
 
 
-def _run_case_in(tmp: str, dataset: str, sampled: int, users_per_node: int, rounds: int, data_root: str,
-                 bare: str | None, overrides: dict | None) -> dict:
+def _run_case_in(
+    tmp: str,
+    dataset: str,
+    sampled: int,
+    users_per_node: int,
+    rounds: int,
+    data_root: str,
+    bare: str | None,
+    overrides: dict | None,
+) -> dict:
     from flwr.simulation import run_simulation
 
-    from fedrec_flwr.config import default_mapping
     from fedrec_flwr.app.runtime import load_split_for
-    from fedrec_flwr.config import RunConfig
+    from fedrec_flwr.config import RunConfig, default_mapping
 
     mapping = default_mapping()
-    mapping.update({"dataset": dataset, "data-dir": str(Path(data_root) / dataset), "num-server-rounds": rounds,
-                    "fraction-evaluate": 0.0, "users-per-node": users_per_node, "results-dir": tmp,
-                    "run-name": "bench"})
+    mapping.update(
+        {
+            "dataset": dataset,
+            "data-dir": str(Path(data_root) / dataset),
+            "num-server-rounds": rounds,
+            "fraction-evaluate": 0.0,
+            "users-per-node": users_per_node,
+            "results-dir": tmp,
+            "run-name": "bench",
+        }
+    )
     mapping.update(overrides or {})
     num_users = load_split_for(RunConfig.from_mapping(mapping)).num_users
     mapping["fraction-train"] = min(1.0, sampled / num_users)
@@ -163,8 +193,16 @@ def _run_case_in(tmp: str, dataset: str, sampled: int, users_per_node: int, roun
                 config = RunConfig.from_mapping(mapping)
                 model = build_shared_model(config, load_split_for(config).num_items)
                 payload = {k: v.detach().numpy() for k, v in model.shared_state().items()}
-            server, client = bare_apps(num_users, users_per_node, sampled, rounds, times, payload,
-                                       reply=kind == "bare+model+reply", window=int(window or 0))
+            server, client = bare_apps(
+                num_users,
+                users_per_node,
+                sampled,
+                rounds,
+                times,
+                payload,
+                reply=kind == "bare+model+reply",
+                window=int(window or 0),
+            )
         else:
             from fedrec_flwr.app.client_app import make_client_app
             from fedrec_flwr.app.server_app import make_server_app
@@ -182,10 +220,18 @@ def _run_case_in(tmp: str, dataset: str, sampled: int, users_per_node: int, roun
     steady = times[1:] if len(times) > 1 else times  # the first round includes actor start-up
     per_round = statistics.median(steady)
     label = "fedrec" + "".join(f" {k}={v}" for k, v in (overrides or {}).items())
-    return {"app": bare or label, "dataset": dataset, "users": num_users, "nodes": num_nodes,
-            "sampled-users": sampled, "users-per-node": users_per_node, "rounds": rounds,
-            "seconds-per-round": round(per_round, 2), "ms-per-user": round(1000 * per_round / sampled, 1),
-            "peak-memory-MiB": round(memory.peak / 2**20)}
+    return {
+        "app": bare or label,
+        "dataset": dataset,
+        "users": num_users,
+        "nodes": num_nodes,
+        "sampled-users": sampled,
+        "users-per-node": users_per_node,
+        "rounds": rounds,
+        "seconds-per-round": round(per_round, 2),
+        "ms-per-user": round(1000 * per_round / sampled, 1),
+        "peak-memory-MiB": round(memory.peak / 2**20),
+    }
 
 
 def toml_value(text: str):
@@ -201,25 +247,38 @@ def toml_value(text: str):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-root", default=str(Path(__file__).resolve().parents[3] / "shared" / "data"))
-    parser.add_argument("--cases", nargs="+", default=["ml-100k:100:1", "ml-100k:943:1", "ml-100k:943:50",
-                                                        "amazon-video:3000:1"])
+    parser.add_argument(
+        "--cases", nargs="+", default=["ml-100k:100:1", "ml-100k:943:1", "ml-100k:943:50", "amazon-video:3000:1"]
+    )
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--apps", nargs="+", default=["bare", "bare+model", "fedrec"],
-                        help="bare: no payload; bare+model: the shared model in every message; bare+model+reply: "
-                             "and a 110 KB reply (a one-user train reply's size); a bare app's name + '/w<N>': its "
-                             "ServerApp keeps at most N messages in flight; a bare app's name + '@fast' (last): on "
-                             "Flower's link state with fedrec_flwr/app/flower_patches.py, as ours by default "
-                             "(fast-link-state); fedrec: ours (its max-in-flight: the run config's, auto by default); "
-                             "fedrec+set: ours with --set; fedrec@KEY=VALUE,...: ours with those overrides (several "
-                             "such apps may run interleaved in one invocation)")
+    parser.add_argument(
+        "--apps",
+        nargs="+",
+        default=["bare", "bare+model", "fedrec"],
+        help="bare: no payload; bare+model: the shared model in every message; bare+model+reply: "
+        "and a 110 KB reply (a one-user train reply's size); a bare app's name + '/w<N>': its "
+        "ServerApp keeps at most N messages in flight; a bare app's name + '@fast' (last): on "
+        "Flower's link state with fedrec_flwr/app/flower_patches.py, as ours by default "
+        "(fast-link-state); fedrec: ours (its max-in-flight: the run config's, auto by default); "
+        "fedrec+set: ours with --set; fedrec@KEY=VALUE,...: ours with those overrides (several "
+        "such apps may run interleaved in one invocation)",
+    )
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
-    parser.add_argument("--ray-default-inline", action="store_true",
-                        help="keep Ray's own 100 KiB inline-object limit instead of the launcher's "
-                             "RAY_max_direct_call_object_size (fedrec_flwr.launch.RAY_INLINE_BYTES); either way every "
-                             "app of the run gets the same setting")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="run-config overrides for our app; an app named 'fedrec+set' runs ours with them (e.g. "
-                             "--apps fedrec fedrec+set --set block-training=off: the per-user reference path)")
+    parser.add_argument(
+        "--ray-default-inline",
+        action="store_true",
+        help="keep Ray's own 100 KiB inline-object limit instead of the launcher's "
+        "RAY_max_direct_call_object_size (fedrec_flwr.launch.RAY_INLINE_BYTES); either way every "
+        "app of the run gets the same setting",
+    )
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="run-config overrides for our app; an app named 'fedrec+set' runs ours with them (e.g. "
+        "--apps fedrec fedrec+set --set block-training=off: the per-user reference path)",
+    )
     args = parser.parse_args()
     from fedrec_flwr.launch import RAY_INLINE_BYTES, RAY_INLINE_ENV
 
@@ -237,16 +296,25 @@ def main() -> int:
             app_overrides = overrides if app == "fedrec+set" else None
             if app.startswith("fedrec@"):  # ours with its own overrides: fedrec@max-in-flight=64,block-training=off
                 app_overrides = {k: toml_value(v) for k, v in (i.split("=", 1) for i in app[7:].split(","))}
-            row = run_case(dataset, int(sampled), int(upn), args.rounds, args.data_root,
-                           None if app.startswith("fedrec") else app, app_overrides)
+            row = run_case(
+                dataset,
+                int(sampled),
+                int(upn),
+                args.rounds,
+                args.data_root,
+                None if app.startswith("fedrec") else app,
+                app_overrides,
+            )
             row.update({"ray-inline-bytes": inline, "load-average": [round(v, 2) for v in os.getloadavg()]})
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("\n| app | dataset | nodes | sampled users | users/node | s/round | ms/user | peak MiB |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['app']} | {r['dataset']} | {r['nodes']} | {r['sampled-users']} | {r['users-per-node']} | "
-              f"{r['seconds-per-round']} | {r['ms-per-user']} | {r['peak-memory-MiB']} |")
+        print(
+            f"| {r['app']} | {r['dataset']} | {r['nodes']} | {r['sampled-users']} | {r['users-per-node']} | "
+            f"{r['seconds-per-round']} | {r['ms-per-user']} | {r['peak-memory-MiB']} |"
+        )
     if args.out:
         from fedrec_flwr.io import atomic_write_json
 

@@ -42,20 +42,26 @@ def timed(owner, name: str, label: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    import bench_simulation
     import flwr.compat.client.run_info_store as run_info
     import flwr.server.superlink.fleet.vce.backend.raybackend as raybackend
     import flwr.server.superlink.linkstate.in_memory_linkstate as linkstate
     import flwr.superlink.grid.inmemory_grid as grid
 
-    import bench_simulation
     import fedrec_flwr.strategies.item_fedavg as item_fedavg
 
     timed(item_fedavg.ItemEmbeddingFedAvg, "configure_train", "strategy.configure_train")
     timed(item_fedavg.ItemEmbeddingFedAvg, "aggregate_train", "strategy.aggregate_train")
     for name in ("send_and_receive", "push_messages", "pull_messages"):
         timed(grid.InMemoryGrid, name, f"grid.{name}")
-    for name in ("store_message_ins", "get_message_ins", "store_message_res", "get_message_res", "delete_messages",
-                 "_check_stored_messages"):
+    for name in (
+        "store_message_ins",
+        "get_message_ins",
+        "store_message_res",
+        "get_message_res",
+        "delete_messages",
+        "_check_stored_messages",
+    ):
         timed(linkstate.InMemoryLinkState, name, f"state.{name}")
     timed(raybackend.RayBackend, "process_message", "backend.process_message")
     timed(run_info.DeprecatedRunInfoStore, "update_context", "context.update")

@@ -35,8 +35,13 @@ def import_times(code: str) -> tuple[dict[str, int], float]:
     import time
 
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, check=True,
-                          cwd=Path(__file__).resolve().parents[2])
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     wall = time.perf_counter() - started
     out = {}
     for line in done.stderr.splitlines():
@@ -77,15 +82,18 @@ def main(argv: list[str] | None = None) -> dict:
         extra_groups.append(groups)
     median = lambda values: statistics.median(values) if values else 0.0  # noqa: E731
     result = {
-        "load-average-start": load_start, "load-average-end": os.getloadavg(), "repeats": args.repeats,
+        "load-average-start": load_start,
+        "load-average-end": os.getloadavg(),
+        "repeats": args.repeats,
         "bare-imports-seconds": median([sum(m.values()) / 1e6 for m, _ in runs["bare"]]),
         "bare-interpreter-wall-seconds": median([w for _, w in runs["bare"]]),
         "ours-imports-seconds": median([sum(m.values()) / 1e6 for m, _ in runs["ours"]]),
         "ours-interpreter-wall-seconds": median([w for _, w in runs["ours"]]),
         "extra-by-group-seconds": {g: median([c[g] / 1e6 for c in extra_groups]) for g in ("torch", "ours", "other")},
         "extra-modules-count": median([len(c) for c in extra_modules]),
-        "largest-extra-modules-seconds": {m: median([c.get(m, 0) / 1e6 for c in extra_modules])
-                                          for m, _ in extra_modules[-1].most_common(15)},
+        "largest-extra-modules-seconds": {
+            m: median([c.get(m, 0) / 1e6 for c in extra_modules]) for m, _ in extra_modules[-1].most_common(15)
+        },
         "extra-modules-of-ours": sorted(m for m in extra_modules[-1] if group(m) == "other"),
     }
     print(json.dumps({k: v for k, v in result.items() if k != "extra-modules-of-ours"}, indent=1))

@@ -101,9 +101,12 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=200, help="train messages recorded (evaluate: the same)")
     parser.add_argument("--repeats", type=int, default=3, help="replays of the recorded messages per app (interleaved)")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of our train handler")
-    parser.add_argument("--before", action="store_true",
-                        help="add the arm 'ours, formula Adam': blocks.FUSED_ADAM off, which is what every NCF block "
-                             "ran before commit 914133e (the fused kernel was skipped for NCF's transposed gradients)")
+    parser.add_argument(
+        "--before",
+        action="store_true",
+        help="add the arm 'ours, formula Adam': blocks.FUSED_ADAM off, which is what every NCF block "
+        "ran before commit 914133e (the fused kernel was skipped for NCF's transposed gradients)",
+    )
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config overrides")
     args = parser.parse_args()
 
@@ -111,16 +114,26 @@ def main() -> int:
     from fedrec_flwr.config import default_mapping
 
     mapping = default_mapping()
-    mapping.update({"num-server-rounds": 2, "fraction-train": min(1.0, args.messages / 943),
-                    "fraction-evaluate": min(1.0, args.messages / 943), "eval-every": 1,
-                    "results-dir": tempfile.mkdtemp(prefix="fedrec-profile-"), "run-name": "profile"})
+    mapping.update(
+        {
+            "num-server-rounds": 2,
+            "fraction-train": min(1.0, args.messages / 943),
+            "fraction-evaluate": min(1.0, args.messages / 943),
+            "eval-every": 1,
+            "results-dir": tempfile.mkdtemp(prefix="fedrec-profile-"),
+            "run-name": "profile",
+        }
+    )
     for item in args.set:
         key, value = item.split("=", 1)
         mapping[key] = type(mapping[key])(value) if key in mapping and not isinstance(mapping[key], bool) else value
     started = time.perf_counter()
     recorded = record_messages(mapping, server_round=2, limit=args.messages)
-    print(f"recorded {len(recorded['train'])} train and {len(recorded['evaluate'])} evaluate messages of round 2 "
-          f"in {time.perf_counter() - started:.1f} s; load average {os.getloadavg()}", flush=True)
+    print(
+        f"recorded {len(recorded['train'])} train and {len(recorded['evaluate'])} evaluate messages of round 2 "
+        f"in {time.perf_counter() - started:.1f} s; load average {os.getloadavg()}",
+        flush=True,
+    )
     ours = make_client_app(None)
     apps = {"ours": ours, "bare": bare_app(False), "bare+decode": bare_app(True)}
     if args.before:
@@ -140,8 +153,10 @@ def main() -> int:
     for kind in ("train", "evaluate"):
         for name in apps:
             mine = [r for r in rows if r["kind"] == kind and r["app"] == name]
-            print(f"| {kind} | {name} | {statistics.median(r['handler'] for r in mine):.2f} | "
-                  f"{statistics.median(r['total'] for r in mine):.2f} |")
+            print(
+                f"| {kind} | {name} | {statistics.median(r['handler'] for r in mine):.2f} | "
+                f"{statistics.median(r['total'] for r in mine):.2f} |"
+            )
     if args.profile:
         profiler = cProfile.Profile()
         replay(ours, recorded["train"], profiler)

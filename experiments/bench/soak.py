@@ -214,8 +214,12 @@ def main() -> int:
     parser.add_argument("--fraction-evaluate", type=float, default=0.1)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--client-cpus", type=float, default=None,
-                        help="CPUs per client actor (federation config client-resources-num-cpus; Flower's default: 2)")
+    parser.add_argument(
+        "--client-cpus",
+        type=float,
+        default=None,
+        help="CPUs per client actor (federation config client-resources-num-cpus; Flower's default: 2)",
+    )
     parser.add_argument("--interval", type=float, default=0.5, help="seconds between RSS samples")
     parser.add_argument("--pss-every", type=float, default=30.0, help="seconds between PSS samples (0 = none)")
     parser.add_argument("--timeout", type=float, default=4 * 3600, help="stop the run after this many seconds")
@@ -227,15 +231,21 @@ def main() -> int:
 
     import tomllib
 
-    from fedrec_flwr.config import make_run_config
     from fedrec_flwr.app.runtime import load_split_for
+    from fedrec_flwr.config import make_run_config
 
     work = Path(tempfile.mkdtemp(prefix="fedrec-soak-"))
     overrides = {
-        "dataset": args.dataset, "data-dir": str(Path(args.data_root).resolve() / args.dataset),
-        "users-per-node": args.users_per_node, "num-server-rounds": args.rounds,
-        "fraction-train": args.fraction_train, "fraction-evaluate": args.fraction_evaluate,
-        "eval-every": args.eval_every, "seed": args.seed, "results-dir": str(work / "results"), "run-name": "soak",
+        "dataset": args.dataset,
+        "data-dir": str(Path(args.data_root).resolve() / args.dataset),
+        "users-per-node": args.users_per_node,
+        "num-server-rounds": args.rounds,
+        "fraction-train": args.fraction_train,
+        "fraction-evaluate": args.fraction_evaluate,
+        "eval-every": args.eval_every,
+        "seed": args.seed,
+        "results-dir": str(work / "results"),
+        "run-name": "soak",
     }
     for pair in args.set:
         key, _, value = pair.partition("=")
@@ -249,8 +259,10 @@ def main() -> int:
     ports = {"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()), "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port())}
     env = flwr_env(flwr_home, ports)
     federation = {"client-resources-num-cpus": args.client_cpus} if args.client_cpus else {}
-    print(f"soak: {args.dataset}, {num_users} users, {num_nodes} SuperNodes, {args.rounds} rounds; work dir {work}",
-          flush=True)
+    print(
+        f"soak: {args.dataset}, {num_users} users, {num_nodes} SuperNodes, {args.rounds} rounds; work dir {work}",
+        flush=True,
+    )
 
     outcome: dict = {}
 
@@ -260,8 +272,14 @@ def main() -> int:
         for attempt in range(1, args.retries + 2):
             tried = time.monotonic()
             try:
-                done = flwr_run(overrides, num_supernodes=num_nodes, flwr_home=flwr_home, env_extra=ports,
-                                timeout=args.timeout, federation_config=federation)
+                done = flwr_run(
+                    overrides,
+                    num_supernodes=num_nodes,
+                    flwr_home=flwr_home,
+                    env_extra=ports,
+                    timeout=args.timeout,
+                    federation_config=federation,
+                )
                 outcome["returncode"] = done.returncode
             except BaseException as error:  # noqa: BLE001 - reported below
                 outcome["error"] = repr(error)
@@ -292,58 +310,87 @@ def main() -> int:
             window = [s for s in samples if begin <= s[0] <= end]
             pss_window = [s for s in pss_samples if begin <= s[0] <= end]
             want = expected.get(rnd, {})
-            table.append({
-                "round": rnd, "seconds": float(row["seconds"]),
-                "replies": int(row.get("num-replies", 0)), "expected-replies": want.get("replies"),
-                "failures": int(row.get("num-failures", 0)),
-                "train-users": int(row.get("train-users", 0)), "expected-train-users": want.get("train-users"),
-                "eval-users": int(row["eval-users"]) if "eval-users" in row else None,
-                "expected-eval-users": want.get("eval-users"),
-                "peak-rss-GiB": round(max((s[1] for s in window), default=0) / GIB, 3),
-                "low-rss-GiB": round(min((s[1] for s in window), default=0) / GIB, 3),
-                "peak-pss-GiB": round(max(s[1] for s in pss_window) / GIB, 3) if pss_window else None,
-                "processes": max((s[2] for s in window), default=0),
-                "visited-users": want.get("visited-users"), "visited-nodes": want.get("visited-nodes"),
-                "HR@10": row.get("HR@10"), "load-1min": round_load.get(rnd),
-                "rss-MiB-by-program": round_programs.get(rnd),
-            })
+            table.append(
+                {
+                    "round": rnd,
+                    "seconds": float(row["seconds"]),
+                    "replies": int(row.get("num-replies", 0)),
+                    "expected-replies": want.get("replies"),
+                    "failures": int(row.get("num-failures", 0)),
+                    "train-users": int(row.get("train-users", 0)),
+                    "expected-train-users": want.get("train-users"),
+                    "eval-users": int(row["eval-users"]) if "eval-users" in row else None,
+                    "expected-eval-users": want.get("eval-users"),
+                    "peak-rss-GiB": round(max((s[1] for s in window), default=0) / GIB, 3),
+                    "low-rss-GiB": round(min((s[1] for s in window), default=0) / GIB, 3),
+                    "peak-pss-GiB": round(max(s[1] for s in pss_window) / GIB, 3) if pss_window else None,
+                    "processes": max((s[2] for s in window), default=0),
+                    "visited-users": want.get("visited-users"),
+                    "visited-nodes": want.get("visited-nodes"),
+                    "HR@10": row.get("HR@10"),
+                    "load-1min": round_load.get(rnd),
+                    "rss-MiB-by-program": round_programs.get(rnd),
+                }
+            )
         train_start = state["train-start"]
         startup = [s for s in samples if train_start is None or s[0] <= train_start]
         steady = [r for r in table if r["round"] >= 5 and r["eval-users"] is None]
         peak_slope = _slope([(r["round"], r["peak-rss-GiB"] * 1024) for r in steady])
         low_slope = _slope([(r["round"], r["low-rss-GiB"] * 1024) for r in steady])
-        lost = [r["round"] for r in table if r["failures"] or r["replies"] != r["expected-replies"]
-                or r["train-users"] != r["expected-train-users"] or r["eval-users"] != r["expected-eval-users"]]
+        lost = [
+            r["round"]
+            for r in table
+            if r["failures"]
+            or r["replies"] != r["expected-replies"]
+            or r["train-users"] != r["expected-train-users"]
+            or r["eval-users"] != r["expected-eval-users"]
+        ]
         # "grows": the fitted slope is at least 1 MiB a round. Where it goes: the growth per program, and the nodes
         # visited so far (state kept per node grows until every node was visited, then stops).
         grows = None if peak_slope is None else bool(peak_slope >= 1.0)
         # issue 17's acceptance: the peak of every round from round 5 on (evaluation rounds included) within 1%
         spread = spread_percent([r["peak-rss-GiB"] for r in table if r["round"] >= 5])
         first, last = (table[0], table[-1]) if table else ({}, {})
-        growth_by_program = {k: round(v - (first.get("rss-MiB-by-program") or {}).get(k, 0.0), 1)
-                             for k, v in (last.get("rss-MiB-by-program") or {}).items()}
+        growth_by_program = {
+            k: round(v - (first.get("rss-MiB-by-program") or {}).get(k, 0.0), 1)
+            for k, v in (last.get("rss-MiB-by-program") or {}).items()
+        }
         summary = {
             "complete": complete,
-            "dataset": args.dataset, "users": num_users, "supernodes": num_nodes,
-            "users-per-node": args.users_per_node, "rounds": args.rounds, "completed-rounds": len(rows),
-            "fraction-train": args.fraction_train, "fraction-evaluate": args.fraction_evaluate,
-            "eval-every": args.eval_every, "seed": args.seed, "client-cpus": args.client_cpus,
-            "returncode": outcome.get("returncode"), "error": outcome.get("error"), "attempts": outcome.get("attempts"),
-            "total-seconds": round(now, 1), "startup-seconds": round(train_start, 1) if train_start else None,
+            "dataset": args.dataset,
+            "users": num_users,
+            "supernodes": num_nodes,
+            "users-per-node": args.users_per_node,
+            "rounds": args.rounds,
+            "completed-rounds": len(rows),
+            "fraction-train": args.fraction_train,
+            "fraction-evaluate": args.fraction_evaluate,
+            "eval-every": args.eval_every,
+            "seed": args.seed,
+            "client-cpus": args.client_cpus,
+            "returncode": outcome.get("returncode"),
+            "error": outcome.get("error"),
+            "attempts": outcome.get("attempts"),
+            "total-seconds": round(now, 1),
+            "startup-seconds": round(train_start, 1) if train_start else None,
             "startup-peak-rss-GiB": round(max((s[1] for s in startup), default=0) / GIB, 3),
             "peak-rss-GiB": round(max((s[1] for s in samples), default=0) / GIB, 3),
             "peak-pss-GiB": round(max((s[1] for s in pss_samples), default=0) / GIB, 3),
             "peak-rss-slope-MiB-per-round": round(peak_slope, 2) if peak_slope is not None else None,
             "low-rss-slope-MiB-per-round": round(low_slope, 2) if low_slope is not None else None,
-            "slope-rounds": [r["round"] for r in steady], "memory-grows": grows,
+            "slope-rounds": [r["round"] for r in steady],
+            "memory-grows": grows,
             "peak-rss-spread-from-round-5-percent": round(spread, 2) if spread is not None else None,
             "flat-within-1%-from-round-5": None if spread is None else bool(spread <= 1.0),
             "rss-MiB-growth-by-program-round1-to-last": growth_by_program,
-            "rounds-with-lost-or-failed-replies": lost, "samples": len(samples), "pss-samples": len(pss_samples),
+            "rounds-with-lost-or-failed-replies": lost,
+            "samples": len(samples),
+            "pss-samples": len(pss_samples),
             "sampler-busy-share": round(state["cost"] / now, 3) if now else None,
             "leftover-processes-killed": state["leftover"],
             "final": json.loads((folder / "summary.json").read_text())["final"]
-            if (folder / "summary.json").is_file() else None,
+            if (folder / "summary.json").is_file()
+            else None,
         }
         return table, summary
 
@@ -394,23 +441,28 @@ def main() -> int:
             pass
 
     table, summary = report(total, complete=True)
-    print("\n| round | wall s | replies (expected) | failures | users trained | users evaluated | nodes visited | "
-          "peak RSS GiB | low RSS GiB | peak PSS GiB | load |")
+    print(
+        "\n| round | wall s | replies (expected) | failures | users trained | users evaluated | nodes visited | "
+        "peak RSS GiB | low RSS GiB | peak PSS GiB | load |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     print(f"| start-up | {summary['startup-seconds']} | | | | | | {summary['startup-peak-rss-GiB']:.2f} | | | |")
     for r in table:
         evaluated = "" if r["eval-users"] is None else f"{r['eval-users']} ({r['expected-eval-users']})"
-        print(f"| {r['round']} | {r['seconds']:.1f} | {r['replies']} ({r['expected-replies']}) | {r['failures']} | "
-              f"{r['train-users']} ({r['expected-train-users']}) | {evaluated} | {r['visited-nodes']} | "
-              f"{r['peak-rss-GiB']:.2f} | "
-              f"{r['low-rss-GiB']:.2f} | {r['peak-pss-GiB'] if r['peak-pss-GiB'] is not None else '-'} | "
-              f"{r['load-1min']} |")
+        print(
+            f"| {r['round']} | {r['seconds']:.1f} | {r['replies']} ({r['expected-replies']}) | {r['failures']} | "
+            f"{r['train-users']} ({r['expected-train-users']}) | {evaluated} | {r['visited-nodes']} | "
+            f"{r['peak-rss-GiB']:.2f} | "
+            f"{r['low-rss-GiB']:.2f} | {r['peak-pss-GiB'] if r['peak-pss-GiB'] is not None else '-'} | "
+            f"{r['load-1min']} |"
+        )
     print(json.dumps({k: v for k, v in summary.items() if k not in ("final", "slope-rounds")}, indent=1))
     write(table, summary)
     print(f"wrote {out / stem}.json and .csv", flush=True)
     shutil.rmtree(work, ignore_errors=True)
     lost = summary["rounds-with-lost-or-failed-replies"]
     return 0 if outcome.get("returncode") == 0 and summary["completed-rounds"] == args.rounds and not lost else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

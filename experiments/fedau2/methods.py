@@ -57,8 +57,7 @@ the same for every user and never counted from a message (``adversary-class-prio
 PER_CLIENT = {"adversary-training": "per-client"}
 """FedAU², per-client adversary as first implemented (issue 14): the arms of the first tables."""
 
-SERVER = {"adversary-training": "server", "adversary-server-optimizer": "adam",
-          "adversary-server-learning-rate": 0.01}
+SERVER = {"adversary-training": "server", "adversary-server-optimizer": "adam", "adversary-server-learning-rate": 0.01}
 """The federated adversary that learns (issue 14): global ``h_w`` frozen within a round, averaged gradients, a server
 Adam step. Fixed a priori (Adam 0.01, the local rate), not tuned on test items."""
 
@@ -72,82 +71,151 @@ WARMUP = {"adversary-warmup-rounds": WARMUP_ROUNDS}
 ARMS: dict[str, dict] = {
     "original": {"client": "fedrec"},
     **{f"DP b={b:g}": {"client": "fedau2", "user-embedding-noise": b} for b in DP_SCALES},
-    "adversarial (constant eps)": {"client": "fedau2", "adversary": "mlp", "adversary-trigger": "always",
-                                   **PER_CLIENT},
+    "adversarial (constant eps)": {"client": "fedau2", "adversary": "mlp", "adversary-trigger": "always", **PER_CLIENT},
     "FedAU2 w/o SUT": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "always", **PER_CLIENT},
     "FedAU2 w/o DSVAE": {"client": "fedau2", "adversary": "mlp", "adversary-trigger": "sut", **PER_CLIENT},
     "FedAU2": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut", **PER_CLIENT},
     # ours, not FedAU2: the embedding moves toward the adversary's uniform prediction instead of reversing its loss
-    "FedAU2, entropy objective (ours)": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut",
-                                         "adversary-objective": "entropy", **PER_CLIENT},
+    "FedAU2, entropy objective (ours)": {
+        "client": "fedau2",
+        "adversary": "dsvae",
+        "adversary-trigger": "sut",
+        "adversary-objective": "entropy",
+        **PER_CLIENT,
+    },
     # issue 14: the server-trained adversary (class prior added per attribute by run.py: "prior" in the name)
     "FedAU2-server": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut", **SERVER},
     "FedAU2-server w/o DSVAE": {"client": "fedau2", "adversary": "mlp", "adversary-trigger": "sut", **SERVER},
     "FedAU2-server, prior": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut", **SERVER},
     # ours: the label-independent pull toward h_w's uniform (balanced) prediction, with the server-trained h_w
-    "FedAU2-server, entropy (ours), prior": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut",
-                                             "adversary-objective": "entropy", **SERVER},
+    "FedAU2-server, entropy (ours), prior": {
+        "client": "fedau2",
+        "adversary": "dsvae",
+        "adversary-trigger": "sut",
+        "adversary-objective": "entropy",
+        **SERVER,
+    },
     # ours: the same pull on every step (no SUT): label-independent gating, so an uninformed h_w writes nothing in
-    "FedAU2-server, entropy (ours), always, prior": {"client": "fedau2", "adversary": "dsvae",
-                                                     "adversary-trigger": "always", "adversary-objective": "entropy",
-                                                     **SERVER},
+    "FedAU2-server, entropy (ours), always, prior": {
+        "client": "fedau2",
+        "adversary": "dsvae",
+        "adversary-trigger": "always",
+        "adversary-objective": "entropy",
+        **SERVER,
+    },
     # issue 14, second session: the same with DSVAE's label-masking noise on every uploaded h_w gradient (the encoder's
     # too), against DLG, which read the label from the encoder's unperturbed gradient (1.00 with the head-only noise)
     "FedAU2-server, entropy (ours), always, prior, noise on all of h_w": {
-        "client": "fedau2", "adversary": "dsvae", "adversary-trigger": "always", "adversary-objective": "entropy",
-        **SERVER, "dsvae-noise-placement": "all"},
+        "client": "fedau2",
+        "adversary": "dsvae",
+        "adversary-trigger": "always",
+        "adversary-objective": "entropy",
+        **SERVER,
+        "dsvae-noise-placement": "all",
+    },
     # the same on FedRecGEL's decoupled SAM client (parameters uploaded to item-fedavg; rho-shared = rho-private = 0.05)
-    "FedAU2-GEL-server, entropy (ours), always, prior": {"client": "fedau2-gel", "adversary": "dsvae",
-                                                         "adversary-trigger": "always", "adversary-objective": "entropy",
-                                                         **SERVER},
+    "FedAU2-GEL-server, entropy (ours), always, prior": {
+        "client": "fedau2-gel",
+        "adversary": "dsvae",
+        "adversary-trigger": "always",
+        "adversary-objective": "entropy",
+        **SERVER,
+    },
     "FedAU2-server, prior, SGD embedding step": {
-        "client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut", **SERVER,
-        "adversary-embedding-optimizer": "sgd"},
+        "client": "fedau2",
+        "adversary": "dsvae",
+        "adversary-trigger": "sut",
+        **SERVER,
+        "adversary-embedding-optimizer": "sgd",
+    },
     # issue 14: h_w gets S = 20 server steps per round (19 adversary_gradient queries after the train replies), so a
     # competent h_w can gate the SUT; S and the fallback rate (0.1, used only if h_w's balanced accuracy stays at
     # 0.5 with 0.01) fixed a priori
-    "FedAU2-server w/o DSVAE, 20 server steps": {"client": "fedau2", "adversary": "mlp", "adversary-trigger": "sut",
-                                                 **SERVER, "adversary-server-steps": 20},
+    "FedAU2-server w/o DSVAE, 20 server steps": {
+        "client": "fedau2",
+        "adversary": "mlp",
+        "adversary-trigger": "sut",
+        **SERVER,
+        "adversary-server-steps": 20,
+    },
     "FedAU2-server w/o DSVAE, 20 server steps, rate 0.1": {
-        "client": "fedau2", "adversary": "mlp", "adversary-trigger": "sut", **SERVER, "adversary-server-steps": 20,
-        "adversary-server-learning-rate": 0.1},
-    "FedAU2-server w/o DSVAE, 20 server steps, prior": {"client": "fedau2", "adversary": "mlp",
-                                                        "adversary-trigger": "sut", **SERVER,
-                                                        "adversary-server-steps": 20},
+        "client": "fedau2",
+        "adversary": "mlp",
+        "adversary-trigger": "sut",
+        **SERVER,
+        "adversary-server-steps": 20,
+        "adversary-server-learning-rate": 0.1,
+    },
+    "FedAU2-server w/o DSVAE, 20 server steps, prior": {
+        "client": "fedau2",
+        "adversary": "mlp",
+        "adversary-trigger": "sut",
+        **SERVER,
+        "adversary-server-steps": 20,
+    },
     # issue 14, second session: make h_w competent before / while it drives the embedding (from the S = 20 + prior
     # arm). A linear h_w (adversary-hidden = 0, the LR attacker's model class), a GRL warm-up of WARMUP_ROUNDS rounds
     # (h_w learns, the embedding gets no adversarial step), the label-independent entropy pull with that h_w, and the
     # SGD embedding step. All fixed a priori; compared on FedNCF / gender / seed 1 by the attacker AUC and h_w's
     # diagnostics only.
-    **{f"FedAU2-server w/o DSVAE, 20 server steps, prior{name}": {
-        "client": "fedau2", "adversary": "mlp", "adversary-trigger": "sut", **SERVER, "adversary-server-steps": 20,
-        **extra} for name, extra in (
+    **{
+        f"FedAU2-server w/o DSVAE, 20 server steps, prior{name}": {
+            "client": "fedau2",
+            "adversary": "mlp",
+            "adversary-trigger": "sut",
+            **SERVER,
+            "adversary-server-steps": 20,
+            **extra,
+        }
+        for name, extra in (
             (", linear", LINEAR),
             (", warm-up", WARMUP),
             (", linear, warm-up", {**LINEAR, **WARMUP}),
             (", linear, SGD embedding step", {**LINEAR, "adversary-embedding-optimizer": "sgd"}),
-            (", linear, entropy (ours), always", {**LINEAR, "adversary-objective": "entropy",
-                                                 "adversary-trigger": "always"}),
+            (
+                ", linear, entropy (ours), always",
+                {**LINEAR, "adversary-objective": "entropy", "adversary-trigger": "always"},
+            ),
             # h_w's effective sample: with Adam, 20 steps of 0.01 move it ~0.2 per round, so it refits each round's
             # ~94 users (its predicted-class share flips between all-F and all-M from round to round, own AUC
             # 0.52-0.54, in the arm above); a rate of 0.001 averages it over ~10 rounds (~900 users). Chosen from
             # those training-side diagnostics, before any HR@10 of the arm was read.
-            (", linear, entropy (ours), always, rate 0.001", {**LINEAR, "adversary-objective": "entropy",
-                                                             "adversary-trigger": "always",
-                                                             "adversary-server-learning-rate": 0.001}),
+            (
+                ", linear, entropy (ours), always, rate 0.001",
+                {
+                    **LINEAR,
+                    "adversary-objective": "entropy",
+                    "adversary-trigger": "always",
+                    "adversary-server-learning-rate": 0.001,
+                },
+            ),
             # the federated form of issue 14's oracle (an LR refit on every user's embedding each round): the 19
             # extra steps query every user (adversary-query-users = "all"), full-batch steps over the federation
             # the same at eps = 0.1 (a point of the FedNCF eps sweep, NCF_SERVER_EPSILONS, fixed before it ran): chosen
             # over eps = 1 on seed 1 by h_w's diagnostics (balanced accuracy 0.55 / own AUC 0.58 in rounds 51-100,
             # against 0.52 / 0.52; both give attacker AUCs within 0.05 of 0.5), then run on the other seeds
-            (", linear, entropy (ours), always, rate 0.001, eps 0.1", {
-                **LINEAR, "adversary-objective": "entropy", "adversary-trigger": "always",
-                "adversary-server-learning-rate": 0.001, "adversary-epsilon": 0.1}),
+            (
+                ", linear, entropy (ours), always, rate 0.001, eps 0.1",
+                {
+                    **LINEAR,
+                    "adversary-objective": "entropy",
+                    "adversary-trigger": "always",
+                    "adversary-server-learning-rate": 0.001,
+                    "adversary-epsilon": 0.1,
+                },
+            ),
             (", linear, all users", {**LINEAR, "adversary-query-users": "all"}),
-            (", linear, entropy (ours), always, all users", {**LINEAR, "adversary-query-users": "all",
-                                                            "adversary-objective": "entropy",
-                                                            "adversary-trigger": "always"}),
-    )},
+            (
+                ", linear, entropy (ours), always, all users",
+                {
+                    **LINEAR,
+                    "adversary-query-users": "all",
+                    "adversary-objective": "entropy",
+                    "adversary-trigger": "always",
+                },
+            ),
+        )
+    },
 }
 """Table rows. Arms without an adversary do not depend on the protected attribute (attacked on every attribute)."""
 
@@ -159,39 +227,52 @@ the arm "FedAU2-server, 20 server steps, prior, linear, entropy (ours), always, 
 h_w" (eps 0.1 chosen on FedNCF's validation item, item 11; DSVAE's placement measured in items 10 and 13) with the
 prior resolved from the dataset (``adversary-class-prior = "published"``, the same shares as :data:`CLASS_PRIORS`).
 This arm measures what a user gets who sets only the client, the adversary and the attribute."""
-ARMS[DEFAULTS_ARM] = {"client": "fedau2", "adversary": "dsvae",
-                      **{key: None for key in FIRST_RELEASE_ADVERSARY},  # None: the package default (run.run_config)
-                      "dsvae-noise-stream": "per-upload"}  # as measured in item 17, before the per-user stream
+ARMS[DEFAULTS_ARM] = {
+    "client": "fedau2",
+    "adversary": "dsvae",
+    **{key: None for key in FIRST_RELEASE_ADVERSARY},  # None: the package default (run.run_config)
+    "dsvae-noise-stream": "per-upload",
+}  # as measured in item 17, before the per-user stream
 
 DEFAULTS_STREAM_ARM = "FedAU2, package defaults (adversary = dsvae), per-user noise stream"
 """Issue 14, eighth session (item 19): :data:`DEFAULTS_ARM` with the package's new default ``dsvae-noise-stream =
 "per-user"`` (one DSVAE noise draw per user for the whole run, shared by all of the user's ``h_w`` uploads), every
 other adversary key at the package default."""
-ARMS[DEFAULTS_STREAM_ARM] = {"client": "fedau2", "adversary": "dsvae",
-                             **{key: None for key in FIRST_RELEASE_ADVERSARY}}
+ARMS[DEFAULTS_STREAM_ARM] = {"client": "fedau2", "adversary": "dsvae", **{key: None for key in FIRST_RELEASE_ADVERSARY}}
 
 CHOSEN_ARM = "FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1"
 """Issue 14, third session: the arm whose eps (0.1) FedNCF's validation item chose (``select-eps``, seed 3;
 ``results/select-eps.md``); its variants below are declared with it. FedMF's validation item chose eps = 1, i.e.
 :data:`NCF_SERVER_ARM` itself (run on FedMF seeds 0-2)."""
-ARMS.update({
-    # the unchanged model of the fedau2-gel arms: FedRecGEL's decoupled SAM client, no adversary, the same strategy
-    "original (FedRecGEL client)": {"client": "fedrecgel"},
-    # the chosen arm on FedRecGEL's decoupled SAM client
-    "FedAU2-GEL-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1": {
-        **ARMS[CHOSEN_ARM], "client": "fedau2-gel"},
-    # the chosen arm with DSVAE (a linear encoder, adversary-hidden = 0) and its noise on every uploaded h_w gradient
-    "FedAU2-server, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1, noise on all of h_w": {
-        **ARMS[CHOSEN_ARM], "adversary": "dsvae", "dsvae-noise-placement": "all"},
-    # FedMF's validation-chosen arm (eps 1, NCF_SERVER_ARM) on FedRecGEL's decoupled SAM client (issue 14, fourth
-    # session): fedau2-gel on FedMF at the eps FedMF's validation item chose, not FedNCF's 0.1
-    "FedAU2-GEL-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001": {
-        **ARMS["FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001"],
-        "client": "fedau2-gel"},
-    # a competent h_w (item 11): full-batch extra steps over every user, with the chosen arm's pull
-    "FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, eps 0.1, all users": {
-        **ARMS[CHOSEN_ARM], "adversary-server-learning-rate": 0.01, "adversary-query-users": "all"},
-})
+ARMS.update(
+    {
+        # the unchanged model of the fedau2-gel arms: FedRecGEL's decoupled SAM client, no adversary, the same strategy
+        "original (FedRecGEL client)": {"client": "fedrecgel"},
+        # the chosen arm on FedRecGEL's decoupled SAM client
+        "FedAU2-GEL-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1": {
+            **ARMS[CHOSEN_ARM],
+            "client": "fedau2-gel",
+        },
+        # the chosen arm with DSVAE (a linear encoder, adversary-hidden = 0) and its noise on every uploaded h_w gradient
+        "FedAU2-server, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1, noise on all of h_w": {
+            **ARMS[CHOSEN_ARM],
+            "adversary": "dsvae",
+            "dsvae-noise-placement": "all",
+        },
+        # FedMF's validation-chosen arm (eps 1, NCF_SERVER_ARM) on FedRecGEL's decoupled SAM client (issue 14, fourth
+        # session): fedau2-gel on FedMF at the eps FedMF's validation item chose, not FedNCF's 0.1
+        "FedAU2-GEL-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001": {
+            **ARMS["FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001"],
+            "client": "fedau2-gel",
+        },
+        # a competent h_w (item 11): full-batch extra steps over every user, with the chosen arm's pull
+        "FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, eps 0.1, all users": {
+            **ARMS[CHOSEN_ARM],
+            "adversary-server-learning-rate": 0.01,
+            "adversary-query-users": "all",
+        },
+    }
+)
 
 EPSILONS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 """The trade-off sweep: FedAU2 on FedMF / gender with these GRL strengths (1.0 is the main table's)."""
@@ -249,8 +330,12 @@ outside the test seeds 0-2. Seed 3 alone chose eps 10, whose LR AUC on the test 
 above seed 3's (0.533): a second validation seed shows, on validation items only, how much one seed's AUC moves."""
 ARMS[SGD_PULL_ARM] = {**ARMS[NCF_SERVER_ARM], "adversary-embedding-optimizer": "sgd"}
 # the SGD pull at each eps of its grid: the test seeds (0-2) run the one its validation item chose
-ARMS.update({f"{SGD_PULL_ARM}, eps {eps:g}": {**ARMS[SGD_PULL_ARM], "adversary-epsilon": eps}
-             for eps in sorted(SELECTION_GRIDS[(SGD_PULL_ARM, "age")])})
+ARMS.update(
+    {
+        f"{SGD_PULL_ARM}, eps {eps:g}": {**ARMS[SGD_PULL_ARM], "adversary-epsilon": eps}
+        for eps in sorted(SELECTION_GRIDS[(SGD_PULL_ARM, "age")])
+    }
+)
 PROTOCOL_CHECK_ARMS = ("original", f"{SGD_PULL_ARM}, eps 10")
 """Issue 14, sixth session (``protocol-check``): the original FedNCF and the SGD pull at the eps both selections chose
 (10), trained against age on the validation seeds :data:`SGD_PULL_SELECTION_SEEDS` with the test items' protocol (no
@@ -260,7 +345,11 @@ choice: it chooses nothing, and no test seed runs in it."""
 SELECTION_KEYS = {"holdout-validation": True, "evaluate-validation": True}
 """The selection runs hold out each user's second-latest interaction as a validation item and rank it at every
 evaluation: eps is chosen on it, never on the test item (:func:`experiments.fedau2.report.select_epsilon`)."""
-DIAGNOSTICS_ARMS = ("FedAU2", "FedAU2-server, prior, SGD embedding step", "FedAU2-server, entropy (ours), always, prior")
+DIAGNOSTICS_ARMS = (
+    "FedAU2",
+    "FedAU2-server, prior, SGD embedding step",
+    "FedAU2-server, entropy (ours), always, prior",
+)
 """Arms whose per-round adversary diagnostics the README's plot compares (FedMF / gender, seed 1)."""
 
 

@@ -21,8 +21,14 @@ from fedrec_flwr.adversary import DIAGNOSTICS_FILE
 from fedrec_flwr.io import atomic_write_text
 
 METRICS = ("HR@10", "NDCG@10")
-ATTACK_COLUMNS = ("logreg-auc", "logreg-balanced-accuracy", "logreg-macro-f1", "mlp-auc", "mlp-balanced-accuracy",
-                  "mlp-macro-f1")
+ATTACK_COLUMNS = (
+    "logreg-auc",
+    "logreg-balanced-accuracy",
+    "logreg-macro-f1",
+    "mlp-auc",
+    "mlp-balanced-accuracy",
+    "mlp-macro-f1",
+)
 
 
 def load_runs(folder: Path) -> pd.DataFrame:
@@ -40,18 +46,34 @@ def load_runs(folder: Path) -> pd.DataFrame:
         for attribute in ATTRIBUTES:
             if trained_on and attribute != trained_on:
                 continue  # an adversarial arm is reported against the attribute it unlearned
-            row = {"model": run.parent.name, "arm": arms.get(base, base), "attribute": attribute,
-                   "seed": config["seed"], "epsilon": config.get("adversary-epsilon"),
-                   "seconds": summary.get("total-seconds")}
+            row = {
+                "model": run.parent.name,
+                "arm": arms.get(base, base),
+                "attribute": attribute,
+                "seed": config["seed"],
+                "epsilon": config.get("adversary-epsilon"),
+                "seconds": summary.get("total-seconds"),
+            }
             row.update({m: summary["final"].get(m) for m in METRICS})
             for classifier in ("logreg", "mlp"):
                 result = attack["attribute-inference"].get(f"{attribute}/{classifier}", {})
                 for metric in ("auc", "balanced-accuracy", "macro-f1"):
                     row[f"{classifier}-{metric}"] = result.get(metric)
             leakage = attack.get("label-leakage") or {}
-            row.update({k: leakage.get(k) for k in ("idlg-recovery", "dlg-recovery", "chance-uniform",
-                                                    "chance-majority", "idlg-attacks", "dlg-attacks",
-                                                    "idlg-linked-recovery")})
+            row.update(
+                {
+                    k: leakage.get(k)
+                    for k in (
+                        "idlg-recovery",
+                        "dlg-recovery",
+                        "chance-uniform",
+                        "chance-majority",
+                        "idlg-attacks",
+                        "dlg-attacks",
+                        "idlg-linked-recovery",
+                    )
+                }
+            )
             rows.append(row)
     return pd.DataFrame(rows)
 
@@ -96,9 +118,13 @@ def main_tables(results: Path) -> pd.DataFrame:
     for attribute, part in runs.groupby("attribute", sort=False):
         summary = mean_std(part, ["model", "arm"], [*METRICS, *ATTACK_COLUMNS])
         audited = part[part["seed"] == AUDIT_SEED]  # one user per node: every upload is one user's
-        leakage = audited.groupby(["model", "arm"], sort=False)[["idlg-recovery", "dlg-recovery", "chance-uniform",
-                                                                 "chance-majority", "idlg-linked-recovery"]
-                                                                ].mean().reset_index()
+        leakage = (
+            audited.groupby(["model", "arm"], sort=False)[
+                ["idlg-recovery", "dlg-recovery", "chance-uniform", "chance-majority", "idlg-linked-recovery"]
+            ]
+            .mean()
+            .reset_index()
+        )
         summary = summary.merge(leakage, on=["model", "arm"], how="left")
         order = {a: i for i, a in enumerate(ARMS)}
         summary = summary.sort_values(["model", "arm"], key=lambda c: c.map(order) if c.name == "arm" else c)
@@ -112,34 +138,41 @@ def main_tables(results: Path) -> pd.DataFrame:
         def rate(value) -> str:
             return "-" if value is None or value != value else f"{value:.2f}"
 
-        table = pd.DataFrame({
-            "model": summary["model"], "arm": summary["arm"],
-            "HR@10": [cell("HR@10", r, 4) for _, r in summary.iterrows()],
-            "NDCG@10": [cell("NDCG@10", r, 4) for _, r in summary.iterrows()],
-            "ΔHR@10": ["-" if v != v else f"{v:+.1f}%" for v in summary["HR@10-change-%"]],
-            "AUC (LR)": [cell("logreg-auc", r) for _, r in summary.iterrows()],
-            "AUC (MLP)": [cell("mlp-auc", r) for _, r in summary.iterrows()],
-            "bal. acc. (LR)": [cell("logreg-balanced-accuracy", r) for _, r in summary.iterrows()],
-            "F1 (LR)": [cell("logreg-macro-f1", r) for _, r in summary.iterrows()],
-            "iDLG": [rate(v) for v in summary["idlg-recovery"]],
-            "DLG": [rate(v) for v in summary["dlg-recovery"]],
-            "iDLG, linked": [rate(v) for v in summary["idlg-linked-recovery"]],
-            "seeds": summary["seeds"],
-        })
+        table = pd.DataFrame(
+            {
+                "model": summary["model"],
+                "arm": summary["arm"],
+                "HR@10": [cell("HR@10", r, 4) for _, r in summary.iterrows()],
+                "NDCG@10": [cell("NDCG@10", r, 4) for _, r in summary.iterrows()],
+                "ΔHR@10": ["-" if v != v else f"{v:+.1f}%" for v in summary["HR@10-change-%"]],
+                "AUC (LR)": [cell("logreg-auc", r) for _, r in summary.iterrows()],
+                "AUC (MLP)": [cell("mlp-auc", r) for _, r in summary.iterrows()],
+                "bal. acc. (LR)": [cell("logreg-balanced-accuracy", r) for _, r in summary.iterrows()],
+                "F1 (LR)": [cell("logreg-macro-f1", r) for _, r in summary.iterrows()],
+                "iDLG": [rate(v) for v in summary["idlg-recovery"]],
+                "DLG": [rate(v) for v in summary["dlg-recovery"]],
+                "iDLG, linked": [rate(v) for v in summary["idlg-linked-recovery"]],
+                "seeds": summary["seeds"],
+            }
+        )
         chance = part[["chance-uniform", "chance-majority"]].dropna()
         note = ""
         if not chance.empty:
-            note = (f"Chance label recovery: {chance['chance-uniform'].iloc[0]:.2f} (uniform guess), "
-                    f"{chance['chance-majority'].iloc[0]:.2f} (always the majority class).\n\n")
-        atomic_write_text(results / f"main-{attribute}.md",
-                          f"# FedAU² on MovieLens-100K, protected attribute: {attribute}\n\n"
-                          "Mean ± std over seeds; attacks: 5 random halves per run (attacker knows half the users' "
-                          f"attribute); iDLG/DLG: share of the server's label guesses that are right (seed 0 runs, one "
-                          f"user per node); iDLG, linked: share of users whose label iDLG reads from the mean of all "
-                          f"their uploads (train replies and adversary-gradient queries; runs since issue 14's seventh "
-                          f"session). ΔHR@10: against the arm's unchanged model (`original`; `original (FedRecGEL "
-                          f"client)` for `fedau2-gel` arms), paired by seed: both means over the seeds both ran "
-                          f"(`report.paired_change`).\n\n{note}" + markdown(table))
+            note = (
+                f"Chance label recovery: {chance['chance-uniform'].iloc[0]:.2f} (uniform guess), "
+                f"{chance['chance-majority'].iloc[0]:.2f} (always the majority class).\n\n"
+            )
+        atomic_write_text(
+            results / f"main-{attribute}.md",
+            f"# FedAU² on MovieLens-100K, protected attribute: {attribute}\n\n"
+            "Mean ± std over seeds; attacks: 5 random halves per run (attacker knows half the users' "
+            f"attribute); iDLG/DLG: share of the server's label guesses that are right (seed 0 runs, one "
+            f"user per node); iDLG, linked: share of users whose label iDLG reads from the mean of all "
+            f"their uploads (train replies and adversary-gradient queries; runs since issue 14's seventh "
+            f"session). ΔHR@10: against the arm's unchanged model (`original`; `original (FedRecGEL "
+            f"client)` for `fedau2-gel` arms), paired by seed: both means over the seeds both ran "
+            f"(`report.paired_change`).\n\n{note}" + markdown(table),
+        )
     return runs
 
 
@@ -164,8 +197,15 @@ def _change_points(runs: pd.DataFrame, model: str, arms) -> list[tuple[str, floa
         if mine.empty:
             continue
         auc = mine.groupby("seed")["logreg-auc"].mean()
-        out.append((arm, float(auc.mean()), float(auc.std()) if auc.size > 1 else 0.0,
-                    change.get((model, arm), np.nan), int(auc.size)))
+        out.append(
+            (
+                arm,
+                float(auc.mean()),
+                float(auc.std()) if auc.size > 1 else 0.0,
+                change.get((model, arm), np.nan),
+                int(auc.size),
+            )
+        )
     return out
 
 
@@ -178,8 +218,13 @@ def _eps_curve(sweep: pd.DataFrame, original: pd.DataFrame) -> pd.DataFrame:
         if not seeds:
             continue
         base = original[original["seed"].isin(seeds)]["HR@10"].mean()
-        rows.append({"epsilon": eps, "logreg-auc": part["logreg-auc"].mean(),
-                     "change": 100.0 * (part[part["seed"].isin(seeds)]["HR@10"].mean() / base - 1.0)})
+        rows.append(
+            {
+                "epsilon": eps,
+                "logreg-auc": part["logreg-auc"].mean(),
+                "change": 100.0 * (part[part["seed"].isin(seeds)]["HR@10"].mean() / base - 1.0),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -192,8 +237,11 @@ def tradeoff_plot(results: Path, main: pd.DataFrame, selection: pd.DataFrame | N
     AUC falls with eps. Also writes ``tradeoff-server.csv`` (the server arm's sweep per model)."""
     from experiments.fedau2.methods import CHOSEN_ARM, DEFAULTS_STREAM_ARM, NCF_SERVER_ARM, SERVER_ARM
 
-    labels = {**TRADEOFF_POINTS, DEFAULTS_STREAM_ARM: "package defaults, adversary = dsvae",
-              CHOSEN_ARM: "package defaults, adversary = mlp"}
+    labels = {
+        **TRADEOFF_POINTS,
+        DEFAULTS_STREAM_ARM: "package defaults, adversary = dsvae",
+        CHOSEN_ARM: "package defaults, adversary = mlp",
+    }
     sweeps = load_runs(results / "runs" / "tradeoff-server")
     curves = []
     for model, arm in (("FedMF", SERVER_ARM), ("FedNCF", NCF_SERVER_ARM)):
@@ -206,8 +254,12 @@ def tradeoff_plot(results: Path, main: pd.DataFrame, selection: pd.DataFrame | N
         curves.append(swept)
     every = pd.concat([c for c in curves if not c.empty]) if any(not c.empty for c in curves) else curves[0]
     if not every.empty:
-        write_csv(every.groupby(["model", "epsilon"])[["HR@10", "logreg-auc", "mlp-auc"]].agg(["mean", "count"])
-                  .reset_index(), results / "tradeoff-server.csv")  # one arm per model (methods: SERVER_ARM ...)
+        write_csv(
+            every.groupby(["model", "epsilon"])[["HR@10", "logreg-auc", "mlp-auc"]]
+            .agg(["mean", "count"])
+            .reset_index(),
+            results / "tradeoff-server.csv",
+        )  # one arm per model (methods: SERVER_ARM ...)
     if main.empty:
         return
     plt = pyplot()
@@ -219,47 +271,79 @@ def tradeoff_plot(results: Path, main: pd.DataFrame, selection: pd.DataFrame | N
         for arm, auc, std, change, seeds in _change_points(main, model, labels):
             # the reference point (no defence) as a larger hollow square on top, so an arm at the same spot
             # (FedMF's DSVAE arm) shows inside it instead of hiding it
-            style = dict(markersize=11, markerfacecolor="none", markeredgewidth=1.8, zorder=5) \
-                if arm == "original" else {}
-            axis.errorbar(auc, change, xerr=std, fmt="s", color=colors[labels[arm]], capsize=3,
-                          label=labels[arm], **style)
+            style = (
+                dict(markersize=11, markerfacecolor="none", markeredgewidth=1.8, zorder=5) if arm == "original" else {}
+            )
+            axis.errorbar(
+                auc, change, xerr=std, fmt="s", color=colors[labels[arm]], capsize=3, label=labels[arm], **style
+            )
             if seeds < 3:  # the main arms ran seeds 0-2; say where fewer did
-                axis.annotate(f"{seeds} seed{'s' * (seeds > 1)}", (auc, change), fontsize=7,
-                              textcoords="offset points", xytext=(5, 3))
+                axis.annotate(
+                    f"{seeds} seed{'s' * (seeds > 1)}",
+                    (auc, change),
+                    fontsize=7,
+                    textcoords="offset points",
+                    xytext=(5, 3),
+                )
         if model == "FedMF":
             gender = main[(main["model"] == "FedMF") & (main["attribute"] == "gender")]
             original = gender[gender["arm"] == "original"]
             first = load_runs(results / "runs" / "tradeoff")
-            first = pd.concat([first, gender[gender["arm"] == "FedAU2"]]) if not first.empty else gender[
-                gender["arm"] == "FedAU2"]
+            first = (
+                pd.concat([first, gender[gender["arm"] == "FedAU2"]])
+                if not first.empty
+                else gender[gender["arm"] == "FedAU2"]
+            )
             for sweep, marker, color, label, offset in (
-                    (first, "o-", "C8", "FedAU2 as first implemented, across eps", (3, -9)),
-                    (curves[0], "^-", "C9", "server-trained h_w, entropy arm, across eps (seed 1)", (5, 3))):
+                (first, "o-", "C8", "FedAU2 as first implemented, across eps", (3, -9)),
+                (curves[0], "^-", "C9", "server-trained h_w, entropy arm, across eps (seed 1)", (5, 3)),
+            ):
                 curve = _eps_curve(sweep, original) if not sweep.empty else pd.DataFrame()
                 if curve.empty:
                     continue
                 axis.plot(curve["logreg-auc"], curve["change"], marker, color=color, alpha=0.6, label=label)
                 for _, row in curve.iterrows():
-                    axis.annotate(f"{row['epsilon']:g}", (row["logreg-auc"], row["change"]), fontsize=7,
-                                  textcoords="offset points", xytext=offset, color=color)
+                    axis.annotate(
+                        f"{row['epsilon']:g}",
+                        (row["logreg-auc"], row["change"]),
+                        fontsize=7,
+                        textcoords="offset points",
+                        xytext=offset,
+                        color=color,
+                    )
         axis.set_title(f"{model}, test items", fontsize=10)
         axis.set_xlabel("gender attacker AUC (logistic regression)")
         axis.set_ylabel("HR@10 change vs original (%)")
     axis = axes[2]
-    chosen = (selection[(selection["model"] == "FedNCF") & (selection["attribute"] == "gender")
-                        & (selection["embedding-step"] == "local")]
-              if selection is not None and not selection.empty else pd.DataFrame())
+    chosen = (
+        selection[
+            (selection["model"] == "FedNCF")
+            & (selection["attribute"] == "gender")
+            & (selection["embedding-step"] == "local")
+        ]
+        if selection is not None and not selection.empty
+        else pd.DataFrame()
+    )
     if not chosen.empty:
         seed = int(chosen["seed"].min())
         curve = chosen[chosen["seed"] == seed].sort_values("epsilon")
         axis.axvspan(0.45, 0.55, color="green", alpha=0.08, label="attacker AUC within 0.05 of 0.5")
         axis.axhline(-5.0, color="grey", linestyle="--", linewidth=0.8, label="5% HR@10 loss")
-        axis.plot(curve["logreg-auc"], curve["val-HR@10-change-%"], "o-", color="C7",
-                  label="FedNCF default arm across eps (validation item)")
+        axis.plot(
+            curve["logreg-auc"],
+            curve["val-HR@10-change-%"],
+            "o-",
+            color="C7",
+            label="FedNCF default arm across eps (validation item)",
+        )
         for _, row in curve.iterrows():
-            axis.annotate(f"eps {row['epsilon']:g}" + (" (chosen)" if row["chosen"] else ""),
-                          (row["logreg-auc"], row["val-HR@10-change-%"]), fontsize=7, textcoords="offset points",
-                          xytext=(4, 3))
+            axis.annotate(
+                f"eps {row['epsilon']:g}" + (" (chosen)" if row["chosen"] else ""),
+                (row["logreg-auc"], row["val-HR@10-change-%"]),
+                fontsize=7,
+                textcoords="offset points",
+                xytext=(4, 3),
+            )
         axis.set_title(f"FedNCF: eps sweep on the validation item (seed {seed})", fontsize=10)
         axis.set_xlabel("gender attacker AUC (logistic regression)")
         axis.set_ylabel("validation HR@10 change vs original (%)")
@@ -270,8 +354,11 @@ def tradeoff_plot(results: Path, main: pd.DataFrame, selection: pd.DataFrame | N
                 handles.append(handle)
                 names.append(name)
     fig.legend(handles, names, loc="lower center", ncol=3, fontsize=8, frameon=False)
-    fig.suptitle("FedAU² on MovieLens-100K: recommendation quality against gender leakage (target: green band, "
-                 "above the dashed line)", fontsize=11)
+    fig.suptitle(
+        "FedAU² on MovieLens-100K: recommendation quality against gender leakage (target: green band, "
+        "above the dashed line)",
+        fontsize=11,
+    )
     save_figure(fig, results / "tradeoff.png", rect=(0, 0.14, 1, 0.96))
 
 
@@ -291,8 +378,15 @@ def stability_plot(results: Path) -> None:
     if not frames:
         return
     data = pd.concat(frames)
-    shown = ("original", "adversarial (constant eps)", "FedAU2 w/o SUT", "FedAU2 w/o DSVAE", "FedAU2",
-             "FedAU2, entropy objective (ours)", *[a for a in ARMS if a.startswith("FedAU2-server")])
+    shown = (
+        "original",
+        "adversarial (constant eps)",
+        "FedAU2 w/o SUT",
+        "FedAU2 w/o DSVAE",
+        "FedAU2",
+        "FedAU2, entropy objective (ours)",
+        *[a for a in ARMS if a.startswith("FedAU2-server")],
+    )
     metrics = (("auc", "attacker AUC"), ("balanced-accuracy", "attacker balanced accuracy"))
     plt = pyplot()
     fig, axes = plt.subplots(len(metrics), len(MODELS), figsize=(11, 7.5), sharex=True, squeeze=False)
@@ -305,8 +399,12 @@ def stability_plot(results: Path) -> None:
                     continue
                 curve = part.groupby("round")[metric].agg(["mean", "std"]).reset_index()
                 axis.plot(curve["round"], curve["mean"], marker=".", label=arm)
-                axis.fill_between(curve["round"], curve["mean"] - curve["std"].fillna(0),
-                                  curve["mean"] + curve["std"].fillna(0), alpha=0.15)
+                axis.fill_between(
+                    curve["round"],
+                    curve["mean"] - curve["std"].fillna(0),
+                    curve["mean"] + curve["std"].fillna(0),
+                    alpha=0.15,
+                )
             axis.axhline(0.5, color="grey", linestyle=":")
             axis.set_title(f"{model}: gender attacker during training")
             axis.set_ylabel(f"{label} (logistic regression)")
@@ -341,8 +439,14 @@ def diagnostics_plot(results: Path, seed: int = 1) -> None:
         axes[1].plot(frame["round"], frame["balanced-accuracy"], color=color, label=label)
         axes[2].plot(frame["round"], frame["trigger-rate-1"], color=color, label=f"{label}: M")
         axes[2].plot(frame["round"], frame["trigger-rate-0"], color=color, linestyle="--", label=f"{label}: F")
-    for axis, title in zip(axes, ("share of users h_w predicts M", "h_w balanced accuracy (all users)",
-                                  "h_w right per class = SUT trigger rate (solid M, dashed F)")):
+    for axis, title in zip(
+        axes,
+        (
+            "share of users h_w predicts M",
+            "h_w balanced accuracy (all users)",
+            "h_w right per class = SUT trigger rate (solid M, dashed F)",
+        ),
+    ):
         axis.set_title(title, fontsize=10)
         axis.set_xlabel("round")
         axis.set_ylim(-0.02, 1.02)
@@ -376,6 +480,7 @@ def select_epsilon(results: Path) -> pd.DataFrame:
             continue
         config = json.loads((run / "config.json").read_text())["run-config"]
         runs.append((run, config, config["client"] == "fedrec"))
+
     def variant(config) -> tuple[str, str]:
         return config.get("protected-attribute", "gender"), config.get("adversary-embedding-optimizer", "local")
 
@@ -387,57 +492,77 @@ def select_epsilon(results: Path) -> pd.DataFrame:
     for run, config, original in runs:
         final = json.loads((run / "summary.json").read_text())["final"]
         attack = json.loads((run / "attack.json").read_text())["attribute-inference"]
-        for attribute, step in (sorted(variants[run.parent.name]) if original else [variant(config)]):
-            rows.append({"model": run.parent.name, "attribute": attribute, "embedding-step": step,
-                         "seed": config["seed"],
-                         "epsilon": 0.0 if original else config["adversary-epsilon"],
-                         "val-HR@10": final.get("val-HR@10"), "val-NDCG@10": final.get("val-NDCG@10"),
-                         "logreg-auc": attack[f"{attribute}/logreg"]["auc"],
-                         "mlp-auc": attack[f"{attribute}/mlp"]["auc"]})
+        for attribute, step in sorted(variants[run.parent.name]) if original else [variant(config)]:
+            rows.append(
+                {
+                    "model": run.parent.name,
+                    "attribute": attribute,
+                    "embedding-step": step,
+                    "seed": config["seed"],
+                    "epsilon": 0.0 if original else config["adversary-epsilon"],
+                    "val-HR@10": final.get("val-HR@10"),
+                    "val-NDCG@10": final.get("val-NDCG@10"),
+                    "logreg-auc": attack[f"{attribute}/logreg"]["auc"],
+                    "mlp-auc": attack[f"{attribute}/mlp"]["auc"],
+                }
+            )
     table = pd.DataFrame(rows)
     if table.empty:
         return table
     order = {"gender": 0, "age": 1}
-    table = table.sort_values(["model", "attribute", "embedding-step", "seed", "epsilon"],
-                              key=lambda c: c.map(order) if c.name == "attribute" else c).reset_index(drop=True)
+    table = table.sort_values(
+        ["model", "attribute", "embedding-step", "seed", "epsilon"],
+        key=lambda c: c.map(order) if c.name == "attribute" else c,
+    ).reset_index(drop=True)
     table["distance"] = (table[["logreg-auc", "mlp-auc"]] - 0.5).abs().max(axis=1)
     reference = ["model", "attribute", "embedding-step", "seed"]
     original = table[table["epsilon"] == 0.0].set_index(reference)["val-HR@10"]
-    table["val-HR@10-change-%"] = [100.0 * (row["val-HR@10"] / original.get(tuple(row[reference]), np.nan) - 1.0)
-                                   for _, row in table.iterrows()]
+    table["val-HR@10-change-%"] = [
+        100.0 * (row["val-HR@10"] / original.get(tuple(row[reference]), np.nan) - 1.0) for _, row in table.iterrows()
+    ]
     table["chosen"] = False
     for _, part in table[table["epsilon"] > 0].groupby(reference):
         inside = part[part["distance"] <= BAND]
-        best = (inside.sort_values(["val-HR@10", "epsilon"], ascending=[False, True]).index[0] if not inside.empty
-                else part.sort_values(["distance", "epsilon"]).index[0])
+        best = (
+            inside.sort_values(["val-HR@10", "epsilon"], ascending=[False, True]).index[0]
+            if not inside.empty
+            else part.sort_values(["distance", "epsilon"]).index[0]
+        )
         table.loc[best, "chosen"] = True
     write_csv(table, results / "select-eps.csv")
-    shown = pd.DataFrame({
-        "model": table["model"], "attribute": table["attribute"],
-        "pull's step": ["SGD" if e == "sgd" else "local Adam" for e in table["embedding-step"]], "seed": table["seed"],
-        "eps": ["0 (original)" if e == 0 else f"{e:g}" for e in table["epsilon"]],
-        "val HR@10": [f"{v:.4f}" for v in table["val-HR@10"]],
-        "val ΔHR@10": [f"{v:+.1f}%" for v in table["val-HR@10-change-%"]],
-        "val NDCG@10": [f"{v:.4f}" for v in table["val-NDCG@10"]],
-        "AUC (LR)": [f"{v:.3f}" for v in table["logreg-auc"]], "AUC (MLP)": [f"{v:.3f}" for v in table["mlp-auc"]],
-        "chosen": ["**chosen**" if c else "" for c in table["chosen"]]})
+    shown = pd.DataFrame(
+        {
+            "model": table["model"],
+            "attribute": table["attribute"],
+            "pull's step": ["SGD" if e == "sgd" else "local Adam" for e in table["embedding-step"]],
+            "seed": table["seed"],
+            "eps": ["0 (original)" if e == 0 else f"{e:g}" for e in table["epsilon"]],
+            "val HR@10": [f"{v:.4f}" for v in table["val-HR@10"]],
+            "val ΔHR@10": [f"{v:+.1f}%" for v in table["val-HR@10-change-%"]],
+            "val NDCG@10": [f"{v:.4f}" for v in table["val-NDCG@10"]],
+            "AUC (LR)": [f"{v:.3f}" for v in table["logreg-auc"]],
+            "AUC (MLP)": [f"{v:.3f}" for v in table["mlp-auc"]],
+            "chosen": ["**chosen**" if c else "" for c in table["chosen"]],
+        }
+    )
     from experiments.fedau2.methods import NCF_SERVER_ARM, SGD_PULL_ARM
 
-    atomic_write_text(results / "select-eps.md",
-                      "# FedAU²: eps chosen on the validation item (issue 14)\n\n"
-                      f"Arm: `{NCF_SERVER_ARM}` (pull's step: local Adam) or `{SGD_PULL_ARM}` (SGD) at each "
-                      "eps, trained against the row's attribute (the original "
-                      "model's row is the same run for every attribute, attacked on each); `holdout-validation = "
-                      "true` (each user's second-latest interaction held out as a validation item, ranked against 99 "
-                      "negatives at round 100). Rule (fixed before the runs, `report.select_epsilon`): among the eps "
-                      f"with both attacker AUCs on the row's attribute (one-vs-rest for age) within {BAND} of 0.5, "
-                      "the highest validation HR@10 (if none is, the closest to the band: then **chosen** meets no "
-                      "target); no test item is read. Grids: `methods.SELECTION_GRIDS` (age with the local Adam pull: "
-                      "only eps 0.3 ran, `methods.SELECTION_EPSILONS_BY_ATTRIBUTE`). The SGD pull against age ran on seeds 3 "
-                      "and 4 (sixth session): its choice is `select-eps-robust.md`'s two-seed rule "
-                      "(`report.robust_choice`); **chosen** here is the single-seed rule per seed, for the record."
-                      "\n\n"
-                      + markdown(shown))
+    atomic_write_text(
+        results / "select-eps.md",
+        "# FedAU²: eps chosen on the validation item (issue 14)\n\n"
+        f"Arm: `{NCF_SERVER_ARM}` (pull's step: local Adam) or `{SGD_PULL_ARM}` (SGD) at each "
+        "eps, trained against the row's attribute (the original "
+        "model's row is the same run for every attribute, attacked on each); `holdout-validation = "
+        "true` (each user's second-latest interaction held out as a validation item, ranked against 99 "
+        "negatives at round 100). Rule (fixed before the runs, `report.select_epsilon`): among the eps "
+        f"with both attacker AUCs on the row's attribute (one-vs-rest for age) within {BAND} of 0.5, "
+        "the highest validation HR@10 (if none is, the closest to the band: then **chosen** meets no "
+        "target); no test item is read. Grids: `methods.SELECTION_GRIDS` (age with the local Adam pull: "
+        "only eps 0.3 ran, `methods.SELECTION_EPSILONS_BY_ATTRIBUTE`). The SGD pull against age ran on seeds 3 "
+        "and 4 (sixth session): its choice is `select-eps-robust.md`'s two-seed rule "
+        "(`report.robust_choice`); **chosen** here is the single-seed rule per seed, for the record."
+        "\n\n" + markdown(shown),
+    )
     return table
 
 
@@ -447,8 +572,9 @@ ROBUST_MIN_CHANGE = -4.0
 """The sixth session's bound on the validation HR@10 change (%): issue 14's 5% target less a 1-point margin."""
 
 
-def robust_choice(table: pd.DataFrame, seeds, band: float = ROBUST_BAND,
-                  min_change: float = ROBUST_MIN_CHANGE) -> pd.DataFrame:
+def robust_choice(
+    table: pd.DataFrame, seeds, band: float = ROBUST_BAND, min_change: float = ROBUST_MIN_CHANGE
+) -> pd.DataFrame:
     """Issue 14, sixth session (ours): eps chosen on the validation items of several seeds, with safety margins.
 
     ``table`` is :func:`select_epsilon`'s (one row per model, attribute, pull's step, seed and eps; eps 0 = the
@@ -491,10 +617,17 @@ def robust_choice(table: pd.DataFrame, seeds, band: float = ROBUST_BAND,
             runs = runs.set_index("seed")
             if sorted(runs.index) != seeds:
                 continue
-            row = dict(zip(group, key), epsilon=float(eps), seeds=len(seeds),
-                       **{"mean-val-HR@10": runs["val-HR@10"].mean(),
-                          "original-val-HR@10": original["val-HR@10"].mean(),
-                          "mean-logreg-auc": runs["logreg-auc"].mean(), "mean-mlp-auc": runs["mlp-auc"].mean()})
+            row = dict(
+                zip(group, key),
+                epsilon=float(eps),
+                seeds=len(seeds),
+                **{
+                    "mean-val-HR@10": runs["val-HR@10"].mean(),
+                    "original-val-HR@10": original["val-HR@10"].mean(),
+                    "mean-logreg-auc": runs["logreg-auc"].mean(),
+                    "mean-mlp-auc": runs["mlp-auc"].mean(),
+                },
+            )
             for seed in seeds:
                 row[f"val-HR@10-seed{seed}"] = runs.loc[seed, "val-HR@10"]
                 row[f"logreg-auc-seed{seed}"] = runs.loc[seed, "logreg-auc"]
@@ -534,27 +667,37 @@ def write_robust_choice(results: Path, table: pd.DataFrame) -> pd.DataFrame:
         return robust
     write_csv(robust, results / "select-eps-robust.csv")
     seeds = list(SGD_PULL_SELECTION_SEEDS)
-    shown = pd.DataFrame({
-        "model": robust["model"], "eps": [f"{e:g}" for e in robust["epsilon"]],
-        **{f"val HR@10 seed {s}": [f"{v:.4f}" for v in robust[f"val-HR@10-seed{s}"]] for s in seeds},
-        "mean val ΔHR@10": [f"{v:+.1f}%" for v in robust["val-HR@10-change-%"]],
-        **{f"AUC LR / MLP seed {s}": [f"{a:.3f} / {b:.3f}" for a, b in
-                                      zip(robust[f"logreg-auc-seed{s}"], robust[f"mlp-auc-seed{s}"])] for s in seeds},
-        "mean AUC (LR)": [f"{v:.3f}" for v in robust["mean-logreg-auc"]],
-        "mean AUC (MLP)": [f"{v:.3f}" for v in robust["mean-mlp-auc"]],
-        "meets rule": ["yes" if m else "no" for m in robust["meets-rule"]],
-        "chosen": ["**chosen**" if c else "" for c in robust["chosen"]]})
-    atomic_write_text(results / "select-eps-robust.md",
-                      "# FedAU²: the SGD pull's eps against age, chosen on two validation seeds (issue 14, sixth "
-                      "session)\n\n"
-                      f"Arm: `{SGD_PULL_ARM}`; validation seeds {', '.join(map(str, seeds))} (`select-eps`, "
-                      "`holdout-validation = true`). Rule (ours, fixed before the sixth session's runs, "
-                      f"`report.robust_choice`): among the eps run on every validation seed whose mean LR and mean MLP "
-                      f"AUCs (age, one-vs-rest) are both within {ROBUST_BAND} of 0.5 and whose validation HR@10 change "
-                      f"(ratio of the means over the seeds, against the original of the same seeds) is >= "
-                      f"{ROBUST_MIN_CHANGE:g}%, the highest mean validation HR@10; if none, the smallest AUC distance "
-                      "among those within the HR@10 margin (`meets rule` no: not expected to meet the targets). No "
-                      "test item is read.\n\n" + markdown(shown))
+    shown = pd.DataFrame(
+        {
+            "model": robust["model"],
+            "eps": [f"{e:g}" for e in robust["epsilon"]],
+            **{f"val HR@10 seed {s}": [f"{v:.4f}" for v in robust[f"val-HR@10-seed{s}"]] for s in seeds},
+            "mean val ΔHR@10": [f"{v:+.1f}%" for v in robust["val-HR@10-change-%"]],
+            **{
+                f"AUC LR / MLP seed {s}": [
+                    f"{a:.3f} / {b:.3f}" for a, b in zip(robust[f"logreg-auc-seed{s}"], robust[f"mlp-auc-seed{s}"])
+                ]
+                for s in seeds
+            },
+            "mean AUC (LR)": [f"{v:.3f}" for v in robust["mean-logreg-auc"]],
+            "mean AUC (MLP)": [f"{v:.3f}" for v in robust["mean-mlp-auc"]],
+            "meets rule": ["yes" if m else "no" for m in robust["meets-rule"]],
+            "chosen": ["**chosen**" if c else "" for c in robust["chosen"]],
+        }
+    )
+    atomic_write_text(
+        results / "select-eps-robust.md",
+        "# FedAU²: the SGD pull's eps against age, chosen on two validation seeds (issue 14, sixth "
+        "session)\n\n"
+        f"Arm: `{SGD_PULL_ARM}`; validation seeds {', '.join(map(str, seeds))} (`select-eps`, "
+        "`holdout-validation = true`). Rule (ours, fixed before the sixth session's runs, "
+        f"`report.robust_choice`): among the eps run on every validation seed whose mean LR and mean MLP "
+        f"AUCs (age, one-vs-rest) are both within {ROBUST_BAND} of 0.5 and whose validation HR@10 change "
+        f"(ratio of the means over the seeds, against the original of the same seeds) is >= "
+        f"{ROBUST_MIN_CHANGE:g}%, the highest mean validation HR@10; if none, the smallest AUC distance "
+        "among those within the HR@10 margin (`meets rule` no: not expected to meet the targets). No "
+        "test item is read.\n\n" + markdown(shown),
+    )
     return robust
 
 
@@ -576,37 +719,60 @@ def protocol_check(results: Path) -> pd.DataFrame:
         if not (folder / "attack.json").is_file():
             continue
         seed = int(folder.name.rsplit("-seed", 1)[1])
-        pairs = {"test protocol": (folder, folder.parent / f"original-seed{seed}", "HR@10"),
-                 "validation protocol": (selection / f"{selected}-seed{seed}", selection / f"original-seed{seed}",
-                                         "val-HR@10")}
+        pairs = {
+            "test protocol": (folder, folder.parent / f"original-seed{seed}", "HR@10"),
+            "validation protocol": (
+                selection / f"{selected}-seed{seed}",
+                selection / f"original-seed{seed}",
+                "val-HR@10",
+            ),
+        }
         for protocol, (mine, base, metric) in pairs.items():
             if not ((mine / "attack.json").is_file() and (base / "attack.json").is_file()):
                 continue
             a, b = (json.loads((p / "attack.json").read_text())["attribute-inference"] for p in (mine, base))
             hr, hr0 = (json.loads((p / "summary.json").read_text())["final"][metric] for p in (mine, base))
-            rows.append({"seed": seed, "protocol": protocol, "epsilon": eps, "metric": metric, "HR@10": hr,
-                         "HR@10-change-%": 100.0 * (hr / hr0 - 1.0),
-                         "logreg-auc": a["age/logreg"]["auc"], "mlp-auc": a["age/mlp"]["auc"],
-                         "original-logreg-auc": b["age/logreg"]["auc"], "original-mlp-auc": b["age/mlp"]["auc"]})
+            rows.append(
+                {
+                    "seed": seed,
+                    "protocol": protocol,
+                    "epsilon": eps,
+                    "metric": metric,
+                    "HR@10": hr,
+                    "HR@10-change-%": 100.0 * (hr / hr0 - 1.0),
+                    "logreg-auc": a["age/logreg"]["auc"],
+                    "mlp-auc": a["age/mlp"]["auc"],
+                    "original-logreg-auc": b["age/logreg"]["auc"],
+                    "original-mlp-auc": b["age/mlp"]["auc"],
+                }
+            )
     table = pd.DataFrame(rows)
     if table.empty:
         return table
     write_csv(table, results / "protocol-check.csv")
-    shown = pd.DataFrame({
-        "seed": table["seed"], "protocol": table["protocol"],
-        "HR@10 (item)": [f"{v:.4f} ({'test' if m == 'HR@10' else 'validation'})"
-                         for v, m in zip(table["HR@10"], table["metric"])],
-        "ΔHR@10 vs original": [f"{v:+.1f}%" for v in table["HR@10-change-%"]],
-        "AUC (LR)": [f"{v:.3f}" for v in table["logreg-auc"]], "AUC (MLP)": [f"{v:.3f}" for v in table["mlp-auc"]],
-        "original AUC (LR / MLP)": [f"{a:.3f} / {b:.3f}" for a, b in
-                                    zip(table["original-logreg-auc"], table["original-mlp-auc"])]})
-    atomic_write_text(results / "protocol-check.md",
-                      "# FedAU²: the SGD pull at eps 10 against age, validation vs test protocol (issue 14, sixth "
-                      "session)\n\n"
-                      f"Arm: `{arm}` and the original FedNCF on the validation seeds, trained with the test items' "
-                      "protocol (`protocol-check`) and with the validation protocol (`select-eps`, "
-                      "`holdout-validation = true`). A diagnostic after the eps choice: it chooses nothing.\n\n"
-                      + markdown(shown))
+    shown = pd.DataFrame(
+        {
+            "seed": table["seed"],
+            "protocol": table["protocol"],
+            "HR@10 (item)": [
+                f"{v:.4f} ({'test' if m == 'HR@10' else 'validation'})" for v, m in zip(table["HR@10"], table["metric"])
+            ],
+            "ΔHR@10 vs original": [f"{v:+.1f}%" for v in table["HR@10-change-%"]],
+            "AUC (LR)": [f"{v:.3f}" for v in table["logreg-auc"]],
+            "AUC (MLP)": [f"{v:.3f}" for v in table["mlp-auc"]],
+            "original AUC (LR / MLP)": [
+                f"{a:.3f} / {b:.3f}" for a, b in zip(table["original-logreg-auc"], table["original-mlp-auc"])
+            ],
+        }
+    )
+    atomic_write_text(
+        results / "protocol-check.md",
+        "# FedAU²: the SGD pull at eps 10 against age, validation vs test protocol (issue 14, sixth "
+        "session)\n\n"
+        f"Arm: `{arm}` and the original FedNCF on the validation seeds, trained with the test items' "
+        "protocol (`protocol-check`) and with the validation protocol (`select-eps`, "
+        "`holdout-validation = true`). A diagnostic after the eps choice: it chooses nothing.\n\n" + markdown(shown),
+    )
     return table
 
 

@@ -21,11 +21,11 @@ import pandas as pd
 import torch
 
 from experiments.common import save_figure
+from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.data import sample_train_negatives
 from fedrec_flwr.io import atomic_write_text
 from fedrec_flwr.local.losses import batch_loss
 from fedrec_flwr.models import build_model
-from fedrec_flwr.app.runtime import get_runtime
 
 VARIANTS: dict[str, tuple[str, dict]] = {
     "FedNCF": ("FedNCF", {}),
@@ -63,11 +63,19 @@ class LossProbe:
             its private state (``"<key>"`` -> ``(1, d)``). seed: fixes the negatives.
     """
 
-    def __init__(self, runtime, shared: dict[str, np.ndarray], private_rows: dict[int, dict[str, np.ndarray]], seed: int):
+    def __init__(
+        self, runtime, shared: dict[str, np.ndarray], private_rows: dict[int, dict[str, np.ndarray]], seed: int
+    ):
         cfg, split = runtime.config, runtime.split
         users = sorted(private_rows)
-        self.model = build_model(cfg.model, len(users), split.num_items, embedding_dim=cfg.embedding_dim,
-                                 mlp_layers=cfg.mlp_layer_sizes, seed=0)
+        self.model = build_model(
+            cfg.model,
+            len(users),
+            split.num_items,
+            embedding_dim=cfg.embedding_dim,
+            mlp_layers=cfg.mlp_layer_sizes,
+            seed=0,
+        )
         self.shared = {k: torch.as_tensor(v) for k, v in shared.items()}
         self.model.load_shared_state(self.shared)
         private = {k: np.concatenate([private_rows[u][k] for u in users]) for k in private_rows[users[0]]}
@@ -134,20 +142,36 @@ def run_landscape(dataset: str, seed: int, data_dir: str, results: Path) -> None
             for _ in range(NUM_DIRECTIONS):
                 d = filter_normalised_direction(probe.shared, generator)
                 increases.append(probe.loss({k: radius * v for k, v in d.items()}) - base)
-            rows.append({"dataset": dataset, "method": name, "radius": radius, "loss at theta*": round(base, 5),
-                         "mean loss increase": round(float(np.mean(increases)), 5),
-                         "std": round(float(np.std(increases, ddof=1)), 5), "users": len(private_rows)})
+            rows.append(
+                {
+                    "dataset": dataset,
+                    "method": name,
+                    "radius": radius,
+                    "loss at theta*": round(base, 5),
+                    "mean loss increase": round(float(np.mean(increases)), 5),
+                    "std": round(float(np.std(increases, ddof=1)), 5),
+                    "users": len(private_rows),
+                }
+            )
         atomic_write_text(cache, json.dumps({"surface": surface.tolist(), "radii": rows}))
         grids[name], radii_rows = surface, radii_rows + rows
     table = pd.DataFrame(radii_rows)
     atomic_write_text(results / f"landscape-{dataset}.csv", table.to_csv(index=False))
     from experiments.common import markdown
 
-    atomic_write_text(results / f"landscape-{dataset}.md",
-                      f"# Loss increase along random filter-normalised directions ({dataset}, {NUM_DIRECTIONS} "
-                      f"directions per radius)\n\n" + markdown(table))
-    long = pd.DataFrame([{"method": m, "alpha": a, "beta": b, "loss": grids[m][j, i]}
-                         for m in grids for j, b in enumerate(GRID) for i, a in enumerate(GRID)])
+    atomic_write_text(
+        results / f"landscape-{dataset}.md",
+        f"# Loss increase along random filter-normalised directions ({dataset}, {NUM_DIRECTIONS} "
+        f"directions per radius)\n\n" + markdown(table),
+    )
+    long = pd.DataFrame(
+        [
+            {"method": m, "alpha": a, "beta": b, "loss": grids[m][j, i]}
+            for m in grids
+            for j, b in enumerate(GRID)
+            for i, a in enumerate(GRID)
+        ]
+    )
     atomic_write_text(results / f"landscape-{dataset}-grid.csv", long.to_csv(index=False, float_format="%.6f"))
     _plots(dataset, grids, results)
 
@@ -165,15 +189,23 @@ def _plots(dataset: str, grids: dict[str, np.ndarray], results: Path) -> None:
     levels = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
     fig, axes = plt.subplots(1, len(grids), figsize=(5.0 * len(grids), 4.4))
     for axis, (method, surface) in zip(np.atleast_1d(axes), increases.items()):
-        contour = axis.contour(GRID, GRID, np.maximum(surface, 1e-6), levels=levels, cmap="viridis",
-                               norm=matplotlib.colors.LogNorm(levels[0], levels[-1]))
+        contour = axis.contour(
+            GRID,
+            GRID,
+            np.maximum(surface, 1e-6),
+            levels=levels,
+            cmap="viridis",
+            norm=matplotlib.colors.LogNorm(levels[0], levels[-1]),
+        )
         axis.clabel(contour, inline=True, fontsize=7, fmt="%g")
         axis.plot(0, 0, "r+", markersize=12)
         axis.set_title(f"{method}: loss increase")
         axis.set_xlabel("alpha (direction 1)")
         axis.set_ylabel("beta (direction 2)")
-    fig.suptitle(f"{dataset}: training-loss increase around the converged shared parameters "
-                 "(filter-normalised directions; same levels in every panel)")
+    fig.suptitle(
+        f"{dataset}: training-loss increase around the converged shared parameters "
+        "(filter-normalised directions; same levels in every panel)"
+    )
     save_figure(fig, results / f"landscape-{dataset}-contour.png")
     cap = 1.0
     fig = plt.figure(figsize=(5.0 * len(grids), 4.4))

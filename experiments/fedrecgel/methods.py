@@ -28,22 +28,51 @@ PROTOCOL = {
 
 METHODS: dict[str, dict] = {
     # FedMF (Chai et al. 2020) without encryption: private user vector, shared item table, dot product.
-    "FedMF": {"model": "mf", "client": "fedrec", "strategy": "item-fedavg", "optimizer": "adam",
-              "learning-rate": 0.01, "batch-size": 256},
+    "FedMF": {
+        "model": "mf",
+        "client": "fedrec",
+        "strategy": "item-fedavg",
+        "optimizer": "adam",
+        "learning-rate": 0.01,
+        "batch-size": 256,
+    },
     # FedNCF (Perifanis & Efraimidis 2022): NCF, FedAvg of the local updates (item rows averaged over their users).
-    "FedNCF": {"model": "ncf", "client": "fedrec", "strategy": "item-fedavg", "optimizer": "adam",
-               "learning-rate": 0.01, "batch-size": 256},
+    "FedNCF": {
+        "model": "ncf",
+        "client": "fedrec",
+        "strategy": "item-fedavg",
+        "optimizer": "adam",
+        "learning-rate": 0.01,
+        "batch-size": 256,
+    },
     # PFedRec (Zhang et al. 2023): its code's settings (SGD 0.1, item rate 0.1 * items * 80, batch 256, full-table
     # average of the item embedding over the round's clients), except the protocol's 10% of users per round (its
     # default is all users) and our initialisation (N(0, 0.01^2) items, Xavier score function; its code keeps
     # PyTorch's defaults, N(0, 1) items).
-    "PFedRec": {"model": "pfedrec", "client": "pfedrec", "strategy": "item-fedavg", "optimizer": "sgd",
-                "learning-rate": 0.1, "batch-size": 256, "item-aggregation": "selected"},
+    "PFedRec": {
+        "model": "pfedrec",
+        "client": "pfedrec",
+        "strategy": "item-fedavg",
+        "optimizer": "sgd",
+        "learning-rate": 0.1,
+        "batch-size": 256,
+        "item-aggregation": "selected",
+    },
     # FedRecGEL, faithful to its public code: one decoupled SAM step per round, private Adam 0.1, SAM gradient
     # upload, server Adam 0.001 with every selected user counted in every row.
-    "FedRecGEL": {"model": "ncf", "client": "fedrecgel", "strategy": "server-optimizer", "optimizer": "adam",
-                  "learning-rate": 0.1, "batch-size": 128, "rho-shared": 0.05, "rho-private": 0.05,
-                  "server-optimizer": "adam", "server-learning-rate": 0.001, "item-aggregation": "selected"},
+    "FedRecGEL": {
+        "model": "ncf",
+        "client": "fedrecgel",
+        "strategy": "server-optimizer",
+        "optimizer": "adam",
+        "learning-rate": 0.1,
+        "batch-size": 128,
+        "rho-shared": 0.05,
+        "rho-private": 0.05,
+        "server-optimizer": "adam",
+        "server-learning-rate": 0.001,
+        "item-aggregation": "selected",
+    },
 }
 
 ABLATIONS: dict[str, dict] = {

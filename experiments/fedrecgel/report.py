@@ -18,7 +18,16 @@ from experiments.fedrecgel.methods import ABLATIONS, DATASETS, METHODS
 from fedrec_flwr.io import atomic_write_text
 
 METRICS = ("HR@5", "NDCG@5", "HR@10", "NDCG@10", "HR@20", "NDCG@20")
-DATASET_COLUMNS = ["dataset", "users", "items", "interactions", "per user", "density", "users/items", "popularity HR@10"]
+DATASET_COLUMNS = [
+    "dataset",
+    "users",
+    "items",
+    "interactions",
+    "per user",
+    "density",
+    "users/items",
+    "popularity HR@10",
+]
 
 
 def load_runs(folder: Path) -> pd.DataFrame:
@@ -29,8 +38,12 @@ def load_runs(folder: Path) -> pd.DataFrame:
         summary = json.loads(summary_path.read_text())
         config = json.loads((summary_path.parent / "config.json").read_text())["run-config"]
         name = summary_path.parent.name
-        row = {"dataset": summary_path.parent.parent.name, "run": name.rsplit("-seed", 1)[0],
-               "seed": config["seed"], "seconds": summary.get("total-seconds")}
+        row = {
+            "dataset": summary_path.parent.parent.name,
+            "run": name.rsplit("-seed", 1)[0],
+            "seed": config["seed"],
+            "seconds": summary.get("total-seconds"),
+        }
         row.update({m: summary["final"].get(m) for m in METRICS})
         selected = summary.get("selected-on-validation") or {}
         row.update({f"sel-{m}": selected.get(m) for m in METRICS})
@@ -42,9 +55,9 @@ def load_runs(folder: Path) -> pd.DataFrame:
 def dataset_stats(data_dir: str) -> pd.DataFrame:
     """Statistics of each dataset after cleaning (the split the experiments use, seed 0)."""
     from experiments.fedrecgel.methods import PROTOCOL
+    from fedrec_flwr.app.runtime import load_split_for
     from fedrec_flwr.baselines import evaluate_popularity
     from fedrec_flwr.config import make_run_config
-    from fedrec_flwr.app.runtime import load_split_for
 
     rows = []
     for dataset in DATASETS:
@@ -54,11 +67,19 @@ def dataset_stats(data_dir: str) -> pd.DataFrame:
         split = load_split_for(make_run_config(**overrides))
         stats = split.stats()
         popularity = evaluate_popularity(split, (5, 10, 20))
-        rows.append({"dataset": dataset, "users": stats["users"], "items": stats["items"],
-                     "interactions": stats["interactions"], "per user": round(stats["avg_interactions_per_user"], 1),
-                     "density": round(stats["density"], 5), "users/items": round(stats["users"] / stats["items"], 3),
-                     "popularity HR@10": round(popularity["HR@10"], 4),
-                     **{f"popularity {m}": popularity[m] for m in METRICS if m != "HR@10"}})
+        rows.append(
+            {
+                "dataset": dataset,
+                "users": stats["users"],
+                "items": stats["items"],
+                "interactions": stats["interactions"],
+                "per user": round(stats["avg_interactions_per_user"], 1),
+                "density": round(stats["density"], 5),
+                "users/items": round(stats["users"] / stats["items"], 3),
+                "popularity HR@10": round(popularity["HR@10"], 4),
+                **{f"popularity {m}": popularity[m] for m in METRICS if m != "HR@10"},
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -70,29 +91,51 @@ def main_table(results: Path, stats: pd.DataFrame | None) -> pd.DataFrame | None
     summary = mean_std(runs, ["dataset", "method"], [*METRICS, *(f"sel-{m}" for m in METRICS)])
     write_csv(summary, results / "main.csv")
     order = {d: i for i, d in enumerate(DATASETS)}
-    summary = summary.sort_values(by=["dataset", "method"], key=lambda s: s.map(order).fillna(s.map(
-        {m: i for i, m in enumerate(METHODS)})) if s.name == "dataset" else s.map({m: i for i, m in enumerate(METHODS)}))
+    summary = summary.sort_values(
+        by=["dataset", "method"],
+        key=lambda s: (
+            s.map(order).fillna(s.map({m: i for i, m in enumerate(METHODS)}))
+            if s.name == "dataset"
+            else s.map({m: i for i, m in enumerate(METHODS)})
+        ),
+    )
     text = ["# FedRecGEL Table 2 design: last round (100), mean ± std over seeds (no ± with one seed)\n"]
-    table = pd.DataFrame({
-        "dataset": summary["dataset"], "method": summary["method"], "seeds": summary["seeds"],
-        **{m: [fmt(a, b) for a, b in zip(summary[f"{m}-mean"], summary[f"{m}-std"])] for m in METRICS},
-    })
+    table = pd.DataFrame(
+        {
+            "dataset": summary["dataset"],
+            "method": summary["method"],
+            "seeds": summary["seeds"],
+            **{m: [fmt(a, b) for a, b in zip(summary[f"{m}-mean"], summary[f"{m}-std"])] for m in METRICS},
+        }
+    )
     if stats is not None:  # the non-federated popularity ranking: the floor every method should beat
         floor = stats.set_index("dataset")
         rows = []
         for dataset in table["dataset"].unique():
             if dataset in floor.index:
-                rows.append({"dataset": dataset, "method": "(popularity)", "seeds": "-",
-                             **{m: f"{floor.loc[dataset, f'popularity {m}']:.4f}" for m in METRICS}})
+                rows.append(
+                    {
+                        "dataset": dataset,
+                        "method": "(popularity)",
+                        "seeds": "-",
+                        **{m: f"{floor.loc[dataset, f'popularity {m}']:.4f}" for m in METRICS},
+                    }
+                )
         table = pd.concat([table, pd.DataFrame(rows)], ignore_index=True)
         order = {d: i for i, d in enumerate(DATASETS)}
         table = table.sort_values("dataset", key=lambda c: c.map(order), kind="stable")
     text.append(markdown(table))
     text.append("\n# Test metrics at the round chosen on the validation item (best validation HR@10)\n")
-    sel = pd.DataFrame({
-        "dataset": summary["dataset"], "method": summary["method"],
-        **{m: [fmt(a, b) for a, b in zip(summary[f"sel-{m}-mean"], summary[f"sel-{m}-std"])] for m in ("HR@10", "NDCG@10")},
-    })
+    sel = pd.DataFrame(
+        {
+            "dataset": summary["dataset"],
+            "method": summary["method"],
+            **{
+                m: [fmt(a, b) for a, b in zip(summary[f"sel-{m}-mean"], summary[f"sel-{m}-std"])]
+                for m in ("HR@10", "NDCG@10")
+            },
+        }
+    )
     text.append(markdown(sel))
     gains = []
     for dataset, part in summary.groupby("dataset"):
@@ -106,16 +149,24 @@ def main_table(results: Path, stats: pd.DataFrame | None) -> pd.DataFrame | None
         ratio = None
         if stats is not None and dataset in set(stats["dataset"]):
             ratio = float(stats.set_index("dataset").loc[dataset, "users/items"])
-        gains.append({"dataset": dataset, "users/items": ratio, "best baseline": best,
-                      "FedRecGEL HR@10": round(by.loc["FedRecGEL", "HR@10-mean"], 4),
-                      "best baseline HR@10": round(others.loc[best, "HR@10-mean"], 4),
-                      "difference": round(by.loc["FedRecGEL", "HR@10-mean"] - others.loc[best, "HR@10-mean"], 4)})
+        gains.append(
+            {
+                "dataset": dataset,
+                "users/items": ratio,
+                "best baseline": best,
+                "FedRecGEL HR@10": round(by.loc["FedRecGEL", "HR@10-mean"], 4),
+                "best baseline HR@10": round(others.loc[best, "HR@10-mean"], 4),
+                "difference": round(by.loc["FedRecGEL", "HR@10-mean"] - others.loc[best, "HR@10-mean"], 4),
+            }
+        )
     if gains:
         text.append("\n# FedRecGEL minus the best baseline (HR@10, last round), against the user-to-item ratio\n")
         text.append(markdown(pd.DataFrame(gains).sort_values("users/items")))
-    unfinished = sorted(str(p.parent.relative_to(results / "runs" / "main"))
-                        for p in (results / "runs" / "main").glob("*/*/config.json")
-                        if not (p.parent / "summary.json").is_file())
+    unfinished = sorted(
+        str(p.parent.relative_to(results / "runs" / "main"))
+        for p in (results / "runs" / "main").glob("*/*/config.json")
+        if not (p.parent / "summary.json").is_file()
+    )
     if unfinished:
         text.append("\nNot finished (left out above): " + ", ".join(unfinished) + "\n")
     if stats is not None:
@@ -133,19 +184,29 @@ def ablation_table(results: Path) -> None:
     runs["variant"] = runs["run"].map(names).fillna(runs["run"])
     main = load_runs(results / "runs" / "main")  # the full FedRecGEL variant is the main table's run
     if not main.empty:
-        full = main[(main["run"] == "fedrecgel") & main["dataset"].isin(runs["dataset"]) & main["seed"].isin(runs["seed"])]
+        full = main[
+            (main["run"] == "fedrecgel") & main["dataset"].isin(runs["dataset"]) & main["seed"].isin(runs["seed"])
+        ]
         runs = pd.concat([full.assign(variant="FedRecGEL"), runs], ignore_index=True)
     summary = mean_std(runs, ["dataset", "variant"], [*METRICS, "sel-HR@10", "sel-NDCG@10"])
     rank = {v: i for i, v in enumerate(ABLATIONS)}
     summary = summary.sort_values(["dataset", "variant"], key=lambda c: c.map(rank) if c.name == "variant" else c)
     write_csv(summary, results / "ablation.csv")
-    table = pd.DataFrame({
-        "dataset": summary["dataset"], "variant": summary["variant"], "seeds": summary["seeds"],
-        **{m: [fmt(a, b) for a, b in zip(summary[f"{m}-mean"], summary[f"{m}-std"])]
-           for m in ("HR@10", "NDCG@10", "sel-HR@10", "sel-NDCG@10")},
-    })
-    atomic_write_text(results / "ablation.md", "# Ablation (Table 3): last round; sel- = round chosen on validation\n\n"
-                      + markdown(table))
+    table = pd.DataFrame(
+        {
+            "dataset": summary["dataset"],
+            "variant": summary["variant"],
+            "seeds": summary["seeds"],
+            **{
+                m: [fmt(a, b) for a, b in zip(summary[f"{m}-mean"], summary[f"{m}-std"])]
+                for m in ("HR@10", "NDCG@10", "sel-HR@10", "sel-NDCG@10")
+            },
+        }
+    )
+    atomic_write_text(
+        results / "ablation.md",
+        "# Ablation (Table 3): last round; sel- = round chosen on validation\n\n" + markdown(table),
+    )
 
 
 def sensitivity(results: Path) -> None:
@@ -167,8 +228,14 @@ def sensitivity(results: Path) -> None:
             for parameter, marker in (("rho-shared", "o"), ("rho-private", "s")):
                 sub = part[part["parameter"] == parameter]
                 x = np.arange(len(sub))
-                axis.errorbar(x, sub[f"{metric}-mean"], yerr=sub[f"{metric}-std"].fillna(0), marker=marker,
-                              capsize=3, label=f"{parameter} varied")
+                axis.errorbar(
+                    x,
+                    sub[f"{metric}-mean"],
+                    yerr=sub[f"{metric}-std"].fillna(0),
+                    marker=marker,
+                    capsize=3,
+                    label=f"{parameter} varied",
+                )
                 axis.set_xticks(x, [f"{r:g}" for r in sub["rho"]])
             axis.set_xlabel("rho (the other at 0.05); server learning rate 0.01")
             axis.set_ylabel(f"{metric} (round 100)")

@@ -30,8 +30,15 @@ RUNS = RESULTS / "runs"
 
 def run_config(dataset: str, method: str, seed: int, data_dir: str, folder: Path, name: str, **extra):
     """The validated run config of one job."""
-    overrides = {**PROTOCOL, **METHODS[method], **extra, "dataset": dataset, "seed": seed,
-                 "results-dir": str(folder), "run-name": name}
+    overrides = {
+        **PROTOCOL,
+        **METHODS[method],
+        **extra,
+        "dataset": dataset,
+        "seed": seed,
+        "results-dir": str(folder),
+        "run-name": name,
+    }
     if data_dir:
         overrides["data-dir"] = str(Path(data_dir) / dataset)
     return make_run_config(**overrides)
@@ -49,8 +56,12 @@ def run_job(config) -> Path:
 
 
 def jobs_main(args) -> list:
-    return [run_config(d, m, s, args.data_dir, RUNS / "main" / d, f"{slug(m)}-seed{s}")
-            for s in args.seeds for d in args.datasets for m in args.methods]
+    return [
+        run_config(d, m, s, args.data_dir, RUNS / "main" / d, f"{slug(m)}-seed{s}")
+        for s in args.seeds
+        for d in args.datasets
+        for m in args.methods
+    ]
 
 
 def jobs_ablation(args) -> list:
@@ -59,8 +70,13 @@ def jobs_ablation(args) -> list:
     unknown = sorted(set(variants) - set(ABLATIONS))
     if unknown:
         raise SystemExit(f"unknown --variants {unknown}; known: {list(ABLATIONS)}")
-    return [run_config(d, "FedRecGEL", s, args.data_dir, RUNS / "ablation" / d, f"{slug(v)}-seed{s}", **ABLATIONS[v])
-            for s in args.seeds for d in args.datasets for v in variants if ABLATIONS[v]]
+    return [
+        run_config(d, "FedRecGEL", s, args.data_dir, RUNS / "ablation" / d, f"{slug(v)}-seed{s}", **ABLATIONS[v])
+        for s in args.seeds
+        for d in args.datasets
+        for v in variants
+        if ABLATIONS[v]
+    ]
 
 
 def jobs_sensitivity(args) -> list:
@@ -72,27 +88,46 @@ def jobs_sensitivity(args) -> list:
     jobs = []
     for s in args.seeds:
         for d in args.datasets:
-            jobs.append(run_config(d, "FedRecGEL", s, args.data_dir, RUNS / "sensitivity" / d, f"default-seed{s}",
-                                   **SENSITIVITY_BASE))
+            jobs.append(
+                run_config(
+                    d, "FedRecGEL", s, args.data_dir, RUNS / "sensitivity" / d, f"default-seed{s}", **SENSITIVITY_BASE
+                )
+            )
             for rho in order:
                 for key in ("rho-shared", "rho-private"):
                     if rho == METHODS["FedRecGEL"][key]:
                         continue
-                    jobs.append(run_config(d, "FedRecGEL", s, args.data_dir, RUNS / "sensitivity" / d,
-                                           f"{key}-{rho:g}-seed{s}", **SENSITIVITY_BASE, **{key: rho}))
+                    jobs.append(
+                        run_config(
+                            d,
+                            "FedRecGEL",
+                            s,
+                            args.data_dir,
+                            RUNS / "sensitivity" / d,
+                            f"{key}-{rho:g}-seed{s}",
+                            **SENSITIVITY_BASE,
+                            **{key: rho},
+                        )
+                    )
     return jobs
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("main", "ablation", "sensitivity", "landscape", "report"))
-    parser.add_argument("--datasets", nargs="+", default=None, help=f"default: all of {DATASETS} (main), ml-100k otherwise")
+    parser.add_argument(
+        "--datasets", nargs="+", default=None, help=f"default: all of {DATASETS} (main), ml-100k otherwise"
+    )
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="default: 0 1 2")
-    parser.add_argument("--variants", nargs="+", default=None, help="ablation: run only these variants (names as in "
-                        "methods.ABLATIONS)")
-    parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""),
-                        help="folder holding <dataset>/ folders (default $FEDREC_DATA_DIR; empty = download)")
+    parser.add_argument(
+        "--variants", nargs="+", default=None, help="ablation: run only these variants (names as in methods.ABLATIONS)"
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=os.environ.get("FEDREC_DATA_DIR", ""),
+        help="folder holding <dataset>/ folders (default $FEDREC_DATA_DIR; empty = download)",
+    )
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job starting at i")
     args = parser.parse_args(argv)
     if args.datasets is None:
@@ -111,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     jobs = {"main": jobs_main, "ablation": jobs_ablation, "sensitivity": jobs_sensitivity}[args.command](args)
     run_jobs(jobs, run_job, args.shard, args.command)
+
 
 if __name__ == "__main__":
     main(sys.argv[1:])

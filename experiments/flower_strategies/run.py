@@ -80,12 +80,24 @@ def runs_folder(rounds: int) -> Path:
     return RESULTS / ("runs" if rounds == ROUNDS else f"runs-{rounds}r")
 
 
-def config_for(dataset: str, model: str, arm: tuple[str, str], seed: int, folder: Path, data_dir: str, rounds: int,
-               **extra):
-    overrides = {**PROTOCOL, **MODELS[model], "dataset": dataset, "seed": seed, "users-per-node": 1,
-                 "num-server-rounds": rounds, "eval-every": rounds,
-                 "strategy": arm[0], "strategy-args": arm[1], "results-dir": str(folder.parent),
-                 "run-name": folder.name, **(arm[2] if len(arm) > 2 else {}), **extra}
+def config_for(
+    dataset: str, model: str, arm: tuple[str, str], seed: int, folder: Path, data_dir: str, rounds: int, **extra
+):
+    overrides = {
+        **PROTOCOL,
+        **MODELS[model],
+        "dataset": dataset,
+        "seed": seed,
+        "users-per-node": 1,
+        "num-server-rounds": rounds,
+        "eval-every": rounds,
+        "strategy": arm[0],
+        "strategy-args": arm[1],
+        "results-dir": str(folder.parent),
+        "run-name": folder.name,
+        **(arm[2] if len(arm) > 2 else {}),
+        **extra,
+    }
     if data_dir and dataset != "generic":
         overrides["data-dir"] = str(Path(data_dir) / dataset)
     return make_run_config(**overrides)
@@ -138,12 +150,19 @@ def train(config, out: Path, at_end=None) -> None:
         rows = json.loads((out / "metrics.json").read_text())
         last = [r for r in rows if "HR@10" in r][-1]
         replies = sum(r.get("num-replies", 0) for r in rows)
-        atomic_write_json(out / "measures.json", {
-            "HR@10": last["HR@10"], "NDCG@10": last["NDCG@10"],
-            "seconds-per-round": float(np.mean([r["train-seconds"] for r in rows])),
-            "sent-bytes-per-round": counter.sent / len(rows), "received-bytes-per-round": counter.received / len(rows),
-            "dense-reply-bytes-per-round": dense_bytes * replies / len(rows),
-            "replies-per-round": replies / len(rows), **extra})
+        atomic_write_json(
+            out / "measures.json",
+            {
+                "HR@10": last["HR@10"],
+                "NDCG@10": last["NDCG@10"],
+                "seconds-per-round": float(np.mean([r["train-seconds"] for r in rows])),
+                "sent-bytes-per-round": counter.sent / len(rows),
+                "received-bytes-per-round": counter.received / len(rows),
+                "dense-reply-bytes-per-round": dense_bytes * replies / len(rows),
+                "replies-per-round": replies / len(rows),
+                **extra,
+            },
+        )
 
 
 def run_job(job) -> None:
@@ -163,8 +182,17 @@ def run_poison(model: str, arm: str, seed: int, data_dir: str, rounds: int) -> N
 
     path, target_raw = poisoned_data("ml-100k", data_dir, POISON_FAKES, 0, CACHE)
     out = runs_folder(rounds) / "poison" / model / arm / f"seed-{seed}"
-    config = config_for("generic", model, POISON_ARMS[arm], seed, out, data_dir, rounds, generic_file=str(path),
-                        generic_columns="user,item,rating,timestamp")
+    config = config_for(
+        "generic",
+        model,
+        POISON_ARMS[arm],
+        seed,
+        out,
+        data_dir,
+        rounds,
+        generic_file=str(path),
+        generic_columns="user,item,rating,timestamp",
+    )
     split = get_runtime(config.to_dict()).split
     fakes = np.array([int(u) >= FAKE_USER_BASE for u in split.user_ids])
     genuine = np.flatnonzero(~fakes).astype(np.int64)
@@ -175,8 +203,13 @@ def run_poison(model: str, arm: str, seed: int, data_dir: str, rounds: int) -> N
         arrays = {k: v.numpy() for k, v in view.arrays.items()}
         metrics = view.strategy.evaluate_arrays(view.grid, view.arrays, view.server_round, users=genuine)
         seen = exposure(runtime, private_records(view.grid, genuine), arrays, genuine, target)
-        return {"genuine-HR@10": metrics.get("HR@10"), "genuine-NDCG@10": metrics.get("NDCG@10"), **seen,
-                "target-item": target, "fake-users": int(fakes.sum())}
+        return {
+            "genuine-HR@10": metrics.get("HR@10"),
+            "genuine-NDCG@10": metrics.get("NDCG@10"),
+            **seen,
+            "target-item": target,
+            "fake-users": int(fakes.sum()),
+        }
 
     train(config, out, at_end)
 
@@ -219,11 +252,21 @@ def _summarise(frame: pd.DataFrame, keys: list[str], columns: dict[str, str], or
     return table.sort_values([*keys[:-1], "_order"]).drop(columns=[c for c in table if c.startswith("_")])
 
 
-MAIN_COLUMNS = {"HR@10": "HR@10", "NDCG@10": "NDCG@10", "seconds-per-round": "s/round",
-                "sent-bytes-per-round": "MB sent/round", "received-bytes-per-round": "MB received/round",
-                "dense-reply-bytes-per-round": "MB of dense replies (server memory)/round"}
-POISON_COLUMNS = {"exposure": "exposure", "target-percentile": "target percentile", "genuine-HR@10": "HR@10 (genuine)",
-                  "genuine-NDCG@10": "NDCG@10 (genuine)", "seconds-per-round": "s/round"}
+MAIN_COLUMNS = {
+    "HR@10": "HR@10",
+    "NDCG@10": "NDCG@10",
+    "seconds-per-round": "s/round",
+    "sent-bytes-per-round": "MB sent/round",
+    "received-bytes-per-round": "MB received/round",
+    "dense-reply-bytes-per-round": "MB of dense replies (server memory)/round",
+}
+POISON_COLUMNS = {
+    "exposure": "exposure",
+    "target-percentile": "target percentile",
+    "genuine-HR@10": "HR@10 (genuine)",
+    "genuine-NDCG@10": "NDCG@10 (genuine)",
+    "seconds-per-round": "s/round",
+}
 
 
 def report(rounds: int = ROUNDS) -> None:
@@ -238,23 +281,29 @@ def report(rounds: int = ROUNDS) -> None:
     tag = "" if rounds == ROUNDS else f"-{rounds}r"
     main = frame[frame["dataset"] != "poison"]
     poison = frame[frame["dataset"] == "poison"]
-    note = (f"{rounds} rounds. Generated by `python -m experiments.flower_strategies.run --rounds {rounds}` (see its "
-            "docstring for the protocol). Mean ± "
-            "std over the seeds listed; bytes are array payloads per training round (sent: the full shared arrays "
-            "to each sampled user; received: the row-sparse replies; dense replies: what the adapter expands them to "
-            "in the server's memory). MB = 10^6 bytes.\n\n")
+    note = (
+        f"{rounds} rounds. Generated by `python -m experiments.flower_strategies.run --rounds {rounds}` (see its "
+        "docstring for the protocol). Mean ± "
+        "std over the seeds listed; bytes are array payloads per training round (sent: the full shared arrays "
+        "to each sampled user; received: the row-sparse replies; dense replies: what the adapter expands them to "
+        "in the server's memory). MB = 10^6 bytes.\n\n"
+    )
     if not main.empty:
         table = _summarise(main, ["dataset", "model", "strategy"], MAIN_COLUMNS, list(ARMS))
         write_csv(table, RESULTS / f"table{tag}.csv")
-        atomic_write_text(RESULTS / f"table{tag}.md", "# Flower strategies through the adapter\n\n" + note + markdown(table))
+        atomic_write_text(
+            RESULTS / f"table{tag}.md", "# Flower strategies through the adapter\n\n" + note + markdown(table)
+        )
     if not poison.empty:
         table = _summarise(poison, ["model", "strategy"], POISON_COLUMNS, list(POISON_ARMS))
         write_csv(table, RESULTS / f"poison{tag}.csv")
-        atomic_write_text(RESULTS / f"poison{tag}.md", "# Poisoning: 100 fake users promote one item (ML-100K)\n\n"
-                          "Exposure: share of genuine users who never rated the target with it in their top 10 of the "
-                          "items they never rated; target percentile: the mean share of those items it outscores "
-                          "(0.5 = an average item). HR@10 / NDCG@10 on the genuine users.\n\n" + note
-                          + markdown(table))
+        atomic_write_text(
+            RESULTS / f"poison{tag}.md",
+            "# Poisoning: 100 fake users promote one item (ML-100K)\n\n"
+            "Exposure: share of genuine users who never rated the target with it in their top 10 of the "
+            "items they never rated; target percentile: the mean share of those items it outscores "
+            "(0.5 = an average item). HR@10 / NDCG@10 on the genuine users.\n\n" + note + markdown(table),
+        )
 
 
 def jobs(seeds: list[int], data_dir: str, rounds: int = ROUNDS, arms: Iterable[str] | None = None) -> list[tuple]:
@@ -282,8 +331,12 @@ def main(argv=None) -> None:
     if not args.report_only:
         quiet_flower()
         arms = set(args.arms.split(",")) if args.arms else None
-        run_jobs(jobs([int(s) for s in args.seeds.split(",")], args.data_dir, args.rounds, arms), run_job, args.shard,
-                 "flower strategies")
+        run_jobs(
+            jobs([int(s) for s in args.seeds.split(",")], args.data_dir, args.rounds, arms),
+            run_job,
+            args.shard,
+            "flower strategies",
+        )
     report(args.rounds)
 
 

@@ -11,9 +11,9 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, RecordDict
 from scipy.special import log_softmax
 
-from fedrec_flwr.clients.fedrec import STATE_PREFIX
-from fedrec_flwr.attacks import membership_auc, nonmember_items
 from fedrec_flwr.app.client_app import make_client
+from fedrec_flwr.attacks import membership_auc, nonmember_items
+from fedrec_flwr.clients.fedrec import STATE_PREFIX
 from fedrec_flwr.local.training import score_candidates
 
 
@@ -28,16 +28,18 @@ def private_records(grid, users) -> dict[int, ArrayRecord]:
     return out
 
 
-def scores(runtime, records: Mapping[int, ArrayRecord], arrays: Mapping[str, np.ndarray], items: Mapping[int, np.ndarray]
-           ) -> dict[int, np.ndarray]:
+def scores(
+    runtime, records: Mapping[int, ArrayRecord], arrays: Mapping[str, np.ndarray], items: Mapping[int, np.ndarray]
+) -> dict[int, np.ndarray]:
     """User -> logits of ``items[user]`` under shared ``arrays`` and the user's private ``records[user]`` (a user
     without a record, i.e. never trained, gets its initial embedding)."""
     shared = {k: np.asarray(v) for k, v in arrays.items()}
     out = {}
     for user, wanted in items.items():
         state = RecordDict({f"{STATE_PREFIX}{user}": records[user]} if user in records else {})
-        client = make_client(runtime, int(user), Context(run_id=0, node_id=0, node_config={}, state=state,
-                                                         run_config={}))
+        client = make_client(
+            runtime, int(user), Context(run_id=0, node_id=0, node_config={}, state=state, run_config={})
+        )
         client.load_shared(shared)
         client.load_private()
         out[user] = score_candidates(runtime.model, np.array([0]), np.asarray(wanted)[None, :])[0]
@@ -60,8 +62,10 @@ def mean_kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
 
 def parameter_gap(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> float:
     """``||theta - theta_ref|| / ||theta_ref||`` over all shared parameters."""
-    diff = sum(float(np.sum((np.asarray(arrays[k], np.float64) - np.asarray(reference[k], np.float64)) ** 2))
-               for k in reference)
+    diff = sum(
+        float(np.sum((np.asarray(arrays[k], np.float64) - np.asarray(reference[k], np.float64)) ** 2))
+        for k in reference
+    )
     return float(np.sqrt(diff / sum(float(np.sum(np.asarray(v, np.float64) ** 2)) for v in reference.values())))
 
 
@@ -96,5 +100,7 @@ def exposure(runtime, records, arrays, users, target: int, k: int = 10) -> dict[
         top = np.argpartition(-got, k)[:k]
         hits += int(target in top)
         percentiles.append(float(np.mean(got[candidates] < got[target])))
-    return {"exposure": hits / max(len(percentiles), 1),
-            "target-percentile": float(np.mean(percentiles)) if percentiles else float("nan")}
+    return {
+        "exposure": hits / max(len(percentiles), 1),
+        "target-percentile": float(np.mean(percentiles)) if percentiles else float("nan"),
+    }

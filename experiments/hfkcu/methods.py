@@ -38,8 +38,12 @@ forget_set`'s seeded stream."""
 VARIANTS = {
     "HF-KCU distributed CG": {"method": "hfkcu", "krylov_mode": "distributed"},
     "HF-KCU local CG (Alg. 1)": {"method": "hfkcu", "krylov_mode": "local"},
-    "HF-KCU distributed, eta=1 (Newton)": {"method": "hfkcu", "krylov_mode": "distributed", "scale": 1.0,
-                                           "adaptive_scale": False},
+    "HF-KCU distributed, eta=1 (Newton)": {
+        "method": "hfkcu",
+        "krylov_mode": "distributed",
+        "scale": 1.0,
+        "adaptive_scale": False,
+    },
     "gradient ascent": {"method": "gradient-ascent"},
     "continued training (5 rounds)": {"method": "continue"},
 }

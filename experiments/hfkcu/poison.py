@@ -41,7 +41,12 @@ VARIANTS = {
     "HF-KCU distributed (default)": {"method": "hfkcu", "krylov_mode": "distributed"},
     "HF-KCU local (Alg. 1)": {"method": "hfkcu", "krylov_mode": "local"},
     "HF-KCU distributed, issue-6 arm (CG, Hessian, eta 0.01)": {
-        "method": "hfkcu", "krylov_solver": "cg", "curvature": "hessian", "scale": 0.01, "adaptive_scale": True},
+        "method": "hfkcu",
+        "krylov_solver": "cg",
+        "curvature": "hessian",
+        "scale": 0.01,
+        "adaptive_scale": True,
+    },
     "HF-KCU distributed, line search on L_R": {"method": "hfkcu", "line_search": "remaining-loss"},
     "HF-KCU distributed, membership margin": {"method": "hfkcu", "line_search": "membership-margin"},
     "gradient ascent": {"method": "gradient-ascent"},
@@ -54,8 +59,15 @@ to the saved trained federation by :func:`replay` (identical results: the phases
 IN_RUN = {k: v for k, v in VARIANTS.items() if v["method"] == "continue"}
 REPLAYED = {k: v for k, v in VARIANTS.items() if v["method"] != "continue"}
 
-NEWTON = {"HF-KCU Newton (CG, Hessian, eta 1, no cap)": {
-    "method": "hfkcu", "krylov_solver": "cg", "curvature": "hessian", "scale": 1.0, "adaptive_scale": False}}
+NEWTON = {
+    "HF-KCU Newton (CG, Hessian, eta 1, no cap)": {
+        "method": "hfkcu",
+        "krylov_solver": "cg",
+        "curvature": "hessian",
+        "scale": 1.0,
+        "adaptive_scale": False,
+    }
+}
 """The full Newton step of issue 6, replayed on ML-100K FedMF seed 0 only (it overshoots to percentile 0 there and
 on the development setting; left out elsewhere to save the machine's time)."""
 
@@ -72,8 +84,10 @@ def _sweep() -> dict:
     return out
 
 
-DEV_REFINE = {f"steihaug GN radius {radius}": {"method": "hfkcu", "scale": 1.0, "adaptive_scale": False,
-                                               "trust_radius": radius} for radius in (0.0125, 0.015, 0.0175)}
+DEV_REFINE = {
+    f"steihaug GN radius {radius}": {"method": "hfkcu", "scale": 1.0, "adaptive_scale": False, "trust_radius": radius}
+    for radius in (0.0125, 0.015, 0.0175)
+}
 """The third development sweep (``sweep-3``): the radius between 0.01 (percentile 0.587) and 0.02 (0.227)."""
 
 
@@ -91,12 +105,20 @@ meaning only on average over the touched rows, so the Euclidean default 0.015 ne
 
 def _preconditioned() -> dict:
     out = {"steihaug GN euclidean radius 0.015 (default)": {"method": "hfkcu"}}
-    out.update({f"steihaug GN euclidean radius {radius}": {"method": "hfkcu", "trust_radius": radius}
-                for radius in PRECONDITIONED_RADII if radius != 0.015})
+    out.update(
+        {
+            f"steihaug GN euclidean radius {radius}": {"method": "hfkcu", "trust_radius": radius}
+            for radius in PRECONDITIONED_RADII
+            if radius != 0.015
+        }
+    )
     for kind in ("diagonal", "row"):
         for radius in PRECONDITIONED_RADII:
-            out[f"steihaug GN {kind} radius {radius}"] = {"method": "hfkcu", "preconditioner": kind,
-                                                          "trust_radius": radius}
+            out[f"steihaug GN {kind} radius {radius}"] = {
+                "method": "hfkcu",
+                "preconditioner": kind,
+                "trust_radius": radius,
+            }
     return out
 
 
@@ -125,11 +147,13 @@ def poisoned_data(dataset: str, data_dir: str, fakes: int, target_seed: int, cac
     """
     root = Path(data_dir or os.environ.get("FEDREC_DATA_DIR", ""))
     if dataset == "ml-100k":
-        frame = pd.read_csv(root / "ml-100k" / "u.data", sep="\t", header=None,
-                            names=["user", "item", "rating", "timestamp"])
+        frame = pd.read_csv(
+            root / "ml-100k" / "u.data", sep="\t", header=None, names=["user", "item", "rating", "timestamp"]
+        )
     elif dataset == "filmtrust":
-        frame = pd.read_csv(root / "filmtrust" / "ratings.txt", sep=r"\s+", header=None,
-                            names=["user", "item", "rating"])
+        frame = pd.read_csv(
+            root / "filmtrust" / "ratings.txt", sep=r"\s+", header=None, names=["user", "item", "rating"]
+        )
         frame["timestamp"] = np.arange(len(frame), dtype=np.int64)
     else:
         raise ValueError(f"poisoned_data: dataset must be ml-100k or filmtrust, got {dataset!r}")
@@ -137,7 +161,7 @@ def poisoned_data(dataset: str, data_dir: str, fakes: int, target_seed: int, cac
     rng = np.random.default_rng([target_seed, 0x504F])
     unpopular = np.sort(popularity[(popularity >= 5) & (popularity <= 10)].index.to_numpy())
     target = unpopular[int(rng.integers(unpopular.size))]
-    fillers = [i for i in popularity.index[:FILLER_ITEMS + 1] if i != target][:FILLER_ITEMS]
+    fillers = [i for i in popularity.index[: FILLER_ITEMS + 1] if i != target][:FILLER_ITEMS]
     start = int(frame["timestamp"].max()) + 1
     rows = []
     for k in range(fakes):
@@ -151,8 +175,19 @@ def poisoned_data(dataset: str, data_dir: str, fakes: int, target_seed: int, cac
     return path, str(target)
 
 
-def run_setting(dataset: str, model: str, fakes: int, seed: int, kind: str, *, data_dir: str, runs: Path,
-                cache: Path, target_seed: int = 0, variants: dict | None = None) -> None:
+def run_setting(
+    dataset: str,
+    model: str,
+    fakes: int,
+    seed: int,
+    kind: str,
+    *,
+    data_dir: str,
+    runs: Path,
+    cache: Path,
+    target_seed: int = 0,
+    variants: dict | None = None,
+) -> None:
     """Train one poisoned setting's ``kind`` (``"original"`` with its phases, or ``"retrain"``) unless done."""
     from experiments.hfkcu.run import base_config, retrain_end, run_phases, train_then
     from fedrec_flwr.app.runtime import get_runtime
@@ -170,19 +205,46 @@ def run_setting(dataset: str, model: str, fakes: int, seed: int, kind: str, *, d
 
         def at_end(view, train_seconds: float) -> None:
             save_snapshot(view, snapshot_path(cache, dataset, model, fakes, seed, target_seed))
-            rows = run_phases(view, runtime, {"fake users": fake_users}, lambda _: IN_RUN if variants is None else variants, out,
-                              poison_target=target)
-            atomic_write_json(out / "phase.json", {
-                "train-seconds": train_seconds, "rows": rows, "target-item": target, "target-raw-id": target_raw,
-                "fake-users": fake_users.tolist(), "dataset": dataset, "model": model, "fakes": fakes, "seed": seed,
-                "target-seed": target_seed, "rounds": ROUNDS})
+            rows = run_phases(
+                view,
+                runtime,
+                {"fake users": fake_users},
+                lambda _: IN_RUN if variants is None else variants,
+                out,
+                poison_target=target,
+            )
+            atomic_write_json(
+                out / "phase.json",
+                {
+                    "train-seconds": train_seconds,
+                    "rows": rows,
+                    "target-item": target,
+                    "target-raw-id": target_raw,
+                    "fake-users": fake_users.tolist(),
+                    "dataset": dataset,
+                    "model": model,
+                    "fakes": fakes,
+                    "seed": seed,
+                    "target-seed": target_seed,
+                    "rounds": ROUNDS,
+                },
+            )
             (out / "phase.partial.json").unlink(missing_ok=True)
 
         train_then(config, out, "phase.json", at_end)
     else:
         out = folder / "retrain-fake-users"
-        config = base_config("generic", model, data_dir, folder, "retrain-fake-users", seed=seed, **generic,
-                             unlearning="retrain", forget_users=",".join(str(int(u)) for u in fake_users))
+        config = base_config(
+            "generic",
+            model,
+            data_dir,
+            folder,
+            "retrain-fake-users",
+            seed=seed,
+            **generic,
+            unlearning="retrain",
+            forget_users=",".join(str(int(u)) for u in fake_users),
+        )
         train_then(config, out, "retrain.json", retrain_end(runtime, out, "fake users", fake_users, target))
 
 
@@ -196,16 +258,28 @@ def save_snapshot(view, path: Path) -> None:
     records; simulation only, kept in the uncommitted cache) so that more phases can be applied later
     (:func:`replay`) without retraining."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"arrays": {k: v.numpy().copy() for k, v in view.arrays.items()},
-               "states": {node: context.state for node, context in view.grid.contexts.items()},
-               "server-round": int(view.server_round)}
+    payload = {
+        "arrays": {k: v.numpy().copy() for k, v in view.arrays.items()},
+        "states": {node: context.state for node, context in view.grid.contexts.items()},
+        "server-round": int(view.server_round),
+    }
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(pickle.dumps(payload))
     tmp.replace(path)
 
 
-def on_snapshot(dataset: str, model: str, fakes: int, seed: int, body, *, data_dir: str, cache: Path,
-                target_seed: int = 0, name: str = "replay") -> None:
+def on_snapshot(
+    dataset: str,
+    model: str,
+    fakes: int,
+    seed: int,
+    body,
+    *,
+    data_dir: str,
+    cache: Path,
+    target_seed: int = 0,
+    name: str = "replay",
+) -> None:
     """Call ``body(restored, runtime, fake_users, target)`` on a saved trained federation (:func:`save_snapshot`): a
     one-round run builds the strategy and the grid, whose node states and arrays are then replaced by the snapshot's
     (the round-1 training is discarded). ``restored`` has ``strategy``, ``grid``, ``config``, ``arrays`` (the
@@ -221,8 +295,18 @@ def on_snapshot(dataset: str, model: str, fakes: int, seed: int, body, *, data_d
     generic = {"generic-file": str(path), "generic-columns": "user,item,rating,timestamp"}
     scratch = cache / "replay-runs" / f"{dataset}-{model}-fakes{fakes}-seed{seed}-target{target_seed}"
     shutil.rmtree(scratch / name, ignore_errors=True)  # the discarded one-round run of an earlier replay
-    config = base_config("generic", model, data_dir, scratch, name, seed=seed, **generic,
-                         num_server_rounds=1, eval_every=1, fraction_evaluate=0.0)
+    config = base_config(
+        "generic",
+        model,
+        data_dir,
+        scratch,
+        name,
+        seed=seed,
+        **generic,
+        num_server_rounds=1,
+        eval_every=1,
+        fraction_evaluate=0.0,
+    )
     runtime = get_runtime(config.to_dict())
     split = runtime.split
     fake_users = np.flatnonzero(np.array([int(u) >= FAKE_USER_BASE for u in split.user_ids])).astype(np.int64)
@@ -232,14 +316,35 @@ def on_snapshot(dataset: str, model: str, fakes: int, seed: int, body, *, data_d
         for node, context in view.grid.contexts.items():
             context.state = snapshot["states"][node]
         arrays = ArrayRecord({k: Array(v) for k, v in snapshot["arrays"].items()})
-        body(types.SimpleNamespace(strategy=view.strategy, grid=view.grid, config=view.config, arrays=arrays,
-                                   server_round=snapshot["server-round"]), runtime, fake_users, target)
+        body(
+            types.SimpleNamespace(
+                strategy=view.strategy,
+                grid=view.grid,
+                config=view.config,
+                arrays=arrays,
+                server_round=snapshot["server-round"],
+            ),
+            runtime,
+            fake_users,
+            target,
+        )
 
     run_serial(config, on_round=on_round)
 
 
-def replay(dataset: str, model: str, fakes: int, seed: int, variants: dict, *, data_dir: str, runs: Path,
-           cache: Path, target_seed: int = 0, name: str = "replay") -> list[dict]:
+def replay(
+    dataset: str,
+    model: str,
+    fakes: int,
+    seed: int,
+    variants: dict,
+    *,
+    data_dir: str,
+    runs: Path,
+    cache: Path,
+    target_seed: int = 0,
+    name: str = "replay",
+) -> list[dict]:
     """Apply ``variants`` to a saved trained federation (:func:`on_snapshot`) and write ``<name>.json`` next to its
     ``phase.json`` (``continue`` variants are not supported here: they need the original run's sampling)."""
     from experiments.hfkcu.run import run_phases
@@ -253,8 +358,9 @@ def replay(dataset: str, model: str, fakes: int, seed: int, variants: dict, *, d
 
     def body(restored, runtime, fake_users, target) -> None:
         found["target"] = target
-        rows.extend(run_phases(restored, runtime, {"fake users": fake_users}, lambda _: variants, out,
-                               poison_target=target))
+        rows.extend(
+            run_phases(restored, runtime, {"fake users": fake_users}, lambda _: variants, out, poison_target=target)
+        )
 
     on_snapshot(dataset, model, fakes, seed, body, data_dir=data_dir, cache=cache, target_seed=target_seed, name=name)
     atomic_write_json(folder / "original" / f"{name}.json", {"rows": rows, "target-item": found["target"]})
@@ -269,8 +375,20 @@ def _norm(vector, rows=None, item_keys=()) -> float:
     return float(np.sqrt(sum(np.sum(np.asarray(vector[k], np.float64)[rows] ** 2) for k in item_keys)))
 
 
-def probe(dataset: str, model: str, fakes: int, seed: int, changes: dict, *, data_dir: str, runs: Path, cache: Path,
-          target_seed: int = 0, name: str = "probe", row_steps: tuple = (0.5, 1.0, 1.5, 2.0, 4.0, 8.0)) -> dict:
+def probe(
+    dataset: str,
+    model: str,
+    fakes: int,
+    seed: int,
+    changes: dict,
+    *,
+    data_dir: str,
+    runs: Path,
+    cache: Path,
+    target_seed: int = 0,
+    name: str = "probe",
+    row_steps: tuple = (0.5, 1.0, 1.5, 2.0, 4.0, 8.0),
+) -> dict:
     """The line search's view of one saved federation (design diagnostics, ours; the target is read, never used to
     choose anything). Runs the phase of ``changes`` (:class:`fedrec_flwr.strategies.unlearning.UnlearningSettings` fields; it
     must set ``line_search``) and the same phase without the line search (its step ``x``); records, for every
@@ -283,8 +401,8 @@ def probe(dataset: str, model: str, fakes: int, seed: int, changes: dict, *, dat
 
     from experiments.hfkcu.analysis import exposure, private_records
     from experiments.hfkcu.run import _settings
-    from fedrec_flwr.wire import support_rows
     from fedrec_flwr.strategies.unlearning import ClientUnlearning
+    from fedrec_flwr.wire import support_rows
 
     folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
     out: dict = {}
@@ -309,39 +427,71 @@ def probe(dataset: str, model: str, fakes: int, seed: int, changes: dict, *, dat
         points = []
         for a, value in sorted(zip(report["line-search-steps"], report["line-search-values"])):
             points.append({"a": a, "remaining-loss": value, **evaluate({k: theta[k] + a * step[k] for k in theta})})
-            print(f"  a {a:8.4f} L_R {value:.6f} HR@10 {points[-1]['HR@10']:.4f} "
-                  f"percentile {points[-1]['target-percentile']:.3f}", flush=True)
+            print(
+                f"  a {a:8.4f} L_R {value:.6f} HR@10 {points[-1]['HR@10']:.4f} "
+                f"percentile {points[-1]['target-percentile']:.3f}",
+                flush=True,
+            )
         # the step split by rows: the target's row, and every other row (with the dense parameters)
         item_keys = layout.item_keys
-        parts = {"target-row": {k: np.where(np.arange(v.shape[0])[:, None] == target, v, 0.0) if k in item_keys
-                                else np.zeros_like(v) for k, v in step.items()}}
+        parts = {
+            "target-row": {
+                k: np.where(np.arange(v.shape[0])[:, None] == target, v, 0.0) if k in item_keys else np.zeros_like(v)
+                for k, v in step.items()
+            }
+        }
         parts["other-rows"] = {k: step[k] - parts["target-row"][k] for k in step}
         g_forget, _ = unlearning.gradient(grid, restored.arrays, fake_users)
         nodes = sorted({int(n) for n in restored.strategy._topology().user_to_node.tolist()})
         split_rows = {}
         for part, direction in parts.items():
             steps = [0.0, *row_steps]
-            values = unlearning.remaining_loss(grid, restored.arrays, nodes, fake_users,
-                                               support_rows(direction, layout), direction, steps)
-            split_rows[part] = [{"a": a, "remaining-loss-change": v - values[0],
-                                 **({"target-percentile": exposure(runtime, records, {
-                                     k: theta[k] + a * direction[k] for k in theta}, remaining, target)
-                                     ["target-percentile"]} if part == "target-row" else {})}
-                                for a, v in zip(steps, values)]
+            values = unlearning.remaining_loss(
+                grid, restored.arrays, nodes, fake_users, support_rows(direction, layout), direction, steps
+            )
+            split_rows[part] = [
+                {
+                    "a": a,
+                    "remaining-loss-change": v - values[0],
+                    **(
+                        {
+                            "target-percentile": exposure(
+                                runtime, records, {k: theta[k] + a * direction[k] for k in theta}, remaining, target
+                            )["target-percentile"]
+                        }
+                        if part == "target-row"
+                        else {}
+                    ),
+                }
+                for a, v in zip(steps, values)
+            ]
             for row in split_rows[part]:
                 print(f"  {part} {row}", flush=True)
         touched = support_rows(g_forget, layout)
-        geometry = {"forget-gradient-norm": _norm(g_forget),
-                    "forget-gradient-target-row-norm": _norm(g_forget, [target], item_keys),
-                    "forget-gradient-dense-norm": float(np.sqrt(sum(np.sum(g_forget[k] ** 2) for k in g_forget
-                                                                    if k not in item_keys))),
-                    "rows-touched": int(touched.size), "items": int(split.num_items),
-                    "trust-radius-absolute": base_report.get("trust-radius-absolute"), "step-norm": _norm(step),
-                    "step-target-row-norm": _norm(step, [target], item_keys),
-                    "target-row-norm": _norm(theta, [target], item_keys)}
+        geometry = {
+            "forget-gradient-norm": _norm(g_forget),
+            "forget-gradient-target-row-norm": _norm(g_forget, [target], item_keys),
+            "forget-gradient-dense-norm": float(
+                np.sqrt(sum(np.sum(g_forget[k] ** 2) for k in g_forget if k not in item_keys))
+            ),
+            "rows-touched": int(touched.size),
+            "items": int(split.num_items),
+            "trust-radius-absolute": base_report.get("trust-radius-absolute"),
+            "step-norm": _norm(step),
+            "step-target-row-norm": _norm(step, [target], item_keys),
+            "target-row-norm": _norm(theta, [target], item_keys),
+        }
         print("  geometry", geometry, flush=True)
-        out.update({"changes": changes, "fixed-report": base_report, "report": report, "points": points,
-                    "row-split": split_rows, "geometry": geometry})
+        out.update(
+            {
+                "changes": changes,
+                "fixed-report": base_report,
+                "report": report,
+                "points": points,
+                "row-split": split_rows,
+                "geometry": geometry,
+            }
+        )
 
     on_snapshot(dataset, model, fakes, seed, body, data_dir=data_dir, cache=cache, target_seed=target_seed, name=name)
     atomic_write_json(folder / "original" / f"{name}.json", out)
@@ -354,8 +504,10 @@ DEV_MARGIN = {k: VARIANTS[k] for k in ("HF-KCU distributed (default)", "HF-KCU d
 (``poison-dev-margin``); the reported settings replay it with ``poison-replay --only "membership margin"``."""
 
 
-RETIMED = {"re-timed: HF-KCU distributed (default)": {"method": "hfkcu"},
-           "re-timed: HF-KCU distributed, line search on L_R": {"method": "hfkcu", "line_search": "remaining-loss"}}
+RETIMED = {
+    "re-timed: HF-KCU distributed (default)": {"method": "hfkcu"},
+    "re-timed: HF-KCU distributed, line search on L_R": {"method": "hfkcu", "line_search": "remaining-loss"},
+}
 """The two arms of issue 18's acceptance, replayed back to back by :func:`retime`."""
 
 WARM_UP = {"re-timed: warm-up (cg-iterations 1; discard its time)": {"method": "hfkcu", "cg_iterations": 1}}
@@ -381,8 +533,19 @@ RETIMED_SAMPLED = {
 quarter of the nodes and scaled up (``curvature-sample``), against the default (``poison-retime --name sampled``)."""
 
 
-def retime(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, runs: Path, cache: Path,
-           rounds: int = 10, variants: dict | None = None, name: str = "retime") -> dict:
+def retime(
+    dataset: str,
+    model: str,
+    fakes: int,
+    seed: int,
+    *,
+    data_dir: str,
+    runs: Path,
+    cache: Path,
+    rounds: int = 10,
+    variants: dict | None = None,
+    name: str = "retime",
+) -> dict:
     """Phase time against retraining's at the same machine load (the cached runs' timings came from different
     loads): replay ``variants`` (default :data:`RETIMED`) on the saved federation, then train the first ``rounds``
     rounds of the retraining run (the fakes never sampled) and scale its training seconds to the protocol's rounds.
@@ -392,34 +555,73 @@ def retime(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, ru
     from fedrec_flwr.app.runtime import get_runtime
     from fedrec_flwr.serial import run_serial
 
-    rows = replay(dataset, model, fakes, seed, RETIMED if variants is None else variants, data_dir=data_dir,
-                  runs=runs, cache=cache, name=name)
+    rows = replay(
+        dataset,
+        model,
+        fakes,
+        seed,
+        RETIMED if variants is None else variants,
+        data_dir=data_dir,
+        runs=runs,
+        cache=cache,
+        name=name,
+    )
     path, _ = poisoned_data(dataset, data_dir, fakes, 0, cache)
     generic = {"generic-file": str(path), "generic-columns": "user,item,rating,timestamp"}
     scratch = cache / "replay-runs" / f"{dataset}-{model}-fakes{fakes}-seed{seed}-target0"
     shutil.rmtree(scratch / "rate", ignore_errors=True)  # an earlier retime's run (a finished run is not redone)
     runtime = get_runtime(base_config("generic", model, data_dir, scratch, "rate", seed=seed, **generic).to_dict())
     fake_users = np.flatnonzero(np.array([int(u) >= FAKE_USER_BASE for u in runtime.split.user_ids]))
-    config = base_config("generic", model, data_dir, scratch, "rate", seed=seed, **generic, unlearning="retrain",
-                         forget_users=",".join(str(int(u)) for u in fake_users), num_server_rounds=rounds,
-                         eval_every=1, fraction_evaluate=0.0)
+    config = base_config(
+        "generic",
+        model,
+        data_dir,
+        scratch,
+        "rate",
+        seed=seed,
+        **generic,
+        unlearning="retrain",
+        forget_users=",".join(str(int(u)) for u in fake_users),
+        num_server_rounds=rounds,
+        eval_every=1,
+        fraction_evaluate=0.0,
+    )
     seconds: list[float] = []
     started = time.perf_counter()
     run_serial(config, on_round=lambda view: seconds.append(float(view.strategy.last_train.get("train-seconds", 0.0))))
     wall = time.perf_counter() - started  # the whole run: setup, training, the per-round hook (no evaluation)
     estimate = ROUNDS * sum(seconds) / len(seconds)
-    out = {"rounds-trained": rounds, "train-seconds": seconds, "retrain-estimate-seconds": estimate,
-           "retrain-wall-seconds": wall,
-           "phases": {r["variant"]: {"seconds": r["seconds"], "speedup": estimate / r["seconds"],
-                                     "target-percentile": r.get("target-percentile")}
-                      for r in rows if r["variant"] != "original"}}
+    out = {
+        "rounds-trained": rounds,
+        "train-seconds": seconds,
+        "retrain-estimate-seconds": estimate,
+        "retrain-wall-seconds": wall,
+        "phases": {
+            r["variant"]: {
+                "seconds": r["seconds"],
+                "speedup": estimate / r["seconds"],
+                "target-percentile": r.get("target-percentile"),
+            }
+            for r in rows
+            if r["variant"] != "original"
+        },
+    }
     rate = "retrain-rate.json" if name == "retime" else f"{name}-rate.json"
     atomic_write_json(runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}" / rate, out)
     return out
 
 
-def profile_phase(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, cache: Path,
-                  changes: dict | None = None, top: int = 40) -> None:
+def profile_phase(
+    dataset: str,
+    model: str,
+    fakes: int,
+    seed: int,
+    *,
+    data_dir: str,
+    cache: Path,
+    changes: dict | None = None,
+    top: int = 40,
+) -> None:
     """Print a cProfile of one unlearning phase (``changes`` over the defaults; e.g. ``{"cg_iterations": 2}``) on a
     saved federation, sorted by cumulative and by own time (where FedNCF's phase time goes)."""
     import cProfile
@@ -429,12 +631,14 @@ def profile_phase(dataset: str, model: str, fakes: int, seed: int, *, data_dir: 
     from fedrec_flwr.strategies.unlearning import ClientUnlearning
 
     def body(restored, runtime, fake_users, target) -> None:
-        settings = _settings(restored.config, fake_users, {"method": "hfkcu", **(changes or {})},
-                             runtime.split.num_users)
+        settings = _settings(
+            restored.config, fake_users, {"method": "hfkcu", **(changes or {})}, runtime.split.num_users
+        )
         profiler = cProfile.Profile()
         profiler.enable()
-        _, report = ClientUnlearning(restored.strategy, settings).run(restored.grid, restored.arrays,
-                                                                      restored.server_round)
+        _, report = ClientUnlearning(restored.strategy, settings).run(
+            restored.grid, restored.arrays, restored.server_round
+        )
         profiler.disable()
         print({k: report.get(k) for k in ("seconds", "cg-iterations", "cg-termination", "affected-users")})
         for order in ("cumulative", "tottime"):
@@ -460,14 +664,26 @@ def _default_step(restored, runtime, fake_users, changes: dict | None = None):
     records = private_records(restored.grid, range(split.num_users))
     theta = {k: v.numpy().astype(np.float64) for k, v in restored.arrays.items()}
     settings = _settings(restored.config, fake_users, {"method": "hfkcu", **(changes or {})}, split.num_users)
-    new, report = ClientUnlearning(restored.strategy, settings).run(restored.grid, restored.arrays,
-                                                                    restored.server_round)
+    new, report = ClientUnlearning(restored.strategy, settings).run(
+        restored.grid, restored.arrays, restored.server_round
+    )
     return remaining, records, theta, {k: new[k].numpy().astype(np.float64) - theta[k] for k in theta}, report
 
 
-def level_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, runs: Path, cache: Path,
-                target_seed: int = 0, changes: dict | None = None, name: str = "level",
-                ladder: tuple = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)) -> dict:
+def level_probe(
+    dataset: str,
+    model: str,
+    fakes: int,
+    seed: int,
+    *,
+    data_dir: str,
+    runs: Path,
+    cache: Path,
+    target_seed: int = 0,
+    changes: dict | None = None,
+    name: str = "level",
+    ladder: tuple = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0),
+) -> dict:
     """Issue 18's loss-level question (ours; a diagnostic that reads the retrained model and the target, never a
     rule): along the phase's step ``x`` (``changes`` over the defaults), the forgotten users' mean influence loss
     per example ``L_F(theta + a x)`` (their training positives and fixed negatives, BCE), and the same at the model
@@ -493,11 +709,15 @@ def level_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: st
         def examples(users, held_out: bool) -> dict:
             got = {}
             for user in users:
-                client = make_client(runtime, int(user), Context(run_id=0, node_id=0, node_config={},
-                                                                 state=RecordDict(), run_config={}))
+                client = make_client(
+                    runtime, int(user), Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={})
+                )
                 positives, negatives = client.influence_examples()
-                got[int(user)] = (positives, negatives,
-                                  np.array([split.test_items[user]]) if held_out else np.zeros(0, np.int64))
+                got[int(user)] = (
+                    positives,
+                    negatives,
+                    np.array([split.test_items[user]]) if held_out else np.zeros(0, np.int64),
+                )
             return got
 
         forgotten, reference = examples(fake_users, False), examples(remaining[::4], True)
@@ -507,13 +727,16 @@ def level_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: st
             per_user = []
             for user, (positives, negatives, _held) in group.items():
                 z = got[user]
-                zp, zn = z[:positives.size], z[positives.size:positives.size + negatives.size]
+                zp, zn = z[: positives.size], z[positives.size : positives.size + negatives.size]
                 train = np.concatenate([_bce(zp, 1.0), _bce(zn, 0.0)])
-                zh = z[positives.size + negatives.size:]
+                zh = z[positives.size + negatives.size :]
                 per_user.append((train.mean(), _bce(zp, 1.0).mean(), float(_bce(zh, 1.0).mean()) if zh.size else 0.0))
             mean = np.mean(per_user, axis=0)
-            return {"loss-per-example": float(mean[0]), "positive-loss": float(mean[1]),
-                    "held-out-positive-loss": float(mean[2])}
+            return {
+                "loss-per-example": float(mean[0]),
+                "positive-loss": float(mean[1]),
+                "held-out-positive-loss": float(mean[2]),
+            }
 
         def percentile(arrays) -> float:
             return exposure(runtime, records, arrays, remaining, target)["target-percentile"]
@@ -521,8 +744,17 @@ def level_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: st
         along = []
         for a in ladder:
             moved = {k: theta[k] + a * step[k] for k in theta}
-            along.append({"a": a, **{f"forgotten-{k}": v for k, v in losses(moved, forgotten).items()
-                                     if k != "held-out-positive-loss"}, "target-percentile": percentile(moved)})
+            along.append(
+                {
+                    "a": a,
+                    **{
+                        f"forgotten-{k}": v
+                        for k, v in losses(moved, forgotten).items()
+                        if k != "held-out-positive-loss"
+                    },
+                    "target-percentile": percentile(moved),
+                }
+            )
             print(f"  a {a:5.2f} {along[-1]}", flush=True)
         retrained_npz = np.load(folder / "retrain-fake-users" / "retrained.npz")
         retrained = {k: retrained_npz[k].astype(np.float64) for k in theta}
@@ -534,15 +766,31 @@ def level_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: st
                 crossing = a0 + (level["loss-per-example"] - l0) * (a1 - a0) / (l1 - l0)
                 break
         at_crossing = None if crossing is None else percentile({k: theta[k] + crossing * step[k] for k in theta})
-        out.update({
-            "changes": changes or {}, "report": report, "along": along,
-            "retrained": {**{f"forgotten-{k}": v for k, v in level.items() if k != "held-out-positive-loss"},
-                          "target-percentile": percentile(retrained)},
-            "retrained-level-multiple": crossing, "target-percentile-at-retrained-level": at_crossing,
-            "references-at-0": {f"remaining-{k}": v for k, v in losses(theta, reference).items()},
-        })
-        print("  retrained", out["retrained"], "a*", crossing, "percentile", at_crossing,
-              "references", out["references-at-0"], flush=True)
+        out.update(
+            {
+                "changes": changes or {},
+                "report": report,
+                "along": along,
+                "retrained": {
+                    **{f"forgotten-{k}": v for k, v in level.items() if k != "held-out-positive-loss"},
+                    "target-percentile": percentile(retrained),
+                },
+                "retrained-level-multiple": crossing,
+                "target-percentile-at-retrained-level": at_crossing,
+                "references-at-0": {f"remaining-{k}": v for k, v in losses(theta, reference).items()},
+            }
+        )
+        print(
+            "  retrained",
+            out["retrained"],
+            "a*",
+            crossing,
+            "percentile",
+            at_crossing,
+            "references",
+            out["references-at-0"],
+            flush=True,
+        )
 
     on_snapshot(dataset, model, fakes, seed, body, data_dir=data_dir, cache=cache, target_seed=target_seed, name=name)
     atomic_write_json(folder / "original" / f"{name}.json", out)
@@ -560,17 +808,34 @@ training default (block training), ``poison-retime --name margin --rounds 100``.
 
 RETIMED_REPEATED = {
     **WARM_UP,
-    **{name: variant for i in (1, 2, 3) for name, variant in (
-        (f"re-timed: HF-KCU distributed (default), repeat {i}", {"method": "hfkcu"}),
-        (f"re-timed: HF-KCU distributed, membership margin, repeat {i}",
-         {"method": "hfkcu", "line_search": "membership-margin"}))},
+    **{
+        name: variant
+        for i in (1, 2, 3)
+        for name, variant in (
+            (f"re-timed: HF-KCU distributed (default), repeat {i}", {"method": "hfkcu"}),
+            (
+                f"re-timed: HF-KCU distributed, membership margin, repeat {i}",
+                {"method": "hfkcu", "line_search": "membership-margin"},
+            ),
+        )
+    },
 }
 """The arms of :data:`RETIMED_MARGIN` three times each, interleaved (``poison-retime --name repeated``): a phase of a
 few seconds on the shared machine varies several-fold with the load, so the median of three is reported."""
 
 
-def precond_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, runs: Path, cache: Path,
-                  target_seed: int = 0, name: str = "precond-probe") -> dict:
+def precond_probe(
+    dataset: str,
+    model: str,
+    fakes: int,
+    seed: int,
+    *,
+    data_dir: str,
+    runs: Path,
+    cache: Path,
+    target_seed: int = 0,
+    name: str = "precond-probe",
+) -> dict:
     """Why the preconditioned trust region moves the target more or less than the Euclidean one (design diagnostic,
     ours; the target is read, never used to choose anything): the preconditioner ``M`` of ``krylov-preconditioner =
     "diagonal"`` (:meth:`fedrec_flwr.strategies.unlearning.ClientUnlearning.preconditioner`) at the target's row against its
@@ -579,17 +844,18 @@ def precond_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: 
     (share of its ``M``-norm, ``g_T^T M_T^{-1} g_T / g^T M^{-1} g``); with the boundary hit on the first product,
     the target row moves by ``radius * sqrt(share)`` in its own norm. Writes ``<name>.json`` next to ``phase.json``."""
     from experiments.hfkcu.run import _settings
+    from fedrec_flwr.strategies.unlearning import ClientUnlearning
     from fedrec_flwr.unlearning.krylov import unflatten
     from fedrec_flwr.wire import support_rows
-    from fedrec_flwr.strategies.unlearning import ClientUnlearning
 
     folder = runs / dataset / model / f"fakes-{fakes}" / f"seed-{seed}"
     out: dict = {}
 
     def body(restored, runtime, fake_users, target) -> None:
         layout, grid = runtime.layout, restored.grid
-        settings = _settings(restored.config, fake_users, {"method": "hfkcu", "preconditioner": "diagonal"},
-                             runtime.split.num_users)
+        settings = _settings(
+            restored.config, fake_users, {"method": "hfkcu", "preconditioner": "diagonal"}, runtime.split.num_users
+        )
         unlearning = ClientUnlearning(restored.strategy, settings)
         unlearning.server_round = restored.server_round
         g_forget, _ = unlearning.gradient(grid, restored.arrays, fake_users)
@@ -597,19 +863,34 @@ def precond_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: 
         affected = unlearning.affected(grid, restored.arrays, support, fake_users)
         nodes = [n for n, c in affected.items() if c > 0]
         unlearning._curvature_users = {n: affected[n] for n in nodes}
-        m = unflatten(unlearning.preconditioner(grid, restored.arrays, nodes, fake_users, support, g_forget, {}),
-                      layout.shared_shapes)
+        m = unflatten(
+            unlearning.preconditioner(grid, restored.arrays, nodes, fake_users, support, g_forget, {}),
+            layout.shared_shapes,
+        )
         keys = layout.item_keys  # NCF: both item tables (GMF and MLP)
         row_m = np.mean([m[k].mean(axis=1) for k in keys], axis=0)
-        euclid = float(sum(np.sum(g_forget[k][target] ** 2) for k in keys)
-                       / sum(np.sum(v ** 2) for v in g_forget.values()))
-        scaled = float(sum(np.sum(g_forget[k][target] ** 2 / m[k][target]) for k in keys)
-                       / sum(np.sum(g_forget[k] ** 2 / m[k]) for k in g_forget))
-        out.update({"dataset": dataset, "model": model, "fakes": fakes, "seed": seed, "target": int(target),
-                    "support-rows": int(support.size), "target-row-M": float(row_m[target]),
-                    "support-row-M-quartiles": [float(q) for q in np.quantile(row_m[support], [0.25, 0.5, 0.75])],
-                    "target-share-euclidean": euclid, "target-share-preconditioned": scaled,
-                    "target-reach-ratio": float(np.sqrt(scaled / euclid) / np.sqrt(row_m[target]))})
+        euclid = float(
+            sum(np.sum(g_forget[k][target] ** 2) for k in keys) / sum(np.sum(v**2) for v in g_forget.values())
+        )
+        scaled = float(
+            sum(np.sum(g_forget[k][target] ** 2 / m[k][target]) for k in keys)
+            / sum(np.sum(g_forget[k] ** 2 / m[k]) for k in g_forget)
+        )
+        out.update(
+            {
+                "dataset": dataset,
+                "model": model,
+                "fakes": fakes,
+                "seed": seed,
+                "target": int(target),
+                "support-rows": int(support.size),
+                "target-row-M": float(row_m[target]),
+                "support-row-M-quartiles": [float(q) for q in np.quantile(row_m[support], [0.25, 0.5, 0.75])],
+                "target-share-euclidean": euclid,
+                "target-share-preconditioned": scaled,
+                "target-reach-ratio": float(np.sqrt(scaled / euclid) / np.sqrt(row_m[target])),
+            }
+        )
         print(out, flush=True)
 
     on_snapshot(dataset, model, fakes, seed, body, data_dir=data_dir, cache=cache, target_seed=target_seed, name=name)
@@ -617,9 +898,20 @@ def precond_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: 
     return out
 
 
-def calibration_probe(dataset: str, model: str, fakes: int, seed: int, *, data_dir: str, runs: Path, cache: Path,
-                      target_seed: int = 0, name: str = "calibration", bins: int = 20,
-                      ladder: tuple = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)) -> dict:
+def calibration_probe(
+    dataset: str,
+    model: str,
+    fakes: int,
+    seed: int,
+    *,
+    data_dir: str,
+    runs: Path,
+    cache: Path,
+    target_seed: int = 0,
+    name: str = "calibration",
+    bins: int = 20,
+    ladder: tuple = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0),
+) -> dict:
     """Issue 18, fifth session (design diagnostic on development settings; reads the target and the retrained model
     only to judge, never to choose): the forgotten users' *membership margins* along the default step ``x``. For a
     forgotten user ``f`` and its training positive ``j``, ``m_fj = s_f(j) - mean_k s_f(k)`` over the items ``k`` that
@@ -662,9 +954,12 @@ def calibration_probe(dataset: str, model: str, fakes: int, seed: int, *, data_d
 
         def stats(m: np.ndarray) -> dict:
             dominated = w > 0.5
-            return {"weighted": float(np.sum(w * m) / np.sum(w)), "plain": float(m.mean()),
-                    "dominated": float(m[dominated].mean()) if dominated.any() else float("nan"),
-                    "proportional": float(np.mean(m - (1 - w) * m0))}
+            return {
+                "weighted": float(np.sum(w * m) / np.sum(w)),
+                "plain": float(m.mean()),
+                "dominated": float(m[dominated].mean()) if dominated.any() else float("nan"),
+                "proportional": float(np.mean(m - (1 - w) * m0)),
+            }
 
         def percentile(arrays) -> float:
             return exposure(runtime, records, arrays, remaining, target)["target-percentile"]
@@ -674,8 +969,15 @@ def calibration_probe(dataset: str, model: str, fakes: int, seed: int, *, data_d
             moved = {k: theta[k] + a * step[k] for k in theta}
             along.append({"a": a, **stats(margins(moved)[0]), "target-percentile": percentile(moved)})
             print(f"  a {a:5.2f} {along[-1]}", flush=True)
-        out.update({"report": report, "along": along, "target": int(target),
-                    "target-share": float(share[target]), "target-bin": int(binned[target])})
+        out.update(
+            {
+                "report": report,
+                "along": along,
+                "target": int(target),
+                "target-share": float(share[target]),
+                "target-bin": int(binned[target]),
+            }
+        )
         if (folder / "retrain-fake-users" / "retrained.npz").is_file():  # not kept for every setting
             retrained_npz = np.load(folder / "retrain-fake-users" / "retrained.npz")
             retrained = {k: retrained_npz[k].astype(np.float64) for k in theta}

@@ -37,7 +37,14 @@ import numpy as np
 from experiments.common import claimed, quiet_flower, run_jobs, slug
 from experiments.hfkcu.analysis import candidate_scores, exposure, private_records
 from experiments.hfkcu.methods import (
-    ABLATION_SETTING, ABLATIONS, DATASETS, FORGET_SETS, MODELS, PROTOCOL, ROUNDS, VARIANTS,
+    ABLATION_SETTING,
+    ABLATIONS,
+    DATASETS,
+    FORGET_SETS,
+    MODELS,
+    PROTOCOL,
+    ROUNDS,
+    VARIANTS,
 )
 from fedrec_flwr.config import make_run_config
 from fedrec_flwr.io import atomic_save_npz, atomic_write_json
@@ -49,8 +56,15 @@ SEED = 0
 
 
 def base_config(dataset: str, model: str, data_dir: str, folder: Path, name: str, **extra):
-    overrides = {**PROTOCOL, **MODELS[model], "dataset": dataset, "seed": SEED, "results-dir": str(folder),
-                 "run-name": name, **extra}
+    overrides = {
+        **PROTOCOL,
+        **MODELS[model],
+        "dataset": dataset,
+        "seed": SEED,
+        "results-dir": str(folder),
+        "run-name": name,
+        **extra,
+    }
     if data_dir and dataset != "generic":
         overrides["data-dir"] = str(Path(data_dir) / dataset)
     return make_run_config(**overrides)
@@ -75,12 +89,14 @@ def _settings(config, forget: np.ndarray, changes: dict, num_users: int):
     from fedrec_flwr.strategies.unlearning import UnlearningSettings
 
     settings = UnlearningSettings.from_config(
-        config.replace(unlearning="hfkcu", forget_users=",".join(str(int(u)) for u in forget)), num_users)
+        config.replace(unlearning="hfkcu", forget_users=",".join(str(int(u)) for u in forget)), num_users
+    )
     return settings.replace(**changes)
 
 
-def run_phases(view, runtime, forget: dict[str, np.ndarray], variants_for, out: Path, poison_target: int | None = None
-               ) -> list[dict]:
+def run_phases(
+    view, runtime, forget: dict[str, np.ndarray], variants_for, out: Path, poison_target: int | None = None
+) -> list[dict]:
     """Apply every variant to the trained model in ``view`` (an ``on_round`` hook's RoundView); write each variant's
     arrays and candidate scores under ``out`` and return one row per (forget set, variant)."""
     from fedrec_flwr.strategies.unlearning import ClientUnlearning
@@ -88,8 +104,9 @@ def run_phases(view, runtime, forget: dict[str, np.ndarray], variants_for, out: 
     strategy, grid, config = view.strategy, view.grid, view.config
     num_users = runtime.split.num_users
     records = private_records(grid, range(num_users))
-    atomic_save_npz(out / "private-records.npz",
-                    **{f"{u}/{k}": v.numpy() for u, rec in records.items() for k, v in rec.items()})
+    atomic_save_npz(
+        out / "private-records.npz", **{f"{u}/{k}": v.numpy() for u, rec in records.items() for k, v in rec.items()}
+    )
     trained = _arrays(view.arrays)
     rows = []
     for set_name, users in forget.items():
@@ -98,25 +115,39 @@ def run_phases(view, runtime, forget: dict[str, np.ndarray], variants_for, out: 
         def record(name: str, arrays: dict, metrics: dict, report: dict, user_records) -> None:
             scores = candidate_scores(runtime, user_records, arrays, remaining)
             atomic_save_npz(out / "variants" / slug(set_name) / f"{slug(name)}.npz", scores=scores, **arrays)
-            row = {"forget-set": set_name, "forgotten": int(users.size), "variant": name,
-                   "seconds": float(report.get("seconds", 0.0)), **metrics,
-                   **{k: v for k, v in report.items() if k not in ("forget-users", "before", "seconds")}}
+            row = {
+                "forget-set": set_name,
+                "forgotten": int(users.size),
+                "variant": name,
+                "seconds": float(report.get("seconds", 0.0)),
+                **metrics,
+                **{k: v for k, v in report.items() if k not in ("forget-users", "before", "seconds")},
+            }
             if poison_target is not None:
                 row.update(exposure(runtime, user_records, arrays, remaining, poison_target))
             rows.append(row)
             atomic_write_json(out / "phase.partial.json", rows)
-            print(f"  {set_name:9s} {name:38s} HR@10 {metrics.get('HR@10', float('nan')):.4f} "
-                  f"{row['seconds']:7.2f} s" + (f" exposure {row['exposure']:.3f} percentile {row['target-percentile']:.3f}" if "exposure" in row else ""),
-                  flush=True)
+            print(
+                f"  {set_name:9s} {name:38s} HR@10 {metrics.get('HR@10', float('nan')):.4f} "
+                f"{row['seconds']:7.2f} s"
+                + (
+                    f" exposure {row['exposure']:.3f} percentile {row['target-percentile']:.3f}"
+                    if "exposure" in row
+                    else ""
+                ),
+                flush=True,
+            )
 
         before = strategy.evaluate_arrays(grid, view.arrays, view.server_round, users=remaining)
         record("original", trained, before, {}, records)
         for name, changes in variants_for(set_name).items():
             settings = _settings(config, users, changes, num_users)
-            saved = {n: copy.deepcopy(c.state) for n, c in grid.contexts.items()} if settings.method == "continue" \
-                else None
+            saved = (
+                {n: copy.deepcopy(c.state) for n, c in grid.contexts.items()} if settings.method == "continue" else None
+            )
             new, report = ClientUnlearning(strategy, settings, timeout=config.round_timeout).run(
-                grid, view.arrays, view.server_round)
+                grid, view.arrays, view.server_round
+            )
             metrics = strategy.evaluate_arrays(grid, new, view.server_round, users=remaining)
             user_records = private_records(grid, range(num_users)) if saved is not None else records
             record(name, _arrays(new), metrics, report, user_records)
@@ -161,8 +192,10 @@ def run_original(job) -> None:
 
     def at_end(view, train_seconds: float) -> None:
         rows = run_phases(view, runtime, forget, variants_for, out)
-        atomic_write_json(out / "phase.json", {"train-seconds": train_seconds, "rows": rows,
-                                               "forget-sets": {k: v.tolist() for k, v in forget.items()}})
+        atomic_write_json(
+            out / "phase.json",
+            {"train-seconds": train_seconds, "rows": rows, "forget-sets": {k: v.tolist() for k, v in forget.items()}},
+        )
         (out / "phase.partial.json").unlink(missing_ok=True)
 
     train_then(config, out, "phase.json", at_end)
@@ -171,6 +204,7 @@ def run_original(job) -> None:
 def retrain_end(runtime, out: Path, set_name: str, users: np.ndarray, target: int | None = None):
     """The ``at_end`` of a retraining job: metrics on the remaining users, candidate scores (and the poisoning target's
     exposure) written to ``retrained.npz`` / ``retrain.json``."""
+
     def at_end(view, train_seconds: float) -> None:
         remaining = np.setdiff1d(np.arange(runtime.split.num_users), users)
         metrics = view.strategy.evaluate_arrays(view.grid, view.arrays, ROUNDS, users=remaining)
@@ -178,8 +212,10 @@ def retrain_end(runtime, out: Path, set_name: str, users: np.ndarray, target: in
         arrays = _arrays(view.arrays)
         atomic_save_npz(out / "retrained.npz", scores=candidate_scores(runtime, records, arrays, remaining), **arrays)
         extra = exposure(runtime, records, arrays, remaining, target) if target is not None else {}
-        atomic_write_json(out / "retrain.json", {"forget-set": set_name, "forgotten": int(users.size),
-                                                 "train-seconds": train_seconds, **metrics, **extra})
+        atomic_write_json(
+            out / "retrain.json",
+            {"forget-set": set_name, "forgotten": int(users.size), "train-seconds": train_seconds, **metrics, **extra},
+        )
 
     return at_end
 
@@ -192,19 +228,26 @@ def run_retrain(job) -> None:
     runtime = get_runtime(base_config(dataset, model, data_dir, folder, "original").to_dict())
     users = forget_sets(runtime.split.num_users)[set_name]
     name = f"retrain-{slug(set_name)}"
-    config = base_config(dataset, model, data_dir, folder, name, unlearning="retrain",
-                         forget_users=",".join(str(int(u)) for u in users))
+    config = base_config(
+        dataset, model, data_dir, folder, name, unlearning="retrain", forget_users=",".join(str(int(u)) for u in users)
+    )
     train_then(config, folder / name, "retrain.json", retrain_end(runtime, folder / name, set_name, users))
 
 
 FORGET_VARIANTS = {
     "HF-KCU distributed (default)": {"method": "hfkcu"},
     "HF-KCU distributed, issue-6 arm (CG, Hessian, eta 0.01)": {
-        "method": "hfkcu", "krylov_solver": "cg", "curvature": "hessian", "scale": 0.01, "adaptive_scale": True},
+        "method": "hfkcu",
+        "krylov_solver": "cg",
+        "curvature": "hessian",
+        "scale": 0.01,
+        "adaptive_scale": True,
+    },
     "gradient ascent": {"method": "gradient-ascent"},
     "continued training (5 rounds)": {"method": "continue"},
 }
 """Issue 18's random forget sets (1% and 5%): the defaults against the issue-6 arm and the baselines."""
+
 
 def forget_root(seed: int) -> Path:
     """Results of the ``forget`` part for one training seed, laid out like ``main``'s (``runs/<dataset>/<model>/...``)
@@ -228,34 +271,69 @@ def run_forget(job) -> None:
 
         def at_end(view, train_seconds: float) -> None:
             rows = run_phases(view, runtime, chosen, lambda _: FORGET_VARIANTS, out)
-            atomic_write_json(out / "phase.json", {"train-seconds": train_seconds, "rows": rows,
-                                                   "forget-sets": {k: v.tolist() for k, v in every.items()}})
+            atomic_write_json(
+                out / "phase.json",
+                {
+                    "train-seconds": train_seconds,
+                    "rows": rows,
+                    "forget-sets": {k: v.tolist() for k, v in every.items()},
+                },
+            )
             (out / "phase.partial.json").unlink(missing_ok=True)
 
         train_then(config, out, "phase.json", at_end)
         return
     users = chosen[kind]
     name = f"retrain-{slug(kind)}"
-    config = base_config(dataset, model, data_dir, folder, name, seed=seed, unlearning="retrain",
-                         forget_users=",".join(str(int(u)) for u in users))
+    config = base_config(
+        dataset,
+        model,
+        data_dir,
+        folder,
+        name,
+        seed=seed,
+        unlearning="retrain",
+        forget_users=",".join(str(int(u)) for u in users),
+    )
     train_then(config, folder / name, "retrain.json", retrain_end(runtime, folder / name, kind, users))
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["main", "forget", "poison", "poison-dev", "poison-replay",
-                                         "poison-dev-sweep", "poison-probe", "poison-retime", "poison-profile",
-                                         "poison-level", "poison-dev-precond", "poison-calibration", "poison-dev-margin",
-                                         "report"])
-    parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""),
-                        help="folder holding <dataset>/ (default: $FEDREC_DATA_DIR; empty = download)")
+    parser.add_argument(
+        "part",
+        choices=[
+            "main",
+            "forget",
+            "poison",
+            "poison-dev",
+            "poison-replay",
+            "poison-dev-sweep",
+            "poison-probe",
+            "poison-retime",
+            "poison-profile",
+            "poison-level",
+            "poison-dev-precond",
+            "poison-calibration",
+            "poison-dev-margin",
+            "report",
+        ],
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=os.environ.get("FEDREC_DATA_DIR", ""),
+        help="folder holding <dataset>/ (default: $FEDREC_DATA_DIR; empty = download)",
+    )
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job from i")
     parser.add_argument("--datasets", default=",".join(DATASETS))
     parser.add_argument("--models", default=",".join(MODELS), help="poison: FedMF,FedNCF")
     parser.add_argument("--fakes", default="100,20", help="poison: numbers of fake users")
     parser.add_argument("--seeds", default="0,1,2", help="poison: training seeds")
-    parser.add_argument("--only", default="", help="poison-replay: replay only the variants whose name contains "
-                        "one of these comma-separated strings")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="poison-replay: replay only the variants whose name contains one of these comma-separated strings",
+    )
     parser.add_argument("--changes", default="{}", help="poison-probe: JSON of UnlearningSettings fields")
     parser.add_argument("--rounds", type=int, default=10, help="poison-retime: retraining rounds timed (scaled to 100)")
     parser.add_argument("--name", default="replay", help="poison-replay / poison-dev-sweep: the output's name")
@@ -267,32 +345,58 @@ def main(argv=None) -> None:
         report(RESULTS, args.data_dir)
         return
     if args.part == "forget":  # --seeds: training seeds (each seed also draws its own forget sets)
-        jobs = [(d, m, kind, args.data_dir, int(seed)) for seed in args.seeds.split(",")
-                for d in args.datasets.split(",") for m in args.models.split(",") for kind in ("original", "1%", "5%")]
+        jobs = [
+            (d, m, kind, args.data_dir, int(seed))
+            for seed in args.seeds.split(",")
+            for d in args.datasets.split(",")
+            for m in args.models.split(",")
+            for kind in ("original", "1%", "5%")
+        ]
         run_jobs(jobs, run_forget, args.shard, "forget")
         return
     if args.part == "poison-profile":  # cProfile of one phase (--changes, e.g. '{"cg_iterations": 2}')
         from experiments.hfkcu.poison import profile_phase
 
-        profile_phase(args.datasets.split(",")[0], args.models.split(",")[0], int(args.fakes.split(",")[0]),
-                      int(args.seeds.split(",")[0]), data_dir=args.data_dir, cache=CACHE,
-                      changes=json.loads(args.changes))
+        profile_phase(
+            args.datasets.split(",")[0],
+            args.models.split(",")[0],
+            int(args.fakes.split(",")[0]),
+            int(args.seeds.split(",")[0]),
+            data_dir=args.data_dir,
+            cache=CACHE,
+            changes=json.loads(args.changes),
+        )
         return
     if args.part == "poison-retime":  # phase vs retraining time at one machine load (first --seeds only)
         from experiments.hfkcu.poison import (
-            RETIMED_CAPPED, RETIMED_MARGIN, RETIMED_REPEATED, RETIMED_SAMPLED, retime,
+            RETIMED_CAPPED,
+            RETIMED_MARGIN,
+            RETIMED_REPEATED,
+            RETIMED_SAMPLED,
+            retime,
         )
 
         # --name capped: cg-iterations 1 / 2; --name sampled: curvature-sample 0.5 / 0.25 (each against the default)
-        extra = {"capped": {"variants": RETIMED_CAPPED, "name": "retime-capped"},
-                 "sampled": {"variants": RETIMED_SAMPLED, "name": "retime-sampled"},
-                 "margin": {"variants": RETIMED_MARGIN, "name": "retime-margin"},
-                 "repeated": {"variants": RETIMED_REPEATED, "name": "retime-repeated"}}.get(args.name, {})
+        extra = {
+            "capped": {"variants": RETIMED_CAPPED, "name": "retime-capped"},
+            "sampled": {"variants": RETIMED_SAMPLED, "name": "retime-sampled"},
+            "margin": {"variants": RETIMED_MARGIN, "name": "retime-margin"},
+            "repeated": {"variants": RETIMED_REPEATED, "name": "retime-repeated"},
+        }.get(args.name, {})
         for d in args.datasets.split(","):
             for m in args.models.split(","):
                 for f in args.fakes.split(","):
-                    retime(d, m, int(f), int(args.seeds.split(",")[0]), data_dir=args.data_dir,
-                           runs=RESULTS / "runs" / "poison-retime", cache=CACHE, rounds=args.rounds, **extra)
+                    retime(
+                        d,
+                        m,
+                        int(f),
+                        int(args.seeds.split(",")[0]),
+                        data_dir=args.data_dir,
+                        runs=RESULTS / "runs" / "poison-retime",
+                        cache=CACHE,
+                        rounds=args.rounds,
+                        **extra,
+                    )
         return
     if args.part in ("poison-level", "poison-calibration"):  # along the default step, every cached snapshot
         # poison-level: the forgotten users' loss vs the retrained model's; poison-calibration: their membership
@@ -305,15 +409,26 @@ def main(argv=None) -> None:
                 for f in args.fakes.split(","):
                     for seed in args.seeds.split(","):
                         dev = int(seed) == DEV["seed"]
-                        if not snapshot_path(CACHE, d, m, int(f), int(seed),
-                                             DEV["target-seed"] if dev else 0).is_file():
+                        if not snapshot_path(
+                            CACHE, d, m, int(f), int(seed), DEV["target-seed"] if dev else 0
+                        ).is_file():
                             continue  # no saved federation of this setting
-                        common = {"data_dir": args.data_dir, "cache": CACHE,
-                                  "runs": RESULTS / "runs" / ("poison-dev" if dev else "poison"),
-                                  "target_seed": DEV["target-seed"] if dev else 0}
+                        common = {
+                            "data_dir": args.data_dir,
+                            "cache": CACHE,
+                            "runs": RESULTS / "runs" / ("poison-dev" if dev else "poison"),
+                            "target_seed": DEV["target-seed"] if dev else 0,
+                        }
                         if level:
-                            level_probe(d, m, int(f), int(seed), changes=json.loads(args.changes),
-                                        name=f"level-{args.name}", **common)
+                            level_probe(
+                                d,
+                                m,
+                                int(f),
+                                int(seed),
+                                changes=json.loads(args.changes),
+                                name=f"level-{args.name}",
+                                **common,
+                            )
                         else:
                             calibration_probe(d, m, int(f), int(seed), name=f"calibration-{args.name}", **common)
         return
@@ -326,72 +441,144 @@ def main(argv=None) -> None:
                 for f in args.fakes.split(","):
                     for seed in args.seeds.split(","):
                         dev = int(seed) == DEV["seed"]
-                        probe(d, m, int(f), int(seed), changes, data_dir=args.data_dir,
-                              runs=RESULTS / "runs" / ("poison-dev" if dev else "poison"), cache=CACHE,
-                              target_seed=DEV["target-seed"] if dev else 0, name=f"probe-{args.name}")
+                        probe(
+                            d,
+                            m,
+                            int(f),
+                            int(seed),
+                            changes,
+                            data_dir=args.data_dir,
+                            runs=RESULTS / "runs" / ("poison-dev" if dev else "poison"),
+                            cache=CACHE,
+                            target_seed=DEV["target-seed"] if dev else 0,
+                            name=f"probe-{args.name}",
+                        )
         return
     if args.part == "poison-dev-precond":  # the preconditioned solve on every development setting
         from experiments.hfkcu.poison import DEV, DEV_EXTRA, DEV_NCF, DEV_PRECONDITIONED, replay, snapshot_path
 
-        chosen = {k: v for k, v in DEV_PRECONDITIONED.items()
-                  if not args.only or any(w in k for w in args.only.split(","))}
+        chosen = {
+            k: v for k, v in DEV_PRECONDITIONED.items() if not args.only or any(w in k for w in args.only.split(","))
+        }
         for d, m, f in ((DEV["dataset"], DEV["model"], DEV["fakes"]),) + DEV_EXTRA + DEV_NCF:
             folder = RESULTS / "runs" / "poison-dev" / d / m / f"fakes-{f}" / f"seed-{DEV['seed']}" / "original"
-            if m not in args.models.split(",") or not snapshot_path(CACHE, d, m, f, DEV["seed"],
-                                                                      DEV["target-seed"]).is_file():
+            if (
+                m not in args.models.split(",")
+                or not snapshot_path(CACHE, d, m, f, DEV["seed"], DEV["target-seed"]).is_file()
+            ):
                 continue  # not selected, or that development federation is not trained (poison-dev --name ncf)
             if args.name == "probe" and not (folder / "precond-probe.json").is_file():
                 # the target row's M and share of the first step (diagnostic)
                 from experiments.hfkcu.poison import precond_probe
 
-                precond_probe(d, m, f, DEV["seed"], data_dir=args.data_dir, runs=RESULTS / "runs" / "poison-dev",
-                              cache=CACHE, target_seed=DEV["target-seed"])
+                precond_probe(
+                    d,
+                    m,
+                    f,
+                    DEV["seed"],
+                    data_dir=args.data_dir,
+                    runs=RESULTS / "runs" / "poison-dev",
+                    cache=CACHE,
+                    target_seed=DEV["target-seed"],
+                )
             elif args.name != "probe" and not (folder / f"precond-{args.name}.json").is_file():
-                replay(d, m, f, DEV["seed"], chosen, data_dir=args.data_dir, runs=RESULTS / "runs" / "poison-dev",
-                       cache=CACHE, target_seed=DEV["target-seed"], name=f"precond-{args.name}")
+                replay(
+                    d,
+                    m,
+                    f,
+                    DEV["seed"],
+                    chosen,
+                    data_dir=args.data_dir,
+                    runs=RESULTS / "runs" / "poison-dev",
+                    cache=CACHE,
+                    target_seed=DEV["target-seed"],
+                    name=f"precond-{args.name}",
+                )
         return
     if args.part == "poison-dev-margin":  # the membership-margin step and the default on every development setting
         from experiments.hfkcu.poison import DEV, DEV_EXTRA, DEV_MARGIN, DEV_NCF, replay, snapshot_path
 
         for d, m, f in ((DEV["dataset"], DEV["model"], DEV["fakes"]),) + DEV_EXTRA + DEV_NCF:
             folder = RESULTS / "runs" / "poison-dev" / d / m / f"fakes-{f}" / f"seed-{DEV['seed']}" / "original"
-            if m in args.models.split(",") and snapshot_path(CACHE, d, m, f, DEV["seed"], DEV["target-seed"]).is_file() \
-                    and not (folder / f"margin-{args.name}.json").is_file():
-                replay(d, m, f, DEV["seed"], DEV_MARGIN, data_dir=args.data_dir, runs=RESULTS / "runs" / "poison-dev",
-                       cache=CACHE, target_seed=DEV["target-seed"], name=f"margin-{args.name}")
+            if (
+                m in args.models.split(",")
+                and snapshot_path(CACHE, d, m, f, DEV["seed"], DEV["target-seed"]).is_file()
+                and not (folder / f"margin-{args.name}.json").is_file()
+            ):
+                replay(
+                    d,
+                    m,
+                    f,
+                    DEV["seed"],
+                    DEV_MARGIN,
+                    data_dir=args.data_dir,
+                    runs=RESULTS / "runs" / "poison-dev",
+                    cache=CACHE,
+                    target_seed=DEV["target-seed"],
+                    name=f"margin-{args.name}",
+                )
         return
     if args.part == "poison-dev-sweep":
         from experiments.hfkcu.poison import DEV, DEV_REFINE, DEV_VARIANTS, replay
 
         sweep = DEV_REFINE if args.name == "3" else DEV_VARIANTS
-        replay(DEV["dataset"], DEV["model"], DEV["fakes"], DEV["seed"], sweep, data_dir=args.data_dir,
-               runs=RESULTS / "runs" / "poison-dev", cache=CACHE, target_seed=DEV["target-seed"],
-               name=f"sweep-{args.name}")
+        replay(
+            DEV["dataset"],
+            DEV["model"],
+            DEV["fakes"],
+            DEV["seed"],
+            sweep,
+            data_dir=args.data_dir,
+            runs=RESULTS / "runs" / "poison-dev",
+            cache=CACHE,
+            target_seed=DEV["target-seed"],
+            name=f"sweep-{args.name}",
+        )
         return
     if args.part == "poison-replay":  # the replayed variants on every finished original of the selection
         from experiments.hfkcu.poison import REPLAYED, replay, snapshot_path
 
-        jobs = [(d, m, int(f), int(seed)) for d in args.datasets.split(",") for m in args.models.split(",")
-                for f in args.fakes.split(",") for seed in args.seeds.split(",")
-                if snapshot_path(CACHE, d, m, int(f), int(seed), 0).is_file()
-                and not (RUNS / "poison" / d / m / f"fakes-{f}" / f"seed-{seed}" / "original" / f"{args.name}.json").is_file()]
+        jobs = [
+            (d, m, int(f), int(seed))
+            for d in args.datasets.split(",")
+            for m in args.models.split(",")
+            for f in args.fakes.split(",")
+            for seed in args.seeds.split(",")
+            if snapshot_path(CACHE, d, m, int(f), int(seed), 0).is_file()
+            and not (
+                RUNS / "poison" / d / m / f"fakes-{f}" / f"seed-{seed}" / "original" / f"{args.name}.json"
+            ).is_file()
+        ]
         chosen = {k: v for k, v in REPLAYED.items() if not args.only or any(w in k for w in args.only.split(","))}
-        run_jobs(jobs, lambda job: replay(*job, chosen, data_dir=args.data_dir, runs=RUNS / "poison", cache=CACHE,
-                                          name=args.name), args.shard, args.part)
+        run_jobs(
+            jobs,
+            lambda job: replay(*job, chosen, data_dir=args.data_dir, runs=RUNS / "poison", cache=CACHE, name=args.name),
+            args.shard,
+            args.part,
+        )
         return
     if args.part in ("poison", "poison-dev"):
         from experiments.hfkcu.poison import DEV, DEV_EXTRA, DEV_NCF, run_setting
 
         if args.part == "poison-dev":  # --name extra / ncf: the further development settings (DEV_EXTRA / DEV_NCF)
-            chosen = {"extra": DEV_EXTRA, "ncf": DEV_NCF}.get(args.name, ((DEV["dataset"], DEV["model"], DEV["fakes"]),))
+            chosen = {"extra": DEV_EXTRA, "ncf": DEV_NCF}.get(
+                args.name, ((DEV["dataset"], DEV["model"], DEV["fakes"]),)
+            )
             jobs = [(d, m, f, DEV["seed"], kind) for d, m, f in chosen for kind in ("original", "retrain")]
             extra = {"target_seed": DEV["target-seed"], "variants": {}, "runs": RESULTS / "runs" / "poison-dev"}
         else:  # one setting at a time: every seed of the first setting before the next one
-            jobs = [(d, m, int(f), int(seed), kind) for d in args.datasets.split(",") for m in args.models.split(",")
-                    for f in args.fakes.split(",") for seed in args.seeds.split(",") for kind in ("original", "retrain")]
+            jobs = [
+                (d, m, int(f), int(seed), kind)
+                for d in args.datasets.split(",")
+                for m in args.models.split(",")
+                for f in args.fakes.split(",")
+                for seed in args.seeds.split(",")
+                for kind in ("original", "retrain")
+            ]
             extra = {"runs": RUNS / "poison"}
-        run_jobs(jobs, lambda job: run_setting(*job, data_dir=args.data_dir, cache=CACHE, **extra), args.shard,
-                 args.part)
+        run_jobs(
+            jobs, lambda job: run_setting(*job, data_dir=args.data_dir, cache=CACHE, **extra), args.shard, args.part
+        )
         return
     datasets = [d for d in args.datasets.split(",") if d]
     jobs = []

@@ -78,8 +78,10 @@ PRESETS: dict[str, tuple[str, dict]] = {
     # FedRecGEL's public code's NCF (models/fedrecgel.py with its defaults factor_num = 32, num_layers = 3): 32-wide
     # GMF embeddings, 128-wide MLP embeddings, a 256-128-64-32 tower (Linear(2 x 128, 128), (128, 64), (64, 32)),
     # output Linear(32 + 32, 1); and its final configuration's rho 0.02 (rho-shared; rho-private stays the base's).
-    "FedRecGEL, public NCF": ("FedRecGEL", {"embedding-dim": 32, "mlp-embedding-dim": 128, "mlp-layers": "128,64,32",
-                                            "rho-shared": 0.02}),
+    "FedRecGEL, public NCF": (
+        "FedRecGEL",
+        {"embedding-dim": 32, "mlp-embedding-dim": 128, "mlp-layers": "128,64,32", "rho-shared": 0.02},
+    ),
 }
 """Named variants of a tuned method, run beside it: ``name -> (base method, overrides)``. A preset is not tuned: it
 runs at its base method's rates selected on the dataset's validation item (:func:`preset_setting`), with its own
@@ -135,5 +137,12 @@ def setting_name(setting: dict) -> str:
 def run_overrides(method: str, setting: dict, dataset: str, seed: int, rounds: int) -> dict:
     """The complete run-config overrides of one run (the protocol, the method, the setting)."""
     every = {"eval-every": EVAL_EVERY[dataset]} if dataset in EVAL_EVERY else {}
-    return {**PROTOCOL, **every, **method_config(method), **setting, "dataset": dataset, "seed": seed,
-            "num-server-rounds": rounds}
+    return {
+        **PROTOCOL,
+        **every,
+        **method_config(method),
+        **setting,
+        "dataset": dataset,
+        "seed": seed,
+        "num-server-rounds": rounds,
+    }

@@ -36,7 +36,9 @@ def random_ranker(num_candidates: int, ks=KS) -> dict[str, float]:
     out = {}
     for k in ks:
         out[f"HR@{k}"] = min(k, num_candidates) / num_candidates
-        out[f"NDCG@{k}"] = float(sum(1.0 / np.log2(r + 1) for r in range(1, min(k, num_candidates) + 1)) / num_candidates)
+        out[f"NDCG@{k}"] = float(
+            sum(1.0 / np.log2(r + 1) for r in range(1, min(k, num_candidates) + 1)) / num_candidates
+        )
     return out
 
 
@@ -114,17 +116,25 @@ def grid_table(results: Path, dataset: str) -> None:
         for point in record["grid"]:
             name = G.setting_name(point["setting"])
             failed = point.get("failed", False)
-            rows.append({"method": method, "stage": point["stage"] + 1, "setting": name,
-                         "val-HR@10": "failed" if failed else round(point["val-HR@10"], 4),
-                         "val-NDCG@10": "failed" if failed else round(point["val-NDCG@10"], 4),
-                         "selected": "yes" if name == record["name"] else ""})
+            rows.append(
+                {
+                    "method": method,
+                    "stage": point["stage"] + 1,
+                    "setting": name,
+                    "val-HR@10": "failed" if failed else round(point["val-HR@10"], 4),
+                    "val-NDCG@10": "failed" if failed else round(point["val-NDCG@10"], 4),
+                    "selected": "yes" if name == record["name"] else "",
+                }
+            )
     if not rows:
         return
     frame = pd.DataFrame(rows)
     write_csv(frame, results / f"grid-{dataset}.csv")
-    atomic_write_text(results / f"grid-{dataset}.md",
-                      f"# {dataset}: tuning grid (seed {G.GRID_SEED}, round {G.GRID_ROUNDS}; validation item only)\n\n"
-                      + markdown(frame))
+    atomic_write_text(
+        results / f"grid-{dataset}.md",
+        f"# {dataset}: tuning grid (seed {G.GRID_SEED}, round {G.GRID_ROUNDS}; validation item only)\n\n"
+        + markdown(frame),
+    )
 
 
 def main_table(results: Path, dataset: str, data_dir: str) -> None:
@@ -144,18 +154,26 @@ def main_table(results: Path, dataset: str, data_dir: str) -> None:
         per[(name, 0)] = rows
         if rows:
             epochs = ",".join(f"{r['epoch']}/{r['budget']}" for r in rows)
-            table.append({"round": "-", **summarise(name, rows, f"Adam 0.001, batch 1024; epoch chosen on val / "
-                                                                f"budget: {epochs}")})
+            table.append(
+                {
+                    "round": "-",
+                    **summarise(name, rows, f"Adam 0.001, batch 1024; epoch chosen on val / budget: {epochs}"),
+                }
+            )
     pop = popularity_rows(dataset, data_dir)
     per[("popularity", 0)] = pop
     table.append({"round": "-", **summarise("popularity", pop, "train counts")})
-    table.append({"round": "-", **summarise("random (expected)", [random_ranker(100)], "exact expectation"),
-                  "seeds": "-"})
+    table.append(
+        {"round": "-", **summarise("random (expected)", [random_ranker(100)], "exact expectation"), "seeds": "-"}
+    )
     frame = pd.DataFrame(table)
-    write_csv(frame[["round", "method", "seeds", "setting", *(f"{m}-mean" for m in METRICS)]],
-              results / f"main-{dataset}.csv")
-    text = [f"# {dataset}: test HR@K / NDCG@K, mean ± std over seeds (settings chosen on the validation item)\n",
-            markdown(frame[["round", "method", "seeds", *METRICS, "setting"]])]
+    write_csv(
+        frame[["round", "method", "seeds", "setting", *(f"{m}-mean" for m in METRICS)]], results / f"main-{dataset}.csv"
+    )
+    text = [
+        f"# {dataset}: test HR@K / NDCG@K, mean ± std over seeds (settings chosen on the validation item)\n",
+        markdown(frame[["round", "method", "seeds", *METRICS, "setting"]]),
+    ]
     lines = []
     for rounds in (G.GRID_ROUNDS, G.LONG_ROUNDS):
         gel, off = per.get(("FedRecGEL", rounds), []), per.get(("FedRecGEL w/o SAM", rounds), [])
@@ -168,17 +186,25 @@ def main_table(results: Path, dataset: str, data_dir: str) -> None:
             others = [(m, r) for m, r in fed if m not in ("FedRecGEL", "FedRecGEL w/o SAM")]
             if per.get(("FedRecGEL", rounds)) and others:
                 base, brows = max(others, key=lambda mr: np.mean([r["val-HR@10"] for r in mr[1]]))
-                lines.append(f"| {rounds} | FedRecGEL - {base} (best baseline on validation) | "
-                             f"{paired(per[('FedRecGEL', rounds)], brows)} |")
+                lines.append(
+                    f"| {rounds} | FedRecGEL - {base} (best baseline on validation) | "
+                    f"{paired(per[('FedRecGEL', rounds)], brows)} |"
+                )
             ncf = per.get(("centralized NCF", 0), [])
             if ncf:
                 gap = np.mean([r["HR@10"] for r in ncf]) - np.mean([r["HR@10"] for r in pop])
                 got = np.mean([r["HR@10"] for r in rows]) - np.mean([r["HR@10"] for r in pop])
-                lines.append(f"| {rounds} | share of the popularity -> centralized NCF gap ({gap:+.4f}) closed by "
-                             f"{best} | {got / gap:.2f} |" if gap else "")
+                lines.append(
+                    f"| {rounds} | share of the popularity -> centralized NCF gap ({gap:+.4f}) closed by "
+                    f"{best} | {got / gap:.2f} |"
+                    if gap
+                    else ""
+                )
     if lines:
         text.append("\n# Paired-by-seed differences of test HR@10 (mean ± std over seeds, per seed)\n")
-        text.append("| round | comparison | value |\n|---|---|---|\n" + "\n".join(line for line in lines if line) + "\n")
+        text.append(
+            "| round | comparison | value |\n|---|---|---|\n" + "\n".join(line for line in lines if line) + "\n"
+        )
     atomic_write_text(results / f"main-{dataset}.md", "\n".join(text))
     curves(results, dataset, selection, pop, per.get(("centralized NCF", 0), []))
 
@@ -206,14 +232,20 @@ def preset_table(results: Path, dataset: str) -> None:
     if not table:
         return
     frame = pd.DataFrame(table)
-    write_csv(frame[["round", "method", "seeds", "setting", *(f"{m}-mean" for m in METRICS)]],
-              results / f"preset-{dataset}.csv")
-    atomic_write_text(results / f"preset-{dataset}.md",
-                      f"# {dataset}: presets beside their base method (test, mean ± std over seeds; the base's rates "
-                      "selected on the validation item)\n\n" + markdown(frame[["round", "method", "seeds", *METRICS,
-                                                                               "setting"]])
-                      + "\n# Paired-by-seed differences (preset - base; mean ± std over seeds, per seed)\n\n"
-                      + "| round | comparison | value |\n|---|---|---|\n" + "\n".join(lines) + "\n")
+    write_csv(
+        frame[["round", "method", "seeds", "setting", *(f"{m}-mean" for m in METRICS)]],
+        results / f"preset-{dataset}.csv",
+    )
+    atomic_write_text(
+        results / f"preset-{dataset}.md",
+        f"# {dataset}: presets beside their base method (test, mean ± std over seeds; the base's rates "
+        "selected on the validation item)\n\n"
+        + markdown(frame[["round", "method", "seeds", *METRICS, "setting"]])
+        + "\n# Paired-by-seed differences (preset - base; mean ± std over seeds, per seed)\n\n"
+        + "| round | comparison | value |\n|---|---|---|\n"
+        + "\n".join(lines)
+        + "\n",
+    )
 
 
 ZOOM_FROM_ROUND = 50
@@ -222,8 +254,13 @@ popularity and centralized lines): the early rounds and the random ranker would 
 FilmTrust every tuned method lies within 0.02 HR@10 of popularity."""
 
 
-def zoom_limits(curves: list[pd.Series], levels: list[float], from_round: int = ZOOM_FROM_ROUND,
-                pad: float = 0.08, floor: float | None = None) -> tuple[float, float]:
+def zoom_limits(
+    curves: list[pd.Series],
+    levels: list[float],
+    from_round: int = ZOOM_FROM_ROUND,
+    pad: float = 0.08,
+    floor: float | None = None,
+) -> tuple[float, float]:
     """y-limits ``(low, high)`` holding every curve's values at rounds >= ``from_round`` (each curve a Series indexed
     by round; a curve with no such round contributes its last value) and every level in ``levels``, widened by
     ``pad`` of that range on each side (at least 0.005, so a flat curve still gets an axis). Curve values below
@@ -267,8 +304,13 @@ def curves(results: Path, dataset: str, selection: dict, pop: list[dict], ncf: l
                 mean, std = frame.mean(axis=1), frame.std(axis=1).fillna(0)
                 for axis in (full, zoom):
                     color = f"C{list(G.METHODS).index(method)}"  # one colour per method on every dataset's plot
-                    axis.plot(mean.index, mean.values, marker=".", color=color,
-                              label=f"{method} ({len(series)} seeds, {rounds} rounds)")
+                    axis.plot(
+                        mean.index,
+                        mean.values,
+                        marker=".",
+                        color=color,
+                        label=f"{method} ({len(series)} seeds, {rounds} rounds)",
+                    )
                     axis.fill_between(mean.index, mean - std, mean + std, alpha=0.15, color=color)
                 drawn.extend([mean - std, mean + std])
                 last[method] = float(mean.iloc[-1])

@@ -40,13 +40,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def provenance() -> dict:
     """The git commit of the code a run uses, and whether tracked files had uncommitted changes then."""
+
     def git(*args):
         try:
             return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
-    return {"commit": git("rev-parse", "HEAD"), "uncommitted-changes": bool(git("status", "--porcelain", "-uno")),
-            "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "uncommitted-changes": bool(git("status", "--porcelain", "-uno")),
+        "command": " ".join(sys.argv),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def run_folder(dataset: str, method: str, setting: dict, seed: int, rounds: int) -> Path:
@@ -74,8 +80,11 @@ def run_one(dataset: str, method: str, setting: dict, seed: int, rounds: int, da
     from fedrec_flwr.serial import run_serial
 
     folder = run_folder(dataset, method, setting, seed, rounds)
-    overrides = {**G.run_overrides(method, setting, dataset, seed, rounds), "results-dir": str(folder.parent),
-                 "run-name": folder.name}
+    overrides = {
+        **G.run_overrides(method, setting, dataset, seed, rounds),
+        "results-dir": str(folder.parent),
+        "run-name": folder.name,
+    }
     if data_dir:
         overrides["data-dir"] = str(Path(data_dir) / dataset)
     config = config_with_retry(overrides)
@@ -127,8 +136,12 @@ def tune(dataset: str, method: str, data_dir: str) -> dict:
         for n, s, r in stage_points:
             scores = {k: v for k, v in r.items() if k.startswith("val-")} if r is not None else {"failed": True}
             points.setdefault(n, {"setting": s, "stage": stage, **scores})  # the incumbent keeps its first stage
-    record = {"setting": fixed, "name": G.setting_name(fixed), "grid": list(points.values()),
-              "selected-on": f"val-HR@10 (then val-NDCG@10) at round {G.GRID_ROUNDS}, seed {G.GRID_SEED}"}
+    record = {
+        "setting": fixed,
+        "name": G.setting_name(fixed),
+        "grid": list(points.values()),
+        "selected-on": f"val-HR@10 (then val-NDCG@10) at round {G.GRID_ROUNDS}, seed {G.GRID_SEED}",
+    }
     path = RESULTS / f"selection-{dataset}.json"
     current = json.loads(path.read_text()) if path.is_file() else {}
     current[method] = record
@@ -163,15 +176,33 @@ def centralized(dataset: str, model: str, seed: int, data_dir: str, epochs: int)
         if mine:
             config = make_run_config(**{**G.PROTOCOL, "dataset": dataset, "seed": seed})
             split = split_of(dataset, seed, data_dir)
-            settings = {"model": model, "epochs": epochs, "batch_size": 1024, "learning_rate": 0.001,
-                        "optimizer": "adam", "num_train_negatives": config.num_train_negatives,
-                        "embedding_dim": config.embedding_dim, "mlp_layers": list(config.mlp_layer_sizes), "seed": seed}
+            settings = {
+                "model": model,
+                "epochs": epochs,
+                "batch_size": 1024,
+                "learning_rate": 0.001,
+                "optimizer": "adam",
+                "num_train_negatives": config.num_train_negatives,
+                "embedding_dim": config.embedding_dim,
+                "mlp_layers": list(config.mlp_layer_sizes),
+                "seed": seed,
+            }
             atomic_write_json(folder / "provenance.json", {**provenance(), "settings": settings})
             started = time.time()
-            result = train_centralized(split, model, epochs=epochs, batch_size=1024, learning_rate=0.001,
-                                       optimizer="adam", num_train_negatives=config.num_train_negatives,
-                                       embedding_dim=config.embedding_dim, mlp_layers=config.mlp_layer_sizes,
-                                       seed=seed, eval_which="both", ks=config.k_values)
+            result = train_centralized(
+                split,
+                model,
+                epochs=epochs,
+                batch_size=1024,
+                learning_rate=0.001,
+                optimizer="adam",
+                num_train_negatives=config.num_train_negatives,
+                embedding_dim=config.embedding_dim,
+                mlp_layers=config.mlp_layer_sizes,
+                seed=seed,
+                eval_which="both",
+                ks=config.k_values,
+            )
             atomic_write_json(folder / "metrics.json", result.history)
             atomic_write_json(folder / "summary.json", {"seconds": round(time.time() - started, 1), **settings})
     return folder
@@ -189,13 +220,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", nargs="+", default=list(G.METHODS), choices=list(G.METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=list(G.SEEDS))
     parser.add_argument("--presets", nargs="+", default=list(G.PRESETS), choices=list(G.PRESETS))
-    parser.add_argument("--rounds", type=int, default=G.GRID_ROUNDS, choices=(G.GRID_ROUNDS, G.LONG_ROUNDS),
-                        help="the preset step's budget")
-    parser.add_argument("--data-dir", default=os.environ.get("FEDREC_DATA_DIR", ""),
-                        help="folder holding <dataset>/ folders (default $FEDREC_DATA_DIR; empty = download)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=G.GRID_ROUNDS,
+        choices=(G.GRID_ROUNDS, G.LONG_ROUNDS),
+        help="the preset step's budget",
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=os.environ.get("FEDREC_DATA_DIR", ""),
+        help="folder holding <dataset>/ folders (default $FEDREC_DATA_DIR; empty = download)",
+    )
     args = parser.parse_args(argv)
     quiet_flower()
-    steps = {"all": ("grid", "seeds", "centralized", "long"), }.get(args.command, (args.command,))
+    steps = {
+        "all": ("grid", "seeds", "centralized", "long"),
+    }.get(args.command, (args.command,))
     for dataset in args.datasets:
         for step in steps:
             if step == "grid":

@@ -27,8 +27,10 @@ def validation_score(row: Mapping[str, Any], key: str = SELECT_KEY) -> tuple[flo
     """
     _check_key(key)
     if key not in row or TIE_KEY not in row:
-        raise ValueError(f"result row has no {key!r} / {TIE_KEY!r} (run with holdout-validation and "
-                         f"evaluate-validation): keys {sorted(row)}")
+        raise ValueError(
+            f"result row has no {key!r} / {TIE_KEY!r} (run with holdout-validation and "
+            f"evaluate-validation): keys {sorted(row)}"
+        )
     return float(row[key]), float(row[TIE_KEY])
 
 

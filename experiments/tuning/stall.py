@@ -32,15 +32,24 @@ def main(argv: list[str]) -> None:
     for std in stds:
         base.init_embedding.__wrapped__.__defaults__ = (std,)  # torch.no_grad() wraps it
         with tempfile.TemporaryDirectory() as tmp:
-            overrides = {**PROTOCOL, **METHODS["FedMF"], "learning-rate": rate, "dataset": "ml-100k",
-                         "results-dir": tmp, "run-name": "stall"}
+            overrides = {
+                **PROTOCOL,
+                **METHODS["FedMF"],
+                "learning-rate": rate,
+                "dataset": "ml-100k",
+                "results-dir": tmp,
+                "run-name": "stall",
+            }
             if data_dir:
                 overrides["data-dir"] = str(Path(data_dir) / "ml-100k")
             rows = json.loads((run_serial(make_run_config(**overrides)) / "metrics.json").read_text())
-        print(f"learning-rate {rate:g} init-std {std:g} | train loss rounds 1-10:",
-              " ".join(f"{r['train-loss']:.3f}" for r in rows[:10]), "| val/test HR@10:",
-              " ".join(f"r{r['round']} {r['val-HR@10']:.3f}/{r['HR@10']:.3f}" for r in rows if "val-HR@10" in r),
-              flush=True)
+        print(
+            f"learning-rate {rate:g} init-std {std:g} | train loss rounds 1-10:",
+            " ".join(f"{r['train-loss']:.3f}" for r in rows[:10]),
+            "| val/test HR@10:",
+            " ".join(f"r{r['round']} {r['val-HR@10']:.3f}/{r['HR@10']:.3f}" for r in rows if "val-HR@10" in r),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -43,18 +43,47 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricR
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-from fedrec_flwr.arrays import decode_array, encode_array
-from fedrec_flwr.local.blocks import evaluate_block, train_block, use_blocks
-from fedrec_flwr.state.client_state import DURABLE_ROUND_KEY, RESUME_ROUND_KEY, STATE_DIR_KEY, ClientStateStore, state_folder, user_record_keys
-from fedrec_flwr.errors import ConfigError, FedRecError
-from fedrec_flwr.unlearning.influence import can_batch, influence_gn_diagonal, influence_loss_sums
-from fedrec_flwr.registry import resolve
 from fedrec_flwr.app.runtime import Runtime, get_runtime, node_users
+from fedrec_flwr.arrays import decode_array, encode_array
+from fedrec_flwr.errors import ConfigError, FedRecError
+from fedrec_flwr.local.blocks import evaluate_block, train_block, use_blocks
+from fedrec_flwr.registry import resolve
+from fedrec_flwr.state.client_state import (
+    DURABLE_ROUND_KEY,
+    NEW_RUN_KEY,
+    RESUME_ROUND_KEY,
+    STATE_DIR_KEY,
+    ClientStateError,
+    ClientStateStore,
+    nonfinite_records,
+    state_folder,
+    user_record_keys,
+)
+from fedrec_flwr.unlearning.influence import can_batch, influence_gn_diagonal, influence_loss_sums
 from fedrec_flwr.unlearning.margin import margin_sums, positive_counts
-from fedrec_flwr.wire import ADVERSARY_GRADIENT, ARRAYS, CONFIG, GRADIENT_USERS, IDENTIFY, METRICS, NUM_EXAMPLES, SUPPORT, UNLEARN_AFFECTED, UNLEARN_COUNTS, UNLEARN_DIAGONAL, UNLEARN_GRADIENT, UNLEARN_HVP, UNLEARN_LOCAL_CG, UNLEARN_LOSS, UNLEARN_MARGIN, VECTOR, Contribution, SparseSum, unpack_sparse
-from fedrec_flwr.state.client_state import NEW_RUN_KEY, ClientStateError, nonfinite_records
-from fedrec_flwr.wire import ISOLATED_USERS
-
+from fedrec_flwr.wire import (
+    ADVERSARY_GRADIENT,
+    ARRAYS,
+    CONFIG,
+    GRADIENT_USERS,
+    IDENTIFY,
+    ISOLATED_USERS,
+    METRICS,
+    NUM_EXAMPLES,
+    SUPPORT,
+    UNLEARN_AFFECTED,
+    UNLEARN_COUNTS,
+    UNLEARN_DIAGONAL,
+    UNLEARN_GRADIENT,
+    UNLEARN_HVP,
+    UNLEARN_LOCAL_CG,
+    UNLEARN_LOSS,
+    UNLEARN_MARGIN,
+    VECTOR,
+    Contribution,
+    SparseSum,
+    unpack_sparse,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +93,26 @@ def split_fingerprint(split) -> str:
     facts = json.dumps(split.meta, sort_keys=True, default=str)
     return hashlib.sha256(facts.encode()).hexdigest()[:16]
 
-SPLIT_FACTS = ("held_out_order", "tie_rule", "tie_rule_applied", "timestamps", "min_user_interactions",
-               "interactions_in_file", "duplicates_removed", "dropped_users", "dropped_items",
-               "interactions_of_dropped_users", "num_interactions", "users_with_tied_latest", "holdout_validation",
-               "num_test_negatives", "seed", "source_sha256", "format_version")
+
+SPLIT_FACTS = (
+    "held_out_order",
+    "tie_rule",
+    "tie_rule_applied",
+    "timestamps",
+    "min_user_interactions",
+    "interactions_in_file",
+    "duplicates_removed",
+    "dropped_users",
+    "dropped_items",
+    "interactions_of_dropped_users",
+    "num_interactions",
+    "users_with_tied_latest",
+    "holdout_validation",
+    "num_test_negatives",
+    "seed",
+    "source_sha256",
+    "format_version",
+)
 """What the split did (keys of :attr:`fedrec_flwr.data.Split.meta`), reported by ``identify`` and written to the
 results folder's ``config.json`` by the ServerApp, which never reads the data itself."""
 
@@ -104,8 +149,12 @@ def record_number(value: Any, key: str, client) -> int | float:
             and ``client``'s class.
     """
     item = value
-    if not isinstance(item, (numbers.Number, np.generic)) and hasattr(item, "item") and \
-            getattr(item, "ndim", None) is not None and int(np.prod(getattr(item, "shape", ()))) == 1:
+    if (
+        not isinstance(item, (numbers.Number, np.generic))
+        and hasattr(item, "item")
+        and getattr(item, "ndim", None) is not None
+        and int(np.prod(getattr(item, "shape", ()))) == 1
+    ):
         item = item.item()  # a one-element numpy array or torch tensor
     if isinstance(item, (bool, np.bool_)):
         return int(item)
@@ -113,8 +162,10 @@ def record_number(value: Any, key: str, client) -> int | float:
         return int(item)
     if isinstance(item, numbers.Real):
         return float(item)
-    raise RecordValueError(f"client {_class_name(client)}: metric {key!r} = {value!r} ({type(value).__name__}) is "
-                           "not a number; Flower's MetricRecord holds int or float values only")
+    raise RecordValueError(
+        f"client {_class_name(client)}: metric {key!r} = {value!r} ({type(value).__name__}) is "
+        "not a number; Flower's MetricRecord holds int or float values only"
+    )
 
 
 def metric_record(values: Mapping[str, Any], client) -> MetricRecord:
@@ -149,13 +200,16 @@ def _requested_users(message: Message, served: range) -> list[int]:
     users = [int(u) for u in requested]
     outside = [u for u in users if u not in served]
     if outside:
-        raise ValueError(f"users {outside[:10]} are not served by this node (it serves {served.start}..{served.stop - 1})")
+        raise ValueError(
+            f"users {outside[:10]} are not served by this node (it serves {served.start}..{served.stop - 1})"
+        )
     return users
 
 
 @contextmanager
-def private_state(context: Context, runtime: Runtime, config: Mapping[str, Any], users, *,
-                  save: bool = False) -> Iterator[None]:
+def private_state(
+    context: Context, runtime: Runtime, config: Mapping[str, Any], users, *, save: bool = False
+) -> Iterator[None]:
     """Make ``users``' private records available in ``context.state`` for one message.
 
     Without ``client-state-dir`` (node config, else run config) this does nothing: the records stay in the node's
@@ -202,8 +256,7 @@ def _shared_arrays(message: Message) -> dict:
     record = message.content[ARRAYS]
     arrays = tuple(record.values())
     record_then, arrays_then, decoded = _LAST_SHARED
-    if record_then is record and len(arrays_then) == len(arrays) and all(
-            a is b for a, b in zip(arrays_then, arrays)):
+    if record_then is record and len(arrays_then) == len(arrays) and all(a is b for a, b in zip(arrays_then, arrays)):
         return decoded
     decoded = {key: decode_array(array) for key, array in record.items()}
     _LAST_SHARED[:] = [record, arrays, decoded]
@@ -223,11 +276,17 @@ def isolate_nonfinite_users(context: Context, users: list[int], what: str) -> tu
         bad = nonfinite_records(context.state, user)
         if bad:
             isolated.append(user)
-            log.warning("user %d: private state %s holds NaN or infinity: left out of %s (the node's other users go "
-                        "on)", user, ", ".join(bad[:3]), what)
+            log.warning(
+                "user %d: private state %s holds NaN or infinity: left out of %s (the node's other users go on)",
+                user,
+                ", ".join(bad[:3]),
+                what,
+            )
     if isolated and len(isolated) == len(users):
-        raise ClientStateError(f"users {isolated[:10]}: every requested user's private state holds NaN or infinity; "
-                               f"none can take part in {what}")
+        raise ClientStateError(
+            f"users {isolated[:10]}: every requested user's private state holds NaN or infinity; "
+            f"none can take part in {what}"
+        )
     return ([u for u in users if u not in set(isolated)], isolated) if isolated else (users, [])
 
 
@@ -245,18 +304,30 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
     with private_state(context, runtime, config, users, save=True):
         users, isolated = isolate_nonfinite_users(context, users, "training")
         for client, update in _user_updates(runtime, users, context, shared, config):
-            weight = float(record_number(update.aggregation_weight, "aggregation weight (UserUpdate.weight or "
-                                         "num_examples)", client))
+            weight = float(
+                record_number(
+                    update.aggregation_weight, "aggregation weight (UserUpdate.weight or num_examples)", client
+                )
+            )
             loss = float(record_number(update.loss, "train-loss (UserUpdate.loss)", client))
             contribution.add_user(update.dense, update.rows, weight, loss)
             extra.add(getattr(update, "metrics", None) or {}, weight, client)
             gradients += int(update.is_gradient)
-    metrics = {NUM_EXAMPLES: float(contribution.num_examples), "num-users": contribution.num_users,
-               "train-loss": float(contribution.mean_loss), GRADIENT_USERS: gradients, **extra.means()}
+    metrics = {
+        NUM_EXAMPLES: float(contribution.num_examples),
+        "num-users": contribution.num_users,
+        "train-loss": float(contribution.mean_loss),
+        GRADIENT_USERS: gradients,
+        **extra.means(),
+    }
     if isolated:
         metrics[ISOLATED_USERS] = float(len(isolated))
-    content = RecordDict({ARRAYS: ArrayRecord({k: encode_array(v) for k, v in contribution.pack().items()}),
-                          METRICS: metric_record(metrics, client)})
+    content = RecordDict(
+        {
+            ARRAYS: ArrayRecord({k: encode_array(v) for k, v in contribution.pack().items()}),
+            METRICS: metric_record(metrics, client),
+        }
+    )
     return Message(content=content, reply_to=message)
 
 
@@ -298,12 +369,16 @@ class UserMetrics:
         """
         for key in metrics:
             if not isinstance(key, str) or key in RESERVED_METRICS:
-                raise RecordValueError(f"client {_class_name(client)}: UserUpdate.metrics key {key!r} is "
-                                       f"{'reserved' if isinstance(key, str) else 'not a string'} (reserved: "
-                                       f"{list(RESERVED_METRICS)})")
+                raise RecordValueError(
+                    f"client {_class_name(client)}: UserUpdate.metrics key {key!r} is "
+                    f"{'reserved' if isinstance(key, str) else 'not a string'} (reserved: "
+                    f"{list(RESERVED_METRICS)})"
+                )
         if self.users and set(metrics) != set(self.sums):
-            raise RecordValueError(f"client {_class_name(client)}: users of one node report different "
-                                   f"UserUpdate.metrics keys ({sorted(self.sums)} and {sorted(metrics)})")
+            raise RecordValueError(
+                f"client {_class_name(client)}: users of one node report different "
+                f"UserUpdate.metrics keys ({sorted(self.sums)} and {sorted(metrics)})"
+            )
         for key, value in metrics.items():
             number = float(record_number(value, key, client))
             if not math.isfinite(number):
@@ -398,7 +473,8 @@ def _resume_state_check(message: Message, context: Context, runtime: Runtime, se
     if folder is None:
         return {}
     damaged, absent = ClientStateStore(folder).resume_problems(
-        served, int(config[RESUME_ROUND_KEY]), set_aside=bool(config.get("resume-resets-client-state", False)))
+        served, int(config[RESUME_ROUND_KEY]), set_aside=bool(config.get("resume-resets-client-state", False))
+    )
     facts = {"client-state-folder": str(folder)} if damaged or absent else {}
     if damaged:
         facts["client-state-damaged"] = damaged
@@ -456,8 +532,9 @@ def unlearn_affected(message: Message, context: Context, run_config: Mapping[str
     _, clients, _ = _remaining_users(message, context, run_config)
     support = message.content[SUPPORT]["rows"].numpy().astype(np.int64)
     overlaps = [int(np.isin(c.influence_items(), support).sum()) for c in clients]
-    record = ConfigRecord({"affected-users": sum(1 for o in overlaps if o), "overlap": sum(overlaps),
-                           "remaining-users": len(clients)})
+    record = ConfigRecord(
+        {"affected-users": sum(1 for o in overlaps if o), "overlap": sum(overlaps), "remaining-users": len(clients)}
+    )
     return Message(content=RecordDict({CONFIG: record}), reply_to=message)
 
 
@@ -471,8 +548,11 @@ def unlearn_hvp(message: Message, context: Context, run_config: Mapping[str, Any
     groups = [clients] if len(clients) > 1 and can_batch(runtime.model) else [[c] for c in clients]
     with private_state(context, runtime, config, [c.user for c in clients]):
         for group in groups:
-            total.add(*group[0].influence_hvp(shared, direction, group=group,
-                                              curvature=str(config.get("curvature", "hessian"))))
+            total.add(
+                *group[0].influence_hvp(
+                    shared, direction, group=group, curvature=str(config.get("curvature", "hessian"))
+                )
+            )
     total.count = len(clients)
     return _sparse_reply(message, total, {}, clients[0] if clients else None)
 
@@ -488,8 +568,9 @@ def unlearn_loss(message: Message, context: Context, run_config: Mapping[str, An
     steps = [float(a) for a in config.get("steps", [])]
     with private_state(context, runtime, config, [c.user for c in clients]):
         sums = influence_loss_sums(runtime, clients, shared, direction, steps)
-    metrics = metric_record({"num-users": len(clients), "loss-sums": [float(v) for v in sums]},
-                            clients[0] if clients else None)
+    metrics = metric_record(
+        {"num-users": len(clients), "loss-sums": [float(v) for v in sums]}, clients[0] if clients else None
+    )
     return Message(content=RecordDict({METRICS: metrics}), reply_to=message)
 
 
@@ -503,8 +584,11 @@ def unlearn_diagonal(message: Message, context: Context, run_config: Mapping[str
     total = SparseSum(runtime.layout)
     if clients:
         with private_state(context, runtime, config, [c.user for c in clients]):
-            total.add(*influence_gn_diagonal(runtime, clients, shared, probes=int(config.get("probes", 8)),
-                                             seed=int(config.get("seed", 0))))
+            total.add(
+                *influence_gn_diagonal(
+                    runtime, clients, shared, probes=int(config.get("probes", 8)), seed=int(config.get("seed", 0))
+                )
+            )
     total.count = len(clients)
     return _sparse_reply(message, total, {}, clients[0] if clients else None)
 
@@ -517,10 +601,13 @@ def unlearn_counts(message: Message, context: Context, run_config: Mapping[str, 
     served = node_users(runtime.config, context.node_config, runtime.split.num_users)
     config = dict(message.content[CONFIG]) if CONFIG in message.content else {}
     excluded = {int(u) for u in config.get("exclude", [])}
-    counts = {"remaining": positive_counts(runtime, [u for u in served if u not in excluded]),
-              "forgotten": positive_counts(runtime, [u for u in served if u in excluded])}
-    return Message(content=RecordDict({ARRAYS: ArrayRecord({k: encode_array(v) for k, v in counts.items()})}),
-                   reply_to=message)
+    counts = {
+        "remaining": positive_counts(runtime, [u for u in served if u not in excluded]),
+        "forgotten": positive_counts(runtime, [u for u in served if u in excluded]),
+    }
+    return Message(
+        content=RecordDict({ARRAYS: ArrayRecord({k: encode_array(v) for k, v in counts.items()})}), reply_to=message
+    )
 
 
 def unlearn_margin(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
@@ -533,11 +620,19 @@ def unlearn_margin(message: Message, context: Context, run_config: Mapping[str, 
     steps = [float(a) for a in config.get("steps", [])]
     with private_state(context, runtime, config, users):
         clients = [make_client(runtime, u, context) for u in users]
-        sums, count = margin_sums(runtime, clients, shared, direction, steps,
-                                  np.asarray(config.get("bins", []), dtype=np.int64),
-                                  np.asarray(config.get("dominated", []), dtype=np.int64))
-    metrics = metric_record({"num-users": len(users), "margin-sums": [float(v) for v in sums],
-                             "margin-count": count}, clients[0] if clients else None)
+        sums, count = margin_sums(
+            runtime,
+            clients,
+            shared,
+            direction,
+            steps,
+            np.asarray(config.get("bins", []), dtype=np.int64),
+            np.asarray(config.get("dominated", []), dtype=np.int64),
+        )
+    metrics = metric_record(
+        {"num-users": len(users), "margin-sums": [float(v) for v in sums], "margin-count": count},
+        clients[0] if clients else None,
+    )
     return Message(content=RecordDict({METRICS: metrics}), reply_to=message)
 
 
@@ -553,20 +648,37 @@ def unlearn_local_cg(message: Message, context: Context, run_config: Mapping[str
     rhs = unpack_sparse({k: a.numpy() for k, a in message.content[VECTOR].items()}, runtime.layout)
     causal = bool(config.get("causal", False))
     total = SparseSum(runtime.layout)
-    stats = {"weight-sum": 0.0, "solved": 0.0, "dropped": 0.0, "max-iterations": 0.0, "max-residual": 0.0,
-             "not-converged": 0.0, "negative-curvature": 0.0, "boundary": 0.0}
+    stats = {
+        "weight-sum": 0.0,
+        "solved": 0.0,
+        "dropped": 0.0,
+        "max-iterations": 0.0,
+        "max-residual": 0.0,
+        "not-converged": 0.0,
+        "negative-curvature": 0.0,
+        "boundary": 0.0,
+    }
     with private_state(context, runtime, config, [c.user for c in clients]):
         for client in clients:
             weight = 1.0
             if causal:
                 dense, rows, _ = client.influence_gradient(shared)
-                weight = float(np.sqrt(sum(float(np.sum(v ** 2)) for v in dense.values())
-                                       + sum(float(np.sum(v ** 2)) for _, v in rows.values())))
+                weight = float(
+                    np.sqrt(
+                        sum(float(np.sum(v**2)) for v in dense.values())
+                        + sum(float(np.sum(v**2)) for _, v in rows.values())
+                    )
+                )
             dense, rows, result = client.influence_solve(
-                shared, rhs, iterations=int(config["iterations"]), damping=float(config["damping"]),
-                tolerance=float(config["tolerance"]), curvature=str(config.get("curvature", "hessian")),
+                shared,
+                rhs,
+                iterations=int(config["iterations"]),
+                damping=float(config["damping"]),
+                tolerance=float(config["tolerance"]),
+                curvature=str(config.get("curvature", "hessian")),
                 solver=str(config.get("solver", "cg")),
-                radius=float(config["radius"]) if "radius" in config else None)
+                radius=float(config["radius"]) if "radius" in config else None,
+            )
             stats["not-converged"] += float(not result.converged)
             stats["negative-curvature"] += float(result.negative_curvature)
             stats["boundary"] += float(result.boundary)
@@ -584,8 +696,9 @@ def unlearn_local_cg(message: Message, context: Context, run_config: Mapping[str
     return _sparse_reply(message, total, stats, clients[0] if clients else None)
 
 
-def adversary_gradient_query(message: Message, context: Context,
-                             run_config: Mapping[str, Any] | None = None) -> Message:
+def adversary_gradient_query(
+    message: Message, context: Context, run_config: Mapping[str, Any] | None = None
+) -> Message:
     """FedAU²'s extra server step of ``h_w`` (:meth:`fedrec_flwr.strategies.adversary.AdversaryServerStep.extra_steps`): the
     mean over the requested users of each one's ``h_w`` gradient (``client.adversary_query_gradient``: the train
     reply's gradient, DSVAE noise included, at the sent ``h_w`` and the user's current embedding, which stays
@@ -607,8 +720,10 @@ def adversary_gradient_query(message: Message, context: Context,
         for user in users if mean is None else ():
             client = make_client(runtime, user, context)
             if not hasattr(client, "adversary_query_gradient"):
-                raise ConfigError(f"client {_class_name(client)} does not answer the adversary_gradient query "
-                                  "(use client = 'fedau2' or 'fedau2-gel')")
+                raise ConfigError(
+                    f"client {_class_name(client)} does not answer the adversary_gradient query "
+                    "(use client = 'fedau2' or 'fedau2-gel')"
+                )
             for key, grad in client.adversary_query_gradient(shared, config).items():
                 total[key] = total.get(key, 0.0) + np.asarray(grad, dtype=np.float64)
     if mean is None:
@@ -638,11 +753,17 @@ def make_client_app(run_config: Mapping[str, Any] | None = None, mods: list | No
     client_app.train()(partial(_with_config, train, run_config))
     client_app.evaluate()(partial(_with_config, evaluate, run_config))
     client_app.query(IDENTIFY)(partial(_with_config, identify, run_config))
-    for action, handler in ((UNLEARN_GRADIENT, unlearn_gradient), (UNLEARN_AFFECTED, unlearn_affected),
-                            (UNLEARN_HVP, unlearn_hvp), (UNLEARN_LOCAL_CG, unlearn_local_cg),
-                            (UNLEARN_LOSS, unlearn_loss), (UNLEARN_DIAGONAL, unlearn_diagonal),
-                            (UNLEARN_COUNTS, unlearn_counts), (UNLEARN_MARGIN, unlearn_margin),
-                            (ADVERSARY_GRADIENT, adversary_gradient_query)):
+    for action, handler in (
+        (UNLEARN_GRADIENT, unlearn_gradient),
+        (UNLEARN_AFFECTED, unlearn_affected),
+        (UNLEARN_HVP, unlearn_hvp),
+        (UNLEARN_LOCAL_CG, unlearn_local_cg),
+        (UNLEARN_LOSS, unlearn_loss),
+        (UNLEARN_DIAGONAL, unlearn_diagonal),
+        (UNLEARN_COUNTS, unlearn_counts),
+        (UNLEARN_MARGIN, unlearn_margin),
+        (ADVERSARY_GRADIENT, adversary_gradient_query),
+    ):
         client_app.query(action)(partial(_with_config, handler, run_config))
     return client_app
 

@@ -49,8 +49,9 @@ ORIGINAL_GET_MESSAGE_INS = InMemoryLinkState.get_message_ins
 """Flower's own method, kept so the patch can be undone (:func:`restore`) and compared with (the tests)."""
 
 
-def get_message_ins_by_destination(self: InMemoryLinkState, node_id: int, limit: int | None, *,
-                                   run_id: int | None = None) -> list[Message]:
+def get_message_ins_by_destination(
+    self: InMemoryLinkState, node_id: int, limit: int | None, *, run_id: int | None = None
+) -> list[Message]:
     """``InMemoryLinkState.get_message_ins`` with the cheap tests first: the undelivered messages for ``node_id`` (of
     run ``run_id`` if given) that pass Flower's validity check, at most ``limit``, in storage order, marked delivered.
 
@@ -97,8 +98,9 @@ def simulation_link_state(num_nodes: int, run_ids: tuple[int, ...] = (1,)) -> tu
     state = factory.state()
     for run_id in run_ids:
         task_id = 1000 + run_id
-        state.run_ids[run_id] = RunRecord(run=replace(Run.create_empty(run_id=run_id), primary_task_id=task_id,
-                                                      federation_id=NOOP_FEDERATION_ID))
+        state.run_ids[run_id] = RunRecord(
+            run=replace(Run.create_empty(run_id=run_id), primary_task_id=task_id, federation_id=NOOP_FEDERATION_ID)
+        )
         state.task_store[task_id] = Task(task_id=task_id, run_id=run_id)
     mapping = _register_nodes(num_nodes, factory)
     return state, sorted(mapping, key=mapping.get)
@@ -115,8 +117,9 @@ def store_message(state: InMemoryLinkState, message_id: str, dst_node_id: int, r
     from flwr.app import ConfigRecord, RecordDict
     from flwr.common.constant import SUPERLINK_NODE_ID
 
-    message = Message(RecordDict({"c": ConfigRecord({"id": message_id})}), dst_node_id=dst_node_id,
-                      message_type="query.link_state")
+    message = Message(
+        RecordDict({"c": ConfigRecord({"id": message_id})}), dst_node_id=dst_node_id, message_type="query.link_state"
+    )
     message.metadata.__dict__.update({"_message_id": message_id, "_run_id": run_id, "_src_node_id": SUPERLINK_NODE_ID})
     if state.store_message_ins(message) != message_id:
         raise ValueError(f"Flower's link state refused message {message_id!r} for node {dst_node_id}")

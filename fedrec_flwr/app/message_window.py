@@ -51,12 +51,18 @@ def simulation_window() -> int:
     return max(MIN_WINDOW, WINDOW_PER_CPU * cores)
 
 
-def send_and_receive(push: Callable[[Iterable[Message]], Iterable[str]],
-                     pull: Callable[[Iterable[str]], Iterable[Message]], messages: Iterable[Message], *,
-                     window: int, timeout: float | None, pull_interval: float = 0.1,
-                     clock: Callable[[], float] = time.monotonic,
-                     sleep: Callable[[float], None] = time.sleep,
-                     on_reply: Callable[[int], None] | None = None) -> list[Message]:
+def send_and_receive(
+    push: Callable[[Iterable[Message]], Iterable[str]],
+    pull: Callable[[Iterable[str]], Iterable[Message]],
+    messages: Iterable[Message],
+    *,
+    window: int,
+    timeout: float | None,
+    pull_interval: float = 0.1,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    on_reply: Callable[[int], None] | None = None,
+) -> list[Message]:
     """Send ``messages`` with at most ``window`` pushed and unanswered at any time; return the replies.
 
     Args:
@@ -173,9 +179,15 @@ class WindowedGrid(GridProxy):
         from fedrec_flwr.progress import ReplyProgress
 
         messages = list(messages)
-        return send_and_receive(self.grid.push_messages, self.grid.pull_messages, messages, window=self.window,
-                                timeout=timeout, pull_interval=getattr(self.grid, "pull_interval", 0.1),
-                                on_reply=ReplyProgress(messages))
+        return send_and_receive(
+            self.grid.push_messages,
+            self.grid.pull_messages,
+            messages,
+            window=self.window,
+            timeout=timeout,
+            pull_interval=getattr(self.grid, "pull_interval", 0.1),
+            on_reply=ReplyProgress(messages),
+        )
 
 
 def windowed(grid: Grid, max_in_flight: int) -> Grid:

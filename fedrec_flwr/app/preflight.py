@@ -38,18 +38,17 @@ import secrets
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedrec_flwr.state.checkpoint import Checkpoint, check_client_state, check_resumable, load_checkpoint
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.state.results import check_results_folder
+from fedrec_flwr.state.checkpoint import Checkpoint, check_client_state, check_resumable, load_checkpoint
 from fedrec_flwr.state.client_state import RUN_NAME_RULE_TEXT, run_name_problem
-from fedrec_flwr.state.results import check_folder_free
+from fedrec_flwr.state.results import check_folder_free, check_results_folder
 
 
 @dataclass(frozen=True)
@@ -106,26 +105,35 @@ def preflight(config: RunConfig | Mapping[str, Any], *, with_data: bool = False)
         folder = Path(resume.folder).resolve()
         problem = run_name_problem(folder.name)
         if problem is not None:  # a resumed run keeps its folder's name: its clients' state folder is named after it
-            raise ConfigError(f"run-config key 'resume-from' = {config.resume_from!r}: the checkpoint's folder name "
-                              f"{folder.name!r} cannot name a run ({problem}); rename the folder (the run's name is "
-                              "its folder's name)")
+            raise ConfigError(
+                f"run-config key 'resume-from' = {config.resume_from!r}: the checkpoint's folder name "
+                f"{folder.name!r} cannot name a run ({problem}); rename the folder (the run's name is "
+                "its folder's name)"
+            )
         if (folder / "summary.json").is_file():
-            raise ConfigError(f"run-config key 'resume-from' = {config.resume_from!r}: {folder} holds a finished run "
-                              "(summary.json), which is never rewritten; to train further start a new run (another "
-                              "'run-name')")
+            raise ConfigError(
+                f"run-config key 'resume-from' = {config.resume_from!r}: {folder} holds a finished run "
+                "(summary.json), which is never rewritten; to train further start a new run (another "
+                "'run-name')"
+            )
         check_folder_free(folder, "resume-from", config.resume_from)
     else:
         folder = Path(config.results_dir).expanduser().resolve() / default_run_name(config)
         check_folder_free(folder)
         check_results_folder(folder, clear=False)
-    _check_writable(folder, "resume-from" if resume is not None else "results-dir",
-                    config.resume_from if resume is not None else config.results_dir)
-    _check_name_fits(folder, "resume-from" if resume is not None else "run-name",
-                     config.resume_from if resume is not None else folder.name)
+    _check_writable(
+        folder,
+        "resume-from" if resume is not None else "results-dir",
+        config.resume_from if resume is not None else config.results_dir,
+    )
+    _check_name_fits(
+        folder,
+        "resume-from" if resume is not None else "run-name",
+        config.resume_from if resume is not None else folder.name,
+    )
     runtime = None
     if with_data:
-        from fedrec_flwr.app.runtime import get_runtime
-        from fedrec_flwr.app.runtime import forget_cached_data
+        from fedrec_flwr.app.runtime import forget_cached_data, get_runtime
 
         if resume is not None:  # the data as they are now, not a split this process loaded before they changed
             forget_cached_data()
@@ -155,8 +163,10 @@ def build_strategy(config: RunConfig, layout, topology, dry: bool = False):
     with quiet() if dry else nullcontext():
         strategy = resolve_strategy(config.strategy).from_run_config(config, layout, topology)
     if config.unlearning != "none" and not hasattr(strategy, "run_unlearning"):
-        raise ConfigError(f"run-config key 'unlearning' = {config.unlearning!r}: strategy {config.strategy!r} has no "
-                          "unlearning phase (use a strategy derived from ItemEmbeddingFedAvg, e.g. 'item-fedavg')")
+        raise ConfigError(
+            f"run-config key 'unlearning' = {config.unlearning!r}: strategy {config.strategy!r} has no "
+            "unlearning phase (use a strategy derived from ItemEmbeddingFedAvg, e.g. 'item-fedavg')"
+        )
     return strategy
 
 
@@ -173,9 +183,11 @@ def check_run_name(name: str) -> None:
         return
     problem = run_name_problem(name)
     if problem is not None:
-        raise ConfigError(f"run-config key 'run-name' = {name!r}: {problem}: it names the results folder under "
-                          "'results-dir' and the clients' state folder under 'client-state-dir' (a run name is "
-                          f"{RUN_NAME_RULE_TEXT})")
+        raise ConfigError(
+            f"run-config key 'run-name' = {name!r}: {problem}: it names the results folder under "
+            "'results-dir' and the clients' state folder under 'client-state-dir' (a run name is "
+            f"{RUN_NAME_RULE_TEXT})"
+        )
 
 
 RESULTS_FOLDER_SIDE_FILES = (".lock",)
@@ -196,12 +208,16 @@ def _check_name_fits(folder: Path, key: str, value: str) -> None:
         limit = os.pathconf(existing, "PC_NAME_MAX")
     except (OSError, ValueError, AttributeError):  # not POSIX, or the file system does not say
         limit = 255
-    longest = max(len(folder.name.encode("utf-8", "surrogatepass")) + len(suffix) + 1
-                  for suffix in ("", *RESULTS_FOLDER_SIDE_FILES))
+    longest = max(
+        len(folder.name.encode("utf-8", "surrogatepass")) + len(suffix) + 1
+        for suffix in ("", *RESULTS_FOLDER_SIDE_FILES)
+    )
     if limit and longest > limit:
-        raise ConfigError(f"run-config key {key!r} = {value!r}: the results folder's name {folder.name!r} is too long "
-                          f"for the file system of {str(existing)!r} ({longest} bytes with its lock file, at most "
-                          f"{limit})")
+        raise ConfigError(
+            f"run-config key {key!r} = {value!r}: the results folder's name {folder.name!r} is too long "
+            f"for the file system of {str(existing)!r} ({longest} bytes with its lock file, at most "
+            f"{limit})"
+        )
 
 
 def default_run_name(config: RunConfig) -> str:
@@ -211,14 +227,14 @@ def default_run_name(config: RunConfig) -> str:
     descriptive part is cut so that the name stays within the rule's 200 characters."""
     if config.run_name:
         return config.run_name
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + f"-p{os.getpid()}-{secrets.token_hex(3)}"
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ") + f"-p{os.getpid()}-{secrets.token_hex(3)}"
     client = config.client.rsplit(":", 1)[-1].lower()
     strategy = config.strategy.rsplit(":", 1)[-1].lower()
     unlearn = f"-unlearn-{config.unlearning}" if config.unlearning != "none" else ""
     described = re.sub(r"[^A-Za-z0-9._=,+-]+", "-", f"{config.dataset}-{config.model}-{client}-{strategy}{unlearn}")
     described = described.lstrip("._=,+-") or "run"
     tail = f"-{stamp}"
-    return described[:200 - len(tail)] + tail
+    return described[: 200 - len(tail)] + tail
 
 
 @contextmanager
@@ -253,11 +269,14 @@ def _check_writable(folder: Path, key: str, value: str) -> None:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(f"run-config key {key!r} = {value!r}: the results folder {folder} cannot be created: "
-                          f"{existing} is a file")
+        raise ConfigError(
+            f"run-config key {key!r} = {value!r}: the results folder {folder} cannot be created: {existing} is a file"
+        )
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".fedrec-preflight-", dir=existing))
     except OSError as err:
-        raise ConfigError(f"run-config key {key!r} = {value!r}: the results folder {folder} cannot be "
-                          f"{'written' if existing == folder else 'created'}: {existing} does not allow it "
-                          f"({err.strerror or err})") from None
+        raise ConfigError(
+            f"run-config key {key!r} = {value!r}: the results folder {folder} cannot be "
+            f"{'written' if existing == folder else 'created'}: {existing} does not allow it "
+            f"({err.strerror or err})"
+        ) from None

@@ -15,13 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fedrec_flwr.attributes import AttributeLabels, encode_attribute
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.data import GenericSource, Split, load_split
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.models import RecModel, build_model
-from fedrec_flwr.attributes import AttributeLabels, encode_attribute
-from fedrec_flwr.seeding import TAG_MODEL_INIT, torch_generator
 from fedrec_flwr.local.training import LocalTrainConfig
+from fedrec_flwr.models import RecModel, build_model
+from fedrec_flwr.seeding import TAG_MODEL_INIT, torch_generator
 from fedrec_flwr.wire import ModelLayout
 
 log = logging.getLogger(__name__)
@@ -39,9 +39,18 @@ def load_split_for(config: RunConfig) -> Split:
     """
     config.check_files(data_dir_for(config))
     key = (
-        config.dataset, config.data_dir, config.cache_dir, config.generic_file, config.generic_columns,
-        config.generic_attributes_file, config.generic_attributes_user_column, config.min_user_interactions,
-        config.tie_rule, config.seed, config.num_test_negatives, config.holdout_validation,
+        config.dataset,
+        config.data_dir,
+        config.cache_dir,
+        config.generic_file,
+        config.generic_columns,
+        config.generic_attributes_file,
+        config.generic_attributes_user_column,
+        config.min_user_interactions,
+        config.tie_rule,
+        config.seed,
+        config.num_test_negatives,
+        config.holdout_validation,
     )
     with _LOCK:
         if key not in _SPLIT_CACHE:
@@ -110,14 +119,22 @@ def build_shared_model(config: RunConfig, num_items: int, num_users: int = 1, nu
         from fedrec_flwr.adversary import ADVERSARY_MODULE, build_adversary, user_vector_dim
 
         if num_classes < 2:
-            raise ConfigError(f"run-config key 'adversary' = {config.adversary!r} needs the protected attribute's "
-                              f"classes (>= 2), got {num_classes}")
+            raise ConfigError(
+                f"run-config key 'adversary' = {config.adversary!r} needs the protected attribute's "
+                f"classes (>= 2), got {num_classes}"
+            )
         if not model.user_embedding_modules():
-            raise ConfigError(f"run-config key 'adversary' = {config.adversary!r} needs a model with user embeddings "
-                              f"(mf or ncf), got model = {config.model!r}")
+            raise ConfigError(
+                f"run-config key 'adversary' = {config.adversary!r} needs a model with user embeddings "
+                f"(mf or ncf), got model = {config.model!r}"
+            )
         adversary = build_adversary(
-            config.adversary, user_vector_dim(model), num_classes, hidden=config.adversary_hidden,
-            latent=config.dsvae_latent_dim, gradient_noise=config.dsvae_gradient_noise,
+            config.adversary,
+            user_vector_dim(model),
+            num_classes,
+            hidden=config.adversary_hidden,
+            latent=config.dsvae_latent_dim,
+            gradient_noise=config.dsvae_gradient_noise,
             generator=torch_generator(config.seed, TAG_MODEL_INIT, 1),
         )
         model.attach_shared_module(ADVERSARY_MODULE, adversary)
@@ -194,8 +211,9 @@ def get_runtime(run_config: Mapping[str, Any] | RunConfig) -> Runtime:
         split = load_split_for(config)
         protected = protected_labels(config, split)
         model = build_shared_model(config, split.num_items, num_classes=protected.num_classes if protected else 0)
-        runtime = Runtime(config, split, model, ModelLayout.from_model(model), local_train_config(config),
-                          protected=protected)
+        runtime = Runtime(
+            config, split, model, ModelLayout.from_model(model), local_train_config(config), protected=protected
+        )
         _RUNTIMES[key] = runtime
         freeze_long_lived_objects()
     _LAST_RUNTIME[:] = [dict(run_config), runtime]
@@ -232,7 +250,7 @@ def node_users(config: RunConfig, node_config: Mapping[str, Any], num_users: int
     if "partition-id" not in node_config:
         raise ConfigError(
             "node config has no 'partition-id' (start the SuperNode with "
-            "--node-config \"partition-id=<i> num-partitions=<N>\")"
+            '--node-config "partition-id=<i> num-partitions=<N>")'
         )
     pid = node_config["partition-id"]
     if isinstance(pid, bool) or not isinstance(pid, int):

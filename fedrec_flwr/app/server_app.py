@@ -28,32 +28,42 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Mapping
-from functools import partial
-from typing import Any
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
-from fedrec_flwr.state.checkpoint import CHECKPOINT_FILE, Checkpoint, check_client_state, save_checkpoint
-from fedrec_flwr.wire import IDENTIFY
-from fedrec_flwr.state.client_state import DURABLE_ROUND_KEY, RESUME_ROUND_KEY, RUN_KEY
-from fedrec_flwr.config import RunConfig
-from fedrec_flwr.errors import ConfigError, reply_error_line
 from fedrec_flwr.app.message_window import is_simulation_grid, windowed
-from fedrec_flwr.registry import LOGGER_ROOTS
 from fedrec_flwr.app.preflight import Preflight, build_strategy, default_run_name, preflight  # noqa: F401 - default_run_name: importable from here too
-from fedrec_flwr.state.results import FAILED_FILE, PROGRESS, RunRecorder, check_results_folder, describe_failure, read_failure, write_failure
 from fedrec_flwr.app.runtime import build_shared_model
-from fedrec_flwr.state.checkpoint import check_same_data
-from fedrec_flwr.state.client_state import NEW_RUN_KEY, ClientStateStore
-from fedrec_flwr.errors import FedRecError, OneLineRecords
+from fedrec_flwr.config import RunConfig
+from fedrec_flwr.errors import ConfigError, FedRecError, OneLineRecords, reply_error_line
 from fedrec_flwr.io import remove_dead_temporaries
-from fedrec_flwr.state.results import FolderLock
-from fedrec_flwr.wire import CONFIG, ModelLayout, Topology
+from fedrec_flwr.registry import LOGGER_ROOTS
+from fedrec_flwr.state.checkpoint import (
+    CHECKPOINT_FILE,
+    Checkpoint,
+    check_client_state,
+    check_same_data,
+    save_checkpoint,
+)
+from fedrec_flwr.state.client_state import DURABLE_ROUND_KEY, NEW_RUN_KEY, RESUME_ROUND_KEY, RUN_KEY, ClientStateStore
+from fedrec_flwr.state.results import (
+    FAILED_FILE,
+    PROGRESS,
+    FolderLock,
+    RunRecorder,
+    check_results_folder,
+    describe_failure,
+    read_failure,
+    write_failure,
+)
+from fedrec_flwr.wire import CONFIG, IDENTIFY, ModelLayout, Topology
 
 log = logging.getLogger(__name__)
 
@@ -80,17 +90,20 @@ def _setup_logging() -> None:
         PROGRESS.setLevel(logging.INFO)
 
 
-def identify_nodes(grid: Grid, nodes, timeout: float,
-                   query: Mapping[str, Any] | None = None) -> tuple[list[dict], list[tuple[int, str]]]:
+def identify_nodes(
+    grid: Grid, nodes, timeout: float, query: Mapping[str, Any] | None = None
+) -> tuple[list[dict], list[tuple[int, str]]]:
     """Send the ``identify`` query to ``nodes``; returns ``(facts, errors)``: each answering node's reported facts
     (its ``partition-id``, ``first-user``, ``num-users``, the dataset's shape and fingerprint) with ``"node"`` added,
     and ``(node, reason)`` for each node that answered with an error (e.g. a bad ``partition-id``). ``query``: the
     query's config (a resume's: the run, ``resume-round``, ... so each node checks its users' state files)."""
     content = RecordDict({CONFIG: ConfigRecord(dict(query))}) if query else RecordDict()
-    replies = list(grid.send_and_receive(
-        [Message(content, dst_node_id=n, message_type=f"{MessageType.QUERY}.{IDENTIFY}") for n in nodes],
-        timeout=timeout,
-    ))
+    replies = list(
+        grid.send_and_receive(
+            [Message(content, dst_node_id=n, message_type=f"{MessageType.QUERY}.{IDENTIFY}") for n in nodes],
+            timeout=timeout,
+        )
+    )
     errors = [(int(m.metadata.src_node_id), reply_error_line(m.error.reason)) for m in replies if m.has_error()]
     facts = [dict(m.content[CONFIG]) | {"node": m.metadata.src_node_id} for m in replies if not m.has_error()]
     return facts, errors
@@ -119,17 +132,24 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float, query: Mapp
         time.sleep(0.5)
     connected = time.monotonic()
     facts, errors = identify_nodes(grid, nodes, timeout, query)
-    log.info("identify: %d of %d SuperNodes answered in %.1f s (%.1f s waiting for them to connect)", len(facts),
-             len(nodes), time.monotonic() - connected, connected - started)
+    log.info(
+        "identify: %d of %d SuperNodes answered in %.1f s (%.1f s waiting for them to connect)",
+        len(facts),
+        len(nodes),
+        time.monotonic() - connected,
+        connected - started,
+    )
     if errors:
         raise ConfigError(f"node {errors[0][0]} cannot serve this run: {errors[0][1]}")
     if not facts:
         raise ConfigError(f"no SuperNode answered the identify query within {timeout:.0f} s ({len(nodes)} connected)")
-    shapes = {(f["num-users-total"], f["num-items"], f["fingerprint"], f.get("num-attribute-classes", 0))
-              for f in facts}
+    shapes = {
+        (f["num-users-total"], f["num-items"], f["fingerprint"], f.get("num-attribute-classes", 0)) for f in facts
+    }
     if len(shapes) != 1:
-        raise ConfigError(f"SuperNodes disagree on the dataset (users, items, fingerprint, attribute classes): "
-                          f"{sorted(shapes)}")
+        raise ConfigError(
+            f"SuperNodes disagree on the dataset (users, items, fingerprint, attribute classes): {sorted(shapes)}"
+        )
     num_users, num_items, fingerprint, num_classes = shapes.pop()
     needed = -(-num_users // config.users_per_node)
     if len(facts) != needed:
@@ -149,16 +169,31 @@ def discover_topology(grid: Grid, config: RunConfig, timeout: float, query: Mapp
         raise ConfigError(f"no SuperNode serves user {int(np.flatnonzero(~covered)[0])}")
     split = json.loads(facts[0].get("split-facts", "{}"))  # equal on every node: the fingerprint covers it
     without_state = sorted(int(f["partition-id"]) for f in facts if not f.get("client-state", False))
-    state_problems = [{"partition-id": int(f["partition-id"]), "node": int(f["node"]),
-                       "folder": f["client-state-folder"], "damaged": list(f.get("client-state-damaged", [])),
-                       "absent": list(f.get("client-state-absent", [])),
-                       "earlier": list(f.get("client-state-earlier", []))}
-                      for f in sorted(facts, key=lambda f: f["partition-id"]) if "client-state-folder" in f]
-    return Topology(user_to_node, fingerprint), int(num_items), {"num-users": int(num_users), "num-items": int(num_items),
-                                                      "split-fingerprint": fingerprint,
-                                                      "num-attribute-classes": int(num_classes), "split": split,
-                                                      "nodes-without-client-state": without_state,
-                                                      "client-state-problems": state_problems}
+    state_problems = [
+        {
+            "partition-id": int(f["partition-id"]),
+            "node": int(f["node"]),
+            "folder": f["client-state-folder"],
+            "damaged": list(f.get("client-state-damaged", [])),
+            "absent": list(f.get("client-state-absent", [])),
+            "earlier": list(f.get("client-state-earlier", [])),
+        }
+        for f in sorted(facts, key=lambda f: f["partition-id"])
+        if "client-state-folder" in f
+    ]
+    return (
+        Topology(user_to_node, fingerprint),
+        int(num_items),
+        {
+            "num-users": int(num_users),
+            "num-items": int(num_items),
+            "split-fingerprint": fingerprint,
+            "num-attribute-classes": int(num_classes),
+            "split": split,
+            "nodes-without-client-state": without_state,
+            "client-state-problems": state_problems,
+        },
+    )
 
 
 @dataclass
@@ -187,8 +222,13 @@ class Progress:
     """Whether the rounds have begun (an error of bad input before that is a refusal: no ``failed.json``)."""
 
 
-def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = None, *,
-         on_round: Callable[[RoundView], None] | None = None) -> Path:
+def main(
+    grid: Grid,
+    context: Context,
+    run_config: Mapping[str, Any] | None = None,
+    *,
+    on_round: Callable[[RoundView], None] | None = None,
+) -> Path:
     """Run one federated experiment (see the module docstring); returns the results folder.
 
     ``on_round(view)``, if given (in-process callers only, e.g. an experiment's per-round attack on a
@@ -208,8 +248,10 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
     plan = preflight(RunConfig.from_mapping(context.run_config or run_config or {}))  # no data here: the nodes have it
     progress = Progress(completed=plan.resume.server_round if plan.resume is not None else 0)
     # the folder is this run's until it returns: a second run of it is refused (before it touches the folder)
-    lock = FolderLock(plan.folder, *(("resume-from", plan.config.resume_from) if plan.resume is not None else
-                                     ("run-name", plan.folder.name))).acquire()
+    lock = FolderLock(
+        plan.folder,
+        *(("resume-from", plan.config.resume_from) if plan.resume is not None else ("run-name", plan.folder.name)),
+    ).acquire()
     patched = False
     try:
         patched = _fast_link_state(plan.config, grid)
@@ -218,10 +260,18 @@ def main(grid: Grid, context: Context, run_config: Mapping[str, Any] | None = No
         refused = isinstance(err, FedRecError) and not progress.training
         if plan.folder.is_dir() and not refused:  # a run refused before training leaves the folder as it was
             try:
-                write_failure(plan.folder, err, server_round=progress.round, rounds_completed=progress.completed,
-                              num_server_rounds=plan.config.num_server_rounds)
-                log.info("the run failed%s: %s records it", f" in round {progress.round}" if progress.round else "",
-                         plan.folder / FAILED_FILE)
+                write_failure(
+                    plan.folder,
+                    err,
+                    server_round=progress.round,
+                    rounds_completed=progress.completed,
+                    num_server_rounds=plan.config.num_server_rounds,
+                )
+                log.info(
+                    "the run failed%s: %s records it",
+                    f" in round {progress.round}" if progress.round else "",
+                    plan.folder / FAILED_FILE,
+                )
             except OSError as problem:  # the run's own error matters more than its record
                 log.warning("could not write %s: %s", plan.folder / FAILED_FILE, problem)
         raise
@@ -247,8 +297,10 @@ def _fast_link_state(config: RunConfig, grid: Grid) -> bool:
     if flower_patches.active():
         return False
     if flower_patches.apply():
-        log.info("fast-link-state: each node's next message is looked up by its destination first "
-                 "(fedrec_flwr/app/flower_patches.py)")
+        log.info(
+            "fast-link-state: each node's next message is looked up by its destination first "
+            "(fedrec_flwr/app/flower_patches.py)"
+        )
         return True
     return False
 
@@ -264,31 +316,48 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
     grid = windowed(grid, config.max_in_flight)  # every phase's messages, ours and a wrapped Flower strategy's
     removed = remove_dead_temporaries(folder, any_writer=True)  # this run holds the folder's lock: nobody else writes
     if removed:
-        log.info("removed %d temporary file(s) an earlier run left in %s when it was killed mid-write (e.g. %s)",
-                 len(removed), folder, removed[0].name)
+        log.info(
+            "removed %d temporary file(s) an earlier run left in %s when it was killed mid-write (e.g. %s)",
+            len(removed),
+            folder,
+            removed[0].name,
+        )
     if resume is None:
         check_results_folder(folder)  # clears what an interrupted run of this name left
-    query = {RUN_KEY: folder.name, NEW_RUN_KEY: True} if resume is None else {  # each node checks its users' state
-        RUN_KEY: folder.name, RESUME_ROUND_KEY: resume.server_round,  # files (client_app.identify)
-        "resume-resets-client-state": config.resume_resets_client_state}
-    topology, num_items, facts = discover_topology(grid, config, timeout=max(config.round_timeout, IDENTIFY_TIMEOUT),
-                                                   query=query)
+    query = (
+        {RUN_KEY: folder.name, NEW_RUN_KEY: True}
+        if resume is None
+        else {  # each node checks its users' state
+            RUN_KEY: folder.name,
+            RESUME_ROUND_KEY: resume.server_round,  # files (client_app.identify)
+            "resume-resets-client-state": config.resume_resets_client_state,
+        }
+    )
+    topology, num_items, facts = discover_topology(
+        grid, config, timeout=max(config.round_timeout, IDENTIFY_TIMEOUT), query=query
+    )
     without_state = facts.pop("nodes-without-client-state")
     state_problems = facts.pop("client-state-problems")
     earlier = [node for node in state_problems if node["earlier"]]
     if resume is None and earlier:  # before anything is trained or written
         first = earlier[0]
         files = sum(len(node["earlier"]) for node in earlier)
-        raise ConfigError(f"run-config key 'run-name' = {folder.name!r}: the clients' state folder {first['folder']!r} "
-                          f"(node {first['node']}, partition-id {first['partition-id']}) already holds state files of "
-                          f"an earlier run of this name ({files} user file(s) on {len(earlier)} node(s), e.g. "
-                          f"{ClientStateStore(first['folder']).path(first['earlier'][0]).name}); a new run would mix "
-                          "them with its own: continue that run with 'resume-from', delete the folder, or set another "
-                          "'run-name'")
+        raise ConfigError(
+            f"run-config key 'run-name' = {folder.name!r}: the clients' state folder {first['folder']!r} "
+            f"(node {first['node']}, partition-id {first['partition-id']}) already holds state files of "
+            f"an earlier run of this name ({files} user file(s) on {len(earlier)} node(s), e.g. "
+            f"{ClientStateStore(first['folder']).path(first['earlier'][0]).name}); a new run would mix "
+            "them with its own: continue that run with 'resume-from', delete the folder, or set another "
+            "'run-name'"
+        )
     split_facts = facts.pop("split", {})
-    data = {"source-sha256": split_facts.get("source-sha256"), "num-users": facts["num-users"],
-            "num-items": facts["num-items"], "num-interactions": split_facts.get("num-interactions"),
-            "fingerprint": facts["split-fingerprint"]}
+    data = {
+        "source-sha256": split_facts.get("source-sha256"),
+        "num-users": facts["num-users"],
+        "num-items": facts["num-items"],
+        "num-interactions": split_facts.get("num-interactions"),
+        "fingerprint": facts["split-fingerprint"],
+    }
     if resume is not None:
         check_same_data(resume, data, "as the nodes report")  # before anything is built from the data
         reset = check_client_state(resume, without_state, config.resume_resets_client_state, state_problems)
@@ -311,38 +380,70 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
         log.info("resuming %s after round %d (checkpoint %s)", folder.name, resume.server_round, resume.folder)
         failure = read_failure(folder)
         if failure is not None:  # the interrupted run failed after its last checkpoint; this run goes on from it
-            log.warning("results folder %s held a failed run (%s): its failed.json is removed", folder,
-                        describe_failure(failure))
+            log.warning(
+                "results folder %s held a failed run (%s): its failed.json is removed",
+                folder,
+                describe_failure(failure),
+            )
             (folder / FAILED_FILE).unlink(missing_ok=True)
     # Sent with every message: the run's name (clients' state files) and the last checkpoint's round (which of their
     # saved versions clients may drop; -1 = no checkpoints, keep the newest only).
-    message_config = {RUN_KEY: folder.name,
-                      DURABLE_ROUND_KEY: (first_round - 1) if config.checkpoint_every or resume else -1}
+    message_config = {
+        RUN_KEY: folder.name,
+        DURABLE_ROUND_KEY: (first_round - 1) if config.checkpoint_every or resume else -1,
+    }
     if hasattr(strategy, "message_config"):
         strategy.message_config = message_config
 
     # a split without timestamps has no ties to break: config.json says what ordered the held-out items instead
-    tie_rule = config.tie_rule if split_facts.get("tie-rule-applied", True) else \
-        f"not applied: {split_facts.get('held-out-order', 'no timestamps')}"
+    tie_rule = (
+        config.tie_rule
+        if split_facts.get("tie-rule-applied", True)
+        else f"not applied: {split_facts.get('held-out-order', 'no timestamps')}"
+    )
     # the folder's name: the run config's run-name, or the generated one when that is empty
     window = getattr(grid, "window", None)  # max-in-flight as applied (fedrec_flwr.app.message_window); None: no window
-    info = {"run-folder": folder.name, "dataset": facts, "split": split_facts, "tie-rule": tie_rule,
-            "messages-in-flight": window if window is not None else "all", "link-state-lookup": lookup}
+    info = {
+        "run-folder": folder.name,
+        "dataset": facts,
+        "split": split_facts,
+        "tie-rule": tie_rule,
+        "messages-in-flight": window if window is not None else "all",
+        "link-state-lookup": lookup,
+    }
     if hasattr(strategy, "run_info"):  # e.g. a wrapped Flower strategy's class and constructor arguments
         info["strategy"] = strategy.run_info()
     recorder = RunRecorder(folder, config.to_dict(), info, rows=resume.rows if resume is not None else ())
-    log.info("%s: %d users on %d nodes, %d items; results in %s", config.dataset, facts["num-users"],
-             len(set(topology.user_to_node.tolist())), num_items, folder)
+    log.info(
+        "%s: %d users on %d nodes, %d items; results in %s",
+        config.dataset,
+        facts["num-users"],
+        len(set(topology.user_to_node.tolist())),
+        num_items,
+        folder,
+    )
     if window is not None:
-        log.info("at most %d messages in flight (max-in-flight = %d%s)", window, config.max_in_flight,
-                 ": auto on Flower's simulation engine" if config.max_in_flight == 0 else "")
+        log.info(
+            "at most %d messages in flight (max-in-flight = %d%s)",
+            window,
+            config.max_in_flight,
+            ": auto on Flower's simulation engine" if config.max_in_flight == 0 else "",
+        )
 
     def record_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         if server_round >= first_round:
             recorder.record(server_round, strategy.last_train, strategy.last_evaluate)
             if config.checkpoint_every and server_round % config.checkpoint_every == 0:
-                _write_checkpoint(folder, server_round, config, arrays, strategy, recorder.rows,
-                                  client_state=not without_state, data=data)
+                _write_checkpoint(
+                    folder,
+                    server_round,
+                    config,
+                    arrays,
+                    strategy,
+                    recorder.rows,
+                    client_state=not without_state,
+                    data=data,
+                )
                 message_config[DURABLE_ROUND_KEY] = server_round
             if on_round is not None:
                 on_round(RoundView(server_round, grid, strategy, arrays, config, folder))
@@ -365,15 +466,21 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
     )
     if result.arrays is None:  # no round ran (resumed after the last round): the checkpoint's arrays are final
         result.arrays = initial
-    if config.unlearning in ("continue", "hfkcu", "gradient-ascent") and \
-            getattr(strategy, "unlearning_report", None) is None:
-        raise RuntimeError(f"unlearning = {config.unlearning!r} was configured but strategy {config.strategy!r} never ran "
-                           "its phase (does it override aggregate_train without calling super()?)")
+    if (
+        config.unlearning in ("continue", "hfkcu", "gradient-ascent")
+        and getattr(strategy, "unlearning_report", None) is None
+    ):
+        raise RuntimeError(
+            f"unlearning = {config.unlearning!r} was configured but strategy {config.strategy!r} never ran "
+            "its phase (does it override aggregate_train without calling super()?)"
+        )
     final = {k: v.numpy() for k, v in result.arrays.items()} if result.arrays is not None else {}
-    extra = {"client-failures": {str(k): v for k, v in getattr(strategy, "failures", {}).items()},
-             "evaluation-failures": {str(k): v for k, v in getattr(strategy, "evaluation_failures", {}).items()},
-             # users left out for non-finite private state, per phase and round (their nodes' logs name them)
-             "isolated-users": getattr(strategy, "isolated_users", {})}
+    extra = {
+        "client-failures": {str(k): v for k, v in getattr(strategy, "failures", {}).items()},
+        "evaluation-failures": {str(k): v for k, v in getattr(strategy, "evaluation_failures", {}).items()},
+        # users left out for non-finite private state, per phase and round (their nodes' logs name them)
+        "isolated-users": getattr(strategy, "isolated_users", {}),
+    }
     if getattr(strategy, "unlearning_report", None) is not None:
         extra["unlearning"] = strategy.unlearning_report
     recorder.finish(final, extra)
@@ -422,19 +529,38 @@ def _checkpoint_arrays(checkpoint: Checkpoint, layout: ModelLayout) -> ArrayReco
     expected = {k: tuple(v) for k, v in layout.shared_shapes.items()}
     found = {k: tuple(v.shape) for k, v in checkpoint.arrays.items()}
     if found != expected:
-        raise ConfigError(f"checkpoint {checkpoint.folder}: its shared parameters {found} do not match this run's "
-                          f"model {expected}")
+        raise ConfigError(
+            f"checkpoint {checkpoint.folder}: its shared parameters {found} do not match this run's model {expected}"
+        )
     return ArrayRecord({k: Array(np.asarray(checkpoint.arrays[k], dtype=np.float32)) for k in expected})
 
 
-def _write_checkpoint(folder: Path, server_round: int, config: RunConfig, arrays: ArrayRecord, strategy,
-                      rows: list, client_state: bool | None = None, data: Mapping[str, Any] | None = None) -> None:
+def _write_checkpoint(
+    folder: Path,
+    server_round: int,
+    config: RunConfig,
+    arrays: ArrayRecord,
+    strategy,
+    rows: list,
+    client_state: bool | None = None,
+    data: Mapping[str, Any] | None = None,
+) -> None:
     state, extra = strategy.checkpoint_state() if hasattr(strategy, "checkpoint_state") else ({}, {})
-    save_checkpoint(folder, Checkpoint(
-        server_round=server_round, run_name=folder.name, run_config=config.to_dict(),
-        arrays={k: v.numpy() for k, v in arrays.items()}, strategy_state=state, strategy_arrays=extra,
-        rows=list(rows), sampler={"seed": config.seed, "next-round": server_round + 1}, client_state=client_state,
-        data=dict(data or {})))
+    save_checkpoint(
+        folder,
+        Checkpoint(
+            server_round=server_round,
+            run_name=folder.name,
+            run_config=config.to_dict(),
+            arrays={k: v.numpy() for k, v in arrays.items()},
+            strategy_state=state,
+            strategy_arrays=extra,
+            rows=list(rows),
+            sampler={"seed": config.seed, "next-round": server_round + 1},
+            client_state=client_state,
+            data=dict(data or {}),
+        ),
+    )
     log.info("checkpoint of round %d written to %s", server_round, folder / CHECKPOINT_FILE)
 
 

@@ -12,5 +12,12 @@ from fedrec_flwr.attacks.attribute_inference import AttributeAttackResult, attri
 from fedrec_flwr.attacks.label_leakage import dlg_label, idlg_label
 from fedrec_flwr.attacks.membership import membership_auc, nonmember_items
 
-__all__ = ["AttributeAttackResult", "attribute_inference", "collect_user_embeddings", "dlg_label", "idlg_label",
-           "membership_auc", "nonmember_items"]
+__all__ = [
+    "AttributeAttackResult",
+    "attribute_inference",
+    "collect_user_embeddings",
+    "dlg_label",
+    "idlg_label",
+    "membership_auc",
+    "nonmember_items",
+]

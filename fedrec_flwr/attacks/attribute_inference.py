@@ -33,8 +33,8 @@ from sklearn.neural_network import MLPClassifier
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from fedrec_flwr.state.client_state import STATE_PREFIX
 from fedrec_flwr.errors import DataError
+from fedrec_flwr.state.client_state import STATE_PREFIX
 
 CLASSIFIERS = ("logreg", "mlp")
 
@@ -59,8 +59,11 @@ class AttributeAttackResult:
     def as_row(self, prefix: str = "") -> dict[str, float]:
         """Flat ``{"<prefix>auc": mean, "<prefix>auc-std": std, ...}``."""
         out = {}
-        for name, (mean, std) in (("auc", self.auc), ("balanced-accuracy", self.balanced_accuracy),
-                                  ("macro-f1", self.macro_f1)):
+        for name, (mean, std) in (
+            ("auc", self.auc),
+            ("balanced-accuracy", self.balanced_accuracy),
+            ("macro-f1", self.macro_f1),
+        ):
             out[f"{prefix}{name}"], out[f"{prefix}{name}-std"] = mean, std
         return out
 
@@ -78,14 +81,23 @@ def _classifier(name: str, seed: int, train_labels: np.ndarray | None = None):
             n, k = len(train_labels), len(counts)
             validation = int(np.ceil(0.1 * n))
             early = bool(counts.min() >= 2 and validation >= k and n - validation >= k)
-        return make_pipeline(StandardScaler(), MLPClassifier(hidden_layer_sizes=(100,), max_iter=500,
-                                                             early_stopping=early, random_state=seed))
+        return make_pipeline(
+            StandardScaler(),
+            MLPClassifier(hidden_layer_sizes=(100,), max_iter=500, early_stopping=early, random_state=seed),
+        )
     raise ValueError(f"unknown attack classifier {name!r}; use one of {CLASSIFIERS}")
 
 
-def attribute_inference(embeddings: np.ndarray, labels: np.ndarray, *, classifier: str = "logreg", splits: int = 5,
-                        train_fraction: float = 0.5, seed: int = 0,
-                        test_labels: np.ndarray | None = None) -> AttributeAttackResult:
+def attribute_inference(
+    embeddings: np.ndarray,
+    labels: np.ndarray,
+    *,
+    classifier: str = "logreg",
+    splits: int = 5,
+    train_fraction: float = 0.5,
+    seed: int = 0,
+    test_labels: np.ndarray | None = None,
+) -> AttributeAttackResult:
     """Train an attribute classifier on a random half of the users and score it on the other half.
 
     Args:
@@ -124,8 +136,10 @@ def attribute_inference(embeddings: np.ndarray, labels: np.ndarray, *, classifie
         raise DataError(f"attribute_inference: need >= 2 classes, got {classes.tolist()}")
     if counts.min() < 2:
         rare = classes[counts < 2].tolist()  # Python values: the message shows 9, not np.int64(9)
-        raise DataError(f"attribute_inference: class {rare[0]!r} has {int(counts.min())} user; every class needs >= 2 "
-                        f"(one known to the attacker, one held out); classes with < 2 users: {rare}")
+        raise DataError(
+            f"attribute_inference: class {rare[0]!r} has {int(counts.min())} user; every class needs >= 2 "
+            f"(one known to the attacker, one held out); classes with < 2 users: {rare}"
+        )
     unknown = np.setdiff1d(np.unique(y_test), classes)
     if unknown.size:
         raise DataError(f"attribute_inference: test_labels has class {unknown[0].item()!r}, which labels lacks")
@@ -144,8 +158,14 @@ def attribute_inference(embeddings: np.ndarray, labels: np.ndarray, *, classifie
         scores["balanced-accuracy"].append(float(balanced_accuracy_score(truth, predicted)))
         scores["macro-f1"].append(float(f1_score(truth, predicted, average="macro")))
     summary = {k: (float(np.mean(v)), float(np.std(v))) for k, v in scores.items()}
-    return AttributeAttackResult(classifier, splits, summary["auc"], summary["balanced-accuracy"],
-                                 summary["macro-f1"], {k: np.asarray(v) for k, v in scores.items()})
+    return AttributeAttackResult(
+        classifier,
+        splits,
+        summary["auc"],
+        summary["balanced-accuracy"],
+        summary["macro-f1"],
+        {k: np.asarray(v) for k, v in scores.items()},
+    )
 
 
 def stratified_halves(labels: np.ndarray, splits: int, train_fraction: float, seed: int):
@@ -166,8 +186,9 @@ def stratified_halves(labels: np.ndarray, splits: int, train_fraction: float, se
         yield np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
 
 
-def collect_user_embeddings(states: Iterable, private_keys: Iterable[str], num_users: int,
-                            prefix: str = STATE_PREFIX) -> tuple[np.ndarray, np.ndarray]:
+def collect_user_embeddings(
+    states: Iterable, private_keys: Iterable[str], num_users: int, prefix: str = STATE_PREFIX
+) -> tuple[np.ndarray, np.ndarray]:
     """Read every user's private embedding from nodes' ``context.state`` (evaluation only: simulation, after a run).
 
     Args:
@@ -193,9 +214,11 @@ def collect_user_embeddings(states: Iterable, private_keys: Iterable[str], num_u
                 continue
             missing = [k for k in keys if k not in record]
             if missing:
-                raise DataError(f"collect_user_embeddings: state record {name!r} has no {missing[0]!r} "
-                                f"(its keys: {sorted(record.keys())}); pass the model's ModelLayout.private_keys")
-            rows[int(name[len(prefix):])] = np.concatenate([record[k].numpy().reshape(-1) for k in keys])
+                raise DataError(
+                    f"collect_user_embeddings: state record {name!r} has no {missing[0]!r} "
+                    f"(its keys: {sorted(record.keys())}); pass the model's ModelLayout.private_keys"
+                )
+            rows[int(name[len(prefix) :])] = np.concatenate([record[k].numpy().reshape(-1) for k in keys])
     if not rows:
         return np.zeros((num_users, 0), dtype=np.float32), np.zeros(num_users, dtype=bool)
     dim = len(next(iter(rows.values())))

@@ -45,8 +45,9 @@ def idlg_label(bias_update: np.ndarray) -> int:
     return int(np.argmin(delta))
 
 
-def dlg_label(adversary: nn.Module, update: Mapping[str, np.ndarray], *, iterations: int = 100, lr: float = 0.1,
-              seed: int = 0) -> int:
+def dlg_label(
+    adversary: nn.Module, update: Mapping[str, np.ndarray], *, iterations: int = 100, lr: float = 0.1, seed: int = 0
+) -> int:
     """DLG's label by enumeration: for each class ``c``, optimise a dummy input so that the gradient of
     ``CE(h_w(x), c)`` matches ``update``; return the class with the best match (module docstring).
 

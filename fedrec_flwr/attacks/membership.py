@@ -58,7 +58,12 @@ def membership_auc(member_scores: Sequence[np.ndarray], nonmember_scores: Sequen
         per_user.append(roc_auc_score(labels, np.concatenate([members, others])))
     members = np.concatenate([np.asarray(m, dtype=np.float64) for m in member_scores])
     others = np.concatenate([np.asarray(o, dtype=np.float64) for o in nonmember_scores])
-    pooled = roc_auc_score(np.concatenate([np.ones(members.size), np.zeros(others.size)]),
-                           np.concatenate([members, others]))
-    return {"auc": float(np.mean(per_user)), "auc-std": float(np.std(per_user)), "auc-pooled": float(pooled),
-            "users": len(per_user)}
+    pooled = roc_auc_score(
+        np.concatenate([np.ones(members.size), np.zeros(others.size)]), np.concatenate([members, others])
+    )
+    return {
+        "auc": float(np.mean(per_user)),
+        "auc-std": float(np.std(per_user)),
+        "auc-pooled": float(pooled),
+        "users": len(per_user),
+    }

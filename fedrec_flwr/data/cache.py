@@ -51,8 +51,13 @@ def load_split(
     check_params(min_user_interactions, tie_rule, seed, num_test_negatives, holdout_validation)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     source = locate_source(dataset, data_dir, cache_dir=cache, generic=generic, download=download)
-    params = dict(min_user_interactions=min_user_interactions, tie_rule=tie_rule, seed=seed,
-                  num_test_negatives=num_test_negatives, holdout_validation=holdout_validation)
+    params = dict(
+        min_user_interactions=min_user_interactions,
+        tie_rule=tie_rule,
+        seed=seed,
+        num_test_negatives=num_test_negatives,
+        holdout_validation=holdout_validation,
+    )
     key = split_cache_key(dataset, source.combined_sha256, **params)
     path = cache / "processed" / f"{dataset}-{key}.npz"
     if path.exists():
@@ -78,9 +83,12 @@ def save_split(path: str | os.PathLike, split: Split) -> Path:
     """Write ``split`` to ``path`` as an ``.npz`` atomically (loadable with ``allow_pickle=False``)."""
     arrays = {
         "meta": np.asarray([json.dumps(split.meta, sort_keys=True)]),
-        "train_indptr": split.train_indptr, "train_items": split.train_items,
-        "test_items": split.test_items, "test_negatives": split.test_negatives,
-        "user_ids": np.asarray(split.user_ids, dtype=str), "item_ids": np.asarray(split.item_ids, dtype=str),
+        "train_indptr": split.train_indptr,
+        "train_items": split.train_items,
+        "test_items": split.test_items,
+        "test_negatives": split.test_negatives,
+        "user_ids": np.asarray(split.user_ids, dtype=str),
+        "item_ids": np.asarray(split.item_ids, dtype=str),
     }
     if split.val_items is not None:
         arrays["val_items"] = split.val_items
@@ -131,7 +139,7 @@ def read_split(path: str | os.PathLike, *, expected_key: str | None = None) -> S
         attributes = {}
         for name in arrays:
             if name.startswith(_ATTR_PREFIX):
-                attributes[name[len(_ATTR_PREFIX):]] = _check(arrays, name, (num_users,), "Uif")
+                attributes[name[len(_ATTR_PREFIX) :]] = _check(arrays, name, (num_users,), "Uif")
         if meta.get("num_interactions") != len(items) + num_users * (1 + holdout):
             raise DataError("num_interactions does not match the arrays")
     except DataError as exc:
@@ -139,11 +147,19 @@ def read_split(path: str | os.PathLike, *, expected_key: str | None = None) -> S
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise DataError(f"{path}: invalid cached split: {type(exc).__name__}: {exc}") from None
     return Split(
-        dataset=meta["dataset"], num_users=num_users, num_items=num_items, train_indptr=indptr,
-        train_items=items, test_items=arrays["test_items"], test_negatives=arrays["test_negatives"],
+        dataset=meta["dataset"],
+        num_users=num_users,
+        num_items=num_items,
+        train_indptr=indptr,
+        train_items=items,
+        test_items=arrays["test_items"],
+        test_negatives=arrays["test_negatives"],
         val_items=arrays.get("val_items") if holdout else None,
         val_negatives=arrays.get("val_negatives") if holdout else None,
-        user_ids=user_ids, item_ids=item_ids, attributes=attributes, meta=meta,
+        user_ids=user_ids,
+        item_ids=item_ids,
+        attributes=attributes,
+        meta=meta,
     )
 
 
@@ -151,8 +167,11 @@ def _check(arrays: dict, name: str, shape: tuple | None, kinds: str) -> np.ndarr
     if name not in arrays:
         raise DataError(f"array {name!r} missing")
     value = arrays[name]
-    if value.dtype.kind not in kinds or (value.dtype.kind == "i" and value.dtype != np.int64) or (
-            value.dtype.kind == "f" and value.dtype != np.float64):
+    if (
+        value.dtype.kind not in kinds
+        or (value.dtype.kind == "i" and value.dtype != np.int64)
+        or (value.dtype.kind == "f" and value.dtype != np.float64)
+    ):
         raise DataError(f"array {name!r} has dtype {value.dtype}")
     if shape is not None and value.shape != shape:
         raise DataError(f"array {name!r} has shape {value.shape}, expected {shape}")

@@ -139,7 +139,10 @@ def locate_files(
             if got != pins[f]:
                 logger.warning(
                     "dataset %s: %s has sha256 %s, not the pinned %s (another release?); using it anyway",
-                    name, paths[f], got, pins[f],
+                    name,
+                    paths[f],
+                    got,
+                    pins[f],
                 )
         return SourceFiles(name, paths, digests, combine_sha256(digests))
 

@@ -14,8 +14,8 @@ import csv
 import logging
 import os
 import re
-from decimal import Decimal
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,8 +26,8 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only
     import pandas as pd
 
-from fedrec_flwr.data.download import SourceFiles, combine_sha256, locate_files, sha256_file
 from fedrec_flwr.config import DATASETS
+from fedrec_flwr.data.download import SourceFiles, combine_sha256, locate_files, sha256_file
 from fedrec_flwr.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -196,27 +196,52 @@ def read_interactions(source: SourceFiles, generic: GenericSource | None = None)
     elif name == "lastfm-2k":
         table = _read_table(paths["user_artists.dat"], sep="\t", header=True)
         # The listening count is not a rating: every row is a positive; the weight is kept in ``rating``.
-        frame = _build_frame(table, paths["user_artists.dat"], user="userID", item="artistID", rating="weight",
-                             timestamp=None)
+        frame = _build_frame(
+            table, paths["user_artists.dat"], user="userID", item="artistID", rating="weight", timestamp=None
+        )
     elif name == "amazon-video":
         table = _read_table(paths["ratings.dat"], sep=",", header=False)
-        frame = _build_frame(table, paths["ratings.dat"], user=0, item=1, rating=2, timestamp=3, expect_cols=4,
-                             id_kinds=(_AMAZON_REVIEWER, _AMAZON_ASIN))
+        frame = _build_frame(
+            table,
+            paths["ratings.dat"],
+            user=0,
+            item=1,
+            rating=2,
+            timestamp=3,
+            expect_cols=4,
+            id_kinds=(_AMAZON_REVIEWER, _AMAZON_ASIN),
+        )
     elif name == "generic":
         if generic is None:
             raise ConfigError("dataset 'generic' needs generic=GenericSource(...)")
         path = paths["interactions"]
         sep = generic.sep if generic.sep is not None else sniff_separator(path)
         table = _read_table(path, sep=sep, header=generic.header)
-        frame = _build_frame(table, path, user=generic.user_col, item=generic.item_col,
-                             rating=generic.rating_col, timestamp=generic.timestamp_col, id_kinds=("auto", "auto"))
-        if generic.rating_col is not None and generic.timestamp_col is None and \
-                float(frame["rating"].min()) >= UNIX_TIME_LIKE:
-            logger.warning("%s: the rating column %r holds values from %g to %g, which look like unix times; ratings "
-                           "are not used for training (every row is a positive), while timestamps choose each user's "
-                           "held-out item: if it holds timestamps, name it in the timestamp position of "
-                           "'generic-columns' (e.g. \"user,item,,%s\")", path, generic.rating_col,
-                           float(frame["rating"].min()), float(frame["rating"].max()), generic.rating_col)
+        frame = _build_frame(
+            table,
+            path,
+            user=generic.user_col,
+            item=generic.item_col,
+            rating=generic.rating_col,
+            timestamp=generic.timestamp_col,
+            id_kinds=("auto", "auto"),
+        )
+        if (
+            generic.rating_col is not None
+            and generic.timestamp_col is None
+            and float(frame["rating"].min()) >= UNIX_TIME_LIKE
+        ):
+            logger.warning(
+                "%s: the rating column %r holds values from %g to %g, which look like unix times; ratings "
+                "are not used for training (every row is a positive), while timestamps choose each user's "
+                "held-out item: if it holds timestamps, name it in the timestamp position of "
+                "'generic-columns' (e.g. \"user,item,,%s\")",
+                path,
+                generic.rating_col,
+                float(frame["rating"].min()),
+                float(frame["rating"].max()),
+                generic.rating_col,
+            )
         if "attributes" in paths:
             apath = paths["attributes"]
             atable = _read_table(apath, sep=sniff_separator(apath), header=True)
@@ -240,6 +265,7 @@ def load_item_titles(
     Raises: DataError if ``u.item`` is missing or malformed.
     """
     import pandas as pd
+
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     source = locate_files("ml-100k", ["u.item"], data_dir, cache, download=download)
     path = source.paths["u.item"]
@@ -277,18 +303,28 @@ def sniff_separator(path: str | os.PathLike) -> str:
 def _read_table(path: Path, *, sep: str, header: bool, encoding: str = "utf-8") -> _Table:
     """Read a text table with every cell as str; blank lines are dropped but counted in ``lines``."""
     import pandas as pd
+
     if not Path(path).is_file():
         raise DataError(f"file {str(path)!r} not found")
     if Path(path).stat().st_size == 0:
         raise DataError(f"{path}: file is empty")
     try:
-        df = pd.read_csv(path, sep=sep, header=0 if header else None, dtype=str, na_filter=False,
-                         skip_blank_lines=False, encoding=encoding, engine="c")
+        df = pd.read_csv(
+            path,
+            sep=sep,
+            header=0 if header else None,
+            dtype=str,
+            na_filter=False,
+            skip_blank_lines=False,
+            encoding=encoding,
+            engine="c",
+        )
     except pd.errors.EmptyDataError:
         raise DataError(f"{path}: file is empty (no rows)") from None
     except pd.errors.ParserError as exc:
         raise _long_rows(Path(path), sep, encoding) or DataError(
-            f"{path}: cannot parse as a {sep!r}-separated table: {exc}") from None
+            f"{path}: cannot parse as a {sep!r}-separated table: {exc}"
+        ) from None
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}: not valid {encoding} text at byte {exc.start}: {exc.reason}") from None
     if header:
@@ -325,10 +361,18 @@ def _long_rows(path: Path, sep: str, encoding: str) -> DataError | None:
     if not long:
         return None
     (line, found), rest = long[0], long[1:]
-    more = f" ({count} such lines in all; the next: " + ", ".join(f"line {n} ({f} fields)" for n, f in rest) + \
-        ("; ..." if count > len(long) else "") + ")" if count > 1 else ""
-    return DataError(f"{path}, line {line}: {found} fields, more than the {expected} of line 1{more}; check the "
-                     f"separator ({sep!r}) and quoting")
+    more = (
+        f" ({count} such lines in all; the next: "
+        + ", ".join(f"line {n} ({f} fields)" for n, f in rest)
+        + ("; ..." if count > len(long) else "")
+        + ")"
+        if count > 1
+        else ""
+    )
+    return DataError(
+        f"{path}, line {line}: {found} fields, more than the {expected} of line 1{more}; check the "
+        f"separator ({sep!r}) and quoting"
+    )
 
 
 def _fields_on_line(path: Path, table: _Table, line: int) -> int | None:
@@ -357,9 +401,15 @@ def _empty_message(table: _Table, path: Path, i: int, col, role: str) -> str:
         key = table.df.columns.get_loc(col) if col in table.df.columns else col
         position = int(key) if isinstance(key, (int, np.integer)) else None
         headerless = position is not None and names[position] == str(position)  # pandas' default column labels
-        which = (f"the {role} field (field {position + 1})" if headerless else
-                 f"the {role} field ({names[position]!r}, field {position + 1})") if position is not None else \
-            f"the {role} field"
+        which = (
+            (
+                f"the {role} field (field {position + 1})"
+                if headerless
+                else f"the {role} field ({names[position]!r}, field {position + 1})"
+            )
+            if position is not None
+            else f"the {role} field"
+        )
         return f"{found} field{'s' if found != 1 else ''}, expected {expected}: {which} is missing"
     return f"{role} {_column_name(col)} is empty"
 
@@ -399,8 +449,9 @@ class _Problems:
         lines = self.table.lines
         candidates = []  # (line, check order, row index, describe): the first few of each check suffice
         for order, (mask, describe, hint) in enumerate(self.masks):
-            candidates += [(int(lines[i]), order, int(i), describe, hint)
-                           for i in np.flatnonzero(mask)[:SHOWN_PROBLEMS]]
+            candidates += [
+                (int(lines[i]), order, int(i), describe, hint) for i in np.flatnonzero(mask)[:SHOWN_PROBLEMS]
+            ]
         shown = sorted(candidates, key=lambda c: c[:2])[:SHOWN_PROBLEMS]
         total = sum(int(mask.sum()) for mask, _, _ in self.masks)
         bad_lines = int(np.logical_or.reduce([mask for mask, _, _ in self.masks]).sum())
@@ -408,9 +459,12 @@ class _Problems:
         message = f"{self.path}, line {first_line}: {first_describe(first_row)}"
         if total > 1:
             rest = "; ".join(f"line {line}: {describe(i)}" for line, _, i, describe, _ in shown[1:])
-            message += (f" ({total} bad values in all, on {bad_lines} line{'s' if bad_lines != 1 else ''} of "
-                        f"{len(lines)} data lines; the next in line order: {rest}"
-                        + ("; ..." if total > len(shown) else "") + ")")
+            message += (
+                f" ({total} bad values in all, on {bad_lines} line{'s' if bad_lines != 1 else ''} of "
+                f"{len(lines)} data lines; the next in line order: {rest}"
+                + ("; ..." if total > len(shown) else "")
+                + ")"
+            )
         for hint in dict.fromkeys(c[4] for c in shown if c[4]):
             message += f"; {hint}"
         raise DataError(message)
@@ -437,9 +491,11 @@ def _column_key(table: _Table, path: Path, col: str | int, role: str) -> str | i
     if col not in df.columns:
         hint = ""
         if role in ("timestamp", "rating"):
-            hint = ("; timestamps and ratings are optional: name only the columns the file has in 'generic-columns' "
-                    "(e.g. \"user,item,rating\", \"user,item,timestamp\" or \"user,item\"); without timestamps each "
-                    "user's held-out item is chosen by a seeded random order")
+            hint = (
+                "; timestamps and ratings are optional: name only the columns the file has in 'generic-columns' "
+                '(e.g. "user,item,rating", "user,item,timestamp" or "user,item"); without timestamps each '
+                "user's held-out item is chosen by a seeded random order"
+            )
         raise DataError(f"{path}: {role} column {col!r} not found; columns are {[str(c) for c in df.columns]}{hint}")
     return col
 
@@ -451,8 +507,14 @@ _AMAZON_REVIEWER = (re.compile(r"[A-Z0-9]+"), "an Amazon reviewer id (upper-case
 _AMAZON_ASIN = (re.compile(r"[A-Z0-9]+"), "an ASIN (upper-case letters and digits)")
 
 
-def _id_column(table: _Table, path: Path, col: str | int, role: str,
-               kind: str | tuple[re.Pattern, str] = "integer", problems: _Problems | None = None) -> np.ndarray:
+def _id_column(
+    table: _Table,
+    path: Path,
+    col: str | int,
+    role: str,
+    kind: str | tuple[re.Pattern, str] = "integer",
+    problems: _Problems | None = None,
+) -> np.ndarray:
     """``(n,)`` str raw ids of one column, each checked, so a corrupted id is refused instead of becoming a new
     user or item.
 
@@ -482,8 +544,13 @@ def _id_column(table: _Table, path: Path, col: str | int, role: str,
         if integers * 2 < filled or not filled:
             kind = "label"
         else:
-            kind, why = "integer", (f"{integers} of the {filled} ids of {role} {_column_name(col)} are integers, "
-                                    "at least half, so every id must be one")
+            kind, why = (
+                "integer",
+                (
+                    f"{integers} of the {filled} ids of {role} {_column_name(col)} are integers, "
+                    "at least half, so every id must be one"
+                ),
+            )
     if kind != "label":
         pattern, expected = _INTEGER_ID if kind == "integer" else kind
         wrong = ~values.str.fullmatch(pattern).to_numpy(dtype=bool) & ~empty
@@ -493,25 +560,35 @@ def _id_column(table: _Table, path: Path, col: str | int, role: str,
     return out
 
 
-def _numeric_column(table: _Table, path: Path, col: str | int, role: str,
-                    problems: _Problems | None = None) -> np.ndarray:
+def _numeric_column(
+    table: _Table, path: Path, col: str | int, role: str, problems: _Problems | None = None
+) -> np.ndarray:
     """``(n,)`` float64 values of a numeric column (NaN where a value is bad; see ``problems`` of :func:`_id_column`).
 
     Raises:
         DataError: empty or non-numeric (or infinite) values (when ``problems`` is ``None``).
     """
     import pandas as pd
+
     key = _column_key(table, path, col, role)
     problems, own = _checked(table, path, problems)
     raw = table.df[key].str.strip()
     values = pd.to_numeric(raw, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
     empty = (raw == "").to_numpy()
     problems.add(empty, lambda i: _empty_message(table, path, i, key, role))
-    dated = " (a date: name a timestamp column in the timestamp position of 'generic-columns', e.g. " \
-        "\"user,item,,NAME\", or by the name 'timestamp')" if role == "rating" else ""
-    problems.add(~np.isfinite(values) & ~empty,
-                 lambda i: f"{role} column {col!r} has non-numeric value {raw.iloc[i]!r}"
-                           + (dated if _ISO_SHAPE.fullmatch(raw.iloc[i]) else ""))
+    dated = (
+        " (a date: name a timestamp column in the timestamp position of 'generic-columns', e.g. "
+        "\"user,item,,NAME\", or by the name 'timestamp')"
+        if role == "rating"
+        else ""
+    )
+    problems.add(
+        ~np.isfinite(values) & ~empty,
+        lambda i: (
+            f"{role} column {col!r} has non-numeric value {raw.iloc[i]!r}"
+            + (dated if _ISO_SHAPE.fullmatch(raw.iloc[i]) else "")
+        ),
+    )
     if own:
         problems.check()
     return np.where(np.isfinite(values), values, np.nan)
@@ -552,6 +629,7 @@ def _timestamp_column(table: _Table, path: Path, col: str | int, problems: _Prob
             dates (day 30 of February), or integers outside int64: file, line, value, and the accepted formats.
     """
     import pandas as pd
+
     key = _column_key(table, path, col, "timestamp")
     problems, own = _checked(table, path, problems)
     raw = table.df[key].str.strip()
@@ -565,11 +643,20 @@ def _timestamp_column(table: _Table, path: Path, col: str | int, problems: _Prob
     expected = dates if first == "a date" else numbers
     other = ~expected & (numbers | dates)
     accepted = f"a timestamp column holds {TIMESTAMP_FORMATS}"
-    problems.add(other, lambda i: f"timestamp column {col!r} has value {raw.iloc[i]!r}, {kinds[i]}, but line "
-                                  f"{table.lines[ref]} has {kinds[ref]} ({raw.iloc[ref]!r}): numbers and dates are "
-                                  "mixed", accepted)
-    problems.add(~numbers & ~dates & ~empty,
-                 lambda i: f"timestamp column {col!r} has non-numeric value {raw.iloc[i]!r}", accepted)
+    problems.add(
+        other,
+        lambda i: (
+            f"timestamp column {col!r} has value {raw.iloc[i]!r}, {kinds[i]}, but line "
+            f"{table.lines[ref]} has {kinds[ref]} ({raw.iloc[ref]!r}): numbers and dates are "
+            "mixed"
+        ),
+        accepted,
+    )
+    problems.add(
+        ~numbers & ~dates & ~empty,
+        lambda i: f"timestamp column {col!r} has non-numeric value {raw.iloc[i]!r}",
+        accepted,
+    )
     keys = np.zeros(len(raw), dtype=np.int64)
     ok = expected & ~empty
     if first == "a date":
@@ -579,9 +666,11 @@ def _timestamp_column(table: _Table, path: Path, col: str | int, problems: _Prob
         try:
             keys = text.astype(np.int64)
         except (OverflowError, ValueError):
-            outside = np.fromiter((not -2**63 <= int(v) < 2**63 for v in text), dtype=bool, count=len(text))
-            problems.add(outside, lambda i: f"timestamp column {col!r} value {str(text[i])!r} is outside the 64-bit "
-                                            "integer range")
+            outside = np.fromiter((not -(2**63) <= int(v) < 2**63 for v in text), dtype=bool, count=len(text))
+            problems.add(
+                outside,
+                lambda i: f"timestamp column {col!r} value {str(text[i])!r} is outside the 64-bit integer range",
+            )
     elif ok.all():
         exact = [Decimal(v) for v in raw.to_numpy(dtype=object).astype(str)]
         rank = {value: index for index, value in enumerate(sorted(set(exact)))}
@@ -595,31 +684,53 @@ def _date_keys(table: _Table, col: str | int, raw: pd.Series, ok: np.ndarray, pr
     """``(n,)`` int64 order keys of a column of ISO 8601 dates (see :func:`_timestamp_column`); the rows not ``ok``
     are already added to ``problems``, and the keys are only valid when nothing is."""
     import pandas as pd
+
     strict = raw.str.fullmatch(_ISO_DATE).to_numpy(dtype=bool)
-    problems.add(ok & ~strict, lambda i: f"timestamp column {col!r} has value {raw.iloc[i]!r}, not an ISO 8601 date "
-                                         "or time of the accepted forms",
-                 f"a timestamp column holds {TIMESTAMP_FORMATS}")
+    problems.add(
+        ok & ~strict,
+        lambda i: (
+            f"timestamp column {col!r} has value {raw.iloc[i]!r}, not an ISO 8601 date or time of the accepted forms"
+        ),
+        f"a timestamp column holds {TIMESTAMP_FORMATS}",
+    )
     ok = ok & strict
     aware = raw.str.fullmatch(_ISO_AWARE).to_numpy(dtype=bool)
     first = int(np.flatnonzero(ok)[0]) if ok.any() else 0
-    problems.add(ok & (aware != aware[first]),
-                 lambda i: f"timestamp column {col!r} has value {raw.iloc[i]!r} {'with' if aware[i] else 'without'} "
-                           f"a time zone, but line {table.lines[first]} has {raw.iloc[first]!r} "
-                           f"{'without' if aware[i] else 'with'} one: give every timestamp a zone (Z, +02:00) or "
-                           "none, so that their order is defined")
+    problems.add(
+        ok & (aware != aware[first]),
+        lambda i: (
+            f"timestamp column {col!r} has value {raw.iloc[i]!r} {'with' if aware[i] else 'without'} "
+            f"a time zone, but line {table.lines[first]} has {raw.iloc[first]!r} "
+            f"{'without' if aware[i] else 'with'} one: give every timestamp a zone (Z, +02:00) or "
+            "none, so that their order is defined"
+        ),
+    )
     ok = ok & (aware == aware[first])
     parsed = pd.to_datetime(raw.where(ok, raw.iloc[first]), format="ISO8601", utc=True, errors="coerce")
-    problems.add(ok & parsed.isna().to_numpy(),
-                 lambda i: f"timestamp column {col!r} has value {raw.iloc[i]!r}, not a valid date and time (a month, "
-                           "day, hour or minute out of range, or a year outside 1677-2262 in a column with "
-                           "nanosecond digits)")
+    problems.add(
+        ok & parsed.isna().to_numpy(),
+        lambda i: (
+            f"timestamp column {col!r} has value {raw.iloc[i]!r}, not a valid date and time (a month, "
+            "day, hour or minute out of range, or a year outside 1677-2262 in a column with "
+            "nanosecond digits)"
+        ),
+    )
     if parsed.isna().any():  # refused: problems holds why
         return np.zeros(len(raw), dtype=np.int64)
     return parsed.astype("int64").to_numpy(dtype=np.int64)
 
 
-def _build_frame(table: _Table, path: Path, *, user, item, rating, timestamp, expect_cols: int | None = None,
-                 id_kinds: tuple = ("integer", "integer")):
+def _build_frame(
+    table: _Table,
+    path: Path,
+    *,
+    user,
+    item,
+    rating,
+    timestamp,
+    expect_cols: int | None = None,
+    id_kinds: tuple = ("integer", "integer"),
+):
     """The interactions frame of :class:`Interactions` from a parsed table; ``id_kinds``: the user and item id
     checks (``kind`` of :func:`_id_column`). Every column is checked before anything is refused, so one refusal
     names the file's first bad values in line order and counts all of them (:class:`_Problems`).
@@ -628,6 +739,7 @@ def _build_frame(table: _Table, path: Path, *, user, item, rating, timestamp, ex
         DataError: wrong column count, bad ids, ratings or timestamps (file, line, column, value; counts).
     """
     import pandas as pd
+
     if expect_cols is not None and table.df.shape[1] != expect_cols:
         raise DataError(f"{path}: expected {expect_cols} columns per line, found {table.df.shape[1]}")
     n = len(table.df)
@@ -640,13 +752,15 @@ def _build_frame(table: _Table, path: Path, *, user, item, rating, timestamp, ex
     ratings = _numeric_column(table, path, rating, "rating", problems) if rating is not None else np.full(n, np.nan)
     stamps = _timestamp_column(table, path, timestamp, problems) if timestamp is not None else np.full(n, np.nan)
     problems.check()
-    return pd.DataFrame({
-        "user": pd.array(users, dtype="str"),
-        "item": pd.array(items, dtype="str"),
-        "rating": ratings,
-        "timestamp": stamps,
-        "row": np.arange(n, dtype=np.int64),
-    })
+    return pd.DataFrame(
+        {
+            "user": pd.array(users, dtype="str"),
+            "item": pd.array(items, dtype="str"),
+            "rating": ratings,
+            "timestamp": stamps,
+            "row": np.arange(n, dtype=np.int64),
+        }
+    )
 
 
 def _deduplicate(frame: pd.DataFrame, path: Path, lines: np.ndarray | None = None) -> tuple[pd.DataFrame, np.ndarray]:
@@ -662,25 +776,42 @@ def _deduplicate(frame: pd.DataFrame, path: Path, lines: np.ndarray | None = Non
     pairs = np.stack([order.loc[dup, "row"].to_numpy(np.int64), kept_row[dup].to_numpy(np.int64)], axis=1)
     pairs = pairs[np.argsort(pairs[:, 0], kind="stable")]
     line_of = (lambda row: int(lines[row])) if lines is not None else (lambda row: int(row) + 1)
-    timed = bool(np.isfinite(frame["timestamp"].to_numpy(dtype=np.float64, na_value=np.nan)).any()) \
-        if frame["timestamp"].dtype.kind == "f" else True
-    rule = ("its row with the latest timestamp (the first of equal ones)" if timed else
-            "its first row (the file has no timestamps)")
+    timed = (
+        bool(np.isfinite(frame["timestamp"].to_numpy(dtype=np.float64, na_value=np.nan)).any())
+        if frame["timestamp"].dtype.kind == "f"
+        else True
+    )
+    rule = (
+        "its row with the latest timestamp (the first of equal ones)"
+        if timed
+        else "its first row (the file has no timestamps)"
+    )
     users, items = frame["user"].to_numpy(dtype=object), frame["item"].to_numpy(dtype=object)
-    shown = "; ".join(f"line {line_of(d)} dropped, line {line_of(k)} kept (user {str(users[k])!r}, item "
-                      f"{str(items[k])!r})" for d, k in pairs[:3])
+    shown = "; ".join(
+        f"line {line_of(d)} dropped, line {line_of(k)} kept (user {str(users[k])!r}, item {str(items[k])!r})"
+        for d, k in pairs[:3]
+    )
     more = f"; {len(pairs) - 3} more" if len(pairs) > 3 else ""
-    logger.warning("%s: dropped %d duplicate (user, item) row%s, keeping for each pair %s: %s%s", path, len(pairs),
-                   "s" if len(pairs) != 1 else "", rule, shown, more)
+    logger.warning(
+        "%s: dropped %d duplicate (user, item) row%s, keeping for each pair %s: %s%s",
+        path,
+        len(pairs),
+        "s" if len(pairs) != 1 else "",
+        rule,
+        shown,
+        more,
+    )
     kept = frame.loc[~dup.reindex(frame.index).to_numpy()].reset_index(drop=True)
     return kept, pairs
 
 
 def _ml100k_attributes(table: _Table, path: Path) -> pd.DataFrame:
     import pandas as pd
+
     if table.df.shape[1] != 5:
-        raise DataError(f"{path}: expected 5 '|'-separated fields (id|age|gender|occupation|zip), "
-                        f"found {table.df.shape[1]}")
+        raise DataError(
+            f"{path}: expected 5 '|'-separated fields (id|age|gender|occupation|zip), found {table.df.shape[1]}"
+        )
     problems = _Problems(table, path)
     ids = _id_column(table, path, 0, "user id", problems=problems)
     age = _numeric_column(table, path, 1, "age", problems)
@@ -689,8 +820,9 @@ def _ml100k_attributes(table: _Table, path: Path) -> pd.DataFrame:
     occupation = _id_column(table, path, 3, "occupation", "label", problems)
     _check_unique_index(pd.Index(ids), problems)
     problems.check()
-    return pd.DataFrame({"gender": gender, "age": age.astype(np.int64), "occupation": occupation},
-                        index=pd.Index(ids, name="user"))
+    return pd.DataFrame(
+        {"gender": gender, "age": age.astype(np.int64), "occupation": occupation}, index=pd.Index(ids, name="user")
+    )
 
 
 def _attributes_user_col(table: _Table, path: Path, generic: GenericSource) -> str:
@@ -704,19 +836,24 @@ def _attributes_user_col(table: _Table, path: Path, generic: GenericSource) -> s
     if generic.attributes_user_col is not None:
         if generic.attributes_user_col in columns:
             return generic.attributes_user_col
-        raise DataError(f"{path}: attributes user column {generic.attributes_user_col!r} (run-config key "
-                        f"'generic-attributes-user-column') not found; the file's columns are {columns}")
+        raise DataError(
+            f"{path}: attributes user column {generic.attributes_user_col!r} (run-config key "
+            f"'generic-attributes-user-column') not found; the file's columns are {columns}"
+        )
     tried = ([generic.user_col] if isinstance(generic.user_col, str) else []) + ["user"]
     for name in tried:
         if name in columns:
             return name
-    raise DataError(f"{path}: attributes user column not found: tried {tried} (the user column of the interactions "
-                    f"file, named in 'generic-columns', then 'user'); the file's columns are {columns}: name its user "
-                    "column in 'generic-attributes-user-column'")
+    raise DataError(
+        f"{path}: attributes user column not found: tried {tried} (the user column of the interactions "
+        f"file, named in 'generic-columns', then 'user'); the file's columns are {columns}: name its user "
+        "column in 'generic-attributes-user-column'"
+    )
 
 
 def _generic_attributes(table: _Table, path: Path, user_col: str) -> pd.DataFrame:
     import pandas as pd
+
     problems = _Problems(table, path)
     ids = _id_column(table, path, user_col, "attributes user", "auto", problems)
     columns = {}

@@ -54,7 +54,6 @@ TAG_TRAIN_NEG = _tag("train-negatives")
 FEDRECGEL_TIMESTAMP_SEED = 42
 
 
-
 @dataclass(frozen=True, eq=False)
 class Split:
     """A processed leave-one-out split.
@@ -89,7 +88,7 @@ class Split:
 
     def positives(self, user: int) -> np.ndarray:
         """(n_u,) int64 view of ``user``'s training positives, ascending."""
-        return self.train_items[self.train_indptr[user]:self.train_indptr[user + 1]]
+        return self.train_items[self.train_indptr[user] : self.train_indptr[user + 1]]
 
     def interacted(self, user: int) -> np.ndarray:
         """Sorted (n_u + 1, or n_u + 2 with validation,) int64: every item ``user`` interacted with."""
@@ -116,7 +115,7 @@ class Split:
             "avg_interactions_per_item": interactions / self.num_items,
         }
 
-    def equals(self, other: "Split") -> bool:
+    def equals(self, other: Split) -> bool:
         """True when every field (arrays element-wise, dtypes included) is equal."""
         if not isinstance(other, Split):
             return False
@@ -143,8 +142,11 @@ def check_params(min_user_interactions, tie_rule, seed, num_test_negatives, hold
     """Raise :class:`ConfigError` naming the first invalid preprocessing parameter."""
     if tie_rule not in TIE_RULES:
         raise ConfigError(f"tie_rule {tie_rule!r} is not one of {list(TIE_RULES)}")
-    for key, value in (("seed", seed), ("num_test_negatives", num_test_negatives),
-                       ("min_user_interactions", min_user_interactions)):
+    for key, value in (
+        ("seed", seed),
+        ("num_test_negatives", num_test_negatives),
+        ("min_user_interactions", min_user_interactions),
+    ):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
             raise ConfigError(f"{key} must be a non-negative integer, got {value!r}")
     if not isinstance(holdout_validation, (bool, np.bool_)):
@@ -157,20 +159,37 @@ def check_params(min_user_interactions, tie_rule, seed, num_test_negatives, hold
         )
 
 
-def split_cache_key(dataset: str, source_sha256: str, *, min_user_interactions: int, tie_rule: str, seed: int,
-                    num_test_negatives: int, holdout_validation: bool) -> str:
+def split_cache_key(
+    dataset: str,
+    source_sha256: str,
+    *,
+    min_user_interactions: int,
+    tie_rule: str,
+    seed: int,
+    num_test_negatives: int,
+    holdout_validation: bool,
+) -> str:
     """Hex key (24 chars) over the dataset, every preprocessing parameter, the source sha256 and FORMAT_VERSION."""
-    blob = json.dumps({
-        "dataset": dataset, "source_sha256": source_sha256, "format_version": FORMAT_VERSION,
-        "min_user_interactions": int(min_user_interactions), "tie_rule": tie_rule, "seed": int(seed),
-        "num_test_negatives": int(num_test_negatives), "holdout_validation": bool(holdout_validation),
-    }, sort_keys=True)
+    blob = json.dumps(
+        {
+            "dataset": dataset,
+            "source_sha256": source_sha256,
+            "format_version": FORMAT_VERSION,
+            "min_user_interactions": int(min_user_interactions),
+            "tie_rule": tie_rule,
+            "seed": int(seed),
+            "num_test_negatives": int(num_test_negatives),
+            "holdout_validation": bool(holdout_validation),
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
 def sorted_ids(ids: np.ndarray) -> np.ndarray:
     """Unique raw ids (str) sorted numerically when every id is an integer, else as strings."""
     import pandas as pd
+
     unique = pd.unique(pd.Series(ids, dtype=object)).astype(str)
     if len(unique) and pd.Series(unique).str.fullmatch(r"[+-]?\d+").all():
         return np.asarray(sorted(unique, key=lambda s: (int(s), s)), dtype=str)
@@ -222,6 +241,7 @@ def preprocess(
             few never-interacted items for ``num_test_negatives`` (message names the user and counts).
     """
     import pandas as pd
+
     check_params(min_user_interactions, tie_rule, seed, num_test_negatives, holdout_validation)
     frame = interactions.frame
     name = interactions.name
@@ -251,8 +271,12 @@ def preprocess(
         ts[np.argsort(rows, kind="stable")] = np.random.default_rng([seed, TAG_ORDER]).permutation(len(frame))
         timestamp_source = "random order (rng([seed, TAG_ORDER]))"
         held_out_order = f"seeded random order (the file has no timestamps; seed {int(seed)})"
-        logger.warning("%s: the interactions have no timestamps, so each user's held-out item is chosen by a seeded "
-                       "random order (seed %d), not as the latest; tie-rule does not apply", name, int(seed))
+        logger.warning(
+            "%s: the interactions have no timestamps, so each user's held-out item is chosen by a seeded "
+            "random order (seed %d), not as the latest; tie-rule does not apply",
+            name,
+            int(seed),
+        )
 
     # Step 2: filter users, then items.
     user_counts = pd.Series(users_raw).value_counts()
@@ -261,8 +285,10 @@ def preprocess(
     n_users_before, n_items_before = len(user_counts), len(pd.unique(items_raw))
     users_raw, items_raw, ts, rows = users_raw[keep], items_raw[keep], ts[keep], rows[keep]
     if len(users_raw) == 0:
-        raise DataError(f"dataset {name!r}: no user has >= {min_user_interactions} interactions "
-                        f"(largest count {int(user_counts.max())})")
+        raise DataError(
+            f"dataset {name!r}: no user has >= {min_user_interactions} interactions "
+            f"(largest count {int(user_counts.max())})"
+        )
 
     # Step 3: contiguous indices.
     if tie_rule == "fedrecgel":
@@ -317,8 +343,11 @@ def preprocess(
     else:
         test_negatives = _negatives(all_items, all_indptr, num_items, num_test_negatives, seed, TAG_TEST_NEG)
         negatives_source = "rng([seed, TAG_TEST_NEG, user])"
-    val_negatives = (_negatives(all_items, all_indptr, num_items, num_test_negatives, seed, TAG_VAL_NEG)
-                     if holdout_validation else None)
+    val_negatives = (
+        _negatives(all_items, all_indptr, num_items, num_test_negatives, seed, TAG_VAL_NEG)
+        if holdout_validation
+        else None
+    )
 
     attributes = _attributes(interactions, user_ids)
     num_interactions = int(len(uidx))
@@ -345,18 +374,41 @@ def preprocess(
         "test_negatives_procedure": negatives_source,
         "id_order": "first appearance" if tie_rule == "fedrecgel" else "sorted raw id",
         "cache_key": split_cache_key(
-            name, interactions.source_sha256, min_user_interactions=min_user_interactions, tie_rule=tie_rule,
-            seed=seed, num_test_negatives=num_test_negatives, holdout_validation=holdout_validation),
+            name,
+            interactions.source_sha256,
+            min_user_interactions=min_user_interactions,
+            tie_rule=tie_rule,
+            seed=seed,
+            num_test_negatives=num_test_negatives,
+            holdout_validation=holdout_validation,
+        ),
     }
-    logger.info("%s: %d users, %d items, %d interactions after cleaning (%d users, %d items dropped); "
-                "%d users had a tied latest timestamp (tie_rule=%s)", name, num_users, num_items, num_interactions,
-                meta["dropped_users"], meta["dropped_items"], users_with_tied_latest, tie_rule)
+    logger.info(
+        "%s: %d users, %d items, %d interactions after cleaning (%d users, %d items dropped); "
+        "%d users had a tied latest timestamp (tie_rule=%s)",
+        name,
+        num_users,
+        num_items,
+        num_interactions,
+        meta["dropped_users"],
+        meta["dropped_items"],
+        users_with_tied_latest,
+        tie_rule,
+    )
     return Split(
-        dataset=name, num_users=num_users, num_items=num_items, train_indptr=train_indptr,
-        train_items=train_items.astype(np.int64), test_items=test_items.astype(np.int64),
-        test_negatives=test_negatives, val_items=None if val_items is None else val_items.astype(np.int64),
-        val_negatives=val_negatives, user_ids=np.asarray(user_ids, dtype=str),
-        item_ids=np.asarray(item_ids, dtype=str), attributes=attributes, meta=meta,
+        dataset=name,
+        num_users=num_users,
+        num_items=num_items,
+        train_indptr=train_indptr,
+        train_items=train_items.astype(np.int64),
+        test_items=test_items.astype(np.int64),
+        test_negatives=test_negatives,
+        val_items=None if val_items is None else val_items.astype(np.int64),
+        val_negatives=val_negatives,
+        user_ids=np.asarray(user_ids, dtype=str),
+        item_ids=np.asarray(item_ids, dtype=str),
+        attributes=attributes,
+        meta=meta,
     )
 
 
@@ -373,14 +425,17 @@ def _order_keys(name: str, column: pd.Series, users_raw: np.ndarray, items_raw: 
         DataError: some rows have a timestamp and others none, or the column is neither numeric nor datetime.
     """
     import pandas as pd
+
     if pd.api.types.is_datetime64_any_dtype(column.dtype):
         missing = column.isna().to_numpy()
         if missing.all():
             return np.zeros(len(column), dtype=np.int64), False
         if missing.any():
             i = int(np.flatnonzero(missing)[0])
-            raise DataError(f"dataset {name!r}: timestamp missing for user {str(users_raw[i])!r} "
-                            f"item {str(items_raw[i])!r} (either every row has a timestamp or none)")
+            raise DataError(
+                f"dataset {name!r}: timestamp missing for user {str(users_raw[i])!r} "
+                f"item {str(items_raw[i])!r} (either every row has a timestamp or none)"
+            )
         return column.astype("int64").to_numpy(dtype=np.int64), True
     values = column.to_numpy()
     if values.dtype.kind in "iu":
@@ -395,8 +450,10 @@ def _order_keys(name: str, column: pd.Series, users_raw: np.ndarray, items_raw: 
         return np.zeros(len(values), dtype=np.int64), False
     if not finite.all():
         i = int(np.flatnonzero(~finite)[0])
-        raise DataError(f"dataset {name!r}: timestamp missing for user {str(users_raw[i])!r} "
-                        f"item {str(items_raw[i])!r} (either every row has a timestamp or none)")
+        raise DataError(
+            f"dataset {name!r}: timestamp missing for user {str(users_raw[i])!r} "
+            f"item {str(items_raw[i])!r} (either every row has a timestamp or none)"
+        )
     return np.unique(values, return_inverse=True)[1].astype(np.int64).reshape(-1), True
 
 
@@ -435,8 +492,10 @@ def sample_train_negatives(split: Split, user: int, round: int, num_per_positive
     positives = split.positives(int(user))
     room = split.num_items - len(positives)
     if room <= 0:
-        raise DataError(f"dataset {split.dataset!r}: user {user} ({str(split.user_ids[user])!r}) has all "
-                        f"{split.num_items} items as training positives; no negative exists")
+        raise DataError(
+            f"dataset {split.dataset!r}: user {user} ({str(split.user_ids[user])!r}) has all "
+            f"{split.num_items} items as training positives; no negative exists"
+        )
     rng = np.random.default_rng([int(seed), TAG_TRAIN_NEG, int(user), int(round)])
     ranks = rng.integers(0, room, size=len(positives) * int(num_per_positive), dtype=np.int64)
     return complement_items(positives, ranks)
@@ -449,21 +508,25 @@ def _check_room(name: str, user_ids: np.ndarray, counts: np.ndarray, num_items: 
     full = np.flatnonzero(counts >= num_items)
     if len(full):
         u = int(full[0])
-        raise DataError(f"dataset {name!r}: user {str(user_ids[u])!r} (index {u}) interacted with every one of the "
-                        f"{num_items} items, so no negative item exists ({len(full)} such users)")
+        raise DataError(
+            f"dataset {name!r}: user {str(user_ids[u])!r} (index {u}) interacted with every one of the "
+            f"{num_items} items, so no negative item exists ({len(full)} such users)"
+        )
     short = np.flatnonzero(num_items - counts < k)
     if len(short):
         u = int(short[0])
-        raise DataError(f"dataset {name!r}: user {str(user_ids[u])!r} (index {u}) has only {num_items - counts[u]} "
-                        f"never-interacted items ({counts[u]} interacted of {num_items}), fewer than the "
-                        f"{k} test negatives requested ({len(short)} such users)")
+        raise DataError(
+            f"dataset {name!r}: user {str(user_ids[u])!r} (index {u}) has only {num_items - counts[u]} "
+            f"never-interacted items ({counts[u]} interacted of {num_items}), fewer than the "
+            f"{k} test negatives requested ({len(short)} such users)"
+        )
 
 
 def _negatives(all_items, all_indptr, num_items, k, seed, tag) -> np.ndarray:
     num_users = len(all_indptr) - 1
     out = np.empty((num_users, k), dtype=np.int64)
     for u in range(num_users):
-        interacted = all_items[all_indptr[u]:all_indptr[u + 1]]
+        interacted = all_items[all_indptr[u] : all_indptr[u + 1]]
         rng = np.random.default_rng([int(seed), tag, u])
         ranks = rng.choice(num_items - len(interacted), size=k, replace=False)
         out[u] = complement_items(interacted, ranks)
@@ -477,7 +540,7 @@ def _fedrecgel_negatives(all_items, all_indptr, num_items, k, seed) -> np.ndarra
     num_users = len(all_indptr) - 1
     out = np.empty((num_users, k), dtype=np.int64)
     for u in range(num_users):
-        x = set(all_items[all_indptr[u]:all_indptr[u + 1]].tolist())
+        x = set(all_items[all_indptr[u] : all_indptr[u + 1]].tolist())
         candidates = set(rnd.sample(pool, k + len(x))) - x
         out[u] = rnd.sample(list(candidates), k)
     return out
@@ -486,6 +549,7 @@ def _fedrecgel_negatives(all_items, all_indptr, num_items, k, seed) -> np.ndarra
 def _fedrecgel_timestamps(users_raw: np.ndarray, rows: np.ndarray, dup_rows: np.ndarray) -> np.ndarray:
     """FedRecGEL's synthetic FilmTrust timestamps over all raw rows; a kept pair takes its copies' maximum."""
     import pandas as pd
+
     n_raw = len(rows) + len(dup_rows)
     user_of_row = np.empty(n_raw, dtype=object)
     user_of_row[rows] = users_raw
@@ -504,6 +568,7 @@ def _fedrecgel_timestamps(users_raw: np.ndarray, rows: np.ndarray, dup_rows: np.
 def _first_rows(rows: np.ndarray, dup_rows: np.ndarray) -> np.ndarray:
     """For each kept row, the first file row holding its (user, item) pair (a dropped copy may come first)."""
     import pandas as pd
+
     first = rows.copy()
     if len(dup_rows):
         pos = pd.Index(rows).get_indexer(dup_rows[:, 1])
@@ -515,6 +580,7 @@ def _first_rows(rows: np.ndarray, dup_rows: np.ndarray) -> np.ndarray:
 def _ids_in_order(ids: np.ndarray, first_row: np.ndarray) -> np.ndarray:
     """Unique ids ordered by first appearance (integer ids: numerically, which FedRecGEL's sort gives)."""
     import pandas as pd
+
     if pd.Series(ids, dtype=object).str.fullmatch(r"[+-]?\d+").all():
         return sorted_ids(ids)
     firsts = pd.Series(first_row).groupby(ids).min().sort_values(kind="stable")
@@ -523,6 +589,7 @@ def _ids_in_order(ids: np.ndarray, first_row: np.ndarray) -> np.ndarray:
 
 def _attributes(interactions: Interactions, user_ids: np.ndarray) -> dict[str, np.ndarray]:
     import pandas as pd
+
     table = interactions.attributes
     if table is None or table.shape[1] == 0:
         return {}
@@ -530,8 +597,9 @@ def _attributes(interactions: Interactions, user_ids: np.ndarray) -> dict[str, n
     pos = index.get_indexer(user_ids)
     if (pos < 0).any():
         missing = user_ids[pos < 0]
-        raise DataError(f"dataset {interactions.name!r}: user attributes lack {len(missing)} users, "
-                        f"e.g. user {str(missing[0])!r}")
+        raise DataError(
+            f"dataset {interactions.name!r}: user attributes lack {len(missing)} users, e.g. user {str(missing[0])!r}"
+        )
     out = {}
     for col in table.columns:
         values = table[col].to_numpy()[pos]

@@ -59,15 +59,15 @@ import torch.nn.functional as F
 from flwr.app import ArrayRecord, RecordDict
 from torch.func import functional_call, vmap
 
+from fedrec_flwr.app.runtime import Runtime
 from fedrec_flwr.arrays import decode_record, encode_array
-from fedrec_flwr.state.client_state import OPTIMIZER_PREFIX, STATE_PREFIX
 from fedrec_flwr.data import sample_train_negatives
 from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.local.training import resolve_device
 from fedrec_flwr.metrics import ranking_metrics_batch
 from fedrec_flwr.models.base import EMBEDDING_INIT_STD
-from fedrec_flwr.app.runtime import Runtime
 from fedrec_flwr.seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
-from fedrec_flwr.local.training import resolve_device
+from fedrec_flwr.state.client_state import OPTIMIZER_PREFIX, STATE_PREFIX
 
 BLOCK_MODES = ("auto", "on", "off")
 """Values of the run-config key ``block-training``: ``auto`` (the default: the block path for every message, one user
@@ -98,7 +98,6 @@ CHUNK_EXAMPLES = 1 << 15
 near the CPU caches: on ML-100K, FedRecGEL's 943-user block took 8 ms per user with 2^14, 11 ms with 2^18; ours)."""
 PADDING = 1.25
 """A chunk's padded examples are at most this many times its real ones (bounds wasted work; ours)."""
-
 
 
 # ---------------------------------------------------------------------------------------------------- selection
@@ -144,7 +143,8 @@ def check_block_config(cls: type, config) -> None:
             f"vectorized block path (supported: clients declaring block_training {list(BLOCK_KINDS)}, models "
             f"{list(BLOCK_MODELS)}, no adversary or user-embedding-noise except client 'fedau2''s default arm: "
             f"adversary-training 'server', adversary-objective 'entropy', adversary-embedding-optimizer 'local'); "
-            f"use 'auto' or 'off'")
+            f"use 'auto' or 'off'"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- optimizers
@@ -170,8 +170,11 @@ class BlockAdam:
         self.lr = float(lr)
         k = next(iter(params.values())).shape[0]
         device = next(iter(params.values())).device
-        self.moments = state if state is not None else {
-            name: (torch.zeros_like(p), torch.zeros_like(p)) for name, p in params.items()}
+        self.moments = (
+            state
+            if state is not None
+            else {name: (torch.zeros_like(p), torch.zeros_like(p)) for name, p in params.items()}
+        )
         self.steps = steps if steps is not None else torch.zeros(k, dtype=torch.float32, device=device)
 
     @torch.no_grad()
@@ -187,14 +190,25 @@ class BlockAdam:
                 step = [steps[0].clone()] * len(names)  # the kernel reads each parameter's step count, never writes it
                 # the kernel needs contiguous tensors; autograd gives NCF's MLP weights (used transposed in
                 # batched_loss) transposed gradients, which took every NCF block to the eight-pass formula before
-                torch._fused_adam_([params[n] for n in names], [grads[n].contiguous() for n in names],
-                                   [self.moments[n][0][:count] for n in names],
-                                   [self.moments[n][1][:count] for n in names], [], step, lr=self.lr, beta1=beta1,
-                                   beta2=beta2, weight_decay=0.0, eps=ADAM_EPS, amsgrad=False, maximize=False)
+                torch._fused_adam_(
+                    [params[n] for n in names],
+                    [grads[n].contiguous() for n in names],
+                    [self.moments[n][0][:count] for n in names],
+                    [self.moments[n][1][:count] for n in names],
+                    [],
+                    step,
+                    lr=self.lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=0.0,
+                    eps=ADAM_EPS,
+                    amsgrad=False,
+                    maximize=False,
+                )
                 return
         step = self.steps[:count].double()
-        step_size = -self.lr / (1 - beta1 ** step)
-        correction2_sqrt = torch.sqrt(1 - beta2 ** step)
+        step_size = -self.lr / (1 - beta1**step)
+        correction2_sqrt = torch.sqrt(1 - beta2**step)
         for name, p in params.items():
             m, v = (t[:count] for t in self.moments[name])
             g = grads[name]
@@ -290,8 +304,12 @@ class Block:
         generator = torch_generator(self.runtime.config.seed, TAG_USER_INIT, user)
         tables = self.model.user_embedding_modules()
         if batched_model(self.model) is not None and {f"{n}.weight" for n in tables} == set(self.private_keys):
-            return {f"{name}.weight": torch.empty(module.weight.shape, dtype=module.weight.dtype).normal_(
-                0.0, EMBEDDING_INIT_STD, generator=generator).numpy() for name, module in tables.items()}
+            return {
+                f"{name}.weight": torch.empty(module.weight.shape, dtype=module.weight.dtype)
+                .normal_(0.0, EMBEDDING_INIT_STD, generator=generator)
+                .numpy()
+                for name, module in tables.items()
+            }
         self.model.reset_private(generator)
         return {k: v.detach().cpu().numpy() for k, v in self.model.private_state().items()}
 
@@ -300,7 +318,8 @@ class Block:
         arrays = {key: value.detach().cpu().numpy() for key, value in private.items()}
         for index, user in enumerate(users):
             self.state[f"{STATE_PREFIX}{user}"] = ArrayRecord(
-                {key: encode_array(arrays[key][index]) for key in self.private_keys})
+                {key: encode_array(arrays[key][index]) for key in self.private_keys}
+            )
 
     # ------------------------------------------------------------------------------------------ data
     def user_data(self, user: int, server_round: int) -> _UserData:
@@ -319,8 +338,9 @@ class Block:
         labels = np.concatenate([np.ones(len(pos), np.float32), np.zeros(len(neg), np.float32)])
         return _UserData(user, items, np.concatenate([pos, neg]), None, labels, generator)
 
-    def shared_copies(self, shared: Mapping[str, np.ndarray], data: Sequence[_UserData],
-                      exclude: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+    def shared_copies(
+        self, shared: Mapping[str, np.ndarray], data: Sequence[_UserData], exclude: Iterable[str] = ()
+    ) -> dict[str, torch.Tensor]:
         """Shared key -> per-user copies: item tables ``(k, T_max, d)`` (each user's compact rows, zero padding), the
         score function ``(k, ...)``; not the keys in ``exclude`` (a :class:`BlockTerm`'s frozen ones)."""
         k, t_max = len(data), max(len(d.items) for d in data)
@@ -373,16 +393,19 @@ class Block:
             return batched_gradients(self.model, self.runtime.config.loss, params, *args, keys=keys)
         return self.autograd_gradients(params, *args, keys=keys)
 
-    def autograd_gradients(self, params: Mapping[str, torch.Tensor], *args: torch.Tensor,
-                           keys: Sequence[str] | None = None):
+    def autograd_gradients(
+        self, params: Mapping[str, torch.Tensor], *args: torch.Tensor, keys: Sequence[str] | None = None
+    ):
         """:meth:`gradients` by reverse-mode autograd through the vmapped :meth:`loss_function` (any model; the
         reference the batched forward pass is tested against)."""
         if not hasattr(self, "_loss"):
             self._loss = vmap(self.loss_function())
         keys = list(params) if keys is None else list(keys)
         with torch.enable_grad():
-            leaves = {key: (value.detach().requires_grad_() if key in keys else value.detach())
-                      for key, value in params.items()}
+            leaves = {
+                key: (value.detach().requires_grad_() if key in keys else value.detach())
+                for key, value in params.items()
+            }
             values = self._loss(leaves, *args)
             grads = torch.autograd.grad(values.sum(), [leaves[key] for key in keys])
         return dict(zip(keys, grads)), values.detach()
@@ -430,8 +453,11 @@ def batched_model(model: torch.nn.Module) -> str | None:
         names = names[:-1]
     if type(model) is MF and names == MF._shared_names:
         return "mf"
-    if type(model) is NCF and names == NCF._shared_names and all(
-            isinstance(m, (torch.nn.Linear, torch.nn.ReLU)) for m in model.mlp):
+    if (
+        type(model) is NCF
+        and names == NCF._shared_names
+        and all(isinstance(m, (torch.nn.Linear, torch.nn.ReLU)) for m in model.mlp)
+    ):
         return "ncf"
     return None
 
@@ -441,12 +467,21 @@ def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     ``index_select`` on the flattened tables; autograd sums the gradients of repeated rows, as an embedding does)."""
     a, t, d = table.shape
     # one user (every one-user message): no offsets to add
-    flat = index.reshape(-1) if a == 1 else (index + (torch.arange(a, device=index.device) * t).unsqueeze(1)).reshape(-1)
+    flat = (
+        index.reshape(-1) if a == 1 else (index + (torch.arange(a, device=index.device) * t).unsqueeze(1)).reshape(-1)
+    )
     return table.reshape(a * t, d).index_select(0, flat).view(a, -1, d)
 
 
-def batched_loss(model: torch.nn.Module, loss: str, params: Mapping[str, torch.Tensor], first: torch.Tensor,
-                 second: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def batched_loss(
+    model: torch.nn.Module,
+    loss: str,
+    params: Mapping[str, torch.Tensor],
+    first: torch.Tensor,
+    second: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
     """Each user's weighted loss ``(a,)``: the model's forward pass on stacked per-user parameters as batched matrix
     products, differentiable by autograd (:func:`batched_gradients`).
 
@@ -480,16 +515,22 @@ def batched_loss(model: torch.nn.Module, loss: str, params: Mapping[str, torch.T
             w, b = params[f"{name}.weight"], params[f"{name}.bias"]
             hidden = torch.relu(torch.baddbmm(b.unsqueeze(1), hidden, w.transpose(1, 2)))
         joint = torch.cat([gmf, hidden], dim=-1)  # (a, N, d + L)
-        logits = torch.baddbmm(params["output.bias"].unsqueeze(1), joint,
-                               params["output.weight"].transpose(1, 2)).squeeze(-1)
+        logits = torch.baddbmm(
+            params["output.bias"].unsqueeze(1), joint, params["output.weight"].transpose(1, 2)
+        ).squeeze(-1)
     if loss == "bpr":
         half = first.shape[1]
         return (-F.logsigmoid(logits[:, :half] - logits[:, half:]) * weights).sum(1)
     return (F.binary_cross_entropy_with_logits(logits, labels, reduction="none") * weights).sum(1)
 
 
-def batched_gradients(model: torch.nn.Module, loss: str, params: Mapping[str, torch.Tensor], *args: torch.Tensor,
-                      keys: Sequence[str] | None = None):
+def batched_gradients(
+    model: torch.nn.Module,
+    loss: str,
+    params: Mapping[str, torch.Tensor],
+    *args: torch.Tensor,
+    keys: Sequence[str] | None = None,
+):
     """``(gradients by key (a, ...), losses (a,))``: each user's loss (:func:`batched_loss`) and its gradient with
     respect to ``params`` (only ``keys``, default all), by one reverse-mode autograd pass over the sum of the users'
     losses (a user's parameters enter only its own loss, so the gradient of the sum with respect to the stacked
@@ -536,8 +577,10 @@ def _check_finite(users: Sequence[int], values: torch.Tensor, what: str) -> None
     bad = ~torch.isfinite(values)
     if bool(bad.any()):
         which = [users[i] for i in torch.nonzero(bad).flatten().tolist()]
-        raise FloatingPointError(f"non-finite training {what} of users {which[:10]} in the vectorized block; no "
-                                 "update of this message is kept")
+        raise FloatingPointError(
+            f"non-finite training {what} of users {which[:10]} in the vectorized block; no "
+            "update of this message is kept"
+        )
 
 
 def _check_finite_parameters(users: Sequence[int], params: Mapping[str, torch.Tensor], what: str) -> None:
@@ -555,8 +598,14 @@ def _row_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------- training
-def train_block(runtime: Runtime, cls: type, users: Sequence[int], state: RecordDict,
-                shared: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> list:
+def train_block(
+    runtime: Runtime,
+    cls: type,
+    users: Sequence[int],
+    state: RecordDict,
+    shared: Mapping[str, np.ndarray],
+    config: Mapping[str, Any],
+) -> list:
     """Train ``users`` as one vectorized block; returns their :class:`~fedrec_flwr.wire.UserUpdate` in ``users``'
     order (what each user's ``fit_named`` would return, up to float32 rounding) and saves their private state.
 
@@ -592,8 +641,9 @@ def train_block(runtime: Runtime, cls: type, users: Sequence[int], state: Record
         else:
             trained = _train_sam(block, part, shared, upload)
         for i, (dense, rows, n, loss, weight, is_gradient) in zip(group, trained):
-            updates[i] = UserUpdate(dense=dense, rows=rows, num_examples=n, loss=loss, weight=weight,
-                                    is_gradient=is_gradient)
+            updates[i] = UserUpdate(
+                dense=dense, rows=rows, num_examples=n, loss=loss, weight=weight, is_gradient=is_gradient
+            )
     return updates
 
 
@@ -617,8 +667,9 @@ class BlockTerm(Protocol):
     """Shared keys the term keeps fixed (the server's ``h_w``): left out of the block's per-user copies; their upload
     comes from :meth:`uploads`."""
 
-    def add(self, params: Mapping[str, torch.Tensor], grads: dict[str, torch.Tensor], values: torch.Tensor,
-            active: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def add(
+        self, params: Mapping[str, torch.Tensor], grads: dict[str, torch.Tensor], values: torch.Tensor, active: int
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """At one step, for the first ``active`` users (``params`` their current values): ``grads`` and the loss
         ``values`` ``(active,)`` with the term's gradient and value added."""
 
@@ -692,8 +743,10 @@ def _train_sam(block: Block, part: Sequence[_UserData], shared, upload: str):
         norm = _row_norms([base[key] for key in group])
         ok = torch.isfinite(norm) & (norm > 0) & (rho > 0)
         scale = torch.where(ok, rho / torch.where(ok, norm, 1.0), 0.0).to(block.dtype)
-        return {**params, **{key: params[key] + base[key] * scale.view(-1, *([1] * (base[key].dim() - 1)))
-                             for key in group}}
+        return {
+            **params,
+            **{key: params[key] + base[key] * scale.view(-1, *([1] * (base[key].dim() - 1))) for key in group},
+        }
 
     for epoch in range(cfg.local_epochs):
         orders = [torch.randperm(d.n, generator=d.generator) for d in part]
@@ -701,13 +754,19 @@ def _train_sam(block: Block, part: Sequence[_UserData], shared, upload: str):
         args = (first, second, labels, weights)
         base, values = value_and_grad(params, *args)
         _check_finite(users, values, f"loss at SAM step {epoch + 1}")
-        sam_shared = grad_only(perturbed(shared_keys, base, cfg.rho_shared), *args, keys=shared_keys)[0] \
-            if cfg.rho_shared > 0 else base
-        sam_private = grad_only(perturbed(block.private_keys, base, cfg.rho_private), *args,
-                                keys=block.private_keys)[0] \
-            if cfg.rho_private > 0 else base
-        _check_finite(users, _row_norms([sam_shared[key] for key in shared_keys]), f"shared SAM gradient at SAM "
-                      f"step {epoch + 1}")
+        sam_shared = (
+            grad_only(perturbed(shared_keys, base, cfg.rho_shared), *args, keys=shared_keys)[0]
+            if cfg.rho_shared > 0
+            else base
+        )
+        sam_private = (
+            grad_only(perturbed(block.private_keys, base, cfg.rho_private), *args, keys=block.private_keys)[0]
+            if cfg.rho_private > 0
+            else base
+        )
+        _check_finite(
+            users, _row_norms([sam_shared[key] for key in shared_keys]), f"shared SAM gradient at SAM step {epoch + 1}"
+        )
         private_opt.step(private, {key: sam_private[key] for key in block.private_keys}, len(part))
         if shared_opt is not None:
             shared_opt.step(shared_copies, {key: sam_shared[key] for key in shared_keys}, len(part))
@@ -775,8 +834,13 @@ EVAL_USERS_PER_CALL = 2048
 
 
 @torch.no_grad()
-def evaluate_block(runtime: Runtime, users: Sequence[int], state: RecordDict, shared: Mapping[str, np.ndarray],
-                   config: Mapping[str, Any]) -> list[dict[str, float]]:
+def evaluate_block(
+    runtime: Runtime,
+    users: Sequence[int],
+    state: RecordDict,
+    shared: Mapping[str, np.ndarray],
+    config: Mapping[str, Any],
+) -> list[dict[str, float]]:
     """Each user's leave-one-out metrics, as :meth:`FedRecClient.evaluate_named` returns them, from one batched
     scoring call per :data:`EVAL_USERS_PER_CALL` users: the model applied (``functional_call``) to the shared
     parameters and a user table stacking the users' private embeddings.
@@ -795,7 +859,7 @@ def evaluate_block(runtime: Runtime, users: Sequence[int], state: RecordDict, sh
     shared_t = {key: as_tensor(value, block.device, block.dtype) for key, value in shared.items()}
     out: list[dict[str, float]] = [{} for _ in block.users]
     for start in range(0, len(block.users), EVAL_USERS_PER_CALL):
-        part = block.users[start: start + EVAL_USERS_PER_CALL]
+        part = block.users[start : start + EVAL_USERS_PER_CALL]
         private = block.load_private(part)
         params = {**shared_t, **{key: value.reshape(len(part), -1) for key, value in private.items()}}
         phases = []
@@ -804,8 +868,9 @@ def evaluate_block(runtime: Runtime, users: Sequence[int], state: RecordDict, sh
         if which in ("val", "test+val"):
             phases.append(("val-" if which == "test+val" else "", split.val_items, split.val_negatives))
         for prefix, targets, negatives in phases:
-            candidates = np.concatenate([np.asarray(targets)[part].reshape(-1, 1),
-                                         np.asarray(negatives)[part]], axis=1).astype(np.int64)
+            candidates = np.concatenate(
+                [np.asarray(targets)[part].reshape(-1, 1), np.asarray(negatives)[part]], axis=1
+            ).astype(np.int64)
             count = candidates.shape[1]
             rows = torch.arange(len(part), device=block.device).repeat_interleave(count)
             items = torch.as_tensor(candidates.reshape(-1), device=block.device)

@@ -29,7 +29,9 @@ def bce_loss(logits_pos: torch.Tensor, logits_neg: torch.Tensor) -> torch.Tensor
         ValueError: both inputs are empty, or an input is not 1-D.
     """
     if logits_pos.dim() != 1 or logits_neg.dim() != 1:
-        raise ValueError(f"bce_loss: expected 1-D logits, got shapes {tuple(logits_pos.shape)}, {tuple(logits_neg.shape)}")
+        raise ValueError(
+            f"bce_loss: expected 1-D logits, got shapes {tuple(logits_pos.shape)}, {tuple(logits_neg.shape)}"
+        )
     total = logits_pos.numel() + logits_neg.numel()
     if total == 0:
         raise ValueError("bce_loss: no positives and no negatives")

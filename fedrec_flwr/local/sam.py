@@ -25,8 +25,8 @@ import torch
 
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.local.losses import batch_loss
-from fedrec_flwr.models.base import RecModel
 from fedrec_flwr.local.training import LocalTrainConfig, LocalTrainer
+from fedrec_flwr.models.base import RecModel
 
 
 @torch.no_grad()
@@ -47,7 +47,9 @@ def sam_perturbation(grads: Sequence[torch.Tensor | None], rho: float) -> list[t
     if not math.isfinite(rho) or rho < 0:
         raise ValueError(f"SAM rho must be a finite number >= 0, got {rho!r}")
     present = [g for g in grads if g is not None]
-    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in present)) if present else torch.zeros((), dtype=torch.float64)
+    norm = (
+        torch.sqrt(sum((g.double() ** 2).sum() for g in present)) if present else torch.zeros((), dtype=torch.float64)
+    )
     if rho == 0 or not bool(torch.isfinite(norm)) or float(norm) == 0.0:
         return [None if g is None else torch.zeros_like(g) for g in grads]
     scale = rho / float(norm)
@@ -55,7 +57,10 @@ def sam_perturbation(grads: Sequence[torch.Tensor | None], rho: float) -> list[t
 
 
 def sam_gradient(
-    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], rho: float, loss_fn: Callable[[], torch.Tensor]
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    rho: float,
+    loss_fn: Callable[[], torch.Tensor],
 ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
     """``∇ L(w + eps)`` of one group: perturb ``params`` by :func:`sam_perturbation`, take the gradient, restore.
 
@@ -117,13 +122,17 @@ class SAMTrainer(LocalTrainer):
             parameter; zero rows for items the user never saw).
     """
 
-    def __init__(self, model: RecModel, cfg: LocalTrainConfig, *, rho_shared: float, rho_private: float,
-                 update_shared: bool) -> None:
+    def __init__(
+        self, model: RecModel, cfg: LocalTrainConfig, *, rho_shared: float, rho_private: float, update_shared: bool
+    ) -> None:
         if cfg.loss != "bce":
-            raise ConfigError(f"FedRecGEL's SAM trainer supports loss = 'bce' only (its paper's loss), got {cfg.loss!r}")
+            raise ConfigError(
+                f"FedRecGEL's SAM trainer supports loss = 'bce' only (its paper's loss), got {cfg.loss!r}"
+            )
         if cfg.weight_decay:
-            raise ConfigError(f"FedRecGEL's SAM trainer has no weight decay (its public code has none), got "
-                              f"{cfg.weight_decay!r}")
+            raise ConfigError(
+                f"FedRecGEL's SAM trainer has no weight decay (its public code has none), got {cfg.weight_decay!r}"
+            )
         super().__init__(model, cfg)
         for name, value in (("rho_shared", rho_shared), ("rho_private", rho_private)):
             if not math.isfinite(value) or value < 0:
@@ -152,8 +161,13 @@ class SAMTrainer(LocalTrainer):
             total = part if total is None else total + part
         return total
 
-    def sam_step(self, users: torch.Tensor, items: torch.Tensor, labels: torch.Tensor,
-                 shared_optimizer: torch.optim.Optimizer | None) -> tuple[float, list[torch.Tensor | None]]:
+    def sam_step(
+        self,
+        users: torch.Tensor,
+        items: torch.Tensor,
+        labels: torch.Tensor,
+        shared_optimizer: torch.optim.Optimizer | None,
+    ) -> tuple[float, list[torch.Tensor | None]]:
         """One decoupled SAM step over the given examples; returns ``(loss at the current point, shared SAM grads)``."""
         private, shared = self.model.private_parameters(), self.model.shared_parameters()
         everything = private + shared
@@ -183,8 +197,14 @@ class SAMTrainer(LocalTrainer):
             p.grad = None
         return value, sam_shared
 
-    def fit_examples(self, users: np.ndarray, items: np.ndarray, labels: np.ndarray, generator: torch.Generator,
-                     epochs: int | None = None) -> tuple[float, int]:
+    def fit_examples(
+        self,
+        users: np.ndarray,
+        items: np.ndarray,
+        labels: np.ndarray,
+        generator: torch.Generator,
+        epochs: int | None = None,
+    ) -> tuple[float, int]:
         """``local-epochs`` full-batch SAM steps over the ``(n,)`` examples (shuffled once per step).
 
         Returns ``(loss at the start of the last step divided by the number of chunks (the mean of the chunk means),

@@ -42,7 +42,9 @@ def resolve_device(name: str | torch.device) -> torch.device:
         try:
             device = torch.device(str(name))
         except RuntimeError as exc:
-            raise ConfigError(f"device: invalid value {name!r} ({exc}); use 'cpu', 'cuda', 'cuda:N' or 'auto'") from None
+            raise ConfigError(
+                f"device: invalid value {name!r} ({exc}); use 'cpu', 'cuda', 'cuda:N' or 'auto'"
+            ) from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"device: {name!r} requested but CUDA is not available; use 'cpu' or 'auto'")
@@ -95,12 +97,19 @@ class LocalTrainConfig:
                 raise ConfigError(f"LocalTrainConfig.{key} must be an int >= 1, got {value!r}")
         for key, minimum_ok in (("learning_rate", lambda v: v >= 0), ("weight_decay", lambda v: v >= 0)):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not minimum_ok(value):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or not minimum_ok(value)
+            ):
                 raise ConfigError(f"LocalTrainConfig.{key} must be a finite number (>= 0), got {value!r}")
         if self.loss not in LOSSES:
             raise ConfigError(f"LocalTrainConfig.loss: unknown loss {self.loss!r}; valid: {sorted(LOSSES)}")
         if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"LocalTrainConfig.optimizer: unknown optimizer {self.optimizer!r}; valid: {list(OPTIMIZERS)}")
+            raise ConfigError(
+                f"LocalTrainConfig.optimizer: unknown optimizer {self.optimizer!r}; valid: {list(OPTIMIZERS)}"
+            )
         if not isinstance(self.device, (str, torch.device)):
             raise ConfigError(f"LocalTrainConfig.device must be a string, got {self.device!r}")
 
@@ -263,8 +272,9 @@ class LocalTrainer:
         """
         return self.optimizer_step(self.optimizer, users, items, labels)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, users: torch.Tensor, items: torch.Tensor,
-                       labels: torch.Tensor) -> float:
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, users: torch.Tensor, items: torch.Tensor, labels: torch.Tensor
+    ) -> float:
         """Zero every gradient, :meth:`compute_loss`, backward and ``optimizer.step()``; returns the loss value (no
         backward or step if it is not finite)."""
         self.model.zero_grad(set_to_none=True)
@@ -300,8 +310,10 @@ class LocalTrainer:
                 became non-finite (checked after each epoch); the parameters are restored to their values before
                 this call and the optimizer is discarded.
         """
-        if isinstance(user_index, bool) or not isinstance(user_index, (int, np.integer)) or not (
-            0 <= user_index < self.model.num_users
+        if (
+            isinstance(user_index, bool)
+            or not isinstance(user_index, (int, np.integer))
+            or not (0 <= user_index < self.model.num_users)
         ):
             raise DataError(f"user_index {user_index!r} is outside [0, {self.model.num_users})")
         pos = as_index_array(positives, "positives", self.model.num_items)

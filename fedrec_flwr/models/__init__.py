@@ -54,8 +54,14 @@ def build_model(
     generator = torch.Generator().manual_seed(int(seed))
     try:
         if key == "ncf":
-            return NCF(num_users, num_items, embedding_dim, mlp_layers, mlp_embedding_dim=mlp_embedding_dim,
-                       generator=generator)
+            return NCF(
+                num_users,
+                num_items,
+                embedding_dim,
+                mlp_layers,
+                mlp_embedding_dim=mlp_embedding_dim,
+                generator=generator,
+            )
         return MODELS[key](num_users, num_items, embedding_dim, generator=generator)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -185,7 +185,13 @@ class RecModel(nn.Module):
             ValueError: ``items`` is not sorted, unique and within ``[0, num_items)``.
         """
         items = np.asarray(items, dtype=np.int64)
-        if items.ndim != 1 or items.size == 0 or (np.diff(items) <= 0).any() or items[0] < 0 or items[-1] >= self.num_items:
+        if (
+            items.ndim != 1
+            or items.size == 0
+            or (np.diff(items) <= 0).any()
+            or items[0] < 0
+            or items[-1] >= self.num_items
+        ):
             raise ValueError(f"item_subset: items must be sorted unique indices in [0, {self.num_items})")
         tables = self.item_embedding_modules()
         saved = {name: (module.weight, module.num_embeddings) for name, module in tables.items()}
@@ -227,9 +233,7 @@ class RecModel(nn.Module):
             value = state[key]
             tensor = torch.as_tensor(np.asarray(value) if not isinstance(value, torch.Tensor) else value)
             if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"{where}: key {key!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-                )
+                raise ValueError(f"{where}: key {key!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
             if tensor.is_floating_point() and not all_finite(tensor):
                 raise ValueError(f"{where}: key {key!r} contains NaN or infinite values")
             converted[key] = tensor

@@ -53,7 +53,9 @@ class NCF(RecModel):
             raise ValueError(f"NCF: mlp_layers must be a non-empty sequence of positive ints, got {mlp_layers!r}")
         self.mlp_layers = layers
         if isinstance(mlp_embedding_dim, bool) or not isinstance(mlp_embedding_dim, int) or mlp_embedding_dim < 0:
-            raise ValueError(f"NCF: mlp_embedding_dim must be an int >= 0 (0 = embedding_dim), got {mlp_embedding_dim!r}")
+            raise ValueError(
+                f"NCF: mlp_embedding_dim must be an int >= 0 (0 = embedding_dim), got {mlp_embedding_dim!r}"
+            )
         d = self.embedding_dim
         self.mlp_embedding_dim = int(mlp_embedding_dim) or d
         m = self.mlp_embedding_dim

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.state.client_state import ClientStateStore
 from fedrec_flwr.io import atomic_save_npz, load_npz
+from fedrec_flwr.state.client_state import ClientStateStore
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,14 @@ TRAINED_KEY = "trained-users"
 CHECKPOINT_FILE = "checkpoint.npz"
 """The checkpoint's file name in the results folder."""
 
-MAY_DIFFER = ("resume-from", "checkpoint-every", "round-timeout", "client-state-dir", "resume-resets-client-state",
-              "results-dir")
+MAY_DIFFER = (
+    "resume-from",
+    "checkpoint-every",
+    "round-timeout",
+    "client-state-dir",
+    "resume-resets-client-state",
+    "results-dir",
+)
 """Run-config keys a resumed run may set differently from the interrupted one (they change no result; a resumed run
 writes into the checkpoint's folder, wherever it now is, so ``results-dir`` may follow a moved folder)."""
 
@@ -64,12 +70,16 @@ def split_data_facts(split) -> dict[str, Any]:
     """The :data:`DATA_FACTS` of a :class:`~fedrec_flwr.data.Split` (plus its ``fingerprint``, recorded only)."""
     from fedrec_flwr.app.client_app import split_fingerprint
 
-    return {"source-sha256": split.meta.get("source_sha256"), "num-users": int(split.num_users),
-            "num-items": int(split.num_items), "num-interactions": split.meta.get("num_interactions"),
-            "fingerprint": split_fingerprint(split)}
+    return {
+        "source-sha256": split.meta.get("source_sha256"),
+        "num-users": int(split.num_users),
+        "num-items": int(split.num_items),
+        "num-interactions": split.meta.get("num_interactions"),
+        "fingerprint": split_fingerprint(split),
+    }
 
 
-def check_same_data(checkpoint: "Checkpoint", data: Mapping[str, Any], where: str = "") -> None:
+def check_same_data(checkpoint: Checkpoint, data: Mapping[str, Any], where: str = "") -> None:
     """Refuse to resume ``checkpoint`` on data whose :data:`DATA_FACTS` differ from the ones it recorded.
 
     Args:
@@ -82,17 +92,22 @@ def check_same_data(checkpoint: "Checkpoint", data: Mapping[str, Any], where: st
     """
     recorded = checkpoint.data
     if not recorded:
-        log.warning("checkpoint %s does not record the data it was trained on (an older version's): a resume on "
-                    "changed data cannot be detected", checkpoint.folder)
+        log.warning(
+            "checkpoint %s does not record the data it was trained on (an older version's): a resume on "
+            "changed data cannot be detected",
+            checkpoint.folder,
+        )
         return
     differ = [k for k in DATA_FACTS if k in recorded and recorded.get(k) != data.get(k)]
     if not differ:
         return
     detail = "; ".join(f"{k} {recorded.get(k)} -> {data.get(k)}" for k in differ)
-    raise ConfigError(f"run-config key 'resume-from' = {str(checkpoint.folder)!r}: the data differ from the ones the "
-                      f"checkpoint's run trained on (source-sha256 {recorded.get('source-sha256')} in the checkpoint, "
-                      f"{data.get('source-sha256')} {where or 'now'}; {detail}); resume on the data the run started "
-                      "with, or start a new run")
+    raise ConfigError(
+        f"run-config key 'resume-from' = {str(checkpoint.folder)!r}: the data differ from the ones the "
+        f"checkpoint's run trained on (source-sha256 {recorded.get('source-sha256')} in the checkpoint, "
+        f"{data.get('source-sha256')} {where or 'now'}; {detail}); resume on the data the run started "
+        "with, or start a new run"
+    )
 
 
 @dataclass
@@ -139,9 +154,15 @@ def save_checkpoint(folder: str | Path, checkpoint: Checkpoint) -> Path:
             index[name] = [group, key]
             arrays[name] = np.asarray(value)
     manifest = {
-        "format": FORMAT, "round": int(checkpoint.server_round), "run-name": checkpoint.run_name,
-        "run-config": checkpoint.run_config, "strategy": checkpoint.strategy_state, "rows": checkpoint.rows,
-        "sampler": checkpoint.sampler, "arrays": index, "client-state": checkpoint.client_state,
+        "format": FORMAT,
+        "round": int(checkpoint.server_round),
+        "run-name": checkpoint.run_name,
+        "run-config": checkpoint.run_config,
+        "strategy": checkpoint.strategy_state,
+        "rows": checkpoint.rows,
+        "sampler": checkpoint.sampler,
+        "arrays": index,
+        "client-state": checkpoint.client_state,
         "data": checkpoint.data,
         "row-columns": [list(row) for row in checkpoint.rows],  # sort_keys reorders the rows: their order, kept
     }
@@ -158,8 +179,10 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path).expanduser()
     file = path / CHECKPOINT_FILE if path.is_dir() else path
     if not file.is_file():
-        raise ConfigError(f"run-config key 'resume-from' = {str(path)!r}: no checkpoint at {file} (a run writes one "
-                          "every 'checkpoint-every' rounds)")
+        raise ConfigError(
+            f"run-config key 'resume-from' = {str(path)!r}: no checkpoint at {file} (a run writes one "
+            "every 'checkpoint-every' rounds)"
+        )
     try:
         with load_npz(file) as data:
             manifest = json.loads(str(data[_MANIFEST]))
@@ -169,10 +192,17 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         if manifest.get("format") != FORMAT:
             raise ValueError(f"format {manifest.get('format')!r}, expected {FORMAT}")
         return Checkpoint(
-            server_round=int(manifest["round"]), run_name=str(manifest["run-name"]),
-            run_config=dict(manifest["run-config"]), arrays=groups["arrays"], strategy_state=manifest["strategy"],
-            strategy_arrays=groups["strategy"], rows=_rows_in_order(manifest), sampler=dict(manifest["sampler"]),
-            client_state=manifest.get("client-state"), folder=file.parent, data=dict(manifest.get("data") or {}),
+            server_round=int(manifest["round"]),
+            run_name=str(manifest["run-name"]),
+            run_config=dict(manifest["run-config"]),
+            arrays=groups["arrays"],
+            strategy_state=manifest["strategy"],
+            strategy_arrays=groups["strategy"],
+            rows=_rows_in_order(manifest),
+            sampler=dict(manifest["sampler"]),
+            client_state=manifest.get("client-state"),
+            folder=file.parent,
+            data=dict(manifest.get("data") or {}),
         )
     except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, json.JSONDecodeError) as err:
         raise ConfigError(f"checkpoint {file} is unreadable ({type(err).__name__}: {err})") from err
@@ -190,22 +220,29 @@ def check_resumable(checkpoint: Checkpoint, run_config: dict[str, Any]) -> None:
     differ = sorted(k for k in keys if checkpoint.run_config.get(k) != run_config.get(k))
     if differ:
         detail = ", ".join(f"{k}: {checkpoint.run_config.get(k)!r} -> {run_config.get(k)!r}" for k in differ[:8])
-        raise ConfigError(f"run-config key 'resume-from': the checkpoint of {checkpoint.folder} was written by a run "
-                          f"with other settings ({detail}); resume with the same config (only {list(MAY_DIFFER)} "
-                          "may differ)")
+        raise ConfigError(
+            f"run-config key 'resume-from': the checkpoint of {checkpoint.folder} was written by a run "
+            f"with other settings ({detail}); resume with the same config (only {list(MAY_DIFFER)} "
+            "may differ)"
+        )
     if checkpoint.server_round > int(run_config["num-server-rounds"]):
-        raise ConfigError(f"checkpoint of round {checkpoint.server_round} is past num-server-rounds = "
-                          f"{run_config['num-server-rounds']}")
+        raise ConfigError(
+            f"checkpoint of round {checkpoint.server_round} is past num-server-rounds = "
+            f"{run_config['num-server-rounds']}"
+        )
 
 
-RESET_STATE = ("every user's private parameters (its user embedding) and its client's other private records (e.g. "
-               "FedRecGEL's optimizer moments, PFedRec's personal item rows, FedAU2's adversary state) restart from "
-               "their seeded initial values")
+RESET_STATE = (
+    "every user's private parameters (its user embedding) and its client's other private records (e.g. "
+    "FedRecGEL's optimizer moments, PFedRec's personal item rows, FedAU2's adversary state) restart from "
+    "their seeded initial values"
+)
 """What a resume without the clients' saved state loses."""
 
 
-def check_client_state(checkpoint: Checkpoint, nodes_without_state: list, accept_reset: bool,
-                       state_problems: list[dict] = ()) -> str | None:
+def check_client_state(
+    checkpoint: Checkpoint, nodes_without_state: list, accept_reset: bool, state_problems: list[dict] = ()
+) -> str | None:
     """Refuse a resume that would silently restart the clients' private state.
 
     The clients' private state survives a resume only through their files (``client-state-dir``); the server never
@@ -231,46 +268,79 @@ def check_client_state(checkpoint: Checkpoint, nodes_without_state: list, accept
         kept = bool(checkpoint.run_config.get("client-state-dir"))
     problems = []
     if not kept:
-        problems.append(f"the interrupted run ({checkpoint.folder}) did not keep its clients' private state in files "
-                        "('client-state-dir' unset on its nodes), so there is no state to resume from")
+        problems.append(
+            f"the interrupted run ({checkpoint.folder}) did not keep its clients' private state in files "
+            "('client-state-dir' unset on its nodes), so there is no state to resume from"
+        )
     if nodes_without_state:
-        problems.append(f"the SuperNodes with partition-id {sorted(nodes_without_state)} keep no state files "
-                        "('client-state-dir' in neither the run config nor their --node-config)")
+        problems.append(
+            f"the SuperNodes with partition-id {sorted(nodes_without_state)} keep no state files "
+            "('client-state-dir' in neither the run config nor their --node-config)"
+        )
     trained = checkpoint.strategy_arrays.get(TRAINED_KEY)
     if trained is not None:
         trained = np.asarray(trained, dtype=bool).copy()
-        trained[[int(u) for u in checkpoint.strategy_state.get("removed-users", []) if 0 <= int(u) < trained.size]] = False
+        trained[[int(u) for u in checkpoint.strategy_state.get("removed-users", []) if 0 <= int(u) < trained.size]] = (
+            False
+        )
     elif any(node["absent"] for node in state_problems):
-        log.warning("checkpoint %s does not record which users trained (an older version's, or a strategy without "
-                    "'%s'): only damaged client-state files are checked, not missing ones", checkpoint.folder,
-                    TRAINED_KEY)
+        log.warning(
+            "checkpoint %s does not record which users trained (an older version's, or a strategy without "
+            "'%s'): only damaged client-state files are checked, not missing ones",
+            checkpoint.folder,
+            TRAINED_KEY,
+        )
     users = []
     for node in state_problems:
-        node = {**node, "missing": [] if trained is None else
-                [int(u) for u in node["absent"] if 0 <= int(u) < trained.size and trained[int(u)]]}
+        node = {
+            **node,
+            "missing": []
+            if trained is None
+            else [int(u) for u in node["absent"] if 0 <= int(u) < trained.size and trained[int(u)]],
+        }
         store = ClientStateStore(node["folder"])
         where = f"node {node['node']} (partition-id {node['partition-id']})"
-        for _kind, ids, what in (("damaged", node["damaged"], "has unreadable or non-finite state files"),
-                                ("missing", node["missing"], f"has no state file of round <= "
-                                 f"{checkpoint.server_round} for users whose training the server accepted in "
-                                 f"rounds 1..{checkpoint.server_round}")):
+        for _kind, ids, what in (
+            ("damaged", node["damaged"], "has unreadable or non-finite state files"),
+            (
+                "missing",
+                node["missing"],
+                f"has no state file of round <= "
+                f"{checkpoint.server_round} for users whose training the server accepted in "
+                f"rounds 1..{checkpoint.server_round}",
+            ),
+        ):
             if ids:
                 files = [str(store.path(u)) for u in ids[:10]] + ([f"... ({len(ids)} in all)"] if len(ids) > 10 else [])
                 problems.append(f"{where} {what}: {', '.join(files)}")
                 users += ids
     if not problems:
         return None
-    lost = (f"users {sorted(users)} restart from their seeded initial state (their private parameters and other "
-            "private records)") if kept and not nodes_without_state else f"so {RESET_STATE}"
-    message = (f"resuming after round {checkpoint.server_round} loses the clients' private state: "
-               + "; and ".join(problems) + f"; {lost}")
+    lost = (
+        (
+            f"users {sorted(users)} restart from their seeded initial state (their private parameters and other "
+            "private records)"
+        )
+        if kept and not nodes_without_state
+        else f"so {RESET_STATE}"
+    )
+    message = (
+        f"resuming after round {checkpoint.server_round} loses the clients' private state: "
+        + "; and ".join(problems)
+        + f"; {lost}"
+    )
     if not accept_reset:
         fix = "Restore these files (e.g. from a backup of the node's client-state-dir), or set " if users else "Set "
-        raise ConfigError(f"run-config key 'resume-from': {message}. {fix}'resume-resets-client-state' = true to "
-                          "resume anyway, or start a new run")
+        raise ConfigError(
+            f"run-config key 'resume-from': {message}. {fix}'resume-resets-client-state' = true to "
+            "resume anyway, or start a new run"
+        )
     aside = any(node["damaged"] for node in state_problems)  # the nodes renamed them (client_app.identify)
-    return message + " (resume-resets-client-state = true" + (
-        "; the nodes renamed the unreadable or non-finite files to *.npz.damaged)" if aside else ")")
+    return (
+        message
+        + " (resume-resets-client-state = true"
+        + ("; the nodes renamed the unreadable or non-finite files to *.npz.damaged)" if aside else ")")
+    )
 
 
 def _rows_in_order(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:

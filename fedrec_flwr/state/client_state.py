@@ -71,8 +71,10 @@ RUN_NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=,+-]{0,199}")
 files named after it); letters, digits and ``. _ = , + -``, starting with a letter or digit (no path separator, no
 space or control character, no hidden folder, no ``.``/``..``)."""
 
-RUN_NAME_RULE_TEXT = ("1-200 ASCII letters, digits and '.', '_', '=', ',', '+', '-', starting with a letter or digit "
-                      "(no space, '/', '\\', control or non-ASCII character)")
+RUN_NAME_RULE_TEXT = (
+    "1-200 ASCII letters, digits and '.', '_', '=', ',', '+', '-', starting with a letter or digit "
+    "(no space, '/', '\\', control or non-ASCII character)"
+)
 """:data:`RUN_NAME_RULE` in words, for error messages."""
 
 
@@ -122,8 +124,10 @@ def state_folder(node_config: Mapping[str, Any], run_config_dir: str, message_co
         return None
     run = message_config.get(RUN_KEY)
     if not isinstance(run, str) or run_name_problem(run) is not None:
-        raise ConfigError(f"'{STATE_DIR_KEY}' is set but the server's message names no usable run "
-                          f"({RUN_KEY!r} = {run!r}); use this package's ServerApp, which sends it")
+        raise ConfigError(
+            f"'{STATE_DIR_KEY}' is set but the server's message names no usable run "
+            f"({RUN_KEY!r} = {run!r}); use this package's ServerApp, which sends it"
+        )
     return Path(folder).expanduser() / run
 
 
@@ -164,8 +168,10 @@ class ClientStateStore:
         except ClientStateError:
             raise
         except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, json.JSONDecodeError) as err:
-            raise ClientStateError(f"{path}: unreadable client state file ({type(err).__name__}: {err}); it was "
-                                   "written atomically, so something else changed it — restore or delete it") from err
+            raise ClientStateError(
+                f"{path}: unreadable client state file ({type(err).__name__}: {err}); it was "
+                "written atomically, so something else changed it — restore or delete it"
+            ) from err
 
     def load(self, user: int, state: RecordDict, as_of: int | None) -> int | None:
         """Replace user ``user``'s records in ``state`` by its newest saved version of round ``<= as_of`` (``None``:
@@ -182,8 +188,9 @@ class ClientStateStore:
             state[record] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
         return chosen
 
-    def resume_problems(self, users: Iterable[int], resume_round: int,
-                        set_aside: bool = False) -> tuple[list[int], list[int]]:
+    def resume_problems(
+        self, users: Iterable[int], resume_round: int, set_aside: bool = False
+    ) -> tuple[list[int], list[int]]:
         """What this folder holds for a resume after round ``resume_round`` (ids only, no values). Temporary files
         of these users' files left by a writer killed mid-save are removed first
         (:func:`fedrec_flwr.io.remove_dead_temporaries`).
@@ -203,8 +210,12 @@ class ClientStateStore:
         users = [int(u) for u in users]
         removed = remove_dead_temporaries(self.folder, [self.path(u).name for u in users])
         if removed:  # a writer killed mid-save (its pid is gone): the file it was replacing is intact
-            log.info("removed %d temporary file(s) of a writer killed mid-save in %s (e.g. %s)", len(removed),
-                     self.folder, removed[0].name)
+            log.info(
+                "removed %d temporary file(s) of a writer killed mid-save in %s (e.g. %s)",
+                len(removed),
+                self.folder,
+                removed[0].name,
+            )
         damaged, absent = [], []
         for user in users:
             try:
@@ -262,8 +273,10 @@ def check_finite(path: Path, round_: int, records: Mapping[str, Mapping[str, np.
         for key, value in arrays.items():
             if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
                 bad = int(np.size(value) - np.count_nonzero(np.isfinite(value)))
-                raise ClientStateError(f"{path}: the version of round {round_} holds {bad} non-finite value(s) in "
-                                       f"record {record!r}, array {key!r}")
+                raise ClientStateError(
+                    f"{path}: the version of round {round_} holds {bad} non-finite value(s) in "
+                    f"record {record!r}, array {key!r}"
+                )
 
 
 def _versions_to_keep(versions: Iterable[int], durable_round: int, newest: int) -> set[int]:

@@ -18,12 +18,12 @@ import io
 import json
 import logging
 import math
-import re
 import os
+import re
 import socket
 import time
 from collections.abc import Iterable, Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,19 @@ PROGRESS = logging.getLogger("fedrec_flwr.progress")
 """Logger of the one-line-per-round progress report."""
 
 
-COUNT_COLUMNS = frozenset({"train-users", "num-replies", "num-failures", "eval-users", "gradient-users",
-                           "num-examples", "num-users", "isolated-users", "eval-isolated-users"})
+COUNT_COLUMNS = frozenset(
+    {
+        "train-users",
+        "num-replies",
+        "num-failures",
+        "eval-users",
+        "gradient-users",
+        "num-examples",
+        "num-users",
+        "isolated-users",
+        "eval-isolated-users",
+    }
+)
 """Metric columns that count users, replies or examples: written as integers (the wire carries them as floats)."""
 
 
@@ -80,8 +91,18 @@ FAILED_FILE = "failed.json"
 """Written (atomically) in a run's results folder when the run fails once that folder exists; see
 :func:`write_failure`."""
 
-RESULT_FILES = ("config.json", "metrics.csv", "metrics.json", "final_arrays.npz", "summary.json",
-                "learning_curves.png", "unlearning.json", "before-unlearning.npz", "checkpoint.npz", FAILED_FILE)
+RESULT_FILES = (
+    "config.json",
+    "metrics.csv",
+    "metrics.json",
+    "final_arrays.npz",
+    "summary.json",
+    "learning_curves.png",
+    "unlearning.json",
+    "before-unlearning.npz",
+    "checkpoint.npz",
+    FAILED_FILE,
+)
 """The files a run writes in its results folder (a new run of the same ``run-name`` replaces them)."""
 
 
@@ -100,19 +121,30 @@ def check_results_folder(folder: str | Path, clear: bool = True) -> None:
 
     folder = Path(folder)
     if (folder / "summary.json").is_file():
-        raise ConfigError(f"run-config key 'run-name' = {folder.name!r}: results folder {folder} already holds a "
-                          "finished run (summary.json); set another 'run-name' or delete the folder")
+        raise ConfigError(
+            f"run-config key 'run-name' = {folder.name!r}: results folder {folder} already holds a "
+            "finished run (summary.json); set another 'run-name' or delete the folder"
+        )
     if (folder / "checkpoint.npz").is_file():
-        raise ConfigError(f"run-config key 'run-name' = {folder.name!r}: results folder {folder} holds an interrupted "
-                          f"run's checkpoint (checkpoint.npz); continue it with resume-from={str(folder)!r}, or set "
-                          "another 'run-name' (or delete the folder) to start afresh")
+        raise ConfigError(
+            f"run-config key 'run-name' = {folder.name!r}: results folder {folder} holds an interrupted "
+            f"run's checkpoint (checkpoint.npz); continue it with resume-from={str(folder)!r}, or set "
+            "another 'run-name' (or delete the folder) to start afresh"
+        )
     left = [name for name in RESULT_FILES if (folder / name).is_file()] if clear else []
     if left:  # a failed or interrupted run's files, without a checkpoint to resume from: this run replaces them
         failure = read_failure(folder)
-        held = "an interrupted run without a checkpoint" if failure is None else \
-            f"a failed run ({describe_failure(failure)})"
-        log.warning("results folder %s held %s (%s, no summary.json): this run replaces its files", folder, held,
-                    ", ".join(left))
+        held = (
+            "an interrupted run without a checkpoint"
+            if failure is None
+            else f"a failed run ({describe_failure(failure)})"
+        )
+        log.warning(
+            "results folder %s held %s (%s, no summary.json): this run replaces its files",
+            folder,
+            held,
+            ", ".join(left),
+        )
     for name in left:
         (folder / name).unlink(missing_ok=True)
 
@@ -146,7 +178,7 @@ class FolderLock:
         self.key, self.value = key, self.folder.name if value is None else value
         self._fd: int | None = None
 
-    def acquire(self) -> "FolderLock":
+    def acquire(self) -> FolderLock:
         """Take the lock.
 
         Raises:
@@ -174,8 +206,12 @@ class FolderLock:
             if same:
                 break
             os.close(fd)
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "folder": str(self.folder),
-                  "started": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "folder": str(self.folder),
+            "started": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
         self._fd = fd
@@ -192,7 +228,7 @@ class FolderLock:
         os.close(self._fd)
         self._fd = None
 
-    def __enter__(self) -> "FolderLock":
+    def __enter__(self) -> FolderLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
@@ -201,11 +237,16 @@ class FolderLock:
     def _refusal(self, holder: Mapping[str, Any]):
         from fedrec_flwr.errors import ConfigError
 
-        who = (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')!r}, since {holder.get('started', '?')}"
-               if holder else "a process that has not written its name yet")
-        return ConfigError(f"run-config key {self.key!r} = {self.value!r}: results folder {str(self.folder)!r} is in "
-                           f"use by a live run ({who}; lock file {str(self.path)!r}); wait for it to end or set "
-                           "another 'run-name'")
+        who = (
+            f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')!r}, since {holder.get('started', '?')}"
+            if holder
+            else "a process that has not written its name yet"
+        )
+        return ConfigError(
+            f"run-config key {self.key!r} = {self.value!r}: results folder {str(self.folder)!r} is in "
+            f"use by a live run ({who}; lock file {str(self.path)!r}); wait for it to end or set "
+            "another 'run-name'"
+        )
 
 
 def check_folder_free(folder: str | Path, key: str = "run-name", value: str | None = None) -> None:
@@ -229,8 +270,9 @@ def _read_holder(fd: int) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def write_failure(folder: str | Path, error: BaseException, *, server_round: int | None, rounds_completed: int,
-                  num_server_rounds: int) -> Path:
+def write_failure(
+    folder: str | Path, error: BaseException, *, server_round: int | None, rounds_completed: int, num_server_rounds: int
+) -> Path:
     """Record in ``folder/failed.json`` (atomically) why the run failed; returns its path.
 
     The record: ``error`` (``"<type>: <message>"``, one line), ``error-type``, ``message``, ``round`` (the round
@@ -239,10 +281,15 @@ def write_failure(folder: str | Path, error: BaseException, *, server_round: int
     ``failed-at`` (UTC, ISO 8601).
     """
     message = " ".join(str(error).split())
-    record = {"error": f"{type(error).__name__}: {message}", "error-type": type(error).__name__, "message": message,
-              "round": server_round, "rounds-completed": int(rounds_completed),
-              "num-server-rounds": int(num_server_rounds),
-              "failed-at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    record = {
+        "error": f"{type(error).__name__}: {message}",
+        "error-type": type(error).__name__,
+        "message": message,
+        "round": server_round,
+        "rounds-completed": int(rounds_completed),
+        "num-server-rounds": int(num_server_rounds),
+        "failed-at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
     return atomic_write_json(Path(folder) / FAILED_FILE, record)
 
 
@@ -278,12 +325,22 @@ def source_commit(root: str | Path | None = None) -> str | None:
 
     root = Path(root) if root is not None else Path(__file__).resolve().parents[2]
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=False)
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--show-toplevel", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
         top, sha = head.stdout.split() if head.returncode == 0 else ("", "")
         if sha and Path(top).resolve() == root.resolve():
-            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+            dirty = subprocess.run(
+                ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
+            ).stdout.strip()
             return f"{sha}-dirty" if dirty else sha
     except (OSError, ValueError, subprocess.TimeoutExpired):
         pass
@@ -318,16 +375,22 @@ class RunRecorder:
         rows: the rows of rounds already run (a resumed run's, from its checkpoint).
     """
 
-    def __init__(self, folder: str | Path, run_config: Mapping[str, Any], info: Mapping[str, Any],
-                 rows: Iterable[Mapping[str, Any]] = ()) -> None:
+    def __init__(
+        self,
+        folder: str | Path,
+        run_config: Mapping[str, Any],
+        info: Mapping[str, Any],
+        rows: Iterable[Mapping[str, Any]] = (),
+    ) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict[str, Any]] = [dict(r) for r in rows]
         self._last = time.monotonic()
         self._start = self._last
         self.k = headline_k(run_config.get("ks"), self.rows)
-        atomic_write_json(self.folder / "config.json",
-                          {"run-config": dict(run_config), **dict(info), "produced-by": provenance()})
+        atomic_write_json(
+            self.folder / "config.json", {"run-config": dict(run_config), **dict(info), "produced-by": provenance()}
+        )
 
     def record(self, server_round: int, train: Mapping[str, float], evaluate: Mapping[str, float]) -> dict:
         """Add the row of one finished round, log its progress line, and rewrite the metrics files."""
@@ -370,8 +433,11 @@ class RunRecorder:
         """Write the final shared arrays, the learning-curve plot and, last, the summary; returns the folder."""
         atomic_save_npz(self.folder / "final_arrays.npz", **{k.replace("/", "_"): v for k, v in arrays.items()})
         unlearning = summary.get("unlearning")
-        marks = {f"unlearning ({unlearning.get('method', '')})": unlearning["round"]} \
-            if isinstance(unlearning, Mapping) and "round" in unlearning else {}
+        marks = (
+            {f"unlearning ({unlearning.get('method', '')})": unlearning["round"]}
+            if isinstance(unlearning, Mapping) and "round" in unlearning
+            else {}
+        )
         k = self.k if self.k is not None else headline_k(None, self.rows)
         plot_learning_curves(self.rows, self.folder / "learning_curves.png", title=self.folder.name, marks=marks, k=k)
         evaluated = [r for r in self.rows if f"HR@{k}" in r]
@@ -379,14 +445,19 @@ class RunRecorder:
         selected = select_on_validation(self.rows, k=k)
         atomic_write_json(  # last: summary.json marks a finished run
             self.folder / "summary.json",
-            {"final": final, "selected-on-validation": selected,
-             "total-seconds": round(time.monotonic() - self._start, 3), **dict(summary)},
+            {
+                "final": final,
+                "selected-on-validation": selected,
+                "total-seconds": round(time.monotonic() - self._start, 3),
+                **dict(summary),
+            },
         )
         return self.folder
 
 
-def select_on_validation(rows: list[Mapping[str, Any]], key: str | None = None,
-                         k: int | None = None) -> dict[str, Any] | None:
+def select_on_validation(
+    rows: list[Mapping[str, Any]], key: str | None = None, k: int | None = None
+) -> dict[str, Any] | None:
     """The evaluated round with the best validation metric (earliest on ties), or ``None`` without validation.
 
     The round is chosen on each user's validation item (``holdout-validation``), never on the test item; the row's
@@ -404,8 +475,13 @@ def select_on_validation(rows: list[Mapping[str, Any]], key: str | None = None,
     return dict(best)
 
 
-def plot_learning_curves(rows: list[Mapping[str, Any]], path: str | Path, title: str = "",
-                         marks: Mapping[str, float] | None = None, k: int | None = None) -> None:
+def plot_learning_curves(
+    rows: list[Mapping[str, Any]],
+    path: str | Path,
+    title: str = "",
+    marks: Mapping[str, float] | None = None,
+    k: int | None = None,
+) -> None:
     """Plot HR@K and NDCG@K (evaluated rounds; ``k`` default: :func:`headline_k` of the rows) and the train loss
     (every round) against the round, to a PNG.
 
@@ -420,8 +496,9 @@ def plot_learning_curves(rows: list[Mapping[str, Any]], path: str | Path, title:
     atomic_write_bytes(path, buffer.getvalue())
 
 
-def learning_curves_figure(rows: list[Mapping[str, Any]], title: str = "", marks: Mapping[str, float] | None = None,
-                           k: int | None = None):
+def learning_curves_figure(
+    rows: list[Mapping[str, Any]], title: str = "", marks: Mapping[str, float] | None = None, k: int | None = None
+):
     """The figure :func:`plot_learning_curves` saves (a ``matplotlib.figure.Figure``, Agg backend; close it with
     ``plt.close``): left panel HR@K and NDCG@K (``k`` default: :func:`headline_k` of the rows) with their legend
     below it (outside the axes, so that no point, e.g. a short run's last evaluation at the right edge, is hidden),
@@ -430,7 +507,6 @@ def learning_curves_figure(rows: list[Mapping[str, Any]], title: str = "", marks
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import MaxNLocator
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
@@ -448,8 +524,9 @@ def learning_curves_figure(rows: list[Mapping[str, Any]], title: str = "", marks
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     for label, after in (marks or {}).items():
         for axis in (left, right):
-            axis.axvline(float(after) + 0.5, color="0.35", linestyle="--", linewidth=1,
-                         label=label if axis is left else None)
+            axis.axvline(
+                float(after) + 0.5, color="0.35", linestyle="--", linewidth=1, label=label if axis is left else None
+            )
     peak = max((r[key] for r in evaluated for key in shown if key in r), default=0.0)
     left.set_ylim(0, max(left.get_ylim()[1], 1.06 * peak))  # room for the highest marker (a single point, HR 1.0)
     left.set_xlabel("round")

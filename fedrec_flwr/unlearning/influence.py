@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedrec_flwr.unlearning.krylov import CompositeLoss, gauss_newton_diagonal
 from fedrec_flwr.models import RecModel
+from fedrec_flwr.unlearning.krylov import CompositeLoss, gauss_newton_diagonal
 
 
 def can_batch(model: RecModel) -> bool:
@@ -72,15 +72,23 @@ def example_index(runtime, clients: Sequence, extra_rows: np.ndarray | None, dev
     a product's time). Returns a namespace of them.
     """
     cfg = runtime.config
-    key = (type(clients[0]).__qualname__, tuple(int(c.user) for c in clients), str(device),
-           runtime.train_config.weight_decay > 0,
-           None if extra_rows is None else np.asarray(extra_rows, dtype=np.int64).tobytes())
+    key = (
+        type(clients[0]).__qualname__,
+        tuple(int(c.user) for c in clients),
+        str(device),
+        runtime.train_config.weight_decay > 0,
+        None if extra_rows is None else np.asarray(extra_rows, dtype=np.int64).tobytes(),
+    )
     cache = runtime.__dict__.setdefault("_influence_index", {})
     if key in cache:
         return cache[key]
     examples = [client.influence_examples() for client in clients]
-    items = np.unique(np.concatenate([np.concatenate(e) for e in examples]
-                                     + ([np.asarray(extra_rows, dtype=np.int64)] if extra_rows is not None else [])))
+    items = np.unique(
+        np.concatenate(
+            [np.concatenate(e) for e in examples]
+            + ([np.asarray(extra_rows, dtype=np.int64)] if extra_rows is not None else [])
+        )
+    )
     items = items.astype(np.int64)
     users, left, right, weights = [], [], [], []
     for row, (positives, negatives) in enumerate(examples):
@@ -106,8 +114,11 @@ def example_index(runtime, clients: Sequence, extra_rows: np.ndarray | None, dev
         used_users = torch.cat([user_t, user_t])
     else:
         item_t = torch.as_tensor(np.concatenate(left), device=device)
-        label_t = torch.as_tensor(np.concatenate(
-            [np.concatenate([np.ones(p), np.zeros(n)]) for p, n in right]), dtype=torch.float32, device=device)
+        label_t = torch.as_tensor(
+            np.concatenate([np.concatenate([np.ones(p), np.zeros(n)]) for p, n in right]),
+            dtype=torch.float32,
+            device=device,
+        )
         used_items, used_users = item_t, user_t
     row_users = None
     if runtime.train_config.weight_decay > 0:  # each user regularises the rows its loss uses once (compute_loss)
@@ -116,14 +127,23 @@ def example_index(runtime, clients: Sequence, extra_rows: np.ndarray | None, dev
             row_users[torch.unique(used_items[used_users == row])] += 1.0
     if len(cache) >= INDEX_CACHE_SIZE:
         cache.clear()
-    cache[key] = SimpleNamespace(items=items, user_t=user_t, weight_t=weight_t, item_t=item_t, label_t=label_t,
-                                 used_items=used_items, used_users=used_users, row_users=row_users)
+    cache[key] = SimpleNamespace(
+        items=items,
+        user_t=user_t,
+        weight_t=weight_t,
+        item_t=item_t,
+        label_t=label_t,
+        used_items=used_items,
+        used_users=used_users,
+        row_users=row_users,
+    )
     return cache[key]
 
 
 @contextmanager
-def influence_objective(runtime, clients: Sequence, shared: Mapping[str, np.ndarray],
-                        extra_rows: np.ndarray | None = None):
+def influence_objective(
+    runtime, clients: Sequence, shared: Mapping[str, np.ndarray], extra_rows: np.ndarray | None = None
+):
     """``sum_u L_u(theta)`` over ``clients`` (module docstring) as a function of the shared parameters.
 
     Inside the block the item tables are compact copies of rows ``items`` (the users' rows and ``extra_rows``), so
@@ -203,15 +223,26 @@ def influence_objective(runtime, clients: Sequence, shared: Mapping[str, np.ndar
                     loss = loss + 0.5 * decay * len(clients) * value.pow(2).sum()
             return loss
 
-        loss_fn = CompositeLoss(outputs, output_loss, regulariser if decay > 0 else None,
-                                output_curvature=output_curvature, row_keys=tuple(layout.item_keys),
-                                example_rows=output_items, example_outputs=example_outputs)
+        loss_fn = CompositeLoss(
+            outputs,
+            output_loss,
+            regulariser if decay > 0 else None,
+            output_curvature=output_curvature,
+            row_keys=tuple(layout.item_keys),
+            example_rows=output_items,
+            example_outputs=example_outputs,
+        )
         params = {k: p.detach() for k, p in model.named_parameters() if k in layout.shared_shapes}
         yield loss_fn, params, items
 
 
-def influence_loss_sums(runtime, clients: Sequence, shared: Mapping[str, np.ndarray],
-                        direction: Mapping[str, np.ndarray], steps: Sequence[float]) -> np.ndarray:
+def influence_loss_sums(
+    runtime,
+    clients: Sequence,
+    shared: Mapping[str, np.ndarray],
+    direction: Mapping[str, np.ndarray],
+    steps: Sequence[float],
+) -> np.ndarray:
     """``[sum_u L_u(theta + a_k d) for a_k in steps]``: the summed influence loss of ``clients`` at points along a
     direction, the line search's objective (:func:`fedrec_flwr.unlearning.krylov.ladder_line_search`).
 
@@ -237,17 +268,23 @@ def influence_loss_sums(runtime, clients: Sequence, shared: Mapping[str, np.ndar
     groups = [list(clients)] if len(clients) > 1 and can_batch(runtime.model) else [[c] for c in clients]
     for group in groups:
         with influence_objective(runtime, group, shared) as (loss_fn, params, items):
-            compact = {k: torch.as_tensor(np.asarray(direction[k])[items] if k in item_keys
-                                          else np.asarray(direction[k]), dtype=p.dtype, device=p.device)
-                       for k, p in params.items()}
+            compact = {
+                k: torch.as_tensor(
+                    np.asarray(direction[k])[items] if k in item_keys else np.asarray(direction[k]),
+                    dtype=p.dtype,
+                    device=p.device,
+                )
+                for k, p in params.items()
+            }
             with torch.no_grad():
                 for index, step in enumerate(steps):
                     totals[index] += float(loss_fn({k: params[k] + step * compact[k] for k in params}))
     return totals
 
 
-def influence_gn_diagonal(runtime, clients: Sequence, shared: Mapping[str, np.ndarray], *, probes: int,
-                          seed: int) -> tuple[dict, dict]:
+def influence_gn_diagonal(
+    runtime, clients: Sequence, shared: Mapping[str, np.ndarray], *, probes: int, seed: int
+) -> tuple[dict, dict]:
     """The diagonal of ``sum_u G_u`` over ``clients``, ``G_u`` the Gauss-Newton matrix of user ``u``'s influence loss
     (:func:`fedrec_flwr.unlearning.krylov.gauss_newton_diagonal`: exact on the item rows, a ``probes``-draw Monte Carlo estimate
     on the dense parameters), for HF-KCU's preconditioner (``krylov-preconditioner``; ours).
@@ -269,7 +306,11 @@ def influence_gn_diagonal(runtime, clients: Sequence, shared: Mapping[str, np.nd
             for key in item_keys:
                 ids[key].append(items)
                 values[key].append(diagonal[key].detach().cpu().numpy().astype(np.float64))
-    rows = {k: (np.concatenate(ids[k]) if ids[k] else np.zeros(0, dtype=np.int64),
-                np.concatenate(values[k]) if values[k] else np.zeros((0,) + tuple(runtime.layout.shared_shapes[k][1:])))
-            for k in item_keys}
+    rows = {
+        k: (
+            np.concatenate(ids[k]) if ids[k] else np.zeros(0, dtype=np.int64),
+            np.concatenate(values[k]) if values[k] else np.zeros((0,) + tuple(runtime.layout.shared_shapes[k][1:])),
+        )
+        for k in item_keys
+    }
     return dense, rows

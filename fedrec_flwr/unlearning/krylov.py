@@ -61,9 +61,14 @@ class CGResult:
 
     def summary(self) -> dict:
         """The scalar facts, for logs and ``unlearning.json``."""
-        return {"cg-iterations": self.iterations, "cg-residual": self.residual, "cg-converged": self.converged,
-                "cg-negative-curvature": self.negative_curvature, "cg-boundary": self.boundary,
-                "cg-termination": self.termination}
+        return {
+            "cg-iterations": self.iterations,
+            "cg-residual": self.residual,
+            "cg-converged": self.converged,
+            "cg-negative-curvature": self.negative_curvature,
+            "cg-boundary": self.boundary,
+            "cg-termination": self.termination,
+        }
 
 
 TERMINATIONS = {
@@ -109,8 +114,14 @@ def _apply(name: str, matvec, p: np.ndarray, damping: float) -> np.ndarray:
     return ap + damping * p
 
 
-def conjugate_gradient(matvec: Callable[[np.ndarray], np.ndarray], b: np.ndarray, *, iterations: int = 10,
-                       damping: float = 0.0, tolerance: float = 1e-6) -> CGResult:
+def conjugate_gradient(
+    matvec: Callable[[np.ndarray], np.ndarray],
+    b: np.ndarray,
+    *,
+    iterations: int = 10,
+    damping: float = 0.0,
+    tolerance: float = 1e-6,
+) -> CGResult:
     """Solve ``(A + damping * I) x = b`` for a symmetric operator ``A`` given only as ``matvec(v) = A v``.
 
     Hestenes & Stiefel (1952); Nocedal & Wright, *Numerical Optimization* (2nd ed.), Algorithm 5.2, started at
@@ -165,8 +176,16 @@ def conjugate_gradient(matvec: Callable[[np.ndarray], np.ndarray], b: np.ndarray
     return CGResult(x, done, residual, converged, negative, termination=termination)
 
 
-def steihaug_cg(matvec: Callable[[np.ndarray], np.ndarray], b: np.ndarray, *, radius: float, iterations: int = 10,
-                damping: float = 0.0, tolerance: float = 1e-6, preconditioner: np.ndarray | None = None) -> CGResult:
+def steihaug_cg(
+    matvec: Callable[[np.ndarray], np.ndarray],
+    b: np.ndarray,
+    *,
+    radius: float,
+    iterations: int = 10,
+    damping: float = 0.0,
+    tolerance: float = 1e-6,
+    preconditioner: np.ndarray | None = None,
+) -> CGResult:
     """Approximately minimise the quadratic model ``m(x) = -b^T x + 1/2 x^T (A + damping I) x`` subject to
     ``||x||_M <= radius``, for a symmetric (possibly indefinite) operator ``A`` given only as ``matvec``.
 
@@ -267,9 +286,17 @@ def _to_boundary(x: np.ndarray, p: np.ndarray, radius: float, m: np.ndarray | No
     return (-half_b + math.sqrt(disc)) / a if a > 0 else 0.0
 
 
-def krylov_solve(matvec: Callable[[np.ndarray], np.ndarray], b: np.ndarray, *, solver: str, iterations: int,
-                 damping: float, tolerance: float, radius: float | None = None,
-                 preconditioner: np.ndarray | None = None) -> CGResult:
+def krylov_solve(
+    matvec: Callable[[np.ndarray], np.ndarray],
+    b: np.ndarray,
+    *,
+    solver: str,
+    iterations: int,
+    damping: float,
+    tolerance: float,
+    radius: float | None = None,
+    preconditioner: np.ndarray | None = None,
+) -> CGResult:
     """Dispatch to :func:`conjugate_gradient` (``solver = "cg"``; ``radius`` ignored) or :func:`steihaug_cg`
     (``"steihaug"``; needs ``radius``; ``preconditioner``: the diagonal of ``M``, or ``None``).
 
@@ -281,8 +308,15 @@ def krylov_solve(matvec: Callable[[np.ndarray], np.ndarray], b: np.ndarray, *, s
             raise ValueError("krylov_solve: a preconditioner is only built for solver 'steihaug'")
         return conjugate_gradient(matvec, b, iterations=iterations, damping=damping, tolerance=tolerance)
     if solver == "steihaug":
-        return steihaug_cg(matvec, b, radius=radius, iterations=iterations, damping=damping, tolerance=tolerance,
-                           preconditioner=preconditioner)
+        return steihaug_cg(
+            matvec,
+            b,
+            radius=radius,
+            iterations=iterations,
+            damping=damping,
+            tolerance=tolerance,
+            preconditioner=preconditioner,
+        )
     raise ValueError(f"krylov_solve: solver must be one of {SOLVERS}, got {solver!r}")
 
 
@@ -312,15 +346,25 @@ class LineSearchResult:
 
     def summary(self) -> dict:
         """The scalar facts, for logs and ``unlearning.json``."""
-        return {"line-search-step": self.step, "line-search-rounds": self.rounds,
-                "line-search-termination": self.termination, "line-search-evaluations": len(self.steps),
-                "line-search-steps": [float(a) for a in self.steps],
-                "line-search-values": [float(v) for v in self.values]}
+        return {
+            "line-search-step": self.step,
+            "line-search-rounds": self.rounds,
+            "line-search-termination": self.termination,
+            "line-search-evaluations": len(self.steps),
+            "line-search-steps": [float(a) for a in self.steps],
+            "line-search-values": [float(v) for v in self.values],
+        }
 
 
-def ladder_line_search(evaluate: Callable[[list], list], *, ladder: tuple = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0),
-                       factor: float = 2.0, max_step: float = 64.0, max_rounds: int = 4,
-                       interpolate: bool = True) -> LineSearchResult:
+def ladder_line_search(
+    evaluate: Callable[[list], list],
+    *,
+    ladder: tuple = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0),
+    factor: float = 2.0,
+    max_step: float = 64.0,
+    max_rounds: int = 4,
+    interpolate: bool = True,
+) -> LineSearchResult:
     """Choose how far to go along a fixed direction: approximately minimise ``f(a)``, ``a >= 0``, from batches of
     function values only.
 
@@ -389,8 +433,11 @@ def ladder_line_search(evaluate: Callable[[list], list], *, ladder: tuple = (0.2
         index = points.index(best)
         if best == 0.0:
             positive = [a for a in points if a > 0]
-            if (rounds >= max_rounds or positive[0] <= ladder[0] / factor ** (2 * len(ladder))
-                    or _slope_at_zero(tried, positive[0], positive[1]) > 0):
+            if (
+                rounds >= max_rounds
+                or positive[0] <= ladder[0] / factor ** (2 * len(ladder))
+                or _slope_at_zero(tried, positive[0], positive[1]) > 0
+            ):
                 termination = "no-decrease"
                 break
             ask([positive[0] / factor ** (j + 1) for j in range(len(ladder))])
@@ -445,8 +492,9 @@ def gradient(loss_fn: Callable[[Params], torch.Tensor], params: Mapping[str, tor
     return {k: v.detach() for k, v in torch.func.grad(loss_fn)(dict(params)).items()}
 
 
-def hessian_vector_product(loss_fn: Callable[[Params], torch.Tensor], params: Mapping[str, torch.Tensor],
-                           vector: Mapping[str, torch.Tensor]) -> Params:
+def hessian_vector_product(
+    loss_fn: Callable[[Params], torch.Tensor], params: Mapping[str, torch.Tensor], vector: Mapping[str, torch.Tensor]
+) -> Params:
     """``H v`` where ``H = ∇² loss_fn(params)``, without forming ``H``.
 
     Forward-over-reverse: the directional derivative of the gradient, ``d/dt ∇L(params + t v)`` at ``t = 0``
@@ -505,8 +553,9 @@ class CompositeLoss:
         return loss if self.regulariser is None else loss + self.regulariser(params)
 
 
-def gauss_newton_vector_product(loss: CompositeLoss, params: Mapping[str, torch.Tensor],
-                                vector: Mapping[str, torch.Tensor]) -> Params:
+def gauss_newton_vector_product(
+    loss: CompositeLoss, params: Mapping[str, torch.Tensor], vector: Mapping[str, torch.Tensor]
+) -> Params:
     """``G v = J^T H_z J v + ∇²R v``: the generalised Gauss-Newton (GGN) matrix of ``loss`` times ``vector``.
 
     ``J = ∂z/∂params`` is the Jacobian of ``loss.outputs``, ``H_z = ∇²_z output_loss`` the loss Hessian with respect
@@ -545,8 +594,13 @@ def gauss_newton_vector_product(loss: CompositeLoss, params: Mapping[str, torch.
     return product
 
 
-def gauss_newton_diagonal(loss: CompositeLoss, params: Mapping[str, torch.Tensor], *, probes: int = 8,
-                          generator: torch.Generator | None = None) -> Params:
+def gauss_newton_diagonal(
+    loss: CompositeLoss,
+    params: Mapping[str, torch.Tensor],
+    *,
+    probes: int = 8,
+    generator: torch.Generator | None = None,
+) -> Params:
     """``diag(G)``: the diagonal of the generalised Gauss-Newton matrix ``G = J^T H_z J + ∇²R`` of
     :func:`gauss_newton_vector_product`, for a preconditioner (ours).
 
@@ -602,8 +656,12 @@ def gauss_newton_diagonal(loss: CompositeLoss, params: Mapping[str, torch.Tensor
     return out
 
 
-def curvature_vector_product(loss_fn: Callable[[Params], torch.Tensor], params: Mapping[str, torch.Tensor],
-                             vector: Mapping[str, torch.Tensor], curvature: str) -> Params:
+def curvature_vector_product(
+    loss_fn: Callable[[Params], torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    vector: Mapping[str, torch.Tensor],
+    curvature: str,
+) -> Params:
     """``C v`` for ``curvature`` in :data:`CURVATURES`: the GGN (``loss_fn`` must be a :class:`CompositeLoss`) or the
     exact Hessian.
 
@@ -624,15 +682,17 @@ def _check_vector(name: str, params: Mapping[str, torch.Tensor], vector: Mapping
         raise ValueError(f"{name}: vector keys {sorted(vector)} differ from params {sorted(params)}")
     for key, value in params.items():
         if tuple(vector[key].shape) != tuple(value.shape):
-            raise ValueError(f"{name}: vector[{key!r}] has shape {tuple(vector[key].shape)}, "
-                             f"expected {tuple(value.shape)}")
+            raise ValueError(
+                f"{name}: vector[{key!r}] has shape {tuple(vector[key].shape)}, expected {tuple(value.shape)}"
+            )
 
 
 # ---------------------------------------------------------------------------------------------- vectors
 def flatten(vector: Mapping[str, np.ndarray], shapes: Mapping[str, tuple]) -> np.ndarray:
     """Concatenate ``vector``'s arrays in ``shapes``' key order into one float64 array."""
-    return np.concatenate([np.asarray(vector[k], dtype=np.float64).reshape(-1) for k in shapes]) if shapes else \
-        np.zeros(0)
+    return (
+        np.concatenate([np.asarray(vector[k], dtype=np.float64).reshape(-1) for k in shapes]) if shapes else np.zeros(0)
+    )
 
 
 def unflatten(flat: np.ndarray, shapes: Mapping[str, tuple]) -> dict[str, np.ndarray]:
@@ -646,6 +706,6 @@ def unflatten(flat: np.ndarray, shapes: Mapping[str, tuple]) -> dict[str, np.nda
         raise ValueError(f"unflatten: got {flat.size} values, the shapes need {sum(sizes)}")
     out, start = {}, 0
     for (key, shape), size in zip(shapes.items(), sizes):
-        out[key] = flat[start:start + size].reshape(shape)
+        out[key] = flat[start : start + size].reshape(shape)
         start += size
     return out

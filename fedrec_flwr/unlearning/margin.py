@@ -85,8 +85,9 @@ def dominated_items(remaining_counts: np.ndarray, forgotten_counts: np.ndarray) 
     return np.flatnonzero(np.asarray(forgotten_counts) > np.asarray(remaining_counts)).astype(np.int64)
 
 
-def user_margins(scores: np.ndarray, positives: np.ndarray, interacted: np.ndarray, bins: np.ndarray,
-                 dominated: np.ndarray) -> np.ndarray:
+def user_margins(
+    scores: np.ndarray, positives: np.ndarray, interacted: np.ndarray, bins: np.ndarray, dominated: np.ndarray
+) -> np.ndarray:
     """One user's membership margins ``m_fj`` (module docstring) on its dominated positives.
 
     Args:
@@ -125,13 +126,23 @@ class RootResult:
     termination: str = ""
 
     def summary(self) -> dict:
-        return {"margin-step": self.step, "margin-steps": [float(a) for a in self.steps],
-                "margin-values": [float(v) for v in self.values], "margin-rounds": self.rounds,
-                "margin-termination": self.termination}
+        return {
+            "margin-step": self.step,
+            "margin-steps": [float(a) for a in self.steps],
+            "margin-values": [float(v) for v in self.values],
+            "margin-rounds": self.rounds,
+            "margin-termination": self.termination,
+        }
 
 
-def bracket_root(evaluate: Callable[[Sequence[float]], Sequence[float]], *, ladder: Sequence[float] = MARGIN_LADDER,
-                 max_step: float = 64.0, rounds: int = 4, points: int = 3) -> RootResult:
+def bracket_root(
+    evaluate: Callable[[Sequence[float]], Sequence[float]],
+    *,
+    ladder: Sequence[float] = MARGIN_LADDER,
+    max_step: float = 64.0,
+    rounds: int = 4,
+    points: int = 3,
+) -> RootResult:
     """The smallest ``a >= 0`` where a decreasing-on-the-whole function ``M`` (given by ``evaluate``, a batch of
     multiples -> their values, one query round per call) first crosses 0 (ours; a bracketing search whose every
     round is one batch, so a round trip per round instead of per point):
@@ -147,8 +158,9 @@ def bracket_root(evaluate: Callable[[Sequence[float]], Sequence[float]], *, ladd
             of values or a non-finite one.
     """
     if 0.0 not in [float(a) for a in ladder] or rounds < 1 or points < 1:
-        raise ValueError(f"bracket_root: ladder must contain 0, rounds and points >= 1 (got {list(ladder)}, "
-                         f"{rounds}, {points})")
+        raise ValueError(
+            f"bracket_root: ladder must contain 0, rounds and points >= 1 (got {list(ladder)}, {rounds}, {points})"
+        )
     tried: dict[float, float] = {}
 
     def run(steps) -> None:
@@ -160,8 +172,9 @@ def bracket_root(evaluate: Callable[[Sequence[float]], Sequence[float]], *, ladd
 
     def result(step: float, termination: str, used: int) -> RootResult:
         order = sorted(tried)
-        return RootResult(step=float(step), steps=order, values=[tried[a] for a in order], rounds=used,
-                          termination=termination)
+        return RootResult(
+            step=float(step), steps=order, values=[tried[a] for a in order], rounds=used, termination=termination
+        )
 
     run(sorted({float(a) for a in ladder if 0 <= float(a) <= max_step}))
     used = 1
@@ -200,8 +213,9 @@ def positive_counts(runtime, users: Sequence[int]) -> np.ndarray:
     return counts
 
 
-def margin_sums(runtime, clients: Sequence, shared, direction, steps: Sequence[float], bins: np.ndarray,
-                dominated: np.ndarray) -> tuple[np.ndarray, int]:
+def margin_sums(
+    runtime, clients: Sequence, shared, direction, steps: Sequence[float], bins: np.ndarray, dominated: np.ndarray
+) -> tuple[np.ndarray, int]:
     """``unlearn_margin`` on one node: for each ``a_k`` in ``steps``, the sum of the membership margins
     (:func:`user_margins`) of ``clients`` (the node's forgotten users) at ``theta + a_k d``, and the number of margins
     per step (the same for every step). Scores every item once per user and step with the user's private embedding.
@@ -214,8 +228,8 @@ def margin_sums(runtime, clients: Sequence, shared, direction, steps: Sequence[f
     Returns:
         ``((K,) float64 sums, count)``: node totals only.
     """
-    from fedrec_flwr.unlearning.influence import can_batch, node_users_model
     from fedrec_flwr.local.training import score_candidates
+    from fedrec_flwr.unlearning.influence import can_batch, node_users_model
 
     split = runtime.split
     bins = np.asarray(bins, dtype=np.int64)
@@ -229,8 +243,12 @@ def margin_sums(runtime, clients: Sequence, shared, direction, steps: Sequence[f
     everything = np.broadcast_to(np.arange(split.num_items), (len(clients) if batched else 1, split.num_items))
     count = 0
     for index, step in enumerate(steps):
-        moved = {k: (np.asarray(shared[k], np.float64) + float(step) * np.asarray(direction[k], np.float64))
-                 .astype(np.asarray(shared[k]).dtype) for k in shared}
+        moved = {
+            k: (np.asarray(shared[k], np.float64) + float(step) * np.asarray(direction[k], np.float64)).astype(
+                np.asarray(shared[k]).dtype
+            )
+            for k in shared
+        }
         if batched:
             model.load_shared_state(moved)
             model._influence_shared = moved  # the cached node model no longer holds an earlier query's parameters
@@ -242,8 +260,9 @@ def margin_sums(runtime, clients: Sequence, shared, direction, steps: Sequence[f
                 client.load_shared(moved)
                 client.load_private()
                 user_scores = score_candidates(runtime.model, np.array([0]), everything)[0]
-            margins = user_margins(user_scores, split.positives(client.user), split.interacted(client.user), bins,
-                                   dominated)
+            margins = user_margins(
+                user_scores, split.positives(client.user), split.interacted(client.user), bins, dominated
+            )
             totals[index] += float(margins.sum())
             if index == 0:
                 count += int(margins.size)

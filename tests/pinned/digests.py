@@ -32,18 +32,33 @@ CASES: dict[str, dict] = {
     "fedmf-4-per-node": {"model": "mf", "client": "fedrec", "users-per-node": 4},
     "fedmf-4-per-node-per-user": {"model": "mf", "client": "fedrec", "users-per-node": 4, "block-training": "off"},
     "fedrecgel-block": {"model": "ncf", "client": "fedrecgel", "strategy": "server-optimizer"},
-    "fedrecgel-per-user": {"model": "ncf", "client": "fedrecgel", "strategy": "server-optimizer",
-                           "block-training": "off"},
+    "fedrecgel-per-user": {
+        "model": "ncf",
+        "client": "fedrecgel",
+        "strategy": "server-optimizer",
+        "block-training": "off",
+    },
     "pfedrec": {"model": "pfedrec", "client": "pfedrec"},
     "fedau2-mlp": {"model": "mf", "client": "fedau2", "protected-attribute": "group", "adversary": "mlp"},
     "fedau2-dsvae": {"model": "ncf", "client": "fedau2", "protected-attribute": "group", "adversary": "dsvae"},
     "hfkcu": {"model": "mf", "client": "fedrec", "unlearning": "hfkcu", "forget-users": "3,17"},
     "gradient-ascent-ncf": {"model": "ncf", "client": "fedrec", "unlearning": "gradient-ascent", "forget-users": "5"},
     "flower-fedadam": {"model": "mf", "client": "fedrec", "strategy": "flwr.serverapp.strategy:FedAdam"},
-    "fedmf-sgd-bpr": {"model": "mf", "client": "fedrec", "optimizer": "sgd", "loss": "bpr", "learning-rate": 0.5,
-                      "local-epochs": 2},
-    "curious-server": {"model": "ncf", "client": "fedau2", "protected-attribute": "group", "adversary": "mlp",
-                       "strategy": "curious-item-fedavg"},
+    "fedmf-sgd-bpr": {
+        "model": "mf",
+        "client": "fedrec",
+        "optimizer": "sgd",
+        "loss": "bpr",
+        "learning-rate": 0.5,
+        "local-epochs": 2,
+    },
+    "curious-server": {
+        "model": "ncf",
+        "client": "fedau2",
+        "protected-attribute": "group",
+        "adversary": "mlp",
+        "strategy": "curious-item-fedavg",
+    },
 }
 """Case name -> run-config overrides on top of ``tiny_run_config`` (3 rounds, evaluated every round)."""
 
@@ -86,8 +101,12 @@ def digest(results: Path) -> dict:
     rows = json.loads((results / "metrics.json").read_text())
     rows = [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
     metrics_text = json.dumps(rows, sort_keys=True)
-    return {"arrays": h.hexdigest(), "metrics": hashlib.sha256(metrics_text.encode()).hexdigest(),
-            "array-summary": summary, "metrics-rows": rows}
+    return {
+        "arrays": h.hexdigest(),
+        "metrics": hashlib.sha256(metrics_text.encode()).hexdigest(),
+        "array-summary": summary,
+        "metrics-rows": rows,
+    }
 
 
 def machine() -> dict:
@@ -105,8 +124,13 @@ def machine() -> dict:
                 break
     except OSError:
         flags = platform.processor()
-    return {"cpu": flags, "machine": platform.machine(), "torch": torch.__version__, "numpy": np.__version__,
-            "torch-capability": torch.backends.cpu.get_cpu_capability()}
+    return {
+        "cpu": flags,
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "torch-capability": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 def main(argv: list[str]) -> int:
