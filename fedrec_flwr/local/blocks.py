@@ -68,6 +68,7 @@ from fedrec_flwr.metrics import ranking_metrics_batch
 from fedrec_flwr.models.base import EMBEDDING_INIT_STD
 from fedrec_flwr.seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
 from fedrec_flwr.state.client_state import OPTIMIZER_PREFIX, STATE_PREFIX
+from fedrec_flwr.wire import UserUpdate
 
 BLOCK_MODES = ("auto", "on", "off")
 """Values of the run-config key ``block-training``: ``auto`` (the default: the block path for every message, one user
@@ -619,7 +620,6 @@ def train_block(
         ValueError: ``cls`` has no block path, or a bad ``"upload"`` value.
         FloatingPointError: a user's loss, gradient or parameters became non-finite.
     """
-    from fedrec_flwr.clients.fedrec import UserUpdate  # the client package imports this module's callers
 
     kind = block_kind(cls, runtime.config)
     if kind is None:
