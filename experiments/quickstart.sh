@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY=${PYTHON:-python3.11}  # the package needs Python 3.11 (pyproject.toml), as .ci/run
+PY=${PYTHON:-python3.11}  # Python 3.11-3.13 (pyproject.toml); 3.11 is what .ci/run tests
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
