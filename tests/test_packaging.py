@@ -82,11 +82,26 @@ def wheel_venv(wheel, tmp_path_factory) -> Path:
         ).stdout.strip()
     )
     (purelib / "_test_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # pip reads what is installed from the venv's path: a PYTHONPATH naming a source tree (with its
+    # fedrec_flwr.egg-info) would make it skip the wheel as "already satisfied"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FEDREC_FLWR_PYPROJECT")}
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps", str(wheel)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--force-reinstall",
+            str(wheel),
+        ],
         check=True,
         capture_output=True,
         text=True,
+        env=env,
     )
     for entry in distribution("flwr").entry_points:
         if entry.group == "console_scripts":
