@@ -8,7 +8,7 @@ kernels round differently (another CPU's vector width) can still be compared wit
 
 Record (before a refactor, on the reference machine)::
 
-    .venv/bin/python tests/pinned/digests.py record
+    PYTHONPATH=tests .venv/bin/python tests/pinned/digests.py record
 
 ``tests/test_pinned_digests.py`` re-runs every case and compares.
 """
@@ -75,7 +75,6 @@ def _attributes_file(folder: Path) -> Path:
 
 def run_case(name: str, folder: Path) -> Path:
     """Run case ``name`` in ``folder``; returns its results folder."""
-    sys.path.insert(0, str(HERE.parent))  # conftest's tiny data helpers (a script run, not a test import)
     from conftest import tiny_run_config
 
     from fedrec_flwr.serial import run_serial
