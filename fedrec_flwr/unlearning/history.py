@@ -149,6 +149,9 @@ class ContributionHistory:
         if set(dense_delta) != set(self.dense_shapes):
             raise ValueError(f"dense_delta keys {sorted(dense_delta)} do not match {sorted(self.dense_shapes)}")
         rows = np.asarray(rows)
+        for key, values in row_delta.items():
+            if np.shape(values)[:1] != rows.shape:
+                raise ValueError(f"delta of '{key}' has shape {np.shape(values)}, expected {rows.size} rows")
         order = np.argsort(rows, kind="stable")
         delta = UserDelta(
             rows=rows[order].astype(np.int64),
@@ -166,7 +169,8 @@ class ContributionHistory:
         self._rounds.setdefault(server_round, {})[user] = stored
 
     def _cast(self, key: str, values: np.ndarray) -> np.ndarray:
-        out = np.array(values, dtype=self.dtype)
+        with np.errstate(over="ignore"):  # an overflow is reported below
+            out = np.array(values, dtype=self.dtype)
         if not np.isfinite(out).all():
             raise ValueError(f"the delta of '{key}' is not finite in {self.dtype} (NaN, Inf or out of its range)")
         return out
