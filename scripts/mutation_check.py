@@ -59,6 +59,7 @@ LOCAL_SOLVE_TESTS = ("tests/test_local_solve_negative_curvature.py",)
 MARGIN_TESTS = ("tests/test_margin_root.py", "tests/test_hfkcu_margin.py")
 ADVERSARY_TESTS = ("tests/test_dsvae_reparam.py", "tests/test_attack_streams.py", "tests/test_adversary.py")
 ADVERSARY_STEP_TESTS = ("tests/test_adversary_server_step.py",)
+ADAPTIVE_TESTS = ("tests/test_adaptive_epsilon.py",)
 SPLIT_TESTS = ("tests/test_split_streams.py", "tests/test_data_errors.py", "tests/test_generic_loader.py")
 ATTACK_TESTS = (
     "tests/test_membership_auc.py",
@@ -629,6 +630,29 @@ MUTATIONS: tuple[Mutation, ...] = (
         "fedrec_flwr/adversary/models.py",
         (one("0.5 * (mu.pow(2) + logvar.exp() - 1.0 - logvar)", "0.5 * (mu.pow(2) + logvar.exp() - 1.0 + logvar)"),),
         ADVERSARY_TESTS,
+    ),
+    Mutation(
+        "adaptive-step-ignores-chance",
+        "fedrec_flwr/adversary/adaptive.py",
+        (one("violation = (signal - chance - delta) / chance", "violation = (signal - delta) / chance"),),
+        ADAPTIVE_TESTS,
+    ),
+    Mutation(
+        "adaptive-statistics-count-the-wrong",
+        "fedrec_flwr/adversary/adaptive.py",
+        (one("(logits.argmax(dim=-1) == labels).double(),", "(logits.argmax(dim=-1) != labels).double(),"),),
+        ADAPTIVE_TESTS,
+    ),
+    Mutation(
+        "adaptive-eps-not-projected",
+        "fedrec_flwr/adversary/adaptive.py",
+        (
+            one(
+                "return float(min(max(epsilon * math.exp(rate * violation), lower), upper))",
+                "return float(epsilon * math.exp(rate * violation))",
+            ),
+        ),
+        ADAPTIVE_TESTS,
     ),
     # ---- strategies/adversary.py
     Mutation(

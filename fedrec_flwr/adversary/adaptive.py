@@ -105,7 +105,8 @@ def adversary_statistics(
     ``[argmax z == a]``, ``softmax(z)[a]`` and ``-log softmax(z + log_prior)[a]`` (the loss ``h_w`` trains on,
     :func:`~fedrec_flwr.adversary.prior.adjusted_ce`). One user's vector names its label, so only sums over users may
     leave a secure-aggregation phase; the sum over a batch is what this returns, and sums over disjoint batches add
-    up to the union's (in float64; the per-user values are float32 computations cast to float64).
+    up to the union's: the counts exactly, the other blocks up to float32 rounding (the logits are computed in
+    ``h_w``'s float32, whose batched kernels round by batch size, then summed in float64).
 
     Args:
         adversary: ``h_w`` (:class:`~fedrec_flwr.adversary.models.AttributeAdversary` or ``DSVAEAdversary``; any
