@@ -22,8 +22,11 @@ over the user embedding ``e_u`` (private), the item embeddings and score functio
 * :mod:`.upload`: the gradient a client uploads for the server's step of ``h_w`` (:func:`adversary_gradient`,
   :func:`mean_adversary_gradient`), DSVAE's noise on it.
 * :mod:`.diagnostics`: how the global ``h_w`` sees every user, per round of a simulation (evaluation only).
+* :mod:`.adaptive`: an adaptive GRL weight: summable per-user statistics of ``h_w`` and a controller that sets
+  ``eps`` each round from their sum over the round's users (:class:`AdaptiveEpsilon`).
 """
 
+from fedrec_flwr.adversary.adaptive import AdaptiveEpsilon, AdaptiveEpsilonConfig, adversary_statistics
 from fedrec_flwr.adversary.diagnostics import DIAGNOSTICS_FILE, DiagnosticsHook, adversary_diagnostics
 from fedrec_flwr.adversary.grl import grad_reverse, noisy_gradient
 from fedrec_flwr.adversary.models import (
@@ -59,6 +62,8 @@ __all__ = [
     "NOISE_PLACEMENTS",
     "OBJECTIVES",
     "TRAININGS",
+    "AdaptiveEpsilon",
+    "AdaptiveEpsilonConfig",
     "AdversarialTerm",
     "AdversarialTrainer",
     "AttributeAdversary",
@@ -66,6 +71,7 @@ __all__ = [
     "DiagnosticsHook",
     "adversary_diagnostics",
     "adversary_gradient",
+    "adversary_statistics",
     "adversary_of",
     "build_adversary",
     "class_prior_text",
