@@ -59,6 +59,7 @@ LOCAL_SOLVE_TESTS = ("tests/test_local_solve_negative_curvature.py",)
 MARGIN_TESTS = ("tests/test_margin_root.py", "tests/test_hfkcu_margin.py")
 ADVERSARY_TESTS = ("tests/test_dsvae_reparam.py", "tests/test_attack_streams.py", "tests/test_adversary.py")
 ADVERSARY_STEP_TESTS = ("tests/test_adversary_server_step.py",)
+ADAPTIVE_TESTS = ("tests/test_adaptive_epsilon.py",)
 SPLIT_TESTS = ("tests/test_split_streams.py", "tests/test_data_errors.py", "tests/test_generic_loader.py")
 ATTACK_TESTS = (
     "tests/test_membership_auc.py",
@@ -92,7 +93,7 @@ COVERAGE = {
     "fedrec_flwr/unlearning/influence.py": 5,
     "strategies/unlearning.py": 5,
     "fedrec_flwr/unlearning/margin.py": 5,
-    "fedrec_flwr/adversary.py": 5,
+    "fedrec_flwr/adversary/": 5,
     "strategies/adversary.py": 5,
     "fedrec_flwr/data/split.py": 5,
     "fedrec_flwr/attacks/": 5,
@@ -593,42 +594,65 @@ MUTATIONS: tuple[Mutation, ...] = (
         (one("np.add.at(counts, split.positives(int(user)), 1.0)", "counts[split.positives(int(user))] = 1.0"),),
         MARGIN_TESTS,
     ),
-    # ---- adversary.py
+    # ---- adversary/
     Mutation(
         "dsvae-latent-scaled-by-variance",
-        "fedrec_flwr/adversary.py",
+        "fedrec_flwr/adversary/models.py",
         (one("z = mu + torch.exp(0.5 * logvar) * xi", "z = mu + torch.exp(logvar) * xi"),),
         ADVERSARY_TESTS,
     ),
     Mutation(
         "grl-does-not-reverse",
-        "fedrec_flwr/adversary.py",
+        "fedrec_flwr/adversary/grl.py",
         (one("return -strength * grad, None", "return strength * grad, None"),),
         ADVERSARY_TESTS,
     ),
     Mutation(
         "head-gradient-noise-dropped",
-        "fedrec_flwr/adversary.py",
+        "fedrec_flwr/adversary/grl.py",
         (one("return grad + noise, None", "return grad, None"),),
         ADVERSARY_TESTS,
     ),
     Mutation(
         "sut-ignores-the-prediction",
-        "fedrec_flwr/adversary.py",
+        "fedrec_flwr/adversary/term.py",
         (one("return float(epsilon) if correct else 0.0", "return float(epsilon)"),),
         ADVERSARY_TESTS,
     ),
     Mutation(
         "class-prior-not-normalised",
-        "fedrec_flwr/adversary.py",
+        "fedrec_flwr/adversary/prior.py",
         (one("return torch.log(prior / prior.sum())", "return torch.log(prior)"),),
         ADVERSARY_TESTS,
     ),
     Mutation(
         "dsvae-kl-sign-of-logvar",
-        "fedrec_flwr/adversary.py",
+        "fedrec_flwr/adversary/models.py",
         (one("0.5 * (mu.pow(2) + logvar.exp() - 1.0 - logvar)", "0.5 * (mu.pow(2) + logvar.exp() - 1.0 + logvar)"),),
         ADVERSARY_TESTS,
+    ),
+    Mutation(
+        "adaptive-step-ignores-chance",
+        "fedrec_flwr/adversary/adaptive.py",
+        (one("violation = (signal - chance - delta) / chance", "violation = (signal - delta) / chance"),),
+        ADAPTIVE_TESTS,
+    ),
+    Mutation(
+        "adaptive-statistics-count-the-wrong",
+        "fedrec_flwr/adversary/adaptive.py",
+        (one("(logits.argmax(dim=-1) == labels).double(),", "(logits.argmax(dim=-1) != labels).double(),"),),
+        ADAPTIVE_TESTS,
+    ),
+    Mutation(
+        "adaptive-eps-not-projected",
+        "fedrec_flwr/adversary/adaptive.py",
+        (
+            one(
+                "return float(min(max(epsilon * math.exp(rate * violation), lower), upper))",
+                "return float(epsilon * math.exp(rate * violation))",
+            ),
+        ),
+        ADAPTIVE_TESTS,
     ),
     # ---- strategies/adversary.py
     Mutation(

@@ -54,7 +54,7 @@ def test_every_sut_decision_of_a_round_reads_the_global_adversary_only_with_serv
     """Server arm: at every local step the SUT reads exactly the h_w the server sent (the model's copy never moves), and
     the upload under h_w's keys is the gradient of CE(h_w(e_u), a) at that copy and the user's final embedding. The
     per-client arm (as first implemented) trains its local copy, so its later SUT decisions read a changed h_w."""
-    import fedrec_flwr.adversary as adversary_module
+    import fedrec_flwr.adversary.term as adversary_module
     from fedrec_flwr.clients.fedau2 import FedAU2Client
 
     config = _config(
