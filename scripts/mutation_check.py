@@ -1140,7 +1140,7 @@ def main(argv: list[str] | None = None) -> int:
             [
                 sys.executable,
                 "-c",
-                "import fedrec_flwr, strategies; print(fedrec_flwr.__file__, fedrec_flwr.strategies.__file__)",
+                "import fedrec_flwr.strategies; print(fedrec_flwr.__file__, fedrec_flwr.strategies.__file__)",
             ],
             cwd=copy,
             env={**os.environ, "PYTHONPATH": str(copy)},
