@@ -413,13 +413,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "gauss-newton-drops-output-curvature",
-        "fedrec_flwr/unlearning/krylov.py",
+        "fedrec_flwr/unlearning/curvature.py",
         (one("(product,) = pullback(hjv.detach())", "(product,) = pullback(jv.detach())"),),
         GN_TESTS,
     ),
     Mutation(
         "gn-diagonal-not-squared",
-        "fedrec_flwr/unlearning/krylov.py",
+        "fedrec_flwr/unlearning/curvature.py",
         (
             one(
                 "out[key].index_add_(0, rows, value.detach() ** 2)",
