@@ -535,7 +535,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "local-solve-drops-boundary-steps",
-        "fedrec_flwr/app/client_app.py",
+        "fedrec_flwr/app/queries.py",
         (
             one(
                 "if not result.boundary and (result.negative_curvature or result.residual > 1.0):",

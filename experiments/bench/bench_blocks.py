@@ -156,13 +156,13 @@ def bench_messages(count: int = 100) -> dict:
     out = {"bare-train-ms": run(bare, "train")}
     for kind in ("train", "evaluate"):
         out[f"ours-{kind}-ms"] = run(app, kind)
-    decode = ours._shared_arrays
-    ours._shared_arrays = lambda message: {k: a.numpy() for k, a in message.content[ARRAYS].items()}
+    decode = ours.shared_arrays
+    ours.shared_arrays = lambda message: {k: a.numpy() for k, a in message.content[ARRAYS].items()}
     try:
         for kind in ("train", "evaluate"):
             out[f"before-{kind}-ms"] = run(app, kind)
     finally:
-        ours._shared_arrays = decode
+        ours.shared_arrays = decode
     return out
 
 
