@@ -38,6 +38,8 @@ PADDING = 1.25
 # ---------------------------------------------------------------------------------------------------- the block
 @dataclass
 class UserData:
+    """One user's part of a block: its compact item rows, its examples in local rows, and its shuffle stream."""
+
     user: int
     items: np.ndarray  # (T,) sorted global rows of the user's compact table
     first: np.ndarray  # (n,) local item of each example (BCE: the item; BPR: the positive)
@@ -370,6 +372,7 @@ def chunk_users(sizes: Sequence[int]) -> list[list[int]]:
 
 
 def check_finite(users: Sequence[int], values: torch.Tensor, what: str) -> None:
+    """Raise ``FloatingPointError`` naming the users (at most 10) whose entry of ``values`` ``(k,)`` is not finite."""
     if bool(torch.isfinite(values).all()):
         return
     bad = ~torch.isfinite(values)
@@ -382,6 +385,7 @@ def check_finite(users: Sequence[int], values: torch.Tensor, what: str) -> None:
 
 
 def check_finite_parameters(users: Sequence[int], params: Mapping[str, torch.Tensor], what: str) -> None:
+    """Raise ``FloatingPointError`` naming the users with a NaN or infinite entry in any ``(k, ...)`` of ``params``."""
     # first one norm per tensor (torch._foreach_norm: finite when every entry is, unless the norm overflows); only a
     # non-finite norm needs the per-user check (a third of the check's cost on a one-user message)
     if bool(torch.isfinite(torch.stack(torch._foreach_norm(list(params.values())))).all()):
