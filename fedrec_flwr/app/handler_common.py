@@ -45,6 +45,7 @@ class RecordValueError(TypeError):
 
 
 def class_name(client) -> str:
+    """``module:QualName`` of a client object or class, for error messages."""
     if client is None:
         return "(none: the node served no user)"
     cls = client if isinstance(client, type) else type(client)
@@ -107,6 +108,11 @@ def make_client(runtime: Runtime, user: int, context: Context):
 
 
 def requested_users(message: Message, served: range) -> list[int]:
+    """The message config's ``users`` (all of ``served`` when absent).
+
+    Raises:
+        ValueError: a requested user is not served by this node.
+    """
     config = message.content[CONFIG] if CONFIG in message.content else ConfigRecord()
     requested = config.get("users")
     if requested is None:
@@ -205,6 +211,8 @@ def isolate_nonfinite_users(context: Context, users: list[int], what: str) -> tu
 
 
 def query_setup(message: Message, context: Context, run_config):
+    """``(runtime, requested users, message config)`` of a query naming its users (all served users if it names
+    none; :func:`requested_users`)."""
     runtime = get_runtime(run_config or context.run_config)
     served = node_users(runtime.config, context.node_config, runtime.split.num_users)
     config = dict(message.content[CONFIG]) if CONFIG in message.content else {}
@@ -212,6 +220,8 @@ def query_setup(message: Message, context: Context, run_config):
 
 
 def sparse_reply(message: Message, total: SparseSum, metrics: dict, client=None) -> Message:
+    """A reply carrying the row-sparse node sum ``total`` (:meth:`fedrec_flwr.wire.SparseSum.pack`) and ``metrics``
+    with ``num-users`` = ``total.count``."""
     arrays = ArrayRecord({k: encode_array(v) for k, v in total.pack().items()})
     metrics = metric_record({"num-users": total.count, **metrics}, client)
     return Message(content=RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=message)
