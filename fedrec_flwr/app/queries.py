@@ -414,6 +414,7 @@ QUERY_HANDLERS: dict = {
     UNLEARN_MARGIN: unlearn_margin,
     ADVERSARY_GRADIENT: adversary_gradient_query,
 }
-"""Message type (the ``Message.metadata.message_type`` after ``query.``) -> its handler; every entry is registered
-with ``ClientApp.query`` by :func:`fedrec_flwr.app.client_app.make_client_app`, through the same wrapper as train and
-evaluate (one torch thread; the run config an in-process simulation leaves out). Add a new query's handler here."""
+"""Query action (a message of type ``"query.<action>"``; the names are :mod:`fedrec_flwr.wire`'s) -> its handler.
+:func:`fedrec_flwr.app.client_app.make_client_app` registers every entry with ``ClientApp.query``, through the same
+wrapper as train and evaluate (one torch thread; the run config an in-process simulation leaves out). A new query
+(e.g. a secure-aggregation round) adds its handler here."""
