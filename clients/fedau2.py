@@ -89,7 +89,7 @@ from fedrec_flwr.adversary import (
 from fedrec_flwr.clients.fedrec import FedRecClient
 from fedrec_flwr.clients.fedrecgel import FedRecGELClient
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.local.blocks import Block
+from fedrec_flwr.local.block_engine import Block
 from fedrec_flwr.local.training import LocalTrainer
 from fedrec_flwr.seeding import TAG_CLIENT_EXTRA, torch_generator
 

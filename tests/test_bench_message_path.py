@@ -10,7 +10,7 @@ from conftest import tiny_run_config
 from flwr.app import RecordDict
 
 from fedrec_flwr.app.runtime import build_shared_model, get_runtime
-from fedrec_flwr.local import blocks
+from fedrec_flwr.local import block_engine, block_optim, blocks
 from fedrec_flwr.registry import resolve
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -23,12 +23,12 @@ def _train(mapping, users, fused: bool):
         k: v.detach().numpy().copy()
         for k, v in build_shared_model(runtime.config, runtime.split.num_items).shared_state().items()
     }
-    old, blocks.FUSED_ADAM = blocks.FUSED_ADAM, fused
+    old, block_optim.FUSED_ADAM = block_optim.FUSED_ADAM, fused
     try:
         state = RecordDict()
         updates = blocks.train_block(runtime, cls, users, state, shared, {"server-round": 1})
     finally:
-        blocks.FUSED_ADAM = old
+        block_optim.FUSED_ADAM = old
     return updates
 
 
@@ -92,11 +92,11 @@ def test_the_parameter_check_names_exactly_the_non_finite_users(bad):
     for a NaN or infinite entry naming that user, and not for finite entries whose norm overflows float32."""
     params = {"a": torch.full((3, 4, 2), 3e30), "b": torch.zeros(3, 5)}  # ||a|| overflows float32: finite entries
     if bad is None:
-        blocks._check_finite_parameters([10, 11, 12], params, "parameters")
+        block_engine.check_finite_parameters([10, 11, 12], params, "parameters")
         return
     params["b"][1, 2] = bad
     with pytest.raises(FloatingPointError, match=r"users \[11\]"):
-        blocks._check_finite_parameters([10, 11, 12], params, "parameters")
+        block_engine.check_finite_parameters([10, 11, 12], params, "parameters")
 
 
 def _full_table_pack(layout, users):
@@ -262,6 +262,6 @@ def test_the_block_gather_is_each_users_rows(users):
     generator = torch.Generator().manual_seed(users)
     table = torch.randn(users, 7, 4, generator=generator)
     index = torch.randint(0, 7, (users, 11), generator=generator)
-    out = blocks._gather(table, index)
+    out = block_engine.gather_rows(table, index)
     expected = torch.stack([table[u][index[u]] for u in range(users)])
     assert torch.equal(out, expected)

@@ -25,7 +25,7 @@ from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.clients import fedrec, fedrecgel
 from fedrec_flwr.config import make_run_config
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.local import blocks
+from fedrec_flwr.local import block_optim, blocks
 from fedrec_flwr.local.blocks import block_kind, evaluate_block, train_block, use_blocks
 from fedrec_flwr.registry import check_components, resolve
 from fedrec_flwr.serial import run_serial
@@ -325,12 +325,12 @@ def test_block_adam_fused_equals_its_formula_and_torch_adam(dtype):
     for fused in (True, False):
         params = {"w": start.clone()}
         optimizer = blocks.BlockAdam(params, lr=0.01)
-        old, blocks.FUSED_ADAM = blocks.FUSED_ADAM, fused
+        old, block_optim.FUSED_ADAM = block_optim.FUSED_ADAM, fused
         try:
             for g, count in zip(grads, counts):
                 optimizer.step({"w": params["w"][:count]}, {"w": g[:count].contiguous()}, count)
         finally:
-            blocks.FUSED_ADAM = old
+            block_optim.FUSED_ADAM = old
         results.append(params["w"])
     reference = []
     for user in range(k):

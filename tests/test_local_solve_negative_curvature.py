@@ -11,11 +11,11 @@ import pytest
 from conftest import tiny_run_config
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from fedrec_flwr.app.client_app import CONFIG, VECTOR, make_client, unlearn_local_cg
+from fedrec_flwr.app.client_app import make_client, unlearn_local_cg
 from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.arrays import decode_array, encode_array
 from fedrec_flwr.config import RunConfig
-from fedrec_flwr.wire import ARRAYS, METRICS, pack_sparse, unpack_sparse
+from fedrec_flwr.wire import ARRAYS, CONFIG, METRICS, VECTOR, pack_sparse, unpack_sparse
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

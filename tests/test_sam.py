@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedrec_flwr.local.sam import SAMTrainer, sam_gradient, sam_perturbation
+from fedrec_flwr.local.sam import (
+    SAMTrainer,
+    decoupled_sam_gradients,
+    sam_gradient,
+    sam_perturbation,
+    sam_perturbations,
+)
 from fedrec_flwr.local.training import LocalTrainConfig
 from fedrec_flwr.models import build_model
 
@@ -55,6 +61,59 @@ def test_sam_gradient_on_a_quadratic_matches_hand_computation():
         float(0.5 * (w.detach() + expected_eps) @ A @ (w.detach() + expected_eps))
     )
     assert torch.equal(w.detach(), torch.tensor([1.0, -2.0], dtype=torch.float64))  # restored exactly
+
+
+def test_batched_perturbation_gives_each_user_its_own_norm_and_equals_the_batch_of_one():
+    """The block path's batched perturbation and the per-user one are the same function: user ``u``'s row of the
+    batch is bit for bit the per-user perturbation of ``u``'s gradients, normalised by ``u``'s own norm."""
+    generator = torch.Generator().manual_seed(0)
+    grads = {"a": torch.randn(4, 5, 3, generator=generator), "b": torch.randn(4, 7, generator=generator)}
+    grads["a"][1] *= 100.0  # users of very different norms
+    grads["a"][2].zero_()
+    grads["b"][2].zero_()  # a user without gradient stays unperturbed
+    eps = sam_perturbations(grads, 0.3)
+    for user in range(4):
+        one = sam_perturbation([grads["a"][user], grads["b"][user]], 0.3)
+        assert torch.equal(eps["a"][user], one[0]) and torch.equal(eps["b"][user], one[1]), user
+        norm = torch.sqrt((eps["a"][user].double() ** 2).sum() + (eps["b"][user].double() ** 2).sum())
+        assert float(norm) == (0.0 if user == 2 else pytest.approx(0.3, rel=1e-6)), user
+    assert sam_perturbations(grads, 0.0) is None
+    assert sam_perturbations({"a": torch.zeros(3, 2)}, 0.3) is None
+
+
+def test_decoupled_sam_gradients_of_a_batch_equal_each_users_in_place_sam_gradient():
+    """Three users with quadratic losses ``0.5 w_u^T A_u w_u`` over two groups, as one batch with a functional
+    gradient (the block path's form) and one by one in place (the per-user path's form): the same SAM gradients."""
+    generator = torch.Generator().manual_seed(1)
+    k = 3
+    m = torch.randn(k, 5, 5, generator=generator, dtype=torch.float64)
+    a = m @ m.transpose(1, 2) + torch.eye(5, dtype=torch.float64)  # (k, 5, 5) SPD
+    w = torch.randn(k, 5, generator=generator, dtype=torch.float64)
+    groups = ((["s"], 0.2), (["p"], 0.05))  # s = w[:, :3], p = w[:, 3:]
+
+    def gradients(point, keys):
+        full = torch.cat([point["s"], point["p"]], dim=1)
+        g = torch.einsum("kij,kj->ki", a, full)
+        return {key: {"s": g[:, :3], "p": g[:, 3:]}[key] for key in keys}
+
+    params = {"s": w[:, :3], "p": w[:, 3:]}
+    batched = decoupled_sam_gradients(params, gradients(params, ["s", "p"]), groups, gradients)
+    for user in range(k):
+        s = torch.nn.Parameter(w[user, :3].clone())
+        p = torch.nn.Parameter(w[user, 3:].clone())
+
+        def loss_fn(user=user, s=s, p=p):
+            full = torch.cat([s, p])
+            return 0.5 * full @ a[user] @ full
+
+        loss_fn().backward()
+        base_s, base_p = s.grad.clone(), p.grad.clone()
+        (sam_s,), _ = sam_gradient([s], [base_s], 0.2, loss_fn)
+        (sam_p,), _ = sam_gradient([p], [base_p], 0.05, loss_fn)
+        np.testing.assert_allclose(batched["s"][user].numpy(), sam_s.numpy(), rtol=0, atol=1e-13)
+        np.testing.assert_allclose(batched["p"][user].numpy(), sam_p.numpy(), rtol=0, atol=1e-13)
+        # and the perturbation did move each group's gradient (a no-op SAM would pass the equalities above)
+        assert (sam_s - base_s).abs().max() > 1e-3 and (sam_p - base_p).abs().max() > 1e-4
 
 
 def _examples(num_items: int, seed: int = 0):

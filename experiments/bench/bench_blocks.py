@@ -3,7 +3,7 @@
 1. Local training of k users on one node (ML-100K, round 1, fresh private state): the per-user sequential loop (each
    user's ``NumPyClient.fit_named``, as a node without blocks runs them) against one vectorized block
    (:func:`fedrec_flwr.local.blocks.train_block`), for k = 1, 10, 50, 100, 943 and FedNCF / FedRecGEL, and the block with
-   ``vmap`` + autograd and the per-user Adam formula (``blocks.GRADIENTS = "vmap"``, as first built); also evaluation of
+   ``vmap`` + autograd and the per-user Adam formula (``block_engine.GRADIENTS = "vmap"``, ``block_optim.FUSED_ADAM = False``, as first built); also evaluation of
    the 943 users (per-user ``evaluate_named`` against :func:`fedrec_flwr.local.blocks.evaluate_block`).
 2. Per message through the ClientApp in this process (one user per node): ours against a bare ClientApp that only
    decodes the same arrays, and ours with the arrays decoded per message as before.
@@ -30,7 +30,7 @@ from flwr.app import RecordDict
 
 from fedrec_flwr.app.runtime import get_runtime
 from fedrec_flwr.config import make_run_config
-from fedrec_flwr.local import blocks
+from fedrec_flwr.local import block_engine, block_optim
 from fedrec_flwr.local.blocks import evaluate_block, train_block
 from fedrec_flwr.registry import resolve
 from fedrec_flwr.serial import run_serial
@@ -66,14 +66,14 @@ def bench_local(method: str, sizes=BLOCK_SIZES) -> list[dict]:
         start = time.perf_counter()
         train_block(runtime, cls, users, state, shared, config)
         block = time.perf_counter() - start
-        saved = blocks.GRADIENTS, blocks.FUSED_ADAM
-        blocks.GRADIENTS, blocks.FUSED_ADAM = "vmap", False  # the block path as first built: vmap + autograd
+        saved = block_engine.GRADIENTS, block_optim.FUSED_ADAM
+        block_engine.GRADIENTS, block_optim.FUSED_ADAM = "vmap", False  # the block path as first built: vmap + autograd
         try:
             start = time.perf_counter()
             train_block(runtime, cls, users, RecordDict(), shared, config)
             autograd = time.perf_counter() - start
         finally:
-            blocks.GRADIENTS, blocks.FUSED_ADAM = saved
+            block_engine.GRADIENTS, block_optim.FUSED_ADAM = saved
         rows.append(
             {
                 "method": method,
@@ -156,13 +156,13 @@ def bench_messages(count: int = 100) -> dict:
     out = {"bare-train-ms": run(bare, "train")}
     for kind in ("train", "evaluate"):
         out[f"ours-{kind}-ms"] = run(app, kind)
-    decode = ours._shared_arrays
-    ours._shared_arrays = lambda message: {k: a.numpy() for k, a in message.content[ARRAYS].items()}
+    decode = ours.shared_arrays
+    ours.shared_arrays = lambda message: {k: a.numpy() for k, a in message.content[ARRAYS].items()}
     try:
         for kind in ("train", "evaluate"):
             out[f"before-{kind}-ms"] = run(app, kind)
     finally:
-        ours._shared_arrays = decode
+        ours.shared_arrays = decode
     return out
 
 

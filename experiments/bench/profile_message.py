@@ -104,7 +104,7 @@ def main() -> int:
     parser.add_argument(
         "--before",
         action="store_true",
-        help="add the arm 'ours, formula Adam': blocks.FUSED_ADAM off, which is what every NCF block "
+        help="add the arm 'ours, formula Adam': block_optim.FUSED_ADAM off, which is what every NCF block "
         "ran before commit 914133e (the fused kernel was skipped for NCF's transposed gradients)",
     )
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config overrides")
@@ -139,16 +139,16 @@ def main() -> int:
     if args.before:
         apps["ours, formula Adam"] = ours
     rows = []
-    from fedrec_flwr.local import blocks
+    from fedrec_flwr.local import block_optim
 
     for kind in ("train", "evaluate"):
         for rep in range(args.repeats):
             for name, app in apps.items():
-                blocks.FUSED_ADAM = name != "ours, formula Adam"
+                block_optim.FUSED_ADAM = name != "ours, formula Adam"
                 row = {"kind": kind, "app": name, "repeat": rep, **replay(app, recorded[kind])}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    blocks.FUSED_ADAM = True
+    block_optim.FUSED_ADAM = True
     print("\n| message | app | handler ms (median of repeats) | unpickle + handler + pickle ms |\n|---|---|---|---|")
     for kind in ("train", "evaluate"):
         for name in apps:

@@ -13,12 +13,19 @@ non-shared group P (the user's embeddings): from the gradient at the current poi
 
 and each group is then updated with its own SAM gradient. Its public code does one such step per round over all of
 the user's examples; :class:`SAMTrainer` follows it (``local-epochs`` such steps).
+
+The step is written once, over a batch of users: every tensor is stacked along a leading user dimension ``(k, ...)``
+and each user's perturbation uses that user's own norm (:func:`sam_perturbations`, :func:`decoupled_sam_gradients`).
+The engine that calls it only says how to take a gradient at a point (``gradient_at``): the vectorized block path
+(:mod:`fedrec_flwr.local.block_engine`) evaluates its batched loss at the perturbed stacked parameters; the per-user
+:class:`SAMTrainer` is the batch of one, whose :class:`ModuleGradient` writes the point into the model's parameters,
+backpropagates and copies the saved values back.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -28,12 +35,134 @@ from fedrec_flwr.local.losses import batch_loss
 from fedrec_flwr.local.training import LocalTrainConfig, LocalTrainer
 from fedrec_flwr.models.base import RecModel
 
+GradientAt = Callable[[dict[str, torch.Tensor], list[str]], dict[str, torch.Tensor]]
+"""``gradient_at(point, keys)``: the gradients ``(k, ...)`` of each user's loss at ``point`` (key -> ``(k, ...)``
+stacked parameter values) with respect to the parameters ``keys``; a key whose parameter gets no gradient is absent."""
+
+
+def _check_rho(rho: float) -> None:
+    if not math.isfinite(rho) or rho < 0:
+        raise ValueError(f"SAM rho must be a finite number >= 0, got {rho!r}")
+
+
+def user_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``(k,)`` float64: the L2 norm over all of each user's entries of ``tensors`` (each ``(k, ...)``), summed in
+    float64 tensor by tensor."""
+    return torch.sqrt(sum((t.double() ** 2).flatten(1).sum(1) for t in tensors))
+
 
 @torch.no_grad()
-def sam_perturbation(grads: Sequence[torch.Tensor | None], rho: float) -> list[torch.Tensor | None]:
-    """The SAM perturbation of one parameter group (Foret et al. 2021, Eq. 2): ``eps = rho * g / ||g||_2``.
+def sam_perturbations(grads: Mapping[str, torch.Tensor], rho: float) -> dict[str, torch.Tensor] | None:
+    """Each user's SAM perturbation of one parameter group (Foret et al. 2021, Eq. 2): ``eps_u = rho g_u / ||g_u||_2``.
 
-    The norm is taken over the whole group (all its tensors together), so ``||eps||_2 = rho`` over the group.
+    Args:
+        grads: key -> ``(k, ...)`` the group's gradients, stacked over ``k`` users; user ``u``'s norm is taken over
+            all of its entries of every key (:func:`user_norms`), so ``||eps_u||_2 = rho`` over the group.
+        rho: the radius (>= 0).
+    Returns:
+        key -> ``(k, ...)`` perturbations in the gradients' dtype (the scale ``rho / ||g_u||`` is divided in float64
+        and rounded once), zero for a user whose norm is zero or not finite (that user stays unperturbed, never NaN);
+        ``None`` when no user is perturbed (``rho == 0``, no gradient, or every norm zero or not finite), so that the
+        caller keeps the gradient at the current point instead of computing the same one again.
+    Raises:
+        ValueError: ``rho`` is negative or not finite.
+    """
+    _check_rho(rho)
+    if rho == 0 or not grads:
+        return None
+    norm = user_norms(list(grads.values()))
+    ok = torch.isfinite(norm) & (norm > 0)
+    if not bool(ok.any()):
+        return None
+    dtype = next(iter(grads.values())).dtype
+    scale = torch.where(ok, torch.full_like(norm, rho) / torch.where(ok, norm, 1.0), 0.0).to(dtype)
+    return {key: g * scale.view(-1, *([1] * (g.dim() - 1))) for key, g in grads.items()}
+
+
+def decoupled_sam_gradients(
+    params: Mapping[str, torch.Tensor],
+    base: Mapping[str, torch.Tensor],
+    groups: Sequence[tuple[Sequence[str], float]],
+    gradient_at: GradientAt,
+) -> dict[str, torch.Tensor]:
+    """FedRecGEL's decoupled SAM gradients (Sec. 4.2) of a batch of users: each group perturbed alone, with its own
+    radius, the other groups left at the current point.
+
+    For each ``(keys, rho)`` of ``groups`` in order: ``eps`` = :func:`sam_perturbations` of the group's gradients at
+    the current point, and the group's SAM gradient is ``gradient_at(params with params[key] + eps[key] for the
+    group's keys, keys)``; a group that no user perturbs keeps its gradients at the current point.
+
+    Args:
+        params: key -> ``(k, ...)`` the users' current parameter values (not modified).
+        base: key -> ``(k, ...)`` the gradients at ``params`` (a parameter without gradient is absent).
+        groups: ``(keys, rho)`` per parameter group (FedRecGEL: the shared group with ``rho-shared``, then the
+            private one with ``rho-private``; one group of all keys is plain SAM).
+        gradient_at: the engine's gradient at a point (:data:`GradientAt`).
+    Returns:
+        key -> ``(k, ...)`` the SAM gradient of every key of the groups that has a gradient.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for keys, rho in groups:
+        present = [key for key in keys if key in base]
+        eps = sam_perturbations({key: base[key] for key in present}, rho)
+        if eps is None:
+            out.update({key: base[key] for key in present})
+            continue
+        point = {**params, **{key: params[key] + eps[key] for key in present}}
+        out.update(gradient_at(point, present))
+    return out
+
+
+class ModuleGradient:
+    """:data:`GradientAt` for parameters a module holds, as a batch of one user (the per-user path).
+
+    A call writes the point's values of the requested keys into those parameters, backpropagates ``loss_fn`` from
+    cleared gradients, reads the requested parameters' gradients, and copies their saved values back, so they are
+    bit-identical afterwards (subtracting ``eps`` is not exact in floating point).
+
+    Args:
+        params: key -> parameter (leaf tensors with ``requires_grad``).
+        loss_fn: recomputes the scalar loss at the parameters' current values (same examples).
+
+    Attributes:
+        loss: the loss at the last point evaluated (detached), ``None`` before the first call.
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor], loss_fn: Callable[[], torch.Tensor]) -> None:
+        self.params = dict(params)
+        self.loss_fn = loss_fn
+        self.loss: torch.Tensor | None = None
+
+    def point(self) -> dict[str, torch.Tensor]:
+        """key -> ``(1, ...)`` the parameters' current values (views, not copies)."""
+        return {key: p.detach().unsqueeze(0) for key, p in self.params.items()}
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """key -> ``(1, ...)`` copies of the parameters' current ``.grad`` (absent where it is ``None``)."""
+        return {key: p.grad.detach().clone().unsqueeze(0) for key, p in self.params.items() if p.grad is not None}
+
+    def __call__(self, point: Mapping[str, torch.Tensor], keys: Sequence[str]) -> dict[str, torch.Tensor]:
+        group = [self.params[key] for key in keys]
+        saved = [p.detach().clone() for p in group]
+        with torch.no_grad():
+            for key, p in zip(keys, group):
+                p.copy_(point[key][0])
+        try:
+            for p in self.params.values():
+                p.grad = None
+            loss = self.loss_fn()
+            loss.backward()
+            self.loss = loss.detach()
+            return {key: p.grad.detach().clone().unsqueeze(0) for key, p in zip(keys, group) if p.grad is not None}
+        finally:
+            with torch.no_grad():
+                for p, s in zip(group, saved):
+                    p.copy_(s)
+
+
+def sam_perturbation(grads: Sequence[torch.Tensor | None], rho: float) -> list[torch.Tensor | None]:
+    """The SAM perturbation of one user's parameter group (Foret et al. 2021, Eq. 2): ``eps = rho * g / ||g||_2``,
+    :func:`sam_perturbations` for a batch of one.
 
     Args:
         grads: the group's gradients (a ``None`` entry = a parameter without gradient).
@@ -44,16 +173,11 @@ def sam_perturbation(grads: Sequence[torch.Tensor | None], rho: float) -> list[t
     Raises:
         ValueError: ``rho`` is negative or not finite.
     """
-    if not math.isfinite(rho) or rho < 0:
-        raise ValueError(f"SAM rho must be a finite number >= 0, got {rho!r}")
-    present = [g for g in grads if g is not None]
-    norm = (
-        torch.sqrt(sum((g.double() ** 2).sum() for g in present)) if present else torch.zeros((), dtype=torch.float64)
-    )
-    if rho == 0 or not bool(torch.isfinite(norm)) or float(norm) == 0.0:
+    present = {str(i): g.unsqueeze(0) for i, g in enumerate(grads) if g is not None}
+    eps = sam_perturbations(present, rho)
+    if eps is None:
         return [None if g is None else torch.zeros_like(g) for g in grads]
-    scale = rho / float(norm)
-    return [None if g is None else g * scale for g in grads]
+    return [None if g is None else eps[str(i)][0] for i, g in enumerate(grads)]
 
 
 def sam_gradient(
@@ -62,11 +186,8 @@ def sam_gradient(
     rho: float,
     loss_fn: Callable[[], torch.Tensor],
 ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
-    """``∇ L(w + eps)`` of one group: perturb ``params`` by :func:`sam_perturbation`, take the gradient, restore.
-
-    Parameters are restored by copying their saved values back, so they are bit-identical afterwards (subtracting
-    ``eps`` is not exact in floating point). Other parameters are untouched; their ``.grad`` is left as the backward
-    pass at the perturbed point wrote it, so callers zero gradients first.
+    """``∇ L(w + eps)`` of one user's group: :func:`decoupled_sam_gradients` with the one group, taken in place by
+    :class:`ModuleGradient` (parameters restored bit-identically; other parameters' ``.grad`` untouched).
 
     Args:
         params: the group's parameters ``w`` (leaf tensors with ``requires_grad``).
@@ -77,25 +198,11 @@ def sam_gradient(
         ``(SAM gradients (one per param; None where the param got no gradient), loss at the perturbed point or None
         if no perturbation was made)``.
     """
-    eps = sam_perturbation(grads, rho)
-    if all(e is None or not bool(e.any()) for e in eps):
-        return [None if g is None else g.clone() for g in grads], None
-    saved = [p.detach().clone() for p in params]
-    with torch.no_grad():
-        for p, e in zip(params, eps):
-            if e is not None:
-                p.add_(e)
-    try:
-        for p in params:
-            p.grad = None
-        loss = loss_fn()
-        loss.backward()
-        out = [None if p.grad is None else p.grad.detach().clone() for p in params]
-    finally:
-        with torch.no_grad():
-            for p, s in zip(params, saved):
-                p.copy_(s)
-    return out, loss.detach()
+    keys = [str(i) for i in range(len(params))]
+    at = ModuleGradient(dict(zip(keys, params)), loss_fn)
+    base = {key: g.detach().clone().unsqueeze(0) for key, g in zip(keys, grads) if g is not None}
+    sam = decoupled_sam_gradients(at.point(), base, ((keys, rho),), at)
+    return [sam[key][0] if key in sam else None for key in keys], at.loss
 
 
 class SAMTrainer(LocalTrainer):
@@ -168,34 +275,32 @@ class SAMTrainer(LocalTrainer):
         labels: torch.Tensor,
         shared_optimizer: torch.optim.Optimizer | None,
     ) -> tuple[float, list[torch.Tensor | None]]:
-        """One decoupled SAM step over the given examples; returns ``(loss at the current point, shared SAM grads)``."""
+        """One decoupled SAM step over the given examples (:func:`decoupled_sam_gradients` as a batch of one, the
+        shared group first); returns ``(loss at the current point, shared SAM grads)``."""
         private, shared = self.model.private_parameters(), self.model.shared_parameters()
-        everything = private + shared
-
-        def loss_fn() -> torch.Tensor:
-            return self.chunked_loss(users, items, labels)
-
-        for p in everything:
+        private_keys = [f"private/{i}" for i in range(len(private))]
+        shared_keys = [f"shared/{i}" for i in range(len(shared))]
+        at = ModuleGradient(
+            dict(zip(private_keys + shared_keys, private + shared)),
+            lambda: self.chunked_loss(users, items, labels),
+        )
+        for p in at.params.values():
             p.grad = None
-        loss = loss_fn()
+        loss = at.loss_fn()
         value = float(loss.detach())
         if not math.isfinite(value):
             return value, []
         loss.backward()
-        base_private = [None if p.grad is None else p.grad.detach().clone() for p in private]
-        base_shared = [None if p.grad is None else p.grad.detach().clone() for p in shared]
-        sam_shared, _ = sam_gradient(shared, base_shared, self.rho_shared, loss_fn)
-        for p in everything:
-            p.grad = None
-        sam_private, _ = sam_gradient(private, base_private, self.rho_private, loss_fn)
-        for p, g in zip(everything, sam_private + sam_shared):
-            p.grad = g
+        groups = ((shared_keys, self.rho_shared), (private_keys, self.rho_private))
+        sam = decoupled_sam_gradients(at.point(), at.gradients(), groups, at)
+        for key, p in at.params.items():
+            p.grad = sam[key][0] if key in sam else None
         self.optimizer.step()
         if shared_optimizer is not None:
             shared_optimizer.step()
-        for p in everything:
+        for p in at.params.values():
             p.grad = None
-        return value, sam_shared
+        return value, [sam[key][0] if key in sam else None for key in shared_keys]
 
     def fit_examples(
         self,

@@ -68,7 +68,7 @@ parsed too) and the split's users, items and interactions."""
 
 def split_data_facts(split) -> dict[str, Any]:
     """The :data:`DATA_FACTS` of a :class:`~fedrec_flwr.data.Split` (plus its ``fingerprint``, recorded only)."""
-    from fedrec_flwr.app.client_app import split_fingerprint
+    from fedrec_flwr.app.queries import split_fingerprint
 
     return {
         "source-sha256": split.meta.get("source_sha256"),

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fedrec_flwr.models import RecModel
-from fedrec_flwr.unlearning.krylov import CompositeLoss, gauss_newton_diagonal
+from fedrec_flwr.unlearning.curvature import CompositeLoss, gauss_newton_diagonal
 
 
 def can_batch(model: RecModel) -> bool:
@@ -156,7 +156,7 @@ def influence_objective(
         shared: shared key -> full array (the server's parameters).
         extra_rows: more item rows to include (e.g. a right-hand side's support), or ``None``.
     Yields:
-        ``(loss_fn, params, items)``: ``loss_fn(params) -> scalar``, a :class:`~fedrec_flwr.unlearning.krylov.CompositeLoss`
+        ``(loss_fn, params, items)``: ``loss_fn(params) -> scalar``, a :class:`~fedrec_flwr.unlearning.curvature.CompositeLoss`
         (model outputs, a loss convex in them, the weight-decay term) so that its Gauss-Newton product is defined;
         ``params`` the compact shared parameters (name
         -> detached tensor); ``items`` ``(T,)`` the global row of each compact row.
@@ -244,7 +244,7 @@ def influence_loss_sums(
     steps: Sequence[float],
 ) -> np.ndarray:
     """``[sum_u L_u(theta + a_k d) for a_k in steps]``: the summed influence loss of ``clients`` at points along a
-    direction, the line search's objective (:func:`fedrec_flwr.unlearning.krylov.ladder_line_search`).
+    direction, the line search's objective (:func:`fedrec_flwr.unlearning.line_search.ladder_line_search`).
 
     The loss is the one HF-KCU's products are taken of (module docstring), with each user's fixed negative sample,
     so for a given seed the values are deterministic. One forward pass per step and group (the node's users in one
@@ -286,7 +286,7 @@ def influence_gn_diagonal(
     runtime, clients: Sequence, shared: Mapping[str, np.ndarray], *, probes: int, seed: int
 ) -> tuple[dict, dict]:
     """The diagonal of ``sum_u G_u`` over ``clients``, ``G_u`` the Gauss-Newton matrix of user ``u``'s influence loss
-    (:func:`fedrec_flwr.unlearning.krylov.gauss_newton_diagonal`: exact on the item rows, a ``probes``-draw Monte Carlo estimate
+    (:func:`fedrec_flwr.unlearning.curvature.gauss_newton_diagonal`: exact on the item rows, a ``probes``-draw Monte Carlo estimate
     on the dense parameters), for HF-KCU's preconditioner (``krylov-preconditioner``; ours).
 
     The node's users in one batched pass where :func:`can_batch` holds, else one at a time; the sign draws come from

@@ -1,5 +1,5 @@
-"""Hessian-free Krylov tools: conjugate gradient on a damped operator, Hessian-vector products with ``torch.func``, and
-the row-sparse vectors of shared parameters that unlearning messages carry.
+"""Hessian-free Krylov solvers: conjugate gradient on a damped operator, trust-region CG, and the flat vectors of
+shared parameters they run on.
 
 Used by HF-KCU (Mahdavi, Zamanifar, Farhadi, Kashefi, "Causal Unlearning in Collaborative Optimization: Exact and
 Approximate Influence Reversal under Adversarial Contributions", arXiv:2605.20341): the unlearning step solves
@@ -8,10 +8,14 @@ Approximate Influence Reversal under Adversarial Contributions", arXiv:2605.2034
 
 Two solvers (``krylov-solver``): plain CG (:func:`conjugate_gradient`, stops on non-positive curvature) and the
 trust-region CG of Steihaug (1983) and Toint (1981) (:func:`steihaug_cg`), which returns a step inside a radius and
-follows a direction of negative curvature to the boundary instead of stopping. Two curvatures (``curvature``): the
-exact Hessian (:func:`hessian_vector_product`) and the generalised Gauss-Newton matrix
-(:func:`gauss_newton_vector_product`), positive semi-definite by construction. How far to go along a computed step
-can be chosen by :func:`ladder_line_search`, a line search from batches of function values (``line-search``).
+follows a direction of negative curvature to the boundary instead of stopping.
+
+The operators they are run on live in :mod:`fedrec_flwr.unlearning.curvature` (``curvature``: the exact Hessian,
+:func:`~fedrec_flwr.unlearning.curvature.hessian_vector_product`, and the generalised Gauss-Newton matrix,
+:func:`~fedrec_flwr.unlearning.curvature.gauss_newton_vector_product`, positive semi-definite by construction; the
+Gauss-Newton diagonal that preconditions :func:`steihaug_cg`), and how far to go along a computed step in
+:mod:`fedrec_flwr.unlearning.line_search` (``line-search``). Their names are re-exported here, where the clients,
+strategies and tests import them.
 """
 
 from __future__ import annotations
@@ -22,7 +26,40 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
-import torch
+
+from fedrec_flwr.unlearning.curvature import (
+    CURVATURES,
+    CompositeLoss,
+    Params,
+    curvature_vector_product,
+    gauss_newton_diagonal,
+    gauss_newton_vector_product,
+    gradient,
+    hessian_vector_product,
+)
+from fedrec_flwr.unlearning.line_search import LineSearchResult, ladder_line_search
+
+__all__ = [
+    "CURVATURES",
+    "CURVATURE_EPS",
+    "SOLVERS",
+    "TERMINATIONS",
+    "CGResult",
+    "CompositeLoss",
+    "LineSearchResult",
+    "Params",
+    "conjugate_gradient",
+    "curvature_vector_product",
+    "flatten",
+    "gauss_newton_diagonal",
+    "gauss_newton_vector_product",
+    "gradient",
+    "hessian_vector_product",
+    "krylov_solve",
+    "ladder_line_search",
+    "steihaug_cg",
+    "unflatten",
+]
 
 log = logging.getLogger(__name__)
 
@@ -318,373 +355,6 @@ def krylov_solve(
             preconditioner=preconditioner,
         )
     raise ValueError(f"krylov_solve: solver must be one of {SOLVERS}, got {solver!r}")
-
-
-# ---------------------------------------------------------------------------------------------- line search
-@dataclass
-class LineSearchResult:
-    """Outcome of :func:`ladder_line_search`.
-
-    Attributes:
-        step: the chosen multiple ``a`` of the direction (0 when no tried ``a > 0`` lowered the objective).
-        value: ``f(step)``.
-        steps: every ``a`` evaluated, in the order asked (``f(0)`` first).
-        values: ``f`` at each of ``steps``.
-        rounds: calls of ``evaluate`` (query rounds in the federated phase).
-        termination: ``"bracketed"`` (a tried ``a`` lower than its neighbours on both sides, refined by parabolic
-            interpolation), ``"max-step"`` (``f`` still decreasing at the largest allowed ``a``), ``"rounds"``
-            (``f`` still decreasing when the round budget ran out), or ``"no-decrease"`` (no ``a > 0`` tried was
-            below ``f(0)``; ``step`` = 0).
-    """
-
-    step: float
-    value: float
-    steps: list
-    values: list
-    rounds: int
-    termination: str
-
-    def summary(self) -> dict:
-        """The scalar facts, for logs and ``unlearning.json``."""
-        return {
-            "line-search-step": self.step,
-            "line-search-rounds": self.rounds,
-            "line-search-termination": self.termination,
-            "line-search-evaluations": len(self.steps),
-            "line-search-steps": [float(a) for a in self.steps],
-            "line-search-values": [float(v) for v in self.values],
-        }
-
-
-def ladder_line_search(
-    evaluate: Callable[[list], list],
-    *,
-    ladder: tuple = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0),
-    factor: float = 2.0,
-    max_step: float = 64.0,
-    max_rounds: int = 4,
-    interpolate: bool = True,
-) -> LineSearchResult:
-    """Choose how far to go along a fixed direction: approximately minimise ``f(a)``, ``a >= 0``, from batches of
-    function values only.
-
-    ``evaluate(steps)`` returns ``f`` at every ``a`` of ``steps`` in one call (in the federated phase: one query
-    round in which each node returns one scalar sum per ``a``). The first call evaluates ``f(0)`` and the geometric
-    ``ladder``. While the smallest value sits at the largest ``a`` tried, the next call extends the ladder by
-    ``len(ladder)`` more points, each ``factor`` times the previous, up to ``max_step`` (the bracketing phase of a
-    line search, Nocedal & Wright, *Numerical Optimization* (2nd ed.), Sec. 3.5, with the step multiplied instead
-    of chosen by the strong Wolfe conditions, which would need directional derivatives: ours, function values are
-    what nodes can sum cheaply). When the smallest value sits at the smallest ``a > 0`` tried and above it ``f``
-    rises, the next call tries ``len(ladder)`` smaller steps, each ``1 / factor`` of the previous, unless the slope
-    at 0 extrapolated from the two smallest steps' secants is positive (then no smaller step can help). Once a tried
-    ``a_i`` is lower than both neighbours, one more call evaluates the minimiser of the parabola through the three
-    points (N&W Sec. 3.5, quadratic interpolation; exact for a quadratic ``f``) and the lower of the two is kept.
-    If no ``a > 0`` lowers ``f`` below ``f(0)`` the step is 0 (nothing is moved rather than something made worse).
-
-    Args:
-        evaluate: ``list of a -> list of f(a)`` (same length, finite numbers).
-        ladder: the first call's ``a > 0``, increasing.
-        factor: ratio ``> 1`` of consecutive extension points.
-        max_step: the largest ``a`` ever tried (``>= max(ladder)``).
-        max_rounds: at most this many calls, the interpolation's included (``>= 1``).
-        interpolate: whether to spend a call on the parabola's minimiser once bracketed.
-
-    Returns:
-        :class:`LineSearchResult`.
-
-    Raises:
-        ValueError: an empty, non-positive or non-increasing ``ladder``, ``factor <= 1``, ``max_step <
-            max(ladder)``, ``max_rounds < 1``, or ``evaluate`` returning the wrong number of values or a non-finite
-            one.
-    """
-    ladder = [float(a) for a in ladder]
-    if not ladder or ladder[0] <= 0 or any(b <= a for a, b in zip(ladder, ladder[1:])):
-        raise ValueError(f"ladder_line_search: ladder must be increasing numbers > 0, got {ladder!r}")
-    if not (math.isfinite(factor) and factor > 1):
-        raise ValueError(f"ladder_line_search: factor must be a finite number > 1, got {factor!r}")
-    if not (max_step >= ladder[-1]):
-        raise ValueError(f"ladder_line_search: max_step {max_step!r} is below the ladder's largest step {ladder[-1]}")
-    if isinstance(max_rounds, bool) or int(max_rounds) != max_rounds or max_rounds < 1:
-        raise ValueError(f"ladder_line_search: max_rounds must be an int >= 1, got {max_rounds!r}")
-    tried: dict[float, float] = {}
-    order: list[float] = []
-    rounds = 0
-
-    def ask(steps: list[float]) -> None:
-        nonlocal rounds
-        steps = [a for a in dict.fromkeys(steps) if a not in tried]
-        if not steps:
-            return
-        values = [float(v) for v in evaluate(list(steps))]
-        rounds += 1
-        if len(values) != len(steps):
-            raise ValueError(f"ladder_line_search: evaluate returned {len(values)} values for {len(steps)} steps")
-        if not all(math.isfinite(v) for v in values):
-            raise ValueError(f"ladder_line_search: evaluate returned a non-finite value: {values}")
-        for a, v in zip(steps, values):
-            tried[a] = v
-            order.append(a)
-
-    ask([0.0] + ladder)
-    termination = "rounds"
-    while True:
-        points = sorted(tried)
-        best = min(points, key=lambda a: (tried[a], a))
-        index = points.index(best)
-        if best == 0.0:
-            positive = [a for a in points if a > 0]
-            if (
-                rounds >= max_rounds
-                or positive[0] <= ladder[0] / factor ** (2 * len(ladder))
-                or _slope_at_zero(tried, positive[0], positive[1]) > 0
-            ):
-                termination = "no-decrease"
-                break
-            ask([positive[0] / factor ** (j + 1) for j in range(len(ladder))])
-            continue
-        if index == len(points) - 1:
-            if best >= max_step:
-                termination = "max-step"
-                break
-            if rounds >= max_rounds:
-                termination = "rounds"
-                break
-            ask([min(best * factor ** (j + 1), max_step) for j in range(len(ladder))])
-            continue
-        termination = "bracketed"
-        if interpolate and rounds < max_rounds:
-            left, right = points[index - 1], points[index + 1]
-            vertex = _parabola_minimiser(left, tried[left], best, tried[best], right, tried[right])
-            if vertex is not None and left < vertex < right:
-                ask([vertex])
-        break
-    best = min(tried, key=lambda a: (tried[a], a))
-    if tried[best] >= tried[0.0]:
-        best, termination = 0.0, "no-decrease"
-    return LineSearchResult(best, tried[best], order, [tried[a] for a in order], rounds, termination)
-
-
-def _slope_at_zero(tried: dict, a1: float, a2: float) -> float:
-    """``f'(0)`` estimated from the secant slopes ``s(a) = (f(a) - f(0)) / a`` at ``a1 < a2``, extrapolated linearly
-    to ``a = 0`` (exact for a quadratic, whose secant slope is ``f'(0) + f'' a / 2``). Positive: ``f`` rises from
-    0, so smaller steps would not help either and the search stops without refining downwards (ours)."""
-    s1, s2 = (tried[a1] - tried[0.0]) / a1, (tried[a2] - tried[0.0]) / a2
-    return s1 - (s2 - s1) * a1 / (a2 - a1)
-
-
-def _parabola_minimiser(a0: float, f0: float, a1: float, f1: float, a2: float, f2: float) -> float | None:
-    """The minimiser of the parabola through three points (``a0 < a1 < a2``), or ``None`` when it opens downwards or
-    is flat (N&W Sec. 3.5)."""
-    d01, d12 = (f1 - f0) / (a1 - a0), (f2 - f1) / (a2 - a1)
-    curvature = (d12 - d01) / (a2 - a0)
-    if not curvature > 0:
-        return None
-    # Newton's form p(a) = f0 + d01 (a - a0) + curvature (a - a0)(a - a1); p'(a) = 0 there
-    return 0.5 * (a0 + a1) - d01 / (2.0 * curvature)
-
-
-# ---------------------------------------------------------------------------------------------- products
-Params = dict[str, torch.Tensor]
-
-
-def gradient(loss_fn: Callable[[Params], torch.Tensor], params: Mapping[str, torch.Tensor]) -> Params:
-    """``∇ loss_fn(params)`` as a dict shaped like ``params`` (``torch.func.grad``; no graph is kept)."""
-    return {k: v.detach() for k, v in torch.func.grad(loss_fn)(dict(params)).items()}
-
-
-def hessian_vector_product(
-    loss_fn: Callable[[Params], torch.Tensor], params: Mapping[str, torch.Tensor], vector: Mapping[str, torch.Tensor]
-) -> Params:
-    """``H v`` where ``H = ∇² loss_fn(params)``, without forming ``H``.
-
-    Forward-over-reverse: the directional derivative of the gradient, ``d/dt ∇L(params + t v)`` at ``t = 0``
-    (``torch.func.jvp`` of ``torch.func.grad``; Pearlmutter 1994). Costs about two gradient evaluations and keeps no
-    autograd graph afterwards, so memory stays flat over any number of products. Works through ``nn.Embedding``
-    lookups (the rows not looked up get exactly 0).
-
-    Args:
-        loss_fn: ``params -> scalar`` (e.g. a ``torch.func.functional_call`` of the model and a loss).
-        params: name -> tensor at which the Hessian is taken.
-        vector: name -> tensor, same keys and shapes as ``params``.
-    Returns:
-        name -> ``(H v)[name]``.
-    Raises:
-        ValueError: ``vector``'s keys or shapes differ from ``params``'.
-    """
-    _check_vector("hessian_vector_product", params, vector)
-    primals = dict(params)
-    tangents = {k: vector[k].to(dtype=v.dtype, device=v.device) for k, v in primals.items()}
-    _, product = torch.func.jvp(torch.func.grad(loss_fn), (primals,), (tangents,))
-    return {k: v.detach() for k, v in product.items()}
-
-
-CURVATURES = ("gauss-newton", "hessian")
-"""Values of ``curvature``: the generalised Gauss-Newton matrix (:func:`gauss_newton_vector_product`) and the exact
-Hessian (:func:`hessian_vector_product`)."""
-
-
-@dataclass(frozen=True)
-class CompositeLoss:
-    """A loss written as ``output_loss(outputs(params)) + regulariser(params)``, so that its generalised Gauss-Newton
-    matrix is defined (Schraudolph 2002; Martens 2010, "Deep learning via Hessian-free optimization").
-
-    Attributes:
-        outputs: ``params -> z``, the model's outputs (logits / scores), a tensor of any shape.
-        output_loss: ``z -> scalar``, convex in ``z`` (then the Gauss-Newton matrix is positive semi-definite).
-        regulariser: ``params -> scalar`` (e.g. L2 weight decay) whose exact Hessian is added, or ``None``.
-    """
-
-    outputs: Callable[[Params], torch.Tensor]
-    output_loss: Callable[[torch.Tensor], torch.Tensor]
-    regulariser: Callable[[Params], torch.Tensor] | None = None
-    output_curvature: Callable[[torch.Tensor], torch.Tensor] | None = None
-    """``z -> diag(H_z)`` (shaped like ``z``), the diagonal of ``output_loss``'s Hessian; needed by
-    :func:`gauss_newton_diagonal` only."""
-    row_keys: tuple = ()
-    """Keys of row tables (item embeddings) from which each output reads exactly one row, ``example_rows[j]``."""
-    example_rows: torch.Tensor | None = None
-    """``(n_out,)`` int64: the row of the ``row_keys`` tables output ``j`` reads."""
-    example_outputs: Callable[[Params], torch.Tensor] | None = None
-    """``outputs`` with every ``row_keys`` table replaced by an ``(n_out, ...)`` table whose row ``j`` is the row output
-    ``j`` reads: so ``∂z_j / ∂(row j)`` is the per-example Jacobian block, from one backward pass."""
-
-    def __call__(self, params: Params) -> torch.Tensor:
-        loss = self.output_loss(self.outputs(params))
-        return loss if self.regulariser is None else loss + self.regulariser(params)
-
-
-def gauss_newton_vector_product(
-    loss: CompositeLoss, params: Mapping[str, torch.Tensor], vector: Mapping[str, torch.Tensor]
-) -> Params:
-    """``G v = J^T H_z J v + ∇²R v``: the generalised Gauss-Newton (GGN) matrix of ``loss`` times ``vector``.
-
-    ``J = ∂z/∂params`` is the Jacobian of ``loss.outputs``, ``H_z = ∇²_z output_loss`` the loss Hessian with respect
-    to the outputs and ``R`` the regulariser (Schraudolph 2002; Martens 2010, Sec. 4.2). It drops the Hessian's term
-    ``sum_j (∂ℓ/∂z_j) ∇² z_j`` (the outputs' own curvature, what makes NCF's Hessian indefinite away from a minimum),
-    so for a convex ``output_loss`` and a convex ``R`` the matrix is positive semi-definite whatever ``params`` are.
-    For BCE on logits ``H_z`` is diagonal, ``w_j sigma(z_j) (1 - sigma(z_j))``; for BPR on pairs ``d = z_+ - z_-``
-    it is ``w sigma(d) (1 - sigma(d)) [[1, -1], [-1, 1]]`` per pair (both computed here by differentiation, not by
-    hand). For a model linear in ``params`` given the private embeddings (MF's score ``p_u . q_i`` in ``q_i``) the
-    GGN equals the Hessian.
-
-    Computed matrix-free with ``torch.func``: ``J v`` by ``jvp`` of ``outputs``, ``H_z (J v)`` by ``jvp`` of
-    ``grad(output_loss)``, ``J^T (.)`` by ``vjp`` of ``outputs``; no graph is kept afterwards.
-
-    Args:
-        loss: the loss in its composite form.
-        params: name -> tensor at which the matrix is taken.
-        vector: name -> tensor, same keys and shapes as ``params``.
-    Returns:
-        name -> ``(G v)[name]``.
-    Raises:
-        ValueError: ``vector``'s keys or shapes differ from ``params'``.
-    """
-    _check_vector("gauss_newton_vector_product", params, vector)
-    primals = dict(params)
-    tangents = {k: vector[k].to(dtype=v.dtype, device=v.device) for k, v in primals.items()}
-    z, jv = torch.func.jvp(loss.outputs, (primals,), (tangents,))
-    z = z.detach()
-    _, hjv = torch.func.jvp(torch.func.grad(loss.output_loss), (z,), (jv.detach(),))
-    _, pullback = torch.func.vjp(loss.outputs, primals)
-    (product,) = pullback(hjv.detach())
-    product = {k: v.detach() for k, v in product.items()}
-    if loss.regulariser is not None:
-        extra = hessian_vector_product(loss.regulariser, params, vector)
-        product = {k: product[k] + extra[k] for k in product}
-    return product
-
-
-def gauss_newton_diagonal(
-    loss: CompositeLoss,
-    params: Mapping[str, torch.Tensor],
-    *,
-    probes: int = 8,
-    generator: torch.Generator | None = None,
-) -> Params:
-    """``diag(G)``: the diagonal of the generalised Gauss-Newton matrix ``G = J^T H_z J + ∇²R`` of
-    :func:`gauss_newton_vector_product`, for a preconditioner (ours).
-
-    ``diag(J^T H_z J)_k = sum_j H_z[j, j] (∂z_j / ∂theta_k)^2`` wherever at most one output's row of ``theta`` is
-    touched per entry's cross term, which holds exactly on the ``row_keys`` tables: each output reads one row, so the
-    cross terms ``H_z[j, l] J_jk J_lk`` (``j != l``) of ``diag(J^T H_z J)`` vanish there unless outputs ``j, l`` read
-    the same row *and* ``H_z[j, l] != 0``; for BCE (diagonal ``H_z``) never; for BPR (``H_z`` couples a positive
-    with its negative) only if a pair's two items were the same row, which the negative sampler excludes. One
-    backward pass of ``sum_j eps_j z_j`` with respect to the per-example tables (``example_outputs``) gives
-    ``eps_j ∂z_j / ∂(row j)`` for every ``j`` at once; squared with ``eps_j^2 = H_z[j, j]`` and summed into the rows
-    read, it is the exact row diagonal. On the other (dense) keys, every output touches every entry, so the diagonal
-    is estimated by Monte Carlo: ``E[(J^T eps)^2] = diag(J^T E[eps eps^T] J)`` with ``eps_j = s_j sqrt(H_z[j, j])``
-    and Rademacher signs ``s`` (the MC Gauss-Newton diagonal, cf. Martens, Sutskever & Swersky 2012, "Estimating
-    the Hessian by back-propagating curvature"), averaged over ``probes`` draws: unbiased when ``H_z`` is diagonal
-    (BCE); for BPR it leaves out each pair's cross term ``2 H_z[+, -] J_+k J_-k`` (ours: a preconditioner only needs
-    the scale). The regulariser's diagonal is ``∇²R 1`` (exact for an L2 term, whose Hessian is diagonal).
-
-    Args:
-        loss: a :class:`CompositeLoss` with ``output_curvature``, ``example_rows`` and ``example_outputs`` set.
-        params: name -> tensor at which the matrix is taken (row tables ``(T, ...)``).
-        probes: sign draws for the dense keys (>= 1; one draw suffices when every key is a row table).
-        generator: the random stream of the signs (``None``: torch's global one).
-    Returns:
-        name -> ``diag(G)[name]`` (>= 0), shaped like ``params``.
-    Raises:
-        ValueError: ``loss`` lacks the per-example parts, or ``probes < 1``.
-    """
-    if loss.output_curvature is None or loss.example_outputs is None or loss.example_rows is None:
-        raise ValueError("gauss_newton_diagonal: the loss needs output_curvature, example_rows and example_outputs")
-    if isinstance(probes, bool) or int(probes) != probes or probes < 1:
-        raise ValueError(f"gauss_newton_diagonal: probes must be an int >= 1, got {probes!r}")
-    rows = loss.example_rows
-    with torch.no_grad():
-        z = loss.outputs(dict(params))
-        scale = loss.output_curvature(z).clamp_min(0.0).sqrt()
-    expanded = {k: (v.index_select(0, rows) if k in loss.row_keys else v) for k, v in params.items()}
-    _, pullback = torch.func.vjp(loss.example_outputs, expanded)
-    dense = [k for k in params if k not in loss.row_keys]
-    draws = int(probes) if dense else 1
-    out = {k: torch.zeros_like(v) for k, v in params.items()}
-    for draw in range(draws):
-        signs = torch.randint(0, 2, tuple(z.shape), generator=generator).to(z) * 2.0 - 1.0
-        (grads,) = pullback((signs * scale).detach())
-        for key, value in grads.items():
-            if key in loss.row_keys:
-                if draw == 0:  # exact: the same in every draw
-                    out[key].index_add_(0, rows, value.detach() ** 2)
-            else:
-                out[key] += value.detach() ** 2 / draws
-    if loss.regulariser is not None:
-        extra = hessian_vector_product(loss.regulariser, params, {k: torch.ones_like(v) for k, v in params.items()})
-        out = {k: out[k] + extra[k] for k in out}
-    return out
-
-
-def curvature_vector_product(
-    loss_fn: Callable[[Params], torch.Tensor],
-    params: Mapping[str, torch.Tensor],
-    vector: Mapping[str, torch.Tensor],
-    curvature: str,
-) -> Params:
-    """``C v`` for ``curvature`` in :data:`CURVATURES`: the GGN (``loss_fn`` must be a :class:`CompositeLoss`) or the
-    exact Hessian.
-
-    Raises:
-        ValueError: an unknown curvature, or ``"gauss-newton"`` for a loss that is not a :class:`CompositeLoss`.
-    """
-    if curvature == "hessian":
-        return hessian_vector_product(loss_fn, params, vector)
-    if curvature == "gauss-newton":
-        if not isinstance(loss_fn, CompositeLoss):
-            raise ValueError("curvature 'gauss-newton' needs the loss as a CompositeLoss (outputs, output_loss)")
-        return gauss_newton_vector_product(loss_fn, params, vector)
-    raise ValueError(f"curvature must be one of {CURVATURES}, got {curvature!r}")
-
-
-def _check_vector(name: str, params: Mapping[str, torch.Tensor], vector: Mapping[str, torch.Tensor]) -> None:
-    if set(vector) != set(params):
-        raise ValueError(f"{name}: vector keys {sorted(vector)} differ from params {sorted(params)}")
-    for key, value in params.items():
-        if tuple(vector[key].shape) != tuple(value.shape):
-            raise ValueError(
-                f"{name}: vector[{key!r}] has shape {tuple(vector[key].shape)}, expected {tuple(value.shape)}"
-            )
 
 
 # ---------------------------------------------------------------------------------------------- vectors
