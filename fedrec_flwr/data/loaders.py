@@ -21,8 +21,7 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only
     import pandas as pd
 
-from fedrec_flwr.data.datasets import DATASET_SPECS, DATASETS
-from fedrec_flwr.data.datasets.movielens import read_item_titles
+from fedrec_flwr.data.datasets import DATASET_SPECS, DATASETS, movielens
 from fedrec_flwr.data.download import SourceFiles, combine_sha256, locate_files, sha256_file
 from fedrec_flwr.data.generic import GenericSource, read_generic
 from fedrec_flwr.data.parsing import TIMESTAMP_FORMATS
@@ -180,8 +179,8 @@ def load_item_titles(
     Raises: DataError if ``u.item`` is missing or malformed.
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    source = locate_files("ml-100k", ["u.item"], data_dir, cache, download=download)
-    return read_item_titles(source.paths["u.item"])
+    source = locate_files(movielens.SPEC.name, ["u.item"], data_dir, cache, download=download)
+    return movielens.read_item_titles(source.paths["u.item"])
 
 
 def _deduplicate(frame: pd.DataFrame, path: Path, lines: np.ndarray | None = None) -> tuple[pd.DataFrame, np.ndarray]:

@@ -2,8 +2,9 @@
 each client trains (epochs, batches, learning rate, optimizer, negatives, SAM's radii, the device).
 
 :class:`TrainingSection` declares the keys of the ``model and local training`` group of ``[tool.flwr.app.config]``
-(their defaults and meanings are there); :class:`fedrec_flwr.config.RunConfig` inherits it. No torch at import: the
-configuration is read by processes that never train.
+(their defaults and meanings are there); :class:`fedrec_flwr.config.RunConfig` inherits it and resolves
+``learning-rate = 0`` to the model's own rate (:data:`fedrec_flwr.config.MODEL_LEARNING_RATES`). No torch at import:
+the configuration is read by processes that never train.
 """
 
 from __future__ import annotations
@@ -13,26 +14,6 @@ from dataclasses import dataclass
 
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.sections.fields import config_key, int_list
-
-MODEL_LEARNING_RATES: dict[str, float] = {"ncf": 0.01, "pfedrec": 0.01, "mf": 0.03}
-"""What ``learning-rate = 0`` (the default) means for each model. ``ncf`` (and ``pfedrec``, unchanged): 0.01, chosen
-on the validation item for FedNCF on MovieLens-100K in the first release. ``mf``: 0.03, chosen on the validation item
-(HR@10 at round 100, seed 0) across the four shipped datasets, not on one (``experiments/tuning``):
-
-==============  =====  =====  =====  =====
-rate            0.01   0.03   0.1    0.3
-==============  =====  =====  =====  =====
-MovieLens-100K  0.423  0.436  0.443  0.562
-FilmTrust       0.906  0.902  0.782  0.733
-Lastfm-2K       0.666  0.668  0.459  0.457
-Amazon-Video    0.624  0.630  0.554  n/a
-==============  =====  =====  =====  =====
-
-0.3, MovieLens-100K's best, loses 0.17-0.21 on FilmTrust and Lastfm-2K and its training loss climbs above ln 2 (to
-1.0-1.4 from round 8 on MovieLens-100K); 0.03 is best or within 0.004 of it on the other three and leaves ln 2 at once
-on MovieLens-100K (loss 0.683 / 0.657 / 0.647 in rounds 1 / 3 / 5). On the three smaller datasets the loss still
-stays near ln 2 for about 8 rounds at 0.03 (an initialisation effect, see README). Set ``learning-rate = 0.3`` on
-MovieLens-100K for its validation-best FedMF, ``0.01`` for the first release's."""
 
 
 @dataclass(frozen=True)
