@@ -30,6 +30,8 @@ from fedrec_flwr.errors import DataError
 
 @dataclass(frozen=True)
 class Table:
+    """A text table as :func:`read_table` read it: every cell a string, blank lines dropped."""
+
     df: pd.DataFrame  # every cell str, '' when missing
     lines: np.ndarray  # (len(df),) int64, 1-based line number of each row in the file
     sep: str = ","
