@@ -1,9 +1,9 @@
 """The run configuration: one typed, validated object built once from Flower's ``run_config``.
 
 Every key and its default is declared once, in ``[tool.flwr.app.config]`` of ``pyproject.toml`` (kebab-case, one
-comment per key). The sections beside the code that uses them give each key its Python type and its constraints
-(:mod:`fedrec_flwr.data.config` and the modules of :mod:`fedrec_flwr.sections`); :class:`RunConfig` inherits them all,
-declares the client-unlearning keys itself, and turns a mapping (Flower's ``context.run_config``) into one frozen,
+comment per key). One section per group of keys gives each key its Python type and its constraints (the data
+section beside the data pipeline, :mod:`fedrec_flwr.data.config`; the others in :mod:`fedrec_flwr.sections`);
+:class:`RunConfig` inherits them all, declares the client-unlearning keys itself, and turns a mapping (Flower's ``context.run_config``) into one frozen,
 flat object (``config.embedding_dim``). Unknown keys, missing keys, ill-typed values and values out of range raise
 :class:`~fedrec_flwr.errors.ConfigError` naming the key and the value.
 
