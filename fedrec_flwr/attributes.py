@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedrec_flwr.data.datasets import DATASET_SPECS
 from fedrec_flwr.errors import ConfigError
 
 AGE_BUCKETS: tuple[tuple[str, float, float], ...] = (
@@ -32,49 +33,22 @@ MAX_CLASSES = 32
 """A categorical attribute with more distinct values than this is refused (bucket it first)."""
 
 PUBLISHED_CLASS_COUNTS: dict[tuple[str, str], dict[str, int]] = {
-    ("ml-100k", "gender"): {"F": 273, "M": 670},
-    ("ml-100k", "age"): {"<18": 36, "18-24": 198, "25-34": 310, "35-44": 194, "45-49": 80, "50-55": 73, "56+": 52},
-    ("ml-100k", "occupation"): {
-        "administrator": 79,
-        "artist": 28,
-        "doctor": 7,
-        "educator": 95,
-        "engineer": 67,
-        "entertainment": 18,
-        "executive": 32,
-        "healthcare": 16,
-        "homemaker": 7,
-        "lawyer": 12,
-        "librarian": 51,
-        "marketing": 26,
-        "none": 9,
-        "other": 105,
-        "programmer": 66,
-        "retired": 14,
-        "salesman": 12,
-        "scientist": 31,
-        "student": 196,
-        "technician": 27,
-        "writer": 45,
-    },
+    (name, attribute): dict(counts)
+    for name, spec in DATASET_SPECS.items()
+    for attribute, counts in spec.published_class_counts.items()
 }
 """Users per class of each attribute in a dataset's published user file: ``(dataset, attribute) -> {class: users}``,
-classes in :func:`encode_attribute`'s order. MovieLens-100K: the 943 users of GroupLens' ``u.user`` (its ages
-bucketed by :data:`AGE_BUCKETS`), counted once from the official file (sha256 in ``fedrec_flwr/data/download.py``).
-They are the dataset's public statistics, the same for every user, so a prior built from them reveals nothing about
-any user of a run; they are never counted from a federation (``adversary-class-prior = "published"``)."""
+classes in :func:`encode_attribute`'s order, from each dataset's
+:attr:`~fedrec_flwr.data.datasets.DatasetSpec.published_class_counts` (MovieLens-100K: the 943 users of GroupLens'
+``u.user``, its ages bucketed by :data:`AGE_BUCKETS`). They are the dataset's public statistics, the same for every
+user, so a prior built from them reveals nothing about any user of a run; they are never counted from a federation
+(``adversary-class-prior = "published"``)."""
 
-
-DATASET_ATTRIBUTES: dict[str, tuple[str, ...]] = {
-    "ml-100k": ("age", "gender", "occupation"),
-    "filmtrust": (),
-    "lastfm-2k": (),
-    "amazon-video": (),
-}
-"""The user attributes each named dataset's loader reads (:mod:`fedrec_flwr.data.loaders`: MovieLens-100K's ``u.user``
-columns; the other three have none), known without the data, so a ``protected-attribute`` they lack is refused with
-the run config (:meth:`fedrec_flwr.config.RunConfig.from_mapping`), before any component's check runs. ``generic``'s
-come from its attributes file, checked when the split is loaded (:func:`encode_attribute`)."""
+DATASET_ATTRIBUTES: dict[str, tuple[str, ...]] = {name: spec.attributes for name, spec in DATASET_SPECS.items()}
+"""The user attributes each named dataset's reader returns (:attr:`~fedrec_flwr.data.datasets.DatasetSpec.attributes`:
+MovieLens-100K's ``u.user`` columns; the other three have none), known without the data, so a ``protected-attribute``
+they lack is refused with the run config (:meth:`fedrec_flwr.config.RunConfig.from_mapping`), before any component's
+check runs. ``generic``'s come from its attributes file, checked when the split is loaded (:func:`encode_attribute`)."""
 
 
 def check_attribute_name(name: str, available, dataset: str | None = None) -> None:

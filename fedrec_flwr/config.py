@@ -1,9 +1,11 @@
 """The run configuration: one typed, validated object built once from Flower's ``run_config``.
 
 Every key and its default is declared once, in ``[tool.flwr.app.config]`` of ``pyproject.toml`` (kebab-case, one
-comment per key). This module gives each key its Python type and its constraints, and turns a mapping (Flower's
-``context.run_config``) into a frozen :class:`RunConfig`. Unknown keys, missing keys, ill-typed values and values out of
-range raise :class:`~fedrec_flwr.errors.ConfigError` naming the key and the value.
+comment per key). One section per group of keys gives each key its Python type and its constraints (the data
+section beside the data pipeline, :mod:`fedrec_flwr.data.config`; the others in :mod:`fedrec_flwr.sections`);
+:class:`RunConfig` inherits them all, declares the client-unlearning keys itself, and turns a mapping (Flower's ``context.run_config``) into one frozen,
+flat object (``config.embedding_dim``). Unknown keys, missing keys, ill-typed values and values out of range raise
+:class:`~fedrec_flwr.errors.ConfigError` naming the key and the value.
 
 Outside Flower (tests, notebooks, experiment scripts), :func:`default_run_config` reads the defaults from the project's
 ``pyproject.toml`` and :func:`make_run_config` overrides some of them.
@@ -13,26 +15,36 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flwr.app import DEFAULT_TTL
-
+from fedrec_flwr.data.config import DataSection
+from fedrec_flwr.data.datasets import DATASETS
 from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.sections.adversary import FIRST_RELEASE_ADVERSARY, AdversarySection
+from fedrec_flwr.sections.deployment import DeploymentSection
+from fedrec_flwr.sections.federation import MESSAGE_TTL, FederationSection
+from fedrec_flwr.sections.fields import INT_MAX, config_key
+from fedrec_flwr.sections.training import TrainingSection
 
-INT_MAX = 2**31 - 1
-"""The largest value of any integer key (and of each entry of ``ks``, ``mlp-layers`` and ``forget-users``) unless
-the key has a smaller maximum: every integer the run uses then fits numpy's and torch's int32/int64 and C ``long``
-(an unchecked ``forget-users = "10000000000000000000"`` ended in a raw ``OverflowError``)."""
-
-MESSAGE_TTL = float(DEFAULT_TTL)
-"""The lifetime of every message our apps send, seconds: Flower's ``flwr.app.DEFAULT_TTL`` (43200 = 12 hours in flwr
-1.42, ``flwr/app/constants.py``), which ``Message(..., ttl=None)`` uses. A ``round-timeout`` longer than this would wait
-for replies to messages that have already expired, so it is refused."""
+__all__ = [
+    "DATASETS",
+    "FIRST_RELEASE_ADVERSARY",
+    "INT_MAX",
+    "MESSAGE_TTL",
+    "MODEL_LEARNING_RATES",
+    "RunConfig",
+    "app_root",
+    "default_mapping",
+    "default_run_config",
+    "find_pyproject",
+    "make_run_config",
+    "plugin_keys",
+    "register_extra_keys",
+]
 
 MODEL_LEARNING_RATES: dict[str, float] = {"ncf": 0.01, "pfedrec": 0.01, "mf": 0.03}
 """What ``learning-rate = 0`` (the default) means for each model. ``ncf`` (and ``pfedrec``, unchanged): 0.01, chosen
@@ -54,116 +66,31 @@ on MovieLens-100K (loss 0.683 / 0.657 / 0.647 in rounds 1 / 3 / 5). On the three
 stays near ln 2 for about 8 rounds at 0.03 (an initialisation effect, see README). Set ``learning-rate = 0.3`` on
 MovieLens-100K for its validation-best FedMF, ``0.01`` for the first release's."""
 
-FIRST_RELEASE_ADVERSARY: dict[str, Any] = {
-    "adversary-trigger": "sut",
-    "adversary-objective": "reverse",
-    "adversary-epsilon": 1.0,
-    "adversary-hidden": 32,
-    "adversary-server-learning-rate": 0.01,
-    "adversary-server-steps": 1,
-    "adversary-class-prior": "",
-    "dsvae-noise-placement": "head",
-    "dsvae-noise-stream": "per-upload",
-}
-"""FedAU²'s adversary keys as its paper states the mechanism (and as the first release's package defaults had them):
-FedAU²'s own selective unlearning trigger and gradient reversal, a 32-wide ``h_w``, one server step of 0.01 per round,
-no class prior, DSVAE's noise on the head gradient only and drawn afresh for every upload. The package defaults are
-the protective arm of ``experiments/fedau2`` (``pyproject.toml``; :mod:`fedrec_flwr.clients.fedau2`). Run-config overrides
-(``make_run_config(**FIRST_RELEASE_ADVERSARY, ...)``, or as launcher ``key=value`` pairs): every arm of the FedAU²
-experiment tables starts from them (``experiments.fedau2.methods.PROTOCOL``) and the mechanism tests pin them, so
-their numbers stay those measured with these values."""
-
-DATASETS: tuple[str, ...] = ("ml-100k", "filmtrust", "lastfm-2k", "amazon-video", "generic")
-"""The values of ``dataset``: the four built-in real datasets (:mod:`fedrec_flwr.data.loaders`) and ``generic``, a
-user's own CSV/TSV file."""
-
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "dataset": DATASETS,
-    "tie-rule": ("random", "fedrecgel", "smallest-item", "largest-item"),
-    "model": ("ncf", "mf", "pfedrec"),
-    "item-aggregation": ("auto", "touched", "selected"),
-    "server-optimizer": ("adam", "sgd"),
-    "loss": ("bce", "bpr"),
-    "optimizer": ("sgd", "adam"),
-    "adversary": ("none", "mlp", "dsvae"),
-    "adversary-trigger": ("sut", "always"),
-    "adversary-objective": ("reverse", "entropy"),
-    "adversary-training": ("server", "per-client"),
-    "adversary-server-optimizer": ("adam", "sgd"),
-    "adversary-embedding-optimizer": ("local", "sgd"),
-    "dsvae-noise-placement": ("head", "all"),
-    "dsvae-noise-stream": ("per-user", "per-round", "per-upload"),
-    "adversary-query-users": ("sampled", "all"),
+_UNLEARNING_CHOICES: dict[str, tuple[str, ...]] = {
     "unlearning": ("none", "retrain", "continue", "hfkcu", "gradient-ascent"),
     "krylov-mode": ("distributed", "local"),
     "krylov-solver": ("steihaug", "cg"),
     "krylov-preconditioner": ("none", "diagonal", "row"),
     "curvature": ("gauss-newton", "hessian"),
     "line-search": ("none", "remaining-loss", "membership-margin"),
-    "block-training": ("auto", "on", "off"),
 }
 
 
 def _key(name: str, *, minimum: float | None = None, maximum: float | None = None, positive: bool = False) -> Any:
-    return field(metadata={"key": name, "min": minimum, "max": maximum, "positive": positive})
+    return config_key(
+        name, minimum=minimum, maximum=maximum, positive=positive, choices=_UNLEARNING_CHOICES.get(name, ())
+    )
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(DeploymentSection, FederationSection, AdversarySection, TrainingSection, DataSection):
     """A validated run configuration. Attribute names are the kebab-case keys with ``-`` replaced by ``_``.
 
-    See ``[tool.flwr.app.config]`` in ``pyproject.toml`` for the meaning and default of each key.
+    The keys of the data, training, FedAU², federation and deployment sections are inherited (their fields come
+    first, in that order); the client-unlearning keys are declared here. See ``[tool.flwr.app.config]`` in
+    ``pyproject.toml`` for the meaning and default of each key.
     """
 
-    dataset: str = _key("dataset")
-    data_dir: str = _key("data-dir")
-    cache_dir: str = _key("cache-dir")
-    generic_file: str = _key("generic-file")
-    generic_columns: str = _key("generic-columns")
-    generic_attributes_file: str = _key("generic-attributes-file")
-    generic_attributes_user_column: str = _key("generic-attributes-user-column")
-    min_user_interactions: int = _key("min-user-interactions", minimum=2)
-    tie_rule: str = _key("tie-rule")
-    holdout_validation: bool = _key("holdout-validation")
-    num_test_negatives: int = _key("num-test-negatives", minimum=1)
-    ks: str = _key("ks")
-    model: str = _key("model")
-    embedding_dim: int = _key("embedding-dim", minimum=1)
-    mlp_layers: str = _key("mlp-layers")
-    mlp_embedding_dim: int = _key("mlp-embedding-dim", minimum=0)
-    loss: str = _key("loss")
-    client: str = _key("client")
-    local_epochs: int = _key("local-epochs", minimum=1)
-    batch_size: int = _key("batch-size", minimum=1)
-    learning_rate: float = _key("learning-rate", minimum=0.0)
-    optimizer: str = _key("optimizer")
-    num_train_negatives: int = _key("num-train-negatives", minimum=1)
-    device: str = _key("device")
-    rho_shared: float = _key("rho-shared", minimum=0.0)
-    rho_private: float = _key("rho-private", minimum=0.0)
-    item_learning_rate: float = _key("item-learning-rate", minimum=0.0)
-    protected_attribute: str = _key("protected-attribute")
-    adversary: str = _key("adversary")
-    adversary_trigger: str = _key("adversary-trigger")
-    adversary_objective: str = _key("adversary-objective")
-    adversary_epsilon: float = _key("adversary-epsilon", minimum=0.0)
-    adversary_training: str = _key("adversary-training")
-    adversary_server_optimizer: str = _key("adversary-server-optimizer")
-    adversary_server_learning_rate: float = _key("adversary-server-learning-rate", positive=True)
-    adversary_server_steps: int = _key("adversary-server-steps", minimum=1, maximum=1000)
-    adversary_query_users: str = _key("adversary-query-users")  # who answers h_w's extra-step queries
-    adversary_embedding_optimizer: str = _key("adversary-embedding-optimizer")
-    adversary_class_prior: str = _key("adversary-class-prior")
-    adversary_hidden: int = _key("adversary-hidden", minimum=0)  # 0: a linear h_w (no hidden layer)
-    adversary_warmup_rounds: int = _key("adversary-warmup-rounds", minimum=0)  # rounds 1..k: h_w learns, eps = 0
-    dsvae_latent_dim: int = _key("dsvae-latent-dim", minimum=1)
-    dsvae_kl_weight: float = _key("dsvae-kl-weight", minimum=0.0)
-    dsvae_gradient_noise: float = _key("dsvae-gradient-noise", minimum=0.0)
-    dsvae_noise_placement: str = _key("dsvae-noise-placement")  # server uploads: noise on the head only, or all of h_w
-    dsvae_noise_stream: str = _key(
-        "dsvae-noise-stream"
-    )  # server uploads: one noise draw per user, per round, or per upload
-    user_embedding_noise: float = _key("user-embedding-noise", minimum=0.0)
     unlearning: str = _key("unlearning")
     forget_users: str = _key("forget-users")
     forget_fraction: float = _key("forget-fraction", minimum=0.0, maximum=1.0)
@@ -187,44 +114,8 @@ class RunConfig:
     ascent_steps: int = _key("ascent-steps", minimum=1)
     ascent_learning_rate: float = _key("ascent-learning-rate", positive=True)
     continue_rounds: int = _key("continue-rounds", minimum=1)
-    strategy: str = _key("strategy")
-    strategy_args: str = _key("strategy-args")
-    plugin_config: str = _key("plugin-config")
-    num_server_rounds: int = _key("num-server-rounds", minimum=1)
-    fraction_train: float = _key("fraction-train", positive=True, maximum=1.0)
-    fraction_evaluate: float = _key("fraction-evaluate", minimum=0.0, maximum=1.0)
-    item_aggregation: str = _key("item-aggregation")
-    server_optimizer: str = _key("server-optimizer")
-    server_learning_rate: float = _key("server-learning-rate", positive=True)
-    evaluate_validation: bool = _key("evaluate-validation")
-    min_train_fraction: float = _key("min-train-fraction", minimum=0.0, maximum=1.0)
-    eval_every: int = _key("eval-every", minimum=1)
-    round_timeout: float = _key("round-timeout", positive=True, maximum=MESSAGE_TTL)
-    max_in_flight: int = _key("max-in-flight", minimum=0)
-    fast_link_state: bool = _key("fast-link-state")
-    users_per_node: int = _key("users-per-node", minimum=1)
-    block_training: str = _key("block-training")
-    seed: int = _key("seed", minimum=0)
-    client_state_dir: str = _key("client-state-dir")
-    checkpoint_every: int = _key("checkpoint-every", minimum=0)
-    resume_from: str = _key("resume-from")
-    resume_resets_client_state: bool = _key("resume-resets-client-state")
-    max_update_norm: float = _key("max-update-norm", minimum=0.0)
-    results_dir: str = _key("results-dir")
-    run_name: str = _key("run-name")
     extra: Mapping[str, Any] = field(default_factory=dict, metadata={"key": None})
     """Keys declared by plug-in clients or strategies (see :func:`register_extra_keys`), validated by them."""
-
-    # ------------------------------------------------------------------------------------------------ derived values
-    @property
-    def k_values(self) -> tuple[int, ...]:
-        """The cut-offs of ``ks`` as integers, e.g. ``(5, 10, 20)``."""
-        return _int_list("ks", self.ks)
-
-    @property
-    def mlp_layer_sizes(self) -> tuple[int, ...]:
-        """The NCF tower sizes of ``mlp-layers`` as integers, e.g. ``(64, 32, 16)``."""
-        return _int_list("mlp-layers", self.mlp_layers)
 
     @property
     def forget_user_ids(self) -> tuple[int, ...]:
@@ -248,107 +139,6 @@ class RunConfig:
             )
         return tuple(values)
 
-    @property
-    def generic_column_names(self) -> tuple[str, str, str | None, str | None]:
-        """``generic-columns`` as ``(user, item, rating or None, timestamp or None)``: header names of the generic
-        file, matched to the roles user, item, rating, timestamp.
-
-        A name that is itself a role's name (``user``, ``item``, ``rating``, ``timestamp``, any case) takes that role
-        wherever it stands, so ``"user,item,timestamp"`` (a file without ratings, its header listed) reads the
-        ``timestamp`` column as timestamps. Every other name takes the role of its position,
-        ``user,item[,rating[,timestamp]]``: ``"uid,iid,,ts"`` gives ``("uid", "iid", None, "ts")``.
-
-        Raises:
-            ConfigError: fewer than 2 or more than 4 names, a name used twice, two names for one role (naming both),
-                or no user or item column.
-        """
-        roles = ("user", "item", "rating", "timestamp")
-        columns = [c.strip() for c in str(self.generic_columns).split(",")]
-        usage = (
-            'give the header names of the user,item[,rating[,timestamp]] columns (e.g. "user,item,rating" '
-            'for a file without timestamps, "uid,iid,,ts" for one without ratings)'
-        )
-        if len(columns) < 2 or len(columns) > 4:
-            raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: {usage}")
-        named = [c for c in columns if c]
-        if len(set(named)) != len(named):
-            raise ConfigError(f"run-config key 'generic-columns' = {self.generic_columns!r}: a column is named twice")
-        chosen: dict[str, str] = {}
-        by_name = [c for c in columns if c.lower() in roles]
-        for name in by_name:
-            role = name.lower()
-            if role in chosen:
-                raise ConfigError(
-                    f"run-config key 'generic-columns' = {self.generic_columns!r}: columns "
-                    f"{chosen[role]!r} and {name!r} both name the {role} column"
-                )
-            chosen[role] = name
-        for position, name in enumerate(columns):
-            if not name or name in by_name:
-                continue
-            role = roles[position]
-            if role in chosen:
-                raise ConfigError(
-                    f"run-config key 'generic-columns' = {self.generic_columns!r}: column {name!r} is "
-                    f"in the {role} position (position {position + 1} of user,item,rating,timestamp), "
-                    f"but column {chosen[role]!r} names the {role} column by its name; {usage}"
-                )
-            chosen[role] = name
-        for role in ("user", "item"):
-            if role not in chosen:
-                raise ConfigError(
-                    f"run-config key 'generic-columns' = {self.generic_columns!r}: no {role} column; {usage}"
-                )
-        return chosen["user"], chosen["item"], chosen.get("rating"), chosen.get("timestamp")
-
-    def generic_files(self) -> tuple[Path, Path | None]:
-        """The generic dataset's ``(interactions file, attributes file or None)`` on this machine.
-
-        A ``data-dir`` that is a file is the interactions file itself; one that is a folder is where relative
-        ``generic-file`` / ``generic-attributes-file`` paths are resolved; empty: they resolve against the working
-        directory (``$FEDREC_DATA_DIR`` is not used for generic data).
-
-        Raises:
-            ConfigError: the interactions or attributes file does not exist (the message names the key, the value
-                and the resolved path), ``data-dir`` does not exist, or names a file while ``generic-file`` names
-                another.
-        """
-        base_text = self.data_dir
-        base = Path(base_text).expanduser() if base_text else None
-        key_of_base = "data-dir"
-        if base is not None and not base.exists():
-            raise ConfigError(f"run-config key '{key_of_base}' = {base_text!r}: no such file or folder")
-        if base is not None and base.is_file():
-            if self.generic_file and Path(self.generic_file).expanduser().resolve() != base.resolve():
-                raise ConfigError(
-                    f"run-config key '{key_of_base}' = {base_text!r} is a file, so it is the "
-                    f"interactions file, but 'generic-file' = {self.generic_file!r} names another; "
-                    "set one of them, or make data-dir the folder holding generic-file"
-                )
-            interactions, folder = base, base.parent
-        else:
-            if not self.generic_file:
-                raise ConfigError(
-                    f"run-config key 'generic-file' is empty and 'data-dir' = {base_text!r} is a "
-                    "folder: name the interactions file in 'generic-file' (relative to data-dir)"
-                )
-            interactions, folder = _resolve(self.generic_file, base), base
-        if not interactions.is_file():
-            raise ConfigError(
-                f"run-config key 'generic-file' = {self.generic_file!r}: file {str(interactions)!r} "
-                "not found" + (f" (resolved against data-dir {base_text!r})" if base is not None else "")
-            )
-        attributes = None
-        if self.generic_attributes_file:
-            attributes = _resolve(self.generic_attributes_file, folder)
-            if not attributes.is_file():
-                raise ConfigError(
-                    f"run-config key 'generic-attributes-file' = {self.generic_attributes_file!r}: file "
-                    f"{str(attributes)!r} not found"
-                    + (f" (resolved against data-dir {base_text!r})" if folder is not None else "")
-                )
-        return interactions, attributes
-
     def check_files(self, data_dir: str | None = None) -> None:
         """Validate the keys that name files and folders on this machine (the second half of validation).
 
@@ -362,38 +152,8 @@ class RunConfig:
                 generic dataset's file is missing (:meth:`generic_files`), or ``device`` names a CUDA device this
                 machine lacks. The message names the key and value.
         """
-        base = self.data_dir if data_dir is None else (data_dir or "")
-        if self.dataset == "generic":
-            self.generic_files()
-        elif base:
-            path = Path(base).expanduser()
-            key = "data-dir" if base == self.data_dir else "data-dir ($FEDREC_DATA_DIR)"
-            if not path.exists():
-                raise ConfigError(
-                    f"run-config key '{key}' = {base!r}: no such folder (it should hold the "
-                    f"{self.dataset} files, or a '{self.dataset}' folder with them)"
-                )
-            if not path.is_dir():
-                raise ConfigError(
-                    f"run-config key '{key}' = {base!r} is a file; for dataset = {self.dataset!r} it "
-                    "must be the folder holding the dataset's files"
-                )
-        if (
-            self.cache_dir
-            and Path(self.cache_dir).expanduser().exists()
-            and not Path(self.cache_dir).expanduser().is_dir()
-        ):
-            raise ConfigError(f"run-config key 'cache-dir' = {self.cache_dir!r} is a file, not a folder")
-        if self.device.startswith("cuda"):  # the clients train here: the device must exist here
-            import torch
-
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            index = int(self.device.split(":")[1]) if ":" in self.device else 0
-            if index >= count:
-                raise ConfigError(
-                    f"run-config key 'device' = {self.device!r}: this machine has {count} CUDA "
-                    "device(s); use 'cpu' or 'auto'"
-                )
+        self._check_data_files(data_dir)
+        self._check_device_here()
 
     @property
     def effective_unlearn_round(self) -> int:
@@ -442,103 +202,15 @@ class RunConfig:
         return config
 
     def _check_relations(self) -> None:
-        for key in (
-            "dataset",
-            "tie-rule",
-            "model",
-            "loss",
-            "optimizer",
-            "item-aggregation",
-            "server-optimizer",
-            "adversary",
-            "adversary-trigger",
-            "adversary-objective",
-            "adversary-training",
-            "adversary-server-optimizer",
-            "adversary-embedding-optimizer",
-            "adversary-query-users",
-            "dsvae-noise-placement",
-            "dsvae-noise-stream",
-            "unlearning",
-            "krylov-mode",
-            "krylov-solver",
-            "krylov-preconditioner",
-            "curvature",
-            "line-search",
-            "block-training",
-        ):
-            value = getattr(self, key.replace("-", "_"))
-            if value not in _CHOICES[key]:
-                raise ConfigError(f"run-config key '{key}' = {value!r}: must be one of {list(_CHOICES[key])}")
-        ks = self.k_values
-        if not ks:
-            raise ConfigError("run-config key 'ks' = '': give at least one cut-off, e.g. \"5,10,20\"")
-        if len(set(ks)) != len(ks):
-            raise ConfigError(f"run-config key 'ks' = {self.ks!r}: a cut-off is given twice; give each K once")
-        if max(ks) > self.num_test_negatives + 1:
-            raise ConfigError(
-                f"run-config key 'ks' = {self.ks!r}: K may not exceed the {self.num_test_negatives + 1} ranked candidates"
-            )
-        if self.model == "ncf":
-            self.mlp_layer_sizes  # noqa: B018 - validates
-        if self.dataset == "generic":
-            if not self.generic_file and not self.data_dir:
-                raise ConfigError(
-                    "run-config key 'generic-file' is empty but dataset = 'generic' needs the "
-                    "interactions file: set 'generic-file' (relative paths resolve against 'data-dir'), "
-                    "or set 'data-dir' to the file itself"
-                )
-            self.generic_column_names  # noqa: B018 - validates
-            if self.generic_attributes_user_column and not self.generic_attributes_file:
-                raise ConfigError(
-                    f"run-config key 'generic-attributes-user-column' = "
-                    f"{self.generic_attributes_user_column!r} is set but 'generic-attributes-file' is "
-                    "empty: name the attributes file, or leave the key empty"
-                )
-            if (
-                self.generic_attributes_user_column != self.generic_attributes_user_column.strip()
-                or "," in self.generic_attributes_user_column
-            ):
-                raise ConfigError(
-                    f"run-config key 'generic-attributes-user-column' = "
-                    f"{self.generic_attributes_user_column!r}: give one column name of the attributes "
-                    "file's header, without surrounding spaces or commas"
-                )
-        elif self.generic_file or self.generic_attributes_file or self.generic_attributes_user_column:
-            key = (
-                "generic-file"
-                if self.generic_file
-                else "generic-attributes-file"
-                if self.generic_attributes_file
-                else "generic-attributes-user-column"
-            )
-            raise ConfigError(
-                f"run-config key '{key}' is set but dataset = {self.dataset!r} does not read it "
-                "(it is for dataset = 'generic')"
-            )
-        need = 3 if self.holdout_validation else 2
-        if self.min_user_interactions < need:
-            raise ConfigError(
-                f"run-config key 'min-user-interactions' = {self.min_user_interactions}: must be >= {need} (the "
-                f"held-out item{'s' if need == 3 else ''} plus at least one training positive"
-                + (", with holdout-validation = true)" if need == 3 else ")")
-            )
-        if not (self.device in ("cpu", "cuda", "auto") or re.fullmatch(r"cuda:\d+", self.device)):
-            raise ConfigError(f"run-config key 'device' = {self.device!r}: must be cpu, cuda, cuda:N or auto")
-        if self.evaluate_validation and not self.holdout_validation:
-            raise ConfigError("run-config key 'evaluate-validation' = true needs 'holdout-validation' = true")
-        if self.adversary != "none" and not self.protected_attribute:
-            raise ConfigError(
-                f"run-config key 'adversary' = {self.adversary!r} needs 'protected-attribute' "
-                '(the user attribute to unlearn, e.g. "gender")'
-            )
-        if self.protected_attribute and (self.dataset != "generic" or not self.generic_attributes_file):
-            # a named dataset's attributes are known without its files, and 'generic' without an attributes file
-            # has none: refused here, before the clients' checks (FedAU²'s warned first that the "published" prior
-            # falls back to none for such an attribute); a generic attributes file is checked when it is read
-            from fedrec_flwr.attributes import DATASET_ATTRIBUTES, check_attribute_name
-
-            check_attribute_name(self.protected_attribute, DATASET_ATTRIBUTES.get(self.dataset, ()), self.dataset)
+        for f in dataclasses.fields(self):
+            allowed = f.metadata.get("choices")
+            if allowed and getattr(self, f.name) not in allowed:
+                key, value = f.metadata["key"], getattr(self, f.name)
+                raise ConfigError(f"run-config key '{key}' = {value!r}: must be one of {list(allowed)}")
+        self._check_data()
+        self._check_training()
+        self._check_federation()
+        self._check_adversary()
         forget = self.forget_user_ids  # validates the list
         if self.unlearning != "none" and not forget and self.forget_fraction == 0:
             raise ConfigError(
@@ -675,27 +347,6 @@ def register_extra_keys(owner: str, keys: Mapping[str, str]) -> None:
     """
     for key, meaning in keys.items():
         _EXTRA_KEYS[key] = f"{owner}: {meaning}"
-
-
-def _resolve(name: str, folder: Path | None) -> Path:
-    path = Path(name).expanduser()
-    return path if path.is_absolute() or folder is None else folder / path
-
-
-def _int_list(key: str, text: str) -> tuple[int, ...]:
-    parts = [p.strip() for p in str(text).split(",") if p.strip()]
-    try:
-        values = tuple(int(p) for p in parts)
-    except ValueError:
-        raise ConfigError(
-            f"run-config key '{key}' = {text!r}: expected comma-separated integers in one string, e.g. "
-            f'{key}="5,10" (--run-config) or {key}=5,10 (the launcher); not a TOML array'
-        ) from None
-    if any(v <= 0 for v in values):
-        raise ConfigError(f"run-config key '{key}' = {text!r}: every value must be a positive integer")
-    if any(v > INT_MAX for v in values):
-        raise ConfigError(f"run-config key '{key}' = {text!r}: every value must be <= {INT_MAX}")
-    return values
 
 
 def _coerce(key: str, value: Any, annotation: Any, meta: Mapping[str, Any]) -> Any:

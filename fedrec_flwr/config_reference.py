@@ -2,8 +2,8 @@
 
 Every run-config key is declared once, in ``[tool.flwr.app.config]`` of ``pyproject.toml``: its default (the TOML
 value) and its meaning (the comment on the same line; the ``# --- name ---`` lines above a group of keys name the
-group). :class:`fedrec_flwr.config.RunConfig` gives each key its Python type and its constraints (allowed values,
-minimum, maximum). This module joins the two into one :class:`KeyEntry` per key and renders them as the Markdown page
+group). :class:`fedrec_flwr.config.RunConfig` (and the sections it inherits, :mod:`fedrec_flwr.sections`) gives each key its
+Python type and its constraints (allowed values, minimum, maximum). This module joins the two into one :class:`KeyEntry` per key and renders them as the Markdown page
 ``docs/reference/run-config.md``.
 
 Usage::
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedrec_flwr.config import _CHOICES, INT_MAX, RunConfig, find_pyproject
+from fedrec_flwr.config import INT_MAX, RunConfig, find_pyproject
 from fedrec_flwr.errors import ConfigError
 
 _KEY_LINE = re.compile(r"^([a-z0-9][a-z0-9-]*)\s*=")
@@ -137,7 +137,7 @@ def entries(pyproject: str | os.PathLike | None = None) -> list[KeyEntry]:
             raise ConfigError(f"{path}: run-config key '{name}' is not a field of fedrec_flwr.config.RunConfig")
         kind = _TYPE_NAMES.get(str(field.type), str(field.type))
         bounds = _bounds(dict(field.metadata), kind) if kind in ("integer", "float") else ""
-        out.append(KeyEntry(name, kind, default, comment, _CHOICES.get(name, ()), bounds, group))
+        out.append(KeyEntry(name, kind, default, comment, tuple(field.metadata["choices"]), bounds, group))
     if fields:
         raise ConfigError(f"{path}: RunConfig key(s) {sorted(fields)} missing from [tool.flwr.app.config]")
     return out

@@ -8,9 +8,9 @@ Typical use::
 """
 
 from fedrec_flwr.data.cache import load_split, read_split, save_split
+from fedrec_flwr.data.datasets import DATASET_SPECS, DATASETS, DatasetSpec
 from fedrec_flwr.data.download import SHA256, URLS, download_dataset
 from fedrec_flwr.data.loaders import (
-    DATASETS,
     GenericSource,
     Interactions,
     default_cache_dir,
@@ -32,6 +32,7 @@ from fedrec_flwr.data.split import (
 
 __all__ = [
     "DATASETS",
+    "DATASET_SPECS",
     "FORMAT_VERSION",
     "SHA256",
     "TAG_ORDER",
@@ -41,6 +42,7 @@ __all__ = [
     "TAG_VAL_NEG",
     "TIE_RULES",
     "URLS",
+    "DatasetSpec",
     "GenericSource",
     "Interactions",
     "Split",

@@ -9,7 +9,8 @@ The licences of the real datasets forbid redistribution, so fedrec-flwr never sh
    (:data:`URLS`). Every file we read is checked against :data:`SHA256` before it is moved into place; a
    mismatch deletes the download and raises :class:`~fedrec_flwr.errors.DataError` naming URL, expected and got.
 
-:data:`URLS` and :data:`SHA256` are plain module-level dicts so tests (and mirrors) can override them.
+:data:`URLS` and :data:`SHA256` are plain module-level dicts, copied from each dataset's
+:class:`~fedrec_flwr.data.datasets.DatasetSpec`, so tests (and mirrors) can override them.
 """
 
 from __future__ import annotations
@@ -25,40 +26,20 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedrec_flwr.data.datasets import DATASET_SPECS
 from fedrec_flwr.errors import ConfigError, DataError
 from fedrec_flwr.io import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 
-#: Official download location of each dataset. A ``.zip`` URL is an archive holding the files of
-#: :data:`SHA256` (found by base name anywhere in the archive); any other URL is the single file itself.
-URLS: dict[str, str] = {
-    "ml-100k": "https://files.grouplens.org/datasets/movielens/ml-100k.zip",
-    "filmtrust": "https://guoguibing.github.io/librec/datasets/filmtrust.zip",
-    "lastfm-2k": "https://files.grouplens.org/datasets/hetrec2011/hetrec2011-lastfm-2k.zip",
-    "amazon-video": (
-        "https://raw.githubusercontent.com/Zhangcx19/IJCAI-23-PFedRec/"
-        "abc23809b9bca8f4f09fab5311ae4a63ed6159d2/data/amazon/ratings.dat"
-    ),
-}
+URLS: dict[str, str] = {name: spec.url for name, spec in DATASET_SPECS.items()}
+"""Official download location of each dataset (:attr:`DatasetSpec.url <fedrec_flwr.data.datasets.DatasetSpec.url>`).
+A ``.zip`` URL is an archive holding the files of :data:`SHA256` (found by base name anywhere in the archive); any
+other URL is the single file itself."""
 
-#: Pinned sha256 of every file each loader reads (from ``shared/data/<name>/SOURCE.md``), in read order.
-SHA256: dict[str, dict[str, str]] = {
-    "ml-100k": {
-        "u.data": "06416e597f82b7342361e41163890c81036900f418ad91315590814211dca490",
-        "u.user": "f120e114da2e8cf314fd28f99417c94ae9ddf1cb6db8ce0e4b5995d40e90e62c",
-        "u.item": "553841ebc7de3a0fd0d6b62a204ea30c1e651aacfb2814c7a6584ac52f2c5701",
-    },
-    "filmtrust": {
-        "ratings.txt": "241167424e24d588e8871d68641e94ead98d5b3a4f0db01ef3181a74ad35e7a1",
-    },
-    "lastfm-2k": {
-        "user_artists.dat": "001400dc3c7d2667fca6e4ea6dc6acc31a9dd28ad5cd0f74cea988c019934d3b",
-    },
-    "amazon-video": {
-        "ratings.dat": "a1292e4a4dba6c37be6ae5dc83d4404af96bf3eace4c8954e2f4e8360a3cdd76",
-    },
-}
+SHA256: dict[str, dict[str, str]] = {name: dict(spec.sha256) for name, spec in DATASET_SPECS.items()}
+"""Pinned sha256 of every file each dataset's readers read
+(:attr:`DatasetSpec.sha256 <fedrec_flwr.data.datasets.DatasetSpec.sha256>`), in read order."""
 
 #: Seconds a download may stall before it fails (no hangs).
 DOWNLOAD_TIMEOUT_S = 60.0

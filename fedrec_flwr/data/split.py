@@ -25,6 +25,7 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only
     import pandas as pd
 
+from fedrec_flwr.data.datasets import DATASET_SPECS
 from fedrec_flwr.data.loaders import Interactions
 from fedrec_flwr.errors import ConfigError, DataError
 
@@ -49,9 +50,6 @@ TAG_TIE = _tag("tie")  # random tie-break key among equal latest timestamps
 TAG_TEST_NEG = _tag("test-negatives")
 TAG_VAL_NEG = _tag("val-negatives")
 TAG_TRAIN_NEG = _tag("train-negatives")
-
-#: FedRecGEL hard-codes this seed for the synthetic FilmTrust timestamps (data_process.ipynb).
-FEDRECGEL_TIMESTAMP_SEED = 42
 
 
 @dataclass(frozen=True, eq=False)
@@ -215,10 +213,10 @@ def preprocess(
        ``tie_rule="fedrecgel"`` non-integer ids are instead numbered in order of first appearance in the file,
        as FedRecGEL's ``pd.factorize`` does (this changes the smallest-item tie-break on Amazon-Video).
     4. Without timestamps, each row gets a random order value (a permutation from ``rng([seed, TAG_ORDER])``
-       over rows in file order). For FilmTrust in ``tie_rule="fedrecgel"`` FedRecGEL's synthetic timestamps are
-       reproduced instead: ``base = default_rng(42).integers(0, 10**9, n_rows)``,
-       ``timestamp = base * 10**6 + (per-user running count)`` over the raw rows in file order (42 is hard-coded
-       there, so ``seed`` does not change it); a deduplicated pair keeps the latest of its copies' timestamps.
+       over rows in file order). In ``tie_rule="fedrecgel"`` a dataset whose
+       :class:`~fedrec_flwr.data.datasets.DatasetSpec` has ``fedrecgel_timestamps`` (FilmTrust) gets FedRecGEL's
+       synthetic timestamps instead (:func:`fedrec_flwr.data.datasets.filmtrust.fedrecgel_timestamps`; its seed 42
+       is hard-coded there, so ``seed`` does not change it).
     5. Each user's latest interaction is the test item (the second latest the validation item when
        ``holdout_validation``). Ties on the latest timestamp are broken by ``tie_rule``: ``"random"`` (a key from
        ``rng([seed, TAG_TIE])`` per (user, item)), ``"fedrecgel"`` / ``"smallest-item"`` (smallest item index
@@ -259,11 +257,12 @@ def preprocess(
     dup_rows = np.asarray(interactions.duplicate_rows, dtype=np.int64).reshape(-1, 2)
 
     # Step 4 (before filtering, so the order does not depend on min_user_interactions).
+    synthesise = DATASET_SPECS[name].fedrecgel_timestamps if name in DATASET_SPECS else None
     if has_ts:
         timestamp_source = "file"
         held_out_order = "timestamps from the file"
-    elif tie_rule == "fedrecgel" and name == "filmtrust":
-        ts = _fedrecgel_timestamps(users_raw, rows, dup_rows)
+    elif tie_rule == "fedrecgel" and synthesise is not None:
+        ts = synthesise(users_raw, rows, dup_rows)
         timestamp_source = "fedrecgel-synthetic (default_rng(42) base * 10**6 + cumcount)"
         held_out_order = "FedRecGEL's synthetic timestamps (the file has none)"
     else:
@@ -544,25 +543,6 @@ def _fedrecgel_negatives(all_items, all_indptr, num_items, k, seed) -> np.ndarra
         candidates = set(rnd.sample(pool, k + len(x))) - x
         out[u] = rnd.sample(list(candidates), k)
     return out
-
-
-def _fedrecgel_timestamps(users_raw: np.ndarray, rows: np.ndarray, dup_rows: np.ndarray) -> np.ndarray:
-    """FedRecGEL's synthetic FilmTrust timestamps over all raw rows; a kept pair takes its copies' maximum."""
-    import pandas as pd
-
-    n_raw = len(rows) + len(dup_rows)
-    user_of_row = np.empty(n_raw, dtype=object)
-    user_of_row[rows] = users_raw
-    if len(dup_rows):
-        kept_pos = pd.Index(rows).get_indexer(dup_rows[:, 1])
-        user_of_row[dup_rows[:, 0]] = users_raw[kept_pos]
-    base = np.random.default_rng(FEDRECGEL_TIMESTAMP_SEED).integers(0, 10**9, size=n_raw, dtype=np.int64)
-    cumcount = pd.Series(user_of_row).groupby(user_of_row, sort=False).cumcount().to_numpy(np.int64)
-    raw_ts = base * np.int64(10**6) + cumcount
-    ts = raw_ts[rows].copy()
-    if len(dup_rows):
-        np.maximum.at(ts, kept_pos, raw_ts[dup_rows[:, 0]])
-    return ts  # int64, exact
 
 
 def _first_rows(rows: np.ndarray, dup_rows: np.ndarray) -> np.ndarray:

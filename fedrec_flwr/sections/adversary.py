@@ -1,0 +1,83 @@
+"""The FedAU² section of the run configuration: the protected attribute, the adversary ``h_w`` that learns it, and
+how the user embeddings unlearn it (gradient reversal or entropy, DSVAE's noise).
+
+:class:`AdversarySection` declares the keys of the ``attribute unlearning`` group of ``[tool.flwr.app.config]`` (their
+defaults and meanings are there); :class:`fedrec_flwr.config.RunConfig` inherits it. :data:`FIRST_RELEASE_ADVERSARY`
+holds the values FedAU²'s paper states, which the experiments start from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.sections.fields import config_key
+
+FIRST_RELEASE_ADVERSARY: dict[str, Any] = {
+    "adversary-trigger": "sut",
+    "adversary-objective": "reverse",
+    "adversary-epsilon": 1.0,
+    "adversary-hidden": 32,
+    "adversary-server-learning-rate": 0.01,
+    "adversary-server-steps": 1,
+    "adversary-class-prior": "",
+    "dsvae-noise-placement": "head",
+    "dsvae-noise-stream": "per-upload",
+}
+"""FedAU²'s adversary keys as its paper states the mechanism (and as the first release's package defaults had them):
+FedAU²'s own selective unlearning trigger and gradient reversal, a 32-wide ``h_w``, one server step of 0.01 per round,
+no class prior, DSVAE's noise on the head gradient only and drawn afresh for every upload. The package defaults are
+the protective arm of ``experiments/fedau2`` (``pyproject.toml``; :mod:`fedrec_flwr.clients.fedau2`). Run-config overrides
+(``make_run_config(**FIRST_RELEASE_ADVERSARY, ...)``, or as launcher ``key=value`` pairs): every arm of the FedAU²
+experiment tables starts from them (``experiments.fedau2.methods.PROTOCOL``) and the mechanism tests pin them, so
+their numbers stay those measured with these values."""
+
+
+@dataclass(frozen=True)
+class AdversarySection:
+    """The run-config keys of attribute unlearning (FedAU², ``client = "fedau2"``)."""
+
+    protected_attribute: str = config_key("protected-attribute")
+    adversary: str = config_key("adversary", choices=("none", "mlp", "dsvae"))
+    adversary_trigger: str = config_key("adversary-trigger", choices=("sut", "always"))
+    adversary_objective: str = config_key("adversary-objective", choices=("reverse", "entropy"))
+    adversary_epsilon: float = config_key("adversary-epsilon", minimum=0.0)
+    adversary_training: str = config_key("adversary-training", choices=("server", "per-client"))
+    adversary_server_optimizer: str = config_key("adversary-server-optimizer", choices=("adam", "sgd"))
+    adversary_server_learning_rate: float = config_key("adversary-server-learning-rate", positive=True)
+    adversary_server_steps: int = config_key("adversary-server-steps", minimum=1, maximum=1000)
+    # who answers h_w's extra-step queries
+    adversary_query_users: str = config_key("adversary-query-users", choices=("sampled", "all"))
+    adversary_embedding_optimizer: str = config_key("adversary-embedding-optimizer", choices=("local", "sgd"))
+    adversary_class_prior: str = config_key("adversary-class-prior")
+    adversary_hidden: int = config_key("adversary-hidden", minimum=0)  # 0: a linear h_w (no hidden layer)
+    adversary_warmup_rounds: int = config_key("adversary-warmup-rounds", minimum=0)  # rounds 1..k: h_w learns, eps = 0
+    dsvae_latent_dim: int = config_key("dsvae-latent-dim", minimum=1)
+    dsvae_kl_weight: float = config_key("dsvae-kl-weight", minimum=0.0)
+    dsvae_gradient_noise: float = config_key("dsvae-gradient-noise", minimum=0.0)
+    # server uploads: noise on the head only, or all of h_w
+    dsvae_noise_placement: str = config_key("dsvae-noise-placement", choices=("head", "all"))
+    # server uploads: one noise draw per user, per round, or per upload
+    dsvae_noise_stream: str = config_key("dsvae-noise-stream", choices=("per-user", "per-round", "per-upload"))
+    user_embedding_noise: float = config_key("user-embedding-noise", minimum=0.0)
+
+    def _check_adversary(self) -> None:
+        """An adversary needs a ``protected-attribute`` the dataset has; called by
+        :meth:`fedrec_flwr.config.RunConfig.from_mapping`.
+
+        Raises:
+            ConfigError: naming the key and value (and the dataset's attributes).
+        """
+        if self.adversary != "none" and not self.protected_attribute:
+            raise ConfigError(
+                f"run-config key 'adversary' = {self.adversary!r} needs 'protected-attribute' "
+                '(the user attribute to unlearn, e.g. "gender")'
+            )
+        if self.protected_attribute and (self.dataset != "generic" or not self.generic_attributes_file):
+            # a named dataset's attributes are known without its files, and 'generic' without an attributes file
+            # has none: refused here, before the clients' checks (FedAU²'s warned first that the "published" prior
+            # falls back to none for such an attribute); a generic attributes file is checked when it is read
+            from fedrec_flwr.attributes import DATASET_ATTRIBUTES, check_attribute_name
+
+            check_attribute_name(self.protected_attribute, DATASET_ATTRIBUTES.get(self.dataset, ()), self.dataset)
