@@ -142,6 +142,23 @@ def test_secagg_plus_sparse_neighbourhoods_with_drops():
     assert len(share_keys_reply["dsts"]) == 6
 
 
+def test_a_malformed_masked_vector_counts_as_a_drop(caplog):
+    inputs = _inputs(5, {"v": (20,)})
+    bad = sorted(inputs)[2]
+
+    class Malformed(FakeNodes):
+        def __call__(self, stage, contents):
+            replies = super().__call__(stage, contents)
+            if stage == secagg.COLLECT_MASKED_VECTORS:
+                replies[bad] = {**replies[bad], "v": replies[bad]["v"][:-1]}
+            return replies
+
+    out = secure_sum(Malformed(inputs), sorted(inputs), {"v": (20,)}, threshold=3, clipping_range=8.0)
+    survivors = [n for n in sorted(inputs) if n != bad]
+    assert out.contributors == tuple(survivors) and f"node {bad} sent a malformed masked vector" in caplog.text
+    assert np.max(np.abs(out.arrays["v"] - _plain_sum(inputs, survivors, 8.0)["v"])) <= out.error_bound
+
+
 def test_the_server_transcript_never_holds_a_plain_vector():
     inputs = _inputs(4, {"w": (2, 64), "b": (2,)}, scale=0.5)
     nodes = FakeNodes(inputs, drop={max(inputs): secagg.COLLECT_MASKED_VECTORS})
@@ -267,3 +284,67 @@ def test_secure_sum_rejects_inconsistent_parameters():
         secure_sum(send, [1, 2], {"v": (1,)}, threshold=3, clipping_range=1.0)
     with pytest.raises(ValueError, match="must not start"):
         secure_sum(send, [1, 2], {"secagg.count": (1,)}, threshold=2, clipping_range=1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# on Flower messages: a ClientApp with the "secagg" query, run by the in-process SerialGrid
+
+
+def _secagg_client_app(inputs):
+    from flwr.app import Message
+    from flwr.clientapp import ClientApp
+
+    from fedrec_flwr.privacy import secagg_records
+
+    app = ClientApp()
+
+    @app.query(secagg_records.ACTION)
+    def secagg_query(message, context):
+        arrays = lambda: inputs[context.node_id]
+        rng = np.random.default_rng([0, context.node_id])
+        return Message(secagg_records.answer(message.content, context.state, arrays, rng=rng), reply_to=message)
+
+    return app
+
+
+def test_secure_sum_over_flower_messages_with_a_node_stopped_mid_protocol(task_identity):
+    from fedrec_flwr.privacy.secagg_records import grid_sender
+    from fedrec_flwr.serial import SerialGrid
+
+    rng = np.random.default_rng(4)
+    inputs = {
+        1000 + k: {"w": rng.standard_normal((2, 64)), "n": rng.integers(0, 5, 1682).astype(float)} for k in range(5)
+    }
+    grid = SerialGrid(_secagg_client_app(inputs), 5, {})
+    send = grid_sender(grid)
+    stops = []
+
+    def send_and_stop(stage, contents):
+        if stage == secagg.COLLECT_MASKED_VECTORS:
+            stops.append(grid.stop_node(1003))  # shared its keys, then died: an error reply from now on
+        return send(stage, contents)
+
+    out = secure_sum(send_and_stop, sorted(inputs), {"w": (2, 64), "n": (1682,)}, threshold=3, clipping_range=8.0)
+    survivors = [n for n in sorted(inputs) if n != 1003]
+    assert out.contributors == tuple(survivors)
+    for key in ("w", "n"):
+        plain = sum(inputs[n][key] for n in survivors)
+        assert np.max(np.abs(out.arrays[key] - plain)) <= out.error_bound
+    state = stops[0].state.config_records["secagg"]
+    assert state["stage"] == secagg.SHARE_KEYS and "sk1" in state  # its secrets stayed in its context.state
+    for nid in survivors:  # the survivors answered unmask and forgot their secrets
+        assert "sk1" not in grid.contexts[nid].state.config_records["secagg"]
+
+
+def test_a_malformed_or_erroring_node_counts_as_dropped(task_identity):
+    from fedrec_flwr.privacy.secagg_records import from_content, grid_sender, to_content
+    from fedrec_flwr.serial import SerialGrid
+
+    inputs = {1000 + k: {"v": np.full(3, float(k))} for k in range(4)}
+    inputs[1002] = {"v": np.full(3, np.nan)}  # fails on the node: an error reply at the masked-vector stage
+    grid = SerialGrid(_secagg_client_app(inputs), 4, {})
+    out = secure_sum(grid_sender(grid), sorted(inputs), {"v": (3,)}, threshold=3, clipping_range=8.0)
+    assert out.contributors == (1000, 1001, 1003)
+    np.testing.assert_allclose(out.arrays["v"], np.full(3, 4.0), atol=out.error_bound)
+    stage, payload = from_content(to_content(secagg.UNMASK, {"nids": [1, 2], "shares": [b"a", b"b"]}))
+    assert stage == secagg.UNMASK and payload == {"nids": [1, 2], "shares": [b"a", b"b"]}
