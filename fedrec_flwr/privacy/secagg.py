@@ -84,8 +84,8 @@ a single neighbour.
 
 State (:func:`setup` ... :func:`unmask`): a mutable mapping of ConfigRecord values (``int``, ``float``, ``str``,
 ``bytes`` and lists of them), e.g. a node's ``context.state.config_records["secagg"]``; it holds the node's secrets
-between stages. Configs and replies are dicts of the same value types, except the masked vector, a dict of int64
-arrays (an ``ArrayRecord`` on the wire).
+between stages. Configs and replies are dicts of the same value types, except the masked vector, a dict of uint32
+arrays (an ``ArrayRecord`` on the wire: 4 bytes per element, as a float32 upload).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ CLIPPED_KEY = "secagg.clipped"
 
 _CURVE = ec.SECP384R1()  # the curve of Flower's generate_key_pairs
 _SCALAR_BYTES = 48
-_SECRET_KEYS = ("sk1", "sk2", "seed", "share-nids", "b-shares", "sk-shares")
+_SECRET_KEYS = ("sk1", "sk2", "seed", "peer-keys", "share-nids", "b-shares", "sk-shares")
 
 # The send callable: stage name, {node_id: config (and arrays for no stage)} -> {node_id: reply}; a node absent
 # from the reply dict has dropped.
@@ -270,13 +270,14 @@ def share_keys(state: MutableMapping[str, Any], config: Mapping[str, Any], array
     b_shares = create_shares(seed, threshold, len(nids))
     sk_shares = create_shares(_sk1_scalar(state["sk1"]), threshold, len(nids))
     sk2 = bytes_to_private_key(state["sk2"])
-    dsts, ctxts = [], []
+    dsts, ctxts, peer_keys = [], [], []
     for nid, pk2, b_share, sk_share in zip(nids, pk2s, b_shares, sk_shares):
-        if nid == me:
-            continue
-        key = generate_shared_key(sk2, bytes_to_public_key(pk2))
-        dsts.append(nid)
-        ctxts.append(encrypt(key, share_keys_plaintext_concat(me, nid, b_share, sk_share)))
+        # the encryption key shared with nid (kept to decrypt nid's shares in the next stage, as Flower does)
+        key = b"" if nid == me else generate_shared_key(sk2, bytes_to_public_key(pk2))
+        peer_keys.append(key)
+        if nid != me:
+            dsts.append(nid)
+            ctxts.append(encrypt(key, share_keys_plaintext_concat(me, nid, b_share, sk_share)))
     mine = nids.index(me)
     state.update(
         {
@@ -284,7 +285,7 @@ def share_keys(state: MutableMapping[str, Any], config: Mapping[str, Any], array
             "seed": seed,
             "peer-nids": nids,
             "peer-pk1s": pk1s,
-            "peer-pk2s": pk2s,
+            "peer-keys": peer_keys,
             "share-nids": [me],
             "b-shares": [b_shares[mine]],
             "sk-shares": [sk_shares[mine]],
@@ -304,7 +305,7 @@ def collect_masked_vectors(
 
     ``config``: ``session``, ``srcs`` (node ids) and ``ctxts`` (the ciphertexts they sent to this node).
     ``arrays``: ``{key: float array}`` with the setup's keys. ``rng``: the stochastic rounding's generator (fresh OS
-    entropy when ``None``). Reply: ``{key: int64 array}`` in ``[0, M)``, the arrays' keys and shapes plus
+    entropy when ``None``). Reply: ``{key: uint32 array}`` in ``[0, M)`` (``M <= 2**32``), the arrays' keys and shapes plus
     ``"secagg.count"`` and ``"secagg.clipped"`` (shape ``(1,)``), every one masked.
 
     Raises:
@@ -320,14 +321,14 @@ def collect_masked_vectors(
     if len(srcs) + 1 < threshold or len(set(srcs)) != len(srcs) or me in srcs:
         raise SecAggError(f"secagg {COLLECT_MASKED_VECTORS}: {len(srcs)} share pairs, the threshold is {threshold}")
     peers = state["peer-nids"]
-    sk1, sk2 = bytes_to_private_key(state["sk1"]), bytes_to_private_key(state["sk2"])
+    sk1 = bytes_to_private_key(state["sk1"])
     b_shares, sk_shares, pk1_of = [], [], {}
     for src, ctxt in zip(srcs, ctxts):
         if src not in peers:
             raise SecAggError(f"secagg {COLLECT_MASKED_VECTORS}: shares from {src}, which is not a neighbour")
         index = peers.index(src)
         try:
-            plain = decrypt(generate_shared_key(sk2, bytes_to_public_key(state["peer-pk2s"][index])), ctxt)
+            plain = decrypt(state["peer-keys"][index], ctxt)
         except Exception as err:  # cryptography.fernet.InvalidToken and malformed tokens
             raise SecAggError(f"secagg {COLLECT_MASKED_VECTORS}: the shares from {src} do not decrypt") from err
         actual_src, dst, b_share, sk_share = share_keys_plaintext_separate(plain)
@@ -358,7 +359,7 @@ def collect_masked_vectors(
             "sk-shares": [*state["sk-shares"], *sk_shares],
         }
     )
-    return dict(zip([*state["keys"], COUNT_KEY, CLIPPED_KEY], vector))
+    return {key: v.astype(np.uint32) for key, v in zip([*state["keys"], COUNT_KEY, CLIPPED_KEY], vector)}
 
 
 def unmask(state: MutableMapping[str, Any], config: Mapping[str, Any], arrays: Any = None) -> dict[str, Any]:
@@ -572,7 +573,8 @@ def secure_sum(
     masked = [np.zeros(shape, dtype=np.int64) for shape in shapes]
     for nid in sorted(u3):
         masked = parameters_mod(
-            parameters_addition(masked, [np.asarray(replies[nid][key]) for key in order]), modulus_range
+            parameters_addition(masked, [np.asarray(replies[nid][key]).astype(np.int64) for key in order]),
+            modulus_range,
         )
 
     # 4. unmask: the survivors' self-mask seeds and the dropped nodes' sk1

@@ -5,7 +5,7 @@ Wire format (every message ``message_type = "query.secagg"``):
 * **server -> node**: a ``ConfigRecord`` under ``"secagg"``: ``"stage"`` (one of :data:`secagg.STAGES`) and that
   stage's config (ints, floats, strings, bytes and lists of them);
 * **node -> server**: the same ``ConfigRecord`` with the stage's reply, and for the masked-vector stage an
-  ``ArrayRecord`` under ``"secagg-masked"`` of int64 arrays, keyed as the summed arrays (plus ``"secagg.count"`` and
+  ``ArrayRecord`` under ``"secagg-masked"`` of uint32 arrays, keyed as the summed arrays (plus ``"secagg.count"`` and
   ``"secagg.clipped"``).
 
 A node's protocol state is the ``ConfigRecord`` ``context.state.config_records["secagg"]``, so its secrets stay on the
@@ -43,7 +43,7 @@ MASKED_KEY = "secagg-masked"  # the ArrayRecord of a masked-vector reply
 
 
 def to_content(stage: str, payload: Mapping[str, Any]) -> RecordDict:
-    """A stage's config or reply as a message content: config values in a ConfigRecord, int64 arrays (the masked
+    """A stage's config or reply as a message content: config values in a ConfigRecord, numpy arrays (the masked
     vector) in an ArrayRecord."""
     arrays = {k: v for k, v in payload.items() if isinstance(v, np.ndarray)}
     config = ConfigRecord({"stage": stage, **{k: v for k, v in payload.items() if k not in arrays}})
