@@ -85,6 +85,20 @@ def test_a_coarse_grid_shows_an_error_of_the_order_of_the_step_and_never_above_t
     assert abs(float(np.mean(out.arrays["v"] - _plain_sum(inputs, inputs, 4.0)["v"]))) < 0.05  # unbiased
 
 
+def test_integer_counts_are_summed_exactly_on_an_aligned_grid():
+    rng = np.random.default_rng(2)
+    inputs = {1 + i: {"counts": (rng.random(1682) < 0.06).astype(np.float64)} for i in range(8)}
+    out = secure_sum(
+        FakeNodes(inputs),
+        list(inputs),
+        {"counts": (1682,)},
+        threshold=5,
+        clipping_range=1.0,
+        quantization_range=2**22 + 1,
+    )
+    np.testing.assert_array_equal(out.arrays["counts"], sum(x["counts"] for x in inputs.values()))
+
+
 def test_clipping_is_reported_as_a_total_only():
     inputs = _inputs(4, {"v": (50,)}, scale=3.0)
     out = secure_sum(FakeNodes(inputs), list(inputs), {"v": (50,)}, threshold=2, clipping_range=1.0)
@@ -220,18 +234,18 @@ def _run_until(stage, nids=(1, 2, 3), threshold=2):
     """Node states after the stages before ``stage``, driven by hand; returns (states, configs of ``stage``)."""
     inputs = {n: {"v": np.zeros(3)} for n in nids}
     states = {n: {} for n in nids}
-    common = {"session": "s", "threshold": threshold, "clipping-range": 1.0, "quantization-range": 16}
+    common = {"protocol-id": "s", "threshold": threshold, "clipping-range": 1.0, "quantization-range": 16}
     pks = {n: secagg.setup(states[n], {**common, "modulus-range": 2**8, "keys": ["v"], "node-id": n}) for n in nids}
     if stage == secagg.SHARE_KEYS:
         return states, inputs, pks
-    cfg = {"session": "s", "nids": list(nids), "pk1s": [pks[n]["pk1"] for n in nids]}
+    cfg = {"protocol-id": "s", "nids": list(nids), "pk1s": [pks[n]["pk1"] for n in nids]}
     cfg["pk2s"] = [pks[n]["pk2"] for n in nids]
     shares = {n: secagg.share_keys(states[n], cfg) for n in nids}
     collect = {}
     for n in nids:
         srcs = [s for s in nids if s != n]
         collect[n] = {
-            "session": "s",
+            "protocol-id": "s",
             "srcs": srcs,
             "ctxts": [shares[s]["ctxts"][shares[s]["dsts"].index(n)] for s in srcs],
         }
@@ -243,19 +257,19 @@ def test_a_node_refuses_to_give_both_shares_of_a_node_or_to_unmask_twice():
     for n in states:
         secagg.collect_masked_vectors(states[n], collect[n], inputs[n])
     with pytest.raises(SecAggError, match="overlap"):
-        secagg.unmask(states[1], {"session": "s", "active": [1, 2], "dead": [2]})
-    secagg.unmask(states[1], {"session": "s", "active": [1, 2, 3], "dead": []})
+        secagg.unmask(states[1], {"protocol-id": "s", "active": [1, 2], "dead": [2]})
+    secagg.unmask(states[1], {"protocol-id": "s", "active": [1, 2, 3], "dead": []})
     assert not {"sk1", "sk2", "seed", "peer-keys", "b-shares", "sk-shares"} & set(states[1])  # secrets forgotten
     with pytest.raises(SecAggError, match="stage"):
-        secagg.unmask(states[1], {"session": "s", "active": [1, 2, 3], "dead": []})
+        secagg.unmask(states[1], {"protocol-id": "s", "active": [1, 2, 3], "dead": []})
 
 
-def test_a_node_rejects_out_of_order_stages_other_sessions_and_forged_shares():
+def test_a_node_rejects_out_of_order_stages_other_protocol_runs_and_forged_shares():
     states, inputs, collect = _run_until(secagg.COLLECT_MASKED_VECTORS)
-    with pytest.raises(SecAggError, match="session"):
-        secagg.collect_masked_vectors(states[1], {**collect[1], "session": "other"}, inputs[1])
+    with pytest.raises(SecAggError, match="protocol run"):
+        secagg.collect_masked_vectors(states[1], {**collect[1], "protocol-id": "other"}, inputs[1])
     with pytest.raises(SecAggError, match="stage"):
-        secagg.unmask(states[1], {"session": "s", "active": [1, 2, 3], "dead": []})
+        secagg.unmask(states[1], {"protocol-id": "s", "active": [1, 2, 3], "dead": []})
     forged = {**collect[1], "ctxts": [collect[1]["ctxts"][0][:-4] + b"AAAA", collect[1]["ctxts"][1]]}
     with pytest.raises(SecAggError, match="do not decrypt"):
         secagg.collect_masked_vectors(states[1], forged, inputs[1])
@@ -267,7 +281,12 @@ def test_a_node_rejects_out_of_order_stages_other_sessions_and_forged_shares():
 def test_share_keys_checks_its_own_keys_and_the_threshold():
     states, _inputs_, pks = _run_until(secagg.SHARE_KEYS, threshold=3)
     nids = [1, 2, 3]
-    cfg = {"session": "s", "nids": nids, "pk1s": [pks[n]["pk1"] for n in nids], "pk2s": [pks[n]["pk2"] for n in nids]}
+    cfg = {
+        "protocol-id": "s",
+        "nids": nids,
+        "pk1s": [pks[n]["pk1"] for n in nids],
+        "pk2s": [pks[n]["pk2"] for n in nids],
+    }
     with pytest.raises(SecAggError, match="threshold"):
         secagg.share_keys(states[1], {**cfg, "nids": [1, 2], "pk1s": cfg["pk1s"][:2], "pk2s": cfg["pk2s"][:2]})
     with pytest.raises(SecAggError, match="own public keys|missing or wrong"):

@@ -23,7 +23,7 @@ each one round trip of the server with the surviving nodes:
    removes the pairwise masks ``d``'s survivors applied): what is left is ``sum q_i (mod M)``.
 
 A node never gives both shares of one node (it refuses an unmask request whose active and dropped lists overlap),
-answers one unmask per session, and forgets its secrets once it has answered.
+answers one unmask per protocol run, and forgets its secrets once it has answered.
 
 **Why not Flower's own stage handlers.** Flower 1.42 ships SecAgg+ as ``flwr.client.mod.secaggplus_mod`` and
 ``flwr.server.workflow.SecAggPlusWorkflow``. They do not compose with a Message-API strategy sending custom query
@@ -56,7 +56,9 @@ rounded to the grid ``-c + k * step``, ``k = 0 .. Q - 1`` (``Q = quantization_ra
 generator. The rounding is unbiased and its error is below one ``step`` per element and per contributor, so every
 element of the returned sum is within ``n * step`` of the sum of the clipped inputs (``n`` contributors; standard
 deviation at most ``step * sqrt(n) / 2``), up to float64 rounding. The integer sum must not wrap around:
-``n * (Q - 1) < M`` (``M = modulus_range``), which :func:`secure_sum` checks before it starts.
+``n * (Q - 1) < M`` (``M = modulus_range``), which :func:`secure_sum` checks before it starts. With ``Q - 1`` a
+multiple of ``2c`` (e.g. ``c = 1``, ``Q = 2**22 + 1``: ``step = 2**-21``) every integer in ``[-c, c]`` is a grid
+point and ``step`` a power of two, so integer inputs such as per-item counts are summed exactly.
 
 **Clipping.** Values outside ``[-c, c]`` are clipped, so the sum is then the sum of the clipped values. Choose ``c``
 from a bound on the inputs' scale: a per-item count vector is bounded by the largest count a node can hold (an
@@ -195,8 +197,8 @@ def _expect(state: Mapping[str, Any], config: Mapping[str, Any], stage: str) -> 
     previous = STAGES[STAGES.index(stage) - 1]
     if state.get("stage") != previous:
         raise SecAggError(f"secagg {stage}: the node is at stage {state.get('stage')!r}, expected {previous!r}")
-    if config.get("session") != state.get("session"):
-        raise SecAggError(f"secagg {stage}: session {config.get('session')!r} is not the node's current session")
+    if config.get("protocol-id") != state.get("protocol-id"):
+        raise SecAggError(f"secagg {stage}: protocol run {config.get('protocol-id')!r} is not the node's current one")
 
 
 def _forget_secrets(state: MutableMapping[str, Any]) -> None:
@@ -219,9 +221,9 @@ def _mask_shapes(state: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> 
 def setup(state: MutableMapping[str, Any], config: Mapping[str, Any], arrays: Any = None) -> dict[str, Any]:
     """Stage 1: store the protocol parameters, draw the two key pairs, reply with the public keys.
 
-    ``config``: ``session`` (str), ``node-id`` (this node's id), ``threshold``, ``clipping-range``,
+    ``config``: ``protocol-id`` (str, names this run of the protocol), ``node-id`` (this node's id), ``threshold``, ``clipping-range``,
     ``quantization-range``, ``modulus-range``, ``keys`` (the array keys, in the order the masks are drawn).
-    Any earlier session's state is discarded. Reply: ``{"pk1": bytes, "pk2": bytes}``.
+    The state of any other protocol run is discarded. Reply: ``{"pk1": bytes, "pk2": bytes}``.
     """
     _forget_secrets(state)
     sk1, pk1 = generate_key_pairs()
@@ -229,7 +231,7 @@ def setup(state: MutableMapping[str, Any], config: Mapping[str, Any], arrays: An
     state.update(
         {
             "stage": SETUP,
-            "session": str(config["session"]),
+            "protocol-id": str(config["protocol-id"]),
             "nid": int(config["node-id"]),
             "threshold": int(config["threshold"]),
             "clipping-range": float(config["clipping-range"]),
@@ -248,12 +250,12 @@ def setup(state: MutableMapping[str, Any], config: Mapping[str, Any], arrays: An
 def share_keys(state: MutableMapping[str, Any], config: Mapping[str, Any], arrays: Any = None) -> dict[str, Any]:
     """Stage 2: draw the self-mask seed, Shamir-share it and ``sk1``, encrypt one share pair per neighbour.
 
-    ``config``: ``session``, ``nids`` (the neighbours that answered setup, this node included), ``pk1s``, ``pk2s``
+    ``config``: ``protocol-id``, ``nids`` (the neighbours that answered setup, this node included), ``pk1s``, ``pk2s``
     (their public keys, in the order of ``nids``). Reply: ``{"dsts": [node id], "ctxts": [bytes]}``, one Fernet
     ciphertext of ``(this node, dst, share of b, share of sk1)`` per other neighbour.
 
     Raises:
-        SecAggError: wrong stage or session, fewer than ``threshold`` neighbours, repeated public keys, or this
+        SecAggError: wrong stage or protocol run, fewer than ``threshold`` neighbours, repeated public keys, or this
             node's own public keys shown wrongly.
     """
     _expect(state, config, SHARE_KEYS)
@@ -303,13 +305,13 @@ def collect_masked_vectors(
 ) -> dict[str, np.ndarray]:
     """Stage 3: store the neighbours' shares, reply with the quantized arrays masked (module docstring, stage 3).
 
-    ``config``: ``session``, ``srcs`` (node ids) and ``ctxts`` (the ciphertexts they sent to this node).
+    ``config``: ``protocol-id``, ``srcs`` (node ids) and ``ctxts`` (the ciphertexts they sent to this node).
     ``arrays``: ``{key: float array}`` with the setup's keys. ``rng``: the stochastic rounding's generator (fresh OS
     entropy when ``None``). Reply: ``{key: uint32 array}`` in ``[0, M)`` (``M <= 2**32``), the arrays' keys and shapes plus
     ``"secagg.count"`` and ``"secagg.clipped"`` (shape ``(1,)``), every one masked.
 
     Raises:
-        SecAggError: wrong stage or session, fewer than ``threshold - 1`` share pairs, a ciphertext that does not
+        SecAggError: wrong stage or protocol run, fewer than ``threshold - 1`` share pairs, a ciphertext that does not
             decrypt or names another source or destination, arrays with other keys than the setup's.
         ValueError: a non-finite input element.
     """
@@ -365,12 +367,12 @@ def collect_masked_vectors(
 def unmask(state: MutableMapping[str, Any], config: Mapping[str, Any], arrays: Any = None) -> dict[str, Any]:
     """Stage 4: reply with the share of ``b`` of every active neighbour and of ``sk1`` of every dropped one.
 
-    ``config``: ``session``, ``active`` (neighbours that sent a masked vector, this node included) and ``dead``
+    ``config``: ``protocol-id``, ``active`` (neighbours that sent a masked vector, this node included) and ``dead``
     (neighbours that shared keys but sent none). Reply: ``{"nids": active + dead, "shares": [bytes]}``. The node then
-    forgets its secrets, so a second request in the same session is refused.
+    forgets its secrets, so a second request in the same protocol run is refused.
 
     Raises:
-        SecAggError: wrong stage or session, ``active`` and ``dead`` overlap (that would give away both secrets of a
+        SecAggError: wrong stage or protocol run, ``active`` and ``dead`` overlap (that would give away both secrets of a
             node), a node this node holds no share of, this node listed as dead, or fewer than ``threshold`` active.
     """
     _expect(state, config, UNMASK)
@@ -474,6 +476,8 @@ def secure_sum(
         arrays_spec: ``{key: shape}`` of the arrays every node sums (keys must not start with ``"secagg."``).
         threshold: the Shamir threshold ``t``: every secret needs ``t`` shares, and every stage needs at least ``t``
             live nodes (and, with ``num_shares``, ``t`` live nodes in every live node's neighbourhood); ``t >= 2``.
+            More than half the neighbourhood (Bonawitz et al., Sec. 6) keeps a server that shows nodes inconsistent
+            dropped sets from collecting ``t`` shares of both secrets of one node; less tolerates more drops.
         clipping_range: ``c``: inputs are clipped to ``[-c, c]`` (module docstring, "Clipping").
         quantization_range: ``Q``, the number of grid points of the quantization.
         modulus_range: ``M``, a power of two, at most ``2**32``, with ``len(node_ids) * (Q - 1) < M``.
@@ -515,12 +519,12 @@ def secure_sum(
     if total < threshold:
         raise SecAggError(f"secure_sum: {total} nodes sampled, the threshold is {threshold}")
     graph = neighbourhoods(nodes, k, random.Random(seed))
-    session = uuid.uuid4().hex
+    protocol_id = uuid.uuid4().hex
     keys = sorted(spec)
 
     # 1. setup: the public keys
     common = {
-        "session": session,
+        "protocol-id": protocol_id,
         "threshold": threshold,
         "clipping-range": float(clipping_range),
         "quantization-range": int(quantization_range),
@@ -537,7 +541,7 @@ def secure_sum(
     for nid in sorted(u1):
         peers = sorted(graph[nid] & u1)
         contents[nid] = {
-            "session": session,
+            "protocol-id": protocol_id,
             "nids": peers,
             "pk1s": [public[p][0] for p in peers],
             "pk2s": [public[p][1] for p in peers],
@@ -554,7 +558,7 @@ def secure_sum(
     # 3. collect masked vectors
     contents = {
         nid: {
-            "session": session,
+            "protocol-id": protocol_id,
             "srcs": sorted(forward[nid]),
             "ctxts": [forward[nid][s] for s in sorted(forward[nid])],
         }
@@ -580,7 +584,7 @@ def secure_sum(
     # 4. unmask: the survivors' self-mask seeds and the dropped nodes' sk1
     dropped = u2 - u3
     contents = {
-        nid: {"session": session, "active": sorted(graph[nid] & u3), "dead": sorted(graph[nid] & dropped)}
+        nid: {"protocol-id": protocol_id, "active": sorted(graph[nid] & u3), "dead": sorted(graph[nid] & dropped)}
         for nid in sorted(u3)
     }
     replies = send(UNMASK, contents)
