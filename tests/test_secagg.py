@@ -142,6 +142,21 @@ def test_fewer_survivors_than_the_threshold_raise_one_line(stage):
     assert "\n" not in str(err.value)
 
 
+def test_an_altered_share_fails_loudly():
+    inputs = _inputs(4, {"v": (5,)})
+
+    class Altering(FakeNodes):
+        def __call__(self, stage, contents):
+            replies = super().__call__(stage, contents)
+            if stage == secagg.UNMASK:
+                for reply in replies.values():
+                    reply["shares"] = [share[:4] + bytes(len(share) - 4) for share in reply["shares"]]
+            return replies
+
+    with pytest.raises(SecAggError, match="do not combine|contributor count"):
+        secure_sum(Altering(inputs), list(inputs), {"v": (5,)}, threshold=3, clipping_range=8.0)
+
+
 def test_secagg_plus_sparse_neighbourhoods_with_drops():
     inputs = _inputs(30, {"v": (130,)})
     ids = sorted(inputs)

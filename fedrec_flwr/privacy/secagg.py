@@ -601,7 +601,10 @@ def secure_sum(
             raise SecAggError(
                 f"secure_sum: {len(shares[owner])} shares of node {owner}'s secret came back, the threshold is {threshold}"
             )
-        secret = combine_shares(shares[owner][:threshold])
+        try:
+            secret = combine_shares(shares[owner][:threshold])
+        except ValueError as err:  # Flower's "Failed to combine shares": a share was altered
+            raise SecAggError(f"secure_sum: the shares of node {owner}'s secret do not combine") from err
         if owner in u3:
             mask = pseudo_rand_gen(secret, modulus_range, shapes)
             masked = parameters_subtraction(masked, mask)
