@@ -455,6 +455,86 @@ def _valid_masked(reply: Mapping[str, Any], spec: Mapping[str, tuple[int, ...]],
     return True
 
 
+def _check_parameters(
+    nodes: list[int],
+    spec: Mapping[str, tuple[int, ...]],
+    threshold: int,
+    k: int,
+    clipping_range: float,
+    quantization_range: int,
+    modulus_range: int,
+) -> None:
+    """:func:`secure_sum`'s argument checks (``k``: the neighbourhood size)."""
+    if len(set(nodes)) != len(nodes):
+        raise ValueError("secure_sum: node_ids repeat a node")
+    if any(key.startswith(RESERVED_PREFIX) for key in spec):
+        raise ValueError(f"secure_sum: array keys must not start with {RESERVED_PREFIX!r}")
+    if not 2 <= threshold <= k:
+        raise ValueError(f"secure_sum: threshold {threshold} must be in [2, {k}] (the neighbourhood size)")
+    if k < len(nodes) and k % 2 == 0:
+        raise ValueError(f"secure_sum: num_shares {k} must be odd (the neighbourhood is centred on the node)")
+    if (
+        modulus_range > 2**32
+        or modulus_range & (modulus_range - 1)
+        or len(nodes) * (quantization_range - 1) >= modulus_range
+    ):
+        raise ValueError(
+            f"secure_sum: modulus_range {modulus_range} must be a power of two <= 2**32 and exceed "
+            f"{len(nodes)} * (quantization_range - 1) = {len(nodes) * (quantization_range - 1)}"
+        )
+    if not clipping_range > 0 or quantization_range < 2:
+        raise ValueError("secure_sum: clipping_range must be > 0 and quantization_range >= 2")
+    if len(nodes) < threshold:
+        raise SecAggError(f"secure_sum: {len(nodes)} nodes sampled, the threshold is {threshold}")
+
+
+def _remove_masks(
+    masked: list[np.ndarray],
+    shares: dict[int, list[bytes]],
+    u3: set[int],
+    forward: dict[int, dict[int, bytes]],
+    public: dict[int, tuple[bytes, bytes]],
+    threshold: int,
+    modulus_range: int,
+    shapes: list[tuple[int, ...]],
+) -> list[np.ndarray]:
+    """Stage 4's arithmetic: from the sum of the survivors' (``u3``) masked vectors, subtract every survivor's self
+    mask ``PRG(b_v)`` and remove the pairwise masks the survivors applied with every dropped node ``d`` (the owners
+    of ``shares`` not in ``u3``), from ``b_v`` and ``sk1_d`` rebuilt from ``shares[owner]``. ``forward[v]``: the
+    nodes whose shares ``v`` received (its pairwise-mask partners); ``public[v]``: ``(pk1, pk2)``.
+
+    Raises:
+        SecAggError: fewer than ``threshold`` shares of a secret, shares that do not combine, or a rebuilt ``sk1``
+            that does not match its ``pk1``.
+    """
+    for owner in sorted(shares):
+        if len(shares[owner]) < threshold:
+            raise SecAggError(
+                f"secure_sum: {len(shares[owner])} shares of node {owner}'s secret came back, the threshold is {threshold}"
+            )
+        try:
+            secret = combine_shares(shares[owner][:threshold])
+        except ValueError as err:  # Flower's "Failed to combine shares": a share was altered
+            raise SecAggError(f"secure_sum: the shares of node {owner}'s secret do not combine") from err
+        if owner in u3:
+            mask = pseudo_rand_gen(secret, modulus_range, shapes)
+            masked = parameters_subtraction(masked, mask)
+            continue
+        sk1 = _scalar_to_private_key(secret)
+        if public_key_to_bytes(sk1.public_key()) != public[owner][0]:
+            raise SecAggError(
+                f"secure_sum: the reconstructed key of dropped node {owner} does not match its public key"
+            )
+        for survivor in sorted(nid for nid in u3 if owner in forward[nid]):
+            mask = pseudo_rand_gen(
+                generate_shared_key(sk1, bytes_to_public_key(public[survivor][0])), modulus_range, shapes
+            )
+            # the survivor added the mask if survivor > owner, else subtracted it
+            masked = parameters_subtraction(masked, mask) if survivor > owner else parameters_addition(masked, mask)
+        masked = parameters_mod(masked, modulus_range)
+    return masked
+
+
 def secure_sum(
     send: Send,
     node_ids: Sequence[int],
@@ -497,27 +577,7 @@ def secure_sum(
     total = len(nodes)
     spec = {str(k): tuple(int(d) for d in shape) for k, shape in arrays_spec.items()}
     k = total if num_shares is None else min(int(num_shares), total)
-    if len(set(nodes)) != total:
-        raise ValueError("secure_sum: node_ids repeat a node")
-    if any(key.startswith(RESERVED_PREFIX) for key in spec):
-        raise ValueError(f"secure_sum: array keys must not start with {RESERVED_PREFIX!r}")
-    if not 2 <= threshold <= k:
-        raise ValueError(f"secure_sum: threshold {threshold} must be in [2, {k}] (the neighbourhood size)")
-    if k < total and k % 2 == 0:
-        raise ValueError(f"secure_sum: num_shares {k} must be odd (the neighbourhood is centred on the node)")
-    if (
-        modulus_range > 2**32
-        or modulus_range & (modulus_range - 1)
-        or total * (quantization_range - 1) >= modulus_range
-    ):
-        raise ValueError(
-            f"secure_sum: modulus_range {modulus_range} must be a power of two <= 2**32 and exceed "
-            f"{total} * (quantization_range - 1) = {total * (quantization_range - 1)}"
-        )
-    if not clipping_range > 0 or quantization_range < 2:
-        raise ValueError("secure_sum: clipping_range must be > 0 and quantization_range >= 2")
-    if total < threshold:
-        raise SecAggError(f"secure_sum: {total} nodes sampled, the threshold is {threshold}")
+    _check_parameters(nodes, spec, threshold, k, clipping_range, quantization_range, modulus_range)
     graph = neighbourhoods(nodes, k, random.Random(seed))
     protocol_id = uuid.uuid4().hex
     keys = sorted(spec)
@@ -596,31 +656,7 @@ def secure_sum(
             if int(owner) in shares and int(owner) in graph[nid]:
                 shares[int(owner)].append(share)
     _check_enough(UNMASK, {nid for nid in replies if nid in u3}, graph, total, threshold)
-    for owner in sorted(u2):
-        if len(shares[owner]) < threshold:
-            raise SecAggError(
-                f"secure_sum: {len(shares[owner])} shares of node {owner}'s secret came back, the threshold is {threshold}"
-            )
-        try:
-            secret = combine_shares(shares[owner][:threshold])
-        except ValueError as err:  # Flower's "Failed to combine shares": a share was altered
-            raise SecAggError(f"secure_sum: the shares of node {owner}'s secret do not combine") from err
-        if owner in u3:
-            mask = pseudo_rand_gen(secret, modulus_range, shapes)
-            masked = parameters_subtraction(masked, mask)
-            continue
-        sk1 = _scalar_to_private_key(secret)
-        if public_key_to_bytes(sk1.public_key()) != public[owner][0]:
-            raise SecAggError(
-                f"secure_sum: the reconstructed key of dropped node {owner} does not match its public key"
-            )
-        for survivor in sorted(nid for nid in u3 if owner in forward[nid]):
-            mask = pseudo_rand_gen(
-                generate_shared_key(sk1, bytes_to_public_key(public[survivor][0])), modulus_range, shapes
-            )
-            # the survivor added the mask if survivor > owner, else subtracted it
-            masked = parameters_subtraction(masked, mask) if survivor > owner else parameters_addition(masked, mask)
-        masked = parameters_mod(masked, modulus_range)
+    masked = _remove_masks(masked, shares, u3, forward, public, threshold, modulus_range, shapes)
     total_q = dict(zip(order, parameters_mod(masked, modulus_range)))
     count = int(total_q[COUNT_KEY][0])
     if count != len(u3):
