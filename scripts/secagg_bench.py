@@ -1,6 +1,7 @@
 """Cost of :func:`fedrec_flwr.privacy.secagg.secure_sum`: wall time, bytes per node and the quantization error, with
 in-process nodes running the client handlers (one process: the nodes' work is serial here, so the wall time is the
-sum of every node's work plus the server's; on real nodes the node work runs in parallel).
+sum of every node's work plus the server's; on real nodes the node work runs in parallel). CPU seconds (process time,
+all threads) are reported beside wall seconds, for a shared machine; "node" figures are per node, "server" the rest.
 
 Bytes are the protobuf sizes of the messages' contents as :mod:`fedrec_flwr.privacy.secagg_records` packs them
 (``recorddict_to_proto(...).ByteSize()``; message metadata and transport framing not included), per node and summed
@@ -40,18 +41,20 @@ class Nodes:
         self.down = dict.fromkeys(inputs, 0)
         self.up = dict.fromkeys(inputs, 0)
         self.node_seconds = 0.0
+        self.node_cpu = 0.0
 
     def __call__(self, stage, contents):
         replies = {}
         for nid, config in contents.items():
             self.down[nid] += recorddict_to_proto(to_content(stage, config)).ByteSize()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             if stage == secagg.COLLECT_MASKED_VECTORS:
                 rng = np.random.default_rng([0, nid])
                 reply = secagg.collect_masked_vectors(self.states[nid], config, self.inputs[nid], rng=rng)
             else:
                 reply = secagg.HANDLERS[stage](self.states[nid], config, None)
             self.node_seconds += time.perf_counter() - start
+            self.node_cpu += time.process_time() - cpu
             self.up[nid] += recorddict_to_proto(to_content(stage, reply)).ByteSize()
             replies[nid] = reply
         return replies
@@ -92,6 +95,8 @@ def run(num_nodes, name, *, num_shares, threshold, quantization_range):
         "cpu-s": round(cpu, 2),
         "node-s-per-node": round(nodes.node_seconds / num_nodes, 4),
         "server-s": round(wall - nodes.node_seconds, 2),
+        "node-cpu-s-per-node": round(nodes.node_cpu / num_nodes, 4),
+        "server-cpu-s": round(cpu - nodes.node_cpu, 2),
         "bytes-down-per-node": int(np.mean(list(nodes.down.values()))),
         "bytes-up-per-node": int(np.mean(list(nodes.up.values()))),
         "plain-bytes": int(sum(int(np.prod(s)) for s in spec.values()) * 4),
