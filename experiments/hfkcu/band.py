@@ -67,15 +67,22 @@ GENUINE_USERS = {"ml-100k": 943, "filmtrust": 1508}
 WEAKER = Attack("weaker", fillers=10, fakes=20)
 """Today's smaller attack of :mod:`experiments.hfkcu.poison`: 20 fakes, 10 fillers."""
 
-STRONGER = Attack("stronger", fillers=30, fake_share=0.25)
-"""The stronger attack, declared before any run: a quarter of the genuine users as fakes (ML-100K: 236; FilmTrust:
-377), each rating the target and the 30 most popular items. Why this strong: at 100 fakes (10.6% of ML-100K) with 10
-fillers the poisoned FedMF model's exposure@10 is 0 on every ML-100K setting and the target's mean percentile 0.74
-(0.48 at 20 fakes); a linear extrapolation puts the target at a top-30 item's percentile only past about 250 fakes.
-The fillers are tripled so that the fakes' embeddings, hence the target's, point along the direction genuine users
-share with popular items (a bandwagon attack)."""
+STRONGER_FIRST = Attack("stronger-first", fillers=30, fake_share=0.25)
+"""The stronger attack as first declared, before any run: a quarter of the genuine users as fakes (ML-100K: 236;
+FilmTrust: 377), each rating the target and the 30 most popular items. Why this strong: at 100 fakes (10.6% of
+ML-100K) with 10 fillers the poisoned FedMF model's exposure@10 is 0 on every ML-100K setting and the target's mean
+percentile 0.74 (0.48 at 20 fakes); a linear extrapolation puts the target at a top-30 item's percentile only past
+about 250 fakes. The fillers are tripled so that the fakes' embeddings, hence the target's, point along the direction
+genuine users share with popular items (a bandwagon attack). Measured on ML-100K FedMF seed 0: exposure@10 still 0
+(target percentile 0.871), so it was strengthened once, to :data:`STRONGER`."""
 
-ATTACKS = {attack.name: attack for attack in (WEAKER, STRONGER)}
+STRONGER = Attack("stronger", fillers=50, fake_share=0.5)
+"""The stronger attack of the benchmark, declared after :data:`STRONGER_FIRST` left exposure@10 at 0 on ML-100K
+FedMF seed 0 and before this one ran: half the genuine users as fakes (ML-100K: 472; FilmTrust: 754), each rating
+the target and the 50 most popular items (the target's percentile rose 0.48 -> 0.74 -> 0.87 with 20 -> 100 -> 236
+fakes; doubling the fakes again and widening the bandwagon is the one strengthening allowed)."""
+
+ATTACKS = {attack.name: attack for attack in (WEAKER, STRONGER_FIRST, STRONGER)}
 
 RETRAIN_SEEDS = 5
 """Retraining runs per setting (the fakes never sampled)."""
