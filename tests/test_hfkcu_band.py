@@ -124,7 +124,9 @@ def test_meter_counts_trained_and_queried_users_and_bytes_not_evaluation():
     meter.mod(_message("query.unlearn-hvp", [4, 5], 6), None, reply_with(6))  # 2 users, one pass each
     meter.mod(_message("evaluate", [1, 2, 3, 4], 100), None, reply_with(100))  # measurement: not counted
     assert meter.total.user_epochs == 3 * 2 + 2
-    assert meter.total.bytes_sent == 4 * (10 + 6) and meter.total.bytes_received == 4 * (4 + 6)
+    size = {n: len(Array(np.zeros(n, np.float32)).data) for n in (4, 6, 10)}  # serialized, as sent
+    assert size[10] - size[4] == 4 * 6  # float32 payload plus a fixed header
+    assert meter.total.bytes_sent == size[10] + size[6] and meter.total.bytes_received == size[4] + size[6]
 
     grid = types.SimpleNamespace(push_messages=lambda messages: [meter.mod(m, None, reply_with(1)) for m in messages])
     meter.watch(grid)
@@ -142,7 +144,12 @@ def _poisoned_and_retrains():
     for s, seed in enumerate(B.retrain_seeds(0)):
         curve = {}
         for rounds, metrics in ((10, _runs(-0.2)[s]), (25, final[s]), (50, final[s]), (100, final[s])):
-            cost = {"user-epochs": 100.0 * rounds, "bytes-sent": 10 * rounds, "bytes-received": rounds, "rounds": rounds}
+            cost = {
+                "user-epochs": 100.0 * rounds,
+                "bytes-sent": 10 * rounds,
+                "bytes-received": rounds,
+                "rounds": rounds,
+            }
             curve[str(rounds)] = {"metrics": metrics, "cost": {**cost, "seconds": 0.5 * rounds}}
         retrains.append({"setting": setting, "retrain-seed": seed, "curve": curve})
     cost = {"user-epochs": 500.0, "bytes-sent": 7, "bytes-received": 3, "rounds": 3, "seconds": 1.0}
