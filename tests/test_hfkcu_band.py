@@ -102,11 +102,11 @@ def test_retrain_seeds_start_with_the_poisoned_seed():
     assert len(set(B.retrain_seeds(0))) == B.RETRAIN_SEEDS >= 5
 
 
-def _message(kind: str, users: list[int], floats: int):
+def _message(kind: str, users: list[int], floats: int, config: dict | None = None):
     content = RecordDict(
         {
             "arrays": ArrayRecord({"w": Array(np.zeros(floats, np.float32))}),
-            "config": ConfigRecord({"users": users, "server-round": 1}),
+            "config": ConfigRecord({"users": users, "server-round": 1} if config is None else config),
         }
     )
     return types.SimpleNamespace(
@@ -135,6 +135,21 @@ def test_meter_counts_trained_and_queried_users_and_bytes_not_evaluation():
     assert meter.total.rounds == 1
     meter.exclude(1e6)
     assert meter.now().seconds < 0  # excluded measurement time comes off the wall time
+
+
+def test_meter_counts_node_level_queries_by_the_affected_reply():
+    meter = B.Meter(local_epochs=1)
+    node = types.SimpleNamespace(node_id=7)
+    counts = {"affected-users": 30, "remaining-users": 90}
+    affected = _message("query.unlearn_affected", [], 1, {"exclude": [1]})
+    meter.mod(affected, node, lambda m, c: _message("reply", [], 1, counts))
+    assert meter.total.user_epochs == 0  # an index look-up
+    meter.mod(_message("query.unlearn_hvp", [], 1, {"exclude": [1], "causal": True}), node, lambda m, c: m)
+    meter.mod(_message("query.unlearn_loss", [], 1, {"exclude": [1], "causal": False}), node, lambda m, c: m)
+    assert meter.total.user_epochs == 30 + 90
+    other = types.SimpleNamespace(node_id=8)  # no affected reply from this node yet
+    meter.mod(_message("query.unlearn_hvp", [], 1, {"exclude": [1], "causal": True}), other, lambda m, c: m)
+    assert meter.total.user_epochs == 120
 
 
 def _poisoned_and_retrains():

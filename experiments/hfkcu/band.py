@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -165,14 +166,25 @@ def bands(runs: Sequence[Mapping[str, float]], keys: Sequence[str] = MEASURED) -
     return {k: band([run[k] for run in runs]) for k in keys}
 
 
-def inside_band(metrics: Mapping[str, float], target: Mapping[str, Band], keys: Sequence[str] = BAND_METRICS) -> bool:
-    """Whether every one of ``keys`` of ``metrics`` lies inside its band (``mean +- 2 std``): exposure@10 (the harm),
-    HR@10 and NDCG@10 (the utility; HR@10 alone hides a worse ranking inside the top 10)."""
-    return all(target[k].contains(metrics[k]) for k in keys)
+def inside_band(
+    metrics: Mapping[str, float],
+    target: Mapping[str, Band],
+    keys: Sequence[str] = BAND_METRICS,
+    upper_only: Sequence[str] = (),
+) -> bool:
+    """Whether every one of ``keys`` of ``metrics`` lies inside its band (``mean +- 2 std``): by default exposure@10
+    (the harm), HR@10 and NDCG@10 (the utility; HR@10 alone hides a worse ranking inside the top 10). A key of
+    ``upper_only`` (a distance to the reference, such as KL) only has to stay at or below the band's top."""
+    return all(
+        metrics[k] <= target[k].high + 1e-12 if k in upper_only else target[k].contains(metrics[k]) for k in keys
+    )
 
 
 def cheapest_budget(
-    curves: Sequence[Mapping[int, Mapping[str, float]]], target: Mapping[str, Band], keys: Sequence[str] = BAND_METRICS
+    curves: Sequence[Mapping[int, Mapping[str, float]]],
+    target: Mapping[str, Band],
+    keys: Sequence[str] = BAND_METRICS,
+    upper_only: Sequence[str] = (),
 ) -> int:
     """The fewest rounds ``R`` (of those every curve has) at which every retraining seed's metrics lie inside the
     band: ``curves[s][R]`` is seed ``s``'s metrics after ``R`` rounds. The reference budget (the band's own runs) always
@@ -185,7 +197,7 @@ def cheapest_budget(
         raise ValueError("cheapest_budget: no retraining curves")
     budgets = sorted(set.intersection(*(set(int(r) for r in c) for c in curves)))
     for rounds in budgets:
-        if all(inside_band(c[rounds], target, keys) for c in curves):
+        if all(inside_band(c[rounds], target, keys, upper_only) for c in curves):
             return rounds
     raise ValueError(f"cheapest_budget: no budget of {budgets} lands every seed inside the band")
 
@@ -237,26 +249,49 @@ class Meter:
         self._started = time.perf_counter()
         self._excluded = 0.0
         self._counted_push = False
+        self._node_users: dict[int, tuple[int, int]] = {}
 
     @staticmethod
     def _bytes(content) -> int:
         return sum(len(array.data) for record in content.array_records.values() for array in record.values())
 
     def mod(self, message, context, call_next):
-        from fedrec_flwr.wire import CONFIG
-
         reply = call_next(message, context)
         kind = message.metadata.message_type
         if kind.startswith("evaluate"):
             return reply
-        config = message.content.config_records.get(CONFIG)
-        users = len(config["users"]) if config is not None and "users" in config else 0
-        self.total.user_epochs += users * (self.local_epochs if kind.startswith("train") else 1)
+        self.total.user_epochs += self._users(message, reply, int(getattr(context, "node_id", 0)))
         self.total.bytes_sent += self._bytes(message.content)
         if not reply.has_error():
             self.total.bytes_received += self._bytes(reply.content)
         self._counted_push = True
         return reply
+
+    def _users(self, message, reply, node: int) -> float:
+        """User-epochs of one message: a train message's ``users`` times the local epochs; a query naming
+        ``users`` one pass each; a query naming the users to ``exclude`` one pass per remaining user of the node (per
+        affected user with ``causal``), as its ``unlearn_affected`` reply counted them; the bookkeeping queries
+        (``unlearn_affected``, ``unlearn_counts``: index look-ups) none. A local-CG query's inner products are not
+        visible here: it counts one pass per user (a lower bound)."""
+        from fedrec_flwr.wire import CONFIG, UNLEARN_AFFECTED, UNLEARN_COUNTS
+
+        kind = message.metadata.message_type
+        config = message.content.config_records.get(CONFIG)
+        if config is None:
+            return 0.0
+        if kind.endswith(UNLEARN_AFFECTED):
+            got = reply.content.config_records.get(CONFIG) if not reply.has_error() else None
+            if got is not None:
+                self._node_users[node] = (int(got.get("remaining-users", 0)), int(got.get("affected-users", 0)))
+            return 0.0
+        if kind.endswith(UNLEARN_COUNTS):
+            return 0.0
+        if "users" in config:
+            return float(len(config["users"]) * (self.local_epochs if kind.startswith("train") else 1))
+        if "exclude" in config:
+            remaining, affected = self._node_users.get(node, (0, 0))
+            return float(affected if config.get("causal", False) else remaining)
+        return 0.0
 
     def watch(self, grid) -> None:
         """Count a communication round for every ``push_messages`` call on ``grid`` that delivered a counted message."""
@@ -345,6 +380,7 @@ def _train(config, meter: Meter, hooks: Mapping[int, object]) -> None:
     from fedrec_flwr.serial import run_serial
 
     mapping = config.to_dict()
+    shutil.rmtree(Path(config.results_dir) / config.run_name, ignore_errors=True)  # an interrupted run is redone
 
     def on_round(view) -> None:
         if view.server_round == 1:
@@ -470,20 +506,30 @@ RECIPE_COLUMNS = (
 """The recipe's columns, in order (a row may carry more, after these)."""
 
 
-def recipe_rows(poisoned: Mapping, retrains: Sequence[Mapping]) -> tuple[list[dict], dict]:
-    """One setting's recipe rows and its band summary, from :func:`run_poisoned`'s and the :func:`run_retrain` results.
+def recipe_rows(
+    poisoned: Mapping,
+    retrains: Sequence[Mapping],
+    *,
+    keys: Sequence[str] = BAND_METRICS,
+    measured: Sequence[str] = MEASURED,
+    upper_only: Sequence[str] = (),
+    target: Mapping[str, Band] | None = None,
+    original: str = "poisoned (no unlearning)",
+) -> tuple[list[dict], dict]:
+    """One setting's recipe rows and its band summary, from :func:`run_poisoned`'s and the :func:`run_retrain` results
+    (or the forget-set runs', with their ``keys`` / ``measured`` / ``upper_only``).
 
-    Rows: ``poisoned`` (the attacked model, no unlearning), every method the poisoned run measured, and every
-    retraining budget of :data:`CURVE_ROUNDS` (the poisoned run's own seed when it is among the retraining seeds,
-    else the first). The band is the retraining seeds' 100-round metrics; ``cost-ratio`` divides by the user-epochs
-    (mean over seeds) of :func:`cheapest_budget`. The summary holds each metric's band and its width against the
-    min-max range."""
+    Rows: ``original`` (the trained model, no unlearning), every method the run measured, and every retraining budget
+    of :data:`CURVE_ROUNDS` (the run's own seed when it is among the retraining seeds, else the first). The band
+    (``target``, default: :func:`bands` of the retraining seeds' 100-round ``measured`` metrics) judges each row on
+    ``keys``; ``cost-ratio`` divides by the user-epochs (mean over seeds) of :func:`cheapest_budget`. The summary holds
+    each metric's band and its width against the min-max range."""
     setting = poisoned["setting"]
     curves = [{int(r): point["metrics"] for r, point in run["curve"].items()} for run in retrains]
     costs = [{int(r): point["cost"] for r, point in run["curve"].items()} for run in retrains]
     final = max(CURVE_ROUNDS)
-    target = bands([c[final] for c in curves])
-    budget = cheapest_budget(curves, target)
+    target = bands([c[final] for c in curves], measured) if target is None else target
+    budget = cheapest_budget(curves, target, keys, upper_only)
     budget_user_epochs = float(np.mean([c[budget]["user-epochs"] for c in costs]))
     base = {k: setting[k] for k in ("dataset", "model", "attack", "seed")}
 
@@ -493,9 +539,9 @@ def recipe_rows(poisoned: Mapping, retrains: Sequence[Mapping]) -> tuple[list[di
             **base,
             "method": method,
             "default": method == DEFAULT_METHOD,
-            "inside-band": inside_band(metrics, target),
+            "inside-band": inside_band(metrics, target, keys, upper_only),
             "cost-ratio": ratio,
-            **{k: metrics[k] for k in MEASURED},
+            **{k: metrics[k] for k in measured},
             **(
                 {k: cost[k] for k in ("user-epochs", "bytes-sent", "bytes-received", "rounds", "seconds")}
                 if cost
@@ -504,7 +550,7 @@ def recipe_rows(poisoned: Mapping, retrains: Sequence[Mapping]) -> tuple[list[di
             "cheapest-budget": budget,
         }
 
-    rows = [row("poisoned (no unlearning)", poisoned["original"], None)]
+    rows = [row(original, poisoned["original"], None)]
     rows += [row(name, got["metrics"], got["cost"]) for name, got in poisoned["methods"].items()]
     own = next((i for i, run in enumerate(retrains) if run["retrain-seed"] == setting["seed"]), 0)
     for rounds in sorted(curves[own]):
@@ -567,7 +613,7 @@ def write_recipe(rows: Sequence[Mapping], summaries: Sequence[Mapping], folder: 
         "client user-epochs over those of the cheapest retraining budget whose every seed lands in that band "
         "(`cheapest-budget`, rounds). Retraining rows: the poisoned run's own seed.",
         "",
-        *[f"- {line}" for line in count_lines(frame[frame["method"] != "poisoned (no unlearning)"])],
+        *[f"- {line}" for line in count_lines(frame[~frame["method"].str.endswith("(no unlearning)")])],
         "",
         "| " + " | ".join(shown) + " |",
         "|" + "---|" * len(shown),
@@ -590,8 +636,9 @@ def write_recipe(rows: Sequence[Mapping], summaries: Sequence[Mapping], folder: 
     return frame
 
 
-def report(out: Path, folder: Path) -> pd.DataFrame | None:
-    """The recipe of every setting under ``out`` with a ``poisoned.json`` and at least two retraining runs."""
+def report(out: Path, folder: Path, cache: Path | None = None) -> pd.DataFrame | None:
+    """The recipe of every setting under ``out`` with a ``poisoned.json`` (or a forget set's ``trained.json``, whose
+    KL needs the candidate scores in ``cache``) and at least two retraining runs."""
     import json
 
     rows, summaries = [], []
@@ -602,4 +649,217 @@ def report(out: Path, folder: Path) -> pd.DataFrame | None:
         got, summary = recipe_rows(json.loads(done.read_text()), retrains)
         rows += got
         summaries.append(summary)
+    for done in sorted(out.rglob("trained.json")) if cache is not None else ():
+        retrains = [json.loads(p.read_text()) for p in sorted(done.parent.glob("retrain-seed-*.json"))]
+        if len(retrains) < 3:
+            continue
+        got, summary = forget_rows(json.loads(done.read_text()), retrains, cache)
+        rows += got
+        summaries.append(summary)
     return write_recipe(rows, summaries, folder) if rows else None
+
+
+# ---------------------------------------------------------------------------------------------- random forget sets
+
+FORGET_MEASURED = ("mia-auc", "kl", "HR@10", "NDCG@10")
+"""A forget set's metrics: membership AUC on the forgotten users, KL to the reference retrained model's candidate
+distribution, HR@10 / NDCG@10 of the remaining users."""
+
+FORGET_UPPER_ONLY = ("kl",)
+"""KL is a distance to the reference: a model need only stay at or below the band's top."""
+
+
+def forget_setting(dataset: str, model: str, forget: str, seed: int) -> Setting:
+    """A random forget set (``"1%"`` / ``"5%"`` of :data:`experiments.hfkcu.methods.FORGET_SETS`, drawn with the
+    training ``seed`` as :mod:`experiments.hfkcu.run`'s ``forget`` part draws it) as a setting whose attack reads
+    ``forget-1%``."""
+    return Setting(dataset, model, f"forget-{forget}", int(seed))
+
+
+def _forget(setting: Setting, data_dir: str, cache: Path, seed: int, name: str, **extra):
+    """``(config, reference runtime, forgotten users, remaining users)`` of a run of a forget setting with training
+    ``seed`` (the reference runtime and the forget set are the trained run's, ``setting.seed``)."""
+    from experiments.hfkcu.run import base_config, forget_sets
+    from fedrec_flwr.app.runtime import get_runtime
+
+    folder = cache / "band" / setting.folder
+    reference = get_runtime(
+        base_config(setting.dataset, setting.model, data_dir, folder, "reference", seed=setting.seed).to_dict()
+    )
+    forgotten = forget_sets(reference.split.num_users, setting.seed)[setting.attack.removeprefix("forget-")]
+    remaining = np.setdiff1d(np.arange(reference.split.num_users), forgotten)
+    config = base_config(setting.dataset, setting.model, data_dir, folder, name, seed=seed, **extra)
+    return config, reference, forgotten, remaining
+
+
+def measure_forget(runtime, records, forgotten_records, arrays, forgotten, remaining, seed: int):
+    """``(metrics, candidate scores)`` of one model on a forget set: membership AUC of the ``forgotten`` users with
+    their trained embeddings ``forgotten_records`` (:func:`experiments.hfkcu.analysis.membership`, as the ``forget``
+    report scores it), HR@10 / NDCG@10 of the ``remaining`` users with ``records``, and their ``(len(remaining),
+    100)`` test-candidate logits (for the KL, computed by the report against the reference retrained model)."""
+    from experiments.hfkcu.analysis import candidate_scores, membership
+    from fedrec_flwr.metrics import mean_metrics, ranking_metrics_batch
+
+    shared = {k: v.numpy() if hasattr(v, "numpy") else np.asarray(v) for k, v in arrays.items()}
+    scores = candidate_scores(runtime, records, shared, remaining)
+    ranked = mean_metrics(ranking_metrics_batch(scores, 0, ks=(10,)))
+    try:
+        auc = membership(runtime, forgotten_records, shared, forgotten, seed)["auc"]
+    except ValueError:  # a diverged model: no attack to score
+        auc = float("nan")
+    return {"mia-auc": auc, "HR@10": ranked["HR@10"], "NDCG@10": ranked["NDCG@10"]}, scores.astype(np.float32)
+
+
+def _scores_path(cache: Path, setting: Setting, name: str) -> Path:
+    return cache / "band-scores" / setting.folder / f"{name}.npy"
+
+
+def run_forget_trained(
+    setting: Setting, *, data_dir: str, cache: Path, out: Path, methods: Mapping[str, dict] | None = None
+) -> dict:
+    """Train a forget setting's federation and apply every method (as :func:`run_poisoned`); write
+    ``trained.json`` (metrics and costs), the forgotten users' trained records and every model's candidate scores
+    (cache)."""
+    from experiments.hfkcu.analysis import private_records
+    from experiments.hfkcu.run import _settings
+    from fedrec_flwr.io import atomic_save_npz
+    from fedrec_flwr.strategies.unlearning import ClientUnlearning
+
+    done = out / setting.folder / "trained.json"
+    if done.is_file():
+        print(f"skip (done): {done}", flush=True)
+        return {}
+    methods = METHODS if methods is None else methods
+    config, reference, forgotten, remaining = _forget(setting, data_dir, cache, setting.seed, "trained")
+    meter = Meter(config.local_epochs)
+    result: dict = {"setting": asdict(setting), "forgotten": int(forgotten.size), "methods": {}}
+
+    def at_end(view) -> None:
+        result["train-cost"] = meter.now().as_columns()
+        grid = view.grid
+        records = private_records(grid, range(reference.split.num_users))
+        mine = {int(u): records[int(u)] for u in forgotten if int(u) in records}
+        atomic_save_npz(
+            cache / "band-scores" / setting.folder / "forgotten-records.npz",
+            **{f"{u}/{k}": v.numpy() for u, rec in mine.items() for k, v in rec.items()},
+        )
+        metrics, scores = measure_forget(reference, records, mine, view.arrays, forgotten, remaining, setting.seed)
+        np.save(_scores_path(cache, setting, "original"), scores)
+        result["original"] = metrics
+        for name, changes in methods.items():
+            settings = _settings(view.config, forgotten, changes, reference.split.num_users)
+            saved = (
+                {n: copy.deepcopy(c.state) for n, c in grid.contexts.items()} if settings.method == "continue" else None
+            )
+            before = meter.now()
+            new, _ = ClientUnlearning(view.strategy, settings, timeout=view.config.round_timeout).run(
+                grid, view.arrays, view.server_round
+            )
+            cost = meter.now().minus(before)
+            started = time.perf_counter()
+            trained = private_records(grid, range(reference.split.num_users)) if saved is not None else records
+            metrics, scores = measure_forget(reference, trained, mine, new, forgotten, remaining, setting.seed)
+            np.save(_scores_path(cache, setting, slug_name(name)), scores)
+            meter.exclude(time.perf_counter() - started)
+            result["methods"][name] = {"changes": changes, "metrics": metrics, "cost": cost.as_columns()}
+            print(f"  {name}: {metrics} {cost.as_columns()}", flush=True)
+            if saved is not None:
+                for node, context in grid.contexts.items():
+                    context.state = saved[node]
+
+    started = time.perf_counter()
+    _scores_path(cache, setting, "x").parent.mkdir(parents=True, exist_ok=True)
+    _train(config, meter, {ROUNDS: at_end})
+    result["wall-seconds"] = time.perf_counter() - started
+    atomic_write_json(done, result)
+    return result
+
+
+def run_forget_retrain(setting: Setting, retrain_seed: int, *, data_dir: str, cache: Path, out: Path) -> dict:
+    """Retrain a forget setting without its forgotten users with training seed ``retrain_seed`` (after
+    :func:`run_forget_trained`: membership inference uses the forgotten users' trained embeddings), measured at
+    :data:`CURVE_ROUNDS`; write ``retrain-seed-<s>.json`` and the candidate scores (cache)."""
+    from flwr.app import Array, ArrayRecord
+
+    from experiments.hfkcu.analysis import private_records
+
+    done = out / setting.folder / f"retrain-seed-{retrain_seed}.json"
+    if done.is_file():
+        print(f"skip (done): {done}", flush=True)
+        return {}
+    config, reference, forgotten, remaining = _forget(
+        setting,
+        data_dir,
+        cache,
+        retrain_seed,
+        f"retrain-seed-{retrain_seed}",
+    )
+    config = config.replace(
+        unlearning="retrain", forget_users=",".join(str(int(u)) for u in forgotten), fraction_evaluate=0.0
+    )
+    grouped: dict[int, dict] = {}
+    with np.load(cache / "band-scores" / setting.folder / "forgotten-records.npz") as data:
+        for key in data.files:
+            user, name = key.split("/", 1)
+            grouped.setdefault(int(user), {})[name] = Array(data[key])
+    mine = {u: ArrayRecord(v) for u, v in grouped.items()}
+    meter = Meter(config.local_epochs)
+    result: dict = {"setting": asdict(setting), "retrain-seed": int(retrain_seed), "curve": {}}
+
+    def at(view) -> None:
+        cost = meter.now().as_columns()
+        started = time.perf_counter()
+        records = private_records(view.grid, remaining)
+        metrics, scores = measure_forget(reference, records, mine, view.arrays, forgotten, remaining, setting.seed)
+        np.save(_scores_path(cache, setting, f"retrain-seed-{retrain_seed}-round-{view.server_round}"), scores)
+        meter.exclude(time.perf_counter() - started)
+        result["curve"][str(view.server_round)] = {"metrics": metrics, "cost": cost}
+        print(f"  retrain seed {retrain_seed} round {view.server_round}: {metrics} {cost}", flush=True)
+
+    started = time.perf_counter()
+    _train(config, meter, {r: at for r in CURVE_ROUNDS})
+    result["wall-seconds"] = time.perf_counter() - started
+    atomic_write_json(done, result)
+    return result
+
+
+def slug_name(name: str) -> str:
+    from experiments.common import slug
+
+    return slug(name)
+
+
+def forget_rows(trained: Mapping, retrains: Sequence[Mapping], cache: Path) -> tuple[list[dict], dict]:
+    """A forget setting's recipe rows: every model's KL to the reference retrained model (the trained run's own seed,
+    100 rounds; :func:`experiments.hfkcu.analysis.mean_kl`) is added to its metrics; KL's band is over the *other*
+    retraining seeds (the reference's own KL is 0 by definition), the others' over every seed."""
+    from experiments.hfkcu.analysis import mean_kl
+
+    setting = Setting(**trained["setting"])
+    final = max(CURVE_ROUNDS)
+    own = next((r for r in retrains if r["retrain-seed"] == setting.seed), retrains[0])
+    reference = np.load(_scores_path(cache, setting, f"retrain-seed-{own['retrain-seed']}-round-{final}"))
+
+    def kl(name: str) -> float:
+        return mean_kl(np.load(_scores_path(cache, setting, name)).astype(np.float64), reference.astype(np.float64))
+
+    trained = copy.deepcopy(dict(trained))
+    trained["original"] = {**trained["original"], "kl": kl("original")}
+    for name, got in trained["methods"].items():
+        got["metrics"] = {**got["metrics"], "kl": kl(slug_name(name))}
+    retrains = copy.deepcopy(list(retrains))
+    for run in retrains:
+        for rounds, point in run["curve"].items():
+            point["metrics"] = {**point["metrics"], "kl": kl(f"retrain-seed-{run['retrain-seed']}-round-{rounds}")}
+    others = [r["curve"][str(final)]["metrics"] for r in retrains if r["retrain-seed"] != own["retrain-seed"]]
+    target = bands([r["curve"][str(final)]["metrics"] for r in retrains], ("mia-auc", "HR@10", "NDCG@10"))
+    target["kl"] = band([m["kl"] for m in others])
+    return recipe_rows(
+        trained,
+        retrains,
+        keys=FORGET_MEASURED,
+        measured=FORGET_MEASURED,
+        upper_only=FORGET_UPPER_ONLY,
+        target=target,
+        original="trained (no unlearning)",
+    )
