@@ -210,3 +210,46 @@ def test_count_lines_put_the_default_first():
         f"{B.DEFAULT_METHOD}: inside band in 1 of 2 settings",
         "a: inside band in 2 of 2 settings",
     ]
+
+
+def test_forget_rows_add_kl_to_the_reference_and_judge_it_one_sided(tmp_path):
+    setting = B.forget_setting("ml-100k", "FedMF", "1%", 0)
+    seeds = B.retrain_seeds(0)
+    rng = np.random.default_rng(1)
+    reference = rng.normal(size=(6, 100))
+
+    def save(name, logits):
+        path = B._scores_path(tmp_path, setting, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, logits.astype(np.float32))
+
+    retrains = []
+    for k, seed in enumerate(seeds):
+        curve = {}
+        for rounds in B.CURVE_ROUNDS:
+            noise = 0.0 if (k == 0 and rounds == 100) else 0.05 * (k + 1) + (100 - rounds) / 100
+            save(f"retrain-seed-{seed}-round-{rounds}", reference + noise * rng.normal(size=reference.shape))
+            metrics = {"mia-auc": 0.50 + 0.01 * k, "HR@10": 0.40 + 0.01 * k, "NDCG@10": 0.20 + 0.01 * k}
+            cost = {"user-epochs": 10.0 * rounds, "bytes-sent": 1, "bytes-received": 1, "rounds": rounds, "seconds": 1}
+            curve[str(rounds)] = {"metrics": metrics, "cost": cost}
+        retrains.append({"setting": asdict_setting(setting), "retrain-seed": seed, "curve": curve})
+    save("original", reference + 2.0 * rng.normal(size=reference.shape))
+    save(B.slug_name("HF-KCU (default)"), reference.copy())  # KL 0: below the band, which passes
+    metrics = {"mia-auc": 0.52, "HR@10": 0.42, "NDCG@10": 0.22}
+    trained = {
+        "setting": asdict_setting(setting),
+        "original": metrics,
+        "methods": {"HF-KCU (default)": {"metrics": metrics, "cost": {**cost, "user-epochs": 100.0}}},
+    }
+    rows, summary = B.forget_rows(trained, retrains, tmp_path)
+    by = {row["method"]: row for row in rows}
+    assert by["HF-KCU (default)"]["kl"] == pytest.approx(0.0, abs=1e-6) and by["HF-KCU (default)"]["inside-band"]
+    assert by["trained (no unlearning)"]["kl"] > summary["bands"]["kl"]["high"]
+    assert not by["trained (no unlearning)"]["inside-band"]  # same metrics as HF-KCU but a KL above the band
+    assert by["retrain 100 rounds"]["kl"] == 0.0 and summary["bands"]["kl"]["n"] == len(seeds) - 1
+    assert summary["cheapest-budget"] == 100  # the earlier rounds are far in KL
+    assert by["HF-KCU (default)"]["cost-ratio"] == pytest.approx(100.0 / 1000.0)
+
+
+def asdict_setting(setting):
+    return {"dataset": setting.dataset, "model": setting.model, "attack": setting.attack, "seed": setting.seed}

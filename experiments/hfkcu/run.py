@@ -310,7 +310,7 @@ def _band(args) -> None:
     from experiments.hfkcu import band
 
     if args.part == "band-report":
-        band.report(BAND / "runs", BAND)
+        band.report(BAND / "runs", BAND, CACHE)
         return
     if args.methods == "all":
         methods = band.METHODS
@@ -333,10 +333,11 @@ def _band(args) -> None:
 
     def one(job) -> None:
         setting, seed = job
+        forget = setting.attack.startswith("forget-")  # a random forget set ("forget-1%"), not an attack
         if seed is None:
-            band.run_poisoned(setting, methods=methods, **common)
+            (band.run_forget_trained if forget else band.run_poisoned)(setting, methods=methods, **common)
         else:
-            band.run_retrain(setting, seed, **common)
+            (band.run_forget_retrain if forget else band.run_retrain)(setting, seed, **common)
 
     run_jobs(jobs, one, args.shard, "band")
 
@@ -382,7 +383,11 @@ def main(argv=None) -> None:
     parser.add_argument("--changes", default="{}", help="poison-probe: JSON of UnlearningSettings fields")
     parser.add_argument("--rounds", type=int, default=10, help="poison-retime: retraining rounds timed (scaled to 100)")
     parser.add_argument("--name", default="replay", help="poison-replay / poison-dev-sweep: the output's name")
-    parser.add_argument("--attacks", default="weaker", help="band: attacks of experiments.hfkcu.band.ATTACKS")
+    parser.add_argument(
+        "--attacks",
+        default="weaker",
+        help="band: attacks of experiments.hfkcu.band.ATTACKS, or forget-1%%,forget-5%% (random forget sets)",
+    )
     parser.add_argument("--part-of-band", dest="band_part", default="all", choices=["all", "poisoned", "retrain"])
     parser.add_argument(
         "--methods", default="all", help="band: comma-separated names of band.METHODS, 'all' or 'none' (poisoned run)"
