@@ -136,12 +136,14 @@ preconditioned solve is tried on a model with dense (MLP) parameters before any 
 a reported setting (``poison-dev --name extra``)."""
 
 
-def poisoned_data(dataset: str, data_dir: str, fakes: int, target_seed: int, cache: Path) -> tuple[Path, str]:
+def poisoned_data(
+    dataset: str, data_dir: str, fakes: int, target_seed: int, cache: Path, fillers: int = FILLER_ITEMS
+) -> tuple[Path, str]:
     """Write ``dataset`` plus ``fakes`` fake users as a generic CSV (user,item,rating,timestamp) in ``cache`` (never
     committed); return the file and the target item's raw id.
 
     The target is drawn (seed ``target_seed``) among items with 5-10 ratings. Each fake user rates the target first
-    and the ``FILLER_ITEMS`` most popular items later, so leave-one-out holds out a filler and the target stays in
+    and the ``fillers`` most popular items later (default :data:`FILLER_ITEMS`), so leave-one-out holds out a filler and the target stays in
     training. FilmTrust has no timestamps: its rows get their file order as time (ours; the poisoned copies of both
     datasets are generic files, so FilmTrust's split differs from the package's FilmTrust split).
     """
@@ -161,15 +163,16 @@ def poisoned_data(dataset: str, data_dir: str, fakes: int, target_seed: int, cac
     rng = np.random.default_rng([target_seed, 0x504F])
     unpopular = np.sort(popularity[(popularity >= 5) & (popularity <= 10)].index.to_numpy())
     target = unpopular[int(rng.integers(unpopular.size))]
-    fillers = [i for i in popularity.index[: FILLER_ITEMS + 1] if i != target][:FILLER_ITEMS]
+    filler_items = [i for i in popularity.index[: fillers + 1] if i != target][:fillers]
     start = int(frame["timestamp"].max()) + 1
     rows = []
     for k in range(fakes):
         user = FAKE_USER_BASE + k
         rows.append((user, target, 5, start))
-        rows += [(user, item, 5, start + 1 + j) for j, item in enumerate(fillers)]
+        rows += [(user, item, 5, start + 1 + j) for j, item in enumerate(filler_items)]
     poisoned = pd.concat([frame, pd.DataFrame(rows, columns=frame.columns)], ignore_index=True)
-    path = cache / f"{dataset}-poisoned-{fakes}-target{target_seed}.csv"
+    tail = "" if fillers == FILLER_ITEMS else f"-fillers{fillers}"
+    path = cache / f"{dataset}-poisoned-{fakes}-target{target_seed}{tail}.csv"
     cache.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, poisoned.to_csv(index=False))
     return path, str(target)

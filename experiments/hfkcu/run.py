@@ -5,6 +5,8 @@
     python -m experiments.hfkcu.run poison     # poisoning removal (experiments/hfkcu/poison.py; issue 18)
     python -m experiments.hfkcu.run poison-dev # the development setting the HF-KCU defaults were chosen on
     python -m experiments.hfkcu.run poison-dev-precond --name 1   # krylov-preconditioner on the development settings
+    python -m experiments.hfkcu.run band       # the calibrated benchmark (experiments/hfkcu/band.py)
+    python -m experiments.hfkcu.run band-report   # its recipe.csv / recipe.md
     python -m experiments.hfkcu.run report     # tables and plots from the finished runs
 
 Every run goes through the package's ServerApp, strategy and ClientApp (:func:`fedrec_flwr.serial.run_serial`):
@@ -298,6 +300,48 @@ def run_forget(job) -> None:
     train_then(config, folder / name, "retrain.json", retrain_end(runtime, folder / name, kind, users))
 
 
+BAND = RESULTS / "band"
+"""The calibrated benchmark's measurements (small JSON per run) and its recipe."""
+
+
+def _band(args) -> None:
+    """The ``band`` part: every setting's poisoned run, then its retraining seeds (one job each, claimable by
+    several processes); ``band-report``: the recipe of the finished settings."""
+    from experiments.hfkcu import band
+
+    if args.part == "band-report":
+        band.report(BAND / "runs", BAND, CACHE)
+        return
+    if args.methods == "all":
+        methods = band.METHODS
+    else:
+        methods = {k: band.METHODS[k] for k in args.methods.split(",") if k and k != "none"}
+    settings = [
+        band.Setting(d, m, a, int(s))
+        for d in args.datasets.split(",")
+        for m in args.models.split(",")
+        for a in args.attacks.split(",")
+        for s in args.seeds.split(",")
+    ]
+    common = {"data_dir": args.data_dir, "cache": CACHE, "out": BAND / "runs"}
+    jobs = []
+    for setting in settings:
+        if args.band_part in ("all", "poisoned"):
+            jobs.append((setting, None))
+        if args.band_part in ("all", "retrain"):
+            jobs += [(setting, r) for r in band.retrain_seeds(setting.seed, args.retrain_seeds or band.RETRAIN_SEEDS)]
+
+    def one(job) -> None:
+        setting, seed = job
+        forget = setting.attack.startswith("forget-")  # a random forget set ("forget-1%"), not an attack
+        if seed is None:
+            (band.run_forget_trained if forget else band.run_poisoned)(setting, methods=methods, **common)
+        else:
+            (band.run_forget_retrain if forget else band.run_retrain)(setting, seed, **common)
+
+    run_jobs(jobs, one, args.shard, "band")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -316,6 +360,8 @@ def main(argv=None) -> None:
             "poison-dev-precond",
             "poison-calibration",
             "poison-dev-margin",
+            "band",
+            "band-report",
             "report",
         ],
     )
@@ -337,8 +383,21 @@ def main(argv=None) -> None:
     parser.add_argument("--changes", default="{}", help="poison-probe: JSON of UnlearningSettings fields")
     parser.add_argument("--rounds", type=int, default=10, help="poison-retime: retraining rounds timed (scaled to 100)")
     parser.add_argument("--name", default="replay", help="poison-replay / poison-dev-sweep: the output's name")
+    parser.add_argument(
+        "--attacks",
+        default="weaker",
+        help="band: attacks of experiments.hfkcu.band.ATTACKS, or forget-1%%,forget-5%% (random forget sets)",
+    )
+    parser.add_argument("--part-of-band", dest="band_part", default="all", choices=["all", "poisoned", "retrain"])
+    parser.add_argument(
+        "--methods", default="all", help="band: comma-separated names of band.METHODS, 'all' or 'none' (poisoned run)"
+    )
+    parser.add_argument("--retrain-seeds", type=int, default=0, help="band: retraining runs (0 = band.RETRAIN_SEEDS)")
     args = parser.parse_args(argv)
     quiet_flower()
+    if args.part in ("band", "band-report"):
+        _band(args)
+        return
     if args.part == "report":
         from experiments.hfkcu.report import report
 

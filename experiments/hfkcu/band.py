@@ -1,0 +1,878 @@
+"""The calibrated poisoning benchmark: an unlearned model passes when it lands inside the spread of retraining itself.
+
+    python -m experiments.hfkcu.run band --datasets filmtrust --models FedMF --attacks weaker --seeds 0
+    python -m experiments.hfkcu.run band --part poisoned ...   # only the poisoned runs (with every method)
+    python -m experiments.hfkcu.run band --part retrain ...    # only the retraining seeds
+    python -m experiments.hfkcu.run band-report                # recipe.csv / recipe.md from the finished runs
+
+A *setting* is (dataset, model, attack, seed of the poisoned run). Per setting:
+
+* the **poisoned run** (:func:`run_poisoned`): the poisoned federation is trained for
+  :data:`~experiments.hfkcu.methods.ROUNDS` rounds; after the last round every method of :data:`METHODS` is applied
+  to the trained model (a Flower phase, :class:`fedrec_flwr.strategies.unlearning.ClientUnlearning`; the node states
+  are restored after a method that trains) and measured;
+* :data:`RETRAIN_SEEDS` **retraining runs** (:func:`run_retrain`): the fakes never sampled, training seeds
+  :func:`retrain_seeds`, each measured at :data:`CURVE_ROUNDS` (one run per seed gives the whole curve).
+
+Every model is measured the same way (:func:`measure`) on the genuine users and on the *poisoned run's* split (its
+held-out items and 99 test negatives): a retraining seed also draws its own test negatives, so its own evaluation
+would add the negatives' noise to the band; here the band holds only training randomness. The 100-round retraining
+runs give the **target band** (:func:`band`); :func:`inside_band` judges a method; :func:`cheapest_budget` finds the
+fewest retraining rounds whose every seed lands in the band, whose client user-epochs are the denominator of
+``cost-ratio``. The data poisoning, the runners' configs, the phases' settings and the analyses are
+:mod:`experiments.hfkcu.poison`'s, :mod:`experiments.hfkcu.run`'s and :mod:`experiments.hfkcu.analysis`'s.
+
+Run folders (config, per-round metrics) go to the uncommitted cache; each run's measurements are one small JSON
+under ``results/band/``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from experiments.hfkcu.methods import ROUNDS
+from fedrec_flwr.io import atomic_write_json, atomic_write_text
+
+# ---------------------------------------------------------------------------------------------- declarations
+
+
+@dataclass(frozen=True)
+class Attack:
+    """A data-poisoning attack: ``fakes`` fake users (or ``fake_share`` of the genuine users, rounded), each rating
+    the target and the ``fillers`` most popular items (:func:`experiments.hfkcu.poison.poisoned_data`)."""
+
+    name: str
+    fillers: int
+    fakes: int | None = None
+    fake_share: float | None = None
+
+    def num_fakes(self, genuine_users: int) -> int:
+        """Number of fake users for a dataset with ``genuine_users`` users."""
+        if self.fakes is not None:
+            return int(self.fakes)
+        return int(round(float(self.fake_share) * genuine_users))
+
+
+GENUINE_USERS = {"ml-100k": 943, "filmtrust": 1508}
+"""Users in each dataset's raw file (the base of an attack's ``fake_share``)."""
+
+WEAKER = Attack("weaker", fillers=10, fakes=20)
+"""Today's smaller attack of :mod:`experiments.hfkcu.poison`: 20 fakes, 10 fillers."""
+
+STRONGER_FIRST = Attack("stronger-first", fillers=30, fake_share=0.25)
+"""The stronger attack as first declared, before any run: a quarter of the genuine users as fakes (ML-100K: 236;
+FilmTrust: 377), each rating the target and the 30 most popular items. Why this strong: at 100 fakes (10.6% of
+ML-100K) with 10 fillers the poisoned FedMF model's exposure@10 is 0 on every ML-100K setting and the target's mean
+percentile 0.74 (0.48 at 20 fakes); a linear extrapolation puts the target at a top-30 item's percentile only past
+about 250 fakes. The fillers are tripled so that the fakes' embeddings, hence the target's, point along the direction
+genuine users share with popular items (a bandwagon attack). Measured on ML-100K FedMF seed 0: exposure@10 still 0
+(target percentile 0.871), so it was strengthened once, to :data:`STRONGER`."""
+
+STRONGER = Attack("stronger", fillers=50, fake_share=0.5)
+"""The stronger attack of the benchmark, declared after :data:`STRONGER_FIRST` left exposure@10 at 0 on ML-100K
+FedMF seed 0 and before this one ran: half the genuine users as fakes (ML-100K: 472; FilmTrust: 754), each rating
+the target and the 50 most popular items (the target's percentile rose 0.48 -> 0.74 -> 0.87 with 20 -> 100 -> 236
+fakes; doubling the fakes again and widening the bandwagon is the one strengthening allowed)."""
+
+ATTACKS = {attack.name: attack for attack in (WEAKER, STRONGER_FIRST, STRONGER)}
+
+RETRAIN_SEEDS = 5
+"""Retraining runs per setting (the fakes never sampled)."""
+
+CURVE_ROUNDS = (10, 25, 50, ROUNDS)
+"""Rounds at which each retraining run is measured (its curve); the last is the reference budget."""
+
+BAND_METRICS = ("exposure@10", "HR@10", "NDCG@10")
+"""The metrics every one of which must lie inside the band (:func:`inside_band`)."""
+
+MEASURED = ("exposure@10", "target-percentile", "HR@10", "NDCG@10")
+"""What :func:`measure` returns; each gets a band."""
+
+METHODS: dict[str, dict] = {
+    "HF-KCU (default)": {"method": "hfkcu"},
+    "gradient ascent": {"method": "gradient-ascent"},
+    "continued training (5 rounds)": {"method": "continue"},
+}
+"""Unlearning methods applied after the poisoned run: name -> :class:`~fedrec_flwr.strategies.unlearning.
+UnlearningSettings` fields over the run config's defaults. A new method (e.g. rollback, once the strategy offers it)
+is one more entry; the recipe takes every name a run produced."""
+
+DEFAULT_METHOD = "HF-KCU (default)"
+"""The method whose ``default`` column is true (the package's defaults)."""
+
+RETRAIN_METHOD = "retrain {rounds} rounds"
+"""Name of a retraining budget's rows (the poisoned run's own training seed, the fakes never sampled)."""
+
+
+def retrain_seeds(seed: int, count: int = RETRAIN_SEEDS) -> list[int]:
+    """Training seeds of a setting's retraining runs: the poisoned run's own seed first (the usual reference: every
+    genuine user trains in the same rounds), then ``seed + 1000 k``."""
+    return [int(seed) + 1000 * k for k in range(count)]
+
+
+# ---------------------------------------------------------------------------------------------- band arithmetic
+
+
+@dataclass(frozen=True)
+class Band:
+    """The spread of one metric over the retraining seeds: ``mean +- 2 std`` (``low``, ``high``; ``std`` with
+    ``ddof = 1``) and the observed ``min`` / ``max`` of ``n`` values."""
+
+    mean: float
+    std: float
+    low: float
+    high: float
+    min: float
+    max: float
+    n: int
+
+    def contains(self, value: float, tol: float = 1e-12) -> bool:
+        """Whether ``value`` lies in ``[low, high]`` (``tol`` absorbs float rounding when ``std = 0``)."""
+        return bool(self.low - tol <= float(value) <= self.high + tol)
+
+
+def band(values: Sequence[float], width: float = 2.0) -> Band:
+    """The band of ``values`` (one per retraining seed): ``mean +- width * std``, ``std`` the sample standard
+    deviation (``ddof = 1``).
+
+    Why ``mean +- 2 std`` and not ``[min, max]``: with ``n`` seeds and ``ddof = 1`` no value lies farther than
+    ``(n - 1) / sqrt(n)`` standard deviations from the mean (Samuelson's inequality: 1.79 for ``n = 5``), so the
+    2-sigma band always contains ``[min, max]`` and is the wider of the two; ``[min, max]`` of 5 draws covers on
+    average only ``(n - 1) / (n + 1) = 67%`` of the distribution (the expected coverage of the sample range), so a
+    sixth retraining seed would fall outside it one time in three. ``mean +- 2 std`` estimates the interval holding
+    about 95% of retraining's results (normal approximation).
+
+    Raises:
+        ValueError: fewer than two values, or a non-finite one.
+    """
+    x = np.asarray(values, dtype=np.float64)
+    if x.size < 2 or not np.all(np.isfinite(x)):
+        raise ValueError(f"band: needs at least two finite values, got {values!r}")
+    mean, std = float(x.mean()), float(x.std(ddof=1))
+    return Band(mean, std, mean - width * std, mean + width * std, float(x.min()), float(x.max()), int(x.size))
+
+
+def bands(runs: Sequence[Mapping[str, float]], keys: Sequence[str] = MEASURED) -> dict[str, Band]:
+    """Metric -> :func:`band` over ``runs`` (one metrics mapping per retraining seed)."""
+    return {k: band([run[k] for run in runs]) for k in keys}
+
+
+def inside_band(
+    metrics: Mapping[str, float],
+    target: Mapping[str, Band],
+    keys: Sequence[str] = BAND_METRICS,
+    upper_only: Sequence[str] = (),
+) -> bool:
+    """Whether every one of ``keys`` of ``metrics`` lies inside its band (``mean +- 2 std``): by default exposure@10
+    (the harm), HR@10 and NDCG@10 (the utility; HR@10 alone hides a worse ranking inside the top 10). A key of
+    ``upper_only`` (a distance to the reference, such as KL) only has to stay at or below the band's top."""
+    return all(
+        metrics[k] <= target[k].high + 1e-12 if k in upper_only else target[k].contains(metrics[k]) for k in keys
+    )
+
+
+def cheapest_budget(
+    curves: Sequence[Mapping[int, Mapping[str, float]]],
+    target: Mapping[str, Band],
+    keys: Sequence[str] = BAND_METRICS,
+    upper_only: Sequence[str] = (),
+) -> int:
+    """The fewest rounds ``R`` (of those every curve has) at which every retraining seed's metrics lie inside the
+    band: ``curves[s][R]`` is seed ``s``'s metrics after ``R`` rounds. The reference budget (the band's own runs) always
+    qualifies when ``target`` is their band with ``n <= 5`` seeds (see :func:`band`).
+
+    Raises:
+        ValueError: no curves, or no budget qualifies.
+    """
+    if not curves:
+        raise ValueError("cheapest_budget: no retraining curves")
+    budgets = sorted(set.intersection(*(set(int(r) for r in c) for c in curves)))
+    for rounds in budgets:
+        if all(inside_band(c[rounds], target, keys, upper_only) for c in curves):
+            return rounds
+    raise ValueError(f"cheapest_budget: no budget of {budgets} lands every seed inside the band")
+
+
+def cost_ratio(user_epochs: float, budget_user_epochs: float) -> float:
+    """A method's client user-epochs over the cheapest retraining budget's (below 1: cheaper than retraining)."""
+    if budget_user_epochs <= 0:
+        raise ValueError(f"cost_ratio: the budget's user-epochs must be > 0, got {budget_user_epochs}")
+    return float(user_epochs) / float(budget_user_epochs)
+
+
+# ---------------------------------------------------------------------------------------------- cost meter
+
+
+@dataclass
+class Cost:
+    """What a stretch of federated work cost: client ``user-epochs`` (a trained user counts its local epochs, a
+    queried user one pass over its data, an evaluated user nothing: evaluation is measurement), the arrays' bytes
+    sent to and received from the nodes (train and query messages), communication ``rounds`` (server pushes with a
+    counted message) and ``seconds`` of wall time."""
+
+    user_epochs: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    rounds: int = 0
+    seconds: float = 0.0
+
+    def minus(self, other: Cost) -> Cost:
+        return Cost(*(a - b for a, b in zip(asdict(self).values(), asdict(other).values())))
+
+    def as_columns(self) -> dict:
+        return {
+            "user-epochs": self.user_epochs,
+            "bytes-sent": self.bytes_sent,
+            "bytes-received": self.bytes_received,
+            "rounds": self.rounds,
+            "seconds": self.seconds,
+        }
+
+
+class Meter:
+    """Counts :class:`Cost` over a run: :meth:`mod` is a Flower client mod (``make_client_app(mods=[meter.mod])``)
+    that sees every message a node handles and its reply; :meth:`watch` wraps a grid's ``push_messages`` to count the
+    server's pushes. ``local_epochs`` converts a trained user into user-epochs."""
+
+    def __init__(self, local_epochs: int) -> None:
+        self.local_epochs = int(local_epochs)
+        self.total = Cost()
+        self._started = time.perf_counter()
+        self._excluded = 0.0
+        self._counted_push = False
+        self._node_users: dict[int, tuple[int, int]] = {}
+
+    @staticmethod
+    def _bytes(content) -> int:
+        return sum(len(array.data) for record in content.array_records.values() for array in record.values())
+
+    def mod(self, message, context, call_next):
+        reply = call_next(message, context)
+        kind = message.metadata.message_type
+        if kind.startswith("evaluate"):
+            return reply
+        self.total.user_epochs += self._users(message, reply, int(getattr(context, "node_id", 0)))
+        self.total.bytes_sent += self._bytes(message.content)
+        if not reply.has_error():
+            self.total.bytes_received += self._bytes(reply.content)
+        self._counted_push = True
+        return reply
+
+    def _users(self, message, reply, node: int) -> float:
+        """User-epochs of one message: a train message's ``users`` times the local epochs; a query naming
+        ``users`` one pass each; a query naming the users to ``exclude`` one pass per remaining user of the node (per
+        affected user with ``causal``), as its ``unlearn_affected`` reply counted them; the bookkeeping queries
+        (``unlearn_affected``, ``unlearn_counts``: index look-ups) none. A local-CG query's inner products are not
+        visible here: it counts one pass per user (a lower bound)."""
+        from fedrec_flwr.wire import CONFIG, UNLEARN_AFFECTED, UNLEARN_COUNTS
+
+        kind = message.metadata.message_type
+        config = message.content.config_records.get(CONFIG)
+        if config is None:
+            return 0.0
+        if kind.endswith(UNLEARN_AFFECTED):
+            got = reply.content.config_records.get(CONFIG) if not reply.has_error() else None
+            if got is not None:
+                self._node_users[node] = (int(got.get("remaining-users", 0)), int(got.get("affected-users", 0)))
+            return 0.0
+        if kind.endswith(UNLEARN_COUNTS):
+            return 0.0
+        if "users" in config:
+            return float(len(config["users"]) * (self.local_epochs if kind.startswith("train") else 1))
+        if "exclude" in config:
+            remaining, affected = self._node_users.get(node, (0, 0))
+            return float(affected if config.get("causal", False) else remaining)
+        return 0.0
+
+    def watch(self, grid) -> None:
+        """Count a communication round for every ``push_messages`` call on ``grid`` that delivered a counted message."""
+        push = grid.push_messages
+
+        def counted(messages):
+            self._counted_push = False
+            ids = push(messages)
+            self.total.rounds += int(self._counted_push)
+            return ids
+
+        grid.push_messages = counted
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` (the benchmark's own measurements between rounds) out of the wall time."""
+        self._excluded += float(seconds)
+
+    def now(self) -> Cost:
+        """The running total, with the wall time since the meter was made less the excluded seconds."""
+        return Cost(**{**asdict(self.total), "seconds": time.perf_counter() - self._started - self._excluded})
+
+
+# ---------------------------------------------------------------------------------------------- measurement
+
+
+def measure(runtime, records, arrays, users: np.ndarray, target: int) -> dict[str, float]:
+    """The benchmark's metrics of one model (shared ``arrays``: key -> array or a Flower ``ArrayRecord``; private
+    ``records``) on ``users`` (the genuine ones):
+    ``exposure@10`` and ``target-percentile`` (:func:`experiments.hfkcu.analysis.exposure`, ranked among each user's
+    never-interacted items) and ``HR@10`` / ``NDCG@10`` of the held-out item among ``runtime``'s 99 test negatives
+    (:func:`fedrec_flwr.metrics.ranking_metrics_batch`, ties against the model)."""
+    from experiments.hfkcu.analysis import candidate_scores, exposure
+    from fedrec_flwr.metrics import mean_metrics, ranking_metrics_batch
+
+    shared = {k: v.numpy() if hasattr(v, "numpy") else np.asarray(v) for k, v in arrays.items()}
+    seen = exposure(runtime, records, shared, users, target)
+    ranked = mean_metrics(ranking_metrics_batch(candidate_scores(runtime, records, shared, users), 0, ks=(10,)))
+    return {
+        "exposure@10": seen["exposure"],
+        "target-percentile": seen["target-percentile"],
+        "HR@10": ranked["HR@10"],
+        "NDCG@10": ranked["NDCG@10"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+@dataclass(frozen=True)
+class Setting:
+    dataset: str
+    model: str
+    attack: str
+    seed: int
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.dataset) / self.model / self.attack / f"seed-{self.seed}"
+
+
+def _poisoned(setting: Setting, data_dir: str, cache: Path, seed: int, name: str, runs: Path, **extra):
+    """``(config, reference runtime, fake users, target)`` of a run of ``setting``'s poisoned data with training
+    ``seed``; the reference runtime is the poisoned run's (``setting.seed``): its split measures every model."""
+    from experiments.hfkcu.poison import FAKE_USER_BASE, poisoned_data
+    from experiments.hfkcu.run import base_config
+    from fedrec_flwr.app.runtime import get_runtime
+
+    attack = ATTACKS[setting.attack]
+    fakes = attack.num_fakes(GENUINE_USERS[setting.dataset])
+    path, target_raw = poisoned_data(setting.dataset, data_dir, fakes, 0, cache, fillers=attack.fillers)
+    generic = {"generic-file": str(path), "generic-columns": "user,item,rating,timestamp"}
+    folder = runs / setting.folder
+    reference = get_runtime(
+        base_config("generic", setting.model, data_dir, folder, "reference", seed=setting.seed, **generic).to_dict()
+    )
+    split = reference.split
+    fake_users = np.flatnonzero(np.array([int(u) >= FAKE_USER_BASE for u in split.user_ids])).astype(np.int64)
+    target = int(np.flatnonzero(split.item_ids.astype(str) == target_raw)[0])
+    config = base_config("generic", setting.model, data_dir, folder, name, seed=seed, **generic, **extra)
+    return config, reference, fake_users, target
+
+
+def _train(config, meter: Meter, hooks: Mapping[int, object]) -> None:
+    """Train ``config`` in one process with ``meter`` on every node, calling ``hooks[r](view)`` after round ``r``."""
+    from fedrec_flwr.app.client_app import make_client_app
+    from fedrec_flwr.serial import run_serial
+
+    mapping = config.to_dict()
+    shutil.rmtree(Path(config.results_dir) / config.run_name, ignore_errors=True)  # an interrupted run is redone
+
+    def on_round(view) -> None:
+        if view.server_round == 1:
+            meter.total.rounds += 1  # the first push happened before the grid could be watched
+            meter.watch(view.grid)
+        if view.server_round in hooks:
+            hooks[view.server_round](view)
+
+    run_serial(config, client_app=make_client_app(mapping, mods=[meter.mod]), on_round=on_round)
+
+
+def run_poisoned(
+    setting: Setting, *, data_dir: str, cache: Path, out: Path, methods: Mapping[str, dict] | None = None
+) -> dict:
+    """Train ``setting``'s poisoned federation, then apply and measure every method of ``methods`` (default
+    :data:`METHODS`); write and return ``<out>/<setting>/poisoned.json`` (skipped when it exists)."""
+    from experiments.hfkcu.analysis import private_records
+    from experiments.hfkcu.run import _settings
+    from fedrec_flwr.strategies.unlearning import ClientUnlearning
+
+    done = out / setting.folder / "poisoned.json"
+    if done.is_file():
+        print(f"skip (done): {done}", flush=True)
+        return {}
+    methods = METHODS if methods is None else methods
+    config, reference, fake_users, target = _poisoned(
+        setting, data_dir, cache, setting.seed, "poisoned", cache / "band"
+    )
+    meter = Meter(config.local_epochs)
+    result: dict = {"setting": asdict(setting), "fakes": int(fake_users.size), "target": target, "methods": {}}
+
+    def at_end(view) -> None:
+        result["train-cost"] = meter.now().as_columns()
+        grid, strategy = view.grid, view.strategy
+        genuine = np.setdiff1d(np.arange(reference.split.num_users), fake_users)
+        records = private_records(grid, range(reference.split.num_users))
+        result["original"] = measure(reference, records, view.arrays, genuine, target)
+        print(f"  original {result['original']}", flush=True)
+        for name, changes in methods.items():
+            settings = _settings(view.config, fake_users, changes, reference.split.num_users)
+            saved = (
+                {n: copy.deepcopy(c.state) for n, c in grid.contexts.items()} if settings.method == "continue" else None
+            )
+            before = meter.now()
+            new, report = ClientUnlearning(strategy, settings, timeout=view.config.round_timeout).run(
+                grid, view.arrays, view.server_round
+            )
+            cost = meter.now().minus(before)
+            started = time.perf_counter()
+            trained = private_records(grid, range(reference.split.num_users)) if saved is not None else records
+            metrics = measure(reference, trained, new, genuine, target)
+            meter.exclude(time.perf_counter() - started)
+            result["methods"][name] = {"changes": changes, "metrics": metrics, "cost": cost.as_columns()}
+            result["methods"][name]["report-seconds"] = float(report.get("seconds", float("nan")))
+            print(f"  {name}: {metrics} {cost.as_columns()}", flush=True)
+            if saved is not None:
+                for node, context in grid.contexts.items():
+                    context.state = saved[node]
+
+    started = time.perf_counter()
+    _train(config, meter, {ROUNDS: at_end})
+    result["wall-seconds"] = time.perf_counter() - started
+    atomic_write_json(done, result)
+    return result
+
+
+def run_retrain(setting: Setting, retrain_seed: int, *, data_dir: str, cache: Path, out: Path) -> dict:
+    """Retrain ``setting`` without its fakes with training seed ``retrain_seed``, measuring the model and the cost so
+    far at every round of :data:`CURVE_ROUNDS`; write and return ``<out>/<setting>/retrain-seed-<s>.json``."""
+    from experiments.hfkcu.analysis import private_records
+
+    done = out / setting.folder / f"retrain-seed-{retrain_seed}.json"
+    if done.is_file():
+        print(f"skip (done): {done}", flush=True)
+        return {}
+    config, reference, fake_users, target = _poisoned(
+        setting, data_dir, cache, retrain_seed, f"retrain-seed-{retrain_seed}", cache / "band"
+    )
+    config = config.replace(
+        unlearning="retrain", forget_users=",".join(str(int(u)) for u in fake_users), fraction_evaluate=0.0
+    )
+    meter = Meter(config.local_epochs)
+    genuine = np.setdiff1d(np.arange(reference.split.num_users), fake_users)
+    result: dict = {"setting": asdict(setting), "retrain-seed": int(retrain_seed), "curve": {}}
+
+    def at(view) -> None:
+        cost = meter.now().as_columns()
+        started = time.perf_counter()
+        metrics = measure(reference, private_records(view.grid, genuine), view.arrays, genuine, target)
+        meter.exclude(time.perf_counter() - started)
+        result["curve"][str(view.server_round)] = {"metrics": metrics, "cost": cost}
+        print(f"  retrain seed {retrain_seed} round {view.server_round}: {metrics} {cost}", flush=True)
+
+    started = time.perf_counter()
+    _train(config, meter, {r: at for r in CURVE_ROUNDS})
+    result["wall-seconds"] = time.perf_counter() - started
+    atomic_write_json(done, result)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- recipe
+
+RECIPE_COLUMNS = (
+    "dataset",
+    "model",
+    "attack",
+    "seed",
+    "method",
+    "default",
+    "inside-band",
+    "cost-ratio",
+    "exposure@10",
+    "target-percentile",
+    "HR@10",
+    "NDCG@10",
+    "user-epochs",
+    "bytes-sent",
+    "bytes-received",
+    "rounds",
+    "seconds",
+    "cheapest-budget",
+)
+"""The recipe's columns, in order (a row may carry more, after these)."""
+
+
+def recipe_rows(
+    poisoned: Mapping,
+    retrains: Sequence[Mapping],
+    *,
+    keys: Sequence[str] = BAND_METRICS,
+    measured: Sequence[str] = MEASURED,
+    upper_only: Sequence[str] = (),
+    target: Mapping[str, Band] | None = None,
+    original: str = "poisoned (no unlearning)",
+) -> tuple[list[dict], dict]:
+    """One setting's recipe rows and its band summary, from :func:`run_poisoned`'s and the :func:`run_retrain` results
+    (or the forget-set runs', with their ``keys`` / ``measured`` / ``upper_only``).
+
+    Rows: ``original`` (the trained model, no unlearning), every method the run measured, and every retraining budget
+    of :data:`CURVE_ROUNDS` (the run's own seed when it is among the retraining seeds, else the first). The band
+    (``target``, default: :func:`bands` of the retraining seeds' 100-round ``measured`` metrics) judges each row on
+    ``keys``; ``cost-ratio`` divides by the user-epochs (mean over seeds) of :func:`cheapest_budget`. The summary holds
+    each metric's band and its width against the min-max range."""
+    setting = poisoned["setting"]
+    curves = [{int(r): point["metrics"] for r, point in run["curve"].items()} for run in retrains]
+    costs = [{int(r): point["cost"] for r, point in run["curve"].items()} for run in retrains]
+    final = max(CURVE_ROUNDS)
+    target = bands([c[final] for c in curves], measured) if target is None else target
+    budget = cheapest_budget(curves, target, keys, upper_only)
+    budget_user_epochs = float(np.mean([c[budget]["user-epochs"] for c in costs]))
+    base = {k: setting[k] for k in ("dataset", "model", "attack", "seed")}
+
+    def row(method: str, metrics: Mapping, cost: Mapping | None) -> dict:
+        ratio = cost_ratio(cost["user-epochs"], budget_user_epochs) if cost else float("nan")
+        return {
+            **base,
+            "method": method,
+            "default": method == DEFAULT_METHOD,
+            "inside-band": inside_band(metrics, target, keys, upper_only),
+            "cost-ratio": ratio,
+            **{k: metrics[k] for k in measured},
+            **(
+                {k: cost[k] for k in ("user-epochs", "bytes-sent", "bytes-received", "rounds", "seconds")}
+                if cost
+                else {}
+            ),
+            "cheapest-budget": budget,
+        }
+
+    rows = [row(original, poisoned["original"], None)]
+    rows += [row(name, got["metrics"], got["cost"]) for name, got in poisoned["methods"].items()]
+    own = next((i for i, run in enumerate(retrains) if run["retrain-seed"] == setting["seed"]), 0)
+    for rounds in sorted(curves[own]):
+        rows.append(row(RETRAIN_METHOD.format(rounds=rounds), curves[own][rounds], costs[own][rounds]))
+    summary = {
+        **base,
+        "retrain-seeds": [run["retrain-seed"] for run in retrains],
+        "cheapest-budget": budget,
+        "budget-user-epochs": budget_user_epochs,
+        "bands": {k: asdict(b) for k, b in target.items()},
+        "band-over-range": {
+            k: (b.high - b.low) / (b.max - b.min) if b.max > b.min else float("inf") for k, b in target.items()
+        },
+    }
+    return rows, summary
+
+
+def recipe_frame(rows: Sequence[Mapping]) -> pd.DataFrame:
+    """The rows as a frame with :data:`RECIPE_COLUMNS` first (missing ones empty)."""
+    frame = pd.DataFrame(list(rows))
+    for column in RECIPE_COLUMNS:
+        if column not in frame:
+            frame[column] = np.nan
+    return frame[list(RECIPE_COLUMNS) + [c for c in frame.columns if c not in RECIPE_COLUMNS]]
+
+
+def count_lines(frame: pd.DataFrame) -> list[str]:
+    """``"<method>: inside band in N of M settings"``, the default method first, then the others by name."""
+    names = sorted(frame["method"].unique(), key=lambda m: (m != DEFAULT_METHOD, m))
+    lines = []
+    for name in names:
+        rows = frame[frame["method"] == name]
+        lines.append(f"{name}: inside band in {int(rows['inside-band'].sum())} of {len(rows)} settings")
+    return lines
+
+
+def _cell(value) -> str:
+    if isinstance(value, (bool, np.bool_)):
+        return "yes" if value else "no"
+    if isinstance(value, float) and math.isnan(value):
+        return ""
+    if isinstance(value, (float, np.floating)):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def write_recipe(rows: Sequence[Mapping], summaries: Sequence[Mapping], folder: Path) -> pd.DataFrame:
+    """Write ``recipe.csv``, ``recipe.md`` (the table, the count lines and each setting's band) and
+    ``recipe-bands.json`` under ``folder``; return the frame."""
+    frame = recipe_frame(rows)
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(folder / "recipe.csv", frame.to_csv(index=False))
+    atomic_write_json(folder / "recipe-bands.json", list(summaries))
+    shown = [c for c in RECIPE_COLUMNS if c in frame]
+    judged = frame[~frame["method"].str.endswith("(no unlearning)")]
+    forget = judged["attack"].str.startswith("forget-")
+    lines = [
+        "# Calibrated unlearning benchmark: recipe (generated by `python -m experiments.hfkcu.run band-report`)",
+        "",
+        "A poisoning row (attack `weaker` / `stronger`) is *inside band* when exposure@10, HR@10 and NDCG@10 of the "
+        "genuine users all lie within mean +- 2 std of the retraining seeds' 100-round models; a random forget set's "
+        "row (`forget-1%`, `forget-5%`) when membership AUC, HR@10 and NDCG@10 do and its KL to the reference "
+        "retrained model stays at or below the other seeds' mean + 2 std (`experiments/hfkcu/band.py`). "
+        "`cost-ratio`: the method's client user-epochs over those of the cheapest retraining budget whose every seed "
+        "lands in that band (`cheapest-budget`, rounds). Retraining rows: the trained run's own seed.",
+        "",
+        *(
+            ["Poisoning:", ""] + [f"- {line}" for line in count_lines(judged[~forget])] + [""]
+            if (~forget).any()
+            else []
+        ),
+        *(
+            ["Random forget sets:", ""] + [f"- {line}" for line in count_lines(judged[forget])] + [""]
+            if forget.any()
+            else []
+        ),
+        "",
+        "| " + " | ".join(shown) + " |",
+        "|" + "---|" * len(shown),
+        *["| " + " | ".join(_cell(v) for v in row) + " |" for row in frame[shown].itertuples(index=False)],
+        "",
+        "## Bands (retraining seeds, 100 rounds)",
+        "",
+        "| dataset | model | attack | seed | metric | mean | std | mean - 2 std | mean + 2 std | min | max | "
+        "2-sigma width / range |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        for k, b in s["bands"].items():
+            lines.append(
+                f"| {s['dataset']} | {s['model']} | {s['attack']} | {s['seed']} | {k} | {b['mean']:.4f} | "
+                f"{b['std']:.4f} | {b['low']:.4f} | {b['high']:.4f} | {b['min']:.4f} | {b['max']:.4f} | "
+                f"{_cell(float(s['band-over-range'][k]))} |"
+            )
+    atomic_write_text(folder / "recipe.md", "\n".join(lines) + "\n")
+    return frame
+
+
+def report(out: Path, folder: Path, cache: Path | None = None) -> pd.DataFrame | None:
+    """The recipe of every setting under ``out`` with a ``poisoned.json`` (or a forget set's ``trained.json``, whose
+    KL needs the candidate scores in ``cache``) and at least two retraining runs."""
+    import json
+
+    rows, summaries = [], []
+    for done in sorted(out.rglob("poisoned.json")):
+        retrains = [json.loads(p.read_text()) for p in sorted(done.parent.glob("retrain-seed-*.json"))]
+        if len(retrains) < 2:
+            continue
+        got, summary = recipe_rows(json.loads(done.read_text()), retrains)
+        rows += got
+        summaries.append(summary)
+    for done in sorted(out.rglob("trained.json")) if cache is not None else ():
+        retrains = [json.loads(p.read_text()) for p in sorted(done.parent.glob("retrain-seed-*.json"))]
+        if len(retrains) < 3:
+            continue
+        got, summary = forget_rows(json.loads(done.read_text()), retrains, cache)
+        rows += got
+        summaries.append(summary)
+    return write_recipe(rows, summaries, folder) if rows else None
+
+
+# ---------------------------------------------------------------------------------------------- random forget sets
+
+FORGET_MEASURED = ("mia-auc", "kl", "HR@10", "NDCG@10")
+"""A forget set's metrics: membership AUC on the forgotten users, KL to the reference retrained model's candidate
+distribution, HR@10 / NDCG@10 of the remaining users."""
+
+FORGET_UPPER_ONLY = ("kl",)
+"""KL is a distance to the reference: a model need only stay at or below the band's top."""
+
+
+def forget_setting(dataset: str, model: str, forget: str, seed: int) -> Setting:
+    """A random forget set (``"1%"`` / ``"5%"`` of :data:`experiments.hfkcu.methods.FORGET_SETS`, drawn with the
+    training ``seed`` as :mod:`experiments.hfkcu.run`'s ``forget`` part draws it) as a setting whose attack reads
+    ``forget-1%``."""
+    return Setting(dataset, model, f"forget-{forget}", int(seed))
+
+
+def _forget(setting: Setting, data_dir: str, cache: Path, seed: int, name: str, **extra):
+    """``(config, reference runtime, forgotten users, remaining users)`` of a run of a forget setting with training
+    ``seed`` (the reference runtime and the forget set are the trained run's, ``setting.seed``)."""
+    from experiments.hfkcu.run import base_config, forget_sets
+    from fedrec_flwr.app.runtime import get_runtime
+
+    folder = cache / "band" / setting.folder
+    reference = get_runtime(
+        base_config(setting.dataset, setting.model, data_dir, folder, "reference", seed=setting.seed).to_dict()
+    )
+    forgotten = forget_sets(reference.split.num_users, setting.seed)[setting.attack.removeprefix("forget-")]
+    remaining = np.setdiff1d(np.arange(reference.split.num_users), forgotten)
+    config = base_config(setting.dataset, setting.model, data_dir, folder, name, seed=seed, **extra)
+    return config, reference, forgotten, remaining
+
+
+def measure_forget(runtime, records, forgotten_records, arrays, forgotten, remaining, seed: int):
+    """``(metrics, candidate scores)`` of one model on a forget set: membership AUC of the ``forgotten`` users with
+    their trained embeddings ``forgotten_records`` (:func:`experiments.hfkcu.analysis.membership`, as the ``forget``
+    report scores it), HR@10 / NDCG@10 of the ``remaining`` users with ``records``, and their ``(len(remaining),
+    100)`` test-candidate logits (for the KL, computed by the report against the reference retrained model)."""
+    from experiments.hfkcu.analysis import candidate_scores, membership
+    from fedrec_flwr.metrics import mean_metrics, ranking_metrics_batch
+
+    shared = {k: v.numpy() if hasattr(v, "numpy") else np.asarray(v) for k, v in arrays.items()}
+    scores = candidate_scores(runtime, records, shared, remaining)
+    ranked = mean_metrics(ranking_metrics_batch(scores, 0, ks=(10,)))
+    try:
+        auc = membership(runtime, forgotten_records, shared, forgotten, seed)["auc"]
+    except ValueError:  # a diverged model: no attack to score
+        auc = float("nan")
+    return {"mia-auc": auc, "HR@10": ranked["HR@10"], "NDCG@10": ranked["NDCG@10"]}, scores.astype(np.float32)
+
+
+def _scores_path(cache: Path, setting: Setting, name: str) -> Path:
+    return cache / "band-scores" / setting.folder / f"{name}.npy"
+
+
+def run_forget_trained(
+    setting: Setting, *, data_dir: str, cache: Path, out: Path, methods: Mapping[str, dict] | None = None
+) -> dict:
+    """Train a forget setting's federation and apply every method (as :func:`run_poisoned`); write
+    ``trained.json`` (metrics and costs), the forgotten users' trained records and every model's candidate scores
+    (cache)."""
+    from experiments.hfkcu.analysis import private_records
+    from experiments.hfkcu.run import _settings
+    from fedrec_flwr.io import atomic_save_npz
+    from fedrec_flwr.strategies.unlearning import ClientUnlearning
+
+    done = out / setting.folder / "trained.json"
+    if done.is_file():
+        print(f"skip (done): {done}", flush=True)
+        return {}
+    methods = METHODS if methods is None else methods
+    config, reference, forgotten, remaining = _forget(setting, data_dir, cache, setting.seed, "trained")
+    meter = Meter(config.local_epochs)
+    result: dict = {"setting": asdict(setting), "forgotten": int(forgotten.size), "methods": {}}
+
+    def at_end(view) -> None:
+        result["train-cost"] = meter.now().as_columns()
+        grid = view.grid
+        records = private_records(grid, range(reference.split.num_users))
+        mine = {int(u): records[int(u)] for u in forgotten if int(u) in records}
+        atomic_save_npz(
+            cache / "band-scores" / setting.folder / "forgotten-records.npz",
+            **{f"{u}/{k}": v.numpy() for u, rec in mine.items() for k, v in rec.items()},
+        )
+        metrics, scores = measure_forget(reference, records, mine, view.arrays, forgotten, remaining, setting.seed)
+        np.save(_scores_path(cache, setting, "original"), scores)
+        result["original"] = metrics
+        for name, changes in methods.items():
+            settings = _settings(view.config, forgotten, changes, reference.split.num_users)
+            saved = (
+                {n: copy.deepcopy(c.state) for n, c in grid.contexts.items()} if settings.method == "continue" else None
+            )
+            before = meter.now()
+            new, _ = ClientUnlearning(view.strategy, settings, timeout=view.config.round_timeout).run(
+                grid, view.arrays, view.server_round
+            )
+            cost = meter.now().minus(before)
+            started = time.perf_counter()
+            trained = private_records(grid, range(reference.split.num_users)) if saved is not None else records
+            metrics, scores = measure_forget(reference, trained, mine, new, forgotten, remaining, setting.seed)
+            np.save(_scores_path(cache, setting, slug_name(name)), scores)
+            meter.exclude(time.perf_counter() - started)
+            result["methods"][name] = {"changes": changes, "metrics": metrics, "cost": cost.as_columns()}
+            print(f"  {name}: {metrics} {cost.as_columns()}", flush=True)
+            if saved is not None:
+                for node, context in grid.contexts.items():
+                    context.state = saved[node]
+
+    started = time.perf_counter()
+    _scores_path(cache, setting, "x").parent.mkdir(parents=True, exist_ok=True)
+    _train(config, meter, {ROUNDS: at_end})
+    result["wall-seconds"] = time.perf_counter() - started
+    atomic_write_json(done, result)
+    return result
+
+
+def run_forget_retrain(setting: Setting, retrain_seed: int, *, data_dir: str, cache: Path, out: Path) -> dict:
+    """Retrain a forget setting without its forgotten users with training seed ``retrain_seed`` (after
+    :func:`run_forget_trained`: membership inference uses the forgotten users' trained embeddings), measured at
+    :data:`CURVE_ROUNDS`; write ``retrain-seed-<s>.json`` and the candidate scores (cache)."""
+    from flwr.app import Array, ArrayRecord
+
+    from experiments.hfkcu.analysis import private_records
+
+    done = out / setting.folder / f"retrain-seed-{retrain_seed}.json"
+    if done.is_file():
+        print(f"skip (done): {done}", flush=True)
+        return {}
+    config, reference, forgotten, remaining = _forget(
+        setting,
+        data_dir,
+        cache,
+        retrain_seed,
+        f"retrain-seed-{retrain_seed}",
+    )
+    config = config.replace(
+        unlearning="retrain", forget_users=",".join(str(int(u)) for u in forgotten), fraction_evaluate=0.0
+    )
+    grouped: dict[int, dict] = {}
+    with np.load(cache / "band-scores" / setting.folder / "forgotten-records.npz") as data:
+        for key in data.files:
+            user, name = key.split("/", 1)
+            grouped.setdefault(int(user), {})[name] = Array(data[key])
+    mine = {u: ArrayRecord(v) for u, v in grouped.items()}
+    meter = Meter(config.local_epochs)
+    result: dict = {"setting": asdict(setting), "retrain-seed": int(retrain_seed), "curve": {}}
+
+    def at(view) -> None:
+        cost = meter.now().as_columns()
+        started = time.perf_counter()
+        records = private_records(view.grid, remaining)
+        metrics, scores = measure_forget(reference, records, mine, view.arrays, forgotten, remaining, setting.seed)
+        np.save(_scores_path(cache, setting, f"retrain-seed-{retrain_seed}-round-{view.server_round}"), scores)
+        meter.exclude(time.perf_counter() - started)
+        result["curve"][str(view.server_round)] = {"metrics": metrics, "cost": cost}
+        print(f"  retrain seed {retrain_seed} round {view.server_round}: {metrics} {cost}", flush=True)
+
+    started = time.perf_counter()
+    _train(config, meter, {r: at for r in CURVE_ROUNDS})
+    result["wall-seconds"] = time.perf_counter() - started
+    atomic_write_json(done, result)
+    return result
+
+
+def slug_name(name: str) -> str:
+    from experiments.common import slug
+
+    return slug(name)
+
+
+def forget_rows(trained: Mapping, retrains: Sequence[Mapping], cache: Path) -> tuple[list[dict], dict]:
+    """A forget setting's recipe rows: every model's KL to the reference retrained model (the trained run's own seed,
+    100 rounds; :func:`experiments.hfkcu.analysis.mean_kl`) is added to its metrics; KL's band is over the *other*
+    retraining seeds (the reference's own KL is 0 by definition), the others' over every seed."""
+    from experiments.hfkcu.analysis import mean_kl
+
+    setting = Setting(**trained["setting"])
+    final = max(CURVE_ROUNDS)
+    own = next((r for r in retrains if r["retrain-seed"] == setting.seed), retrains[0])
+    reference = np.load(_scores_path(cache, setting, f"retrain-seed-{own['retrain-seed']}-round-{final}"))
+
+    def kl(name: str) -> float:
+        return mean_kl(np.load(_scores_path(cache, setting, name)).astype(np.float64), reference.astype(np.float64))
+
+    trained = copy.deepcopy(dict(trained))
+    trained["original"] = {**trained["original"], "kl": kl("original")}
+    for name, got in trained["methods"].items():
+        got["metrics"] = {**got["metrics"], "kl": kl(slug_name(name))}
+    retrains = copy.deepcopy(list(retrains))
+    for run in retrains:
+        for rounds, point in run["curve"].items():
+            point["metrics"] = {**point["metrics"], "kl": kl(f"retrain-seed-{run['retrain-seed']}-round-{rounds}")}
+    others = [r["curve"][str(final)]["metrics"] for r in retrains if r["retrain-seed"] != own["retrain-seed"]]
+    target = bands([r["curve"][str(final)]["metrics"] for r in retrains], ("mia-auc", "HR@10", "NDCG@10"))
+    target["kl"] = band([m["kl"] for m in others])
+    return recipe_rows(
+        trained,
+        retrains,
+        keys=FORGET_MEASURED,
+        measured=FORGET_MEASURED,
+        upper_only=FORGET_UPPER_ONLY,
+        target=target,
+        original="trained (no unlearning)",
+    )
