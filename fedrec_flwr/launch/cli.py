@@ -1,6 +1,6 @@
-"""The launcher's command line (``python -m fedrec_flwr.launch``): ``run`` starts a run with :func:`~fedrec_flwr.
-launch.flwr_run.flwr_run`, ``stop`` ends what a killed launcher left; a usage or config error is one ``error:`` line
-and exit 2, a signal exits 128 + its number.
+"""The launcher's command line (``python -m fedrec_flwr.launch``): ``run`` starts a run
+(:func:`~fedrec_flwr.launch.flwr_run.flwr_run`), ``stop`` ends what a killed launcher left; a usage or config error
+is one ``error:`` line and exit 2, a signal exits 128 + its number.
 
 Command line::
 

@@ -17,17 +17,18 @@ What flwr 1.42 offers, and what is used here:
   ``address`` and either ``insecure = true`` or ``root-certificates = "<absolute path of the CA cert>"``), used as
   ``flwr run <app> <name>``. The ``[tool.flwr.federations]`` tables of ``pyproject.toml`` are legacy in 1.42.
 * TLS: SuperLink ``--ssl-ca-certfile --ssl-certfile --ssl-keyfile`` (one certificate for all its APIs);
-  SuperNode ``--root-certificates <ca>``; CLI ``root-certificates`` in the connection. :func:`~fedrec_flwr.launch.tls.make_tls_files`
-  writes a CA and a server certificate for 127.0.0.1/localhost with the ``cryptography`` package.
+  SuperNode ``--root-certificates <ca>``; CLI ``root-certificates`` in the connection.
+  :func:`~fedrec_flwr.launch.tls.make_tls_files` writes a CA and a server certificate for 127.0.0.1/localhost with the
+  ``cryptography`` package.
 * SuperNode authentication (needs TLS): SuperLink ``--enable-supernode-auth``; each SuperNode has an EC key pair
   (NIST curve, OpenSSH format), its public key registered with ``flwr supernode register <key.pub> <connection>``
   before it connects with ``--auth-supernode-private-key <key>``. Unregistered SuperNodes are refused.
 
 Node config: every SuperNode is started with ``--node-config "partition-id=<i> num-partitions=<N>"``; it serves the
-users ``i * users-per-node ..``. :func:`~fedrec_flwr.launch.supernode.check_node_config` (and the ``supernode`` command below, a checking wrapper
-around ``flower-supernode``) refuses a bad node config or a SuperLink address where nothing listens *before*
-``flower-supernode`` starts (which would otherwise retry forever, and a bad node would only be noticed by the server
-once a run starts).
+users ``i * users-per-node ..``. :func:`~fedrec_flwr.launch.supernode.check_node_config` (and the ``supernode``
+command below, a checking wrapper around ``flower-supernode``: :mod:`fedrec_flwr.launch.supernode`) refuses a bad node
+config or a SuperLink address where nothing listens *before* ``flower-supernode`` starts (which would otherwise retry
+forever, and a bad node would only be noticed by the server once a run starts).
 
 Command line::
 
@@ -134,7 +135,8 @@ class Deployment:
             ``config.toml``), ``supernode-<i>/flwr-home/`` (each SuperNode's), ``logs/<process>.log``, ``tls/``,
             ``keys/``.
         num_supernodes: SuperNodes to start, with ``partition-id`` 0..N-1 and ``num-partitions`` N.
-        tls: TLS on the SuperLink (Fleet, Control and Runtime APIs), with a CA made by :func:`~fedrec_flwr.launch.tls.make_tls_files`.
+        tls: TLS on the SuperLink (Fleet, Control and Runtime APIs), with a CA made by
+            :func:`~fedrec_flwr.launch.tls.make_tls_files`.
         auth: SuperNode authentication (needs ``tls``): ``--enable-supernode-auth`` and every SuperNode's public
             key registered through the ``flwr`` CLI before it starts.
         host: interface to bind (loopback by default).

@@ -33,7 +33,8 @@ class DeploymentError(RuntimeError):
 
 @dataclass
 class Started:
-    """One process a :class:`~fedrec_flwr.launch.deploy.Deployment` started (in its own session: its PID is its process group)."""
+    """One process a :class:`~fedrec_flwr.launch.deploy.Deployment` started (in its own session: its PID is its
+    process group)."""
 
     name: str
     process: subprocess.Popen
@@ -209,7 +210,8 @@ def await_results(
 
 
 def port_taken(started: Started) -> bool:
-    """Whether a process that exited failed to bind its port (another process took it after :func:`~fedrec_flwr.launch.superlink.free_port`)."""
+    """Whether a process that exited failed to bind its port (another process took it after
+    :func:`~fedrec_flwr.launch.superlink.free_port`)."""
     return started.process.poll() is not None and "already in use" in started.tail(20_000).lower()
 
 

@@ -104,7 +104,8 @@ def flwr_run(
         env_extra: more environment variables (e.g. fixed local SuperLink ports
             ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT`` / ``FLWR_LOCAL_CONTROL_API_PORT``; default: free ports).
         timeout: seconds for the whole run (from ``flwr run``'s start); then the run is stopped and the result's
-            ``returncode`` is 124, with a message naming what was still running (:func:`~fedrec_flwr.launch.output.still_running`).
+            ``returncode`` is 124, with a message naming what was still running
+            (:func:`~fedrec_flwr.launch.output.still_running`).
         capture: return the whole log in ``stdout`` instead of printing it.
         keep_superlink: leave the SuperLink running (for inspection; stop it with ``launch stop``).
         federation_config: more ``--federation-config`` keys of flwr 1.42's simulation config, e.g.

@@ -87,8 +87,8 @@ def _cli_error(lines: Sequence[str]) -> str | None:
 
 
 SERVERAPP_ENDED = "the ServerApp has ended"
-"""The ServerApp's last log line (:data:`fedrec_flwr.app.server_app.SERVERAPP_ENDED`; not imported: the launcher loads no
-ServerApp code)."""
+"""The ServerApp's last log line (:data:`fedrec_flwr.app.server_app.SERVERAPP_ENDED`; not imported: the launcher loads
+no ServerApp code)."""
 
 NO_REPLY = re.compile(r"round (\d+): (?:node (\d+) failed|evaluation failed on node (\d+))[^:]*: no reply within")
 """The strategy's warning for a node that did not answer a round (:mod:`fedrec_flwr.strategies.item_fedavg`)."""
