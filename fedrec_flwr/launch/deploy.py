@@ -358,14 +358,7 @@ class Deployment:
         if self.superlink is None:
             raise DeploymentError("the deployment is not started (use it as a context manager, or call start())")
         overrides = dict(overrides)
-        if not overrides.get("run-name") or not Path(str(overrides.get("results-dir", ""))).is_absolute():
-            raise ConfigError("Deployment.run needs an absolute 'results-dir' and a 'run-name'")
-        folder = Path(overrides["results-dir"]) / overrides["run-name"]
-        if (folder / "summary.json").exists():
-            raise ConfigError(
-                f"results folder {folder} already holds a finished run (summary.json); set another "
-                "'run-name' or delete the folder"
-            )
+        folder = new_results_folder(overrides)
         command = [
             console_script("flwr"),
             "run",
@@ -424,6 +417,24 @@ class Deployment:
             except subprocess.TimeoutExpired:
                 pass
         return pids
+
+
+def new_results_folder(overrides: Mapping[str, Any]) -> Path:
+    """``results-dir/<run-name>/`` of ``overrides``, the folder :meth:`Deployment.run` waits for.
+
+    Raises:
+        ConfigError: ``results-dir`` is not absolute, ``run-name`` is missing, or the folder already holds a
+            finished run (its ``summary.json`` would end the wait at once).
+    """
+    if not overrides.get("run-name") or not Path(str(overrides.get("results-dir", ""))).is_absolute():
+        raise ConfigError("Deployment.run needs an absolute 'results-dir' and a 'run-name'")
+    folder = Path(overrides["results-dir"]) / overrides["run-name"]
+    if (folder / "summary.json").exists():
+        raise ConfigError(
+            f"results folder {folder} already holds a finished run (summary.json); set another "
+            "'run-name' or delete the folder"
+        )
+    return folder
 
 
 def main(argv: Sequence[str] | None = None) -> int:
