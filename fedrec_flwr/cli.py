@@ -276,9 +276,9 @@ def presets_command(
                 f"# test HR@10 {float(row['HR@10-mean']):.4f}, NDCG@10 {float(row['NDCG@10-mean']):.4f} at "
                 f"round {row['round']} (mean of {row['seeds']} seeds, experiments/tuning/results)"
             )
-        typer.echo(f"dataset = {launch._toml_value(dataset)}")
+        typer.echo(f"dataset = {launch.toml_value(dataset)}")
         for key, value in keys.items():
-            typer.echo(f"{key} = {launch._toml_value(value)}")
+            typer.echo(f"{key} = {launch.toml_value(value)}")
         return
     for preset in presets.presets().values():
         typer.echo(f"{preset.name}  ({preset.method})")

@@ -61,7 +61,6 @@ except ImportError:
     ) from None
 sys.path.insert(0, str(ROOT))
 
-from fedrec_flwr.deploy import Deployment, DeploymentError, app_snapshot  # noqa: E402
 from fedrec_flwr.errors import FedRecError  # noqa: E402
 from fedrec_flwr.launch import (  # noqa: E402
     absolute_path_env,  # noqa: E402
@@ -69,6 +68,7 @@ from fedrec_flwr.launch import (  # noqa: E402
     raise_stopped,
     run_error,
 )
+from fedrec_flwr.launch.deploy import Deployment, DeploymentError, app_snapshot  # noqa: E402
 from fedrec_flwr.state.results import headline_k  # noqa: E402
 
 PATH_KEYS = (

@@ -237,7 +237,7 @@ def listening_port():
 )
 def test_the_supernode_wrapper_refuses_contradictory_values(argv, message, capsys):
     """Case 8: ``--partition-id 0 --node-config "partition-id=1 ..."`` silently used 0."""
-    from fedrec_flwr.deploy import supernode_main
+    from fedrec_flwr.launch.supernode import supernode_main
 
     assert supernode_main([*argv, "--dry-run"]) == 2
     err = capsys.readouterr().err
@@ -245,7 +245,7 @@ def test_the_supernode_wrapper_refuses_contradictory_values(argv, message, capsy
 
 
 def test_the_supernode_wrapper_accepts_the_same_value_twice(listening_port, capsys):
-    from fedrec_flwr.deploy import supernode_main
+    from fedrec_flwr.launch.supernode import supernode_main
 
     address = f"127.0.0.1:{listening_port}"
     argv = [
@@ -268,7 +268,7 @@ def test_the_supernode_wrapper_accepts_the_same_value_twice(listening_port, caps
 
 def test_supernode_dry_run_prints_the_command_without_probing_the_superlink(capsys):
     """``--dry-run`` checks the node config and prints the command; it does not need a SuperLink to be up."""
-    from fedrec_flwr.deploy import supernode_main
+    from fedrec_flwr.launch.supernode import supernode_main
 
     assert (
         supernode_main(

@@ -52,7 +52,7 @@ def _tiny_pairs(tmp_path, **more) -> dict:
 
 
 def _toml(pairs: dict) -> str:
-    return "".join(f"{k} = {launch._toml_value(v)}\n" for k, v in pairs.items())
+    return "".join(f"{k} = {launch.toml_value(v)}\n" for k, v in pairs.items())
 
 
 # ------------------------------------------------------------------------------------------- version, help
@@ -278,7 +278,7 @@ def test_the_launchers_pump_feeds_every_line_to_the_display():
             fed.append((line, shown))
 
     stream = io.StringIO("INFO flwr: a Flower line\nreplies 1/2 | train round 1\n" + ROUND.format(r=1, s="1.0") + "\n")
-    launch._pump(stream, io.StringIO(), [], io.StringIO(), False, Display())
+    launch.pump_output(stream, io.StringIO(), [], io.StringIO(), False, Display())
     assert fed == [
         ("INFO flwr: a Flower line\n", None),
         ("replies 1/2 | train round 1\n", None),

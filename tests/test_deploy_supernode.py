@@ -10,14 +10,14 @@ import shlex
 
 import pytest
 
-from fedrec_flwr import deploy
 from fedrec_flwr.app.runtime import DATA_DIR_ENV
+from fedrec_flwr.launch import supernode
 
 NODE = ["--partition-id", "0", "--num-partitions", "3", "--users-per-node", "315", "--dataset", "ml-100k"]
 
 
 def test_dry_run_prints_the_data_and_cache_folders_as_the_nodes_environment(ml100k_dir, tmp_path, capsys):
-    code = deploy.supernode_main(
+    code = supernode.supernode_main(
         [*NODE, "--data-dir", str(ml100k_dir), "--cache-dir", str(tmp_path / "cache"), "--insecure", "--dry-run"]
     )
     out, err = capsys.readouterr()
@@ -38,10 +38,10 @@ def test_started_supernode_gets_the_data_folder_in_its_environment(ml100k_dir, t
     def fake_execve(path, argv, env):
         started.update(path=path, argv=argv, env=env)
 
-    monkeypatch.setattr(deploy, "check_superlink_listening", lambda address, timeout: None)
-    monkeypatch.setattr(deploy.os, "execve", fake_execve)
+    monkeypatch.setattr(supernode, "check_superlink_listening", lambda address, timeout: None)
+    monkeypatch.setattr(supernode.os, "execve", fake_execve)
     monkeypatch.chdir(ml100k_dir.parent)
-    code = deploy.supernode_main(
+    code = supernode.supernode_main(
         [
             *NODE,
             "--data-dir",
@@ -65,14 +65,14 @@ def test_started_supernode_gets_the_data_folder_in_its_environment(ml100k_dir, t
 
 
 def test_without_data_dir_nothing_is_added(capsys):
-    assert deploy.supernode_main(["--partition-id", "1", "--num-partitions", "3", "--insecure", "--dry-run"]) == 0
+    assert supernode.supernode_main(["--partition-id", "1", "--num-partitions", "3", "--insecure", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert shlex.split(out)[0].endswith("flower-supernode") and DATA_DIR_ENV not in out
 
 
 def test_help_says_which_flags_only_check_and_which_are_passed_on(capsys):
     with pytest.raises(SystemExit):
-        deploy.supernode_main(["--help"])
+        supernode.supernode_main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     for flag in ("--dataset DATASET", "--users-per-node USERS_PER_NODE", "--run-config RUN_CONFIG"):
         assert f"{flag} check only" in text

@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from fedrec_flwr.config import make_run_config
-from fedrec_flwr.deploy import Deployment, DeploymentError, app_snapshot, free_port, make_node_keys
-from fedrec_flwr.launch import _group_members, processes_with_env
+from fedrec_flwr.launch import group_members, processes_with_env
+from fedrec_flwr.launch.deploy import Deployment, DeploymentError, app_snapshot, free_port, make_node_keys
 from fedrec_flwr.serial import run_serial
 from fedrec_flwr.state.client_state import ClientStateStore
 from tests.conftest import without_timings, write_tiny_dataset
@@ -142,7 +142,7 @@ def test_deployed_run_with_tls_and_supernode_auth(tmp_path, ml100k_dir, cache_di
 
 def _supernode(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "fedrec_flwr.deploy", "supernode", *args],
+        [sys.executable, "-m", "fedrec_flwr.launch.deploy", "supernode", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -237,7 +237,7 @@ def _rows(folder):
 
 def _running_clientapp(pid: int) -> bool:
     """Whether SuperNode ``pid``'s process group runs a ClientApp process now (it is handling a message)."""
-    for member in _group_members(pid):
+    for member in group_members(pid):
         try:
             if b"flwr-clientapp" in Path(f"/proc/{member}/cmdline").read_bytes():
                 return True

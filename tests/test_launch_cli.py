@@ -296,15 +296,15 @@ def test_a_signal_ends_the_launcher_with_128_plus_its_number(tmp_path, monkeypat
     import signal
     import time
 
-    import fedrec_flwr.launch as launch
+    import fedrec_flwr.launch.cli as launch_cli
 
     def run_then_signalled(*args, **kwargs):
         os.kill(os.getpid(), getattr(signal, signame))
         time.sleep(5)  # the handler raises before this ends
         raise AssertionError("the signal did not stop the run")
 
-    monkeypatch.setattr(launch, "flwr_run", run_then_signalled)
-    assert launch.main(["run", "--flwr-home", str(tmp_path / "home")]) == code
+    monkeypatch.setattr(launch_cli, "flwr_run", run_then_signalled)
+    assert launch_cli.main(["run", "--flwr-home", str(tmp_path / "home")]) == code
     assert f"stopped ({signame})" in capsys.readouterr().err
 
 

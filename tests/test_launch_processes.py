@@ -16,7 +16,7 @@ from fedrec_flwr.launch import (
     RECORD_FILE,
     TOKEN_ENV,
     HomeBusy,
-    _alive,
+    alive,
     ancestors,
     claim_home,
     run_processes,
@@ -61,7 +61,7 @@ def test_terminate_never_signals_this_process_or_its_ancestors(cleanup):
     signalled = terminate({victim.pid, os.getpid(), os.getppid()}, timeout=5)
     assert signalled == {victim.pid}
     victim.wait(timeout=5)
-    assert _alive(os.getppid())
+    assert alive(os.getppid())
 
 
 def test_stop_spares_a_bystander_and_the_parent_sharing_flwr_home(tmp_path):
@@ -169,5 +169,5 @@ def test_run_processes_finds_a_daemon_that_lost_the_token_by_its_session(cleanup
         assert daemon in run_processes(token, (), sessions)  # the leader is gone; its session still names it
         assert terminate(run_processes(token, (), sessions), timeout=5) == {daemon}
     finally:
-        if _alive(daemon):
+        if alive(daemon):
             os.kill(daemon, 9)

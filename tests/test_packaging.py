@@ -296,7 +296,7 @@ def test_config_json_records_what_produced_the_run(tmp_path, monkeypatch):
 DEPLOYED = """
 import json, sys
 from pathlib import Path
-from fedrec_flwr.deploy import Deployment, app_snapshot
+from fedrec_flwr.launch.deploy import Deployment, app_snapshot
 from fedrec_flwr.launch import PROJECT_ROOT
 
 root, overrides = Path(sys.argv[1]), json.loads(sys.argv[2])

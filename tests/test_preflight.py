@@ -14,6 +14,7 @@ from flwr.app import Context, RecordDict
 
 from fedrec_flwr import launch
 from fedrec_flwr.app.preflight import preflight
+from fedrec_flwr.config import default_mapping
 from fedrec_flwr.errors import ConfigError
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -94,7 +95,7 @@ def test_the_launcher_refuses_before_anything_starts(tmp_path, capsys, case):
     """`python -m fedrec_flwr.launch run ...`: exit 2, one line naming the key and value; no Flower home (nothing
     started), no results folder."""
     mapping = _config(tmp_path, case)
-    defaults = launch.default_mapping(launch.PROJECT_ROOT / "pyproject.toml")
+    defaults = default_mapping(launch.PROJECT_ROOT / "pyproject.toml")
     pairs = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in mapping.items() if v != defaults.get(k)]
     code = launch.main(["run", "--flwr-home", str(tmp_path / "home"), *pairs])
     err = capsys.readouterr().err
@@ -190,7 +191,7 @@ def test_an_attribute_a_named_dataset_lacks_is_refused_alone_before_the_publishe
     }
     for attempt in (
         lambda: make_run_config(**overrides),
-        lambda: preflight({**launch.default_mapping(launch.PROJECT_ROOT / "pyproject.toml"), **overrides}),
+        lambda: preflight({**default_mapping(launch.PROJECT_ROOT / "pyproject.toml"), **overrides}),
     ):
         caplog.clear()
         with caplog.at_level("INFO"), pytest.raises(ConfigError) as caught:

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 from conftest import dataset_dir, without_timings
 
-from fedrec_flwr.launch import _alive, flwr_env, flwr_run, processes_with_env, superlink_pids
+from fedrec_flwr.launch import alive, flwr_env, flwr_run, processes_with_env, superlink_pids
 
 RAY = Path(sys.executable).with_name("ray")
 MARKER = "FEDREC_TEST_RAY_CLUSTER"  # the test's cluster starts with MARKER=<token> in its environment
@@ -171,7 +171,7 @@ class LocalRayCluster:
                 except (OSError, IndexError, ValueError):
                     continue
         found.discard(os.getpid())
-        return sorted(pid for pid in found if _alive(pid))
+        return sorted(pid for pid in found if alive(pid))
 
     def stop(self, timeout: float = 20.0) -> list[int]:
         """End every process of this cluster (SIGTERM, then SIGKILL after ``timeout``); returns any still running."""

@@ -15,7 +15,7 @@ import pytest
 from conftest import tiny_run_config
 
 from fedrec_flwr import launch
-from fedrec_flwr.config import RunConfig
+from fedrec_flwr.config import RunConfig, default_mapping
 from fedrec_flwr.errors import ConfigError
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -25,7 +25,7 @@ USERS_PER_NODE = 6  # the tiny dataset's 24 users on 4 nodes
 
 def _pairs(mapping: dict) -> list[str]:
     """``key=value`` words for the launcher: the keys that differ from the defaults."""
-    defaults = launch.default_mapping(launch.PROJECT_ROOT / "pyproject.toml")
+    defaults = default_mapping(launch.PROJECT_ROOT / "pyproject.toml")
     return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in mapping.items() if v != defaults.get(k)]
 
 

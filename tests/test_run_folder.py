@@ -12,6 +12,7 @@ import pytest
 from conftest import tiny_run_config
 
 from fedrec_flwr import launch
+from fedrec_flwr.config import default_mapping
 from fedrec_flwr.errors import ConfigError
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -40,7 +41,7 @@ def _pairs(mapping: dict) -> list[str]:
     """``key=value`` words for the launcher: the keys that differ from the defaults (strings TOML-quoted)."""
     import json
 
-    defaults = launch.default_mapping(launch.PROJECT_ROOT / "pyproject.toml")
+    defaults = default_mapping(launch.PROJECT_ROOT / "pyproject.toml")
     return [
         f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
         for k, v in mapping.items()
@@ -533,14 +534,14 @@ def test_the_supernode_wrapper_finds_flowers_executables_without_the_venv_on_pat
     FileNotFoundError. The wrapper puts this environment's console scripts first on PATH."""
     import sys
 
-    from fedrec_flwr import deploy
+    from fedrec_flwr.launch import supernode
 
     started = {}
-    monkeypatch.setattr(deploy, "check_superlink_listening", lambda address, timeout: None)
-    monkeypatch.setattr(deploy.os, "execve", lambda path, argv, env: started.update(env=env))
+    monkeypatch.setattr(supernode, "check_superlink_listening", lambda address, timeout: None)
+    monkeypatch.setattr(supernode.os, "execve", lambda path, argv, env: started.update(env=env))
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     assert (
-        deploy.supernode_main(
+        supernode.supernode_main(
             ["--partition-id", "0", "--num-partitions", "3", "--superlink", "127.0.0.1:1", "--insecure"]
         )
         == 0

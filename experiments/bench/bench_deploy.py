@@ -19,7 +19,7 @@ codec (``flwr.common.serde.message_to_proto``), and times each phase with wall-c
 
 Not measured here (the same for both apps, Flower's): the SuperNode's poll interval, the FAB install and the gRPC
 transfers. ``--deployed ROUNDS`` adds whole deployed rounds, back to back (:func:`deployed`): a bare app on 3
-SuperNodes, ours on 3 SuperNodes (:class:`fedrec_flwr.deploy.Deployment`; ML-100K FedNCF, fraction-train 0.1), and
+SuperNodes, ours on 3 SuperNodes (:class:`fedrec_flwr.launch.deploy.Deployment`; ML-100K FedNCF, fraction-train 0.1), and
 ours in-process (:func:`fedrec_flwr.serial.run_serial`), for the issue's "deployed round <= 2x (bare deployed round +
 in-process work)".
 
@@ -182,7 +182,7 @@ def deployed(work: Path, rounds: int, shapes: dict) -> dict:
     fraction-train 0.1, users-per-node 315, evaluation in the last round only), and ours in-process
     (:func:`fedrec_flwr.serial.run_serial`, same config)."""
     from fedrec_flwr.config import default_mapping
-    from fedrec_flwr.deploy import Deployment, app_snapshot
+    from fedrec_flwr.launch.deploy import Deployment, app_snapshot
     from fedrec_flwr.serial import run_serial
 
     bare = work / "bare-app"

@@ -53,7 +53,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from fedrec_flwr.io import atomic_write_json, atomic_write_text  # noqa: E402
-from fedrec_flwr.launch import _alive, flwr_env, flwr_run, processes_with_env, superlink_pids  # noqa: E402
+from fedrec_flwr.launch import alive, flwr_env, flwr_run, processes_with_env, superlink_pids  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 GIB = 2**30
@@ -433,7 +433,7 @@ def main() -> int:
     total = time.monotonic() - started
     time.sleep(2.0)
     # the launcher should have ended them all (never PIDs merely seen earlier: they may belong to someone else now)
-    state["leftover"] = sorted(pid for pid in find(superlink_pids(env)) if _alive(pid))
+    state["leftover"] = sorted(pid for pid in find(superlink_pids(env)) if alive(pid))
     for pid in state["leftover"]:
         try:
             os.kill(pid, signal.SIGKILL)
