@@ -669,11 +669,11 @@ def test_one_users_nonfinite_state_leaves_that_user_out_and_its_nodes_other_user
     import io
 
     seen = logging.StreamHandler(io.StringIO())
-    logging.getLogger("fedrec_flwr.app.client_app").addHandler(seen)
+    logging.getLogger("fedrec_flwr.app.handler_common").addHandler(seen)
     try:
         folder = run_serial(config, on_round=poison)
     finally:
-        logging.getLogger("fedrec_flwr.app.client_app").removeHandler(seen)
+        logging.getLogger("fedrec_flwr.app.handler_common").removeHandler(seen)
     summary = json.loads((folder / "summary.json").read_text())
     rows = json.loads((folder / "metrics.json").read_text())
     assert summary["client-failures"] == {} and summary["evaluation-failures"] == {}, summary
