@@ -7,8 +7,6 @@ homomorphic encryption: updates travel in clear, as in the FedRecGEL and PFedRec
 
 from __future__ import annotations
 
-import logging
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -18,21 +16,17 @@ from flwr.app import ArrayRecord, RecordDict
 from flwr.client import NumPyClient
 
 from fedrec_flwr.app.runtime import Runtime
-from fedrec_flwr.arrays import decode_record, encode_array
-from fedrec_flwr.data import sample_train_negatives
-from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.clients import fedrec_checks
+from fedrec_flwr.local import user_data
 from fedrec_flwr.local.blocks import check_block_config
 from fedrec_flwr.local.training import LocalTrainer, ProximalTerm, evaluate_user
-from fedrec_flwr.seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
 from fedrec_flwr.state.client_state import STATE_PREFIX
-from fedrec_flwr.unlearning.influence import influence_objective
-from fedrec_flwr.unlearning.krylov import CGResult, curvature_vector_product, flatten, gradient, krylov_solve, unflatten
-from fedrec_flwr.wire import UserUpdate, support_rows
+from fedrec_flwr.unlearning import user_queries
+from fedrec_flwr.unlearning.influence import influence_examples, influence_objective
+from fedrec_flwr.unlearning.krylov import CGResult
+from fedrec_flwr.wire import UserUpdate
 
-log = logging.getLogger(__name__)
-
-INFLUENCE_ROUND = 0
-"""Round tag of the fixed negative sample in a user's influence loss (training rounds are 1-based, so never 0)."""
+__all__ = ["STATE_PREFIX", "FedRecClient", "UserUpdate"]
 
 
 class FedRecClient(NumPyClient):
@@ -71,13 +65,7 @@ class FedRecClient(NumPyClient):
         Raises:
             ConfigError: ``"proximal-mu"`` is not a finite number >= 0 (names the strategy and ``strategy-args``).
         """
-        if "proximal-mu" in config:
-            mu = config["proximal-mu"]
-            if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not math.isfinite(mu) or mu < 0:
-                raise ConfigError(
-                    f"run-config key 'strategy' = {strategy!r} sends 'proximal-mu' = {mu!r}: FedProx's "
-                    "proximal weight must be a finite number >= 0 (run-config key 'strategy-args')"
-                )
+        fedrec_checks.check_proximal_mu(config, strategy)
 
     unlearns_attributes = False
     """Whether this client trains an attribute adversary and applies ``user-embedding-noise``
@@ -94,31 +82,12 @@ class FedRecClient(NumPyClient):
         """Raise :class:`~fedrec_flwr.errors.ConfigError` for run-config settings this client cannot serve (called
         by the ServerApp at start, :func:`fedrec_flwr.registry.check_components`). Subclasses that override it call
         ``super().check_config(config)`` first. The base client refuses only the attribute-unlearning keys
-        (``adversary``, ``user-embedding-noise``) unless :attr:`unlearns_attributes`: they would be silently ignored.
+        (``adversary``, ``user-embedding-noise``) unless :attr:`unlearns_attributes`: they would be silently ignored
+        (:func:`fedrec_flwr.clients.fedrec_checks.refuse_attribute_keys`), then the block-training keys
+        (:func:`fedrec_flwr.local.blocks.check_block_config`).
         """
         if not cls.unlearns_attributes:
-            given = [
-                f"'{key}' = {value!r}"
-                for key, value, unset in (
-                    ("adversary", config.adversary, config.adversary == "none"),
-                    ("user-embedding-noise", config.user_embedding_noise, config.user_embedding_noise == 0),
-                )
-                if not unset
-            ]  # only the keys this run sets: the other one's default would mislead
-            if given:
-                keys, them = ("keys", "them") if len(given) > 1 else ("key", "it")
-                raise ConfigError(
-                    f"run-config {keys} {' and '.join(given)} need{'s' if len(given) == 1 else ''} an "
-                    f"attribute-unlearning client (client = 'fedau2' or 'fedau2-gel'); client {config.client!r} "
-                    f"would ignore {them}"
-                )
-            if config.protected_attribute:
-                log.warning(
-                    "run-config key 'protected-attribute' = %r is unused: client %r trains no adversary "
-                    "(the attribute is read by client = 'fedau2' or 'fedau2-gel')",
-                    config.protected_attribute,
-                    config.client,
-                )
+            fedrec_checks.refuse_attribute_keys(config)
         check_block_config(cls, config)
 
     def __init__(self, runtime: Runtime, user: int, state: RecordDict) -> None:
@@ -132,28 +101,22 @@ class FedRecClient(NumPyClient):
     # ------------------------------------------------------------------------------------------------ private state
     @property
     def state_key(self) -> str:
-        """This user's key in ``context.state``."""
-        return f"{STATE_PREFIX}{self.user}"
+        """This user's key in ``context.state`` (:func:`fedrec_flwr.local.user_data.user_state_key`)."""
+        return user_data.user_state_key(self.user)
 
     def state_record(self, key: str) -> ArrayRecord | None:
-        """The ``ArrayRecord`` stored under ``key`` in the node's state, or ``None``. (A direct lookup: the state's
-        ``array_records`` view rebuilds a dict of every record on each access, which costs O(users per node).)"""
-        record = self.state.get(key) if key in self.state else None
-        return record if isinstance(record, ArrayRecord) else None
+        """The ``ArrayRecord`` under ``key`` in the node's state, or ``None``
+        (:func:`fedrec_flwr.local.user_data.state_record`)."""
+        return user_data.state_record(self.state, key)
 
     def load_private(self) -> None:
-        """Load the user's private parameters from the state, or initialise them on the first visit."""
-        record = self.state_record(self.state_key)
-        if record is None:
-            generator = torch_generator(self.runtime.config.seed, TAG_USER_INIT, self.user)
-            self.model.reset_private(generator)
-        else:
-            self.model.load_private_state(decode_record(record))
+        """Load the user's private parameters from the state, or initialise them on the first visit
+        (:func:`fedrec_flwr.local.user_data.load_private`)."""
+        user_data.load_private(self.model, self.state, self.user, self.runtime.config.seed)
 
     def save_private(self) -> None:
         """Write the user's private parameters back to the state (only the user's own node ever holds them)."""
-        arrays = {k: encode_array(v.detach().cpu().numpy()) for k, v in self.model.private_state().items()}
-        self.state[self.state_key] = ArrayRecord(arrays)
+        user_data.save_private(self.model, self.state, self.user)
 
     def load_shared(self, shared: Mapping[str, np.ndarray], *, will_modify: Iterable[str] = ()) -> None:
         """Load the server's shared parameters into the process's model, cheaply.
@@ -200,20 +163,8 @@ class FedRecClient(NumPyClient):
     ) -> UserUpdate:
         """A :class:`UserUpdate` of shared ``values`` (parameters or gradients, shaped as the model's current
         parameters): dense keys whole, item tables cut to the rows the user trained on (``result.touched_items``,
-        global ids; inside :meth:`RecModel.item_subset` the tables are compact and indexed through the subset)."""
-        arrays = {k: v.detach().cpu().numpy() for k, v in values.items()}
-        layout = self.runtime.layout
-        touched = np.asarray(result.touched_items, dtype=np.int64)
-        subset = self.model.active_item_subset
-        index = touched if subset is None else np.searchsorted(subset, touched)
-        return UserUpdate(
-            dense={k: arrays[k] for k in layout.dense_keys},
-            rows={k: (touched, arrays[k][index]) for k in layout.item_keys},
-            num_examples=int(result.num_examples),
-            loss=float(result.loss),
-            weight=weight,
-            is_gradient=is_gradient,
-        )
+        global ids; :func:`fedrec_flwr.local.user_data.user_update`)."""
+        return user_data.user_update(self.model, self.runtime.layout, values, result, weight, is_gradient)
 
     def prepare_evaluation(self) -> None:
         """Hook run after the shared and private parameters are loaded for evaluation (PFedRec applies the user's
@@ -238,21 +189,16 @@ class FedRecClient(NumPyClient):
             ValueError: ``"proximal-mu"`` is negative or not finite.
         """
         server_round = int(config["server-round"])
-        cfg, split = self.runtime.config, self.runtime.split
         self.load_shared(shared, will_modify=self.runtime.layout.dense_keys)
         self.load_private()
-        positives = split.positives(self.user)
-        negatives = sample_train_negatives(split, self.user, server_round, cfg.num_train_negatives, cfg.seed)
-        generator = torch_generator(cfg.seed, TAG_SHUFFLE, self.user, server_round)
-        items = np.union1d(positives, negatives).astype(np.int64)
+        examples = user_data.round_examples(self.runtime, self.user, server_round)
+        items = examples.items
         with self.model.item_subset(items):  # train on the user's rows only: O(rows) instead of O(catalogue)
             self.trainer = self.make_trainer(config)
             mu = float(config.get("proximal-mu", 0.0) or 0.0)
             if mu:  # FedProx (Li et al. 2020, Eq. 2): stay near the round's global shared parameters
                 self.trainer.loss_terms.append(ProximalTerm(self.model.shared_parameters(), mu))
-            result = self.trainer.train(
-                0, np.searchsorted(items, positives), np.searchsorted(items, negatives), generator
-            )
+            result = self.trainer.train(0, examples.positives, examples.negatives, examples.generator)
             result.touched_items = items[result.touched_items]
             self.save_private()
             return self.shared_update(self.trainer, result, config)
@@ -272,39 +218,23 @@ class FedRecClient(NumPyClient):
         Raises:
             ValueError: an unknown split, or ``"val"`` without a validation item.
         """
-        split = self.runtime.split
-        which = str(config.get("split", "test"))
-        if which not in ("test", "val", "test+val"):
-            raise ValueError(f"evaluation split must be 'test', 'val' or 'test+val', got {which!r}")
-        if "val" in which and split.val_items is None:
-            raise ValueError(f"evaluation on {which!r} needs holdout-validation = true")
+        phases = user_data.evaluation_phases(self.runtime.split, config)
         self.load_shared(shared)
         self.load_private()
         self.prepare_evaluation()
         ks = self.runtime.config.k_values
         out: dict[str, float] = {}
         with torch.no_grad():
-            if which in ("test", "test+val"):
-                out.update(
-                    evaluate_user(
-                        self.model, 0, int(split.test_items[self.user]), split.test_negatives[self.user], ks=ks
-                    )
-                )
-            if which in ("val", "test+val"):
-                prefix = "val-" if which == "test+val" else ""
-                metrics = evaluate_user(
-                    self.model, 0, int(split.val_items[self.user]), split.val_negatives[self.user], ks=ks
-                )
+            for prefix, targets, negatives in phases:
+                metrics = evaluate_user(self.model, 0, int(targets[self.user]), negatives[self.user], ks=ks)
                 out.update({prefix + k: v for k, v in metrics.items()})
         return out
 
     # ------------------------------------------------------------------------------------------------ unlearning
     def influence_examples(self) -> tuple[np.ndarray, np.ndarray]:
         """``(positives, negatives)`` of this user's influence loss: its training positives and a fixed negative
-        sample (``num-train-negatives`` per positive, drawn from the stream of round 0, which training never uses)."""
-        cfg, split = self.runtime.config, self.runtime.split
-        negatives = sample_train_negatives(split, self.user, INFLUENCE_ROUND, cfg.num_train_negatives, cfg.seed)
-        return split.positives(self.user), negatives
+        sample (:func:`fedrec_flwr.unlearning.influence.influence_examples`)."""
+        return influence_examples(self.runtime, self.user)
 
     def influence_items(self) -> np.ndarray:
         """``(T,)`` sorted item rows of this user's influence loss (:meth:`influence_examples`)."""
@@ -315,31 +245,11 @@ class FedRecClient(NumPyClient):
         context manager yielding ``(loss_fn, params, items)`` (:func:`fedrec_flwr.unlearning.influence.influence_objective`)."""
         return influence_objective(self.runtime, [self], shared, extra_rows)
 
-    def _compact(self, vector: Mapping[str, np.ndarray], items: np.ndarray, params) -> dict[str, torch.Tensor]:
-        item_keys = self.runtime.layout.item_keys
-        return {
-            k: torch.as_tensor(
-                np.asarray(vector[k])[items] if k in item_keys else np.asarray(vector[k]),
-                dtype=p.dtype,
-                device=p.device,
-            )
-            for k, p in params.items()
-        }
-
-    def _expand(self, compact: Mapping[str, torch.Tensor], items: np.ndarray) -> tuple[dict, dict]:
-        """Compact tensors -> ``(dense key -> array, item key -> (rows, values))``."""
-        layout = self.runtime.layout
-        arrays = {k: v.detach().cpu().numpy().astype(np.float64) for k, v in compact.items()}
-        return ({k: arrays[k] for k in layout.dense_keys}, {k: (items, arrays[k]) for k in layout.item_keys})
-
     def influence_gradient(self, shared: Mapping[str, np.ndarray]) -> tuple[dict, dict, float]:
         """``∇_theta L_u`` at the server's shared parameters: ``(dense, rows, loss)`` (rows: item key ->
-        ``(row ids (T,), values (T, d))``). The gradient of the user's own loss; its data never leaves."""
-        with self.influence_objective(shared) as (loss_fn, params, items):
-            grads = gradient(loss_fn, params)
-            loss = float(loss_fn(params).detach())
-            dense, rows = self._expand(grads, items)
-        return dense, rows, loss
+        ``(row ids (T,), values (T, d))``; :func:`fedrec_flwr.unlearning.user_queries.influence_gradient`). The
+        gradient of the user's own loss; its data never leaves."""
+        return user_queries.influence_gradient(self, shared)
 
     def influence_hvp(
         self,
@@ -348,13 +258,10 @@ class FedRecClient(NumPyClient):
         group: list | None = None,
         curvature: str = "hessian",
     ) -> tuple[dict, dict]:
-        """``H_u v``: this user's loss Hessian (``curvature = "hessian"``) or Gauss-Newton matrix (``"gauss-newton"``,
-        :func:`fedrec_flwr.unlearning.krylov.gauss_newton_vector_product`) at the shared parameters times ``direction`` (full
-        arrays by shared key); non-zero only on the user's rows and the dense parameters. With ``group`` (clients of
-        this node's users, this one included), the product of their summed losses, in one batched pass."""
-        with influence_objective(self.runtime, group or [self], shared) as (loss_fn, params, items):
-            product = curvature_vector_product(loss_fn, params, self._compact(direction, items, params), curvature)
-            return self._expand(product, items)
+        """``H_u v``: this user's loss Hessian or Gauss-Newton matrix (``curvature``) at the shared parameters times
+        ``direction``; with ``group`` (clients of this node's users, this one included), of their summed losses
+        (:func:`fedrec_flwr.unlearning.user_queries.influence_hvp`)."""
+        return user_queries.influence_hvp(self, shared, direction, group, curvature)
 
     def influence_solve(
         self,
@@ -369,37 +276,22 @@ class FedRecClient(NumPyClient):
         radius: float | None = None,
     ) -> tuple[dict, dict, CGResult]:
         """Local CG (HF-KCU's Algorithm 1, client side): ``x_u ≈ (H_u + damping I)^{-1} rhs`` on this user's own
-        Hessian (or Gauss-Newton matrix: ``curvature``), by plain CG or trust-region CG within ``radius``
-        (``solver``, :func:`fedrec_flwr.unlearning.krylov.krylov_solve`). Rows of ``rhs`` outside the user's rows get ``rhs /
-        damping`` (``H_u`` is 0 there), exactly as CG gives them. Returns ``(dense, rows, CGResult)``.
+        curvature, as ``(dense, rows, CGResult)`` (:func:`fedrec_flwr.unlearning.user_queries.influence_solve`).
 
         Raises:
             ValueError: ``damping`` is 0 and ``rhs`` has rows this user's loss never touches (singular system).
         """
-        support = support_rows(rhs, self.runtime.layout)
-        if damping == 0 and not np.isin(support, self.influence_items()).all():
-            raise ValueError(
-                f"user {self.user}: damping = 0 but the right-hand side has rows this user's loss never "
-                "touches, where its Hessian is 0 (a singular system); use damping > 0"
-            )
-        with self.influence_objective(shared, extra_rows=support) as (loss_fn, params, items):
-            shapes = {k: tuple(p.shape) for k, p in params.items()}
-            b = flatten({k: v.cpu().numpy() for k, v in self._compact(rhs, items, params).items()}, shapes)
-
-            def matvec(flat: np.ndarray) -> np.ndarray:
-                vector = {
-                    k: torch.as_tensor(v, dtype=params[k].dtype, device=params[k].device)
-                    for k, v in unflatten(flat, shapes).items()
-                }
-                product = curvature_vector_product(loss_fn, params, vector, curvature)
-                return flatten({k: v.detach().cpu().numpy() for k, v in product.items()}, shapes)
-
-            result = krylov_solve(
-                matvec, b, solver=solver, iterations=iterations, damping=damping, tolerance=tolerance, radius=radius
-            )
-            solution = {k: torch.as_tensor(v) for k, v in unflatten(result.x, shapes).items()}
-            dense, rows = self._expand(solution, items)
-        return dense, rows, result
+        return user_queries.influence_solve(
+            self,
+            shared,
+            rhs,
+            iterations=iterations,
+            damping=damping,
+            tolerance=tolerance,
+            curvature=curvature,
+            solver=solver,
+            radius=radius,
+        )
 
     # ------------------------------------------------------------------------------------------------ NumPyClient
     def get_parameters(self, config: dict[str, Any]) -> list[np.ndarray]:

@@ -22,11 +22,10 @@ from torch.func import functional_call, vmap
 
 from fedrec_flwr.app.runtime import Runtime
 from fedrec_flwr.arrays import decode_record, encode_array
-from fedrec_flwr.data import sample_train_negatives
 from fedrec_flwr.local.training import resolve_device
+from fedrec_flwr.local.user_data import round_examples, state_record, user_state_key
 from fedrec_flwr.models.base import EMBEDDING_INIT_STD
-from fedrec_flwr.seeding import TAG_SHUFFLE, TAG_USER_INIT, torch_generator
-from fedrec_flwr.state.client_state import STATE_PREFIX
+from fedrec_flwr.seeding import TAG_USER_INIT, torch_generator
 
 CHUNK_EXAMPLES = 1 << 15
 """At most about this many padded examples in one chunk of a block (bounds memory and keeps a chunk's activations
@@ -80,15 +79,16 @@ class Block:
 
     # ------------------------------------------------------------------------------------------ private state
     def state_record(self, key: str) -> ArrayRecord | None:
-        record = self.state.get(key) if key in self.state else None
-        return record if isinstance(record, ArrayRecord) else None
+        """The ``ArrayRecord`` under ``key`` in the node's state, or ``None``
+        (:func:`fedrec_flwr.local.user_data.state_record`)."""
+        return state_record(self.state, key)
 
     def load_private(self, users: Sequence[int]) -> dict[str, torch.Tensor]:
         """Private key -> ``(k, 1, d)`` the users' private parameters (initialised as the per-user client does on a
         first visit: :meth:`RecModel.reset_private` from the stream ``(seed, TAG_USER_INIT, user)``)."""
         rows: dict[str, list[np.ndarray]] = {key: [] for key in self.private_keys}
         for user in users:
-            record = self.state_record(f"{STATE_PREFIX}{user}")
+            record = self.state_record(user_state_key(user))
             if record is None:
                 values = self.initial_private(user)
             else:
@@ -117,7 +117,7 @@ class Block:
         """Write each user's private parameters back to its record (the same keys as the per-user client)."""
         arrays = {key: value.detach().cpu().numpy() for key, value in private.items()}
         for index, user in enumerate(users):
-            self.state[f"{STATE_PREFIX}{user}"] = ArrayRecord(
+            self.state[user_state_key(user)] = ArrayRecord(
                 {key: encode_array(arrays[key][index]) for key in self.private_keys}
             )
 
@@ -125,14 +125,10 @@ class Block:
     def user_data(self, user: int, server_round: int) -> UserData:
         """One user's compact rows and examples, exactly as :meth:`FedRecClient.fit_named` and
         :meth:`LocalTrainer.train` build them (BCE: positives then negatives; BPR: positive ``j`` repeated for its
-        ``k`` negatives)."""
-        cfg, split = self.runtime.config, self.runtime.split
-        positives = split.positives(user)
-        negatives = sample_train_negatives(split, user, server_round, cfg.num_train_negatives, cfg.seed)
-        items = np.union1d(positives, negatives).astype(np.int64)
-        pos, neg = np.searchsorted(items, positives), np.searchsorted(items, negatives)
-        generator = torch_generator(cfg.seed, TAG_SHUFFLE, user, server_round)
-        if cfg.loss == "bpr":
+        ``k`` negatives; :func:`fedrec_flwr.local.user_data.round_examples`)."""
+        examples = round_examples(self.runtime, user, server_round)
+        items, pos, neg, generator = examples.items, examples.positives, examples.negatives, examples.generator
+        if self.runtime.config.loss == "bpr":
             k = len(neg) // len(pos)
             return UserData(user, items, np.repeat(pos, k), neg, None, generator)
         labels = np.concatenate([np.ones(len(pos), np.float32), np.zeros(len(neg), np.float32)])

@@ -87,6 +87,7 @@ from fedrec_flwr.local.block_engine import (
 )
 from fedrec_flwr.local.block_optim import BlockAdam, BlockSGD, make_optimizer
 from fedrec_flwr.local.sam import decoupled_sam_gradients, user_norms
+from fedrec_flwr.local.user_data import evaluation_phases
 from fedrec_flwr.metrics import ranking_metrics_batch
 from fedrec_flwr.state.client_state import OPTIMIZER_PREFIX
 from fedrec_flwr.wire import UserUpdate
@@ -385,12 +386,7 @@ def evaluate_block(
     Raises:
         ValueError: an unknown ``"split"``, or ``"val"`` without validation items (as the per-user client).
     """
-    split = runtime.split
-    which = str(config.get("split", "test"))
-    if which not in ("test", "val", "test+val"):
-        raise ValueError(f"evaluation split must be 'test', 'val' or 'test+val', got {which!r}")
-    if "val" in which and split.val_items is None:
-        raise ValueError(f"evaluation on {which!r} needs holdout-validation = true")
+    phases = evaluation_phases(runtime.split, config)
     block = Block(runtime, users, state)
     ks = runtime.config.k_values
     shared_t = {key: as_tensor(value, block.device, block.dtype) for key, value in shared.items()}
@@ -399,11 +395,6 @@ def evaluate_block(
         part = block.users[start : start + EVAL_USERS_PER_CALL]
         private = block.load_private(part)
         params = {**shared_t, **{key: value.reshape(len(part), -1) for key, value in private.items()}}
-        phases = []
-        if which in ("test", "test+val"):
-            phases.append(("", split.test_items, split.test_negatives))
-        if which in ("val", "test+val"):
-            phases.append(("val-" if which == "test+val" else "", split.val_items, split.val_negatives))
         for prefix, targets, negatives in phases:
             candidates = np.concatenate(
                 [np.asarray(targets)[part].reshape(-1, 1), np.asarray(negatives)[part]], axis=1

@@ -3,7 +3,7 @@ parameters, the private user embeddings held fixed. HF-KCU's gradients and Hessi
 (:mod:`fedrec_flwr.strategies.unlearning`, :mod:`fedrec_flwr.unlearning.krylov`).
 
 ``L_u(theta)`` is the training loss (``loss``: BCE or BPR) averaged over user ``u``'s training positives and a fixed
-negative sample (:meth:`fedrec_flwr.clients.fedrec.FedRecClient.influence_examples`), plus the L2 term of ``weight-decay`` where
+negative sample (:func:`influence_examples`), plus the L2 term of ``weight-decay`` where
 set (on the item rows the user's loss uses and on the dense parameters, as in training). A node's objective is
 ``sum_u L_u`` over its users, evaluated in one batched pass when the model's private parameters are user-embedding
 tables (MF, NCF): the node's users become the rows of one user table, so one product costs one forward-backward over
@@ -20,8 +20,44 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedrec_flwr.data import sample_train_negatives
 from fedrec_flwr.models import RecModel
 from fedrec_flwr.unlearning.curvature import CompositeLoss, gauss_newton_diagonal
+
+INFLUENCE_ROUND = 0
+"""Round tag of the fixed negative sample in a user's influence loss (training rounds are 1-based, so never 0)."""
+
+
+def influence_examples(runtime, user: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(positives, negatives)`` global item ids of user ``user``'s influence loss: its training positives and a
+    fixed negative sample (``num-train-negatives`` per positive, drawn from the stream of round
+    :data:`INFLUENCE_ROUND`, which training never uses)."""
+    cfg, split = runtime.config, runtime.split
+    negatives = sample_train_negatives(split, user, INFLUENCE_ROUND, cfg.num_train_negatives, cfg.seed)
+    return split.positives(user), negatives
+
+
+def compact_vector(
+    vector: Mapping[str, np.ndarray], items: np.ndarray, params: Mapping[str, torch.Tensor], item_keys
+) -> dict[str, torch.Tensor]:
+    """Full shared arrays ``vector`` (key -> array, item tables ``(num_items, ...)``) cut to the compact parameters
+    ``params`` of :func:`influence_objective`: item tables (``item_keys``) to rows ``items`` ``(T,)``, dense keys
+    whole; each as a tensor of its parameter's dtype and device."""
+    return {
+        k: torch.as_tensor(
+            np.asarray(vector[k])[items] if k in item_keys else np.asarray(vector[k]),
+            dtype=p.dtype,
+            device=p.device,
+        )
+        for k, p in params.items()
+    }
+
+
+def expand_compact(compact: Mapping[str, torch.Tensor], items: np.ndarray, layout) -> tuple[dict, dict]:
+    """Compact tensors (as :func:`compact_vector` makes them) -> ``(dense key -> float64 array, item key -> (rows
+    items (T,), float64 values (T, ...)))``, the form of :class:`fedrec_flwr.wire.SparseSum`'s parts."""
+    arrays = {k: v.detach().cpu().numpy().astype(np.float64) for k, v in compact.items()}
+    return ({k: arrays[k] for k in layout.dense_keys}, {k: (items, arrays[k]) for k in layout.item_keys})
 
 
 def can_batch(model: RecModel) -> bool:
@@ -268,14 +304,7 @@ def influence_loss_sums(
     groups = [list(clients)] if len(clients) > 1 and can_batch(runtime.model) else [[c] for c in clients]
     for group in groups:
         with influence_objective(runtime, group, shared) as (loss_fn, params, items):
-            compact = {
-                k: torch.as_tensor(
-                    np.asarray(direction[k])[items] if k in item_keys else np.asarray(direction[k]),
-                    dtype=p.dtype,
-                    device=p.device,
-                )
-                for k, p in params.items()
-            }
+            compact = compact_vector(direction, items, params, item_keys)
             with torch.no_grad():
                 for index, step in enumerate(steps):
                     totals[index] += float(loss_fn({k: params[k] + step * compact[k] for k in params}))
