@@ -97,3 +97,35 @@ def test_the_library_never_imports_the_clients_or_strategies_built_on_it():
             if target.startswith(tuple(MAPPED.values())):
                 upward.append(f"{path.relative_to(ROOT)} imports {target}")
     assert upward == []
+
+
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 300
+OVER_THE_LIMITS = {
+    "fedrec_flwr/privacy/secagg.py",
+    "strategies/unlearning.py",
+    "strategies/item_fedavg.py",
+    "strategies/flower_adapter.py",
+    "strategies/unlearning.py:ClientUnlearning",
+    "strategies/item_fedavg.py:ItemEmbeddingFedAvg",
+    "strategies/flower_adapter.py:FlowerStrategyAdapter",
+}
+"""Modules and classes over the size limits, left to be split (not checked; every other one is)."""
+
+
+def _oversized() -> list[str]:
+    found = []
+    for pattern in ("fedrec_flwr/**/*.py", "clients/*.py", "strategies/*.py"):
+        for path in sorted(ROOT.glob(pattern)):
+            name = path.relative_to(ROOT).as_posix()
+            text = path.read_text(encoding="utf-8")
+            if text.count("\n") > MAX_MODULE_LINES:
+                found.append(name)
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                    found.append(f"{name}:{node.name}")
+    return found
+
+
+def test_no_module_over_600_lines_and_no_class_over_300():
+    assert [name for name in _oversized() if name not in OVER_THE_LIMITS] == []
