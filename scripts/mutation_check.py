@@ -148,7 +148,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "evaluate-unweighted-mean",
-        "strategies/item_fedavg.py",
+        "strategies/evaluation.py",
         (
             one(
                 "metrics = aggregate_metricrecords(ok, NUM_EXAMPLES)",
@@ -338,10 +338,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "zero-row-count-accepted", "fedrec_flwr/wire.py", (one("counts.min() <= 0", "counts.min() < 0"),), WIRE_TESTS
     ),
-    # ---- item_fedavg.py aggregation
+    # ---- item-embedding FedAvg: aggregation, reply checks, round sizes, evaluation
     Mutation(
         "dense-average-unweighted",
-        "strategies/item_fedavg.py",
+        "strategies/aggregation.py",
         (
             one(
                 "RecordDict({ARRAYS: ArrayRecord({k: r[ARRAYS][k] for k in dense_keys}), METRICS: r[METRICS]})",
@@ -353,25 +353,25 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "zero-weight-reply-accepted",
-        "strategies/item_fedavg.py",
+        "strategies/replies.py",
         (one("or weight <= 0:", "or weight < 0:"),),
         STRATEGY_TESTS,
     ),
     Mutation(
         "replied-users-counts-replies",
-        "strategies/item_fedavg.py",
+        "strategies/aggregation.py",
         (one('float(sum(float(r[METRICS].get("num-users", 0)) for r in accepted))', "float(len(accepted))"),),
         STRATEGY_TESTS + ("tests/test_method_clients.py",),
     ),
     Mutation(
         "min-train-fraction-floor",
-        "strategies/item_fedavg.py",
-        (one("math.ceil(self.min_train_fraction * expected)", "math.floor(self.min_train_fraction * expected)"),),
+        "strategies/train_round.py",
+        (one("math.ceil(min_train_fraction * expected)", "math.floor(min_train_fraction * expected)"),),
         STRATEGY_TESTS,
     ),
     Mutation(
         "eval-users-counts-replies",
-        "strategies/item_fedavg.py",
+        "strategies/evaluation.py",
         (one("float(sum(float(r[METRICS][NUM_EXAMPLES]) for r in ok))", "float(len(ok))"),),
         STRATEGY_TESTS,
     ),
