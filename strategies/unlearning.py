@@ -120,6 +120,7 @@ beside it: :mod:`.unlearning_krylov` (HF-KCU's solve), :mod:`.unlearning_search`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -133,6 +134,7 @@ from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.seeding import numpy_rng
 from fedrec_flwr.unlearning.krylov import CGResult, LineSearchResult
+from fedrec_flwr.unlearning.settings import METHODS, UnlearningSection
 
 from . import unlearning_baselines, unlearning_krylov, unlearning_search, unlearning_transport
 from .unlearning_krylov import (
@@ -166,7 +168,6 @@ log = logging.getLogger(__name__)
 TAG_FORGET = 15
 """Seed tag of the stream that draws ``forget-fraction`` of the users."""
 
-METHODS = ("none", "retrain", "continue", "hfkcu", "gradient-ascent")
 PHASE_METHODS = ("continue", "hfkcu", "gradient-ascent")
 """Methods that run a phase after ``unlearn-round`` (``retrain`` only changes sampling)."""
 
@@ -194,66 +195,89 @@ def forget_set(config: RunConfig, num_users: int) -> np.ndarray:
     return users
 
 
-@dataclass(frozen=True)
-class UnlearningSettings:
-    """The unlearning keys of the run config, with the forget set resolved (see ``pyproject.toml``)."""
+ALIASES = {
+    "method": "unlearning",
+    "preconditioner": "krylov_preconditioner",
+    "scale": "unlearn_scale",
+    "max_step": "unlearn_max_step",
+}
+""":class:`UnlearningSettings`' names of some section keys -> the section's attribute (the run-config key, snake_case)."""
 
-    method: str
+_SECTION_FIELDS = frozenset(f.name for f in dataclasses.fields(UnlearningSection))
+
+
+@dataclass(frozen=True, init=False)
+class UnlearningSettings:
+    """What one unlearning phase forgets and how: the run config's unlearning section
+    (:class:`fedrec_flwr.unlearning.settings.UnlearningSection`, read through this object: ``settings.damping``), the
+    forget set resolved, the phase's round and the run's seed.
+
+    Args:
+        method: ``unlearning`` (``None``: the section's).
+        forget: the users to forget (user indices).
+        round: the round after which the phase runs.
+        seed: the run's seed (``curvature-sample``'s draw, the preconditioner's probes).
+        section: the section's values (default: the project's defaults, ``pyproject.toml``).
+        **changes: section values to change, by the section's names or :data:`ALIASES` (``scale``, ``max_step``,
+            ``preconditioner``).
+
+    Raises:
+        TypeError: a change names no key of the section.
+    """
+
+    section: UnlearningSection
     forget: tuple[int, ...]
     round: int
-    krylov_mode: str = "distributed"
-    krylov_solver: str = "steihaug"
-    preconditioner: str = "none"
-    curvature: str = "gauss-newton"
-    trust_radius: float = 0.015
-    cg_iterations: int = 10
-    cg_tolerance: float = 1e-6
-    damping: float = 0.01
-    scale: float = 1.0
-    adaptive_scale: bool = False
-    max_step: float = 0.1
-    line_search: str = "none"
-    line_search_max_step: float = 64.0
-    line_search_rounds: int = 4
-    curvature_sample: float = 1.0
-    seed: int = 0
-    causal_weighting: bool = True
-    ascent_steps: int = 5
-    ascent_learning_rate: float = 0.1
-    continue_rounds: int = 5
+    seed: int
+
+    def __init__(
+        self,
+        method: str | None = None,
+        forget: tuple[int, ...] = (),
+        round: int = 0,
+        seed: int = 0,
+        section: UnlearningSection | None = None,
+        **changes,
+    ) -> None:
+        if method is not None:
+            changes["method"] = method
+        named = {ALIASES.get(k, k): v for k, v in changes.items()}
+        unknown = sorted(k for k in named if k not in _SECTION_FIELDS)
+        if unknown:
+            raise TypeError(f"UnlearningSettings got unknown keys {unknown}")
+        section = UnlearningSection.of(section if section is not None else _default_section())
+        object.__setattr__(self, "section", dataclasses.replace(section, **named) if named else section)
+        object.__setattr__(self, "forget", tuple(int(u) for u in forget))
+        object.__setattr__(self, "round", int(round))
+        object.__setattr__(self, "seed", int(seed))
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "section":
+            raise AttributeError(name)
+        key = ALIASES.get(name, name)
+        if key in _SECTION_FIELDS:
+            return getattr(self.section, key)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     def from_config(cls, config: RunConfig, num_users: int) -> UnlearningSettings:
         """Settings of a validated config for a federation of ``num_users`` users (raises as :func:`forget_set`)."""
         return cls(
-            method=config.unlearning,
             forget=tuple(int(u) for u in forget_set(config, num_users)),
             round=config.effective_unlearn_round,
-            krylov_mode=config.krylov_mode,
-            krylov_solver=config.krylov_solver,
-            preconditioner=config.krylov_preconditioner,
-            curvature=config.curvature,
-            trust_radius=config.trust_radius,
-            cg_iterations=config.cg_iterations,
-            cg_tolerance=config.cg_tolerance,
-            damping=config.damping,
-            scale=config.unlearn_scale,
-            adaptive_scale=config.adaptive_scale,
-            max_step=config.unlearn_max_step,
-            line_search=config.line_search,
-            line_search_max_step=config.line_search_max_step,
-            line_search_rounds=config.line_search_rounds,
-            curvature_sample=config.curvature_sample,
             seed=config.seed,
-            causal_weighting=config.causal_weighting,
-            ascent_steps=config.ascent_steps,
-            ascent_learning_rate=config.ascent_learning_rate,
-            continue_rounds=config.continue_rounds,
+            section=config,
         )
 
     def replace(self, **changes) -> UnlearningSettings:
-        """A copy with some fields changed."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some values changed (``forget``, ``round``, ``seed``, or section keys as in the constructor)."""
+        own = {k: changes.pop(k, getattr(self, k)) for k in ("forget", "round", "seed")}
+        return UnlearningSettings(**own, section=self.section, **changes)
+
+
+@functools.lru_cache(maxsize=1)
+def _default_section() -> UnlearningSection:
+    return UnlearningSection.defaults()
 
 
 class ClientUnlearning:
