@@ -33,7 +33,7 @@ from fedrec_flwr.wire import (
     merge_rows,
 )
 
-log = logging.getLogger("fedrec_flwr.strategies.item_fedavg")
+log = logging.getLogger("fedrec_flwr.strategies.item_fedavg")  # the strategy's logger: its lines keep their source
 
 
 def update_norm(

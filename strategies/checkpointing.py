@@ -12,7 +12,7 @@ from flwr.app import ArrayRecord
 
 from fedrec_flwr.state.checkpoint import TRAINED_KEY
 
-log = logging.getLogger("fedrec_flwr.strategies.item_fedavg")
+log = logging.getLogger("fedrec_flwr.strategies.item_fedavg")  # the strategy's logger: its lines keep their source
 
 ADVERSARY_PREFIX = "adversary-step/"
 """Prefix of the adversary server step's arrays among the checkpoint's strategy arrays."""

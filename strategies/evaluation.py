@@ -16,7 +16,7 @@ from fedrec_flwr.wire import ISOLATED_USERS, METRICS, NUM_EXAMPLES
 from .aggregation import take_isolated
 from .replies import attribute_replies, count_evaluation_failure
 
-log = logging.getLogger("fedrec_flwr.strategies.item_fedavg")
+log = logging.getLogger("fedrec_flwr.strategies.item_fedavg")  # the strategy's logger: its lines keep their source
 
 
 def evaluation_metrics(

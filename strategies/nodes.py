@@ -12,7 +12,7 @@ from flwr.serverapp import Grid
 
 from fedrec_flwr.wire import ARRAYS, CONFIG, Topology
 
-log = logging.getLogger("fedrec_flwr.strategies.item_fedavg")
+log = logging.getLogger("fedrec_flwr.strategies.item_fedavg")  # the strategy's logger: its lines keep their source
 
 
 def refresh_topology(

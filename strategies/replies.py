@@ -13,7 +13,7 @@ from fedrec_flwr.arrays import decode_record
 from fedrec_flwr.errors import reply_error_line
 from fedrec_flwr.wire import ARRAYS, METRICS, NUM_EXAMPLES, ModelLayout, ReplyError, check_reply_keys
 
-log = logging.getLogger("fedrec_flwr.strategies.item_fedavg")
+log = logging.getLogger("fedrec_flwr.strategies.item_fedavg")  # the strategy's logger: its lines keep their source
 
 
 def check_reply(

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from fedrec_flwr.unlearning.settings import PHASE_METHODS
 from fedrec_flwr.wire import sample_users
 
 TRAIN_TAG = 0
@@ -52,8 +53,6 @@ def planned_train_rounds(num_rounds: int, unlearning) -> list[int]:
 def forgotten_after_phase(unlearning, server_round: int) -> bool:
     """Whether ``server_round`` trains without the forget set because an unlearning phase (``continue``, ``hfkcu``,
     ``gradient-ascent``) ran after an earlier round (``unlearn-round``) and removed it."""
-    from .unlearning import PHASE_METHODS
-
     u = unlearning
     return u is not None and u.method in PHASE_METHODS and bool(u.forget) and server_round > u.round
 

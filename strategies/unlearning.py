@@ -134,7 +134,7 @@ from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.seeding import numpy_rng
 from fedrec_flwr.unlearning.krylov import CGResult, LineSearchResult
-from fedrec_flwr.unlearning.settings import METHODS, UnlearningSection
+from fedrec_flwr.unlearning.settings import METHODS, PHASE_METHODS, UnlearningSection
 
 from . import unlearning_baselines, unlearning_krylov, unlearning_search, unlearning_transport
 from .unlearning_krylov import (
@@ -167,9 +167,6 @@ log = logging.getLogger(__name__)
 
 TAG_FORGET = 15
 """Seed tag of the stream that draws ``forget-fraction`` of the users."""
-
-PHASE_METHODS = ("continue", "hfkcu", "gradient-ascent")
-"""Methods that run a phase after ``unlearn-round`` (``retrain`` only changes sampling)."""
 
 
 def forget_set(config: RunConfig, num_users: int) -> np.ndarray:

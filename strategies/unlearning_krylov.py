@@ -20,7 +20,7 @@ from fedrec_flwr.seeding import numpy_rng
 from fedrec_flwr.unlearning.krylov import CGResult, flatten, krylov_solve, unflatten
 from fedrec_flwr.wire import METRICS, UNLEARN_DIAGONAL, UNLEARN_HVP, UNLEARN_LOCAL_CG, nonzero_rows, support_rows
 
-log = logging.getLogger("fedrec_flwr.strategies.unlearning")
+log = logging.getLogger("fedrec_flwr.strategies.unlearning")  # the phase's logger: its lines keep their source
 
 TAG_CURVATURE_SAMPLE = 16
 """Seed tag of the stream that draws the nodes whose users' curvature ``curvature-sample`` queries."""

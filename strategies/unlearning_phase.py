@@ -12,9 +12,10 @@ from flwr.app import ArrayRecord
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.io import atomic_save_npz, atomic_write_json
+from fedrec_flwr.unlearning.settings import PHASE_METHODS
 from fedrec_flwr.wire import Topology
 
-log = logging.getLogger("fedrec_flwr.strategies.item_fedavg")
+log = logging.getLogger("fedrec_flwr.strategies.item_fedavg")  # the strategy's logger: its lines keep their source
 
 
 def settings_from_config(config: RunConfig, topology: Topology | None):
@@ -51,8 +52,6 @@ def record_retrain(folder: Path, settings) -> None:
 
 def phase_due(strategy, server_round: int) -> bool:
     """Whether ``strategy``'s unlearning phase runs after ``server_round`` (a phase method, its round, not yet run)."""
-    from .unlearning import PHASE_METHODS
-
     u = strategy.unlearning
     return (
         u is not None and u.method in PHASE_METHODS and server_round == u.round and strategy.unlearning_report is None

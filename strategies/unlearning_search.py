@@ -20,7 +20,7 @@ from fedrec_flwr.wire import ARRAYS, METRICS, UNLEARN_COUNTS, UNLEARN_LOSS, UNLE
 
 from .unlearning_transport import step_sums
 
-log = logging.getLogger("fedrec_flwr.strategies.unlearning")
+log = logging.getLogger("fedrec_flwr.strategies.unlearning")  # the phase's logger: its lines keep their source
 
 
 def remaining_loss(

@@ -28,7 +28,7 @@ from fedrec_flwr.wire import (
     unpack_sparse,
 )
 
-log = logging.getLogger("fedrec_flwr.strategies.unlearning")
+log = logging.getLogger("fedrec_flwr.strategies.unlearning")  # the phase's logger: its lines keep their source
 
 
 class UnlearningFailed(RuntimeError):

@@ -17,6 +17,9 @@ from fedrec_flwr.sections.fields import INT_MAX, config_key
 METHODS = ("none", "retrain", "continue", "hfkcu", "gradient-ascent")
 """The values of ``unlearning``."""
 
+PHASE_METHODS = ("continue", "hfkcu", "gradient-ascent")
+"""Methods that run a phase after ``unlearn-round`` (``retrain`` only changes sampling)."""
+
 CHOICES: dict[str, tuple[str, ...]] = {
     "unlearning": METHODS,
     "krylov-mode": ("distributed", "local"),
