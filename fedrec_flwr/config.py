@@ -3,7 +3,8 @@
 Every key and its default is declared once, in ``[tool.flwr.app.config]`` of ``pyproject.toml`` (kebab-case, one
 comment per key). One section per group of keys gives each key its Python type and its constraints (the data
 section beside the data pipeline, :mod:`fedrec_flwr.data.config`; the others in :mod:`fedrec_flwr.sections`);
-:class:`RunConfig` inherits them all, declares the client-unlearning keys itself, and turns a mapping (Flower's ``context.run_config``) into one frozen,
+:class:`RunConfig` inherits them all (the client-unlearning section beside the unlearning algorithms,
+:mod:`fedrec_flwr.unlearning.settings`), and turns a mapping (Flower's ``context.run_config``) into one frozen,
 flat object (``config.embedding_dim``). Unknown keys, missing keys, ill-typed values and values out of range raise
 :class:`~fedrec_flwr.errors.ConfigError` naming the key and the value.
 
@@ -27,8 +28,9 @@ from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.sections.adversary import FIRST_RELEASE_ADVERSARY, AdversarySection
 from fedrec_flwr.sections.deployment import DeploymentSection
 from fedrec_flwr.sections.federation import MESSAGE_TTL, FederationSection
-from fedrec_flwr.sections.fields import INT_MAX, config_key
+from fedrec_flwr.sections.fields import INT_MAX
 from fedrec_flwr.sections.training import TrainingSection
+from fedrec_flwr.unlearning.settings import UnlearningSection
 
 __all__ = [
     "DATASETS",
@@ -66,78 +68,20 @@ on MovieLens-100K (loss 0.683 / 0.657 / 0.647 in rounds 1 / 3 / 5). On the three
 stays near ln 2 for about 8 rounds at 0.03 (an initialisation effect, see README). Set ``learning-rate = 0.3`` on
 MovieLens-100K for its validation-best FedMF, ``0.01`` for the first release's."""
 
-_UNLEARNING_CHOICES: dict[str, tuple[str, ...]] = {
-    "unlearning": ("none", "retrain", "continue", "hfkcu", "gradient-ascent"),
-    "krylov-mode": ("distributed", "local"),
-    "krylov-solver": ("steihaug", "cg"),
-    "krylov-preconditioner": ("none", "diagonal", "row"),
-    "curvature": ("gauss-newton", "hessian"),
-    "line-search": ("none", "remaining-loss", "membership-margin"),
-}
-
-
-def _key(name: str, *, minimum: float | None = None, maximum: float | None = None, positive: bool = False) -> Any:
-    return config_key(
-        name, minimum=minimum, maximum=maximum, positive=positive, choices=_UNLEARNING_CHOICES.get(name, ())
-    )
-
 
 @dataclass(frozen=True)
-class RunConfig(DeploymentSection, FederationSection, AdversarySection, TrainingSection, DataSection):
+class RunConfig(
+    UnlearningSection, DeploymentSection, FederationSection, AdversarySection, TrainingSection, DataSection
+):
     """A validated run configuration. Attribute names are the kebab-case keys with ``-`` replaced by ``_``.
 
-    The keys of the data, training, FedAU², federation and deployment sections are inherited (their fields come
-    first, in that order); the client-unlearning keys are declared here. See ``[tool.flwr.app.config]`` in
+    The keys of the data, training, FedAU², federation, deployment and client-unlearning sections are inherited
+    (their fields come in that order). See ``[tool.flwr.app.config]`` in
     ``pyproject.toml`` for the meaning and default of each key.
     """
 
-    unlearning: str = _key("unlearning")
-    forget_users: str = _key("forget-users")
-    forget_fraction: float = _key("forget-fraction", minimum=0.0, maximum=1.0)
-    unlearn_round: int = _key("unlearn-round", minimum=0)
-    krylov_mode: str = _key("krylov-mode")
-    krylov_solver: str = _key("krylov-solver")
-    krylov_preconditioner: str = _key("krylov-preconditioner")
-    curvature: str = _key("curvature")
-    trust_radius: float = _key("trust-radius", positive=True)
-    cg_iterations: int = _key("cg-iterations", minimum=1)
-    cg_tolerance: float = _key("cg-tolerance", minimum=0.0)
-    damping: float = _key("damping", minimum=0.0)
-    unlearn_scale: float = _key("unlearn-scale", positive=True)
-    adaptive_scale: bool = _key("adaptive-scale")
-    unlearn_max_step: float = _key("unlearn-max-step", positive=True)
-    line_search: str = _key("line-search")
-    line_search_max_step: float = _key("line-search-max-step", minimum=8.0)
-    line_search_rounds: int = _key("line-search-rounds", minimum=1, maximum=20)
-    curvature_sample: float = _key("curvature-sample", positive=True, maximum=1.0)
-    causal_weighting: bool = _key("causal-weighting")
-    ascent_steps: int = _key("ascent-steps", minimum=1)
-    ascent_learning_rate: float = _key("ascent-learning-rate", positive=True)
-    continue_rounds: int = _key("continue-rounds", minimum=1)
     extra: Mapping[str, Any] = field(default_factory=dict, metadata={"key": None})
     """Keys declared by plug-in clients or strategies (see :func:`register_extra_keys`), validated by them."""
-
-    @property
-    def forget_user_ids(self) -> tuple[int, ...]:
-        """The user indices of ``forget-users`` (sorted, unique), e.g. ``(3, 17)``; ``()`` when empty (the split's
-        user order: with ``users-per-node`` 1 a user's index is its node's ``partition-id``)."""
-        parts = [p.strip() for p in str(self.forget_users).split(",") if p.strip()]
-        try:
-            values = sorted({int(p) for p in parts})
-        except ValueError:
-            raise ConfigError(
-                f"run-config key 'forget-users' = {self.forget_users!r}: expected comma-separated "
-                'user indices in one string, e.g. forget-users="3,17" (--run-config) or '
-                "forget-users=3,17 (the launcher); not a TOML array"
-            ) from None
-        if values and values[0] < 0:
-            raise ConfigError(f"run-config key 'forget-users' = {self.forget_users!r}: user indices are >= 0")
-        if values and values[-1] > INT_MAX:
-            raise ConfigError(
-                f"run-config key 'forget-users' = {self.forget_users!r}: user index {values[-1]} is "
-                f"out of range (at most {INT_MAX})"
-            )
-        return tuple(values)
 
     def check_files(self, data_dir: str | None = None) -> None:
         """Validate the keys that name files and folders on this machine (the second half of validation).
@@ -211,30 +155,7 @@ class RunConfig(DeploymentSection, FederationSection, AdversarySection, Training
         self._check_training()
         self._check_federation()
         self._check_adversary()
-        forget = self.forget_user_ids  # validates the list
-        if self.unlearning != "none" and not forget and self.forget_fraction == 0:
-            raise ConfigError(
-                f"run-config key 'unlearning' = {self.unlearning!r} needs users to forget: set "
-                "'forget-users' (user indices) or 'forget-fraction'"
-            )
-        if self.unlearn_round > self.num_server_rounds:
-            raise ConfigError(
-                f"run-config key 'unlearn-round' = {self.unlearn_round} is after the last round "
-                f"(num-server-rounds = {self.num_server_rounds})"
-            )
-        if self.unlearning == "hfkcu" and self.krylov_mode == "local" and self.damping == 0:
-            raise ConfigError(
-                "run-config key 'damping' = 0 with krylov-mode = 'local': one user's Hessian is singular "
-                "(zero on every row it never touches); set damping > 0"
-            )
-        if self.krylov_preconditioner != "none" and (
-            self.krylov_solver != "steihaug" or self.krylov_mode != "distributed"
-        ):
-            raise ConfigError(
-                f"run-config key 'krylov-preconditioner' = {self.krylov_preconditioner!r} needs "
-                f"krylov-solver = 'steihaug' and krylov-mode = 'distributed', got {self.krylov_solver!r} "
-                f"and {self.krylov_mode!r}; or set it to 'none'"
-            )
+        self._check_unlearning()
         if not self.client or not self.strategy:
             raise ConfigError("run-config keys 'client' and 'strategy' must name a registered entry or module:Class")
 

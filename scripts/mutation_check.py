@@ -23,6 +23,7 @@ tests run first and must pass. No Ray test is used (they take fixed ports and mi
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import os
 import re
 import shutil
@@ -91,7 +92,7 @@ PFEDREC_TESTS = (
 COVERAGE = {
     "fedrec_flwr/unlearning/krylov.py": 5,
     "fedrec_flwr/unlearning/influence.py": 5,
-    "strategies/unlearning.py": 5,
+    "strategies/unlearning*.py": 5,
     "fedrec_flwr/unlearning/margin.py": 5,
     "fedrec_flwr/adversary/": 5,
     "strategies/adversary.py": 5,
@@ -102,7 +103,7 @@ COVERAGE = {
     "strategies/server_optimizer.py": 5,
     "clients/pfedrec.py": 5,
 }
-"""Source file (or folder, ending in ``/``) -> the fewest mutations :func:`check` requires there."""
+"""Source file (or folder, ending in ``/``, or glob pattern) -> the fewest mutations :func:`check` requires there."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "evaluate-unweighted-mean",
-        "strategies/item_fedavg.py",
+        "strategies/evaluation.py",
         (
             one(
                 "metrics = aggregate_metricrecords(ok, NUM_EXAMPLES)",
@@ -338,10 +339,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "zero-row-count-accepted", "fedrec_flwr/wire.py", (one("counts.min() <= 0", "counts.min() < 0"),), WIRE_TESTS
     ),
-    # ---- item_fedavg.py aggregation
+    # ---- item-embedding FedAvg: aggregation, reply checks, round sizes, evaluation
     Mutation(
         "dense-average-unweighted",
-        "strategies/item_fedavg.py",
+        "strategies/aggregation.py",
         (
             one(
                 "RecordDict({ARRAYS: ArrayRecord({k: r[ARRAYS][k] for k in dense_keys}), METRICS: r[METRICS]})",
@@ -353,25 +354,25 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "zero-weight-reply-accepted",
-        "strategies/item_fedavg.py",
+        "strategies/replies.py",
         (one("or weight <= 0:", "or weight < 0:"),),
         STRATEGY_TESTS,
     ),
     Mutation(
         "replied-users-counts-replies",
-        "strategies/item_fedavg.py",
+        "strategies/aggregation.py",
         (one('float(sum(float(r[METRICS].get("num-users", 0)) for r in accepted))', "float(len(accepted))"),),
         STRATEGY_TESTS + ("tests/test_method_clients.py",),
     ),
     Mutation(
         "min-train-fraction-floor",
-        "strategies/item_fedavg.py",
-        (one("math.ceil(self.min_train_fraction * expected)", "math.floor(self.min_train_fraction * expected)"),),
+        "strategies/train_round.py",
+        (one("math.ceil(min_train_fraction * expected)", "math.floor(min_train_fraction * expected)"),),
         STRATEGY_TESTS,
     ),
     Mutation(
         "eval-users-counts-replies",
-        "strategies/item_fedavg.py",
+        "strategies/evaluation.py",
         (one("float(sum(float(r[METRICS][NUM_EXAMPLES]) for r in ok))", "float(len(ok))"),),
         STRATEGY_TESTS,
     ),
@@ -484,7 +485,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ---- strategies/unlearning.py
     Mutation(
         "ascent-not-divided-by-forgotten-users",
-        "strategies/unlearning.py",
+        "strategies/unlearning_baselines.py",
         (
             one(
                 "s.ascent_learning_rate * gradient[key] / max(len(s.forget), 1)",
@@ -495,8 +496,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ascent-gradient-not-recomputed",
-        "strategies/unlearning.py",
-        (one("gradient, _ = self.gradient(grid, record, np.asarray(s.forget, dtype=np.int64))", "_ = record"),),
+        "strategies/unlearning_baselines.py",
+        (one("gradient, _ = phase.gradient(grid, record, np.asarray(s.forget, dtype=np.int64))", "_ = record"),),
         UNLEARNING_TESTS,
     ),
     Mutation(
@@ -507,19 +508,19 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "preconditioner-not-normalised",
-        "strategies/unlearning.py",
+        "strategies/unlearning_krylov.py",
         (one("m = (flatten(diagonal, shapes) + floor) / (mean + floor)", "m = flatten(diagonal, shapes) + floor"),),
         UNLEARNING_TESTS,
     ),
     Mutation(
         "preconditioner-without-floor",
-        "strategies/unlearning.py",
+        "strategies/unlearning_krylov.py",
         (one("floor = PRECONDITIONER_FLOOR * mean\n", "floor = 0.0\n"),),
         UNLEARNING_TESTS,
     ),
     Mutation(
         "preconditioner-mean-over-every-entry",
-        "strategies/unlearning.py",
+        "strategies/unlearning_krylov.py",
         (
             one(
                 "mean = sum(float(v.sum()) for v in touched.values()) / count if count else 0.0",
@@ -530,7 +531,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "row-preconditioner-keeps-dense-entries",
-        "strategies/unlearning.py",
+        "strategies/unlearning_krylov.py",
         (one("else np.full_like(v, v.mean())", "else v.copy()"),),
         UNLEARNING_TESTS,
     ),
@@ -1049,6 +1050,10 @@ def apply(copy: Path, mutation: Mutation) -> str:
 
 
 def _covers(target: str, path: str) -> bool:
+    """Whether the mutated file ``path`` counts for the :data:`COVERAGE` entry ``target``: a file, a folder (ending in
+    ``/``) or a glob pattern (with ``*``, e.g. a module and the modules it is split into)."""
+    if "*" in target:
+        return fnmatch.fnmatchcase(path, target)
     return path.startswith(target) if target.endswith("/") else path == target
 
 

@@ -26,7 +26,7 @@ loss, makes every row's curvature about ``1 / n_R`` of that and lets ``damping``
 step then equal to ``g_F / (n_R * damping)`` to 1e-4, a scaled gradient step.) ``s`` is ``unlearn-scale`` (eta).
 With this summed-loss normalisation ``s = 1`` is the full influence step; the paper's default 0.01 is 1% of it, does
 not transfer to our normalisation and measurably does nothing (relative update 1e-8 to 2e-4). With
-``adaptive-scale`` (ours: the paper's rule is not in its abstract; the issue-6 arm) the step is also capped so that
+``adaptive-scale`` (ours: the paper's rule is not in its abstract; an arm, off by default) the step is also capped so
 it changes the parameters it touches by at most ``unlearn-max-step`` of their norm: ``s = min(eta, max_step *
 ||theta_S|| / ||x||)``.
 
@@ -39,8 +39,8 @@ trust-region subproblem ``min m(x) = -g_F^T x + 1/2 x^T (H_R + damping I) x, ||x
 (:func:`fedrec_flwr.unlearning.krylov.steihaug_cg`): inside the radius it is CG; when the next iterate would leave it, or a
 direction of non-positive curvature appears, it steps to the boundary, so no solve is dropped. ``Delta =
 trust-radius * ||theta_S||`` with ``theta_S`` the shared parameters ``g_F`` touches (its item rows and the dense
-parameters), so the radius is a relative size (ours). ``"cg"`` is the issue-6 arm (plain CG, truncated at
-non-positive curvature).
+parameters), so the radius is a relative size (ours). ``"cg"`` is the plain-CG arm (truncated at non-positive
+curvature).
 
 **Preconditioned trust region (ours).** ``krylov-preconditioner = "diagonal"`` (or ``"row"``) measures the
 trust region in the norm ``||x||_M = sqrt(x^T M x)`` of a diagonal ``M`` built from the remaining users' Gauss-Newton
@@ -92,7 +92,7 @@ restriction to affected users is an approximation (``causal-weighting = false`` 
   nodes answers every product and the sum is scaled by all users over the drawn nodes' users
   (:func:`curvature_sample_nodes`; subsampled curvature as in Hessian-free optimisation, Martens 2010): a product
   costs that share of a full one, and the solve is of a noisy, unbiased estimate of the curvature.
-* ``local`` (the paper's Algorithm 1 as the abstract and the issue describe it): each affected user ``u`` solves
+* ``local`` (the paper's Algorithm 1 as its abstract describes it): each affected user ``u`` solves
   ``(H_u + damping I) x_u = g_F`` on its own Hessian (``unlearn_local_cg``) and the server takes ``x = sum_u w_u
   x_u`` with ``w_u = ||∇L_u|| / sum ||∇L_v||`` (causal weighting by gradient magnitude; uniform weights without it).
   A solve that meets non-positive curvature or ends worse than no step (relative residual > 1) is left out.
@@ -112,78 +112,61 @@ user. Nothing in this protocol lets a client verify that a forget request really
 must only send ``unlearn_gradient`` for users who asked to leave (a probe of a user who did not is not prevented).
 
 :class:`ClientUnlearning` runs the phase for a strategy (:class:`fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg` calls it
-after ``unlearn-round``); experiments call it directly to compare variants on one trained model.
+after ``unlearn-round``); experiments call it directly to compare variants on one trained model. Its parts are modules
+beside it: :mod:`.unlearning_krylov` (HF-KCU's solve), :mod:`.unlearning_search` (how far to go),
+:mod:`.unlearning_baselines`, :mod:`.unlearning_transport` (queries) and :mod:`.unlearning_report` (console lines).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import Array, ArrayRecord, Message
 from flwr.serverapp import Grid
 
 from fedrec_flwr.config import RunConfig
-from fedrec_flwr.errors import ConfigError, reply_error_line
+from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.seeding import numpy_rng
-from fedrec_flwr.unlearning.krylov import (
-    TERMINATIONS,
-    CGResult,
-    LineSearchResult,
-    flatten,
-    krylov_solve,
-    ladder_line_search,
-    unflatten,
+from fedrec_flwr.unlearning.krylov import CGResult, LineSearchResult
+from fedrec_flwr.unlearning.settings import METHODS, PHASE_METHODS, UnlearningSection
+
+from . import unlearning_baselines, unlearning_krylov, unlearning_search, unlearning_transport
+from .unlearning_krylov import (
+    PRECONDITIONER_FLOOR,
+    PRECONDITIONER_PROBES,
+    TAG_CURVATURE_SAMPLE,
+    curvature_sample_nodes,
+    norm,
 )
-from fedrec_flwr.unlearning.margin import bracket_root, dominated_items, popularity_bins
-from fedrec_flwr.wire import (
-    ARRAYS,
-    CONFIG,
-    METRICS,
-    SUPPORT,
-    UNLEARN_AFFECTED,
-    UNLEARN_COUNTS,
-    UNLEARN_DIAGONAL,
-    UNLEARN_GRADIENT,
-    UNLEARN_HVP,
-    UNLEARN_LOCAL_CG,
-    UNLEARN_LOSS,
-    UNLEARN_MARGIN,
-    VECTOR,
-    ReplyError,
-    nonzero_rows,
-    pack_sparse,
-    support_rows,
-    unpack_sparse,
-)
+from .unlearning_report import describe_before, describe_unlearning
+from .unlearning_transport import UnlearningFailed
+
+__all__ = [
+    "METHODS",
+    "PHASE_METHODS",
+    "PRECONDITIONER_FLOOR",
+    "PRECONDITIONER_PROBES",
+    "TAG_CURVATURE_SAMPLE",
+    "TAG_FORGET",
+    "ClientUnlearning",
+    "UnlearningFailed",
+    "UnlearningSettings",
+    "curvature_sample_nodes",
+    "describe_before",
+    "describe_unlearning",
+    "forget_set",
+]
 
 log = logging.getLogger(__name__)
 
 TAG_FORGET = 15
 """Seed tag of the stream that draws ``forget-fraction`` of the users."""
-
-TAG_CURVATURE_SAMPLE = 16
-"""Seed tag of the stream that draws the nodes whose users' curvature ``curvature-sample`` queries."""
-
-PRECONDITIONER_FLOOR = 0.01
-"""``krylov-preconditioner``: ``M``'s entries are at least this share of the mean curvature over the touched entries
-(ours: rows without remaining curvature get at most 10x the mean reach instead of an unbounded one)."""
-
-PRECONDITIONER_PROBES = 8
-"""Sign draws of the Monte Carlo Gauss-Newton diagonal on the dense (non-item-row) parameters (``krylov-preconditioner``;
-ours: the item rows are exact, and a preconditioner needs only the scale of the dense entries)."""
-
-METHODS = ("none", "retrain", "continue", "hfkcu", "gradient-ascent")
-PHASE_METHODS = ("continue", "hfkcu", "gradient-ascent")
-"""Methods that run a phase after ``unlearn-round`` (``retrain`` only changes sampling)."""
-
-
-class UnlearningFailed(RuntimeError):
-    """A node failed or sent an invalid reply during the unlearning phase (the phase cannot be exact without it)."""
 
 
 def forget_set(config: RunConfig, num_users: int) -> np.ndarray:
@@ -209,66 +192,89 @@ def forget_set(config: RunConfig, num_users: int) -> np.ndarray:
     return users
 
 
-@dataclass(frozen=True)
-class UnlearningSettings:
-    """The unlearning keys of the run config, with the forget set resolved (see ``pyproject.toml``)."""
+ALIASES = {
+    "method": "unlearning",
+    "preconditioner": "krylov_preconditioner",
+    "scale": "unlearn_scale",
+    "max_step": "unlearn_max_step",
+}
+""":class:`UnlearningSettings`' names of some section keys -> the section's attribute (the run-config key, snake_case)."""
 
-    method: str
+_SECTION_FIELDS = frozenset(f.name for f in dataclasses.fields(UnlearningSection))
+
+
+@dataclass(frozen=True, init=False)
+class UnlearningSettings:
+    """What one unlearning phase forgets and how: the run config's unlearning section
+    (:class:`fedrec_flwr.unlearning.settings.UnlearningSection`, read through this object: ``settings.damping``), the
+    forget set resolved, the phase's round and the run's seed.
+
+    Args:
+        method: ``unlearning`` (``None``: the section's).
+        forget: the users to forget (user indices).
+        round: the round after which the phase runs.
+        seed: the run's seed (``curvature-sample``'s draw, the preconditioner's probes).
+        section: the section's values (default: the project's defaults, ``pyproject.toml``).
+        **changes: section values to change, by the section's names or :data:`ALIASES` (``scale``, ``max_step``,
+            ``preconditioner``).
+
+    Raises:
+        TypeError: a change names no key of the section.
+    """
+
+    section: UnlearningSection
     forget: tuple[int, ...]
     round: int
-    krylov_mode: str = "distributed"
-    krylov_solver: str = "steihaug"
-    preconditioner: str = "none"
-    curvature: str = "gauss-newton"
-    trust_radius: float = 0.015
-    cg_iterations: int = 10
-    cg_tolerance: float = 1e-6
-    damping: float = 0.01
-    scale: float = 1.0
-    adaptive_scale: bool = False
-    max_step: float = 0.1
-    line_search: str = "none"
-    line_search_max_step: float = 64.0
-    line_search_rounds: int = 4
-    curvature_sample: float = 1.0
-    seed: int = 0
-    causal_weighting: bool = True
-    ascent_steps: int = 5
-    ascent_learning_rate: float = 0.1
-    continue_rounds: int = 5
+    seed: int
+
+    def __init__(
+        self,
+        method: str | None = None,
+        forget: tuple[int, ...] = (),
+        round: int = 0,
+        seed: int = 0,
+        section: UnlearningSection | None = None,
+        **changes,
+    ) -> None:
+        if method is not None:
+            changes["method"] = method
+        named = {ALIASES.get(k, k): v for k, v in changes.items()}
+        unknown = sorted(k for k in named if k not in _SECTION_FIELDS)
+        if unknown:
+            raise TypeError(f"UnlearningSettings got unknown keys {unknown}")
+        section = UnlearningSection.of(section if section is not None else _default_section())
+        object.__setattr__(self, "section", dataclasses.replace(section, **named) if named else section)
+        object.__setattr__(self, "forget", tuple(int(u) for u in forget))
+        object.__setattr__(self, "round", int(round))
+        object.__setattr__(self, "seed", int(seed))
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "section":
+            raise AttributeError(name)
+        key = ALIASES.get(name, name)
+        if key in _SECTION_FIELDS:
+            return getattr(self.section, key)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     def from_config(cls, config: RunConfig, num_users: int) -> UnlearningSettings:
         """Settings of a validated config for a federation of ``num_users`` users (raises as :func:`forget_set`)."""
         return cls(
-            method=config.unlearning,
             forget=tuple(int(u) for u in forget_set(config, num_users)),
             round=config.effective_unlearn_round,
-            krylov_mode=config.krylov_mode,
-            krylov_solver=config.krylov_solver,
-            preconditioner=config.krylov_preconditioner,
-            curvature=config.curvature,
-            trust_radius=config.trust_radius,
-            cg_iterations=config.cg_iterations,
-            cg_tolerance=config.cg_tolerance,
-            damping=config.damping,
-            scale=config.unlearn_scale,
-            adaptive_scale=config.adaptive_scale,
-            max_step=config.unlearn_max_step,
-            line_search=config.line_search,
-            line_search_max_step=config.line_search_max_step,
-            line_search_rounds=config.line_search_rounds,
-            curvature_sample=config.curvature_sample,
             seed=config.seed,
-            causal_weighting=config.causal_weighting,
-            ascent_steps=config.ascent_steps,
-            ascent_learning_rate=config.ascent_learning_rate,
-            continue_rounds=config.continue_rounds,
+            section=config,
         )
 
     def replace(self, **changes) -> UnlearningSettings:
-        """A copy with some fields changed."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some values changed (``forget``, ``round``, ``seed``, or section keys as in the constructor)."""
+        own = {k: changes.pop(k, getattr(self, k)) for k in ("forget", "round", "seed")}
+        return UnlearningSettings(**own, section=self.section, **changes)
+
+
+@functools.lru_cache(maxsize=1)
+def _default_section() -> UnlearningSection:
+    return UnlearningSection.defaults()
 
 
 class ClientUnlearning:
@@ -320,14 +326,14 @@ class ClientUnlearning:
             theta = {k: v.numpy().astype(np.float64) for k, v in arrays.items()}
             g_forget, loss = self.gradient(grid, arrays, forget)
             report["forget-loss"] = loss
-            report["forget-gradient-norm"] = _norm(g_forget)
+            report["forget-gradient-norm"] = norm(g_forget)
             if s.method == "gradient-ascent":
                 step = self._gradient_ascent(grid, theta, g_forget)
                 report.update({"ascent-steps": s.ascent_steps, "ascent-learning-rate": s.ascent_learning_rate})
             else:
                 step = self._hfkcu(grid, arrays, theta, g_forget, forget, report)
-            report["update-norm"] = _norm(step)
-            report["relative-update"] = _norm(step) / max(_norm(theta), 1e-30)
+            report["update-norm"] = norm(step)
+            report["relative-update"] = norm(step) / max(norm(theta), 1e-30)
             new = ArrayRecord({k: Array((theta[k] + step[k]).astype(np.float32)) for k in self.layout.shared_shapes})
         for key, value in new.items():
             if not np.isfinite(value.numpy()).all():
@@ -340,573 +346,75 @@ class ClientUnlearning:
         return new, report
 
     # ------------------------------------------------------------------------------------------------ methods
+
+    # ------------------------------------------------------------------------------------------------ methods
     def _hfkcu(
         self, grid: Grid, arrays: ArrayRecord, theta: dict, g_forget: dict, forget: np.ndarray, report: dict
     ) -> dict:
-        s = self.settings
-        support = support_rows(g_forget, self.layout)
-        affected = self.affected(grid, arrays, support, forget)
-        nodes = [n for n, count in affected.items() if count > 0] if s.causal_weighting else list(affected)
-        # each queried node's users in the curvature sum (curvature-sample scales a sample of nodes by it)
-        self._curvature_users = {n: (affected[n] if s.causal_weighting else self._remaining[n]) for n in nodes}
-        report.update(
-            {
-                "krylov-mode": s.krylov_mode,
-                "causal-weighting": s.causal_weighting,
-                "support-rows": int(support.size),
-                "affected-users": int(sum(affected.values())),
-                "remaining-users": int(self.strategy._topology().num_users - forget.size),
-                "queried-nodes": len(nodes),
-                "nodes": len(affected),
-                "damping": s.damping,
-                "cg-max-iterations": s.cg_iterations,
-                "krylov-solver": s.krylov_solver,
-                "krylov-preconditioner": s.preconditioner,
-                "curvature": s.curvature,
-            }
-        )
-        radius = None
-        if s.krylov_solver == "steihaug":
-            radius = s.trust_radius * _norm(_restrict(theta, g_forget, self.layout))
-            if radius <= 0:  # the forgotten users touch only all-zero parameters: any finite radius (ours)
-                radius = s.trust_radius
-            # the config key (relative to the norm of the touched parameters) under its own name; the norm bound the
-            # solve used under another
-            report["trust-radius"] = s.trust_radius
-            report["trust-radius-absolute"] = radius
-        if not nodes:
-            log.warning("unlearning: no remaining user shares a row with the forgotten users; the step is g / damping")
-        if s.krylov_mode == "distributed":
-            preconditioner = None
-            if s.preconditioner != "none":
-                if s.krylov_solver != "steihaug":
-                    raise ValueError(
-                        f"preconditioner {s.preconditioner!r} needs krylov_solver 'steihaug', got {s.krylov_solver!r}"
-                    )
-                preconditioner = self.preconditioner(grid, arrays, nodes, forget, support, g_forget, report)
-            result = self.distributed_cg(
-                grid, arrays, nodes, forget, support, g_forget, radius=radius, preconditioner=preconditioner
-            )
-            report.update(result.summary())
-            report.update(
-                {
-                    "curvature-sample": s.curvature_sample,
-                    "curvature-nodes": len(self.curvature_nodes),
-                    "curvature-factor": self.curvature_factor,
-                }
-            )
-            if not result.converged and not result.boundary:
-                # ours: a residual within 1e-3 of |g| is an accurate solve for a step scaled by unlearn-scale; only a
-                # larger one (or a dropped step) is worth a warning
-                level = logging.WARNING if result.residual > 1e-3 or result.negative_curvature else logging.INFO
-                log.log(
-                    level,
-                    "unlearning: CG used all %d iterations (cg-iterations) and stopped at relative residual "
-                    "%.1e, above cg-tolerance %.0e: |H x - g| is %.1e of |g|%s",
-                    result.iterations,
-                    result.residual,
-                    s.cg_tolerance,
-                    result.residual,
-                    "; non-positive curvature: step dropped"
-                    if result.negative_curvature
-                    else " (raise cg-iterations, or cg-tolerance to accept it)",
-                )
-            x = unflatten(result.x, self.layout.shared_shapes)
-        else:
-            x, stats = self.local_cg(grid, arrays, nodes, forget, support, g_forget, radius=radius)
-            report.update(stats)
-        scale = s.scale
-        if s.adaptive_scale:
-            changed = _norm(_restrict(theta, x, self.layout))
-            size = _norm(x)
-            if size > 0:
-                scale = min(s.scale, s.max_step * changed / size)
-        report["scale"] = scale
-        step = {k: scale * x[k] for k in self.layout.shared_shapes}
-        if s.line_search == "remaining-loss":
-            search = self.line_search(grid, arrays, nodes, forget, support, step)
-            report.update(search.summary())
-            report["scale"] = scale * search.step
-            step = {k: search.step * v for k, v in step.items()}
-        elif s.line_search == "membership-margin":
-            multiple = self.margin_step(grid, arrays, forget, step, report)
-            report["scale"] = scale * multiple
-            step = {k: multiple * v for k, v in step.items()}
-        return step
+        return unlearning_krylov.hfkcu_step(self, grid, arrays, theta, g_forget, forget, report)
 
     def _gradient_ascent(self, grid: Grid, theta: dict, g_forget: dict) -> dict:
-        s = self.settings
-        current = {k: v.copy() for k, v in theta.items()}
-        gradient = g_forget
-        for step in range(s.ascent_steps):
-            if step:
-                record = ArrayRecord({k: Array(v.astype(np.float32)) for k, v in current.items()})
-                gradient, _ = self.gradient(grid, record, np.asarray(s.forget, dtype=np.int64))
-            for key in current:
-                current[key] += s.ascent_learning_rate * gradient[key] / max(len(s.forget), 1)
-        return {k: current[k] - theta[k] for k in theta}
+        return unlearning_baselines.gradient_ascent(self, grid, theta, g_forget)
 
     def _continue(self, grid: Grid, arrays: ArrayRecord) -> ArrayRecord:
-        """``continue-rounds`` training rounds of the strategy without the forgotten users (round numbers after the
-        run's last, so they never repeat a training round's sample)."""
-        strategy = self.strategy
-        saved = (strategy.removed_users, strategy.last_train)
-        strategy.removed_users = frozenset(strategy.removed_users) | set(self.settings.forget)
-        try:
-            for step in range(1, self.settings.continue_rounds + 1):
-                server_round = strategy.num_rounds + step
-                messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
-                self.messages += len(messages)
-                self.bytes_sent += sum(_payload_bytes(m.content) for m in messages)
-                replies = list(grid.send_and_receive(messages, timeout=self.timeout))
-                self.bytes_received += sum(_payload_bytes(m.content) for m in replies if not m.has_error())
-                new, _ = strategy.aggregate_train(server_round, replies)
-                if new is not None:
-                    arrays = new
-        finally:
-            strategy.removed_users, strategy.last_train = saved
-        return arrays
+        """``continue-rounds`` training rounds without the forgotten users (:func:`.unlearning_baselines.
+        continue_training`)."""
+        return unlearning_baselines.continue_training(self, grid, arrays)
 
     # ------------------------------------------------------------------------------------------------ queries
     def gradient(self, grid: Grid, arrays: ArrayRecord, users: np.ndarray) -> tuple[dict, float]:
-        """``g = sum_{u in users} ∇L_u`` at ``arrays`` (full float64 arrays by key) and the users' mean loss."""
-        groups = self.strategy._topology().group(np.asarray(users, dtype=np.int64))
-        replies = self._query(grid, UNLEARN_GRADIENT, {n: {"users": us} for n, us in groups.items()}, arrays)
-        total = self._sum(replies)
-        loss = sum(float(r.content[METRICS]["loss-sum"]) for r in replies)
-        return total, loss / max(len(users), 1)
+        """``g = sum_{u in users} ∇L_u`` at ``arrays`` and the users' mean loss (:func:`.unlearning_transport.
+        forget_gradient`)."""
+        return unlearning_transport.forget_gradient(self, grid, arrays, users)
 
     def affected(self, grid: Grid, arrays: ArrayRecord, support: np.ndarray, forget: np.ndarray) -> dict[int, int]:
-        """Node -> how many of its remaining users share an influence-loss row with ``support`` (every node asked)."""
-        nodes = sorted({int(n) for n in self.strategy._topology().user_to_node.tolist()})
-        exclude = [int(u) for u in forget]
-        replies = self._query(grid, UNLEARN_AFFECTED, {n: {"exclude": exclude} for n in nodes}, arrays, support=support)
-        self._remaining = {
-            int(r.metadata.src_node_id): int(r.content[CONFIG].get("remaining-users", 0)) for r in replies
-        }
-        return {int(r.metadata.src_node_id): int(r.content[CONFIG]["affected-users"]) for r in replies}
+        """Node -> how many of its remaining users share a row with ``support`` (:func:`.unlearning_transport.
+        affected_users`)."""
+        return unlearning_transport.affected_users(self, grid, arrays, support, forget)
 
     def _targets(self, nodes, forget: np.ndarray, extra: Mapping | None = None) -> dict[int, dict]:
-        return {
-            int(n): {"exclude": [int(u) for u in forget], "causal": self.settings.causal_weighting, **(extra or {})}
-            for n in nodes
-        }
+        return unlearning_transport.query_targets(self, nodes, forget, extra)
 
     def _curvature_targets(self, nodes, forget: np.ndarray, extra: Mapping) -> tuple[dict, float]:
-        """The nodes that answer curvature queries (with ``curvature-sample`` < 1 a seeded share of ``nodes``,
-        :func:`curvature_sample_nodes`) with their configs, and the factor their sums are scaled by."""
-        s = self.settings
-        counts = getattr(self, "_curvature_users", None) or {int(n): 1 for n in nodes}
-        sampled, factor = curvature_sample_nodes(
-            {int(n): counts.get(int(n), 1) for n in nodes}, s.curvature_sample, s.seed
-        )
-        self.curvature_nodes, self.curvature_factor = sampled, factor
-        return self._targets(sampled, forget, dict(extra)), factor
+        return unlearning_krylov.curvature_targets(self, nodes, forget, extra)
 
     def preconditioner(
         self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray, rhs: dict, report: dict
     ) -> np.ndarray:
-        """``krylov-preconditioner``: the diagonal of ``M`` for the trust-region solve (flattened in the layout's key
-        order), from one ``unlearn_diagonal`` query round (ours).
-
-        Each queried node returns the diagonal of its remaining (affected) users' summed Gauss-Newton matrix, one
-        row-sparse sum over its users as an HVP reply (:func:`fedrec_flwr.unlearning.influence.influence_gn_diagonal`: exact on
-        item rows, a :data:`PRECONDITIONER_PROBES`-draw Monte Carlo estimate on dense parameters); the server adds
-        them (scaled as the products are, :meth:`_curvature_targets`): ``d = diag(sum_u G_u)``. ``"row"`` replaces
-        ``d`` by its mean over each item row's entries (and over each dense key), a block-diagonal ``M`` of scaled
-        identities. Then ``M = (d + floor) / mean_S(d + floor)`` with ``floor = PRECONDITIONER_FLOOR * mean_S(d)``,
-        ``S`` the entries the forgotten users' gradient touches (its item rows and the dense keys, the entries whose
-        norm sets the radius): so a step spread evenly over ``S`` has the same ``M``-norm as Euclidean norm and the
-        radius keeps its meaning on average, while rows with little remaining curvature (e.g. a target item that few
-        genuine users rate) get a longer reach and stiff rows (popular fillers) a shorter one: the scaled trust region
-        of Nocedal & Wright Sec. 4.5 with the curvature's diagonal. ``damping`` is left out of ``M`` (ours): on the development
-        setting the per-entry Gauss-Newton curvature of these per-user mean losses averaged 3e-4 against damping 0.01,
-        and ``d + damping`` lay within 0.97-1.15 of its mean (no change of shape). With no curvature on ``S``
-        (``mean_S(d) = 0``) ``M = I``. The round's bytes are also reported as ``preconditioner-bytes-sent`` /
-        ``-received``; they count in the phase's.
-        """
-        s = self.settings
-        shapes = self.layout.shared_shapes
-        targets, factor = self._curvature_targets(nodes, forget, {"probes": PRECONDITIONER_PROBES, "seed": s.seed})
-        sent, received = self.bytes_sent, self.bytes_received
-        replies = self._query(grid, UNLEARN_DIAGONAL, targets, arrays, support=support)
-        report["preconditioner-bytes-sent"] = self.bytes_sent - sent
-        report["preconditioner-bytes-received"] = self.bytes_received - received
-        diagonal = {k: factor * v for k, v in self._sum(replies).items()}
-        if s.preconditioner == "row":
-            diagonal = {
-                k: (
-                    np.broadcast_to(v.mean(axis=tuple(range(1, v.ndim)), keepdims=True), v.shape).copy()
-                    if k in self.layout.item_keys and v.ndim > 1
-                    else np.full_like(v, v.mean())
-                )
-                for k, v in diagonal.items()
-            }
-        touched = _restrict(diagonal, rhs, self.layout)
-        count = sum(v.size for v in touched.values())
-        mean = sum(float(v.sum()) for v in touched.values()) / count if count else 0.0
-        if mean <= 0:
-            log.warning("unlearning: the remaining users have no curvature on the forgotten users' rows; M = I")
-            report.update({"krylov-preconditioner": s.preconditioner, "preconditioner-mean": 0.0})
-            return np.ones(sum(int(np.prod(v)) for v in shapes.values()))
-        floor = PRECONDITIONER_FLOOR * mean
-        m = (flatten(diagonal, shapes) + floor) / (mean + floor)
-        on_support = (np.concatenate([v.reshape(-1) for v in touched.values()]) + floor) / (mean + floor)
-        report.update(
-            {
-                "krylov-preconditioner": s.preconditioner,
-                "preconditioner-mean": mean,
-                "preconditioner-min": float(on_support.min()),
-                "preconditioner-max": float(on_support.max()),
-            }
-        )
-        return m
+        """``krylov-preconditioner``'s diagonal ``M`` (:func:`.unlearning_krylov.preconditioner`)."""
+        return unlearning_krylov.preconditioner(self, grid, arrays, nodes, forget, support, rhs, report)
 
     def distributed_cg(
-        self,
-        grid: Grid,
-        arrays: ArrayRecord,
-        nodes,
-        forget: np.ndarray,
-        support: np.ndarray,
-        rhs: dict,
-        radius: float | None = None,
-        preconditioner: np.ndarray | None = None,
+        self, grid: Grid, arrays: ArrayRecord, nodes, forget, support, rhs: dict, radius=None, preconditioner=None
     ) -> CGResult:
-        """CG (``krylov-solver``: plain, or trust-region within ``radius``, in the ``M``-norm of ``preconditioner``
-        when given, :meth:`preconditioner`) on ``(sum_u C_u + damping I) x = rhs``
-        over the remaining (with causal weighting: affected) users of ``nodes``, ``C_u`` the curvature of
-        ``curvature`` (Hessian or Gauss-Newton), one ``unlearn_hvp`` query round per product; with ``curvature-sample``
-        < 1 over the drawn nodes only, scaled up (:func:`curvature_sample_nodes`)."""
-        shapes = self.layout.shared_shapes
-        s = self.settings
-        targets, factor = self._curvature_targets(nodes, forget, {"curvature": s.curvature})
-
-        def matvec(flat: np.ndarray) -> np.ndarray:
-            if not targets:
-                return np.zeros_like(flat)
-            replies = self._query(grid, UNLEARN_HVP, targets, arrays, vector=unflatten(flat, shapes), support=support)
-            return factor * flatten(self._sum(replies), shapes)
-
-        return krylov_solve(
-            matvec,
-            flatten(rhs, shapes),
-            solver=s.krylov_solver,
-            iterations=s.cg_iterations,
-            damping=s.damping,
-            tolerance=s.cg_tolerance,
-            radius=radius,
-            preconditioner=preconditioner,
+        """The distributed Krylov solve (:func:`.unlearning_krylov.distributed_cg`)."""
+        return unlearning_krylov.distributed_cg(
+            self, grid, arrays, nodes, forget, support, rhs, radius=radius, preconditioner=preconditioner
         )
-
-    def remaining_loss(
-        self,
-        grid: Grid,
-        arrays: ArrayRecord,
-        nodes,
-        forget: np.ndarray,
-        support: np.ndarray,
-        direction: dict,
-        steps: list,
-    ) -> list[float]:
-        """``[L_R(theta + a d) for a in steps]``: the remaining (with causal weighting: affected) users' summed
-        influence loss along ``direction``, from one ``unlearn_loss`` query round (each node returns one scalar sum
-        per step)."""
-        replies = self._query(
-            grid,
-            UNLEARN_LOSS,
-            self._targets(nodes, forget, {"steps": [float(a) for a in steps]}),
-            arrays,
-            vector=direction,
-            support=support,
-        )
-        return _step_sums(replies, UNLEARN_LOSS, "loss-sums", len(steps)).tolist()
-
-    def line_search(
-        self, grid: Grid, arrays: ArrayRecord, nodes, forget: np.ndarray, support: np.ndarray, step: dict
-    ) -> LineSearchResult:
-        """``line-search = "remaining-loss"``: the multiple ``a`` of the solver's step that minimises the remaining
-        users' summed training loss ``L_R(theta + a step)`` (:func:`fedrec_flwr.unlearning.krylov.ladder_line_search`; every
-        round one :meth:`remaining_loss` query)."""
-        s = self.settings
-        return ladder_line_search(
-            lambda steps: self.remaining_loss(grid, arrays, nodes, forget, support, step, steps),
-            max_step=s.line_search_max_step,
-            max_rounds=s.line_search_rounds,
-        )
-
-    def margin_step(self, grid: Grid, arrays: ArrayRecord, forget: np.ndarray, step: dict, report: dict) -> float:
-        """``line-search = "membership-margin"``: the multiple ``a`` of the solver's step at which the forgotten
-        users' mean membership margin on the items they dominate reaches 0 (:mod:`fedrec_flwr.unlearning.margin`). One
-        ``unlearn_counts`` round (every node; no model sent), then :func:`fedrec_flwr.unlearning.margin.bracket_root`'s
-        ``unlearn_margin`` rounds (the forgotten users' nodes), at most ``line-search-rounds`` of them, up to
-        ``line-search-max-step``. Returns ``a`` (1 when no forgotten positive is a dominated item)."""
-        s = self.settings
-        topology = self.strategy._topology()
-        nodes = sorted({int(n) for n in topology.user_to_node.tolist()})
-        exclude = [int(u) for u in forget]
-        smallest = int(np.unique(topology.user_to_node, return_counts=True)[1].min())
-        log.warning(
-            "line-search = 'membership-margin': every node sends its users' training-positive counts per item "
-            "(unlearn_counts); a node serving %d user%s reveals %s (fedrec_flwr/unlearning/margin.py, 'Privacy "
-            "cost')",
-            smallest,
-            "" if smallest == 1 else "s",
-            "that user's training items" if smallest == 1 else "the sum of its users' training items",
-        )
-        replies = self._query(grid, UNLEARN_COUNTS, {n: {"exclude": exclude} for n in nodes}, ArrayRecord())
-        counts = {"remaining": 0.0, "forgotten": 0.0}
-        for reply in replies:
-            for key in counts:
-                counts[key] = counts[key] + reply.content[ARRAYS][key].numpy().astype(np.float64)
-        bins = popularity_bins(counts["remaining"])
-        dominated = dominated_items(counts["remaining"], counts["forgotten"])
-        groups = topology.group(np.asarray(forget, dtype=np.int64))
-        common = {"bins": [int(b) for b in bins], "dominated": [int(i) for i in dominated]}
-        found: dict = {}
-
-        def evaluate(steps) -> list[float]:
-            if not steps:
-                return []
-            got = self._query(
-                grid,
-                UNLEARN_MARGIN,
-                {n: {"users": us, "steps": [float(a) for a in steps], **common} for n, us in groups.items()},
-                arrays,
-                vector=step,
-            )
-            sums = _step_sums(got, UNLEARN_MARGIN, "margin-sums", len(steps))
-            count = found["count"] = sum(int(reply.content[METRICS]["margin-count"]) for reply in got)
-            return (sums / count).tolist() if count else [0.0] * len(steps)
-
-        report["margin-dominated-items"] = int(dominated.size)
-        if not np.intersect1d(dominated, np.flatnonzero(counts["forgotten"])).size:
-            report.update({"margin-step": 1.0, "margin-termination": "no-dominated-items", "margin-rounds": 0})
-            return 1.0
-        result = bracket_root(evaluate, max_step=s.line_search_max_step, rounds=s.line_search_rounds)
-        report.update(result.summary())
-        report["margin-terms"] = int(found.get("count", 0))
-        return result.step
 
     def local_cg(
-        self,
-        grid: Grid,
-        arrays: ArrayRecord,
-        nodes,
-        forget: np.ndarray,
-        support: np.ndarray,
-        rhs: dict,
-        radius: float | None = None,
+        self, grid: Grid, arrays: ArrayRecord, nodes, forget, support, rhs: dict, radius: float | None = None
     ) -> tuple[dict, dict]:
-        """``sum_u w_u x_u / sum_u w_u`` over the remaining (affected) users of ``nodes``, each ``x_u`` solved on its
-        own node (``w_u`` = gradient norm with causal weighting, else 1), and the solves' statistics."""
-        s = self.settings
-        if not nodes:
-            return {k: v / s.damping for k, v in rhs.items()}, {"local-cg-users": 0}
-        targets = self._targets(
-            nodes,
-            forget,
-            {
-                "iterations": s.cg_iterations,
-                "damping": s.damping,
-                "tolerance": s.cg_tolerance,
-                "curvature": s.curvature,
-                "solver": s.krylov_solver,
-                **({"radius": float(radius)} if radius is not None else {}),
-            },
-        )
-        replies = self._query(grid, UNLEARN_LOCAL_CG, targets, arrays, vector=rhs, support=support)
-        metrics = [r.content[METRICS] for r in replies]
-        weight_sum = sum(float(m["weight-sum"]) for m in metrics)
-        stats = {
-            "local-cg-users": int(sum(float(m["solved"]) for m in metrics)),
-            "local-cg-dropped": int(sum(float(m["dropped"]) for m in metrics)),
-            "cg-iterations": int(max(float(m["max-iterations"]) for m in metrics)),
-            "cg-residual": float(max(float(m["max-residual"]) for m in metrics)),
-            "local-cg-not-converged": int(sum(float(m["not-converged"]) for m in metrics)),
-            "local-cg-negative-curvature": int(sum(float(m["negative-curvature"]) for m in metrics)),
-            "local-cg-boundary": int(sum(float(m.get("boundary", 0.0)) for m in metrics)),
-        }
-        if stats["local-cg-not-converged"] or stats["local-cg-dropped"]:
-            log.warning(
-                "unlearning: %d local CG solves did not converge, %d were left out (non-positive curvature "
-                "or residual > 1); %d used",
-                stats["local-cg-not-converged"],
-                stats["local-cg-dropped"],
-                stats["local-cg-users"],
-            )
-        total = self._sum(replies)
-        if weight_sum <= 0:
-            log.warning("unlearning: no local CG solve was usable; the step is 0")
-            return {k: np.zeros_like(v) for k, v in total.items()}, stats
-        return {k: v / weight_sum for k, v in total.items()}, stats
+        """The weighted mean of the users' own solves (:func:`.unlearning_krylov.local_cg`)."""
+        return unlearning_krylov.local_cg(self, grid, arrays, nodes, forget, support, rhs, radius=radius)
+
+    def remaining_loss(self, grid: Grid, arrays: ArrayRecord, nodes, forget, support, direction, steps) -> list[float]:
+        """``[L_R(theta + a d) for a in steps]`` (:func:`.unlearning_search.remaining_loss`)."""
+        return unlearning_search.remaining_loss(self, grid, arrays, nodes, forget, support, direction, steps)
+
+    def line_search(self, grid: Grid, arrays: ArrayRecord, nodes, forget, support, step: dict) -> LineSearchResult:
+        """``line-search = "remaining-loss"`` (:func:`.unlearning_search.line_search`)."""
+        return unlearning_search.line_search(self, grid, arrays, nodes, forget, support, step)
+
+    def margin_step(self, grid: Grid, arrays: ArrayRecord, forget: np.ndarray, step: dict, report: dict) -> float:
+        """``line-search = "membership-margin"`` (:func:`.unlearning_search.margin_step`)."""
+        return unlearning_search.margin_step(self, grid, arrays, forget, step, report)
 
     # ------------------------------------------------------------------------------------------------ transport
     def _query(
-        self,
-        grid: Grid,
-        action: str,
-        targets: Mapping[int, Mapping],
-        arrays: ArrayRecord,
-        *,
-        vector: Mapping[str, np.ndarray] | None = None,
-        support: np.ndarray | None = None,
+        self, grid: Grid, action: str, targets, arrays: ArrayRecord, *, vector=None, support=None
     ) -> list[Message]:
-        """Send ``action`` to each node of ``targets`` (node -> its config) and return the replies in canonical order.
-
-        Raises:
-            UnlearningFailed: a node failed or did not answer in time.
-        """
-        if not targets:
-            return []
-        vector_record = (
-            None if vector is None else ArrayRecord({k: Array(v) for k, v in pack_sparse(vector, self.layout).items()})
-        )
-        support_record = None if support is None else ArrayRecord({"rows": Array(np.asarray(support, dtype=np.int64))})
-        messages = []
-        for node, config in targets.items():
-            # the run's message context (run name, durable round) and the round whose private state to use
-            common = {**getattr(self.strategy, "message_config", {}), "server-round": self.server_round}
-            content = RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({**common, **dict(config)})})
-            if vector_record is not None:
-                content[VECTOR] = vector_record
-            if support_record is not None:
-                content[SUPPORT] = support_record
-            messages.append(Message(content=content, message_type=f"{MessageType.QUERY}.{action}", dst_node_id=node))
-        self.messages += len(messages)
-        self.bytes_sent += sum(_payload_bytes(m.content) for m in messages)
-        replies = list(grid.send_and_receive(messages, timeout=self.timeout))
-        self.bytes_received += sum(_payload_bytes(m.content) for m in replies if not m.has_error())
-        failed = [m for m in replies if m.has_error()]
-        if failed:
-            raise UnlearningFailed(
-                f"{action}: node {failed[0].metadata.src_node_id} failed: {reply_error_line(failed[0].error.reason)}"
-            )
-        if len(replies) != len(messages):
-            raise UnlearningFailed(
-                f"{action}: {len(replies)} of {len(messages)} nodes answered within {self.timeout:.0f} s"
-            )
-        return self.strategy._canonical_order(replies)
+        return unlearning_transport.query(self, grid, action, targets, arrays, vector=vector, support=support)
 
     def _sum(self, replies: list[Message]) -> dict[str, np.ndarray]:
-        total = {k: np.zeros(s, dtype=np.float64) for k, s in self.layout.shared_shapes.items()}
-        for reply in replies:
-            try:
-                vector = unpack_sparse({k: a.numpy() for k, a in reply.content[ARRAYS].items()}, self.layout)
-            except ReplyError as err:
-                raise UnlearningFailed(f"node {reply.metadata.src_node_id} sent an invalid vector: {err}") from err
-            for key in total:
-                total[key] += vector[key]
-        return total
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-def describe_unlearning(report: Mapping) -> str:
-    """One console line for an unlearning phase's ``report`` (the dict written to ``unlearning.json``): the method,
-    the users, the cost, why the Krylov solve stopped (``cg-termination``: ``"tolerance"``, ``"iterations"``,
-    ``"negative-curvature"``, ``"boundary"``, ``"zero-rhs"``; :class:`fedrec_flwr.unlearning.krylov.CGResult`), the line search's
-    step and why it stopped, and the size of the change (``relative-update``: ``||step|| / ||theta||``). Keys a method
-    does not produce are left out, so this serves ``continue``, ``gradient-ascent`` and ``hfkcu``."""
-    parts = [
-        f"unlearning ({report.get('method')}) of {len(report.get('forget-users', ()))} users after round "
-        f"{report.get('round')}: {float(report.get('seconds', 0.0)):.2f} s, {report.get('messages', 0)} messages"
-    ]
-    if "cg-iterations" in report:
-        solve = f"CG {report['cg-iterations']} it, relative residual {float(report['cg-residual']):.2e}"
-        if report.get("cg-termination"):
-            solve += f", stopped on {report['cg-termination']}"
-            if report["cg-termination"] in TERMINATIONS:
-                solve += f" ({TERMINATIONS[report['cg-termination']]})"
-        parts.append(solve)
-    if "line-search-step" in report:
-        parts.append(
-            f"line search step {float(report['line-search-step']):.3g} ({report.get('line-search-termination', '')})"
-        )
-    if "relative-update" in report:
-        parts.append(f"update {100 * float(report['relative-update']):.3g}% of the model's norm")
-    return "; ".join(parts)
-
-
-def describe_before(before: Mapping, server_round: int) -> str:
-    """The console line of the ranking metrics measured just before the unlearning phase after ``server_round``
-    (``before``: metric name -> value, e.g. ``{"HR@10": 0.41}``), saying that the metrics logged from that round's
-    evaluation on (that round's included) are those of the unlearned model; ``""`` when ``before`` has no ranking
-    metric."""
-    shown = {k: float(v) for k, v in before.items() if "@" in k and isinstance(v, (int, float))}
-    if not shown:
-        return ""
-    order = sorted(shown, key=lambda k: (k.split("@")[0], int(k.split("@")[1]) if k.split("@")[1].isdigit() else 0))
-    return (
-        "before unlearning: "
-        + ", ".join(f"{k} {shown[k]:.4f}" for k in order)
-        + f"; every evaluation from round {server_round} on is of the unlearned model"
-    )
-
-
-def curvature_sample_nodes(users: Mapping[int, int], fraction: float, seed: int) -> tuple[list[int], float]:
-    """The nodes whose users' curvature the distributed solve queries, and the factor its summed products are scaled
-    by (``curvature-sample``; ours).
-
-    A subsampled curvature, as Hessian-free optimisation computes its curvature-vector products on a part of the data
-    (Martens 2010, "Deep learning via Hessian-free optimization", Sec. 4.3; Byrd, Chin, Neveitt & Nocedal 2011,
-    "On the use of stochastic Hessian information in optimization methods for machine learning"): ``max(1,
-    round(fraction * n))`` of the ``n`` nodes are drawn without replacement from the stream ``(seed,
-    TAG_CURVATURE_SAMPLE)``, the same nodes for every product of the solve (so CG sees one fixed symmetric
-    operator), and each product is scaled by ``sum_all users / sum_drawn users`` (a ratio estimator of the full sum).
-    Nodes still answer only sums over all their (affected) users, so nothing per user is revealed.
-
-    Args:
-        users: node id -> its users in the curvature sum (affected users with causal weighting, else remaining).
-        fraction: the share of nodes to query, in ``(0, 1]``; 1 queries every node (factor 1).
-        seed: the run's seed.
-    Returns:
-        ``(sorted node ids, factor)``; ``([], 1.0)`` for no nodes.
-    Raises:
-        ValueError: ``fraction`` outside ``(0, 1]``.
-    """
-    if not (0.0 < fraction <= 1.0):
-        raise ValueError(f"curvature-sample must be in (0, 1], got {fraction!r}")
-    nodes = sorted(int(n) for n in users)
-    if not nodes or fraction >= 1.0:
-        return nodes, 1.0
-    size = max(1, int(round(fraction * len(nodes))))
-    drawn = sorted(int(n) for n in numpy_rng(seed, TAG_CURVATURE_SAMPLE).choice(nodes, size=size, replace=False))
-    total, sampled = sum(users[n] for n in nodes), sum(users[n] for n in drawn)
-    return drawn, (total / sampled) if sampled > 0 else 1.0
-
-
-def _step_sums(replies: list[Message], action: str, key: str, steps: int) -> np.ndarray:
-    """``(steps,)`` float64: the nodes' per-step sums under metric ``key`` added up.
-
-    Raises:
-        UnlearningFailed: a node sent another number of sums than steps asked.
-    """
-    totals = np.zeros(steps, dtype=np.float64)
-    for reply in replies:
-        sums = list(reply.content[METRICS].get(key, []))
-        if len(sums) != steps:
-            raise UnlearningFailed(
-                f"{action}: node {reply.metadata.src_node_id} sent {len(sums)} sums for {steps} steps"
-            )
-        totals += np.asarray(sums, dtype=np.float64)
-    return totals
-
-
-def _payload_bytes(content: RecordDict) -> int:
-    """Bytes of the arrays a message carries (every query re-sends the model; config records are not counted)."""
-    return sum(len(array.data) for record in content.array_records.values() for array in record.values())
-
-
-def _norm(vector: Mapping[str, np.ndarray]) -> float:
-    return float(np.sqrt(sum(float(np.sum(np.asarray(v, dtype=np.float64) ** 2)) for v in vector.values())))
-
-
-def _restrict(theta: Mapping[str, np.ndarray], x: Mapping[str, np.ndarray], layout) -> dict[str, np.ndarray]:
-    """The entries of ``theta`` that ``x`` changes: item rows where ``x`` is non-zero, dense keys where ``x`` is."""
-    out = {}
-    for key in layout.shared_shapes:
-        if key in layout.item_keys:
-            out[key] = theta[key][nonzero_rows(x[key])]
-        elif np.any(x[key] != 0):
-            out[key] = theta[key]
-    return out
+        return unlearning_transport.sum_replies(self, replies)

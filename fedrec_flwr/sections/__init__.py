@@ -7,7 +7,8 @@ key's default and meaning are written once, in ``[tool.flwr.app.config]`` of ``p
 own keys in one ``_check_*`` method; :meth:`RunConfig.from_mapping <fedrec_flwr.config.RunConfig.from_mapping>` calls
 them after every value has its type and range.
 
-The data section sits beside the data pipeline (:mod:`fedrec_flwr.data.config`); the others are here:
+The data section sits beside the data pipeline (:mod:`fedrec_flwr.data.config`), the client-unlearning section
+beside the unlearning algorithms (:mod:`fedrec_flwr.unlearning.settings`); the others are here:
 :mod:`~fedrec_flwr.sections.training` (model and local training), :mod:`~fedrec_flwr.sections.adversary` (FedAU²),
 :mod:`~fedrec_flwr.sections.federation` (rounds, sampling, aggregation) and :mod:`~fedrec_flwr.sections.deployment`
 (client state, checkpoints, output).

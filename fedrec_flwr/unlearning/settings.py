@@ -1,0 +1,138 @@
+"""The client-unlearning section of the run configuration: what to forget, when, and how (HF-KCU and its baselines).
+
+:class:`UnlearningSection` declares the keys of the ``client unlearning`` group of ``[tool.flwr.app.config]`` (their
+defaults and meanings are there); :class:`fedrec_flwr.config.RunConfig` inherits it, and the unlearning phase reads
+its settings from it (:class:`fedrec_flwr.strategies.unlearning.UnlearningSettings`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from fedrec_flwr.errors import ConfigError
+from fedrec_flwr.sections.fields import INT_MAX, config_key
+
+METHODS = ("none", "retrain", "continue", "hfkcu", "gradient-ascent")
+"""The values of ``unlearning``."""
+
+PHASE_METHODS = ("continue", "hfkcu", "gradient-ascent")
+"""Methods that run a phase after ``unlearn-round`` (``retrain`` only changes sampling)."""
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "unlearning": METHODS,
+    "krylov-mode": ("distributed", "local"),
+    "krylov-solver": ("steihaug", "cg"),
+    "krylov-preconditioner": ("none", "diagonal", "row"),
+    "curvature": ("gauss-newton", "hessian"),
+    "line-search": ("none", "remaining-loss", "membership-margin"),
+}
+"""The allowed values of the section's string keys that take one of a few."""
+
+
+def _key(name: str, *, minimum: float | None = None, maximum: float | None = None, positive: bool = False) -> Any:
+    return config_key(name, minimum=minimum, maximum=maximum, positive=positive, choices=CHOICES.get(name, ()))
+
+
+@dataclass(frozen=True)
+class UnlearningSection:
+    """The run-config keys of client unlearning: the forget set, the phase's round, HF-KCU's solver, curvature, step
+    and line search, and the baselines' own keys."""
+
+    unlearning: str = _key("unlearning")
+    forget_users: str = _key("forget-users")
+    forget_fraction: float = _key("forget-fraction", minimum=0.0, maximum=1.0)
+    unlearn_round: int = _key("unlearn-round", minimum=0)
+    krylov_mode: str = _key("krylov-mode")
+    krylov_solver: str = _key("krylov-solver")
+    krylov_preconditioner: str = _key("krylov-preconditioner")
+    curvature: str = _key("curvature")
+    trust_radius: float = _key("trust-radius", positive=True)
+    cg_iterations: int = _key("cg-iterations", minimum=1)
+    cg_tolerance: float = _key("cg-tolerance", minimum=0.0)
+    damping: float = _key("damping", minimum=0.0)
+    unlearn_scale: float = _key("unlearn-scale", positive=True)
+    adaptive_scale: bool = _key("adaptive-scale")
+    unlearn_max_step: float = _key("unlearn-max-step", positive=True)
+    line_search: str = _key("line-search")
+    line_search_max_step: float = _key("line-search-max-step", minimum=8.0)
+    line_search_rounds: int = _key("line-search-rounds", minimum=1, maximum=20)
+    curvature_sample: float = _key("curvature-sample", positive=True, maximum=1.0)
+    causal_weighting: bool = _key("causal-weighting")
+    ascent_steps: int = _key("ascent-steps", minimum=1)
+    ascent_learning_rate: float = _key("ascent-learning-rate", positive=True)
+    continue_rounds: int = _key("continue-rounds", minimum=1)
+
+    @classmethod
+    def of(cls, config: UnlearningSection) -> UnlearningSection:
+        """The section's values of ``config`` (a :class:`fedrec_flwr.config.RunConfig`, or a section) on their own."""
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def defaults(cls) -> UnlearningSection:
+        """The section of the project's default run config (``pyproject.toml``,
+        :func:`fedrec_flwr.config.default_run_config`)."""
+        from fedrec_flwr.config import default_run_config
+
+        return cls.of(default_run_config())
+
+    @property
+    def forget_user_ids(self) -> tuple[int, ...]:
+        """The user indices of ``forget-users`` (sorted, unique), e.g. ``(3, 17)``; ``()`` when empty (the split's
+        user order: with ``users-per-node`` 1 a user's index is its node's ``partition-id``).
+
+        Raises:
+            ConfigError: an entry is not an integer, is negative or exceeds :data:`~fedrec_flwr.sections.fields.
+                INT_MAX`.
+        """
+        parts = [p.strip() for p in str(self.forget_users).split(",") if p.strip()]
+        try:
+            values = sorted({int(p) for p in parts})
+        except ValueError:
+            raise ConfigError(
+                f"run-config key 'forget-users' = {self.forget_users!r}: expected comma-separated "
+                'user indices in one string, e.g. forget-users="3,17" (--run-config) or '
+                "forget-users=3,17 (the launcher); not a TOML array"
+            ) from None
+        if values and values[0] < 0:
+            raise ConfigError(f"run-config key 'forget-users' = {self.forget_users!r}: user indices are >= 0")
+        if values and values[-1] > INT_MAX:
+            raise ConfigError(
+                f"run-config key 'forget-users' = {self.forget_users!r}: user index {values[-1]} is "
+                f"out of range (at most {INT_MAX})"
+            )
+        return tuple(values)
+
+    def _check_unlearning(self) -> None:
+        """The relations between the section's keys (and ``num-server-rounds``, in
+        :class:`fedrec_flwr.config.RunConfig`); called by :meth:`fedrec_flwr.config.RunConfig.from_mapping`.
+
+        Raises:
+            ConfigError: a method without users to forget, a phase after the last round, local solves without
+                damping, or a preconditioner without the distributed Steihaug solve (naming the keys).
+        """
+        forget = self.forget_user_ids  # validates the list
+        if self.unlearning != "none" and not forget and self.forget_fraction == 0:
+            raise ConfigError(
+                f"run-config key 'unlearning' = {self.unlearning!r} needs users to forget: set "
+                "'forget-users' (user indices) or 'forget-fraction'"
+            )
+        if self.unlearn_round > self.num_server_rounds:
+            raise ConfigError(
+                f"run-config key 'unlearn-round' = {self.unlearn_round} is after the last round "
+                f"(num-server-rounds = {self.num_server_rounds})"
+            )
+        if self.unlearning == "hfkcu" and self.krylov_mode == "local" and self.damping == 0:
+            raise ConfigError(
+                "run-config key 'damping' = 0 with krylov-mode = 'local': one user's Hessian is singular "
+                "(zero on every row it never touches); set damping > 0"
+            )
+        if self.krylov_preconditioner != "none" and (
+            self.krylov_solver != "steihaug" or self.krylov_mode != "distributed"
+        ):
+            raise ConfigError(
+                f"run-config key 'krylov-preconditioner' = {self.krylov_preconditioner!r} needs "
+                f"krylov-solver = 'steihaug' and krylov-mode = 'distributed', got {self.krylov_solver!r} "
+                f"and {self.krylov_mode!r}; or set it to 'none'"
+            )
