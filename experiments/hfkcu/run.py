@@ -238,7 +238,7 @@ def run_retrain(job) -> None:
 
 FORGET_VARIANTS = {
     "HF-KCU distributed (default)": {"method": "hfkcu"},
-    "HF-KCU distributed, issue-6 arm (CG, Hessian, eta 0.01)": {
+    "HF-KCU distributed, plain CG (Hessian, eta 0.01)": {
         "method": "hfkcu",
         "krylov_solver": "cg",
         "curvature": "hessian",
