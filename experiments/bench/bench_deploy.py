@@ -1,4 +1,4 @@
-"""Cold start of one ClientApp message (issue 20): ours against a bare Flower ClientApp, side by side in one run.
+"""Cold start of one deployed ClientApp message: ours against a bare Flower ClientApp, side by side in one run.
 
 In flwr 1.42 a SuperNode runs every message in a new ``flwr-clientapp`` process, so each message pays a Python start,
 the imports, the app's runtime build (ours: config, cached split, model), the work, and the reply. This script runs
