@@ -145,7 +145,9 @@ def history_mentions(root: Path) -> list[str]:
             else sorted(
                 p
                 for p in base.rglob("*")
-                if p.is_file() and p.suffix in (".py", ".md", ".toml", ".txt", ".rst", ".sh") and "_build" not in p.parts
+                if p.is_file()
+                and p.suffix in (".py", ".md", ".toml", ".txt", ".rst", ".sh")
+                and "_build" not in p.parts
             )
         )
         for path in files:
