@@ -40,7 +40,7 @@ FAKE_USER_BASE = 10_000_001
 VARIANTS = {
     "HF-KCU distributed (default)": {"method": "hfkcu", "krylov_mode": "distributed"},
     "HF-KCU local (Alg. 1)": {"method": "hfkcu", "krylov_mode": "local"},
-    "HF-KCU distributed, plain CG (Hessian, eta 0.01)": {
+    "HF-KCU distributed, paper defaults (CG, Hessian, eta 0.01)": {
         "method": "hfkcu",
         "krylov_solver": "cg",
         "curvature": "hessian",

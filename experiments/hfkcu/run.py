@@ -238,7 +238,7 @@ def run_retrain(job) -> None:
 
 FORGET_VARIANTS = {
     "HF-KCU distributed (default)": {"method": "hfkcu"},
-    "HF-KCU distributed, plain CG (Hessian, eta 0.01)": {
+    "HF-KCU distributed, paper defaults (CG, Hessian, eta 0.01)": {
         "method": "hfkcu",
         "krylov_solver": "cg",
         "curvature": "hessian",
@@ -248,7 +248,7 @@ FORGET_VARIANTS = {
     "gradient ascent": {"method": "gradient-ascent"},
     "continued training (5 rounds)": {"method": "continue"},
 }
-"""The random forget sets (1% and 5%): the defaults against the plain-CG arm and the baselines."""
+"""The random forget sets (1% and 5%): the defaults against the `paper` arm (the paper's defaults) and the baselines."""
 
 
 def forget_root(seed: int) -> Path:
