@@ -11,7 +11,7 @@ chunk of every SAM loss evaluation).
 Run-config keys (defaults in ``pyproject.toml``). **The package defaults are not FedAU²'s own mechanism**:
 measured on MovieLens-100K, FedAU²'s selective unlearning trigger with gradient reversal wrote the
 attribute *into* the embeddings (attacker AUC 0.54 -> 0.83 on FedMF, gender), a defence worse than none. The defaults
-are the arm that met the targets there (experiments/fedau2/README.md, items 9-13): the label-independent entropy pull
+are the arm that met the targets there (experiments/fedau2/results/measurements.md, §9-13): the label-independent entropy pull
 on every step (``adversary-trigger = "always"``, ``adversary-objective = "entropy"``, ``adversary-epsilon = 0.1``,
 chosen on a validation item), a linear ``h_w`` (``adversary-hidden = 0``) trained on the server with 20 Adam steps of
 0.001 a round, the dataset's published class prior and, with ``adversary = "dsvae"``, DSVAE's noise on every uploaded

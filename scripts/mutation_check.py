@@ -122,7 +122,7 @@ def one(old: str, new: str, count: int = 1) -> tuple[str, str, int]:
 
 
 MUTATIONS: tuple[Mutation, ...] = (
-    # ---- issue 23's mutations 2-4 (1, the GRL sign, belongs to the FedAU2 rewrite)
+    # ---- the decoupled SAM radii, the example-weighted evaluation mean and the parameter restore
     Mutation(
         "sam-swap-radii",
         "fedrec_flwr/local/sam.py",
@@ -133,7 +133,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         SAM_TESTS,
-        "issue 23, mutation 2",
+        "the shared and private SAM radii swapped",
     ),
     Mutation(
         "sam-joint-perturbation",
@@ -145,7 +145,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         SAM_TESTS,
-        "issue 23, mutation 2 (plain SAM: one perturbation of both groups)",
+        "plain SAM: one perturbation of both groups",
     ),
     Mutation(
         "evaluate-unweighted-mean",
@@ -158,21 +158,21 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         STRATEGY_TESTS,
-        "issue 23, mutation 3",
+        "evaluation metrics averaged without the example weights",
     ),
     Mutation(
         "sam-no-restore-calls",
         "fedrec_flwr/local/sam.py",
         (one("self._restore(snapshot, ", "raise FloatingPointError(", 3),),
         SAM_TESTS,
-        "issue 23, mutation 4",
+        "a non-finite SAM step raises instead of restoring the parameters",
     ),
     Mutation(
         "restore-copies-nothing",
         "fedrec_flwr/local/training.py",
         (one("p.copy_(buf)", "pass"),),
         SAM_TESTS,
-        "issue 23, mutation 4 (the restore itself)",
+        "the restore copies nothing back",
     ),
     Mutation(
         "blocks-sam-swap-radii",
@@ -184,7 +184,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         ("tests/test_blocks.py",),
-        "issue 23, mutation 2 in the vectorized user blocks (checked against SAMTrainer)",
+        "the SAM radii swapped in the vectorized user blocks (checked against SAMTrainer)",
     ),
     # ---- sam.py
     Mutation(

@@ -114,12 +114,24 @@ def test_the_first_client_tutorial_runs_as_written(tmp_path, monkeypatch):
     assert rows_trained > 0
 
 
+ORDINAL = "this|last|next|earlier|previous|first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth"
 HISTORY = re.compile(
-    r"\b((this|last|next|earlier|previous|first|second|third|fourth|fifth|sixth|seventh|eighth) "
-    r"(session|pass))\b|issue [0-9]+",
+    rf"\b(({ORDINAL})[- ](session|pass)(es)?)\b"  # "the sixth session", "a second pass", "fifth-pass"
+    r"|\bissue[- ]?#?[0-9]+"  # "issue 14", "issue-6", "issue #6"
+    r"|\bitems? [0-9]+(-[0-9]+)?\b",  # an issue's numbered items: "item 19", "items 9-13"
     re.IGNORECASE,
 )
-PRODUCT = ("README.md", "docs", "pyproject.toml", "fedrec_flwr", "strategies", "clients")
+PRODUCT = (
+    "README.md",
+    "docs",
+    "pyproject.toml",
+    "fedrec_flwr",
+    "strategies",
+    "clients",
+    "experiments",
+    "scripts",
+    "plugins",
+)
 
 
 def history_mentions(root: Path) -> list[str]:
@@ -133,7 +145,9 @@ def history_mentions(root: Path) -> list[str]:
             else sorted(
                 p
                 for p in base.rglob("*")
-                if p.is_file() and p.suffix in (".py", ".md", ".toml", ".txt", ".rst") and "_build" not in p.parts
+                if p.is_file()
+                and p.suffix in (".py", ".md", ".toml", ".txt", ".rst", ".sh")
+                and "_build" not in p.parts
             )
         )
         for path in files:
@@ -156,6 +170,14 @@ def test_the_history_check_finds_a_mention(tmp_path):
     (tmp_path / "fedrec_flwr").mkdir()
     (tmp_path / "fedrec_flwr" / "x.py").write_text('"""Chosen in the fifth pass (issue 14)."""\n')
     assert history_mentions(tmp_path) == ['fedrec_flwr/x.py:1: """Chosen in the fifth pass (issue 14)."""']
+    (tmp_path / "experiments" / "results").mkdir(parents=True)
+    (tmp_path / "experiments" / "results" / "m.md").write_text("the issue-6 arm\nitem 19 of the list\n")
+    (tmp_path / "fedrec_flwr" / "y.py").write_text("os.setsid()  # a session of its own\n")
+    assert history_mentions(tmp_path) == [
+        'fedrec_flwr/x.py:1: """Chosen in the fifth pass (issue 14)."""',
+        "experiments/results/m.md:1: the issue-6 arm",
+        "experiments/results/m.md:2: item 19 of the list",
+    ]
 
 
 def test_readme_and_experiment_pages_stay_short():

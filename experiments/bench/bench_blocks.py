@@ -1,4 +1,4 @@
-"""Benchmark of vectorized user blocks (issue 17), side by side in one run.
+"""Benchmark of vectorized user blocks against the per-user loop, side by side in one run.
 
 1. Local training of k users on one node (ML-100K, round 1, fresh private state): the per-user sequential loop (each
    user's ``NumPyClient.fit_named``, as a node without blocks runs them) against one vectorized block

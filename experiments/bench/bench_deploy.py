@@ -1,4 +1,4 @@
-"""Cold start of one ClientApp message (issue 20): ours against a bare Flower ClientApp, side by side in one run.
+"""Cold start of one deployed ClientApp message: ours against a bare Flower ClientApp, side by side in one run.
 
 In flwr 1.42 a SuperNode runs every message in a new ``flwr-clientapp`` process, so each message pays a Python start,
 the imports, the app's runtime build (ours: config, cached split, model), the work, and the reply. This script runs
@@ -20,7 +20,7 @@ codec (``flwr.common.serde.message_to_proto``), and times each phase with wall-c
 Not measured here (the same for both apps, Flower's): the SuperNode's poll interval, the FAB install and the gRPC
 transfers. ``--deployed ROUNDS`` adds whole deployed rounds, back to back (:func:`deployed`): a bare app on 3
 SuperNodes, ours on 3 SuperNodes (:class:`fedrec_flwr.launch.deploy.Deployment`; ML-100K FedNCF, fraction-train 0.1), and
-ours in-process (:func:`fedrec_flwr.serial.run_serial`), for the issue's "deployed round <= 2x (bare deployed round +
+ours in-process (:func:`fedrec_flwr.serial.run_serial`), for the target "deployed round <= 2x (bare deployed round +
 in-process work)".
 
 Usage (prints a markdown table and the load average at the start and end; writes JSON with ``--out``)::

@@ -1,4 +1,4 @@
-"""Benchmark: a block-mode ``flwr run`` against its compute floor, measured back to back (issue 17).
+"""Benchmark: a block-mode ``flwr run`` against its compute floor, measured back to back.
 
 The *compute floor* (:func:`run_floor`) is one process, without Flower's transport, that runs the same vectorized
 steps as a block-mode run: it loads the same split (:func:`fedrec_flwr.app.preflight.preflight`), builds the same initial

@@ -1,5 +1,5 @@
 """Where the simulation process's time goes per round: timers around Flower 1.42's own link-state, grid and backend
-functions and our strategy's, for one ``bench_simulation.py`` case (issue 17's per-message item).
+functions and our strategy's, for one ``bench_simulation.py`` case (the cost per message).
 
 Flower's in-process simulation (``run_simulation``, the engine ``flwr run`` uses) keeps the ServerApp, the link state,
 the thread that polls every node for messages (``add_messages_to_queue``) and the Ray backend's worker threads in one

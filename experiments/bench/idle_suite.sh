@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 17 / 20 speed acceptance ratios in one go, for the idle 2-core machine (about 20 minutes; 25 at most).
+# The speed acceptance ratios (simulation and deployment) in one go, for the idle 2-core machine (about 20 minutes; 25 at most).
 # Run from the checkout's root with nothing else running:  bash experiments/bench/idle_suite.sh
 # Every step's raw output goes to experiments/bench/results/idle-<UTC stamp>/ with the load average before and after;
 # summary.md there holds the ratios (experiments/bench/idle_summary.py). A failed step is logged and the suite goes on.
 #   SMALL=1            a smoke test of the suite itself (tiny scales, about 5 minutes; numbers meaningless)
-#   DEPLOYED_ROUNDS=N  also time N rounds on 3 real SuperNodes (issue 20's round item; default 4, 0 = skip; ~4 min)
+#   DEPLOYED_ROUNDS=N  also time N rounds on 3 real SuperNodes (whole deployed rounds; default 4, 0 = skip; ~4 min)
 #   QUICKSTART_OURS=1  also run our default quickstart right after the bare one (adds ~9 minutes: over budget)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -41,7 +41,7 @@ step() {  # step NAME COMMAND...: run, keep stdout+stderr in $OUT/NAME.log, neve
 } > "$OUT/env.txt" 2>&1
 log "suite start (SMALL=$SMALL) -> $OUT"
 
-# 1. One message in a simulation worker: ours against a bare ClientApp, by phase (issue 17's profile; ~1 min).
+# 1. One message in a simulation worker: ours against a bare ClientApp, by phase (~1 min).
 step profile_message $PY experiments/bench/profile_message.py --messages "$PROFILE_MESSAGES" --repeats 3 --before
 
 # 2. Per message on Flower's simulation engine, one user per node, vs a bare app sending the same 0.44 MB model:
@@ -52,7 +52,7 @@ step sim_943 $PY experiments/bench/bench_simulation.py --rounds "$SIM_ROUNDS" --
   --apps bare+model fedrec --out "$OUT/sim_943.json"
 
 # 3. Deployed cold start per message (fresh process per message, as flwr-clientapp) vs the bare app, and what our
-#    ClientApp imports beyond it (issue 20; ~3 min, +~4 min with DEPLOYED_ROUNDS on 3 real SuperNodes).
+#    ClientApp imports beyond it (~3 min, +~4 min with DEPLOYED_ROUNDS on 3 real SuperNodes).
 step imports $PY experiments/bench/import_breakdown.py --repeats 3 --out "$OUT/imports.json"
 if [ "$DEPLOYED_ROUNDS" -gt 0 ]; then
   step deploy $PY experiments/bench/bench_deploy.py --repeats "$REPEATS" --deployed "$DEPLOYED_ROUNDS" --out "$OUT/deploy.json"
@@ -60,7 +60,7 @@ else
   step deploy $PY experiments/bench/bench_deploy.py --repeats "$REPEATS" --out "$OUT/deploy.json"
 fi
 
-# 4. The default quickstart's message pattern through flwr run with a bare app (issue 17's quickstart item: is
+# 4. The default quickstart's message pattern through flwr run with a bare app (the quickstart target: is
 #    0.4 x 17 min reachable with one user per node on this engine?) (~7 min; +~9 with QUICKSTART_OURS=1).
 step quickstart_bare $PY experiments/bench/bench_quickstart_bare.py --rounds "$QS_ROUNDS" --eval-every "$QS_EVERY" \
   ${QUICKSTART_OURS:+--ours} --out "$OUT/quickstart_bare.json"

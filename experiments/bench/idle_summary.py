@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 QUICKSTART_BEFORE_S = 17 * 60
-"""The default quickstart at commit daae3bd, before issue 17's work (the issue's text)."""
+"""The default quickstart at commit daae3bd (the baseline of the speed target)."""
 
 
 def _load(path: Path):

@@ -1,4 +1,4 @@
-"""What a deployed train message's ClientApp imports beyond a bare Flower ClientApp (issue 20), by ``python -X
+"""What a deployed train message's ClientApp imports beyond a bare Flower ClientApp, by ``python -X
 importtime``, in fresh interpreters.
 
 A SuperNode of flwr 1.42 runs every message in a new ``flwr-clientapp`` process, so every import on our ClientApp's

@@ -23,7 +23,7 @@ trained / evaluated, peak and lowest summed RSS (GiB) during the round and the p
 pages split between the processes that map them; sampled every ``--pss-every`` seconds only, as reading it costs
 about a second of CPU). Then: the overall peak, a least-squares slope of the per-round peak and lowest RSS over
 rounds 5..N (training-only rounds, so evaluation rounds do not bias it), how far apart the per-round peaks of rounds
-5..N are (``peak-rss-spread-from-round-5-percent``, evaluation rounds included: issue 17 asks for at most 1%), and
+5..N are (``peak-rss-spread-from-round-5-percent``, evaluation rounds included: the memory target is at most 1%), and
 whether any reply was lost. RSS sums
 count pages shared between processes (libraries, Ray's object store) once per process, so they overstate the
 machine's use; PSS does not.
@@ -348,7 +348,7 @@ def main() -> int:
         # "grows": the fitted slope is at least 1 MiB a round. Where it goes: the growth per program, and the nodes
         # visited so far (state kept per node grows until every node was visited, then stops).
         grows = None if peak_slope is None else bool(peak_slope >= 1.0)
-        # issue 17's acceptance: the peak of every round from round 5 on (evaluation rounds included) within 1%
+        # the memory target: the peak of every round from round 5 on (evaluation rounds included) within 1%
         spread = spread_percent([r["peak-rss-GiB"] for r in table if r["round"] >= 5])
         first, last = (table[0], table[-1]) if table else ({}, {})
         growth_by_program = {

@@ -13,7 +13,7 @@ from __future__ import annotations
 from fedrec_flwr.config import FIRST_RELEASE_ADVERSARY  # its home is the package; also importable from here
 
 # FIRST_RELEASE_ADVERSARY (fedrec_flwr.config): FedAU²'s adversary keys as the first release's package defaults had
-# them. Since issue 14's seventh session the package defaults are the protective arm (DEFAULTS_ARM); the arms of the
+# them. The package defaults are the protective arm (DEFAULTS_ARM); the arms of the
 # tables were declared against these values and keep them (PROTOCOL carries them).
 
 PROTOCOL = {
@@ -55,14 +55,14 @@ MovieLens-1M's 7 groups), the shares of the published dataset's ``u.user`` (943 
 the same for every user and never counted from a message (``adversary-class-prior``)."""
 
 PER_CLIENT = {"adversary-training": "per-client"}
-"""FedAU², per-client adversary as first implemented (issue 14): the arms of the first tables."""
+"""FedAU², per-client adversary (each client trains its own copy of ``h_w``): the arms of the per-client tables."""
 
 SERVER = {"adversary-training": "server", "adversary-server-optimizer": "adam", "adversary-server-learning-rate": 0.01}
-"""The federated adversary that learns (issue 14): global ``h_w`` frozen within a round, averaged gradients, a server
+"""The federated adversary that learns: global ``h_w`` frozen within a round, averaged gradients, a server
 Adam step. Fixed a priori (Adam 0.01, the local rate), not tuned on test items."""
 
 WARMUP_ROUNDS = 20
-"""GRL warm-up of issue 14's second-session arms (``adversary-warmup-rounds``): 20 of 100 rounds, fixed a priori (by
+"""GRL warm-up of the competent-``h_w`` arms (``adversary-warmup-rounds``): 20 of 100 rounds, fixed a priori (by
 then each user has trained about twice and ``h_w`` has taken 20 x 20 = 400 server steps)."""
 LINEAR = {"adversary-hidden": 0}
 """A linear ``h_w`` (the post-hoc logistic-regression attacker's model class)."""
@@ -83,7 +83,7 @@ ARMS: dict[str, dict] = {
         "adversary-objective": "entropy",
         **PER_CLIENT,
     },
-    # issue 14: the server-trained adversary (class prior added per attribute by run.py: "prior" in the name)
+    # the server-trained adversary (class prior added per attribute by run.py: "prior" in the name)
     "FedAU2-server": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut", **SERVER},
     "FedAU2-server w/o DSVAE": {"client": "fedau2", "adversary": "mlp", "adversary-trigger": "sut", **SERVER},
     "FedAU2-server, prior": {"client": "fedau2", "adversary": "dsvae", "adversary-trigger": "sut", **SERVER},
@@ -103,7 +103,7 @@ ARMS: dict[str, dict] = {
         "adversary-objective": "entropy",
         **SERVER,
     },
-    # issue 14, second session: the same with DSVAE's label-masking noise on every uploaded h_w gradient (the encoder's
+    # the same with DSVAE's label-masking noise on every uploaded h_w gradient (the encoder's
     # too), against DLG, which read the label from the encoder's unperturbed gradient (1.00 with the head-only noise)
     "FedAU2-server, entropy (ours), always, prior, noise on all of h_w": {
         "client": "fedau2",
@@ -128,7 +128,7 @@ ARMS: dict[str, dict] = {
         **SERVER,
         "adversary-embedding-optimizer": "sgd",
     },
-    # issue 14: h_w gets S = 20 server steps per round (19 adversary_gradient queries after the train replies), so a
+    # h_w gets S = 20 server steps per round (19 adversary_gradient queries after the train replies), so a
     # competent h_w can gate the SUT; S and the fallback rate (0.1, used only if h_w's balanced accuracy stays at
     # 0.5 with 0.01) fixed a priori
     "FedAU2-server w/o DSVAE, 20 server steps": {
@@ -153,7 +153,7 @@ ARMS: dict[str, dict] = {
         **SERVER,
         "adversary-server-steps": 20,
     },
-    # issue 14, second session: make h_w competent before / while it drives the embedding (from the S = 20 + prior
+    # make h_w competent before / while it drives the embedding (from the S = 20 + prior
     # arm). A linear h_w (adversary-hidden = 0, the LR attacker's model class), a GRL warm-up of WARMUP_ROUNDS rounds
     # (h_w learns, the embedding gets no adversarial step), the label-independent entropy pull with that h_w, and the
     # SGD embedding step. All fixed a priori; compared on FedNCF / gender / seed 1 by the attacker AUC and h_w's
@@ -189,7 +189,7 @@ ARMS: dict[str, dict] = {
                     "adversary-server-learning-rate": 0.001,
                 },
             ),
-            # the federated form of issue 14's oracle (an LR refit on every user's embedding each round): the 19
+            # the federated form of the oracle adversary (an LR refit on every user's embedding each round): the 19
             # extra steps query every user (adversary-query-users = "all"), full-batch steps over the federation
             # the same at eps = 0.1 (a point of the FedNCF eps sweep, NCF_SERVER_EPSILONS, fixed before it ran): chosen
             # over eps = 1 on seed 1 by h_w's diagnostics (balanced accuracy 0.55 / own AUC 0.58 in rounds 51-100,
@@ -220,11 +220,11 @@ ARMS: dict[str, dict] = {
 """Table rows. Arms without an adversary do not depend on the protected attribute (attacked on every attribute)."""
 
 DEFAULTS_ARM = "FedAU2, package defaults (adversary = dsvae)"
-"""Issue 14, seventh session: ``client = "fedau2"`` with ``adversary = "dsvae"`` and every other adversary key at the
+"""``client = "fedau2"`` with ``adversary = "dsvae"`` and every other adversary key at the
 package's default (pyproject.toml: the entropy pull on every step, eps 0.1, a linear ``h_w`` with 20 server Adam steps
 of 0.001 per round, the published class prior, DSVAE's noise on every uploaded ``h_w`` gradient). Those defaults are
 the arm "FedAU2-server, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1, noise on all of
-h_w" (eps 0.1 chosen on FedNCF's validation item, item 11; DSVAE's placement measured in items 10 and 13) with the
+h_w" (eps 0.1 chosen on FedNCF's validation item, ``results/measurements.md`` §11; DSVAE's placement measured in §10 and §13) with the
 prior resolved from the dataset (``adversary-class-prior = "published"``, the same shares as :data:`CLASS_PRIORS`).
 This arm measures what a user gets who sets only the client, the adversary and the attribute."""
 ARMS[DEFAULTS_ARM] = {
@@ -232,16 +232,16 @@ ARMS[DEFAULTS_ARM] = {
     "adversary": "dsvae",
     **{key: None for key in FIRST_RELEASE_ADVERSARY},  # None: the package default (run.run_config)
     "dsvae-noise-stream": "per-upload",
-}  # as measured in item 17, before the per-user stream
+}  # the per-upload noise stream (``results/measurements.md`` §17)
 
 DEFAULTS_STREAM_ARM = "FedAU2, package defaults (adversary = dsvae), per-user noise stream"
-"""Issue 14, eighth session (item 19): :data:`DEFAULTS_ARM` with the package's new default ``dsvae-noise-stream =
+"""``results/measurements.md`` §19: :data:`DEFAULTS_ARM` with the package's default ``dsvae-noise-stream =
 "per-user"`` (one DSVAE noise draw per user for the whole run, shared by all of the user's ``h_w`` uploads), every
 other adversary key at the package default."""
 ARMS[DEFAULTS_STREAM_ARM] = {"client": "fedau2", "adversary": "dsvae", **{key: None for key in FIRST_RELEASE_ADVERSARY}}
 
 CHOSEN_ARM = "FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1"
-"""Issue 14, third session: the arm whose eps (0.1) FedNCF's validation item chose (``select-eps``, seed 3;
+"""The arm whose eps (0.1) FedNCF's validation item chose (``select-eps``, seed 3;
 ``results/select-eps.md``); its variants below are declared with it. FedMF's validation item chose eps = 1, i.e.
 :data:`NCF_SERVER_ARM` itself (run on FedMF seeds 0-2)."""
 ARMS.update(
@@ -259,13 +259,13 @@ ARMS.update(
             "adversary": "dsvae",
             "dsvae-noise-placement": "all",
         },
-        # FedMF's validation-chosen arm (eps 1, NCF_SERVER_ARM) on FedRecGEL's decoupled SAM client (issue 14, fourth
-        # session): fedau2-gel on FedMF at the eps FedMF's validation item chose, not FedNCF's 0.1
+        # FedMF's validation-chosen arm (eps 1, NCF_SERVER_ARM) on FedRecGEL's decoupled SAM client:
+        # fedau2-gel on FedMF at the eps FedMF's validation item chose, not FedNCF's 0.1
         "FedAU2-GEL-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001": {
             **ARMS["FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001"],
             "client": "fedau2-gel",
         },
-        # a competent h_w (item 11): full-batch extra steps over every user, with the chosen arm's pull
+        # a competent h_w (``results/measurements.md`` §12): full-batch extra steps over every user, with the chosen arm's pull
         "FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, eps 0.1, all users": {
             **ARMS[CHOSEN_ARM],
             "adversary-server-learning-rate": 0.01,
@@ -289,20 +289,20 @@ original model leaks (attacker AUC 0.65), so the sweep can show where the AUC fa
 NCF_SERVER_EPSILONS = (0.1, 0.3)
 """Its further strengths, fixed before any run of the sweep."""
 SELECTION_SEED = 3
-"""Issue 14, third session: the seed of the eps selection runs (``select-eps``), disjoint from the reported seeds 0-2."""
+"""The seed of the eps selection runs (``select-eps``), disjoint from the reported seeds 0-2."""
 SELECTION_EPSILONS = (0.1, 0.3, 0.03, 1.0)
 """The eps grid of that selection (run in this order), fixed before any of its runs."""
 SELECTION_EPSILONS_BY_ATTRIBUTE = {"gender": SELECTION_EPSILONS, "age": (0.3, 0.1, 1.0)}
-"""Issue 14, fifth session: the grid per protected attribute (``select-eps --attributes age``). Age's grid, fixed before
+"""The grid per protected attribute (``select-eps --attributes age``). Age's grid, fixed before
 any of its selection runs, drops 0.03 (on gender's validation runs 0.03 left FedNCF outside the band, MLP AUC 0.568,
 and the eps-0.1 arm's age AUCs on seed 1 are 0.564 / 0.575, so a weaker pull cannot be in the band; the 2-core
 machine's clock allows three runs) and starts at 0.3, the likeliest in the band. Same rule
-(:func:`experiments.fedau2.report.select_epsilon`), read on age's attacker AUCs. Only 0.3 ran (fifth session): it
+(:func:`experiments.fedau2.report.select_epsilon`), read on age's attacker AUCs. Only 0.3 ran: it
 cost 11.4% validation HR@10 with the MLP attacker still at 0.557; 0.1 pulls less (its seed-1 attacker AUCs are
 0.564 / 0.575) and 1 costs more (8.2% on gender's validation), so neither was expected to meet both targets, and the
 clock went to :data:`SGD_PULL_ARM` instead (0.1 was stopped at round 34 of 100, 1 never started)."""
 SGD_PULL_ARM = f"{NCF_SERVER_ARM}, SGD embedding step"
-"""Issue 14, fifth session: :data:`NCF_SERVER_ARM` with the entropy pull applied by its own plain SGD step
+""":data:`NCF_SERVER_ARM` with the entropy pull applied by its own plain SGD step
 (``adversary-embedding-optimizer = "sgd"``: ``e_u <- e_u - learning-rate * eps * dH/de_u``) instead of inside the
 local Adam step. Adam moves each coordinate by about its rate (0.01) per step whatever the pull's size, comparable to the
 embeddings' spread (~0.1), so the pull can overshoot the uniform point and cost HR@10 (age on FedNCF, validation seed
@@ -310,13 +310,13 @@ embeddings' spread (~0.1), so the pull can overshoot the uniform point and cost 
 the embedding only in ``h_w``'s row space (7 of 64 directions for age)."""
 SELECTION_GRIDS = {(NCF_SERVER_ARM, attribute): grid for attribute, grid in SELECTION_EPSILONS_BY_ATTRIBUTE.items()}
 SELECTION_GRIDS[(SGD_PULL_ARM, "age")] = (15.0, 20.0, 10.0, 30.0)
-"""eps grid of ``select-eps`` per (arm, attribute), run in this order. The SGD pull's first grid (10, 30; fifth
-session), fixed before its runs from the step's scale (not from any HR@10): with FedNCF's age ``h_w`` of seed 1 (eps
+"""eps grid of ``select-eps`` per (arm, attribute), run in this order. The SGD pull's first grid (10, 30),
+fixed before its runs from the step's scale (not from any HR@10): with FedNCF's age ``h_w`` of seed 1 (eps
 0.1 run; top singular value 5.5, the pull's gradient about 0.05 per coordinate at embeddings of spread 0.1), eps = 10
 moves a coordinate by about 0.005 per step (half of Adam's quantum) and eps = 30 by 0.015; both below the SGD
 stability limit ``2 / L`` (``L`` about 4.3, i.e. eps < 46).
 
-Sixth session (declared before any of its runs): 15 and 20 fill the gap between 10 and 30 in steps of about
+The second grid (declared before any of its runs): 15 and 20 fill the gap between 10 and 30 in steps of about
 ``sqrt(2)`` (10, 15, 20, 30: per-step moves of about 0.005, 0.0075, 0.01, 0.015 per coordinate, the last two at and
 above Adam's quantum 0.01). Seed 3's validation trend, read linearly between its two points (eps 10: LR / MLP AUC
 0.533 / 0.549 at -2.4% val HR@10; eps 30: 0.506 / 0.541 at -5.7%), puts eps 15 at about 0.526 / -3.2% and eps 20 at
@@ -325,7 +325,7 @@ test-item number went into these values. 15 and 20 run first (the candidates bet
 10 and 30 on the new validation seed; the selection rule over :data:`SGD_PULL_SELECTION_SEEDS` is
 :func:`experiments.fedau2.report.select_epsilon_robust`."""
 SGD_PULL_SELECTION_SEEDS = (3, 4)
-"""Issue 14, sixth session: the validation seeds of the SGD pull's eps against age (``select-eps --seeds 3 4``), both
+"""The validation seeds of the SGD pull's eps against age (``select-eps --seeds 3 4``), both
 outside the test seeds 0-2. Seed 3 alone chose eps 10, whose LR AUC on the test seeds (0.558-0.565) was about 0.03
 above seed 3's (0.533): a second validation seed shows, on validation items only, how much one seed's AUC moves."""
 ARMS[SGD_PULL_ARM] = {**ARMS[NCF_SERVER_ARM], "adversary-embedding-optimizer": "sgd"}
@@ -337,7 +337,7 @@ ARMS.update(
     }
 )
 PROTOCOL_CHECK_ARMS = ("original", f"{SGD_PULL_ARM}, eps 10")
-"""Issue 14, sixth session (``protocol-check``): the original FedNCF and the SGD pull at the eps both selections chose
+"""``protocol-check``: the original FedNCF and the SGD pull at the eps both selections chose
 (10), trained against age on the validation seeds :data:`SGD_PULL_SELECTION_SEEDS` with the test items' protocol (no
 ``holdout-validation``). Their attacker AUCs tell whether the validation runs' lower AUC (seeds 3 / 4: 0.533 / 0.528
 against 0.558-0.565 on seeds 0-2) comes from the validation protocol or from the seeds. A diagnostic run after the

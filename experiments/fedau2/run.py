@@ -283,7 +283,7 @@ def jobs_tradeoff_server_ncf(args) -> list:
 
 
 def jobs_select_eps(args) -> list:
-    """Issue 14: the eps of each ``--selection-arms`` arm (default ``NCF_SERVER_ARM``) chosen on the validation item
+    """The eps of each ``--selection-arms`` arm (default ``NCF_SERVER_ARM``) chosen on the validation item
     (``holdout-validation``): the original model and the arm at each eps of ``SELECTION_GRIDS[arm, attribute]`` per
     ``--attributes`` (default gender), seed ``SELECTION_SEED`` (``--seeds`` overrides), per ``--models``; the rule is
     :func:`experiments.fedau2.report.select_epsilon`. The original model has no adversary: one run serves every
@@ -334,7 +334,7 @@ def jobs_select_eps(args) -> list:
 
 
 def jobs_protocol_check(args) -> list:
-    """Issue 14, sixth session: ``PROTOCOL_CHECK_ARMS`` on FedNCF against age with the test items' protocol (no
+    """``PROTOCOL_CHECK_ARMS`` on FedNCF against age with the test items' protocol (no
     ``holdout-validation``) on the validation seeds (``--seeds``, default ``SGD_PULL_SELECTION_SEEDS``), in
     ``runs/protocol-check/FedNCF`` (read by :func:`experiments.fedau2.report.protocol_check`). Raises ``SystemExit``
     for a test seed (0-2): this check must not add runs of the reported seeds."""

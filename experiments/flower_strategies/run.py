@@ -1,4 +1,4 @@
-"""Flower's strategies on federated recommenders through the adapter (issue 21): one command, resumable.
+"""Flower's strategies on federated recommenders through the adapter: one command, resumable.
 
     python -m experiments.flower_strategies.run [--rounds 100] [--seeds 0,1,2] [--shard 0/1]   # missing runs, tables
 

@@ -1,4 +1,4 @@
-"""The poisoning-removal benchmark of HF-KCU (issue 18): fake users promote one unpopular item; unlearning them should
+"""The poisoning-removal benchmark of HF-KCU: fake users promote one unpopular item; unlearning them should
 move the genuine users' ranking of that item back to where retraining without them puts it.
 
     python -m experiments.hfkcu.run poison [--datasets ml-100k,filmtrust] [--models FedMF,FedNCF]
@@ -40,7 +40,7 @@ FAKE_USER_BASE = 10_000_001
 VARIANTS = {
     "HF-KCU distributed (default)": {"method": "hfkcu", "krylov_mode": "distributed"},
     "HF-KCU local (Alg. 1)": {"method": "hfkcu", "krylov_mode": "local"},
-    "HF-KCU distributed, issue-6 arm (CG, Hessian, eta 0.01)": {
+    "HF-KCU distributed, paper defaults (CG, Hessian, eta 0.01)": {
         "method": "hfkcu",
         "krylov_solver": "cg",
         "curvature": "hessian",
@@ -68,7 +68,7 @@ NEWTON = {
         "adaptive_scale": False,
     }
 }
-"""The full Newton step of issue 6, replayed on ML-100K FedMF seed 0 only (it overshoots to percentile 0 there and
+"""The full Newton step (plain CG on the exact Hessian, eta 1, no cap), replayed on ML-100K FedMF seed 0 only (it overshoots to percentile 0 there and
 on the development setting; left out elsewhere to save the machine's time)."""
 
 
@@ -123,15 +123,15 @@ def _preconditioned() -> dict:
 
 
 DEV_PRECONDITIONED = _preconditioned()
-"""The preconditioned trust-region solve (``krylov-preconditioner``, issue 18) against the Euclidean default, replayed
+"""The preconditioned trust-region solve (``krylov-preconditioner``) against the Euclidean default, replayed
 on the four development settings (``poison-dev-precond``)."""
 
 DEV_EXTRA = (("ml-100k", "FedMF", 20), ("filmtrust", "FedMF", 100), ("filmtrust", "FedMF", 20))
 
 DEV_NCF = (("ml-100k", "FedNCF", 100),)
-"""A FedNCF development setting (fourth session; ``poison-dev --name ncf``): the development seed and target, so the
+"""A FedNCF development setting (``poison-dev --name ncf``): the development seed and target, so the
 preconditioned solve is tried on a model with dense (MLP) parameters before any reported FedNCF setting."""
-"""More development settings (issue 18, for a step rule that must transfer across attack sizes and datasets):
+"""More development settings (for a step rule that must transfer across attack sizes and datasets):
 ``(dataset, model, fakes)`` with the development seed and target (``DEV["seed"]``, ``DEV["target-seed"]``), never
 a reported setting (``poison-dev --name extra``)."""
 
@@ -502,7 +502,7 @@ def probe(
 
 
 DEV_MARGIN = {k: VARIANTS[k] for k in ("HF-KCU distributed (default)", "HF-KCU distributed, membership margin")}
-"""Issue 18, fifth session: the membership-margin step (``line-search = "membership-margin"``,
+"""The membership-margin step (``line-search = "membership-margin"``,
 :mod:`fedrec_flwr.unlearning.margin`) and the default side by side on each development federation
 (``poison-dev-margin``); the reported settings replay it with ``poison-replay --only "membership margin"``."""
 
@@ -511,7 +511,7 @@ RETIMED = {
     "re-timed: HF-KCU distributed (default)": {"method": "hfkcu"},
     "re-timed: HF-KCU distributed, line search on L_R": {"method": "hfkcu", "line_search": "remaining-loss"},
 }
-"""The two arms of issue 18's acceptance, replayed back to back by :func:`retime`."""
+"""The two arms of the poisoning acceptance (``poison-acceptance.md``), replayed back to back by :func:`retime`."""
 
 WARM_UP = {"re-timed: warm-up (cg-iterations 1; discard its time)": {"method": "hfkcu", "cg_iterations": 1}}
 """Run first by the ``capped`` and ``sampled`` re-timings: a process's first phase also pays the one-time ``torch.func``
@@ -523,7 +523,7 @@ RETIMED_CAPPED = {
     "re-timed: HF-KCU distributed, cg-iterations 1": {"method": "hfkcu", "cg_iterations": 1},
     "re-timed: HF-KCU distributed, cg-iterations 2": {"method": "hfkcu", "cg_iterations": 2},
 }
-"""Issue 18's FedNCF speed question: the default solve against solves capped at one and two Gauss-Newton products
+"""FedNCF's speed: the default solve against solves capped at one and two Gauss-Newton products
 (``cg-iterations``), replayed back to back by :func:`retime` (``poison-retime --name capped``)."""
 
 RETIMED_SAMPLED = {
@@ -532,7 +532,7 @@ RETIMED_SAMPLED = {
     "re-timed: HF-KCU distributed, curvature-sample 0.5": {"method": "hfkcu", "curvature_sample": 0.5},
     "re-timed: HF-KCU distributed, curvature-sample 0.25": {"method": "hfkcu", "curvature_sample": 0.25},
 }
-"""Issue 18's FedNCF speed question, the cheaper product: every Gauss-Newton product summed over a seeded half or
+"""FedNCF's speed, the cheaper product: every Gauss-Newton product summed over a seeded half or
 quarter of the nodes and scaled up (``curvature-sample``), against the default (``poison-retime --name sampled``)."""
 
 
@@ -687,7 +687,7 @@ def level_probe(
     name: str = "level",
     ladder: tuple = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0),
 ) -> dict:
-    """Issue 18's loss-level question (ours; a diagnostic that reads the retrained model and the target, never a
+    """Does a loss level say how far to step? (Ours; a diagnostic that reads the retrained model and the target, never a
     rule): along the phase's step ``x`` (``changes`` over the defaults), the forgotten users' mean influence loss
     per example ``L_F(theta + a x)`` (their training positives and fixed negatives, BCE), and the same at the model
     retrained without them. A rule "move until the forgotten users' loss reaches level ``c``" can only match
@@ -805,7 +805,7 @@ RETIMED_MARGIN = {
     "re-timed: HF-KCU distributed (default)": {"method": "hfkcu"},
     "re-timed: HF-KCU distributed, membership margin": {"method": "hfkcu", "line_search": "membership-margin"},
 }
-"""Issue 18, fifth session: both arms timed back to back against the whole 100-round retraining at the current
+"""Both arms timed back to back against the whole 100-round retraining at the current
 training default (block training), ``poison-retime --name margin --rounds 100``."""
 
 
@@ -915,7 +915,7 @@ def calibration_probe(
     bins: int = 20,
     ladder: tuple = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0),
 ) -> dict:
-    """Issue 18, fifth session (design diagnostic on development settings; reads the target and the retrained model
+    """A design diagnostic (on development settings; reads the target and the retrained model
     only to judge, never to choose): the forgotten users' *membership margins* along the default step ``x``. For a
     forgotten user ``f`` and its training positive ``j``, ``m_fj = s_f(j) - mean_k s_f(k)`` over the items ``k`` that
     ``f`` never interacted with in ``j``'s popularity bin (``bins`` equal-size bins of the items ranked by the

@@ -1,8 +1,8 @@
 """Reproduce the HF-KCU client-unlearning experiments: one command per part (see ``experiments/hfkcu/README.md``).
 
     python -m experiments.hfkcu.run main       # originals + unlearning variants, and the retrained models
-    python -m experiments.hfkcu.run forget     # issue 18: the defaults on the 1% and 5% forget sets
-    python -m experiments.hfkcu.run poison     # poisoning removal (experiments/hfkcu/poison.py; issue 18)
+    python -m experiments.hfkcu.run forget     # the defaults on the 1% and 5% random forget sets
+    python -m experiments.hfkcu.run poison     # poisoning removal (experiments/hfkcu/poison.py)
     python -m experiments.hfkcu.run poison-dev # the development setting the HF-KCU defaults were chosen on
     python -m experiments.hfkcu.run poison-dev-precond --name 1   # krylov-preconditioner on the development settings
     python -m experiments.hfkcu.run band       # the calibrated benchmark (experiments/hfkcu/band.py)
@@ -238,7 +238,7 @@ def run_retrain(job) -> None:
 
 FORGET_VARIANTS = {
     "HF-KCU distributed (default)": {"method": "hfkcu"},
-    "HF-KCU distributed, issue-6 arm (CG, Hessian, eta 0.01)": {
+    "HF-KCU distributed, paper defaults (CG, Hessian, eta 0.01)": {
         "method": "hfkcu",
         "krylov_solver": "cg",
         "curvature": "hessian",
@@ -248,7 +248,7 @@ FORGET_VARIANTS = {
     "gradient ascent": {"method": "gradient-ascent"},
     "continued training (5 rounds)": {"method": "continue"},
 }
-"""Issue 18's random forget sets (1% and 5%): the defaults against the issue-6 arm and the baselines."""
+"""The random forget sets (1% and 5%): the defaults against the `paper` arm (the paper's defaults) and the baselines."""
 
 
 def forget_root(seed: int) -> Path:
@@ -258,7 +258,7 @@ def forget_root(seed: int) -> Path:
 
 
 def run_forget(job) -> None:
-    """Issue 18's random forget sets: one original (every variant of :data:`FORGET_VARIANTS` applied after round 100
+    """The random forget sets: one original (every variant of :data:`FORGET_VARIANTS` applied after round 100
     to the 1% and 5% sets) or one retrained model, per dataset and model."""
     from fedrec_flwr.app.runtime import get_runtime
 

@@ -1,4 +1,4 @@
-"""The tuning protocol of issue 19, declared once: methods, the grid of rates per method, budgets, seeds.
+"""The tuning protocol, declared once: methods, the grid of rates per method, budgets, seeds.
 
 Every method starts from its configuration in :mod:`experiments.fedrecgel.methods` (the main table's) and the same
 protocol (leave-one-out, 99 sampled negatives, a validation item held out of training for everyone, 10% of users per
@@ -47,9 +47,9 @@ METHODS: dict[str, dict] = {
 }
 
 SERVER_RATES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.0003)
-"""The issue's {0.001, 0.003, 0.01, 0.03}, 0.1 because 0.03 was the best at the edge (FedRecGEL w/o SAM on
-ML-100K), and 0.0003 because 0.001 was the best at the lower edge (FedRecGEL and FedRecGEL w/o SAM on Amazon-Video,
-fifth session; run on Amazon-Video only, where 0.001 won: on the other datasets 0.001 is far below the choice)."""
+"""The protocol's {0.001, 0.003, 0.01, 0.03}, 0.1 because 0.03 was the best at the edge (FedRecGEL w/o SAM on
+ML-100K), and 0.0003 because 0.001 was the best at the lower edge (FedRecGEL and FedRecGEL w/o SAM on Amazon-Video;
+run on Amazon-Video only, where 0.001 won: on the other datasets 0.001 is far below the choice)."""
 
 GRIDS: dict[str, list[dict[str, tuple]]] = {
     # the local Adam rate (the shared one of every parameter); values ordered so the default runs first
@@ -59,12 +59,11 @@ GRIDS: dict[str, list[dict[str, tuple]]] = {
     # 0.1: 0.03 was the best on ML-100K, at the edge; 0.001: 0.003 was the best on FilmTrust, at the edge
     "FedNCF": [{"learning-rate": (0.01, 0.03, 0.003, 0.1, 0.001)}],
     # PFedRec's score-function SGD rate; its item rate follows it (item-learning-rate 0: lr * items * 80, its paper's)
-    # (few values: PFedRec has no block path and one run costs about 5 minutes here; 0.03 and 0.01 added in the third
-    # session because 0.1 was chosen at the lower edge on ML-100K and FilmTrust, where 0.3 diverged; 0.003 because
-    # Lastfm-2K then chose 0.01, the new edge; not run on ML-100K and FilmTrust, where 0.01 is below 0.1; 0.001 in
-    # the fourth session because Lastfm-2K chose 0.003, again the edge; run on Lastfm-2K only; 0.0003 in the sixth
-    # session because Lastfm-2K and Amazon-Video chose 0.001, again the edge; run on those two only; 0.0001 because
-    # both then chose 0.0003, again the edge)
+    # (few values: PFedRec has no block path and one run costs about 5 minutes here; 0.03 and 0.01 because 0.1 was
+    # chosen at the lower edge on ML-100K and FilmTrust, where 0.3 diverged; 0.003 because Lastfm-2K then chose 0.01,
+    # the new edge; not run on ML-100K and FilmTrust, where 0.01 is below 0.1; 0.001 because Lastfm-2K chose 0.003,
+    # again the edge; run on Lastfm-2K only; 0.0003 because Lastfm-2K and Amazon-Video chose 0.001, again the edge;
+    # run on those two only; 0.0001 because both then chose 0.0003, again the edge)
     "PFedRec": [{"learning-rate": (0.1, 0.03, 0.01, 0.3, 0.003, 0.001, 0.0003, 0.0001)}],
     # server Adam rate at the public rho 0.05, then rho-shared in {0.02, 0.05, 0.1} at the chosen rate (rho-private
     # stays 0.05; rho 0 on both is the "w/o SAM" method, tuned on its own); the client's private Adam 0.1 is the

@@ -1,4 +1,4 @@
-"""Measure the README's FedRecGEL example exactly as a user would run it (issue 19).
+"""Measure the README's FedRecGEL example exactly as a user would run it.
 
 The README's example is ``bash experiments/quickstart.sh`` (``flwr run``: the package defaults, one user per SuperNode)
 with FedRecGEL's keys and the settings the tuning protocol chose on MovieLens-100K's validation item

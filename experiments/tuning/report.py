@@ -1,4 +1,4 @@
-"""Tables and curves of the tuning protocol (issue 19), from whatever runs have finished.
+"""Tables and curves of the tuning protocol, from whatever runs have finished.
 
 Writes to ``experiments/tuning/results/``:
 

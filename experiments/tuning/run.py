@@ -1,4 +1,4 @@
-"""Issue 19's tuning protocol, one command (see ``experiments/tuning/README.md``).
+"""The tuning protocol, one command (see ``experiments/tuning/README.md``).
 
     python -m experiments.tuning.run all --datasets ml-100k   # grid -> selection -> seeds -> 300 rounds -> ceilings -> report
     python -m experiments.tuning.run grid                      # only the grid (seed 0, 100 rounds) and its selection
@@ -62,7 +62,7 @@ def run_folder(dataset: str, method: str, setting: dict, seed: int, rounds: int)
 def config_with_retry(overrides: dict, tries: int = 6, wait_s: float = 30.0):
     """``make_run_config(**overrides)``, retried when a key is unknown: in a working tree shared with other
     developers, ``pyproject.toml`` can briefly declare a key that ``config.py`` does not know yet (seen twice during
-    issue 19's runs); any other error, or the same one after ``tries`` attempts, is raised."""
+    the protocol's runs); any other error, or the same one after ``tries`` attempts, is raised."""
     from fedrec_flwr.errors import ConfigError
 
     for attempt in range(tries):

@@ -1,4 +1,4 @@
-"""Diagnostic of FedMF's ln 2 plateau (issue 19): the train loss of rounds 1-10 and HR@10 (validation / test) every
+"""Diagnostic of FedMF's ln 2 plateau: the train loss of rounds 1-10 and HR@10 (validation / test) every
 10 rounds, for a learning rate and an initialisation std of the embedding tables.
 
     python -m experiments.tuning.stall 0.01 0.01     # learning rate, init std (the old defaults)
