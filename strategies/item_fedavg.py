@@ -384,6 +384,8 @@ class ItemEmbeddingFedAvg(FedAvg):
         self.refresh_topology(grid)
         users = self.sample_train_users(server_round)
         self._sampled_nodes = self._topology().group(users)
+        if self.adversary_step is not None and self.adversary_step.train_config():  # the adaptive rule's eps
+            config = ConfigRecord({**dict(config), **self.adversary_step.train_config()})
         return self._messages(server_round, arrays, config, self._sampled_nodes, MessageType.TRAIN)
 
     def aggregate_train(
@@ -433,10 +435,8 @@ class ItemEmbeddingFedAvg(FedAvg):
             )
         self._record_trained(accepted_nodes)
         arrays = self.aggregate_arrays(accepted)
-        if self.adversary_step is not None:  # h_w's keys carry gradients: one server step (strategies/adversary.py)
-            arrays = self.adversary_step.apply(self._current, accepted, arrays)
-            if self.adversary_step.steps > 1:  # adversary-server-steps: S - 1 more, by adversary_gradient queries
-                arrays = self.adversary_step.extra_steps(self, self._grid, server_round, arrays, self._sampled_nodes)
+        if self.adversary_step is not None:  # h_w's keys carry gradients: its server steps (strategies/adversary.py)
+            arrays = self.adversary_step.round_steps(self, server_round, arrays, accepted, accepted_nodes)
             self.adopt_arrays(arrays)
         metrics = aggregate_metricrecords(accepted, NUM_EXAMPLES)
         isolated = self._isolated(server_round, accepted, metrics, "train")
