@@ -241,7 +241,7 @@ class AdversaryServerStep:
         """:meth:`step` from ``arrays``' ``h_w`` on the mean gradient ``total[key] / total[weight]`` of a secure sum."""
         weight = float(total[WEIGHT_KEY][0])
         new = self.step({k: arrays[k].numpy() for k in self.keys}, {k: total[k] / weight for k in self.keys})
-        return ArrayRecord({k: Array(new[k]) if k in new else v for k, v in arrays.items()})
+        return ArrayRecord({k: Array(new[k]) if k in self.keys else v for k, v in arrays.items()})
 
     def secure_total(
         self, strategy, server_round: int, step: int, weights: Mapping[int, float], arrays: ArrayRecord
