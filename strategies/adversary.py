@@ -35,25 +35,30 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from fedrec_flwr.adversary import ADVERSARY_MODULE, class_prior_text, parse_class_prior
-from fedrec_flwr.adversary.adaptive import AdaptiveEpsilon, AdaptiveEpsilonConfig, statistics_length
+from fedrec_flwr.adversary.adaptive import AdaptiveEpsilon
 from fedrec_flwr.adversary.secure import (
     EPSILON_KEY,
-    SCALE_KEY,
     SECURE_KEY,
     STATISTICS_KEY,
-    WEIGHT_KEY,
     SecureSettings,
 )
 from fedrec_flwr.errors import ConfigError, reply_error_line
 from fedrec_flwr.local.training import load_optimizer_state_arrays, optimizer_state_arrays
-from fedrec_flwr.privacy.secagg import SecAggError, secure_sum
-from fedrec_flwr.privacy.secagg_records import grid_sender
 from fedrec_flwr.wire import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, ModelLayout
+
+from .adversary_rounds import (
+    adaptive_from_config,
+    adaptive_state_arrays,
+    clear_statistics,
+    restore_adaptive,
+    secure_total,
+    step_epsilon,
+    step_on_total,
+)
 
 log = logging.getLogger(__name__)
 
 PREFIX = ADVERSARY_MODULE + "."
-ADAPTIVE_PREFIX = "adaptive/"
 
 
 def adversary_keys(layout: ModelLayout) -> tuple[str, ...]:
@@ -133,23 +138,6 @@ class AdversaryServerStep:
             parse_class_prior(class_prior_text(config), layout.shared_shapes[PREFIX + "head.bias"][0])
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        adaptive = None
-        if config.adversary_weight_rule == "adaptive":
-            try:
-                adaptive = AdaptiveEpsilon(
-                    AdaptiveEpsilonConfig(
-                        num_classes=int(layout.shared_shapes[PREFIX + "head.bias"][0]),
-                        target_delta=config.adaptive_target_delta,
-                        rate=config.adaptive_rate,
-                        epsilon_min=config.adaptive_epsilon_min,
-                        epsilon_max=config.adaptive_epsilon_max,
-                        signal=config.adaptive_signal,
-                        smoothing=config.adaptive_smoothing,
-                    ),
-                    float(config.adversary_epsilon),
-                )
-            except ValueError as err:
-                raise ConfigError(str(err)) from None
         return cls(
             keys,
             optimizer=config.adversary_server_optimizer,
@@ -157,7 +145,7 @@ class AdversaryServerStep:
             steps=config.adversary_server_steps,
             query_users=config.adversary_query_users,
             secure=SecureSettings.from_config(config),
-            adaptive=adaptive,
+            adaptive=adaptive_from_config(config, int(layout.shared_shapes[PREFIX + "head.bias"][0])),
             seed=config.seed,
         )
 
@@ -209,106 +197,19 @@ class AdversaryServerStep:
         statistics = None
         if self.secure is None:
             arrays = self.apply(current, accepted, arrays)
-            found = [r.array_records[STATISTICS_KEY][STATISTICS_KEY].numpy() for r in accepted if STATISTICS_KEY in r]
-            statistics = np.sum(np.stack(found).astype(np.float64), axis=0) if found else None
+            statistics = clear_statistics(accepted)
         else:  # the replies carry zeros under h_w's keys: start from what was sent
             arrays = ArrayRecord({k: current[k] if k in self.keys else v for k, v in arrays.items()})
             weights = {node: float(r[METRICS][NUM_EXAMPLES]) for node, r in zip(accepted_nodes, accepted)}
-            total = self.secure_total(strategy, server_round, 0, weights, arrays)
+            total = secure_total(self, strategy, server_round, 0, weights, arrays)
             if total is not None:
-                arrays = self._step_on_total(arrays, total)
+                arrays = step_on_total(self, arrays, total)
                 statistics = total.get(STATISTICS_KEY)
         if self.steps > 1:  # adversary-server-steps: S - 1 more, by adversary_gradient queries
             arrays = self.extra_steps(strategy, strategy._grid, server_round, arrays, strategy._sampled_nodes)
         if self.adaptive is not None:
-            if statistics is None:
-                log.warning(
-                    "round %d: no summed adversary statistics; eps stays %.4g", server_round, self.adaptive.epsilon
-                )
-            else:
-                before = self.adaptive.epsilon
-                self.adaptive.step(np.maximum(np.asarray(statistics, dtype=np.float64), 0.0))
-                log.info(
-                    "round %d: adaptive eps %.4g -> %.4g (signal %.4f)",
-                    server_round,
-                    before,
-                    self.adaptive.epsilon,
-                    self.adaptive.last_signal,
-                )
+            step_epsilon(self.adaptive, server_round, statistics)
         return arrays
-
-    def _step_on_total(self, arrays: ArrayRecord, total: Mapping[str, np.ndarray]) -> ArrayRecord:
-        """:meth:`step` from ``arrays``' ``h_w`` on the mean gradient ``total[key] / total[weight]`` of a secure sum."""
-        weight = float(total[WEIGHT_KEY][0])
-        new = self.step({k: arrays[k].numpy() for k in self.keys}, {k: total[k] / weight for k in self.keys})
-        return ArrayRecord({k: Array(new[k]) if k in self.keys else v for k, v in arrays.items()})
-
-    def secure_total(
-        self, strategy, server_round: int, step: int, weights: Mapping[int, float], arrays: ArrayRecord
-    ) -> dict[str, np.ndarray] | None:
-        """The sum over ``weights``' nodes of their kept vectors of ``(round, step)`` by SecAgg+
-        (:func:`fedrec_flwr.privacy.secagg.secure_sum` through ``query.secagg`` messages), each node's vector divided
-        by the largest weight ``S`` and the sum multiplied back (:mod:`fedrec_flwr.adversary.secure`). ``None`` (with
-        a warning) when fewer than two nodes are left or too few survive a stage; a node that drops is left out of
-        the sum. ``arrays``: the current shared arrays (``h_w``'s shapes).
-
-        Raises:
-            ConfigError: the protocol's parameters do not fit this many nodes (e.g. ``nodes * (Q - 1) >= 2**32``).
-        """
-        nodes = sorted(int(n) for n in weights)
-        if len(nodes) < 2:
-            log.warning(
-                "round %d, h_w step %d: %d node(s) to sum; secure aggregation needs 2, so h_w takes no step",
-                server_round,
-                step + 1,
-                len(nodes),
-            )
-            return None
-        scale = max(float(w) for w in weights.values())
-        spec = {k: tuple(arrays[k].shape) for k in self.keys}
-        spec[WEIGHT_KEY] = (1,)
-        if step == 0 and self.adaptive is not None:
-            spec[STATISTICS_KEY] = (statistics_length(self.adaptive.config.num_classes),)
-        base = grid_sender(strategy._grid, timeout=strategy.round_timeout)
-        common = {"server-round": server_round, "adversary-step": step, SCALE_KEY: scale}
-
-        def send(stage, contents):
-            return base(stage, {nid: {**common, **config} for nid, config in contents.items()})
-
-        cfg = self.secure
-        graph_seed = int(np.random.SeedSequence([self.seed, server_round, step]).generate_state(1)[0])
-        try:
-            result = secure_sum(
-                send,
-                nodes,
-                spec,
-                threshold=cfg.shamir_threshold(len(nodes)),
-                clipping_range=cfg.clipping_range,
-                quantization_range=cfg.quantization_range,
-                num_shares=cfg.neighbourhood(len(nodes)),
-                seed=graph_seed,
-            )
-        except SecAggError as err:
-            log.warning(
-                "round %d, h_w step %d: secure aggregation failed, h_w takes no step: %s", server_round, step + 1, err
-            )
-            return None
-        except ValueError as err:
-            raise ConfigError(f"secure-aggregation with {len(nodes)} nodes: {err}") from None
-        left = sorted(set(nodes) - set(result.contributors))
-        if left:
-            log.warning("round %d, h_w step %d: nodes %s dropped out of the secure sum", server_round, step + 1, left)
-        if result.clipped:
-            log.warning(
-                "round %d, h_w step %d: %d vector elements were clipped to +-%g (raise "
-                "secure-aggregation-clipping-range)",
-                server_round,
-                step + 1,
-                result.clipped,
-                cfg.clipping_range,
-            )
-        total = {k: v * scale for k, v in result.arrays.items()}
-        return total if total[WEIGHT_KEY][0] > 0 else None
 
     def extra_steps(
         self, strategy, grid, server_round: int, arrays: ArrayRecord, nodes: Mapping[int, list[int]]
@@ -358,11 +259,11 @@ class AdversaryServerStep:
                     for r in replies
                     if not r.has_error() and METRICS in r.content and r.content[METRICS].get(NUM_EXAMPLES, 0) > 0
                 }
-                total = self.secure_total(strategy, server_round, step, weights, arrays)
+                total = secure_total(self, strategy, server_round, step, weights, arrays)
                 if total is None:
                     log.warning("round %d: %d of %d server steps of h_w taken", server_round, step, self.steps)
                     break
-                arrays = self._step_on_total(arrays, total)
+                arrays = step_on_total(self, arrays, total)
                 continue
             accepted, observed = [], []
             for reply in replies:
@@ -417,25 +318,11 @@ class AdversaryServerStep:
         """The optimizer's state for a server checkpoint (empty before the first step), and under the adaptive rule
         the controller's (``adaptive/epsilon``, ``adaptive/steps``, ``adaptive/discounted``, ``adaptive/last-signal``)."""
         out = {} if self.optimizer is None else optimizer_state_arrays(self.optimizer)
-        if self.adaptive is not None:
-            state = self.adaptive.state_dict()
-            out.update({f"{ADAPTIVE_PREFIX}{k}": np.asarray(v, dtype=np.float64) for k, v in state.items()})
-        return out
+        return {**out, **adaptive_state_arrays(self.adaptive)}
 
     def load_state_arrays(self, current: ArrayRecord, arrays: Mapping[str, np.ndarray]) -> None:
         """Inverse of :meth:`state_arrays` (``current``: the checkpoint's shared parameters)."""
-        adaptive = {k[len(ADAPTIVE_PREFIX) :]: v for k, v in arrays.items() if k.startswith(ADAPTIVE_PREFIX)}
-        arrays = {k: v for k, v in arrays.items() if not k.startswith(ADAPTIVE_PREFIX)}
-        if self.adaptive is not None and adaptive:
-            self.adaptive = AdaptiveEpsilon.from_state(
-                self.adaptive.config,
-                {
-                    "epsilon": float(adaptive["epsilon"]),
-                    "steps": int(adaptive["steps"]),
-                    "discounted": np.asarray(adaptive["discounted"]).reshape(-1).tolist(),
-                    "last-signal": float(adaptive["last-signal"]),
-                },
-            )
+        self.adaptive, arrays = restore_adaptive(self.adaptive, arrays)
         if not arrays:
             return
         self._ensure({k: current[k].numpy() for k in self.keys})
