@@ -236,6 +236,7 @@ def test_a_secured_adaptive_run_killed_in_round_3_resumes_to_the_same_eps_and_ar
         ({"secure_aggregation": "secagg+", "adversary_training": "per-client"}, "secure-aggregation"),
         ({"secure_aggregation": "secagg+", "secure_aggregation_num_shares": 4}, "num-shares"),
         ({"adversary_weight_rule": "sometimes"}, "adversary-weight-rule"),
+        ({"adversary_weight_rule": "adaptive", "strategy": "flwr.serverapp.strategy:FedAvg"}, "Flower strategy"),
     ],
 )
 def test_a_bad_secure_or_adaptive_setting_is_one_config_error_line(tmp_path, overrides, match):

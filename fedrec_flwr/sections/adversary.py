@@ -101,7 +101,8 @@ class AdversarySection:
 
     def _check_secure_and_adaptive(self) -> None:
         """``secure-aggregation`` and ``adversary-weight-rule = "adaptive"`` need the server-trained ``h_w``; SecAgg+'s
-        neighbourhood is odd; the adaptive bounds are ordered and hold ``adversary-epsilon``.
+        neighbourhood is odd; the adaptive bounds are ordered and hold ``adversary-epsilon``; the adaptive rule's eps
+        travels in this package's train messages, which a Flower strategy (``flwr.serverapp.strategy:...``) replaces.
 
         Raises:
             ConfigError: naming the keys and values.
@@ -116,6 +117,12 @@ class AdversarySection:
                     f"run-config key '{key}' = {value!r} needs an adversary with adversary-training = 'server' "
                     f"(got adversary = {self.adversary!r}, adversary-training = {self.adversary_training!r})"
                 )
+        if self.adversary_weight_rule == "adaptive" and str(self.strategy).startswith("flwr.serverapp.strategy:"):
+            raise ConfigError(
+                f"adversary-weight-rule = 'adaptive' needs one of this package's strategies (item-fedavg, "
+                f"server-optimizer, ...): a Flower strategy ({self.strategy!r}) builds its own train messages, "
+                "which do not carry the round's eps"
+            )
         shares = self.secure_aggregation_num_shares
         if shares and (shares < 3 or shares % 2 == 0):
             raise ConfigError(
