@@ -73,6 +73,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedrec_flwr.adversary import (
@@ -86,6 +87,8 @@ from fedrec_flwr.adversary import (
     parse_class_prior,
     user_vectors,
 )
+from fedrec_flwr.adversary.adaptive import adversary_statistics
+from fedrec_flwr.adversary.secure import EPSILON_KEY
 from fedrec_flwr.clients.fedrec import FedRecClient
 from fedrec_flwr.clients.fedrecgel import FedRecGELClient
 from fedrec_flwr.errors import ConfigError
@@ -198,7 +201,10 @@ class AttributeUnlearning:
         version, so that ``h_w`` can learn the attribute's direction before it moves the embeddings (an uninformed
         ``h_w`` under the SUT writes the attribute in, README of experiments/fedau2)."""
         cfg = self.runtime.config
-        return 0.0 if int(config["server-round"]) <= cfg.adversary_warmup_rounds else float(cfg.adversary_epsilon)
+        if int(config["server-round"]) <= cfg.adversary_warmup_rounds:
+            return 0.0
+        # adversary-weight-rule = "adaptive": the server's controller sends the round's eps
+        return float(config.get(EPSILON_KEY, cfg.adversary_epsilon))
 
     def _log_prior(self) -> torch.Tensor | None:
         protected = self.runtime.protected
@@ -298,6 +304,22 @@ class AttributeUnlearning:
             noise_generators=[self._noise_generator(config, user) for user in users],
         )
         return {key: grad.cpu().numpy() for key, grad in grads.items()}
+
+    def adversary_statistics_sum(self, shared: Mapping[str, Any], users) -> np.ndarray:
+        """The sum over ``users`` (this node's, after the round's training) of each one's
+        :func:`fedrec_flwr.adversary.adaptive.adversary_statistics` at the ``h_w`` of ``shared`` (the round's global
+        copy) and the user's current private embedding, with the class prior of ``adversary-class-prior``: the
+        adaptive rule's contribution of this node (:mod:`fedrec_flwr.adversary.secure`). Nothing is trained or saved.
+
+        Returns:
+            ``(4 C,)`` float64.
+        """
+        self.load_shared(shared)
+        users = [int(u) for u in users]
+        vectors = user_vectors(self.model, Block(self.runtime, users, self.state).load_private(users))
+        self.protected_label  # noqa: B018 (raises the ConfigError when no protected-attribute is configured)
+        labels = torch.as_tensor(self.runtime.protected.labels[users], dtype=torch.long)
+        return adversary_statistics(adversary_of(self.model), vectors, labels, log_prior=self._log_prior())
 
     def save_private(self) -> None:
         """Save the user's private state; in a training round with ``user-embedding-noise = b > 0``, perturb the

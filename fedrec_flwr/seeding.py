@@ -15,6 +15,7 @@ TAG_USER_INIT = 11
 TAG_SHUFFLE = 12
 TAG_MODEL_INIT = 13
 TAG_CLIENT_EXTRA = 14
+TAG_SECURE_ROUNDING = 21  # SecAgg+'s stochastic rounding of a node's vector (fedrec_flwr.app.queries)
 
 
 def numpy_rng(seed: int, tag: int, *keys: int) -> np.random.Generator:

@@ -60,6 +60,9 @@ UNLEARN_MARGIN = "unlearn_margin"
 ADVERSARY_GRADIENT = "adversary_gradient"
 """Query (FedAU², ``adversary-server-steps`` > 1): the mean gradient of ``h_w`` over the named users at the sent
 ``h_w`` and their current private embeddings (:func:`adversary_gradient_query`)."""
+SECURE_AGGREGATION = "secagg"
+"""Query (``secure-aggregation = "secagg+"``): one SecAgg+ stage over the node's kept ``h_w`` vector
+(:mod:`fedrec_flwr.privacy.secagg_records`, :mod:`fedrec_flwr.adversary.secure`)."""
 VECTOR = "vector"
 """Content key of the row-sparse vector (direction, right-hand side) an unlearning query carries."""
 SUPPORT = "support"

@@ -35,9 +35,26 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from fedrec_flwr.adversary import ADVERSARY_MODULE, class_prior_text, parse_class_prior
+from fedrec_flwr.adversary.adaptive import AdaptiveEpsilon
+from fedrec_flwr.adversary.secure import (
+    EPSILON_KEY,
+    SECURE_KEY,
+    STATISTICS_KEY,
+    SecureSettings,
+)
 from fedrec_flwr.errors import ConfigError, reply_error_line
 from fedrec_flwr.local.training import load_optimizer_state_arrays, optimizer_state_arrays
 from fedrec_flwr.wire import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, ModelLayout
+
+from .adversary_rounds import (
+    adaptive_from_config,
+    adaptive_state_arrays,
+    clear_statistics,
+    restore_adaptive,
+    secure_total,
+    step_epsilon,
+    step_on_total,
+)
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +103,9 @@ class AdversaryServerStep:
         learning_rate: float = 0.01,
         steps: int = 1,
         query_users: str = "sampled",
+        secure: SecureSettings | None = None,
+        adaptive: AdaptiveEpsilon | None = None,
+        seed: int = 0,
     ) -> None:
         self.keys = tuple(keys)
         if not self.keys:
@@ -100,6 +120,7 @@ class AdversaryServerStep:
             raise ValueError(f"AdversaryServerStep: query_users must be 'sampled' or 'all', got {query_users!r}")
         self.optimizer_name, self.learning_rate, self.steps = optimizer, float(learning_rate), int(steps)
         self.query_users = query_users
+        self.secure, self.adaptive, self.seed = secure, adaptive, int(seed)
         self.parameters: dict[str, torch.nn.Parameter] = {}
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -123,6 +144,9 @@ class AdversaryServerStep:
             learning_rate=config.adversary_server_learning_rate,
             steps=config.adversary_server_steps,
             query_users=config.adversary_query_users,
+            secure=SecureSettings.from_config(config),
+            adaptive=adaptive_from_config(config, int(layout.shared_shapes[PREFIX + "head.bias"][0])),
+            seed=config.seed,
         )
 
     def _ensure(self, current: Mapping[str, np.ndarray]) -> None:
@@ -152,6 +176,40 @@ class AdversaryServerStep:
         mean gradient."""
         new = self.step({k: current[k].numpy() for k in self.keys}, mean_reply_gradient(accepted, self.keys))
         return ArrayRecord({k: Array(new[k]) if k in new else v for k, v in arrays.items()})
+
+    def train_config(self) -> dict[str, float]:
+        """Keys the round's train messages carry: ``{"adaptive-epsilon": eps}`` under the adaptive rule, else ``{}``."""
+        return {} if self.adaptive is None else {EPSILON_KEY: float(self.adaptive.epsilon)}
+
+    def round_steps(
+        self, strategy, server_round: int, arrays: ArrayRecord, accepted: list[RecordDict], accepted_nodes: list[int]
+    ) -> ArrayRecord:
+        """The round's steps of ``h_w`` after its train replies: the train step (:meth:`apply`, or with ``secure`` a
+        SecAgg+ sum over the accepted nodes' kept vectors), the ``steps - 1`` query steps (:meth:`extra_steps`) and,
+        under the adaptive rule, one step of ``eps`` on the round's summed statistics. Returns the new arrays.
+
+        Args:
+            strategy: the :class:`fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg` (its grid, the round's sent
+                arrays ``_current`` and sampled nodes). arrays: the strategy's aggregate. accepted / accepted_nodes:
+                the valid train replies and their nodes, in the same order.
+        """
+        current = strategy._current
+        statistics = None
+        if self.secure is None:
+            arrays = self.apply(current, accepted, arrays)
+            statistics = clear_statistics(accepted)
+        else:  # the replies carry zeros under h_w's keys: start from what was sent
+            arrays = ArrayRecord({k: current[k] if k in self.keys else v for k, v in arrays.items()})
+            weights = {node: float(r[METRICS][NUM_EXAMPLES]) for node, r in zip(accepted_nodes, accepted)}
+            total = secure_total(self, strategy, server_round, 0, weights, arrays)
+            if total is not None:
+                arrays = step_on_total(self, arrays, total)
+                statistics = total.get(STATISTICS_KEY)
+        if self.steps > 1:  # adversary-server-steps: S - 1 more, by adversary_gradient queries
+            arrays = self.extra_steps(strategy, strategy._grid, server_round, arrays, strategy._sampled_nodes)
+        if self.adaptive is not None:
+            step_epsilon(self.adaptive, server_round, statistics)
+        return arrays
 
     def extra_steps(
         self, strategy, grid, server_round: int, arrays: ArrayRecord, nodes: Mapping[int, list[int]]
@@ -183,6 +241,7 @@ class AdversaryServerStep:
                                     "server-round": server_round,
                                     "users": list(users),
                                     "adversary-step": step,
+                                    **({SECURE_KEY: True} if self.secure is not None else {}),
                                 }
                             ),
                         }
@@ -194,6 +253,18 @@ class AdversaryServerStep:
                 if len(users)
             ]
             replies = strategy._canonical_order(grid.send_and_receive(messages, timeout=strategy.round_timeout))
+            if self.secure is not None:  # the nodes kept their vectors: one secure sum over those that did
+                weights = {
+                    int(r.metadata.src_node_id): float(r.content[METRICS][NUM_EXAMPLES])
+                    for r in replies
+                    if not r.has_error() and METRICS in r.content and r.content[METRICS].get(NUM_EXAMPLES, 0) > 0
+                }
+                total = secure_total(self, strategy, server_round, step, weights, arrays)
+                if total is None:
+                    log.warning("round %d: %d of %d server steps of h_w taken", server_round, step, self.steps)
+                    break
+                arrays = step_on_total(self, arrays, total)
+                continue
             accepted, observed = [], []
             for reply in replies:
                 problem = (
@@ -244,11 +315,14 @@ class AdversaryServerStep:
         return ""
 
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """The optimizer's state for a server checkpoint (empty before the first step)."""
-        return {} if self.optimizer is None else optimizer_state_arrays(self.optimizer)
+        """The optimizer's state for a server checkpoint (empty before the first step), and under the adaptive rule
+        the controller's (``adaptive/epsilon``, ``adaptive/steps``, ``adaptive/discounted``, ``adaptive/last-signal``)."""
+        out = {} if self.optimizer is None else optimizer_state_arrays(self.optimizer)
+        return {**out, **adaptive_state_arrays(self.adaptive)}
 
     def load_state_arrays(self, current: ArrayRecord, arrays: Mapping[str, np.ndarray]) -> None:
         """Inverse of :meth:`state_arrays` (``current``: the checkpoint's shared parameters)."""
+        self.adaptive, arrays = restore_adaptive(self.adaptive, arrays)
         if not arrays:
             return
         self._ensure({k: current[k].numpy() for k in self.keys})

@@ -9,7 +9,9 @@ attributes, which the server never has. A reply is attacked when it carries one 
 always with ``users-per-node = 1``, and with more users per node in a round where only one of the node's users was
 sampled (that reply is one user's, so mixing does not protect it: FedMF, age, 100 users per node, seed 2: 3 such
 replies in 100 rounds, all 3 labels recovered). Replies that mix several users are not attacked (use
-``users-per-node = 1`` to audit every user).
+``users-per-node = 1`` to audit every user). With ``secure-aggregation = "secagg+"`` no reply carries a node's
+``h_w`` gradient (only SecAgg+'s masked vectors, whose sum is all the server learns; :mod:`fedrec_flwr.adversary.secure`),
+so nothing is attacked and ``label-leakage.csv`` has no rows.
 
 ``label-leakage.csv`` columns: ``round``; ``node`` (Flower node id); ``user`` (the user's index in the split, i.e. its
 partition id with one user per node; -1 if unknown); ``idlg-label`` and ``dlg-label``: the guessed class, an index into
@@ -166,6 +168,8 @@ class LabelLeakageAudit:
         sent = self._current
         bias_key = f"{ADVERSARY_MODULE}.head.bias"
         if sent is None or bias_key not in sent:
+            return
+        if self._audit_config.secure_aggregation != "off":  # replies carry zeros under h_w's keys: nothing to attack
             return
         run_dlg = server_round % self.eval_every == 0 or server_round == self.num_rounds
         dlg_done = 0

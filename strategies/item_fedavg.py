@@ -231,11 +231,11 @@ class ItemEmbeddingFedAvg(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """One train message per node that serves a sampled user, naming those users."""
-        self._current = arrays
-        self._grid = grid
+        self._current, self._grid = arrays, grid
         self._train_started = time.perf_counter()
         self.refresh_topology(grid)
         self._sampled_nodes = self._topology().group(self.sample_train_users(server_round))
+        config = nodes.with_adversary_config(config, self.adversary_step)  # the adaptive rule's eps, if any
         return self._messages(server_round, arrays, config, self._sampled_nodes, MessageType.TRAIN)
 
     def aggregate_train(

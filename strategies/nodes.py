@@ -95,3 +95,10 @@ def node_messages(
         content = RecordDict({ARRAYS: arrays, CONFIG: node_config})
         messages.append(Message(content=content, message_type=kind, dst_node_id=node_id))
     return messages
+
+
+def with_adversary_config(config: ConfigRecord, adversary_step) -> ConfigRecord:
+    """The round's train config plus the keys FedAU²'s server step adds to it (the adaptive rule's ``eps``:
+    :meth:`.adversary.AdversaryServerStep.train_config`); ``config`` itself without a step or with nothing to add."""
+    extra = {} if adversary_step is None else adversary_step.train_config()
+    return ConfigRecord({**dict(config), **extra}) if extra else config

@@ -58,10 +58,8 @@ def aggregate_round(
     strategy._record_trained(accepted_nodes)
     arrays = strategy.aggregate_arrays(accepted)
     step = strategy.adversary_step
-    if step is not None:  # h_w's keys carry gradients: one server step (strategies/adversary.py)
-        arrays = step.apply(strategy._current, accepted, arrays)
-        if step.steps > 1:  # adversary-server-steps: S - 1 more, by adversary_gradient queries
-            arrays = step.extra_steps(strategy, strategy._grid, server_round, arrays, sent)
+    if step is not None:  # h_w's keys carry gradients: its server steps (strategies/adversary.py)
+        arrays = step.round_steps(strategy, server_round, arrays, accepted, accepted_nodes)
         strategy.adopt_arrays(arrays)
     seconds = time.perf_counter() - strategy._train_started
     metrics, strategy.last_train = train_metrics(server_round, accepted, expected, seconds, strategy.isolated_users)

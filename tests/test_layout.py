@@ -102,9 +102,6 @@ def test_the_library_never_imports_the_clients_or_strategies_built_on_it():
 MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 300
 
-BEING_SPLIT_ELSEWHERE = {"fedrec_flwr/privacy/secagg.py"}
-"""Modules over the size limits that another branch is splitting; remove each from this set when that merges."""
-
 
 def _sizes(path: Path) -> tuple[int, list[tuple[str, int]]]:
     """``(module lines, [(class name, class lines)])`` of one source file (classes at any depth, decorators excluded)."""
@@ -122,8 +119,6 @@ def test_no_module_over_600_lines_and_no_class_over_300():
     for pattern in ("fedrec_flwr/**/*.py", "clients/*.py", "strategies/*.py"):
         for path in sorted(ROOT.glob(pattern)):
             name = path.relative_to(ROOT).as_posix()
-            if name in BEING_SPLIT_ELSEWHERE:
-                continue
             lines, classes = _sizes(path)
             if lines > MAX_MODULE_LINES:
                 too_big.append(f"{name}: {lines} lines (at most {MAX_MODULE_LINES})")
@@ -139,7 +134,3 @@ def test_the_size_check_measures_modules_and_classes(tmp_path):
     source = tmp_path / "m.py"
     source.write_text("class A:\n    x = 1\n\n    class B:\n        y = 2\n\n\nz = 3\n", encoding="utf-8")
     assert _sizes(source) == (8, [("A", 5), ("B", 2)])
-
-
-def test_the_modules_being_split_elsewhere_exist():
-    assert all((ROOT / name).is_file() for name in BEING_SPLIT_ELSEWHERE)

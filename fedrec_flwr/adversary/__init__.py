@@ -23,7 +23,9 @@ over the user embedding ``e_u`` (private), the item embeddings and score functio
   :func:`mean_adversary_gradient`), DSVAE's noise on it.
 * :mod:`.diagnostics`: how the global ``h_w`` sees every user, per round of a simulation (evaluation only).
 * :mod:`.adaptive`: an adaptive GRL weight: summable per-user statistics of ``h_w`` and a controller that sets
-  ``eps`` each round from their sum over the round's users (:class:`AdaptiveEpsilon`).
+  ``eps`` each round from their sum over the round's users (:class:`AdaptiveEpsilon`; ``adversary-weight-rule``).
+* :mod:`.secure`: how a node's round vector of ``h_w`` (gradient sums, weight, statistics) reaches the server, in
+  the clear or only as a SecAgg+ sum over the round's nodes (``secure-aggregation``).
 """
 
 from fedrec_flwr.adversary.adaptive import AdaptiveEpsilon, AdaptiveEpsilonConfig, adversary_statistics

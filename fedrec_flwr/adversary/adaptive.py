@@ -10,7 +10,10 @@ with its sign inverted (AUC 0.442). This module chooses ``eps`` from what the pr
 the server learns per-class counts of users, of users ``h_w`` classifies correctly, and per-class sums of ``h_w``'s
 probability of the true class and of its cross-entropy, never one user's vector (which names its label) and never a
 test label. Every entry is a sum over users, so the statistics of a union of user sets are the sums of the sets'
-statistics (tested): nodes holding several users add theirs before the phase, and the server adds the nodes'.
+statistics (tested): nodes holding several users add theirs before the phase, and the server adds the nodes'. The
+phase is ``secure-aggregation = "secagg+"`` (:mod:`fedrec_flwr.adversary.secure`); with ``"off"`` each node's sum
+travels in the clear in its train reply, so the server then sees per-node class counts (with one user per node, that
+user's label).
 
 **The constraint and the rule.** The target is prior-free: ``h_w``'s balanced accuracy (the mean over classes of the
 per-class share it classifies correctly; chance ``1/C`` whatever the class shares) should be at most ``1/C + delta``.
@@ -54,8 +57,11 @@ and the logistic-regression attacker's AUC falls from 0.905-0.962 to a mean of 0
 evaluations (seeds 0-4); single evaluations still swing by about 0.05 around that (the GRL's chase between ``h_w``
 and the embeddings: the same band as a fixed ``eps = 5``). On real data it has not been run.
 
-**Run-config keys (proposed; not declared yet).** ``adversary-weight-rule = "fixed" | "adaptive"`` (``"fixed"``:
-``eps = adversary-epsilon`` as today; ``"adaptive"``: this controller, starting at ``adversary-epsilon``),
+**Run-config keys** (the ``attribute unlearning`` group of the run config). ``adversary-weight-rule = "fixed" |
+"adaptive"`` (``"fixed"``, the default: ``eps = adversary-epsilon`` every round; ``"adaptive"``: this controller,
+starting at ``adversary-epsilon``, held by the server's :class:`fedrec_flwr.strategies.adversary.AdversaryServerStep`,
+which steps it after each round's ``h_w`` steps on the statistics the nodes computed with the round's global ``h_w``
+at their users' trained embeddings and sends the new ``eps`` in the next round's train config),
 ``adaptive-target-delta`` (``delta``, balanced-accuracy points, default 0.02), ``adaptive-rate`` (``eta``, change of
 ``ln eps`` per unit of normalised violation per round, default 0.5), ``adaptive-epsilon-min`` / ``adaptive-epsilon-max``
 (default 0.001 / 100), ``adaptive-signal = "balanced-accuracy" | "balanced-probability"``, ``adaptive-smoothing``
@@ -190,7 +196,7 @@ def epsilon_step(
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveEpsilonConfig:
-    """The controller's settings (module docstring; proposed keys in brackets).
+    """The controller's settings (module docstring; run-config keys in brackets).
 
     Args:
         num_classes: ``C`` >= 2, the protected attribute's classes.

@@ -67,10 +67,21 @@ def adversary_diagnostics(adversary: nn.Module, embeddings: torch.Tensor, labels
     return out
 
 
+def adaptive_columns(strategy) -> dict[str, float]:
+    """Under ``adversary-weight-rule = "adaptive"``, the server controller's state after the round: ``epsilon``
+    (the GRL weight the next round's train messages carry) and ``adaptive-signal`` (``b_t``, the balanced signal the
+    step read from the round's summed statistics; NaN when a class was absent); ``{}`` otherwise."""
+    adaptive = getattr(getattr(strategy, "adversary_step", None), "adaptive", None)
+    if adaptive is None:
+        return {}
+    return {"epsilon": float(adaptive.epsilon), "adaptive-signal": float(adaptive.last_signal)}
+
+
 class DiagnosticsHook:
     """An ``on_round`` hook of an in-process simulation (:func:`fedrec_flwr.serial.run_serial`) that appends
     :func:`adversary_diagnostics` of the round's global ``h_w`` over every user trained so far to
-    ``adversary-diagnostics.csv`` in the results folder (column ``round`` first), then calls ``then``.
+    ``adversary-diagnostics.csv`` in the results folder (column ``round`` first; with the adaptive rule also
+    :func:`adaptive_columns`), then calls ``then``.
 
     Evaluation only: the users' embeddings are read from the simulated nodes' private state and their labels from
     the split (as :func:`fedrec_flwr.attacks.collect_user_embeddings`); nothing travels in a message, and a
@@ -108,6 +119,7 @@ class DiagnosticsHook:
             row = {
                 "round": view.server_round,
                 **adversary_diagnostics(self.adversary, torch.as_tensor(x[present]), runtime.protected.labels[present]),
+                **adaptive_columns(view.strategy),
             }
             self.rows.append(row)
             atomic_write_text(

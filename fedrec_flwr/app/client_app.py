@@ -36,6 +36,8 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedrec_flwr.adversary.models import ADVERSARY_MODULE
+from fedrec_flwr.adversary.secure import route_train_vector
 from fedrec_flwr.app.handler_common import (
     RecordValueError,
     class_name,
@@ -134,6 +136,7 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
             contribution.add_user(update.dense, update.rows, weight, loss)
             extra.add(getattr(update, "metrics", None) or {}, weight, client)
             gradients += int(update.is_gradient)
+        statistics = _adversary_statistics(runtime, users, context, shared)
     metrics = {
         NUM_EXAMPLES: float(contribution.num_examples),
         "num-users": contribution.num_users,
@@ -143,13 +146,38 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
     }
     if isolated:
         metrics[ISOLATED_USERS] = float(len(isolated))
+    packed = contribution.pack()
+    records = {}
+    if runtime.config.adversary != "none" and runtime.config.adversary_training == "server" and contribution.num_users:
+        records = route_train_vector(
+            runtime.config,
+            context.state,
+            int(config["server-round"]),
+            [k for k in runtime.layout.dense_keys if k.startswith(ADVERSARY_MODULE + ".")],
+            contribution.dense_sum,
+            contribution.num_examples,
+            packed,
+            statistics,
+        )
     content = RecordDict(
         {
-            ARRAYS: ArrayRecord({k: encode_array(v) for k, v in contribution.pack().items()}),
+            ARRAYS: ArrayRecord({k: encode_array(v) for k, v in packed.items()}),
             METRICS: metric_record(metrics, client),
+            **records,
         }
     )
     return Message(content=content, reply_to=message)
+
+
+def _adversary_statistics(runtime: Runtime, users: list[int], context: Context, shared: dict):
+    """The sum over ``users`` of :func:`fedrec_flwr.adversary.adaptive.adversary_statistics` at the round's ``h_w``
+    and their trained embeddings, with ``adversary-weight-rule = "adaptive"`` (``None`` otherwise or without users)."""
+    cfg = runtime.config
+    if cfg.adversary == "none" or cfg.adversary_training != "server" or cfg.adversary_weight_rule != "adaptive":
+        return None
+    if not users:
+        return None
+    return make_client(runtime, users[0], context).adversary_statistics_sum(shared, users)
 
 
 def _user_updates(runtime: Runtime, users: list[int], context: Context, shared: dict, config: dict):

@@ -6,7 +6,9 @@
   ``unlearn_hvp``, ``unlearn_local_cg``, ``unlearn_loss``, ``unlearn_diagonal``, ``unlearn_counts`` and
   ``unlearn_margin``; their replies carry row-sparse sums over the shared parameters
   (:func:`fedrec_flwr.wire.pack_sparse`) or node totals, never a private parameter or a per-user value;
-* ``adversary_gradient`` (FedAU²'s extra server steps of ``h_w``): ``h_w``'s mean gradient over the node's users.
+* ``adversary_gradient`` (FedAU²'s extra server steps of ``h_w``): ``h_w``'s mean gradient over the node's users
+  (with ``secure-aggregation``: kept on the node, the reply carries ``num-examples`` only);
+* ``secagg`` (``secure-aggregation = "secagg+"``): one SecAgg+ stage over the node's kept ``h_w`` vector.
 
 Query handlers are always per-user (no vectorized block), each a thin adapter: :mod:`fedrec_flwr.app.handler_common`
 unpacks the message and packs the reply, the client algorithm or a pure function computes. A new query is a handler
@@ -26,6 +28,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
+from fedrec_flwr.adversary.secure import SCALE_KEY, SECURE_KEY, WEIGHT_KEY, store_vector, take_vector
 from fedrec_flwr.app.handler_common import (
     class_name,
     make_client,
@@ -39,6 +42,9 @@ from fedrec_flwr.app.handler_common import (
 from fedrec_flwr.app.runtime import Runtime, get_runtime, node_users
 from fedrec_flwr.arrays import encode_array
 from fedrec_flwr.errors import ConfigError, FedRecError
+from fedrec_flwr.privacy.secagg import COLLECT_MASKED_VECTORS
+from fedrec_flwr.privacy.secagg_records import answer, from_content
+from fedrec_flwr.seeding import TAG_SECURE_ROUNDING, numpy_rng
 from fedrec_flwr.state.client_state import (
     NEW_RUN_KEY,
     RESUME_ROUND_KEY,
@@ -55,6 +61,7 @@ from fedrec_flwr.wire import (
     IDENTIFY,
     METRICS,
     NUM_EXAMPLES,
+    SECURE_AGGREGATION,
     SUPPORT,
     UNLEARN_AFFECTED,
     UNLEARN_COUNTS,
@@ -397,9 +404,38 @@ def adversary_gradient_query(
                 total[key] = total.get(key, 0.0) + np.asarray(grad, dtype=np.float64)
     if mean is None:
         mean = {k: v / len(users) for k, v in total.items()}
-    arrays = ArrayRecord({k: encode_array(np.asarray(v, dtype=np.float32)) for k, v in mean.items()})
     metrics = metric_record({NUM_EXAMPLES: float(len(users))}, client)
+    if config.get(SECURE_KEY):  # secure-aggregation: the node keeps its vector for the SecAgg+ stages
+        vector = {k: np.asarray(v, dtype=np.float64) * len(users) for k, v in mean.items()}
+        vector[WEIGHT_KEY] = np.array([float(len(users))])
+        store_vector(context.state, int(config["server-round"]), int(config["adversary-step"]), vector)
+        return Message(content=RecordDict({METRICS: metrics}), reply_to=message)
+    arrays = ArrayRecord({k: encode_array(np.asarray(v, dtype=np.float32)) for k, v in mean.items()})
     return Message(content=RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=message)
+
+
+def secure_aggregation_query(
+    message: Message, context: Context, run_config: Mapping[str, Any] | None = None
+) -> Message:
+    """One SecAgg+ stage (:func:`fedrec_flwr.privacy.secagg_records.answer`) over the ``h_w`` vector this node kept
+    for the config's ``server-round`` and ``adversary-step`` (:mod:`fedrec_flwr.adversary.secure`), divided by its
+    ``vector-scale``; the stochastic rounding draws from a stream of (``seed``, round, step, ``partition-id``), so
+    the sum is reproducible. The protocol's secrets stay in ``context.state`` and are forgotten after the unmask
+    stage; the vector is forgotten once masked.
+
+    Raises:
+        SecAggError: a message that breaks the protocol, or no vector kept for that round and step (the server
+            then counts this node as dropped).
+    """
+    runtime = get_runtime(run_config or context.run_config)
+    stage, payload = from_content(message.content)
+    arrays, rng = None, None
+    if stage == COLLECT_MASKED_VECTORS:
+        server_round, step = int(payload["server-round"]), int(payload["adversary-step"])
+        arrays = take_vector(context.state, server_round, step, float(payload[SCALE_KEY]))
+        partition = int(context.node_config.get("partition-id", 0))
+        rng = numpy_rng(runtime.config.seed, TAG_SECURE_ROUNDING, server_round, step, partition)
+    return Message(content=answer(message.content, context.state, arrays, rng=rng), reply_to=message)
 
 
 QUERY_HANDLERS: dict = {
@@ -413,8 +449,9 @@ QUERY_HANDLERS: dict = {
     UNLEARN_COUNTS: unlearn_counts,
     UNLEARN_MARGIN: unlearn_margin,
     ADVERSARY_GRADIENT: adversary_gradient_query,
+    SECURE_AGGREGATION: secure_aggregation_query,
 }
 """Query action (a message of type ``"query.<action>"``; the names are :mod:`fedrec_flwr.wire`'s) -> its handler.
 :func:`fedrec_flwr.app.client_app.make_client_app` registers every entry with ``ClientApp.query``, through the same
 wrapper as train and evaluate (one torch thread; the run config an in-process simulation leaves out). A new query
-(e.g. a secure-aggregation round) adds its handler here."""
+adds its handler here."""

@@ -33,10 +33,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Rec
 from flwr.serverapp import Grid
 
 from fedrec_flwr.privacy import secagg
+from fedrec_flwr.wire import SECURE_AGGREGATION
 
 log = logging.getLogger(__name__)
 
-ACTION = "secagg"
+ACTION = SECURE_AGGREGATION
 MESSAGE_TYPE = f"{MessageType.QUERY}.{ACTION}"
 CONFIG_KEY = "secagg"  # the ConfigRecord of every message, and of the node's context.state
 MASKED_KEY = "secagg-masked"  # the ArrayRecord of a masked-vector reply

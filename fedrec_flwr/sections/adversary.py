@@ -61,6 +61,22 @@ class AdversarySection:
     # server uploads: one noise draw per user, per round, or per upload
     dsvae_noise_stream: str = config_key("dsvae-noise-stream", choices=("per-user", "per-round", "per-upload"))
     user_embedding_noise: float = config_key("user-embedding-noise", minimum=0.0)
+    # adversary-training = server: how h_w's per-node vectors reach the server (fedrec_flwr.adversary.secure)
+    secure_aggregation: str = config_key("secure-aggregation", choices=("off", "secagg+"))
+    # SecAgg+'s Shamir threshold, as a fraction of each node's neighbourhood
+    secure_aggregation_threshold: float = config_key("secure-aggregation-threshold", positive=True, maximum=1.0)
+    # SecAgg+'s neighbourhood size (odd, >= 3), or 0: every sampled node (plain SecAgg)
+    secure_aggregation_num_shares: int = config_key("secure-aggregation-num-shares", minimum=0)
+    secure_aggregation_clipping_range: float = config_key("secure-aggregation-clipping-range", positive=True)
+    secure_aggregation_quantization_range: int = config_key("secure-aggregation-quantization-range", minimum=2)
+    # the GRL weight eps: fixed (adversary-epsilon) or adaptive (fedrec_flwr.adversary.adaptive)
+    adversary_weight_rule: str = config_key("adversary-weight-rule", choices=("fixed", "adaptive"))
+    adaptive_target_delta: float = config_key("adaptive-target-delta", minimum=0.0, maximum=1.0)
+    adaptive_rate: float = config_key("adaptive-rate", positive=True)
+    adaptive_epsilon_min: float = config_key("adaptive-epsilon-min", positive=True)
+    adaptive_epsilon_max: float = config_key("adaptive-epsilon-max", positive=True)
+    adaptive_signal: str = config_key("adaptive-signal", choices=("balanced-accuracy", "balanced-probability"))
+    adaptive_smoothing: float = config_key("adaptive-smoothing", minimum=0.0, maximum=0.999)
 
     def _check_adversary(self) -> None:
         """An adversary needs a ``protected-attribute`` the dataset has; called by
@@ -81,3 +97,43 @@ class AdversarySection:
             from fedrec_flwr.attributes import DATASET_ATTRIBUTES, check_attribute_name
 
             check_attribute_name(self.protected_attribute, DATASET_ATTRIBUTES.get(self.dataset, ()), self.dataset)
+        self._check_secure_and_adaptive()
+
+    def _check_secure_and_adaptive(self) -> None:
+        """``secure-aggregation`` and ``adversary-weight-rule = "adaptive"`` need the server-trained ``h_w``; SecAgg+'s
+        neighbourhood is odd; the adaptive bounds are ordered and hold ``adversary-epsilon``; the adaptive rule's eps
+        travels in this package's train messages, which a Flower strategy (``flwr.serverapp.strategy:...``) replaces.
+
+        Raises:
+            ConfigError: naming the keys and values.
+        """
+        server = self.adversary != "none" and self.adversary_training == "server"
+        for key, value, off in (
+            ("secure-aggregation", self.secure_aggregation, "off"),
+            ("adversary-weight-rule", self.adversary_weight_rule, "fixed"),
+        ):
+            if value != off and not server:
+                raise ConfigError(
+                    f"run-config key '{key}' = {value!r} needs an adversary with adversary-training = 'server' "
+                    f"(got adversary = {self.adversary!r}, adversary-training = {self.adversary_training!r})"
+                )
+        if self.adversary_weight_rule == "adaptive" and str(self.strategy).startswith("flwr.serverapp.strategy:"):
+            raise ConfigError(
+                f"adversary-weight-rule = 'adaptive' needs one of this package's strategies (item-fedavg, "
+                f"server-optimizer, ...): a Flower strategy ({self.strategy!r}) builds its own train messages, "
+                "which do not carry the round's eps"
+            )
+        shares = self.secure_aggregation_num_shares
+        if shares and (shares < 3 or shares % 2 == 0):
+            raise ConfigError(
+                f"run-config key 'secure-aggregation-num-shares' = {shares}: must be 0 (every sampled node) or an odd "
+                "number >= 3 (the neighbourhood is centred on the node)"
+            )
+        if self.adversary_weight_rule == "adaptive" and not (
+            self.adaptive_epsilon_min <= self.adversary_epsilon <= self.adaptive_epsilon_max
+        ):
+            raise ConfigError(
+                f"adversary-weight-rule = 'adaptive' starts at adversary-epsilon = {self.adversary_epsilon!r}, which "
+                f"must lie in [adaptive-epsilon-min, adaptive-epsilon-max] = [{self.adaptive_epsilon_min!r}, "
+                f"{self.adaptive_epsilon_max!r}]"
+            )
