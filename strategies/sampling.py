@@ -33,6 +33,12 @@ def train_users(seed: int, server_round: int, num_users: int, fraction: float, r
     return without(sample_users(seed, server_round, num_users, fraction, tag=TRAIN_TAG), removed)
 
 
+def removed_from_start(unlearning) -> frozenset[int]:
+    """The users never trained: the forget set of a ``retrain`` run (``unlearning``: an
+    :class:`fedrec_flwr.strategies.unlearning.UnlearningSettings` or ``None``), else none."""
+    return frozenset(unlearning.forget if unlearning is not None and unlearning.method == "retrain" else ())
+
+
 def evaluation_users(seed: int, server_round: int, num_users: int, fraction: float, unlearning) -> np.ndarray:
     """The users evaluated in ``server_round``: the seeded draw, less the forget set of ``unlearning`` (an
     :class:`fedrec_flwr.strategies.unlearning.UnlearningSettings` or ``None``) when one is configured, so every
