@@ -54,6 +54,31 @@ def refuse_history(config, why: str) -> None:
         )
 
 
+def user_uploads(
+    content: RecordDict, node: int, asked: Sequence[int]
+) -> dict[int, tuple[dict[str, np.ndarray], float]]:
+    """User -> (its own one-user reply arrays, its aggregation weight) of a train reply of ``node``, which was asked
+    to train ``asked``: the :data:`CONTRIBUTIONS` record when the reply has one, else the reply itself (one user).
+
+    Raises:
+        ReplyError: a node asked to train several users sent no :data:`CONTRIBUTIONS` record, or one that names a
+            user it was not asked to train.
+    """
+    asked = [int(u) for u in asked]
+    if CONTRIBUTIONS in content.array_records:
+        per_user = unpack_user_contributions(decode_record(content[CONTRIBUTIONS], copy=False))
+        unknown = sorted(set(per_user) - set(asked))
+        if unknown:
+            raise ReplyError(f"node {node}'s '{CONTRIBUTIONS}' names users {unknown} it was not asked to train")
+        return per_user
+    if len(asked) != 1:
+        raise ReplyError(
+            f"node {node} trained {len(asked)} users but sent no '{CONTRIBUTIONS}' record "
+            "(unlearning-history needs each user's own contribution)"
+        )
+    return {asked[0]: (decode_record(content[ARRAYS], copy=False), float(content[METRICS][NUM_EXAMPLES]))}
+
+
 class ContributionLog:
     """The server's contribution store of one run (module docstring).
 
@@ -95,28 +120,13 @@ class ContributionLog:
                 asked to train.
 
         Raises:
-            ReplyError: a node asked to train several users sent no :data:`CONTRIBUTIONS` record, or one that
-                names a user it was not asked to train.
+            ReplyError: as :func:`user_uploads`.
         """
         theta = decode_record(current, copy=False)
         if self.start is None:
             self.start = {k: np.array(v, dtype=np.float32) for k, v in theta.items()}
         for content, node in zip(accepted, nodes, strict=True):
-            asked = [int(u) for u in sent[int(node)]]
-            if CONTRIBUTIONS in content.array_records:
-                per_user = unpack_user_contributions(decode_record(content[CONTRIBUTIONS], copy=False))
-                unknown = sorted(set(per_user) - set(asked))
-                if unknown:
-                    raise ReplyError(f"node {node}'s '{CONTRIBUTIONS}' names users {unknown} it was not asked to train")
-            elif len(asked) == 1:
-                arrays = decode_record(content[ARRAYS], copy=False)
-                per_user = {asked[0]: (arrays, float(content[METRICS][NUM_EXAMPLES]))}
-            else:
-                raise ReplyError(
-                    f"node {node} trained {len(asked)} users but sent no '{CONTRIBUTIONS}' record "
-                    "(unlearning-history needs each user's own contribution)"
-                )
-            for user, (arrays, weight) in per_user.items():
+            for user, (arrays, weight) in user_uploads(content, node, sent[int(node)]).items():
                 rows, row_delta, dense_delta = delta_from_reply(arrays, theta, self.layout, 1)
                 self.history.record(server_round, user, rows, row_delta, dense_delta, weight)
 
