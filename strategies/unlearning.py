@@ -101,6 +101,10 @@ restriction to affected users is an approximation (``causal-weighting = false`` 
 strategy stores every user's per-round contribution; the phase replays the stored rounds without the forgotten
 users (FRU's rollback), optionally with FedEraser's calibration and tuning rounds.
 
+**Post-check** (``unlearning-post-check``, :mod:`.unlearning_postcheck`): after ``hfkcu`` or ``gradient-ascent``
+the phase checks the remaining users' validation utility and the forgotten users' training loss; a failed check
+undoes the step and rolls back (with stored contributions) or records that retraining is needed.
+
 **Baselines** (``unlearning``): ``retrain`` (the forgotten users never train: the same seed samples the same other
 users in every round, the gold standard), ``continue`` (drop them and train ``continue-rounds`` more rounds on the
 rest), ``gradient-ascent`` (``ascent-steps`` steps ``theta += ascent-learning-rate * g_F(theta) / |F|``: ascent on
@@ -138,9 +142,16 @@ from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.seeding import numpy_rng
 from fedrec_flwr.unlearning.krylov import CGResult, LineSearchResult
-from fedrec_flwr.unlearning.settings import METHODS, PHASE_METHODS, UnlearningSection
+from fedrec_flwr.unlearning.settings import APPROXIMATE_METHODS, METHODS, PHASE_METHODS, UnlearningSection
 
-from . import unlearning_baselines, unlearning_krylov, unlearning_rollback, unlearning_search, unlearning_transport
+from . import (
+    unlearning_baselines,
+    unlearning_krylov,
+    unlearning_postcheck,
+    unlearning_rollback,
+    unlearning_search,
+    unlearning_transport,
+)
 from .unlearning_krylov import (
     PRECONDITIONER_FLOOR,
     PRECONDITIONER_PROBES,
@@ -344,6 +355,8 @@ class ClientUnlearning:
         for key, value in new.items():
             if not np.isfinite(value.numpy()).all():
                 raise UnlearningFailed(f"unlearning produced NaN or Inf in '{key}'; the model is left unchanged")
+        if s.unlearning_post_check == "on" and s.method in APPROXIMATE_METHODS:  # check, else undo and fall back
+            new = unlearning_postcheck.check_and_fall_back(self, grid, arrays, new, int(server_round), report)
         report["messages"] = self.messages
         report["bytes-sent"] = self.bytes_sent
         report["bytes-received"] = self.bytes_received
