@@ -1,6 +1,6 @@
 """The item-embedding strategy's own state in server checkpoints (:mod:`fedrec_flwr.state.checkpoint`): failure
-counts per node, users no longer trained, the unlearning report, isolated users, the trained-users mask and the
-server step of the attribute adversary."""
+counts per node, users no longer trained, the unlearning report, isolated users, the trained-users mask, the server
+step of the attribute adversary and the users' stored contributions (``unlearning-history``)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ def strategy_state(strategy) -> tuple[dict, dict[str, np.ndarray]]:
     arrays = {} if step is None else {f"{ADVERSARY_PREFIX}{k}": v for k, v in step.state_arrays().items()}
     if strategy.trained is not None:
         arrays[TRAINED_KEY] = strategy.trained.copy()
+    if getattr(strategy, "contribution_log", None) is not None:  # unlearning-history (.history_recording)
+        arrays.update(strategy.contribution_log.state_arrays())
     return state, arrays
 
 
@@ -56,6 +58,8 @@ def restore_strategy_state(strategy, state: Mapping, arrays: Mapping[str, np.nda
         for phase in ("train", "evaluate")
     }
     strategy.trained = np.asarray(arrays[TRAINED_KEY], dtype=bool).copy() if TRAINED_KEY in arrays else None
+    if getattr(strategy, "contribution_log", None) is not None:
+        strategy.contribution_log.load_state_arrays(arrays)
     if strategy.adversary_step is not None:
         strategy.adversary_step.load_state_arrays(
             shared,

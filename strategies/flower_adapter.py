@@ -85,6 +85,7 @@ from .flower_checks import (
     server_side_dp,
 )
 from .flower_views import RoundNodes, dense_reply, with_users
+from .history_recording import refuse_history
 from .item_fedavg import ItemEmbeddingFedAvg, RoundFailed
 
 __all__ = [
@@ -148,12 +149,14 @@ class FlowerStrategyAdapter(ItemEmbeddingFedAvg):
     def check_config(cls, config: RunConfig) -> None:
         """Build the configured Flower strategy once, so a bad ``strategy-args`` fails before any node is asked, and
         let it configure a dry round (:func:`check_sent_keys`: a key the client ignores fails here, not in round 1);
-        ``item-aggregation`` must stay ``"auto"`` (the wrapped strategy aggregates the dense replies itself)."""
+        ``item-aggregation`` must stay ``"auto"`` and ``unlearning-history`` ``"off"`` (the wrapped strategy
+        aggregates the dense replies itself)."""
         if getattr(config, "adversary", "none") != "none" and getattr(config, "adversary_training", "") == "server":
             raise ConfigError(
                 f"adversary-training = 'server' needs an item-fedavg-derived strategy (its replies carry "
                 f"the adversary's gradients); {config.strategy} would average them as parameters"
             )
+        refuse_history(config, "aggregates the replies by its own rule")
         if config.item_aggregation != "auto":
             raise ConfigError(
                 f"run-config key 'item-aggregation' = {config.item_aggregation!r} does not apply to "

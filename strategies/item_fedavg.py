@@ -41,6 +41,7 @@ from fedrec_flwr.config import RunConfig
 from fedrec_flwr.wire import ARRAYS, CONFIG, ModelLayout, Topology
 
 from . import aggregation, checkpointing, evaluation, nodes, replies, sampling, unlearning_phase
+from .history_recording import ContributionLog
 from .train_round import RoundFailed, aggregate_round
 
 __all__ = ["ItemEmbeddingFedAvg", "RoundFailed", "Topology"]
@@ -124,9 +125,8 @@ class ItemEmbeddingFedAvg(FedAvg):
         self.unlearning = unlearning
         self.round_timeout = round_timeout
         self.max_update_norm = replies.max_update_norm(max_update_norm)
-        self.removed_users: frozenset[int] = frozenset(
-            unlearning.forget if unlearning is not None and unlearning.method == "retrain" else ()
-        )
+        self.removed_users: frozenset[int] = sampling.removed_from_start(unlearning)
+        self.contribution_log = None  # unlearning-history's store (.history_recording.ContributionLog)
         self.unlearning_report: dict | None = None
         self.trained: np.ndarray | None = None
         self._grid: Grid | None = None
@@ -145,6 +145,7 @@ class ItemEmbeddingFedAvg(FedAvg):
         if settings is not None:
             options["unlearning"] = settings
         strategy = cls(layout, topology=topology, **options)
+        strategy.contribution_log = ContributionLog.from_config(config, layout, strategy.item_aggregation)
         from .adversary import AdversaryServerStep
 
         strategy.adversary_step = AdversaryServerStep.from_config(config, layout)

@@ -7,6 +7,7 @@ or Ray workers. The functions return ``(m,)`` int64 user indices, sorted.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -33,6 +34,12 @@ def train_users(seed: int, server_round: int, num_users: int, fraction: float, r
     return without(sample_users(seed, server_round, num_users, fraction, tag=TRAIN_TAG), removed)
 
 
+def removed_from_start(unlearning) -> frozenset[int]:
+    """The users never trained: the forget set of a ``retrain`` run (``unlearning``: an
+    :class:`fedrec_flwr.strategies.unlearning.UnlearningSettings` or ``None``), else none."""
+    return frozenset(unlearning.forget if unlearning is not None and unlearning.method == "retrain" else ())
+
+
 def evaluation_users(seed: int, server_round: int, num_users: int, fraction: float, unlearning) -> np.ndarray:
     """The users evaluated in ``server_round``: the seeded draw, less the forget set of ``unlearning`` (an
     :class:`fedrec_flwr.strategies.unlearning.UnlearningSettings` or ``None``) when one is configured, so every
@@ -43,11 +50,22 @@ def evaluation_users(seed: int, server_round: int, num_users: int, fraction: flo
 
 def planned_train_rounds(num_rounds: int, unlearning) -> list[int]:
     """Every round whose train replies the strategy aggregates as the run is configured: ``1 .. num_rounds``, and
-    with ``unlearning = "continue"`` its phase's ``continue-rounds`` rounds, numbered after the last."""
+    with ``unlearning = "continue"`` its phase's ``continue-rounds`` rounds, numbered after the last (``rollback``:
+    its ``rollback-tuning-rounds``, numbered after its calibration rounds, :func:`calibration_rounds`)."""
     rounds = list(range(1, num_rounds + 1))
     if unlearning is not None and unlearning.method == "continue":
         rounds += range(num_rounds + 1, num_rounds + unlearning.continue_rounds + 1)
+    if unlearning is not None and unlearning.method == "rollback" and unlearning.rollback_tuning_rounds:
+        first = num_rounds + calibration_rounds(unlearning.round, unlearning.rollback_calibration_every) + 1
+        rounds += range(first, first + unlearning.rollback_tuning_rounds)
     return rounds
+
+
+def calibration_rounds(stored_rounds: int, every: int) -> int:
+    """How many of ``stored_rounds`` stored rounds FedEraser's calibration trains at: every ``every``-th, the first
+    included (``ceil(stored_rounds / every)``; 0 when ``every`` is 0). The tuning rounds are numbered after the run's
+    last round plus this count for ``stored_rounds = unlearn-round`` (every round before the phase is stored)."""
+    return math.ceil(int(stored_rounds) / int(every)) if every else 0
 
 
 def forgotten_after_phase(unlearning, server_round: int) -> bool:

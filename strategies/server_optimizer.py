@@ -40,6 +40,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fedrec_flwr.config import RunConfig
 from fedrec_flwr.local.training import load_optimizer_state_arrays, optimizer_state_arrays
+from fedrec_flwr.strategies.history_recording import refuse_history
 from fedrec_flwr.strategies.item_fedavg import ItemEmbeddingFedAvg
 from fedrec_flwr.wire import ARRAYS, GRADIENT_USERS, METRICS, NUM_EXAMPLES, ModelLayout, ReplyError, merge_rows
 
@@ -85,10 +86,12 @@ class ServerOptimizerStrategy(ItemEmbeddingFedAvg):
 
     @classmethod
     def check_config(cls, config: RunConfig) -> None:
-        """The configured client must upload gradients (``uploads_gradients``), e.g. ``client = 'fedrecgel'``."""
+        """The configured client must upload gradients (``uploads_gradients``), e.g. ``client = 'fedrecgel'``;
+        ``unlearning-history`` must be ``"off"`` (:func:`.history_recording.refuse_history`)."""
         from fedrec_flwr.errors import ConfigError
         from fedrec_flwr.registry import resolve
 
+        refuse_history(config, "steps Adam or SGD with the mean gradient (not linear in the uploads)")
         client = resolve("client", config.client)
         if not getattr(client, "uploads_gradients", False):
             raise ConfigError(

@@ -1,6 +1,6 @@
 """One training round of an item-embedding strategy after its replies arrive: attribute and check the replies, require
-``min-train-fraction`` of the sampled nodes, aggregate, step the attribute adversary, collect the round's metrics and
-run the unlearning phase when it is due."""
+``min-train-fraction`` of the sampled nodes, aggregate, store each user's contribution (``unlearning-history``), step
+the attribute adversary, collect the round's metrics and run the unlearning phase when it is due."""
 
 from __future__ import annotations
 
@@ -57,12 +57,18 @@ def aggregate_round(
     enough_replies(server_round, len(accepted), expected, strategy.min_train_fraction, nodes, reasons)
     strategy._record_trained(accepted_nodes)
     arrays = strategy.aggregate_arrays(accepted)
+    if getattr(strategy, "contribution_log", None) is not None:  # unlearning-history: each user's own update
+        strategy.contribution_log.record(server_round, strategy._current, accepted, accepted_nodes, sent)
     step = strategy.adversary_step
     if step is not None:  # h_w's keys carry gradients: its server steps (strategies/adversary.py)
         arrays = step.round_steps(strategy, server_round, arrays, accepted, accepted_nodes)
         strategy.adopt_arrays(arrays)
     seconds = time.perf_counter() - strategy._train_started
     metrics, strategy.last_train = train_metrics(server_round, accepted, expected, seconds, strategy.isolated_users)
+    if getattr(strategy, "contribution_log", None) is not None:  # the round's stored bytes (metrics.csv)
+        strategy.last_train["history-round-bytes"] = float(
+            strategy.contribution_log.history.nbytes_per_round().get(server_round, 0)
+        )
     if strategy._phase_due(server_round):
         arrays = strategy.run_unlearning(server_round, arrays)
     return arrays, metrics

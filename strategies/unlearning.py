@@ -97,6 +97,14 @@ restriction to affected users is an approximation (``causal-weighting = false`` 
   x_u`` with ``w_u = ||∇L_u|| / sum ||∇L_v||`` (causal weighting by gradient magnitude; uniform weights without it).
   A solve that meets non-positive curvature or ends worse than no step (relative residual > 1) is left out.
 
+**History-based** (``unlearning = "rollback"``, :mod:`.unlearning_rollback`): with ``unlearning-history`` the
+strategy stores every user's per-round contribution; the phase replays the stored rounds without the forgotten
+users (FRU's rollback), optionally with FedEraser's calibration and tuning rounds.
+
+**Post-check** (``unlearning-post-check``, :mod:`.unlearning_postcheck`): after ``hfkcu`` or ``gradient-ascent``
+the phase checks the remaining users' validation utility and the forgotten users' training loss; a failed check
+undoes the step and rolls back (with stored contributions) or records that retraining is needed.
+
 **Baselines** (``unlearning``): ``retrain`` (the forgotten users never train: the same seed samples the same other
 users in every round, the gold standard), ``continue`` (drop them and train ``continue-rounds`` more rounds on the
 rest), ``gradient-ascent`` (``ascent-steps`` steps ``theta += ascent-learning-rate * g_F(theta) / |F|``: ascent on
@@ -114,7 +122,7 @@ must only send ``unlearn_gradient`` for users who asked to leave (a probe of a u
 :class:`ClientUnlearning` runs the phase for a strategy (:class:`fedrec_flwr.strategies.item_fedavg.ItemEmbeddingFedAvg` calls it
 after ``unlearn-round``); experiments call it directly to compare variants on one trained model. Its parts are modules
 beside it: :mod:`.unlearning_krylov` (HF-KCU's solve), :mod:`.unlearning_search` (how far to go),
-:mod:`.unlearning_baselines`, :mod:`.unlearning_transport` (queries) and :mod:`.unlearning_report` (console lines).
+:mod:`.unlearning_baselines`, :mod:`.unlearning_rollback`, :mod:`.unlearning_transport` (queries) and :mod:`.unlearning_report` (console lines).
 """
 
 from __future__ import annotations
@@ -134,9 +142,16 @@ from fedrec_flwr.config import RunConfig
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.seeding import numpy_rng
 from fedrec_flwr.unlearning.krylov import CGResult, LineSearchResult
-from fedrec_flwr.unlearning.settings import METHODS, PHASE_METHODS, UnlearningSection
+from fedrec_flwr.unlearning.settings import APPROXIMATE_METHODS, METHODS, PHASE_METHODS, UnlearningSection
 
-from . import unlearning_baselines, unlearning_krylov, unlearning_search, unlearning_transport
+from . import (
+    unlearning_baselines,
+    unlearning_krylov,
+    unlearning_postcheck,
+    unlearning_rollback,
+    unlearning_search,
+    unlearning_transport,
+)
 from .unlearning_krylov import (
     PRECONDITIONER_FLOOR,
     PRECONDITIONER_PROBES,
@@ -322,6 +337,8 @@ class ClientUnlearning:
         if s.method == "continue":
             new = self._continue(grid, arrays)
             report["continue-rounds"] = s.continue_rounds
+        elif s.method == "rollback":
+            new = unlearning_rollback.rollback_phase(self, grid, arrays, report)
         else:
             theta = {k: v.numpy().astype(np.float64) for k, v in arrays.items()}
             g_forget, loss = self.gradient(grid, arrays, forget)
@@ -338,6 +355,8 @@ class ClientUnlearning:
         for key, value in new.items():
             if not np.isfinite(value.numpy()).all():
                 raise UnlearningFailed(f"unlearning produced NaN or Inf in '{key}'; the model is left unchanged")
+        if s.unlearning_post_check == "on" and s.method in APPROXIMATE_METHODS:  # check, else undo and fall back
+            new = unlearning_postcheck.check_and_fall_back(self, grid, arrays, new, int(server_round), report)
         report["messages"] = self.messages
         report["bytes-sent"] = self.bytes_sent
         report["bytes-received"] = self.bytes_received

@@ -1,5 +1,5 @@
 """The baselines of client unlearning that run a phase (``unlearning``): ``gradient-ascent`` on the forgotten users'
-mean loss and ``continue`` (more training rounds without them). ``retrain`` runs no phase: the forgotten users are
+mean loss and ``continue`` (more training rounds without them; ``rollback``'s tuning rounds are the same rounds). ``retrain`` runs no phase: the forgotten users are
 never sampled (:mod:`fedrec_flwr.strategies.sampling`).
 
 Each function takes the running phase (``phase``, a :class:`~fedrec_flwr.strategies.unlearning.ClientUnlearning`).
@@ -29,15 +29,19 @@ def gradient_ascent(phase, grid: Grid, theta: dict, g_forget: dict) -> dict:
     return {k: current[k] - theta[k] for k in theta}
 
 
-def continue_training(phase, grid: Grid, arrays: ArrayRecord) -> ArrayRecord:
-    """``continue-rounds`` training rounds of the strategy without the forgotten users (round numbers after the
-    run's last, so they never repeat a training round's sample)."""
+def continue_training(
+    phase, grid: Grid, arrays: ArrayRecord, rounds: int | None = None, after: int | None = None
+) -> ArrayRecord:
+    """``rounds`` (default ``continue-rounds``) training rounds of the strategy without the forgotten users, numbered
+    from ``after + 1`` (default: the run's last round, so they never repeat a training round's sample)."""
     strategy = phase.strategy
+    rounds = phase.settings.continue_rounds if rounds is None else int(rounds)
+    after = strategy.num_rounds if after is None else int(after)
     saved = (strategy.removed_users, strategy.last_train)
     strategy.removed_users = frozenset(strategy.removed_users) | set(phase.settings.forget)
     try:
-        for step in range(1, phase.settings.continue_rounds + 1):
-            server_round = strategy.num_rounds + step
+        for step in range(1, rounds + 1):
+            server_round = after + step
             messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
             phase.messages += len(messages)
             phase.bytes_sent += sum(payload_bytes(m.content) for m in messages)

@@ -18,7 +18,10 @@ from flwr.serverapp import Grid
 
 from fedrec_flwr.seeding import numpy_rng
 from fedrec_flwr.unlearning.krylov import CGResult, flatten, krylov_solve, unflatten
+from fedrec_flwr.unlearning.radius import dominated_rows, mask_step
 from fedrec_flwr.wire import METRICS, UNLEARN_DIAGONAL, UNLEARN_HVP, UNLEARN_LOCAL_CG, nonzero_rows, support_rows
+
+from .unlearning_search import positive_counts
 
 log = logging.getLogger("fedrec_flwr.strategies.unlearning")  # the phase's logger: its lines keep their source
 
@@ -67,15 +70,9 @@ def hfkcu_step(
             "curvature": s.curvature,
         }
     )
-    radius = None
+    radius, mask = None, None
     if s.krylov_solver == "steihaug":
-        radius = s.trust_radius * norm(restrict(theta, g_forget, phase.layout))
-        if radius <= 0:  # the forgotten users touch only all-zero parameters: any finite radius (ours)
-            radius = s.trust_radius
-        # the config key (relative to the norm of the touched parameters) under its own name; the norm bound the
-        # solve used under another
-        report["trust-radius"] = s.trust_radius
-        report["trust-radius-absolute"] = radius
+        radius, mask = trust_radius(phase, grid, theta, g_forget, forget, report)
     if not nodes:
         log.warning("unlearning: no remaining user shares a row with the forgotten users; the step is g / damping")
     if s.krylov_mode == "distributed":
@@ -117,6 +114,8 @@ def hfkcu_step(
     else:
         x, stats = phase.local_cg(grid, arrays, nodes, forget, support, g_forget, radius=radius)
         report.update(stats)
+    if mask is not None:  # krylov-masked-step: the solve's step on the dominated rows only
+        x = mask_step(x, mask, phase.layout.item_keys)
     scale = s.scale
     if s.adaptive_scale:
         changed = norm(restrict(theta, x, phase.layout))
@@ -135,6 +134,50 @@ def hfkcu_step(
         report["scale"] = scale * multiple
         step = {k: multiple * v for k, v in step.items()}
     return step
+
+
+def trust_radius(
+    phase, grid: Grid, theta: dict, g_forget: dict, forget: np.ndarray, report: dict
+) -> tuple[float, np.ndarray | None]:
+    """The Steihaug solve's radius by ``krylov-radius-rule``, and the row mask of ``krylov-masked-step`` (``None``
+    without it); both rules' figures go into ``report``.
+
+    * ``"touched"``: ``trust-radius * ||theta_S||``, ``S`` every parameter ``g_F`` touches (its item rows, the
+      forgotten users' negative sample included, and the dense keys);
+    * ``"dominated"``: ``trust-radius * ||theta[D]||``, ``D`` the item rows whose training positives are at least
+      ``krylov-radius-threshold`` forgotten (:func:`fedrec_flwr.unlearning.radius.dominated_rows`; one
+      ``unlearn_counts`` round, :func:`.unlearning_search.positive_counts`). Without a dominated row the touched
+      rule's radius is used and no mask (``radius-rule-fallback`` in the report).
+    """
+    s = phase.settings
+    report["krylov-radius-rule"] = s.krylov_radius_rule
+    mask = None
+    if s.krylov_radius_rule == "dominated":
+        counts = positive_counts(phase, grid, forget, "krylov-radius-rule = 'dominated'")
+        dominated = dominated_rows(
+            {k: theta[k] for k in phase.layout.item_keys},
+            counts["remaining"],
+            counts["forgotten"],
+            factor=s.trust_radius,
+            threshold=s.krylov_radius_threshold,
+        )
+        report.update({"dominated-rows": int(dominated.rows.size), "dominated-norm": dominated.norm})
+        if dominated.radius > 0:
+            report.update({"trust-radius": s.trust_radius, "trust-radius-absolute": dominated.radius})
+            if s.krylov_masked_step:
+                mask = dominated.mask
+                report["krylov-masked-step"] = True
+            return dominated.radius, mask
+        log.warning("unlearning: the forgotten users dominate no item row; the touched rows set the trust radius")
+        report["radius-rule-fallback"] = "touched"
+    radius = s.trust_radius * norm(restrict(theta, g_forget, phase.layout))
+    if radius <= 0:  # the forgotten users touch only all-zero parameters: any finite radius (ours)
+        radius = s.trust_radius
+    # the config key (relative to the norm of the touched parameters) under its own name; the norm bound the
+    # solve used under another
+    report["trust-radius"] = s.trust_radius
+    report["trust-radius-absolute"] = radius
+    return radius, mask
 
 
 def curvature_targets(phase, nodes, forget: np.ndarray, extra: Mapping) -> tuple[dict, float]:

@@ -61,21 +61,19 @@ def line_search(
     )
 
 
-def margin_step(phase, grid: Grid, arrays: ArrayRecord, forget: np.ndarray, step: dict, report: dict) -> float:
-    """``line-search = "membership-margin"``: the multiple ``a`` of the solver's step at which the forgotten
-    users' mean membership margin on the items they dominate reaches 0 (:mod:`fedrec_flwr.unlearning.margin`). One
-    ``unlearn_counts`` round (every node; no model sent), then :func:`fedrec_flwr.unlearning.margin.bracket_root`'s
-    ``unlearn_margin`` rounds (the forgotten users' nodes), at most ``line-search-rounds`` of them, up to
-    ``line-search-max-step``. Returns ``a`` (1 when no forgotten positive is a dominated item)."""
-    s = phase.settings
+def positive_counts(phase, grid: Grid, forget: np.ndarray, why: str) -> dict[str, np.ndarray]:
+    """``{"remaining": (I,), "forgotten": (I,)}`` float64 training positives per item of the remaining and the
+    forgotten users: one ``unlearn_counts`` round (every node; no model sent), node totals summed. Warns (naming
+    ``why``, the key that asks for them) what a node's counts reveal."""
     topology = phase.strategy._topology()
     nodes = sorted({int(n) for n in topology.user_to_node.tolist()})
     exclude = [int(u) for u in forget]
     smallest = int(np.unique(topology.user_to_node, return_counts=True)[1].min())
     log.warning(
-        "line-search = 'membership-margin': every node sends its users' training-positive counts per item "
+        "%s: every node sends its users' training-positive counts per item "
         "(unlearn_counts); a node serving %d user%s reveals %s (fedrec_flwr/unlearning/margin.py, 'Privacy "
         "cost')",
+        why,
         smallest,
         "" if smallest == 1 else "s",
         "that user's training items" if smallest == 1 else "the sum of its users' training items",
@@ -85,6 +83,18 @@ def margin_step(phase, grid: Grid, arrays: ArrayRecord, forget: np.ndarray, step
     for reply in replies:
         for key in counts:
             counts[key] = counts[key] + reply.content[ARRAYS][key].numpy().astype(np.float64)
+    return counts
+
+
+def margin_step(phase, grid: Grid, arrays: ArrayRecord, forget: np.ndarray, step: dict, report: dict) -> float:
+    """``line-search = "membership-margin"``: the multiple ``a`` of the solver's step at which the forgotten
+    users' mean membership margin on the items they dominate reaches 0 (:mod:`fedrec_flwr.unlearning.margin`). One
+    ``unlearn_counts`` round (every node; no model sent), then :func:`fedrec_flwr.unlearning.margin.bracket_root`'s
+    ``unlearn_margin`` rounds (the forgotten users' nodes), at most ``line-search-rounds`` of them, up to
+    ``line-search-max-step``. Returns ``a`` (1 when no forgotten positive is a dominated item)."""
+    s = phase.settings
+    topology = phase.strategy._topology()
+    counts = positive_counts(phase, grid, forget, "line-search = 'membership-margin'")
     bins = popularity_bins(counts["remaining"])
     dominated = dominated_items(counts["remaining"], counts["forgotten"])
     groups = topology.group(np.asarray(forget, dtype=np.int64))

@@ -68,6 +68,7 @@ from fedrec_flwr.app.runtime import Runtime, get_runtime, node_users
 from fedrec_flwr.arrays import encode_array
 from fedrec_flwr.local.blocks import evaluate_block, train_block, use_blocks
 from fedrec_flwr.registry import resolve
+from fedrec_flwr.unlearning.history import CONTRIBUTIONS, pack_user_contributions
 from fedrec_flwr.wire import (
     ARRAYS,
     CONFIG,
@@ -114,7 +115,9 @@ RESERVED_METRICS = (NUM_EXAMPLES, "num-users", "train-loss", GRADIENT_USERS, ISO
 
 
 def train(message: Message, context: Context, run_config: Mapping[str, Any] | None = None) -> Message:
-    """Train the requested users of this node; reply with their summed contribution (no private parameter)."""
+    """Train the requested users of this node; reply with their summed contribution (no private parameter) and, with
+    ``unlearning-history`` on and more than one user, each user's own contribution as well
+    (:data:`~fedrec_flwr.unlearning.history.CONTRIBUTIONS`, :mod:`fedrec_flwr.strategies.history_recording`)."""
     runtime = get_runtime(run_config or context.run_config)
     served = node_users(runtime.config, context.node_config, runtime.split.num_users)
     users = requested_users(message, served)
@@ -124,9 +127,11 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
     gradients = 0
     extra = UserMetrics()
     client = None
+    # unlearning-history with several users here: each user's own contribution travels too (FRU's per-user store)
+    per_user = [] if runtime.config.unlearning_history != "off" and len(users) > 1 else None
     with private_state(context, runtime, config, users, save=True):
         users, isolated = isolate_nonfinite_users(context, users, "training")
-        for client, update in _user_updates(runtime, users, context, shared, config):
+        for user, (client, update) in zip(users, _user_updates(runtime, users, context, shared, config), strict=True):
             weight = float(
                 record_number(
                     update.aggregation_weight, "aggregation weight (UserUpdate.weight or num_examples)", client
@@ -134,6 +139,8 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
             )
             loss = float(record_number(update.loss, "train-loss (UserUpdate.loss)", client))
             contribution.add_user(update.dense, update.rows, weight, loss)
+            if per_user is not None:
+                per_user.append((user, update.dense, update.rows, weight))
             extra.add(getattr(update, "metrics", None) or {}, weight, client)
             gradients += int(update.is_gradient)
         statistics = _adversary_statistics(runtime, users, context, shared)
@@ -166,6 +173,10 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
             **records,
         }
     )
+    if per_user is not None:
+        content[CONTRIBUTIONS] = ArrayRecord(
+            {k: encode_array(v) for k, v in pack_user_contributions(runtime.layout, per_user).items()}
+        )
     return Message(content=content, reply_to=message)
 
 

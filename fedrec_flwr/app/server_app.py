@@ -63,6 +63,7 @@ from fedrec_flwr.state.results import (
     read_failure,
     write_failure,
 )
+from fedrec_flwr.unlearning.settings import PHASE_METHODS
 from fedrec_flwr.wire import CONFIG, IDENTIFY, ModelLayout, Topology
 
 log = logging.getLogger(__name__)
@@ -466,10 +467,7 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
     )
     if result.arrays is None:  # no round ran (resumed after the last round): the checkpoint's arrays are final
         result.arrays = initial
-    if (
-        config.unlearning in ("continue", "hfkcu", "gradient-ascent")
-        and getattr(strategy, "unlearning_report", None) is None
-    ):
+    if config.unlearning in PHASE_METHODS and getattr(strategy, "unlearning_report", None) is None:
         raise RuntimeError(
             f"unlearning = {config.unlearning!r} was configured but strategy {config.strategy!r} never ran "
             "its phase (does it override aggregate_train without calling super()?)"
@@ -483,6 +481,8 @@ def _run(plan: Preflight, grid: Grid, on_round: Callable[[RoundView], None] | No
     }
     if getattr(strategy, "unlearning_report", None) is not None:
         extra["unlearning"] = strategy.unlearning_report
+    if getattr(strategy, "contribution_log", None) is not None:  # its size only: the store stays on the server
+        extra["unlearning-history"] = strategy.contribution_log.storage()
     recorder.finish(final, extra)
     log.info("results written to %s", folder)
     return folder

@@ -36,9 +36,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedrec_flwr.unlearning.aggregate import RoundUpdate, UserDelta, aggregate_deltas
-from fedrec_flwr.wire import COUNT, ITEM_AGGREGATIONS, ROWS, SUM, ModelLayout
+from fedrec_flwr.wire import COUNT, ITEM_AGGREGATIONS, ROWS, SUM, Contribution, ModelLayout
 
-__all__ = ["DTYPES", "ContributionHistory", "delta_from_reply"]
+__all__ = [
+    "CONTRIBUTIONS",
+    "DTYPES",
+    "ContributionHistory",
+    "delta_from_reply",
+    "pack_user_contributions",
+    "unpack_user_contributions",
+]
+
+CONTRIBUTIONS = "user-contributions"
+"""Name of the train reply's array record that carries each user's own contribution, added by a node that trains
+more than one user when ``unlearning-history`` is on (:func:`pack_user_contributions`)."""
 
 DTYPES = ("float64", "float32", "float16")
 """The storage dtypes of the deltas."""
@@ -213,6 +224,19 @@ class ContributionHistory:
         """Round -> bytes of its stored contributions (users' arrays, ids, weights and row offsets)."""
         return {t: int(sum(s.nbytes for s in users.values())) + 8 for t, users in sorted(self._rounds.items())}
 
+    def drop_users(self, users: Iterable[int]) -> int:
+        """Delete every stored contribution of ``users`` (a forgotten user's updates are not kept after its
+        rollback); rounds left without users are removed. Returns the number of contributions deleted."""
+        users = {int(u) for u in users}
+        deleted = 0
+        for t in list(self._rounds):
+            for user in users & set(self._rounds[t]):
+                del self._rounds[t][user]
+                deleted += 1
+            if not self._rounds[t]:
+                del self._rounds[t]
+        return deleted
+
     def nbytes_per_user(self) -> dict[int, int]:
         """User -> bytes of its stored contributions over all rounds."""
         out: dict[int, int] = {}
@@ -330,3 +354,49 @@ def delta_from_reply(
     }
     assert rows is not None
     return rows, row_delta, dense_delta
+
+
+def pack_user_contributions(
+    layout: ModelLayout, updates: Iterable[tuple[int, Mapping[str, np.ndarray], Mapping, float]]
+) -> dict[str, np.ndarray]:
+    """The :data:`CONTRIBUTIONS` record's arrays of a node's users: per user ``u`` its own one-user reply arrays
+    (:meth:`fedrec_flwr.wire.Contribution.pack`) under ``u<u>:<name>`` and its weight as ``u<u>:weight`` ``(1,)``
+    float64.
+
+    Args:
+        layout: the model's keys.
+        updates: ``(user, dense, rows, weight)`` per user, as :meth:`fedrec_flwr.wire.Contribution.add_user` takes
+            them (``weight``: the user's aggregation weight).
+
+    Raises:
+        ReplyError: as :meth:`fedrec_flwr.wire.Contribution.add_user`.
+    """
+    out: dict[str, np.ndarray] = {}
+    for user, dense, rows, weight in updates:
+        single = Contribution(layout)
+        single.add_user(dense, rows, weight, 0.0)
+        out.update({f"u{int(user)}:{name}": value for name, value in single.pack().items()})
+        out[f"u{int(user)}:weight"] = np.array([float(weight)], dtype=np.float64)
+    return out
+
+
+def unpack_user_contributions(arrays: Mapping[str, np.ndarray]) -> dict[int, tuple[dict[str, np.ndarray], float]]:
+    """Inverse of :func:`pack_user_contributions`: user -> (its one-user reply arrays, its weight), ascending.
+
+    Raises:
+        ValueError: a name that is not ``u<int>:<name>``, or a user without its weight.
+    """
+    users: dict[int, dict[str, np.ndarray]] = {}
+    for name, value in arrays.items():
+        head, sep, rest = name.partition(":")
+        if not sep or not head.startswith("u") or not head[1:].isdigit():
+            raise ValueError(f"'{CONTRIBUTIONS}' holds an unexpected array '{name}'")
+        users.setdefault(int(head[1:]), {})[rest] = np.asarray(value)
+    out = {}
+    for user in sorted(users):
+        parts = users[user]
+        if "weight" not in parts:
+            raise ValueError(f"'{CONTRIBUTIONS}' has no weight for user {user}")
+        weight = float(parts.pop("weight")[0])
+        out[user] = (parts, weight)
+    return out

@@ -14,11 +14,18 @@ from typing import Any
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.sections.fields import INT_MAX, config_key
 
-METHODS = ("none", "retrain", "continue", "hfkcu", "gradient-ascent")
+METHODS = ("none", "retrain", "continue", "hfkcu", "gradient-ascent", "rollback")
 """The values of ``unlearning``."""
 
-PHASE_METHODS = ("continue", "hfkcu", "gradient-ascent")
+PHASE_METHODS = ("continue", "hfkcu", "gradient-ascent", "rollback")
 """Methods that run a phase after ``unlearn-round`` (``retrain`` only changes sampling)."""
+
+APPROXIMATE_METHODS = ("hfkcu", "gradient-ascent")
+"""Methods whose result ``unlearning-post-check`` checks (an approximate step that can be undone)."""
+
+HISTORY_DTYPES = ("off", "float32", "float16", "float64")
+"""The values of ``unlearning-history``: off, or the storage dtype of the stored deltas
+(:data:`fedrec_flwr.unlearning.history.DTYPES`)."""
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "unlearning": METHODS,
@@ -27,6 +34,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "krylov-preconditioner": ("none", "diagonal", "row"),
     "curvature": ("gauss-newton", "hessian"),
     "line-search": ("none", "remaining-loss", "membership-margin"),
+    "unlearning-history": HISTORY_DTYPES,
+    "krylov-radius-rule": ("touched", "dominated"),
+    "unlearning-post-check": ("off", "on"),
 }
 """The allowed values of the section's string keys that take one of a few."""
 
@@ -63,6 +73,16 @@ class UnlearningSection:
     ascent_steps: int = _key("ascent-steps", minimum=1)
     ascent_learning_rate: float = _key("ascent-learning-rate", positive=True)
     continue_rounds: int = _key("continue-rounds", minimum=1)
+    unlearning_history: str = _key("unlearning-history")
+    rollback_calibration_every: int = _key("rollback-calibration-every", minimum=0)
+    rollback_tuning_rounds: int = _key("rollback-tuning-rounds", minimum=0)
+    krylov_radius_rule: str = _key("krylov-radius-rule")
+    krylov_radius_threshold: float = _key("krylov-radius-threshold", positive=True, maximum=1.0)
+    krylov_masked_step: bool = _key("krylov-masked-step")
+    unlearning_post_check: str = _key("unlearning-post-check")
+    post_check_max_hr_drop: float = _key("post-check-max-hr-drop", minimum=0.0)
+    post_check_max_ndcg_drop: float = _key("post-check-max-ndcg-drop", minimum=0.0)
+    post_check_min_loss_rise: float = _key("post-check-min-loss-rise", minimum=0.0)
 
     @classmethod
     def of(cls, config: UnlearningSection) -> UnlearningSection:
@@ -128,6 +148,7 @@ class UnlearningSection:
                 "run-config key 'damping' = 0 with krylov-mode = 'local': one user's Hessian is singular "
                 "(zero on every row it never touches); set damping > 0"
             )
+        self._check_history_keys()
         if self.krylov_preconditioner != "none" and (
             self.krylov_solver != "steihaug" or self.krylov_mode != "distributed"
         ):
@@ -136,3 +157,45 @@ class UnlearningSection:
                 f"krylov-solver = 'steihaug' and krylov-mode = 'distributed', got {self.krylov_solver!r} "
                 f"and {self.krylov_mode!r}; or set it to 'none'"
             )
+
+    def _check_history_keys(self) -> None:
+        """The relations of the history, rollback, radius-rule and post-check keys (with ``users-per-node``,
+        ``holdout-validation`` and ``adversary`` of :class:`fedrec_flwr.config.RunConfig`).
+
+        Raises:
+            ConfigError: ``rollback`` without a history, a rollback key without ``rollback``, the history with
+                FedAU²'s adversary (its replies carry gradients), the masked step without the dominated rule, or the
+                post-check without the validation item or an approximate method (naming the keys).
+        """
+        history = self.unlearning_history != "off"
+        if self.unlearning == "rollback" and not history:
+            raise ConfigError(
+                "run-config key 'unlearning' = 'rollback' replays the stored contributions: set "
+                "'unlearning-history' = 'float32' (or 'float16') to store them"
+            )
+        if history and getattr(self, "adversary", "none") != "none":
+            raise ConfigError(
+                f"run-config key 'unlearning-history' = {self.unlearning_history!r} stores parameter updates, but "
+                f"adversary = {self.adversary!r} uploads gradients of h_w; set unlearning-history = 'off'"
+            )
+        if self.unlearning != "rollback" and (self.rollback_calibration_every or self.rollback_tuning_rounds):
+            raise ConfigError(
+                "run-config keys 'rollback-calibration-every' / 'rollback-tuning-rounds' apply to "
+                f"unlearning = 'rollback', got unlearning = {self.unlearning!r}; set them to 0"
+            )
+        if self.krylov_masked_step and self.krylov_radius_rule != "dominated":
+            raise ConfigError(
+                "run-config key 'krylov-masked-step' = true needs krylov-radius-rule = 'dominated' (the mask is "
+                f"the dominated rows), got {self.krylov_radius_rule!r}"
+            )
+        if self.unlearning_post_check == "on":
+            if self.unlearning not in APPROXIMATE_METHODS:
+                raise ConfigError(
+                    f"run-config key 'unlearning-post-check' = 'on' checks an approximate step "
+                    f"(unlearning = {' or '.join(APPROXIMATE_METHODS)}), got unlearning = {self.unlearning!r}"
+                )
+            if not getattr(self, "holdout_validation", True):
+                raise ConfigError(
+                    "run-config key 'unlearning-post-check' = 'on' ranks the remaining users' validation item: "
+                    "set 'holdout-validation' = true"
+                )
