@@ -39,6 +39,20 @@ def kill_mid_round(message, context, call_next):
 run_serial(config, client_app=make_client_app(config, mods=[kill_mid_round]))
 """
 
+
+def run_killed(config: dict, kill_round: int) -> subprocess.CompletedProcess:
+    """Run ``config`` serially in a child process that :data:`KILLED_RUN` SIGKILLs in round ``kill_round``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
+    return subprocess.run(
+        [sys.executable, "-c", KILLED_RUN, json.dumps(config), str(kill_round)],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
 CASES = {
     "fedmf": {"model": "mf"},
     # the server's Adam moments must survive the restart too
@@ -76,15 +90,7 @@ def test_a_run_killed_mid_round_resumes_to_the_same_result(tmp_path, case):
     uninterrupted = run_serial(_config(tmp_path, "whole", **CASES[case]))
 
     config = _config(tmp_path, "killed", **CASES[case])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-c", KILLED_RUN, json.dumps(config), "4"],
-        cwd=PROJECT_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run_killed(config, 4)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     folder = tmp_path / "results" / "killed"
     assert not (folder / "summary.json").exists()

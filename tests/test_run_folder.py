@@ -236,14 +236,9 @@ def test_a_lock_file_left_by_a_dead_process_does_not_block(tmp_path):
 # ------------------------------------------------------------------------------------------------ resume on other data
 def _interrupted_after_round_two(tmp_path):
     """A checkpointed run with client state, SIGKILLed in round 3 (in another process): its checkpoint is round 2's."""
-    import json
-    import os
     import signal
-    import subprocess
-    import sys
 
-    from conftest import PROJECT_ROOT
-    from test_checkpoint_resume import KILLED_RUN
+    from test_checkpoint_resume import run_killed
 
     config = tiny_run_config(
         tmp_path,
@@ -255,15 +250,7 @@ def _interrupted_after_round_two(tmp_path):
         client_state_dir=str(tmp_path / "device"),
         run_name="edited",
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-c", KILLED_RUN, json.dumps(config), "3"],
-        cwd=PROJECT_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run_killed(config, 3)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     return config, tmp_path / "results" / "edited"
 

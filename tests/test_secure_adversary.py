@@ -5,17 +5,13 @@ the adaptive eps moves, is in the diagnostics and survives a resume, and a curio
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import PROJECT_ROOT, MessageRecorder
-from test_checkpoint_resume import KILLED_RUN
+from conftest import MessageRecorder
+from test_checkpoint_resume import run_killed
 from test_fedau2_server import _config
 
 from fedrec_flwr.adversary import ADVERSARY_MODULE
@@ -208,15 +204,7 @@ def test_a_secured_adaptive_run_killed_in_round_3_resumes_to_the_same_eps_and_ar
     )
     whole = run_serial(_config(tmp_path / "whole", run_name="whole", **overrides))
     config = _config(tmp_path / "killed", run_name="killed", **overrides)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-c", KILLED_RUN, json.dumps(config), "3"],
-        cwd=PROJECT_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run_killed(config, 3)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     killed = tmp_path / "killed" / "results" / "killed"
     assert load_checkpoint(killed).server_round == 2

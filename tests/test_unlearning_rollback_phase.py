@@ -148,27 +148,15 @@ def _layout(config):
 
 
 def test_a_resumed_run_rolls_back_exactly_as_an_uninterrupted_one(tmp_path):
-    import os
     import signal
-    import subprocess
-    import sys
 
-    from conftest import PROJECT_ROOT
-    from test_checkpoint_resume import KILLED_RUN
     from test_checkpoint_resume import _config as resume_config
+    from test_checkpoint_resume import run_killed
 
     extra = {"unlearning": "rollback", "unlearning_history": "float16", "forget_users": "3,10", "unlearn_round": 5}
     whole = run_serial(RunConfig.from_mapping(resume_config(tmp_path, "whole", model="mf", **extra)).to_dict())
     config = RunConfig.from_mapping(resume_config(tmp_path, "killed", model="mf", **extra)).to_dict()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-c", KILLED_RUN, json.dumps(config), "4"],
-        cwd=PROJECT_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run_killed(config, 4)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     folder = run_serial({**config, "resume-from": str(tmp_path / "results" / "killed")})
     for name in ("final_arrays.npz", "before-unlearning.npz"):
