@@ -31,7 +31,7 @@ def strategy_state(strategy) -> tuple[dict, dict[str, np.ndarray]]:
     arrays = {} if step is None else {f"{ADVERSARY_PREFIX}{k}": v for k, v in step.state_arrays().items()}
     if strategy.trained is not None:
         arrays[TRAINED_KEY] = strategy.trained.copy()
-    if getattr(strategy, "contribution_log", None) is not None:  # unlearning-history (.history_recording)
+    if strategy.contribution_log is not None:  # unlearning-history (.history_recording)
         arrays.update(strategy.contribution_log.state_arrays())
     return state, arrays
 
@@ -58,7 +58,7 @@ def restore_strategy_state(strategy, state: Mapping, arrays: Mapping[str, np.nda
         for phase in ("train", "evaluate")
     }
     strategy.trained = np.asarray(arrays[TRAINED_KEY], dtype=bool).copy() if TRAINED_KEY in arrays else None
-    if getattr(strategy, "contribution_log", None) is not None:
+    if strategy.contribution_log is not None:
         strategy.contribution_log.load_state_arrays(arrays)
     if strategy.adversary_step is not None:
         strategy.adversary_step.load_state_arrays(

@@ -57,7 +57,7 @@ def aggregate_round(
     enough_replies(server_round, len(accepted), expected, strategy.min_train_fraction, nodes, reasons)
     strategy._record_trained(accepted_nodes)
     arrays = strategy.aggregate_arrays(accepted)
-    if getattr(strategy, "contribution_log", None) is not None:  # unlearning-history: each user's own update
+    if strategy.contribution_log is not None:  # unlearning-history: each user's own update
         strategy.contribution_log.record(server_round, strategy._current, accepted, accepted_nodes, sent)
     step = strategy.adversary_step
     if step is not None:  # h_w's keys carry gradients: its server steps (strategies/adversary.py)
@@ -65,7 +65,7 @@ def aggregate_round(
         strategy.adopt_arrays(arrays)
     seconds = time.perf_counter() - strategy._train_started
     metrics, strategy.last_train = train_metrics(server_round, accepted, expected, seconds, strategy.isolated_users)
-    if getattr(strategy, "contribution_log", None) is not None:  # the round's stored bytes (metrics.csv)
+    if strategy.contribution_log is not None:  # the round's stored bytes (metrics.csv)
         strategy.last_train["history-round-bytes"] = float(
             strategy.contribution_log.history.nbytes_per_round().get(server_round, 0)
         )

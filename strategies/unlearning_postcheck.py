@@ -86,7 +86,7 @@ def check_and_fall_back(
         result.update({"kept": s.method, "why": "every expectation held"})
         return after
     log.warning("unlearning: the post-check of %s failed (%s); the step is undone", s.method, "; ".join(check.reasons))
-    if getattr(strategy, "contribution_log", None) is None:
+    if strategy.contribution_log is None:
         result.update(
             {
                 "kept": "none",

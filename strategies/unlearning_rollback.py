@@ -46,7 +46,7 @@ def rollback_phase(phase, grid: Grid, arrays: ArrayRecord, report: dict) -> Arra
         UnlearningFailed: the strategy stored no history, or a node failed during a calibration round.
     """
     strategy, s = phase.strategy, phase.settings
-    store = getattr(strategy, "contribution_log", None)
+    store = strategy.contribution_log
     if store is None:
         raise UnlearningFailed("unlearning = 'rollback' needs the stored contributions (unlearning-history)")
     history = store.history
