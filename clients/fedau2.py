@@ -88,6 +88,7 @@ from fedrec_flwr.adversary import (
     user_vectors,
 )
 from fedrec_flwr.adversary.adaptive import adversary_statistics
+from fedrec_flwr.adversary.prior import round_prior_text
 from fedrec_flwr.adversary.secure import EPSILON_KEY
 from fedrec_flwr.clients.fedrec import FedRecClient
 from fedrec_flwr.clients.fedrecgel import FedRecGELClient
@@ -186,7 +187,7 @@ class AttributeUnlearning:
                     objective=cfg.adversary_objective,
                     frozen=server,
                     embedding_step=cfg.learning_rate if sgd else 0.0,
-                    log_prior=self._log_prior(),
+                    log_prior=self._log_prior(config),
                 )
             )
         return trainer
@@ -206,9 +207,12 @@ class AttributeUnlearning:
         # adversary-weight-rule = "adaptive": the server's controller sends the round's eps
         return float(config.get(EPSILON_KEY, cfg.adversary_epsilon))
 
-    def _log_prior(self) -> torch.Tensor | None:
+    def _log_prior(self, config: Mapping[str, Any] | None = None) -> torch.Tensor | None:
+        """The log class prior of the message with config ``config`` (``adversary-class-prior``; under
+        ``"aggregate"`` the shares the server sent in it, :func:`fedrec_flwr.adversary.prior.round_prior_text`)."""
         protected = self.runtime.protected
-        return parse_class_prior(class_prior_text(self.runtime.config, protected.classes), protected.num_classes)
+        text = round_prior_text(self.runtime.config, config, protected.classes)
+        return parse_class_prior(text, protected.num_classes)
 
     def shared_update(self, trainer: LocalTrainer, result, config: Mapping[str, Any]):
         """The class below's upload; with ``adversary-training = "server"``, ``h_w``'s entries are replaced by this
@@ -222,7 +226,7 @@ class AttributeUnlearning:
                 label=self.protected_label,
                 kl_weight=cfg.dsvae_kl_weight,
                 generator=self._generator(config, _UPLOAD_STREAM),
-                log_prior=self._log_prior(),
+                log_prior=self._log_prior(config),
                 noise_placement=cfg.dsvae_noise_placement,
                 noise_generator=self._noise_generator(config),
             )
@@ -257,7 +261,7 @@ class AttributeUnlearning:
             label=self.protected_label,
             kl_weight=cfg.dsvae_kl_weight,
             generator=self._generator(config, _QUERY_STREAM, int(config["adversary-step"])),
-            log_prior=self._log_prior(),
+            log_prior=self._log_prior(config),
             noise_placement=cfg.dsvae_noise_placement,
             noise_generator=self._noise_generator(config),
         )
@@ -297,7 +301,7 @@ class AttributeUnlearning:
             adversary_of(self.model),
             vectors,
             labels,
-            log_prior=self._log_prior(),
+            log_prior=self._log_prior(config),
             kl_weight=cfg.dsvae_kl_weight,
             generators=generators,
             noise_placement=cfg.dsvae_noise_placement,
@@ -305,11 +309,14 @@ class AttributeUnlearning:
         )
         return {key: grad.cpu().numpy() for key, grad in grads.items()}
 
-    def adversary_statistics_sum(self, shared: Mapping[str, Any], users) -> np.ndarray:
+    def adversary_statistics_sum(
+        self, shared: Mapping[str, Any], users, config: Mapping[str, Any] | None = None
+    ) -> np.ndarray:
         """The sum over ``users`` (this node's, after the round's training) of each one's
         :func:`fedrec_flwr.adversary.adaptive.adversary_statistics` at the ``h_w`` of ``shared`` (the round's global
         copy) and the user's current private embedding, with the class prior of ``adversary-class-prior``: the
-        adaptive rule's contribution of this node (:mod:`fedrec_flwr.adversary.secure`). Nothing is trained or saved.
+        adaptive rule's contribution of this node (:mod:`fedrec_flwr.adversary.secure`; ``config``: the train message's,
+        for the ``"aggregate"`` prior). Nothing is trained or saved.
 
         Returns:
             ``(4 C,)`` float64.
@@ -319,7 +326,7 @@ class AttributeUnlearning:
         vectors = user_vectors(self.model, Block(self.runtime, users, self.state).load_private(users))
         self.protected_label  # noqa: B018 (raises the ConfigError when no protected-attribute is configured)
         labels = torch.as_tensor(self.runtime.protected.labels[users], dtype=torch.long)
-        return adversary_statistics(adversary_of(self.model), vectors, labels, log_prior=self._log_prior())
+        return adversary_statistics(adversary_of(self.model), vectors, labels, log_prior=self._log_prior(config))
 
     def save_private(self) -> None:
         """Save the user's private state; in a training round with ``user-embedding-noise = b > 0``, perturb the
@@ -404,7 +411,7 @@ class EntropyPullBlock:
         self.epsilon, self.trigger = client.round_epsilon(config), cfg.adversary_trigger
         self.generators = [client._generator(config, _UPLOAD_STREAM, user=int(u)) for u in users]
         self.noise_generators = [client._noise_generator(config, int(u)) for u in users]
-        self.log_prior, self.kl_weight = client._log_prior(), cfg.dsvae_kl_weight
+        self.log_prior, self.kl_weight = client._log_prior(config), cfg.dsvae_kl_weight
         self.placement = cfg.dsvae_noise_placement
 
     def add(self, params, grads, values, active):

@@ -25,7 +25,7 @@ from typing import Any
 from fedrec_flwr.data.config import DataSection
 from fedrec_flwr.data.datasets import DATASETS
 from fedrec_flwr.errors import ConfigError
-from fedrec_flwr.sections.adversary import FIRST_RELEASE_ADVERSARY, AdversarySection
+from fedrec_flwr.sections.adversary import FIRST_RELEASE_ADVERSARY, AdversarySection, resolve_adversary
 from fedrec_flwr.sections.deployment import DeploymentSection
 from fedrec_flwr.sections.federation import MESSAGE_TTL, FederationSection
 from fedrec_flwr.sections.fields import INT_MAX
@@ -139,6 +139,7 @@ class RunConfig(
             values[f.name] = _coerce(key, mapping[key], f.type, f.metadata)
         if values["learning_rate"] == 0.0 and values["model"] in MODEL_LEARNING_RATES:  # 0 = the model's default
             values["learning_rate"] = MODEL_LEARNING_RATES[values["model"]]
+        values["adversary"] = resolve_adversary(values["adversary"], values["client"], values["protected_attribute"])
         extra = {key: mapping[key] for key in _EXTRA_KEYS if key in mapping}
         extra.update(_plugin_values(declared, mapping, values.get("plugin_config", "")))
         config = cls(**values, extra=extra)

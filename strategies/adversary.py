@@ -35,7 +35,8 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from fedrec_flwr.adversary import ADVERSARY_MODULE, class_prior_text, parse_class_prior
-from fedrec_flwr.adversary.adaptive import AdaptiveEpsilon
+from fedrec_flwr.adversary.adaptive import AdaptiveEpsilon, statistics_block
+from fedrec_flwr.adversary.prior import AGGREGATE, MESSAGE_PRIOR_KEY, aggregate_shares
 from fedrec_flwr.adversary.secure import (
     EPSILON_KEY,
     SECURE_KEY,
@@ -59,6 +60,8 @@ from .adversary_rounds import (
 log = logging.getLogger(__name__)
 
 PREFIX = ADVERSARY_MODULE + "."
+CLASS_COUNTS_STATE = "prior/class-counts"
+"""Checkpoint entry of the ``"aggregate"`` prior's per-class user counts."""
 
 
 def adversary_keys(layout: ModelLayout) -> tuple[str, ...]:
@@ -105,6 +108,7 @@ class AdversaryServerStep:
         query_users: str = "sampled",
         secure: SecureSettings | None = None,
         adaptive: AdaptiveEpsilon | None = None,
+        aggregate_prior_classes: int = 0,
         seed: int = 0,
     ) -> None:
         self.keys = tuple(keys)
@@ -121,6 +125,8 @@ class AdversaryServerStep:
         self.optimizer_name, self.learning_rate, self.steps = optimizer, float(learning_rate), int(steps)
         self.query_users = query_users
         self.secure, self.adaptive, self.seed = secure, adaptive, int(seed)
+        # adversary-class-prior = "aggregate": the per-class user counts summed over every round so far
+        self.class_counts = np.zeros(int(aggregate_prior_classes)) if aggregate_prior_classes else None
         self.parameters: dict[str, torch.nn.Parameter] = {}
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -146,6 +152,11 @@ class AdversaryServerStep:
             query_users=config.adversary_query_users,
             secure=SecureSettings.from_config(config),
             adaptive=adaptive_from_config(config, int(layout.shared_shapes[PREFIX + "head.bias"][0])),
+            aggregate_prior_classes=(
+                int(layout.shared_shapes[PREFIX + "head.bias"][0])
+                if str(config.adversary_class_prior).strip() == AGGREGATE
+                else 0
+            ),
             seed=config.seed,
         )
 
@@ -177,9 +188,32 @@ class AdversaryServerStep:
         new = self.step({k: current[k].numpy() for k in self.keys}, mean_reply_gradient(accepted, self.keys))
         return ArrayRecord({k: Array(new[k]) if k in new else v for k, v in arrays.items()})
 
-    def train_config(self) -> dict[str, float]:
-        """Keys the round's train messages carry: ``{"adaptive-epsilon": eps}`` under the adaptive rule, else ``{}``."""
-        return {} if self.adaptive is None else {EPSILON_KEY: float(self.adaptive.epsilon)}
+    @property
+    def wants_statistics(self) -> bool:
+        """Whether the train step's secure vector carries the nodes' summed adversary statistics (the adaptive rule
+        reads them; the ``"aggregate"`` prior counts its classes from their ``users`` block)."""
+        return self.adaptive is not None or self.class_counts is not None
+
+    def train_config(self) -> dict[str, float | str]:
+        """Keys the round's train messages carry: ``{"adaptive-epsilon": eps}`` under the adaptive rule and the
+        ``"aggregate"`` prior's shares (:data:`~fedrec_flwr.adversary.prior.MESSAGE_PRIOR_KEY`, once any class count
+        has arrived); ``{}`` without either."""
+        out: dict[str, float | str] = {} if self.adaptive is None else {EPSILON_KEY: float(self.adaptive.epsilon)}
+        return {**out, **self.prior_config()}
+
+    def prior_config(self) -> dict[str, str]:
+        """``{MESSAGE_PRIOR_KEY: shares}`` under the ``"aggregate"`` prior with counts, else ``{}``."""
+        if self.class_counts is None or not self.class_counts.sum() > 0:
+            return {}
+        return {MESSAGE_PRIOR_KEY: aggregate_shares(self.class_counts)}
+
+    def count_classes(self, statistics: np.ndarray | None) -> None:
+        """Add the round's summed per-class user counts (the statistics' ``users`` block, quantization residue
+        rounded away) to :attr:`class_counts` under the ``"aggregate"`` prior."""
+        if self.class_counts is None or statistics is None:
+            return
+        users = statistics_block(np.asarray(statistics), "users", len(self.class_counts))
+        self.class_counts = self.class_counts + np.maximum(np.rint(users), 0.0)
 
     def round_steps(
         self, strategy, server_round: int, arrays: ArrayRecord, accepted: list[RecordDict], accepted_nodes: list[int]
@@ -203,12 +237,16 @@ class AdversaryServerStep:
             weights = {node: float(r[METRICS][NUM_EXAMPLES]) for node, r in zip(accepted_nodes, accepted)}
             total = secure_total(self, strategy, server_round, 0, weights, arrays)
             if total is not None:
+                observe = getattr(strategy, "observe_secure_sum", None)  # a curious server attacks the sum (curious.py)
+                if observe is not None:
+                    observe(server_round, current, total)
                 arrays = step_on_total(self, arrays, total)
                 statistics = total.get(STATISTICS_KEY)
         if self.steps > 1:  # adversary-server-steps: S - 1 more, by adversary_gradient queries
             arrays = self.extra_steps(strategy, strategy._grid, server_round, arrays, strategy._sampled_nodes)
         if self.adaptive is not None:
             step_epsilon(self.adaptive, server_round, statistics)
+        self.count_classes(statistics)
         return arrays
 
     def extra_steps(
@@ -241,6 +279,7 @@ class AdversaryServerStep:
                                     "server-round": server_round,
                                     "users": list(users),
                                     "adversary-step": step,
+                                    **self.prior_config(),
                                     **({SECURE_KEY: True} if self.secure is not None else {}),
                                 }
                             ),
@@ -318,11 +357,17 @@ class AdversaryServerStep:
         """The optimizer's state for a server checkpoint (empty before the first step), and under the adaptive rule
         the controller's (``adaptive/epsilon``, ``adaptive/steps``, ``adaptive/discounted``, ``adaptive/last-signal``)."""
         out = {} if self.optimizer is None else optimizer_state_arrays(self.optimizer)
+        if self.class_counts is not None:
+            out[CLASS_COUNTS_STATE] = self.class_counts.copy()
         return {**out, **adaptive_state_arrays(self.adaptive)}
 
     def load_state_arrays(self, current: ArrayRecord, arrays: Mapping[str, np.ndarray]) -> None:
         """Inverse of :meth:`state_arrays` (``current``: the checkpoint's shared parameters)."""
         self.adaptive, arrays = restore_adaptive(self.adaptive, arrays)
+        arrays = dict(arrays)
+        counts = arrays.pop(CLASS_COUNTS_STATE, None)
+        if self.class_counts is not None and counts is not None:
+            self.class_counts = np.asarray(counts, dtype=np.float64).copy()
         if not arrays:
             return
         self._ensure({k: current[k].numpy() for k in self.keys})

@@ -109,7 +109,7 @@ def secure_total(
     scale = max(float(w) for w in weights.values())
     spec = {k: tuple(arrays[k].shape) for k in step.keys}
     spec[WEIGHT_KEY] = (1,)
-    if h_w_step == 0 and step.adaptive is not None:
+    if h_w_step == 0 and step.wants_statistics:
         spec[STATISTICS_KEY] = (statistics_length(step.adaptive.config.num_classes),)
     base = grid_sender(strategy._grid, timeout=strategy.round_timeout)
     common = {"server-round": server_round, "adversary-step": h_w_step, SCALE_KEY: scale}

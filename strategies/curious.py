@@ -11,7 +11,8 @@ sampled (that reply is one user's, so mixing does not protect it: FedMF, age, 10
 replies in 100 rounds, all 3 labels recovered). Replies that mix several users are not attacked (use
 ``users-per-node = 1`` to audit every user). With ``secure-aggregation = "secagg+"`` no reply carries a node's
 ``h_w`` gradient (only SecAgg+'s masked vectors, whose sum is all the server learns; :mod:`fedrec_flwr.adversary.secure`),
-so nothing is attacked and ``label-leakage.csv`` has no rows.
+so iDLG and DLG attack the round's summed gradient instead and their one guess is recorded for every user the round
+trained (``from-sum`` = 1; :meth:`LabelLeakageAudit.observe_secure_sum`).
 
 ``label-leakage.csv`` columns: ``round``; ``node`` (Flower node id); ``user`` (the user's index in the split, i.e. its
 partition id with one user per node; -1 if unknown); ``idlg-label`` and ``dlg-label``: the guessed class, an index into
@@ -19,7 +20,8 @@ partition id with one user per node; -1 if unknown); ``idlg-label`` and ``dlg-la
 DLG was not run); ``idlg-linked-label``: iDLG on the mean of *every* single-user ``h_w`` upload the server has had from
 that node so far (this round's train reply, earlier rounds' train replies and, with ``adversary-server-steps`` > 1,
 every ``adversary_gradient`` query reply; -1 where the node's uploads are not all one user's). Score it with
-``labels[user] == idlg-label``; compare with the majority-class rate, not only 1/C.
+``labels[user] == idlg-label``; compare with the majority-class rate, not only 1/C. ``from-sum``: 1 where the guess
+came from the SecAgg+ sum (every user of the round gets it), 0 from one reply.
 
 The linked attack is ours. A server knows which node sent what, so it can average a node's
 uploads; with ``dsvae-noise-stream = "per-upload"`` DSVAE's label-masking noise is drawn afresh for each upload, and
@@ -56,7 +58,7 @@ from .item_fedavg import ItemEmbeddingFedAvg
 log = logging.getLogger(__name__)
 
 LEAKAGE_FILE = "label-leakage.csv"
-LEAKAGE_COLUMNS = ("round", "node", "user", "idlg-label", "dlg-label", "idlg-linked-label")
+LEAKAGE_COLUMNS = ("round", "node", "user", "idlg-label", "dlg-label", "idlg-linked-label", "from-sum")
 
 
 class LabelLeakageAudit:
@@ -201,6 +203,7 @@ class LabelLeakageAudit:
                 "idlg-label": idlg_label(update["head.bias"]),
                 "dlg-label": -1,
                 "idlg-linked-label": self._link(node, update["head.bias"]),
+                "from-sum": 0,
             }
             if run_dlg and dlg_done < self.dlg_per_round:
                 record["dlg-label"] = dlg_label(
@@ -211,6 +214,39 @@ class LabelLeakageAudit:
                 )
                 dlg_done += 1
             self.leakage_records.append(record)
+        self._write_records()
+
+    def observe_secure_sum(self, server_round: int, sent: ArrayRecord, total: dict[str, np.ndarray]) -> None:
+        """Called by :class:`fedrec_flwr.strategies.adversary.AdversaryServerStep` with the train step's SecAgg+ sum
+        (``total``: ``h_w``'s summed gradients and ``"adversary-weight"``), all a server under
+        ``secure-aggregation = "secagg+"`` learns of the uploads. The attacks run on the round's mean gradient (iDLG
+        every round, DLG in evaluated rounds) and their guess is recorded for every user the round trained
+        (``from-sum`` = 1): the best per-user guess a server holding only the sum can make, scored like the
+        per-reply guesses."""
+        prefix = ADVERSARY_MODULE + "."
+        weight = float(np.asarray(total.get("adversary-weight", [0.0]))[0])
+        if weight <= 0 or prefix + "head.bias" not in total:
+            return
+        update = {k[len(prefix) :]: np.asarray(v) / weight for k, v in total.items() if k.startswith(prefix)}
+        if not all(np.isfinite(v).all() for v in update.values()):
+            return
+        guess = idlg_label(update["head.bias"])
+        dlg = -1
+        if server_round % self.eval_every == 0 or server_round == self.num_rounds:
+            dlg = dlg_label(self._adversary_template(sent), update, iterations=self.dlg_iterations, seed=server_round)
+        for node, users in sorted(self._sampled_nodes.items()):
+            for user in users:
+                self.leakage_records.append(
+                    {
+                        "round": server_round,
+                        "node": int(node),
+                        "user": int(user),
+                        "idlg-label": guess,
+                        "dlg-label": dlg,
+                        "idlg-linked-label": -1,
+                        "from-sum": 1,
+                    }
+                )
         self._write_records()
 
     def _write_records(self) -> None:

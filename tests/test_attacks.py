@@ -275,6 +275,7 @@ def _fedau2_config(folder, **overrides):
         learning_rate=0.1,
         num_server_rounds=2,
         generic_attributes_file=str(_write_attributes(folder)),
+        secure_aggregation="off",  # each reply's h_w gradient in the clear: what iDLG / DLG attack
     )
     options.update(overrides)
     return tiny_run_config(folder, **options)

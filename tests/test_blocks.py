@@ -233,7 +233,12 @@ def test_block_path_selection_and_its_config_key(ml100k):
     for per_user in (
         {"adversary_objective": "reverse"},
         {"adversary_embedding_optimizer": "sgd"},
-        {"adversary_training": "per-client"},
+        {
+            "adversary_training": "per-client",
+            "secure_aggregation": "off",
+            "adversary_weight_rule": "fixed",
+            "adversary_class_prior": "",
+        },
         {"user_embedding_noise": 0.1},
     ):
         assert block_kind(fedau2, default_arm.replace(**per_user)) is None, per_user

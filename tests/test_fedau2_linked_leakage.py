@@ -28,6 +28,8 @@ def _run(tmp_path, **overrides):
         num_server_rounds=6,
         eval_every=6,
         adversary_class_prior="",
+        secure_aggregation="off",  # the uploads in the clear: what linking reads
+        adversary_weight_rule="fixed",
     )
     options.update(overrides)
     config = tiny_run_config(tmp_path, **options)
@@ -48,7 +50,7 @@ def test_linking_a_nodes_twenty_uploads_a_round_reads_the_labels_dsvae_masks_in_
     20-per-round uploads gives the label away (the noise std falls by sqrt(20)); the server needs nothing but node
     ids to do it."""
     log, labels = _run(tmp_path, dsvae_noise_stream="per-upload")
-    assert list(log.columns) == ["round", "node", "user", "idlg-label", "dlg-label", "idlg-linked-label"]
+    assert list(log.columns) == ["round", "node", "user", "idlg-label", "dlg-label", "idlg-linked-label", "from-sum"]
     truth = labels[log["user"].to_numpy()]
     per_upload = float((log["idlg-label"].to_numpy() == truth).mean())
     last = log.drop_duplicates("user", keep="last")

@@ -174,7 +174,14 @@ def test_a_node_that_drops_at_the_masked_vectors_leaves_the_sum_of_the_others(tm
     assert not np.allclose(final[PREFIX + "head.bias"], initial[PREFIX + "head.bias"] - LR * everyone, atol=1e-5)
 
 
-ADAPTIVE = dict(adversary_weight_rule="adaptive", adaptive_rate=2.0, adversary_epsilon=0.5, num_server_rounds=3)
+ADAPTIVE = dict(
+    adversary_weight_rule="adaptive",
+    adaptive_rate=2.0,
+    adversary_epsilon=0.5,
+    adaptive_epsilon_min=0.001,
+    adaptive_epsilon_max=100.0,
+    num_server_rounds=3,
+)
 
 
 def test_the_adaptive_eps_moves_from_round_to_round_in_the_diagnostics(tmp_path):
@@ -233,19 +240,29 @@ def test_a_bad_secure_or_adaptive_setting_is_one_config_error_line(tmp_path, ove
     assert "\n" not in str(err.value)
 
 
-def test_a_curious_server_has_no_node_gradient_to_attack_on_a_secured_run(tmp_path):
+def test_a_curious_server_on_a_secured_run_attacks_only_the_sum_one_guess_for_every_user_of_a_round(tmp_path):
     """The curious server (iDLG on every single-user reply) on a secured run with one user per node: every train
-    reply's h_w arrays are zeros, no adversary_gradient reply carries arrays, and it records no label guess."""
+    reply's h_w arrays are zeros and no adversary_gradient reply carries arrays, so the only thing it attacks is the
+    round's SecAgg+ sum: one guess per round, recorded for every user the round trained (``from-sum`` = 1)."""
     _, _, _, records, out = _run(
-        tmp_path, strategy="curious-item-fedavg", secure_aggregation="secagg+", adversary_server_steps=2
+        tmp_path,
+        strategy="curious-item-fedavg",
+        secure_aggregation="secagg+",
+        adversary_server_steps=2,
+        num_server_rounds=2,
     )
     train = [r for r in records if r["type"] == "train"]
     assert train and all(
         not np.any(v) for r in train for k, v in r["reply-arrays"]["arrays"].items() if k.startswith(PREFIX)
     )
     assert all(not r["reply-arrays"] for r in records if r["type"] == "query.adversary_gradient")
-    leakage = out / "label-leakage.csv"
-    assert not leakage.exists() or len(leakage.read_text().splitlines()) <= 1
+    log = pd.read_csv(out / "label-leakage.csv")
+    assert set(log["from-sum"]) == {1} and set(log["round"]) == {1, 2}
+    for round_, rows in log.groupby("round"):
+        trained = sorted(u for r in train if r["round"] == round_ for u in r["users"])
+        assert sorted(rows["user"]) == trained  # every user of the round, once
+        assert rows["idlg-label"].nunique() == 1 and rows["idlg-label"].iloc[0] in (0, 1)
+        assert (rows["idlg-linked-label"] == -1).all()
 
 
 def test_flowers_ray_simulation_gives_the_serial_grids_secured_adaptive_run(tmp_path):

@@ -219,26 +219,45 @@ ARMS: dict[str, dict] = {
 }
 """Table rows. Arms without an adversary do not depend on the protected attribute (attacked on every attribute)."""
 
-DEFAULTS_ARM = "FedAU2, package defaults (adversary = dsvae)"
-"""``client = "fedau2"`` with ``adversary = "dsvae"`` and every other adversary key at the
-package's default (pyproject.toml: the entropy pull on every step, eps 0.1, a linear ``h_w`` with 20 server Adam steps
-of 0.001 per round, the published class prior, DSVAE's noise on every uploaded ``h_w`` gradient). Those defaults are
-the arm "FedAU2-server, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1, noise on all of
-h_w" (eps 0.1 chosen on FedNCF's validation item, ``results/measurements.md`` §11; DSVAE's placement measured in §10 and §13) with the
-prior resolved from the dataset (``adversary-class-prior = "published"``, the same shares as :data:`CLASS_PRIORS`).
-This arm measures what a user gets who sets only the client, the adversary and the attribute."""
-ARMS[DEFAULTS_ARM] = {
-    "client": "fedau2",
-    "adversary": "dsvae",
-    **{key: None for key in FIRST_RELEASE_ADVERSARY},  # None: the package default (run.run_config)
-    "dsvae-noise-stream": "per-upload",
-}  # the per-upload noise stream (``results/measurements.md`` §17)
+DSVAE_DEFAULTS = {
+    "adversary-trigger": "always",
+    "adversary-objective": "entropy",
+    "adversary-epsilon": 0.1,
+    "adversary-hidden": 0,
+    "adversary-server-learning-rate": 0.001,
+    "adversary-server-steps": 20,
+    "adversary-class-prior": "published",
+    "dsvae-noise-placement": "all",
+    "dsvae-noise-stream": "per-user",
+    "adversary-weight-rule": "fixed",
+    "secure-aggregation": "off",
+}
+"""The DSVAE arm's adversary keys: the entropy pull on every step at a fixed eps 0.1, a linear ``h_w`` with 20 server
+Adam steps of 0.001 per round, the published class prior, DSVAE's noise on every uploaded ``h_w`` gradient (one draw
+per user), each node's upload in the clear. It is the arm "FedAU2-server, 20 server steps, prior, linear, entropy
+(ours), always, rate 0.001, eps 0.1, noise on all of h_w" (eps 0.1 chosen on FedNCF's validation item,
+``results/measurements.md`` §11; DSVAE's placement measured in §10 and §13) with the prior resolved from the dataset
+(``"published"``: the same shares as :data:`CLASS_PRIORS`), and the comparison row of :data:`PACKAGE_DEFAULTS_ARM`."""
 
-DEFAULTS_STREAM_ARM = "FedAU2, package defaults (adversary = dsvae), per-user noise stream"
-"""``results/measurements.md`` §19: :data:`DEFAULTS_ARM` with the package's default ``dsvae-noise-stream =
-"per-user"`` (one DSVAE noise draw per user for the whole run, shared by all of the user's ``h_w`` uploads), every
-other adversary key at the package default."""
-ARMS[DEFAULTS_STREAM_ARM] = {"client": "fedau2", "adversary": "dsvae", **{key: None for key in FIRST_RELEASE_ADVERSARY}}
+DSVAE_ARM = "FedAU2, DSVAE, fixed eps 0.1, published prior, clear uploads"
+"""``client = "fedau2"``, ``adversary = "dsvae"`` and :data:`DSVAE_DEFAULTS` with DSVAE's noise drawn afresh for every
+upload (``results/measurements.md`` §17)."""
+ARMS[DSVAE_ARM] = {"client": "fedau2", "adversary": "dsvae", **DSVAE_DEFAULTS, "dsvae-noise-stream": "per-upload"}
+
+DSVAE_STREAM_ARM = f"{DSVAE_ARM}, per-user noise stream"
+"""``results/measurements.md`` §19: :data:`DSVAE_ARM` with one DSVAE noise draw per user for the whole run, shared by
+all of the user's ``h_w`` uploads."""
+ARMS[DSVAE_STREAM_ARM] = {"client": "fedau2", "adversary": "dsvae", **DSVAE_DEFAULTS}
+
+PACKAGE_DEFAULTS_ARM = "defaults"
+"""``client = "fedau2"`` and the ``protected-attribute``, every other key at the package default (``adversary =
+"auto"``: a linear ``h_w`` trained by the server, SecAgg+ on its uploads, the adaptive weight from ``eps = 0.1``, the
+``"aggregate"`` class prior): what a user gets who turns FedAU² on and sets nothing else."""
+ARMS[PACKAGE_DEFAULTS_ARM] = {"client": "fedau2", "adversary": None, **{key: None for key in FIRST_RELEASE_ADVERSARY}}
+
+LEAKING_PROTOCOL = {"embedding-dim": 64}
+"""The setting where the unprotected FedMF leaks, declared before its runs (``main --leaking``): embedding-dim 64
+against the protocol's 32 (twice the width the attribute can be written into), everything else unchanged."""
 
 CHOSEN_ARM = "FedAU2-server w/o DSVAE, 20 server steps, prior, linear, entropy (ours), always, rate 0.001, eps 0.1"
 """The arm whose eps (0.1) FedNCF's validation item chose (``select-eps``, seed 3;

@@ -147,6 +147,10 @@ def main_tables(results: Path) -> pd.DataFrame:
                 "ΔHR@10": ["-" if v != v else f"{v:+.1f}%" for v in summary["HR@10-change-%"]],
                 "AUC (LR)": [cell("logreg-auc", r) for _, r in summary.iterrows()],
                 "AUC (MLP)": [cell("mlp-auc", r) for _, r in summary.iterrows()],
+                "\\|AUC − 0.5\\| (LR / MLP)": [
+                    f"{abs(r['logreg-auc-mean'] - 0.5):.3f} / {abs(r['mlp-auc-mean'] - 0.5):.3f}"
+                    for _, r in summary.iterrows()
+                ],
                 "bal. acc. (LR)": [cell("logreg-balanced-accuracy", r) for _, r in summary.iterrows()],
                 "F1 (LR)": [cell("logreg-macro-f1", r) for _, r in summary.iterrows()],
                 "iDLG": [rate(v) for v in summary["idlg-recovery"]],
@@ -235,12 +239,12 @@ def tradeoff_plot(results: Path, main: pd.DataFrame, selection: pd.DataFrame | N
     and of the server-trained arm; and a third panel with the eps sweep the FedNCF default eps was chosen on
     (validation item of seed :data:`~experiments.fedau2.methods.SELECTION_SEED`, ``select-eps.md``), where the
     AUC falls with eps. Also writes ``tradeoff-server.csv`` (the server arm's sweep per model)."""
-    from experiments.fedau2.methods import CHOSEN_ARM, DEFAULTS_STREAM_ARM, NCF_SERVER_ARM, SERVER_ARM
+    from experiments.fedau2.methods import CHOSEN_ARM, DSVAE_STREAM_ARM, NCF_SERVER_ARM, SERVER_ARM
 
     labels = {
         **TRADEOFF_POINTS,
-        DEFAULTS_STREAM_ARM: "package defaults, adversary = dsvae",
-        CHOSEN_ARM: "package defaults, adversary = mlp",
+        DSVAE_STREAM_ARM: "DSVAE, fixed eps 0.1, clear uploads",
+        CHOSEN_ARM: "mlp, fixed eps 0.1, published prior",
     }
     sweeps = load_runs(results / "runs" / "tradeoff-server")
     curves = []

@@ -3,6 +3,14 @@
 With a prior ``pi``, ``h_w`` trains on ``CE(h_w(e) + log pi, a)`` (Menon et al. 2021, "Long-tail learning via logit
 adjustment", Eq. 10), so the raw ``argmax`` of ``h_w``'s logits is the balanced decision: the SUT then fires for
 minority-class users as often as for the majority's, instead of ``h_w`` predicting the majority class for everyone.
+
+``adversary-class-prior = "aggregate"`` (the default) needs no published shares: the server estimates ``pi`` from the
+per-class user counts it already receives summed over each round's users (the ``users`` block of
+:func:`fedrec_flwr.adversary.adaptive.adversary_statistics`, under SecAgg+ only their sum over the round's nodes), as
+``pi_c = (n_c + 1) / (N + C)`` over every round so far (add-one smoothing: a class not yet seen keeps a positive
+share), and sends it in each train and ``adversary_gradient`` message (:data:`MESSAGE_PRIOR_KEY`); round 1, before
+any count, trains without a prior. It is the same statistic as a published class share, counted securely from the
+federation instead of read from a paper, so it transfers to data that has none (a generic attributes file).
 """
 
 from __future__ import annotations
@@ -17,6 +25,27 @@ import torch.nn.functional as F
 from fedrec_flwr.attributes import published_class_prior
 
 log = logging.getLogger(__name__)
+
+AGGREGATE = "aggregate"
+"""``adversary-class-prior`` value: the prior estimated by the server from the summed class counts (module docstring)."""
+MESSAGE_PRIOR_KEY = "adversary-class-shares"
+"""Train / ``adversary_gradient`` message config key: the round's class shares under ``"aggregate"`` (comma text)."""
+
+
+def aggregate_shares(counts) -> str:
+    """The add-one smoothed shares ``(n_c + 1) / (N + C)`` of per-class user counts ``counts`` ``(C,)`` as the comma
+    text :func:`parse_class_prior` reads (``repr`` floats, so the clients rebuild the server's value exactly)."""
+    counts = [max(float(c), 0.0) for c in counts]
+    total = sum(counts) + len(counts)
+    return ",".join(repr((c + 1.0) / total) for c in counts)
+
+
+def round_prior_text(config, message_config, classes: tuple[str, ...] | None = None) -> str:
+    """The prior text of one message: under ``"aggregate"`` the shares the server sent in ``message_config``
+    (:data:`MESSAGE_PRIOR_KEY`; ``""`` before the first counts), else :func:`class_prior_text`."""
+    if str(config.adversary_class_prior).strip() == AGGREGATE:
+        return str((message_config or {}).get(MESSAGE_PRIOR_KEY, ""))
+    return class_prior_text(config, classes)
 
 
 def adjusted_ce(logits: torch.Tensor, target: torch.Tensor, log_prior: torch.Tensor | None) -> torch.Tensor:
@@ -40,6 +69,8 @@ def class_prior_text(config, classes: tuple[str, ...] | None = None, *, warn: bo
         ConfigError: the split's classes differ from the published ones.
     """
     text = str(config.adversary_class_prior).strip()
+    if text == AGGREGATE:  # no static prior: each message carries the server's estimate (round_prior_text)
+        return ""
     if text != "published":
         return text
     shares = published_class_prior(config.dataset, config.protected_attribute, classes)

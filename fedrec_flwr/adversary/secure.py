@@ -39,6 +39,7 @@ from collections.abc import Mapping
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
+from fedrec_flwr.adversary.prior import AGGREGATE
 from fedrec_flwr.privacy.secagg import SecAggError
 
 VECTOR_RECORD = "adversary-vector"
@@ -158,3 +159,12 @@ def route_train_vector(
     for key in keys:
         packed[key] = np.zeros_like(packed[key])
     return {}
+
+
+def wants_statistics(config) -> bool:
+    """Whether the nodes add their users' summed :func:`fedrec_flwr.adversary.adaptive.adversary_statistics` to the
+    train step's vector: a server-trained ``h_w`` with ``adversary-weight-rule = "adaptive"`` (the controller's
+    signal) or ``adversary-class-prior = "aggregate"`` (its ``users`` block, the class counts)."""
+    if config.adversary == "none" or config.adversary_training != "server":
+        return False
+    return config.adversary_weight_rule == "adaptive" or str(config.adversary_class_prior).strip() == AGGREGATE

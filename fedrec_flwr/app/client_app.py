@@ -37,7 +37,7 @@ from flwr.app import ArrayRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedrec_flwr.adversary.models import ADVERSARY_MODULE
-from fedrec_flwr.adversary.secure import route_train_vector
+from fedrec_flwr.adversary.secure import route_train_vector, wants_statistics
 from fedrec_flwr.app.handler_common import (
     RecordValueError,
     class_name,
@@ -143,7 +143,7 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
                 per_user.append((user, update.dense, update.rows, weight))
             extra.add(getattr(update, "metrics", None) or {}, weight, client)
             gradients += int(update.is_gradient)
-        statistics = _adversary_statistics(runtime, users, context, shared)
+        statistics = _adversary_statistics(runtime, users, context, shared, config)
     metrics = {
         NUM_EXAMPLES: float(contribution.num_examples),
         "num-users": contribution.num_users,
@@ -180,15 +180,13 @@ def train(message: Message, context: Context, run_config: Mapping[str, Any] | No
     return Message(content=content, reply_to=message)
 
 
-def _adversary_statistics(runtime: Runtime, users: list[int], context: Context, shared: dict):
+def _adversary_statistics(runtime: Runtime, users: list[int], context: Context, shared: dict, config: dict):
     """The sum over ``users`` of :func:`fedrec_flwr.adversary.adaptive.adversary_statistics` at the round's ``h_w``
-    and their trained embeddings, with ``adversary-weight-rule = "adaptive"`` (``None`` otherwise or without users)."""
-    cfg = runtime.config
-    if cfg.adversary == "none" or cfg.adversary_training != "server" or cfg.adversary_weight_rule != "adaptive":
+    and their trained embeddings, when the server reads them (:func:`fedrec_flwr.adversary.secure.wants_statistics`:
+    the adaptive rule or the ``"aggregate"`` class prior; ``None`` otherwise or without users)."""
+    if not users or not wants_statistics(runtime.config):
         return None
-    if not users:
-        return None
-    return make_client(runtime, users[0], context).adversary_statistics_sum(shared, users)
+    return make_client(runtime, users[0], context).adversary_statistics_sum(shared, users, config)
 
 
 def _user_updates(runtime: Runtime, users: list[int], context: Context, shared: dict, config: dict):

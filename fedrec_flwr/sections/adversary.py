@@ -24,14 +24,34 @@ FIRST_RELEASE_ADVERSARY: dict[str, Any] = {
     "adversary-class-prior": "",
     "dsvae-noise-placement": "head",
     "dsvae-noise-stream": "per-upload",
+    "adversary-weight-rule": "fixed",
+    "secure-aggregation": "off",
 }
 """FedAU²'s adversary keys as its paper states the mechanism (and as the first release's package defaults had them):
 FedAU²'s own selective unlearning trigger and gradient reversal, a 32-wide ``h_w``, one server step of 0.01 per round,
-no class prior, DSVAE's noise on the head gradient only and drawn afresh for every upload. The package defaults are
+no class prior, DSVAE's noise on the head gradient only and drawn afresh for every upload, a fixed ``eps`` and each
+node's ``h_w`` gradient sent in the clear. The package defaults are
 the protective arm of ``experiments/fedau2`` (``pyproject.toml``; :mod:`fedrec_flwr.clients.fedau2`). Run-config overrides
 (``make_run_config(**FIRST_RELEASE_ADVERSARY, ...)``, or as launcher ``key=value`` pairs): every arm of the FedAU²
 experiment tables starts from them (``experiments.fedau2.methods.PROTOCOL``) and the mechanism tests pin them, so
 their numbers stay those measured with these values."""
+
+
+FEDAU2_CLIENTS = ("fedau2", "fedau2-gel")
+"""The registered clients that train against an adversary; ``adversary = "auto"`` gives them :data:`AUTO_ADVERSARY`."""
+AUTO_ADVERSARY = "mlp"
+"""What ``adversary = "auto"`` (the default) means for a FedAU² client with a ``protected-attribute``: the plain
+``h_w`` (with the other defaults a linear one, trained by the server under SecAgg+, with the adaptive weight). DSVAE's
+noise is not needed once only sums reach the server, and it cost ``h_w`` its competence: the first release's DSVAE
+defaults left FedNCF's gender AUC at 0.645 against 0.654 undefended (``experiments/fedau2/results/main-gender.md``)."""
+
+
+def resolve_adversary(adversary: str, client: str, protected_attribute: str) -> str:
+    """``adversary`` with ``"auto"`` resolved: :data:`AUTO_ADVERSARY` for a client of :data:`FEDAU2_CLIENTS` with a
+    ``protected-attribute``, else ``"none"``; any other value is returned unchanged."""
+    if adversary != "auto":
+        return adversary
+    return AUTO_ADVERSARY if client in FEDAU2_CLIENTS and protected_attribute else "none"
 
 
 @dataclass(frozen=True)
@@ -39,7 +59,7 @@ class AdversarySection:
     """The run-config keys of attribute unlearning (FedAU², ``client = "fedau2"``)."""
 
     protected_attribute: str = config_key("protected-attribute")
-    adversary: str = config_key("adversary", choices=("none", "mlp", "dsvae"))
+    adversary: str = config_key("adversary", choices=("auto", "none", "mlp", "dsvae"))
     adversary_trigger: str = config_key("adversary-trigger", choices=("sut", "always"))
     adversary_objective: str = config_key("adversary-objective", choices=("reverse", "entropy"))
     adversary_epsilon: float = config_key("adversary-epsilon", minimum=0.0)
@@ -100,28 +120,37 @@ class AdversarySection:
         self._check_secure_and_adaptive()
 
     def _check_secure_and_adaptive(self) -> None:
-        """``secure-aggregation`` and ``adversary-weight-rule = "adaptive"`` need the server-trained ``h_w``; SecAgg+'s
+        """``secure-aggregation`` and ``adversary-weight-rule = "adaptive"`` need the server-trained ``h_w`` (without an
+        adversary both are inert); SecAgg+'s
         neighbourhood is odd; the adaptive bounds are ordered and hold ``adversary-epsilon``; the adaptive rule's eps
         travels in this package's train messages, which a Flower strategy (``flwr.serverapp.strategy:...``) replaces.
 
         Raises:
             ConfigError: naming the keys and values.
         """
-        server = self.adversary != "none" and self.adversary_training == "server"
+        if self.adversary == "none":  # nothing to protect or adapt: both keys are inert (their defaults are on)
+            return
+        server = self.adversary_training == "server"
         for key, value, off in (
             ("secure-aggregation", self.secure_aggregation, "off"),
             ("adversary-weight-rule", self.adversary_weight_rule, "fixed"),
         ):
             if value != off and not server:
                 raise ConfigError(
-                    f"run-config key '{key}' = {value!r} needs an adversary with adversary-training = 'server' "
-                    f"(got adversary = {self.adversary!r}, adversary-training = {self.adversary_training!r})"
+                    f"run-config key '{key}' = {value!r} needs adversary-training = 'server' (got "
+                    f"{self.adversary_training!r}, whose per-client h_w is never aggregated); set {key} = '{off}'"
                 )
+        if str(self.adversary_class_prior).strip() == "aggregate" and not server:
+            raise ConfigError(
+                "run-config key 'adversary-class-prior' = 'aggregate' needs adversary-training = 'server' (the server "
+                f"counts the classes from the round's summed statistics; got {self.adversary_training!r}); set it "
+                "to '' (none) or to public shares, e.g. '0.3,0.7'"
+            )
         if self.adversary_weight_rule == "adaptive" and str(self.strategy).startswith("flwr.serverapp.strategy:"):
             raise ConfigError(
                 f"adversary-weight-rule = 'adaptive' needs one of this package's strategies (item-fedavg, "
                 f"server-optimizer, ...): a Flower strategy ({self.strategy!r}) builds its own train messages, "
-                "which do not carry the round's eps"
+                "which do not carry the round's eps; set adversary-weight-rule = 'fixed'"
             )
         shares = self.secure_aggregation_num_shares
         if shares and (shares < 3 or shares % 2 == 0):

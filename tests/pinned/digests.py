@@ -26,6 +26,10 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 DIGESTS = HERE / "digests.json"
 
+PREVIOUS_ADVERSARY = {"adversary-weight-rule": "fixed", "secure-aggregation": "off", "adversary-class-prior": ""}
+"""The FedAU² cases' adversary keys whose package defaults changed after their digests were recorded (their values
+then; the tiny dataset has no published prior, so the old ``"published"`` default meant ``""``)."""
+
 CASES: dict[str, dict] = {
     "fedncf-block": {"model": "ncf", "client": "fedrec", "block-training": "auto"},
     "fedncf-per-user": {"model": "ncf", "client": "fedrec", "block-training": "off"},
@@ -39,8 +43,20 @@ CASES: dict[str, dict] = {
         "block-training": "off",
     },
     "pfedrec": {"model": "pfedrec", "client": "pfedrec"},
-    "fedau2-mlp": {"model": "mf", "client": "fedau2", "protected-attribute": "group", "adversary": "mlp"},
-    "fedau2-dsvae": {"model": "ncf", "client": "fedau2", "protected-attribute": "group", "adversary": "dsvae"},
+    "fedau2-mlp": {
+        "model": "mf",
+        "client": "fedau2",
+        "protected-attribute": "group",
+        "adversary": "mlp",
+        **PREVIOUS_ADVERSARY,
+    },
+    "fedau2-dsvae": {
+        "model": "ncf",
+        "client": "fedau2",
+        "protected-attribute": "group",
+        "adversary": "dsvae",
+        **PREVIOUS_ADVERSARY,
+    },
     "hfkcu": {"model": "mf", "client": "fedrec", "unlearning": "hfkcu", "forget-users": "3,17"},
     "gradient-ascent-ncf": {"model": "ncf", "client": "fedrec", "unlearning": "gradient-ascent", "forget-users": "5"},
     "flower-fedadam": {"model": "mf", "client": "fedrec", "strategy": "flwr.serverapp.strategy:FedAdam"},
@@ -58,6 +74,7 @@ CASES: dict[str, dict] = {
         "protected-attribute": "group",
         "adversary": "mlp",
         "strategy": "curious-item-fedavg",
+        **PREVIOUS_ADVERSARY,
     },
 }
 """Case name -> run-config overrides on top of ``tiny_run_config`` (3 rounds, evaluated every round)."""
