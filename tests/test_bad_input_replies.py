@@ -215,7 +215,8 @@ def test_other_resumable_state_survives_or_is_named(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="fedrec_flwr.strategies")
     resumed.restore_checkpoint_state(json.loads(json.dumps(state)), arrays, None)
     assert resumed.leakage_records == first.leakage_records
-    # a record from before the linked attack (or restored from an older checkpoint) writes -1 (not run) there
-    assert (tmp_path / LEAKAGE_FILE).read_text().splitlines()[1] == "1,7,0,1,-1,-1"
+    # a record from before the linked attack and the secure-sum attack (or restored from an older checkpoint) writes
+    # -1 (not run) in both columns
+    assert (tmp_path / LEAKAGE_FILE).read_text().splitlines()[1] == "1,7,0,1,-1,-1,-1"
     assert resumed.failures == {7: 2} and resumed.evaluation_failures == {8: 1}
     assert "resumed failure counts name node ids [7] that are not connected now" in caplog.text

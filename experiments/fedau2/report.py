@@ -117,7 +117,10 @@ def main_tables(results: Path) -> pd.DataFrame:
         return runs
     for attribute, part in runs.groupby("attribute", sort=False):
         summary = mean_std(part, ["model", "arm"], [*METRICS, *ATTACK_COLUMNS])
-        audited = part[part["seed"] == AUDIT_SEED]  # one user per node: every upload is one user's
+        # one user per node (seed 0): every upload is one user's; an arm without a seed-0 run (the secured defaults,
+        # whose server guesses from each round's sum whatever the node size) is scored over the seeds it ran
+        has_audit = part.groupby(["model", "arm"])["seed"].transform(lambda seeds: (seeds == AUDIT_SEED).any())
+        audited = part[(part["seed"] == AUDIT_SEED) | ~has_audit]
         leakage = (
             audited.groupby(["model", "arm"], sort=False)[
                 ["idlg-recovery", "dlg-recovery", "chance-uniform", "chance-majority", "idlg-linked-recovery"]

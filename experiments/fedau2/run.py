@@ -2,6 +2,7 @@
 
     python -m experiments.fedau2.run main                     # arms x {FedMF, FedNCF} x seeds, gender
     python -m experiments.fedau2.run main --attributes age    # the adversarial arms against age
+    python -m experiments.fedau2.run main --leaking           # embedding-dim 64 (methods.LEAKING_PROTOCOL)
     python -m experiments.fedau2.run tradeoff                 # FedAU2 on FedMF / gender across eps
     python -m experiments.fedau2.run tradeoff-server          # the server-adversary arm across eps (seed 1)
     python -m experiments.fedau2.run tradeoff-server-ncf      # FedNCF's server-adversary arm across eps (seed 1)
@@ -41,6 +42,7 @@ from experiments.fedau2.methods import (
     AUDIT_SEED,
     CLASS_PRIORS,
     EPSILONS,
+    LEAKING_PROTOCOL,
     MODELS,
     NCF_SERVER_ARM,
     NCF_SERVER_EPSILONS,
@@ -181,6 +183,9 @@ def jobs_main(args) -> list:
     """``main``'s jobs; ``--users-per-node k`` overrides the protocol's (1 for the audit seed, else 100), e.g. to run
     seed 0 without the one-user audit when the clock is short (the run's config.json records it)."""
     extra = {} if args.users_per_node is None else {"users-per-node": args.users_per_node}
+    main_folder = RUNS / ("main-leaking" if args.leaking else "main")
+    if args.leaking:  # the declared setting where the unprotected FedMF leaks (methods.LEAKING_PROTOCOL)
+        extra.update(LEAKING_PROTOCOL)
     jobs = []
     for seed in args.seeds:
         for model in args.models:
@@ -195,7 +200,7 @@ def jobs_main(args) -> list:
                                     "gender",
                                     seed,
                                     args.data_dir,
-                                    RUNS / "main" / model,
+                                    main_folder / model,
                                     f"{slug(arm)}-seed{seed}",
                                     **extra,
                                 ),
@@ -212,7 +217,7 @@ def jobs_main(args) -> list:
                                 attribute,
                                 seed,
                                 args.data_dir,
-                                RUNS / "main" / model,
+                                main_folder / model,
                                 f"{slug(arm)}-{attribute}-seed{seed}",
                                 **extra,
                             ),
@@ -414,6 +419,11 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=None,
         help="main: users per node for every seed (default: 1 for the audit seed 0, else 100)",
+    )
+    parser.add_argument(
+        "--leaking",
+        action="store_true",
+        help="main: the setting where the unprotected FedMF leaks (methods.LEAKING_PROTOCOL), in runs/main-leaking",
     )
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th job starting at i")
     args = parser.parse_args(argv)
