@@ -3,7 +3,7 @@ in seconds and bytes, at one user per node and at 100 users per node, in one run
 
 Every case trains FedAU² at the package defaults (``client = "fedau2"``, ``protected-attribute = "gender"``: a linear
 ``h_w`` with 20 server steps a round, the adaptive weight and the ``"aggregate"`` prior) on MovieLens-100K with 10% of
-the users per round and no evaluation, through the serial engine (one process: the nodes' work is serial, so a
+the users per round and no evaluation (``eval-every`` past the last round), through the serial engine (one process: the nodes' work is serial, so a
 round's seconds are the sum of every node's work and the server's; on real nodes the node work runs in parallel).
 Bytes are the protobuf sizes of every message's content the server sends and receives (``RecordDict`` as Flower
 serialises it; message metadata and transport framing not included), summed over the round. The median over the
@@ -69,8 +69,7 @@ def run_case(data_dir: Path, users_per_node: int, secure: str, rounds: int) -> d
             users_per_node=users_per_node,
             num_server_rounds=rounds,
             fraction_train=0.1,
-            fraction_evaluate=0.0,
-            eval_every=0,
+            eval_every=rounds + 1,  # never evaluated
             results_dir=folder,
             run_name="bench",
         )
