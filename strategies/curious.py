@@ -78,6 +78,8 @@ class LabelLeakageAudit:
         """Remember the config; say at start when the audit will find nothing to attack."""
         if config.adversary == "none":
             log.warning("curious server: adversary = 'none', so there is no adversary update to attack")
+        elif config.secure_aggregation != "off":
+            log.info("curious server: secure aggregation is on, so it attacks each round's sum (one guess per round)")
         elif config.users_per_node > 1:
             log.warning(
                 "curious server: users-per-node = %d, so only a reply of a node that trained exactly one user "
