@@ -36,7 +36,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Rec
 
 from fedrec_flwr.adversary import ADVERSARY_MODULE, class_prior_text, parse_class_prior
 from fedrec_flwr.adversary.adaptive import AdaptiveEpsilon, statistics_block
-from fedrec_flwr.adversary.prior import AGGREGATE, MESSAGE_PRIOR_KEY, aggregate_shares
+from fedrec_flwr.adversary.prior import MESSAGE_PRIOR_KEY, aggregate_shares, uses_aggregate_prior
 from fedrec_flwr.adversary.secure import (
     EPSILON_KEY,
     SECURE_KEY,
@@ -153,9 +153,7 @@ class AdversaryServerStep:
             secure=SecureSettings.from_config(config),
             adaptive=adaptive_from_config(config, int(layout.shared_shapes[PREFIX + "head.bias"][0])),
             aggregate_prior_classes=(
-                int(layout.shared_shapes[PREFIX + "head.bias"][0])
-                if str(config.adversary_class_prior).strip() == AGGREGATE
-                else 0
+                int(layout.shared_shapes[PREFIX + "head.bias"][0]) if uses_aggregate_prior(config) else 0
             ),
             seed=config.seed,
         )

@@ -32,6 +32,11 @@ MESSAGE_PRIOR_KEY = "adversary-class-shares"
 """Train / ``adversary_gradient`` message config key: the round's class shares under ``"aggregate"`` (comma text)."""
 
 
+def uses_aggregate_prior(config) -> bool:
+    """Whether the run config's ``adversary-class-prior`` is ``"aggregate"`` (the server's counted shares)."""
+    return str(config.adversary_class_prior).strip() == AGGREGATE
+
+
 def aggregate_shares(counts) -> str:
     """The add-one smoothed shares ``(n_c + 1) / (N + C)`` of per-class user counts ``counts`` ``(C,)`` as the comma
     text :func:`parse_class_prior` reads (``repr`` floats, so the clients rebuild the server's value exactly)."""
@@ -43,7 +48,7 @@ def aggregate_shares(counts) -> str:
 def round_prior_text(config, message_config, classes: tuple[str, ...] | None = None) -> str:
     """The prior text of one message: under ``"aggregate"`` the shares the server sent in ``message_config``
     (:data:`MESSAGE_PRIOR_KEY`; ``""`` before the first counts), else :func:`class_prior_text`."""
-    if str(config.adversary_class_prior).strip() == AGGREGATE:
+    if uses_aggregate_prior(config):
         return str((message_config or {}).get(MESSAGE_PRIOR_KEY, ""))
     return class_prior_text(config, classes)
 

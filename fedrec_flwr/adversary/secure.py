@@ -39,7 +39,7 @@ from collections.abc import Mapping
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fedrec_flwr.adversary.prior import AGGREGATE
+from fedrec_flwr.adversary.prior import uses_aggregate_prior
 from fedrec_flwr.privacy.secagg import SecAggError
 
 VECTOR_RECORD = "adversary-vector"
@@ -167,4 +167,4 @@ def wants_statistics(config) -> bool:
     signal) or ``adversary-class-prior = "aggregate"`` (its ``users`` block, the class counts)."""
     if config.adversary == "none" or config.adversary_training != "server":
         return False
-    return config.adversary_weight_rule == "adaptive" or str(config.adversary_class_prior).strip() == AGGREGATE
+    return config.adversary_weight_rule == "adaptive" or uses_aggregate_prior(config)
