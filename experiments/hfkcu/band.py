@@ -97,17 +97,45 @@ BAND_METRICS = ("exposure@10", "HR@10", "NDCG@10")
 MEASURED = ("exposure@10", "target-percentile", "HR@10", "NDCG@10")
 """What :func:`measure` returns; each gets a band."""
 
-METHODS: dict[str, dict] = {
-    "HF-KCU (default)": {"method": "hfkcu"},
-    "gradient ascent": {"method": "gradient-ascent"},
-    "continued training (5 rounds)": {"method": "continue"},
-}
-"""Unlearning methods applied after the poisoned run: name -> :class:`~fedrec_flwr.strategies.unlearning.
-UnlearningSettings` fields over the run config's defaults. A new method (e.g. rollback, once the strategy offers it)
-is one more entry; the recipe takes every name a run produced."""
+BAND_PROTOCOL = {"holdout-validation": True}
+"""Keys every run of the benchmark adds to :data:`experiments.hfkcu.methods.PROTOCOL`: each user's second-latest
+interaction is held out as a validation item, so that ``unlearning-post-check`` can judge a step without reading the
+test item (every model is still measured on the test item)."""
 
-DEFAULT_METHOD = "HF-KCU (default)"
-"""The method whose ``default`` column is true (the package's defaults)."""
+HISTORY = {"unlearning-history": "float32"}
+"""Keys the trained (poisoned or forget-set) run adds: the server stores every user's per-round contribution, which
+the rollback methods replay (retraining runs store nothing)."""
+
+METHODS: dict[str, dict] = {
+    "HF-KCU": {"method": "hfkcu"},
+    "HF-KCU, dominated radius": {"method": "hfkcu", "krylov_radius_rule": "dominated"},
+    "HF-KCU, dominated radius, masked step": {
+        "method": "hfkcu",
+        "krylov_radius_rule": "dominated",
+        "krylov_masked_step": True,
+    },
+    "HF-KCU + post-check": {"method": "hfkcu", "unlearning_post_check": "on"},
+    "gradient ascent": {"method": "gradient-ascent"},
+    "gradient ascent + post-check": {"method": "gradient-ascent", "unlearning_post_check": "on"},
+    "continued training (5 rounds)": {"method": "continue"},
+    "rollback": {"method": "rollback"},
+    "rollback + 5 tuning rounds": {"method": "rollback", "rollback_tuning_rounds": 5},
+    "rollback + calibration every 20": {"method": "rollback", "rollback_calibration_every": 20},
+    "rollback + calibration every 10": {"method": "rollback", "rollback_calibration_every": 10},
+}
+"""Unlearning methods applied after the trained run: name -> :class:`~fedrec_flwr.strategies.unlearning.
+UnlearningSettings` fields over the run config's defaults (HF-KCU's radius rule ``touched`` and full step unless
+named). Every method starts from the same trained model, node states and stored history: the phase's changes to
+them are undone before the next (:func:`apply_methods`). A new method is one more entry; the recipe takes every name
+a run produced."""
+
+DEFAULT_METHOD = "rollback + calibration every 20"
+"""The default recipe when the run stored its history (its ``default`` column is true), declared before the
+benchmark's runs: FedEraser's calibrated rollback, every 20th stored round calibrated (5 calibration rounds of the
+sampled remaining users over 100 rounds). Why calibrated: plain rollback keeps the remaining users' stored updates,
+which were computed at the poisoned models of their rounds; calibration re-measures their length at the unlearned
+trajectory. Why every 20th: its client cost (5 rounds' users) is a tenth of a 50-round retraining, half the 0.2
+cost-ratio target, leaving room for the retraining budget to be shorter."""
 
 RETRAIN_METHOD = "retrain {rounds} rounds"
 """Name of a retraining budget's rows (the poisoned run's own training seed, the fakes never sampled)."""
@@ -365,12 +393,16 @@ def _poisoned(setting: Setting, data_dir: str, cache: Path, seed: int, name: str
     generic = {"generic-file": str(path), "generic-columns": "user,item,rating,timestamp"}
     folder = runs / setting.folder
     reference = get_runtime(
-        base_config("generic", setting.model, data_dir, folder, "reference", seed=setting.seed, **generic).to_dict()
+        base_config(
+            "generic", setting.model, data_dir, folder, "reference", seed=setting.seed, **generic, **BAND_PROTOCOL
+        ).to_dict()
     )
     split = reference.split
     fake_users = np.flatnonzero(np.array([int(u) >= FAKE_USER_BASE for u in split.user_ids])).astype(np.int64)
     target = int(np.flatnonzero(split.item_ids.astype(str) == target_raw)[0])
-    config = base_config("generic", setting.model, data_dir, folder, name, seed=seed, **generic, **extra)
+    config = base_config(
+        "generic", setting.model, data_dir, folder, name, seed=seed, **generic, **BAND_PROTOCOL, **extra
+    )
     return config, reference, fake_users, target
 
 
@@ -392,14 +424,58 @@ def _train(config, meter: Meter, hooks: Mapping[int, object]) -> None:
     run_serial(config, client_app=make_client_app(mapping, mods=[meter.mod]), on_round=on_round)
 
 
+def apply_methods(view, methods: Mapping[str, dict], forget: np.ndarray, num_users: int, meter: Meter, score) -> dict:
+    """Apply every method of ``methods`` to the trained model of ``view`` (an ``on_round`` hook's RoundView) as an
+    unlearning phase forgetting ``forget``; ``score(records, arrays, name)`` measures one model with the users'
+    private ``records``. Each method starts from the trained model, node states and stored history: a method that
+    trains (continued training, calibration, tuning) changes the nodes' states, and a rollback deletes the forgotten
+    users' stored contributions, so both are restored after it. Returns name -> ``{"changes", "metrics", "cost",
+    "report-seconds", "kept", "why"}`` (``kept`` / ``why``: the post-check's verdict, when the method has one)."""
+    from experiments.hfkcu.analysis import private_records
+    from experiments.hfkcu.run import _settings
+    from fedrec_flwr.strategies.unlearning import ClientUnlearning
+
+    grid, strategy = view.grid, view.strategy
+    records = private_records(grid, range(num_users))
+    out: dict = {}
+    for name, changes in methods.items():
+        settings = _settings(view.config, forget, changes, num_users)
+        states = {n: copy.deepcopy(c.state) for n, c in grid.contexts.items()}
+        log = copy.deepcopy(strategy.contribution_log)
+        before = meter.now()
+        new, report = ClientUnlearning(strategy, settings, timeout=view.config.round_timeout).run(
+            grid, view.arrays, view.server_round
+        )
+        cost = meter.now().minus(before)
+        started = time.perf_counter()
+        metrics = score(private_records(grid, range(num_users)), new, name)
+        meter.exclude(time.perf_counter() - started)
+        got = {"changes": changes, "metrics": metrics, "cost": cost.as_columns()}
+        got["report-seconds"] = float(report.get("seconds", float("nan")))
+        if "post-check" in report:
+            got["kept"] = report["post-check"].get("kept")
+            got["why"] = report["post-check"].get("why")
+            got["post-check"] = report["post-check"]
+        if "history" in report:  # the store's size (per-round detail left out)
+            stored = report["history"]
+            per_round = list(stored.get("bytes-per-round", {}).values())
+            got["history"] = {k: v for k, v in stored.items() if k != "bytes-per-round"}
+            got["history"]["bytes-per-round"] = {"mean": float(np.mean(per_round)), "max": float(np.max(per_round))}
+        out[name] = got
+        print(f"  {name}: {metrics} {cost.as_columns()} {got.get('kept', '')}", flush=True)
+        for node, context in grid.contexts.items():
+            context.state = states[node]
+        strategy.contribution_log = log
+    del records
+    return out
+
+
 def run_poisoned(
     setting: Setting, *, data_dir: str, cache: Path, out: Path, methods: Mapping[str, dict] | None = None
 ) -> dict:
     """Train ``setting``'s poisoned federation, then apply and measure every method of ``methods`` (default
     :data:`METHODS`); write and return ``<out>/<setting>/poisoned.json`` (skipped when it exists)."""
     from experiments.hfkcu.analysis import private_records
-    from experiments.hfkcu.run import _settings
-    from fedrec_flwr.strategies.unlearning import ClientUnlearning
 
     done = out / setting.folder / "poisoned.json"
     if done.is_file():
@@ -407,38 +483,22 @@ def run_poisoned(
         return {}
     methods = METHODS if methods is None else methods
     config, reference, fake_users, target = _poisoned(
-        setting, data_dir, cache, setting.seed, "poisoned", cache / "band"
+        setting, data_dir, cache, setting.seed, "poisoned", cache / "band", **HISTORY
     )
     meter = Meter(config.local_epochs)
     result: dict = {"setting": asdict(setting), "fakes": int(fake_users.size), "target": target, "methods": {}}
 
     def at_end(view) -> None:
         result["train-cost"] = meter.now().as_columns()
-        grid, strategy = view.grid, view.strategy
         genuine = np.setdiff1d(np.arange(reference.split.num_users), fake_users)
-        records = private_records(grid, range(reference.split.num_users))
+        records = private_records(view.grid, range(reference.split.num_users))
         result["original"] = measure(reference, records, view.arrays, genuine, target)
         print(f"  original {result['original']}", flush=True)
-        for name, changes in methods.items():
-            settings = _settings(view.config, fake_users, changes, reference.split.num_users)
-            saved = (
-                {n: copy.deepcopy(c.state) for n, c in grid.contexts.items()} if settings.method == "continue" else None
-            )
-            before = meter.now()
-            new, report = ClientUnlearning(strategy, settings, timeout=view.config.round_timeout).run(
-                grid, view.arrays, view.server_round
-            )
-            cost = meter.now().minus(before)
-            started = time.perf_counter()
-            trained = private_records(grid, range(reference.split.num_users)) if saved is not None else records
-            metrics = measure(reference, trained, new, genuine, target)
-            meter.exclude(time.perf_counter() - started)
-            result["methods"][name] = {"changes": changes, "metrics": metrics, "cost": cost.as_columns()}
-            result["methods"][name]["report-seconds"] = float(report.get("seconds", float("nan")))
-            print(f"  {name}: {metrics} {cost.as_columns()}", flush=True)
-            if saved is not None:
-                for node, context in grid.contexts.items():
-                    context.state = saved[node]
+
+        def score(user_records, arrays, name):
+            return measure(reference, user_records, arrays, genuine, target)
+
+        result["methods"] = apply_methods(view, methods, fake_users, reference.split.num_users, meter, score)
 
     started = time.perf_counter()
     _train(config, meter, {ROUNDS: at_end})
@@ -697,11 +757,13 @@ def _forget(setting: Setting, data_dir: str, cache: Path, seed: int, name: str, 
 
     folder = cache / "band" / setting.folder
     reference = get_runtime(
-        base_config(setting.dataset, setting.model, data_dir, folder, "reference", seed=setting.seed).to_dict()
+        base_config(
+            setting.dataset, setting.model, data_dir, folder, "reference", seed=setting.seed, **BAND_PROTOCOL
+        ).to_dict()
     )
     forgotten = forget_sets(reference.split.num_users, setting.seed)[setting.attack.removeprefix("forget-")]
     remaining = np.setdiff1d(np.arange(reference.split.num_users), forgotten)
-    config = base_config(setting.dataset, setting.model, data_dir, folder, name, seed=seed, **extra)
+    config = base_config(setting.dataset, setting.model, data_dir, folder, name, seed=seed, **BAND_PROTOCOL, **extra)
     return config, reference, forgotten, remaining
 
 
@@ -734,16 +796,14 @@ def run_forget_trained(
     ``trained.json`` (metrics and costs), the forgotten users' trained records and every model's candidate scores
     (cache)."""
     from experiments.hfkcu.analysis import private_records
-    from experiments.hfkcu.run import _settings
     from fedrec_flwr.io import atomic_save_npz
-    from fedrec_flwr.strategies.unlearning import ClientUnlearning
 
     done = out / setting.folder / "trained.json"
     if done.is_file():
         print(f"skip (done): {done}", flush=True)
         return {}
     methods = METHODS if methods is None else methods
-    config, reference, forgotten, remaining = _forget(setting, data_dir, cache, setting.seed, "trained")
+    config, reference, forgotten, remaining = _forget(setting, data_dir, cache, setting.seed, "trained", **HISTORY)
     meter = Meter(config.local_epochs)
     result: dict = {"setting": asdict(setting), "forgotten": int(forgotten.size), "methods": {}}
 
@@ -759,26 +819,13 @@ def run_forget_trained(
         metrics, scores = measure_forget(reference, records, mine, view.arrays, forgotten, remaining, setting.seed)
         np.save(_scores_path(cache, setting, "original"), scores)
         result["original"] = metrics
-        for name, changes in methods.items():
-            settings = _settings(view.config, forgotten, changes, reference.split.num_users)
-            saved = (
-                {n: copy.deepcopy(c.state) for n, c in grid.contexts.items()} if settings.method == "continue" else None
-            )
-            before = meter.now()
-            new, _ = ClientUnlearning(view.strategy, settings, timeout=view.config.round_timeout).run(
-                grid, view.arrays, view.server_round
-            )
-            cost = meter.now().minus(before)
-            started = time.perf_counter()
-            trained = private_records(grid, range(reference.split.num_users)) if saved is not None else records
-            metrics, scores = measure_forget(reference, trained, mine, new, forgotten, remaining, setting.seed)
+
+        def score(user_records, arrays, name):
+            got, scores = measure_forget(reference, user_records, mine, arrays, forgotten, remaining, setting.seed)
             np.save(_scores_path(cache, setting, slug_name(name)), scores)
-            meter.exclude(time.perf_counter() - started)
-            result["methods"][name] = {"changes": changes, "metrics": metrics, "cost": cost.as_columns()}
-            print(f"  {name}: {metrics} {cost.as_columns()}", flush=True)
-            if saved is not None:
-                for node, context in grid.contexts.items():
-                    context.state = saved[node]
+            return got
+
+        result["methods"] = apply_methods(view, methods, forgotten, reference.split.num_users, meter, score)
 
     started = time.perf_counter()
     _scores_path(cache, setting, "x").parent.mkdir(parents=True, exist_ok=True)
