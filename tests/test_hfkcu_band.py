@@ -172,8 +172,8 @@ def _poisoned_and_retrains():
         "setting": setting,
         "original": {"exposure@10": 0.3, "target-percentile": 0.97, "HR@10": 0.91, "NDCG@10": 0.81},
         "methods": {
-            "HF-KCU (default)": {"metrics": {**final[1], "target-percentile": 0.5}, "cost": cost},
-            "rollback": {"metrics": {**final[1], "NDCG@10": 0.6}, "cost": {**cost, "user-epochs": 5000.0}},
+            B.DEFAULT_METHOD: {"metrics": {**final[1], "target-percentile": 0.5}, "cost": cost},
+            "HF-KCU": {"metrics": {**final[1], "NDCG@10": 0.6}, "cost": {**cost, "user-epochs": 5000.0}},
         },
     }
     return poisoned, retrains
@@ -187,19 +187,21 @@ def test_recipe_rows_columns_and_judgement(tmp_path):
     by = frame.set_index("method")
     assert summary["cheapest-budget"] == 25 and summary["budget-user-epochs"] == 2500.0
     assert not by.loc["poisoned (no unlearning)", "inside-band"]  # exposure 0.3 is outside
-    assert by.loc["HF-KCU (default)", "inside-band"] and by.loc["HF-KCU (default)", "default"]
-    assert by.loc["HF-KCU (default)", "cost-ratio"] == pytest.approx(0.2)
-    assert not by.loc["rollback", "inside-band"] and not by.loc["rollback", "default"]  # NDCG@10 counts
-    assert by.loc["rollback", "cost-ratio"] == pytest.approx(2.0)
+    assert by.loc[B.DEFAULT_METHOD, "inside-band"] and by.loc[B.DEFAULT_METHOD, "default"]
+    assert by.loc[B.DEFAULT_METHOD, "cost-ratio"] == pytest.approx(0.2)
+    assert not by.loc["HF-KCU", "inside-band"] and not by.loc["HF-KCU", "default"]  # NDCG@10 counts
+    assert by.loc["HF-KCU", "cost-ratio"] == pytest.approx(2.0)
     assert not by.loc["retrain 10 rounds", "inside-band"] and by.loc["retrain 25 rounds", "inside-band"]
     assert by.loc["retrain 100 rounds", "cost-ratio"] == pytest.approx(4.0)
     read = pd.read_csv(tmp_path / "recipe.csv")
     assert list(read.columns[: len(B.RECIPE_COLUMNS)]) == list(B.RECIPE_COLUMNS) and len(read) == 2 + 1 + 4
     text = (tmp_path / "recipe.md").read_text()
-    assert "- HF-KCU (default): inside band in 1 of 1 settings" in text
-    assert "- rollback: inside band in 0 of 1 settings" in text
+    assert f"- {B.DEFAULT_METHOD}: inside band in 1 of 1 settings" in text
+    assert "- HF-KCU: inside band in 0 of 1 settings" in text
     assert "poisoned (no unlearning): inside band" not in text
     assert summary["band-over-range"]["HR@10"] > 1.0  # the 2-sigma band is wider than min-max
+    assert by.loc[B.DEFAULT_METHOD, "distance-to-band"] == 0.0 and by.loc["HF-KCU", "distance-to-band"] > 0.0
+    assert (tmp_path / "frontier" / "frontier-filmtrust-fedmf-weaker.png").is_file()
 
 
 def test_count_lines_put_the_default_first():
@@ -210,6 +212,37 @@ def test_count_lines_put_the_default_first():
         f"{B.DEFAULT_METHOD}: inside band in 1 of 2 settings",
         "a: inside band in 2 of 2 settings",
     ]
+
+
+def test_count_lines_count_the_cheap_inside_rows():
+    frame = pd.DataFrame(
+        {
+            "method": [B.DEFAULT_METHOD] * 3,
+            "inside-band": [True, True, False],
+            "cost-ratio": [0.1, 0.3, 0.05],
+        }
+    )
+    assert B.count_lines(frame) == [
+        f"{B.DEFAULT_METHOD}: inside band in 2 of 3 settings (1 at cost-ratio <= 0.2; median cost-ratio 0.1)"
+    ]
+
+
+def test_distance_to_band_is_the_worst_excess_in_std_units():
+    from experiments.hfkcu.frontier import DISTANCE_FLOOR, distance_to_band
+
+    target = {"HR@10": B.band([0.30, 0.32, 0.34]), "exposure@10": B.band([0.0, 0.0]), "kl": B.band([0.1, 0.3])}
+    hr = target["HR@10"]
+    keys = ("HR@10", "exposure@10")
+    assert distance_to_band({"HR@10": hr.mean, "exposure@10": 0.0}, target, keys) == 0.0
+    below = distance_to_band({"HR@10": hr.low - hr.std, "exposure@10": 0.0}, target, keys)
+    assert below == pytest.approx(1.0)
+    # a zero-spread band measures in units of the floor: 0.002 above it is 2 floors
+    assert distance_to_band({"HR@10": hr.mean, "exposure@10": 2 * DISTANCE_FLOOR}, target, keys) == pytest.approx(2.0)
+    # upper-only: far below the band is no distance, above it is
+    kl = target["kl"]
+    assert distance_to_band({"kl": -5.0}, target, ("kl",), upper_only=("kl",)) == 0.0
+    assert distance_to_band({"kl": kl.high + kl.std}, target, ("kl",), upper_only=("kl",)) == pytest.approx(1.0)
+    assert distance_to_band({"HR@10": float("nan"), "exposure@10": 0.0}, target, keys) == math.inf
 
 
 def test_forget_rows_add_kl_to_the_reference_and_judge_it_one_sided(tmp_path):
@@ -234,21 +267,21 @@ def test_forget_rows_add_kl_to_the_reference_and_judge_it_one_sided(tmp_path):
             curve[str(rounds)] = {"metrics": metrics, "cost": cost}
         retrains.append({"setting": asdict_setting(setting), "retrain-seed": seed, "curve": curve})
     save("original", reference + 2.0 * rng.normal(size=reference.shape))
-    save(B.slug_name("HF-KCU (default)"), reference.copy())  # KL 0: below the band, which passes
+    save(B.slug_name(B.DEFAULT_METHOD), reference.copy())  # KL 0: below the band, which passes
     metrics = {"mia-auc": 0.52, "HR@10": 0.42, "NDCG@10": 0.22}
     trained = {
         "setting": asdict_setting(setting),
         "original": metrics,
-        "methods": {"HF-KCU (default)": {"metrics": metrics, "cost": {**cost, "user-epochs": 100.0}}},
+        "methods": {B.DEFAULT_METHOD: {"metrics": metrics, "cost": {**cost, "user-epochs": 100.0}}},
     }
     rows, summary = B.forget_rows(trained, retrains, tmp_path)
     by = {row["method"]: row for row in rows}
-    assert by["HF-KCU (default)"]["kl"] == pytest.approx(0.0, abs=1e-6) and by["HF-KCU (default)"]["inside-band"]
+    assert by[B.DEFAULT_METHOD]["kl"] == pytest.approx(0.0, abs=1e-6) and by[B.DEFAULT_METHOD]["inside-band"]
     assert by["trained (no unlearning)"]["kl"] > summary["bands"]["kl"]["high"]
     assert not by["trained (no unlearning)"]["inside-band"]  # same metrics as HF-KCU but a KL above the band
     assert by["retrain 100 rounds"]["kl"] == 0.0 and summary["bands"]["kl"]["n"] == len(seeds) - 1
     assert summary["cheapest-budget"] == 100  # the earlier rounds are far in KL
-    assert by["HF-KCU (default)"]["cost-ratio"] == pytest.approx(100.0 / 1000.0)
+    assert by[B.DEFAULT_METHOD]["cost-ratio"] == pytest.approx(100.0 / 1000.0)
 
 
 def asdict_setting(setting):

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from experiments.hfkcu.frontier import distance_to_band, plot_frontiers
 from experiments.hfkcu.methods import ROUNDS
 from fedrec_flwr.io import atomic_write_json, atomic_write_text
 
@@ -562,6 +563,7 @@ RECIPE_COLUMNS = (
     "rounds",
     "seconds",
     "cheapest-budget",
+    "distance-to-band",
 )
 """The recipe's columns, in order (a row may carry more, after these)."""
 
@@ -601,6 +603,7 @@ def recipe_rows(
             "default": method == DEFAULT_METHOD,
             "inside-band": inside_band(metrics, target, keys, upper_only),
             "cost-ratio": ratio,
+            "distance-to-band": distance_to_band(metrics, target, keys, upper_only),
             **{k: metrics[k] for k in measured},
             **(
                 {k: cost[k] for k in ("user-epochs", "bytes-sent", "bytes-received", "rounds", "seconds")}
@@ -637,13 +640,22 @@ def recipe_frame(rows: Sequence[Mapping]) -> pd.DataFrame:
     return frame[list(RECIPE_COLUMNS) + [c for c in frame.columns if c not in RECIPE_COLUMNS]]
 
 
+COST_TARGET = 0.2
+"""The default recipe's cost target: at most a fifth of the cheapest retraining that lands in the band."""
+
+
 def count_lines(frame: pd.DataFrame) -> list[str]:
-    """``"<method>: inside band in N of M settings"``, the default method first, then the others by name."""
+    """``"<method>: inside band in N of M settings"`` (and, for a method with a cost, in how many of those at
+    ``cost-ratio`` <= :data:`COST_TARGET`), the default method first, then the others by name."""
     names = sorted(frame["method"].unique(), key=lambda m: (m != DEFAULT_METHOD, m))
     lines = []
     for name in names:
         rows = frame[frame["method"] == name]
-        lines.append(f"{name}: inside band in {int(rows['inside-band'].sum())} of {len(rows)} settings")
+        line = f"{name}: inside band in {int(rows['inside-band'].sum())} of {len(rows)} settings"
+        if "cost-ratio" in rows and rows["cost-ratio"].notna().any() and not name.startswith("retrain "):
+            cheap = int((rows["inside-band"] & (rows["cost-ratio"] <= COST_TARGET + 1e-12)).sum())
+            line += f" ({cheap} at cost-ratio <= {COST_TARGET}; median cost-ratio {rows['cost-ratio'].median():.3g})"
+        lines.append(line)
     return lines
 
 
@@ -706,6 +718,7 @@ def write_recipe(rows: Sequence[Mapping], summaries: Sequence[Mapping], folder: 
                 f"{_cell(float(s['band-over-range'][k]))} |"
             )
     atomic_write_text(folder / "recipe.md", "\n".join(lines) + "\n")
+    plot_frontiers(frame, folder / "frontier", DEFAULT_METHOD)
     return frame
 
 
