@@ -30,7 +30,7 @@ from fedrec_flwr.sections.deployment import DeploymentSection
 from fedrec_flwr.sections.federation import MESSAGE_TTL, FederationSection
 from fedrec_flwr.sections.fields import INT_MAX
 from fedrec_flwr.sections.training import TrainingSection
-from fedrec_flwr.unlearning.settings import UnlearningSection
+from fedrec_flwr.unlearning.settings import UnlearningSection, resolve_post_check, resolve_unlearning
 
 __all__ = [
     "DATASETS",
@@ -140,6 +140,12 @@ class RunConfig(
         if values["learning_rate"] == 0.0 and values["model"] in MODEL_LEARNING_RATES:  # 0 = the model's default
             values["learning_rate"] = MODEL_LEARNING_RATES[values["model"]]
         values["adversary"] = resolve_adversary(values["adversary"], values["client"], values["protected_attribute"])
+        values["unlearning"] = resolve_unlearning(
+            values["unlearning"], values["forget_users"], values["forget_fraction"], values["unlearning_history"]
+        )
+        values["unlearning_post_check"] = resolve_post_check(
+            values["unlearning_post_check"], values["unlearning"], values["holdout_validation"]
+        )
         extra = {key: mapping[key] for key in _EXTRA_KEYS if key in mapping}
         extra.update(_plugin_values(declared, mapping, values.get("plugin_config", "")))
         config = cls(**values, extra=extra)

@@ -119,8 +119,8 @@ METHODS: dict[str, dict] = {
     "gradient ascent": {"method": "gradient-ascent"},
     "gradient ascent + post-check": {"method": "gradient-ascent", "unlearning_post_check": "on"},
     "continued training (5 rounds)": {"method": "continue"},
-    "rollback": {"method": "rollback"},
-    "rollback + 5 tuning rounds": {"method": "rollback", "rollback_tuning_rounds": 5},
+    "rollback": {"method": "rollback", "rollback_calibration_every": 0},
+    "rollback + 5 tuning rounds": {"method": "rollback", "rollback_calibration_every": 0, "rollback_tuning_rounds": 5},
     "rollback + calibration every 20": {"method": "rollback", "rollback_calibration_every": 20},
     "rollback + calibration every 10": {"method": "rollback", "rollback_calibration_every": 10},
 }

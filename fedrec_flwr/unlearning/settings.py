@@ -14,8 +14,8 @@ from typing import Any
 from fedrec_flwr.errors import ConfigError
 from fedrec_flwr.sections.fields import INT_MAX, config_key
 
-METHODS = ("none", "retrain", "continue", "hfkcu", "gradient-ascent", "rollback")
-"""The values of ``unlearning``."""
+METHODS = ("auto", "none", "retrain", "continue", "hfkcu", "gradient-ascent", "rollback")
+"""The values of ``unlearning`` (``"auto"`` is resolved by :func:`resolve_unlearning` before any check)."""
 
 PHASE_METHODS = ("continue", "hfkcu", "gradient-ascent", "rollback")
 """Methods that run a phase after ``unlearn-round`` (``retrain`` only changes sampling)."""
@@ -27,6 +27,30 @@ HISTORY_DTYPES = ("off", "float32", "float16", "float64")
 """The values of ``unlearning-history``: off, or the storage dtype of the stored deltas
 (:data:`fedrec_flwr.unlearning.history.DTYPES`)."""
 
+
+def resolve_unlearning(unlearning: str, forget_users: str, forget_fraction: float, history: str) -> str:
+    """``unlearning`` with ``"auto"`` resolved to the default recipe: ``"none"`` when no user is to be forgotten
+    (``forget-users`` empty and ``forget-fraction`` 0), else ``"rollback"`` when the run stores its contributions
+    (``unlearning-history`` not ``"off"``: the replay of the stored rounds without the forgotten users), else
+    ``"hfkcu"`` (one approximate influence step; :func:`resolve_post_check` checks it when the run holds out a
+    validation item). Why this order, with its measured numbers: ``docs/how-to/forget-a-user.md`` and
+    ``experiments/hfkcu/results/band/recipe.md``. Any other value is returned unchanged."""
+    if unlearning != "auto":
+        return unlearning
+    if not str(forget_users).strip(", ") and not forget_fraction:
+        return "none"
+    return "rollback" if history != "off" else "hfkcu"
+
+
+def resolve_post_check(post_check: str, unlearning: str, holdout_validation: bool) -> str:
+    """``unlearning-post-check`` with ``"auto"`` resolved: ``"on"`` for an approximate method
+    (:data:`APPROXIMATE_METHODS`, after :func:`resolve_unlearning`) in a run with ``holdout-validation`` (the check
+    ranks the validation item, never the test item), else ``"off"``. Any other value is returned unchanged."""
+    if post_check != "auto":
+        return post_check
+    return "on" if unlearning in APPROXIMATE_METHODS and holdout_validation else "off"
+
+
 CHOICES: dict[str, tuple[str, ...]] = {
     "unlearning": METHODS,
     "krylov-mode": ("distributed", "local"),
@@ -36,7 +60,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "line-search": ("none", "remaining-loss", "membership-margin"),
     "unlearning-history": HISTORY_DTYPES,
     "krylov-radius-rule": ("touched", "dominated"),
-    "unlearning-post-check": ("off", "on"),
+    "unlearning-post-check": ("auto", "off", "on"),
 }
 """The allowed values of the section's string keys that take one of a few."""
 
@@ -163,7 +187,7 @@ class UnlearningSection:
         ``holdout-validation`` and ``adversary`` of :class:`fedrec_flwr.config.RunConfig`).
 
         Raises:
-            ConfigError: ``rollback`` without a history, a rollback key without ``rollback``, the history with
+            ConfigError: ``rollback`` without a history, tuning rounds without ``rollback``, the history with
                 FedAU²'s adversary (its replies carry gradients), the masked step without the dominated rule, or the
                 post-check without the validation item or an approximate method (naming the keys).
         """
@@ -178,10 +202,10 @@ class UnlearningSection:
                 f"run-config key 'unlearning-history' = {self.unlearning_history!r} stores parameter updates, but "
                 f"adversary = {self.adversary!r} uploads gradients of h_w; set unlearning-history = 'off'"
             )
-        if self.unlearning != "rollback" and (self.rollback_calibration_every or self.rollback_tuning_rounds):
+        if self.unlearning != "rollback" and self.rollback_tuning_rounds:  # calibration-every is inert there
             raise ConfigError(
-                "run-config keys 'rollback-calibration-every' / 'rollback-tuning-rounds' apply to "
-                f"unlearning = 'rollback', got unlearning = {self.unlearning!r}; set them to 0"
+                f"run-config key 'rollback-tuning-rounds' = {self.rollback_tuning_rounds} trains after a rollback: "
+                f"the rollback keys apply to unlearning = 'rollback', got unlearning = {self.unlearning!r}; set it to 0"
             )
         if self.krylov_masked_step and self.krylov_radius_rule != "dominated":
             raise ConfigError(
