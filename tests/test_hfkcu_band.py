@@ -198,7 +198,7 @@ def test_recipe_rows_columns_and_judgement(tmp_path):
     text = (tmp_path / "recipe.md").read_text()
     assert f"- {B.DEFAULT_METHOD}: inside band in 1 of 1 settings" in text
     assert "- HF-KCU: inside band in 0 of 1 settings" in text
-    assert "poisoned (no unlearning): inside band" not in text
+    assert "- poisoned (no unlearning): inside band in 0 of 1 settings (there the attack" in text
     assert summary["band-over-range"]["HR@10"] > 1.0  # the 2-sigma band is wider than min-max
     assert by.loc[B.DEFAULT_METHOD, "distance-to-band"] == 0.0 and by.loc["HF-KCU", "distance-to-band"] > 0.0
     assert (tmp_path / "frontier" / "frontier-filmtrust-fedmf-weaker.png").is_file()
