@@ -484,10 +484,10 @@ def _hand_ce_gradient_wrt_u(adversary: AttributeAdversary, u: np.ndarray, label:
 
 @pytest.mark.parametrize("mode", ["per-client", "server", "server-sgd"])
 def test_one_sgd_step_moves_the_embedding_up_the_adversary_loss_by_exactly_lr_eps_grad(mode):
-    """Issue 23, mutation 1: as training uses it, the GRL turns the adversary's cross-entropy gradient around. One SGD
-    step of size lr on the adversarial term changes the user embedding by -lr * (-eps * dCE/du) = +lr * eps * dCE/du
-    (hand-computed in float64), for the per-client term (h_w trained too), the server arm's frozen global h_w, and its
-    own SGD embedding step; a reversed GRL sign (`grad_reverse(u, -strength)`) gives the opposite change."""
+    """As training uses it, the GRL turns the adversary's cross-entropy gradient around. One SGD step of size lr on
+    the adversarial term changes the user embedding by -lr * (-eps * dCE/du) = +lr * eps * dCE/du (hand-computed in
+    float64), for the per-client term (h_w trained too), the server arm's frozen global h_w, and its own SGD embedding
+    step; a reversed GRL sign (`grad_reverse(u, -strength)`) gives the opposite change, so this test catches it."""
     from fedrec_flwr.adversary import AdversarialTerm
 
     lr, eps, label = 0.1, 0.7, 1

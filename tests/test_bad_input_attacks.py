@@ -1,4 +1,4 @@
-"""Bad input, round 2 (issue 15), case 13: the attribute attack on rare classes."""
+"""Bad input, case 13 (numbered across the tests/test_bad_input_*.py files): the attribute attack on rare classes."""
 
 from __future__ import annotations
 

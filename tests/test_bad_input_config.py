@@ -1,5 +1,6 @@
-"""Bad input, round 2 (issue 15), config cases 5-8: integer ranges, one place of validation with kebab-case
-wording, round-timeout within Flower's message lifetime, and contradictory SuperNode wrapper arguments."""
+"""Bad input, config cases 5-8 (numbered across the tests/test_bad_input_*.py files): integer ranges, one place of
+validation with kebab-case wording, round-timeout within Flower's message lifetime, and contradictory SuperNode
+wrapper arguments."""
 
 from __future__ import annotations
 

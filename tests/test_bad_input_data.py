@@ -1,5 +1,6 @@
-"""Bad input, round 2 (issue 15), data cases 1-4: exact timestamps, the attributes file's user column, the split's
-facts in config.json, and the generic loader meeting ``data-dir``. Tiny generated files only."""
+"""Bad input, data cases 1-4 (numbered across the tests/test_bad_input_*.py files): exact timestamps, the attributes
+file's user column, the split's facts in config.json, and the generic loader meeting ``data-dir``. Tiny generated
+files only."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _timestamp_csv(path: Path, stamps: list[str], num_users: int = 4) -> Path:
 
 
 NANOSECONDS = [str(1556559573141592653 + k) for k in range(6)]
-"""Case 1 of issue 15: neighbouring nanosecond timestamps, all above 2**53 (float64 would merge them)."""
+"""Case 1: neighbouring nanosecond timestamps, all above 2**53 (float64 would merge them)."""
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
-"""Bad input, round 2 (issue 15), cases 9-12: values in Flower records, clients' own metrics, a node silent during
-evaluation, and state that a resume would lose. In-process runs (:mod:`fedrec_flwr.serial`) on tiny generated data."""
+"""Bad input, cases 9-12 (numbered across the tests/test_bad_input_*.py files): values in Flower records, clients'
+own metrics, a node silent during evaluation, and state that a resume would lose. In-process runs
+(:mod:`fedrec_flwr.serial`) on tiny generated data."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The per-message path of a one-user node stays on its fast kernels (issue 17): what the profile of one message in a
+"""The per-message path of a one-user node stays on its fast kernels: what the profile of one message in a
 simulation worker (``experiments/bench/profile_message.py``) found, checked so it cannot silently come back."""
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ def test_the_parameter_check_names_exactly_the_non_finite_users(bad):
 
 
 def _full_table_pack(layout, users):
-    """The reply as the node packed it before (issue 17, commit a7e4b2d): every user's rows added into full
-    ``(num_items, d)`` float64 tables, the touched rows read back. The reference for :class:`Contribution`."""
+    """The reply packed the straightforward, slow way: every user's rows added into full ``(num_items, d)`` float64
+    tables, the touched rows read back. The reference for :class:`Contribution`."""
     out = {}
     for key in layout.item_keys:
         shape = layout.shared_shapes[key]

@@ -1,4 +1,4 @@
-"""The launcher's allocator setting for long simulations (issue 17's memory item, ``experiments/bench/soak.py``)."""
+"""The launcher's allocator and Ray settings for long simulations (memory sampled by ``experiments/bench/soak.py``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ def test_flwr_env_caps_malloc_arenas_unless_the_user_set_them(monkeypatch, tmp_p
 def test_flwr_env_raises_rays_inline_object_limit_unless_the_user_set_it(monkeypatch, tmp_path):
     """Ray inlines objects up to ``RAY_max_direct_call_object_size`` (100 KiB by default) in its RPC messages; the
     launcher raises it so the ML-100K model (0.44 MB) and a one-user train reply (104-116 KB) skip Ray's object store
-    (issue 17: 1.22 -> 0.64 s per round for the bare app with the model). A value the user set is kept."""
+    (1.22 -> 0.64 s per round for the bare app with the model, experiments/bench/results/measurements.md). A value
+    the user set is kept."""
     from fedrec_flwr.launch import RAY_INLINE_BYTES, RAY_INLINE_ENV
 
     assert RAY_INLINE_ENV == "RAY_max_direct_call_object_size" and RAY_INLINE_BYTES >= 470_000

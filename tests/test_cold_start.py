@@ -1,5 +1,5 @@
 """A SuperNode runs every message in a fresh ``flwr-clientapp`` process (flwr 1.42), so what the ClientApp imports and
-builds is paid per message (issue 20). These check, in fresh interpreters, that the ClientApp's path stays lean."""
+builds is paid per message. These check, in fresh interpreters, that the ClientApp's path stays lean."""
 
 from __future__ import annotations
 

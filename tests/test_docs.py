@@ -115,12 +115,17 @@ def test_the_first_client_tutorial_runs_as_written(tmp_path, monkeypatch):
 
 
 ORDINAL = "this|last|next|earlier|previous|first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth"
-HISTORY = re.compile(
+WORK = (
     rf"\b(({ORDINAL})[- ](session|pass)(es)?)\b"  # "the sixth session", "a second pass", "fifth-pass"
     r"|\bissue[- ]?#?[0-9]+"  # "issue 14", "issue-6", "issue #6"
-    r"|\bitems? [0-9]+(-[0-9]+)?\b",  # an issue's numbered items: "item 19", "items 9-13"
+)
+HISTORY = re.compile(
+    WORK + r"|\bitems? [0-9]+(-[0-9]+)?\b",  # an issue's numbered items: "item 19", "items 9-13"
     re.IGNORECASE,
 )
+TEST_HISTORY = re.compile(WORK + r"|\bcommit [0-9a-f]{7,40}\b", re.IGNORECASE)  # "commit a7e4b2d"
+"""What the tests' text must not name. Not HISTORY's numbered items: in a test "item 44" or "items 0-5" are item ids
+of a tiny federation. Commit hashes, which the measurement logs quote as provenance, have no place in a test."""
 PRODUCT = (
     "README.md",
     "docs",
@@ -132,12 +137,19 @@ PRODUCT = (
     "scripts",
     "plugins",
 )
+TESTS = ("tests",)
+CHECKER = Path("tests") / "test_docs.py"
+"""Left out of the tests' check: it holds the patterns and the checker's own test data, which must spell out the
+mentions they catch. Skipping the one file keeps that data readable, instead of marking or disguising each line."""
 
 
-def history_mentions(root: Path) -> list[str]:
-    """``path:line: text`` of every line of the product text that names a piece of development work."""
+def history_mentions(
+    root: Path, folders: tuple[str, ...] = PRODUCT, pattern: re.Pattern = HISTORY, skip: tuple[Path, ...] = ()
+) -> list[str]:
+    """``path:line: text`` of every line under ``folders`` (the product text by default) that names a piece of
+    development work, as ``pattern`` recognises it; ``skip`` lists files (relative to ``root``) not read."""
     found = []
-    for name in PRODUCT:
+    for name in folders:
         base = root / name
         files = (
             [base]
@@ -151,16 +163,19 @@ def history_mentions(root: Path) -> list[str]:
             )
         )
         for path in files:
+            if path.relative_to(root) in skip:
+                continue
             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-                if HISTORY.search(line):
+                if pattern.search(line):
                     found.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
     return found
 
 
 def test_the_product_text_carries_no_development_history():
-    """README, docs, pyproject.toml and the library say what the code does, not in which piece of work it changed
-    (that is CHANGELOG.md's); the README quotes no commit hash."""
+    """README, docs, pyproject.toml, the library and the tests say what the code does, not in which piece of work it
+    changed (that is CHANGELOG.md's); the README and the tests quote no commit hash."""
     assert history_mentions(PROJECT_ROOT) == []
+    assert history_mentions(PROJECT_ROOT, TESTS, TEST_HISTORY, skip=(CHECKER,)) == []
     readme = (PROJECT_ROOT / "README.md").read_text(encoding="utf-8")
     assert re.findall(r"\bcommit [0-9a-f]{7,40}\b", readme, flags=re.I) == []
     assert "## [" in (PROJECT_ROOT / "CHANGELOG.md").read_text(encoding="utf-8")  # Keep a Changelog versions
@@ -178,6 +193,17 @@ def test_the_history_check_finds_a_mention(tmp_path):
         "experiments/results/m.md:1: the issue-6 arm",
         "experiments/results/m.md:2: item 19 of the list",
     ]
+
+
+def test_the_tests_history_check_allows_item_ids_and_skips_the_checker(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text('"""Fake users rate item 44 (issue 18, commit a7e4b2d)."""\n')
+    (tmp_path / "tests" / "test_docs.py").write_text('"""the sixth session"""\n')
+    assert history_mentions(tmp_path, TESTS, TEST_HISTORY, skip=(CHECKER,)) == [
+        'tests/test_x.py:1: """Fake users rate item 44 (issue 18, commit a7e4b2d)."""'
+    ]
+    (tmp_path / "tests" / "test_x.py").write_text('"""Fake users rate item 44 first; items 0-2 are fillers."""\n')
+    assert history_mentions(tmp_path, TESTS, TEST_HISTORY, skip=(CHECKER,)) == []
 
 
 def test_readme_and_experiment_pages_stay_short():

@@ -1,6 +1,6 @@
-"""The curious server's linked label attack (issue 14, seventh session): iDLG on the mean of all of a node's ``h_w``
+"""The curious server's linked label attack: iDLG on the mean of all of a node's ``h_w``
 uploads defeats DSVAE's per-upload noise, which the per-upload rate hides (``strategies/curious.py``); the per-user
-noise stream (``dsvae-noise-stream``, eighth session, the default) gives every upload of a user the same noise, so the
+noise stream (``dsvae-noise-stream``, the default) gives every upload of a user the same noise, so the
 mean keeps it."""
 
 from __future__ import annotations

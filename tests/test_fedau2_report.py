@@ -1,4 +1,4 @@
-"""Issue 14: the main tables' ΔHR@10 compares each arm with its own unchanged model on the same seeds
+"""The FedAU² main tables' ΔHR@10 compares each arm with its own unchanged model on the same seeds
 (``experiments.fedau2.report.paired_change``), not a single-seed run with the unchanged model's mean over other
 seeds."""
 

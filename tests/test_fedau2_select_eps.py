@@ -1,4 +1,4 @@
-"""Issue 14: the eps of the FedAU² experiments is chosen on the validation item by a fixed rule
+"""The eps of the FedAU² experiments is chosen on the validation item by a fixed rule
 (``experiments.fedau2.report.select_epsilon``): among the eps whose gender attacker AUCs are both within 0.05 of 0.5,
 the highest validation HR@10; the test item's HR@10 plays no part."""
 
@@ -97,7 +97,7 @@ def _age_sgd_run(root, seed, eps, val_hr, age_aucs, test_hr=0.5):
 
 
 def test_the_robust_rule_reads_both_validation_seeds_with_its_margins(tmp_path):
-    """Sixth session (``report.robust_choice``): eps 10 is in the plain band on seed 3 alone (the single-seed rule's
+    """The robust rule (``report.robust_choice``): eps 10 is in the plain band on seed 3 alone (the single-seed rule's
     choice), but the mean over seeds 3 and 4 leaves it outside the 0.04 band; eps 15 is inside on the mean with a
     -3.8% HR@10 change; eps 20 is inside but costs -4.8% (outside the -4% margin, inside the 5% target); eps 25 ran
     on seed 3 only (not eligible, whatever its numbers); test HR@10 plays no part."""

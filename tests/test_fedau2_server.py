@@ -1,4 +1,4 @@
-"""FedAU²'s federated adversary (adversary-training = "server", issue 14): the global h_w is frozen within a round,
+"""FedAU²'s federated adversary (adversary-training = "server"): the global h_w is frozen within a round,
 clients upload its gradient at that copy, the server steps it on the averaged gradients; no reply carries a label;
 the per-round diagnostics; and, on a small synthetic federation where a linear direction encodes the attribute, the
 method drives a logistic-regression attacker to chance."""
@@ -239,7 +239,7 @@ def test_server_step_state_survives_a_checkpoint_round_trip():
 
 
 def test_sgd_entropy_pull_steps_by_exactly_lr_eps_grad_and_not_at_the_uniform_point():
-    """Issue 14, fifth session (``adversary-embedding-optimizer = "sgd"`` with ``adversary-objective = "entropy"``):
+    """``adversary-embedding-optimizer = "sgd"`` with ``adversary-objective = "entropy"``:
     the term takes the plain step ``e_u <- e_u - lr * eps * dH_x(uniform, softmax(W e_u + b))/de_u`` itself, which for
     a linear ``h_w`` is ``-lr * eps * W^T (softmax(W e_u + b) - 1/C)`` (hand-computed in float64), returns a constant
     0 for the local optimizer, and does not move an embedding where ``h_w`` already predicts every class equally

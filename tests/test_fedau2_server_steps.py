@@ -1,4 +1,4 @@
-"""FedAU²'s ``adversary-server-steps`` (issue 14): after a round's train replies the server takes S - 1 more steps of
+"""FedAU²'s ``adversary-server-steps``: after a round's train replies the server takes S - 1 more steps of
 the global h_w, each from an ``adversary_gradient`` query to the round's nodes (the mean h_w gradient over their
 users at their current, frozen embeddings). S = 1 is the one-step behaviour; S = 3 applies exactly three steps whose
 gradients are those of a hand computation from the nodes' private embeddings; no reply carries a label or an

@@ -1,4 +1,4 @@
-"""Issue 14, making the server-trained adversary competent before it drives the embedding: the GRL warm-up
+"""Making FedAU²'s server-trained adversary competent before it drives the embedding: the GRL warm-up
 (``adversary-warmup-rounds``: no adversarial step on the embedding in rounds 1..k while h_w is still trained) and the
 linear h_w (``adversary-hidden = 0``)."""
 
@@ -191,8 +191,8 @@ def test_dsvae_noise_on_all_of_h_w_adds_one_draw_per_entry_after_the_heads(tmp_p
 
 
 def test_dsvae_noise_placement_changes_nothing_without_dsvae(tmp_path):
-    """A plain adversary (``adversary = "mlp"``) has no DSVAE noise, so ``"all"`` (the package default since issue
-    14's seventh session) uploads exactly the ``"head"`` placement's gradient."""
+    """A plain adversary (``adversary = "mlp"``) has no DSVAE noise, so ``"all"`` (the package default) uploads
+    exactly the ``"head"`` placement's gradient."""
     model = get_runtime(_config(tmp_path, adversary_hidden=8)).model
     grads = {
         placement: adversary_gradient(
@@ -207,7 +207,7 @@ def test_dsvae_noise_placement_changes_nothing_without_dsvae(tmp_path):
 
 def test_dsvae_noise_on_all_of_h_w_stops_dlg_reading_the_label_from_the_encoder(tmp_path):
     """DLG (gradient matching with label enumeration) on single-user uploads, DSVAE noise of std 10: with the noise on
-    the head only, DLG still recovers every label from the encoder's unperturbed W_head^T (p - onehot(a)) (issue 14:
+    the head only, DLG still recovers every label from the encoder's unperturbed W_head^T (p - onehot(a)) (measured:
     1.00 on ML-100K), however large the noise; with the noise on every parameter it falls toward a coin's 0.5. (At the
     default std 1 this synthetic case still gives DLG 0.81 with "all": the masking is partial, set by the noise.)"""
     from fedrec_flwr.attacks.label_leakage import dlg_label

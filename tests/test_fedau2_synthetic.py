@@ -1,9 +1,9 @@
-"""Issue 14's end-to-end acceptance check, small and in-process: a synthetic federation whose users' embeddings start
+"""FedAU²'s end-to-end acceptance check, small and in-process: a synthetic federation whose users' embeddings start
 with the protected attribute written along one linear direction (logistic-regression attacker AUC >= 0.9), trained
 through the whole Flower path (serial grid, item-fedavg, FedAU²'s clients with the server-trained adversary); the
 method should drive the attacker to AUC <= 0.6.
 
-The local step size is part of the construction (issue 14, fourth session; experiments/fedau2/README.md, item 14). The
+The local step size is part of the construction (experiments/fedau2/README.md reports this check). The
 adversarial pull is added to the loss the local Adam steps, once per round here (one batch per user), and Adam's first
 step moves every coordinate by about ``learning-rate`` whatever the gradient's size. An embedding therefore cannot
 settle closer to ``h_w``'s boundary than about ``learning-rate * sqrt(d)`` along the attribute direction. At 0.01
@@ -12,7 +12,7 @@ settle closer to ``h_w``'s boundary than about ``learning-rate * sqrt(d)`` along
 1.00 -> 0.83). At ``LEARNING_RATE`` = 0.002, fixed from that arithmetic before it was run, the quantum (0.006) is
 below the spread, and 30 rounds can still move an embedding 0.17 > ``DELTA`` along the direction. Without the
 adversary, the same federation keeps the direction readable (AUC 1.00 -> 0.997 at 0.01, 1.00 -> 1.00 at 0.002);
-with it, 1.00 -> 0.56 at 0.002 (README item 14). The arm is the label-independent entropy pull (ours), always on."""
+with it, 1.00 -> 0.56 at 0.002 (as the README reports). The arm is the label-independent entropy pull (ours), always on."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Flower's own strategies through :class:`fedrec_flwr.strategies.flower_adapter.FlowerStrategyAdapter` (issue 21): every class of
+"""Flower's own strategies through :class:`fedrec_flwr.strategies.flower_adapter.FlowerStrategyAdapter`: every class of
 ``flwr.serverapp.strategy`` (found at test time), the dense-reply semantics against hand computations and against
 ``item-fedavg`` with ``"selected"`` rows, privacy, and the ``strategy-args`` checks."""
 

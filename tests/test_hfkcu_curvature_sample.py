@@ -1,4 +1,4 @@
-"""HF-KCU's subsampled curvature (``curvature-sample``, issue 18): the node draw and its scale factor are a pure,
+"""HF-KCU's subsampled curvature (``curvature-sample``): the node draw and its scale factor are a pure,
 seeded function; in a phase only the drawn nodes answer the Gauss-Newton products, still as sums over all their
 users, and the products are scaled by all users over the drawn nodes' users."""
 

@@ -1,4 +1,4 @@
-"""HF-KCU's line search on the remaining users' loss (issue 18): the ladder search finds the minimiser of known 1-D
+"""HF-KCU's line search on the remaining users' loss: the ladder search finds the minimiser of known 1-D
 functions from batches of values, nodes answer its query with scalar sums only, and those sums are the remaining
 users' summed influence loss along the step."""
 

@@ -1,4 +1,4 @@
-"""HF-KCU's membership-margin step (issue 18, ``line-search = "membership-margin"``): popularity bins, a user's margins
+"""HF-KCU's membership-margin step (``line-search = "membership-margin"``): popularity bins, a user's margins
 built by hand, the bracketing root search on known 1-D functions, nodes answering with sums only, and the phase on a
 tiny poisoned federation stopping where the forgotten users' mean margin on their dominated items is 0."""
 

@@ -1,4 +1,4 @@
-"""HF-KCU at its defaults on a tiny poisoned federation (issue 18): fake users push one item; the default unlearning
+"""HF-KCU at its defaults on a tiny poisoned federation: fake users push one item; the default unlearning
 phase (trust-region CG on the Gauss-Newton matrix, full step) moves the genuine users' ranking of that item toward
 where retraining without the fakes puts it, for MF and NCF."""
 

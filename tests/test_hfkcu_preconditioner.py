@@ -1,4 +1,4 @@
-"""HF-KCU's preconditioned trust-region solve (``krylov-preconditioner``, issue 18): Steihaug CG with a diagonal
+"""HF-KCU's preconditioned trust-region solve (``krylov-preconditioner``): Steihaug CG with a diagonal
 preconditioner on small dense problems (``M = I`` is the Euclidean solve; inside the radius it is the exact solve; on
 the boundary the ``M``-norm is the radius), the Gauss-Newton diagonal against ``diag(J^T H_loss J)`` built by hand,
 and in a phase every node's ``unlearn_diagonal`` reply is one sum over its users."""

@@ -1,4 +1,4 @@
-"""Issue 18's poisoning tables (``experiments.hfkcu.report``): one row per setting and variant, the gap measures, and
+"""HF-KCU's poisoning tables (``experiments.hfkcu.report``): one row per setting and variant, the gap measures, and
 the forget-set report keeping the committed rows of runs whose arrays (never committed) are not on this machine."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""HF-KCU's trust-region solve and positive semi-definite curvature (issue 18): Steihaug-Toint CG on small dense
+"""HF-KCU's trust-region solve and positive semi-definite curvature: Steihaug-Toint CG on small dense
 problems against exact solutions, and the Gauss-Newton product against ``J^T H_loss J v`` built by hand for MF and NCF
 with BCE and BPR."""
 

@@ -58,7 +58,7 @@ def test_timeout_flag_is_parsed_and_must_be_positive():
             parse_args(["run", "--timeout", bad])
 
 
-# a real run: ~2-3 min on a loaded 2-core machine (the one real-run test of issue 20 that CI runs)
+# a real run: ~2-3 min on a loaded 2-core machine (the one real-run test of the round timeout that CI runs)
 def test_a_client_that_never_returns_ends_the_run_with_the_node_and_round_named(tmp_path):
     plugins = tmp_path / "pythonpath"
     plugins.mkdir()

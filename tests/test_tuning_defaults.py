@@ -1,4 +1,4 @@
-"""Issue 19: FedMF's default learning rate (chosen on the validation item) gets it off the ln 2 plateau at once; the
+"""FedMF's default learning rate (chosen on the validation item) gets it off the ln 2 plateau at once; the
 old value stays reachable by config."""
 
 from __future__ import annotations

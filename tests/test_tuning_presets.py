@@ -1,4 +1,4 @@
-"""Issue 19's presets (``experiments/tuning/grid.py``): the public FedRecGEL code's wider NCF, declared by run-config
+"""The tuning presets (``experiments/tuning/grid.py``): the public FedRecGEL code's wider NCF, declared by run-config
 keys only, builds that code's layer shapes, and the block path trains it like the model itself."""
 
 from __future__ import annotations

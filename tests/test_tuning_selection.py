@@ -1,4 +1,4 @@
-"""Issue 19's tuning protocol chooses settings and epochs on the validation item only."""
+"""The tuning protocol chooses settings and epochs on the validation item only."""
 
 from __future__ import annotations
 
