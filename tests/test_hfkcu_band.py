@@ -225,6 +225,12 @@ def test_count_lines_count_the_cheap_inside_rows():
     assert B.count_lines(frame) == [
         f"{B.DEFAULT_METHOD}: inside band in 2 of 3 settings (1 at cost-ratio <= 0.2; median cost-ratio 0.1)"
     ]
+    settings = {"dataset": ["d"] * 3, "model": ["m"] * 3, "attack": ["a"] * 3, "seed": [0, 1, 2]}
+    harmed = pd.DataFrame({k: v[:2] for k, v in settings.items()})  # seeds 0 and 1 harmed
+    assert B.count_lines(frame.assign(**settings), harmed) == [
+        f"{B.DEFAULT_METHOD}: inside band in 2 of 3 settings (1 at cost-ratio <= 0.2; 1 of the 2 harmed; "
+        "median cost-ratio 0.1)"
+    ]
 
 
 def test_distance_to_band_is_the_worst_excess_in_std_units():

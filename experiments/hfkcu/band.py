@@ -646,17 +646,26 @@ COST_TARGET = 0.2
 """The default recipe's cost target: at most a fifth of the cheapest retraining that lands in the band."""
 
 
-def count_lines(frame: pd.DataFrame) -> list[str]:
+SETTING_KEYS = ["dataset", "model", "attack", "seed"]
+
+
+def count_lines(frame: pd.DataFrame, harmed: pd.DataFrame | None = None) -> list[str]:
     """``"<method>: inside band in N of M settings"`` (and, for a method with a cost, in how many of those at
-    ``cost-ratio`` <= :data:`COST_TARGET`), the default method first, then the others by name."""
+    ``cost-ratio`` <= :data:`COST_TARGET`; with ``harmed``, the settings whose untouched model lies outside the band,
+    in how many of those), the default method first, then the others by name."""
     names = sorted(frame["method"].unique(), key=lambda m: (m != DEFAULT_METHOD, m))
+    keys = set(map(tuple, harmed[SETTING_KEYS].itertuples(index=False))) if harmed is not None else set()
     lines = []
     for name in names:
         rows = frame[frame["method"] == name]
         line = f"{name}: inside band in {int(rows['inside-band'].sum())} of {len(rows)} settings"
         if "cost-ratio" in rows and rows["cost-ratio"].notna().any() and not name.startswith("retrain "):
-            cheap = int((rows["inside-band"] & (rows["cost-ratio"] <= COST_TARGET + 1e-12)).sum())
-            line += f" ({cheap} at cost-ratio <= {COST_TARGET}; median cost-ratio {rows['cost-ratio'].median():.3g})"
+            cheap = rows["inside-band"] & (rows["cost-ratio"] <= COST_TARGET + 1e-12)
+            line += f" ({int(cheap.sum())} at cost-ratio <= {COST_TARGET}"
+            if harmed is not None:
+                hit = np.array([tuple(r) in keys for r in rows[SETTING_KEYS].itertuples(index=False)], dtype=bool)
+                line += f"; {int(cheap[hit].sum())} of the {int(hit.sum())} harmed"
+            line += f"; median cost-ratio {rows['cost-ratio'].median():.3g})"
         lines.append(line)
     return lines
 
@@ -695,11 +704,11 @@ def write_recipe(rows: Sequence[Mapping], summaries: Sequence[Mapping], folder: 
         "",
         *(
             ["Poisoning:", ""]
-            + [f"- {line}" for line in count_lines(judged[~forget])]
+            + [f"- {line}" for line in count_lines(judged[~forget], harmless[~harmless["inside-band"]])]
             + [
                 f"- poisoned (no unlearning): inside band in {int(harmless['inside-band'].sum())} of {len(harmless)} "
                 "settings (there the attack did no harm the band can see, and every method that leaves the model "
-                "alone passes)",
+                "alone passes); the others are the *harmed* settings",
                 "",
             ]
             if (~forget).any()
