@@ -614,7 +614,8 @@ def recipe_rows(
         }
 
     rows = [row(original, poisoned["original"], None)]
-    rows += [row(name, got["metrics"], got["cost"]) for name, got in poisoned["methods"].items()]
+    for name, got in poisoned["methods"].items():  # a post-checked method says whose result the run kept
+        rows.append({**row(name, got["metrics"], got["cost"]), **({"kept": got["kept"]} if "kept" in got else {})})
     own = next((i for i, run in enumerate(retrains) if run["retrain-seed"] == setting["seed"]), 0)
     for rounds in sorted(curves[own]):
         rows.append(row(RETRAIN_METHOD.format(rounds=rounds), curves[own][rounds], costs[own][rounds]))
