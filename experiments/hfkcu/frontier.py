@@ -45,7 +45,7 @@ def plot_frontiers(frame: pd.DataFrame, folder: Path, default: str) -> list[Path
     (``recipe.csv``'s rows with ``distance-to-band``); ``default`` is the default recipe's method, drawn larger.
     Returns the paths written."""
     plt = pyplot()
-    written = []
+    written = []  # one colour per method, the same in every figure (methods sorted by name)
     judged = frame[frame["user-epochs"].notna()]
     for (dataset, model, attack), block in judged.groupby(["dataset", "model", "attack"], sort=True):
         fig, axis = plt.subplots(figsize=(7.4, 4.6))
@@ -59,11 +59,14 @@ def plot_frontiers(frame: pd.DataFrame, folder: Path, default: str) -> list[Path
             axis.plot(points["user-epochs"], points["distance-to-band"], "k--", marker="*", ms=9, label="retraining")
             for rounds, row in points.iterrows():
                 axis.annotate(f"{rounds}", (row["user-epochs"], row["distance-to-band"]), fontsize=7)
-        for method, rows in block[~block["method"].str.startswith("retrain ")].groupby("method", sort=True):
+        methods = block[~block["method"].str.startswith("retrain ")].groupby("method", sort=True)
+        colours = plt.get_cmap("tab20")
+        for index, (method, rows) in enumerate(methods):
             big = method == default
             axis.scatter(
                 rows["user-epochs"],
                 rows["distance-to-band"],
+                color=colours(index % 20),
                 s=90 if big else 30,
                 marker="D" if big else "o",
                 label=f"{method} (default recipe)" if big else method,
