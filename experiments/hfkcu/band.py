@@ -29,6 +29,7 @@ under ``results/band/``.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import shutil
 import time
@@ -129,6 +130,22 @@ UnlearningSettings` fields over the run config's defaults (HF-KCU's radius rule 
 named). Every method starts from the same trained model, node states and stored history: the phase's changes to
 them are undone before the next (:func:`apply_methods`). A new method is one more entry; the recipe takes every name
 a run produced."""
+
+DEV_SEED = 100
+"""Seed of the development settings (the stronger attack on both datasets and models), never a reported one: the
+retraining seeds 100, 1100, ..., 4100 and the training seed differ from every reported setting's (seeds 0-2)."""
+
+DEV_METHODS: dict[str, dict] = {
+    f"rollback + {n} tuning rounds": {
+        "method": "rollback",
+        "rollback_calibration_every": 0,
+        "rollback_tuning_rounds": n,
+    }
+    for n in (10, 20)
+}
+"""Candidates measured on the development settings only (with :data:`METHODS`' ``rollback`` and ``rollback + 5
+tuning rounds``). Rule, fixed before they ran: the recipe's tuning rounds are the fewest of 0, 5, 10, 20 whose
+rollback lands inside the band on every development setting; if none does, the one inside on most, then fewer."""
 
 DEFAULT_METHOD = "rollback + calibration every 20"
 """The default recipe when the run stored its history (its ``default`` column is true), declared before the
@@ -472,17 +489,28 @@ def apply_methods(view, methods: Mapping[str, dict], forget: np.ndarray, num_use
 
 
 def run_poisoned(
-    setting: Setting, *, data_dir: str, cache: Path, out: Path, methods: Mapping[str, dict] | None = None
+    setting: Setting,
+    *,
+    data_dir: str,
+    cache: Path,
+    out: Path,
+    methods: Mapping[str, dict] | None = None,
+    add: bool = False,
 ) -> dict:
     """Train ``setting``'s poisoned federation, then apply and measure every method of ``methods`` (default
-    :data:`METHODS`); write and return ``<out>/<setting>/poisoned.json`` (skipped when it exists)."""
+    :data:`METHODS`); write and return ``<out>/<setting>/poisoned.json`` (skipped when it exists). With ``add``, an
+    existing record gains the methods it lacks: the federation is trained again (the run is deterministic, and the
+    retrained model must measure exactly as the recorded one, else ``RuntimeError``) and only those are applied."""
     from experiments.hfkcu.analysis import private_records
 
     done = out / setting.folder / "poisoned.json"
-    if done.is_file():
-        print(f"skip (done): {done}", flush=True)
-        return {}
     methods = METHODS if methods is None else methods
+    previous = json.loads(done.read_text()) if done.is_file() else None
+    if previous is not None:
+        methods = {k: v for k, v in methods.items() if k not in previous["methods"]} if add else {}
+        if not methods:
+            print(f"skip (done): {done}", flush=True)
+            return {}
     config, reference, fake_users, target = _poisoned(
         setting, data_dir, cache, setting.seed, "poisoned", cache / "band", **HISTORY
     )
@@ -495,6 +523,11 @@ def run_poisoned(
         records = private_records(view.grid, range(reference.split.num_users))
         result["original"] = measure(reference, records, view.arrays, genuine, target)
         print(f"  original {result['original']}", flush=True)
+        if previous is not None and result["original"] != previous["original"]:
+            raise RuntimeError(
+                f"{done}: the retrained poisoned model measures {result['original']}, the record "
+                f"{previous['original']}; the run did not reproduce, so no method is added"
+            )
 
         def score(user_records, arrays, name):
             return measure(reference, user_records, arrays, genuine, target)
@@ -504,6 +537,8 @@ def run_poisoned(
     started = time.perf_counter()
     _train(config, meter, {ROUNDS: at_end})
     result["wall-seconds"] = time.perf_counter() - started
+    if previous is not None:  # the record keeps its own training cost and time
+        result = {**previous, "methods": {**previous["methods"], **result["methods"]}}
     atomic_write_json(done, result)
     return result
 
@@ -772,8 +807,6 @@ def history_lines(summaries: Sequence[Mapping]) -> list[str]:
 def report(out: Path, folder: Path, cache: Path | None = None) -> pd.DataFrame | None:
     """The recipe of every setting under ``out`` with a ``poisoned.json`` (or a forget set's ``trained.json``, whose
     KL needs the candidate scores in ``cache``) and at least two retraining runs."""
-    import json
-
     rows, summaries = [], []
     for done in sorted(out.rglob("poisoned.json")):
         retrains = [json.loads(p.read_text()) for p in sorted(done.parent.glob("retrain-seed-*.json"))]

@@ -311,11 +311,14 @@ def _band(args) -> None:
 
     if args.part == "band-report":
         band.report(BAND / "runs", BAND, CACHE)
+        if (BAND / "dev" / "runs").is_dir():  # the development settings' own recipe, never counted with the others
+            band.report(BAND / "dev" / "runs", BAND / "dev", CACHE)
         return
     if args.methods == "all":
         methods = band.METHODS
     else:
-        methods = {k: band.METHODS[k] for k in args.methods.split(",") if k and k != "none"}
+        known = {**band.METHODS, **band.DEV_METHODS}
+        methods = {k: known[k] for k in args.methods.split(";") if k and k != "none"}
     settings = [
         band.Setting(d, m, a, int(s))
         for d in args.datasets.split(",")
@@ -323,7 +326,10 @@ def _band(args) -> None:
         for a in args.attacks.split(",")
         for s in args.seeds.split(",")
     ]
-    common = {"data_dir": args.data_dir, "cache": CACHE, "out": BAND / "runs"}
+    dev = {int(s) for s in args.seeds.split(",")} == {band.DEV_SEED}
+    if not dev and band.DEV_SEED in {int(s) for s in args.seeds.split(",")}:
+        raise SystemExit(f"band: run the development seed {band.DEV_SEED} on its own (--seeds {band.DEV_SEED})")
+    common = {"data_dir": args.data_dir, "cache": CACHE, "out": BAND / ("dev" if dev else "") / "runs"}
     jobs = []
     for setting in settings:
         if args.band_part in ("all", "poisoned"):
@@ -335,7 +341,10 @@ def _band(args) -> None:
         setting, seed = job
         forget = setting.attack.startswith("forget-")  # a random forget set ("forget-1%"), not an attack
         if seed is None:
-            (band.run_forget_trained if forget else band.run_poisoned)(setting, methods=methods, **common)
+            if forget:
+                band.run_forget_trained(setting, methods=methods, **common)
+            else:
+                band.run_poisoned(setting, methods=methods, add=args.add_methods, **common)
         else:
             (band.run_forget_retrain if forget else band.run_retrain)(setting, seed, **common)
 
@@ -390,7 +399,14 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--part-of-band", dest="band_part", default="all", choices=["all", "poisoned", "retrain"])
     parser.add_argument(
-        "--methods", default="all", help="band: comma-separated names of band.METHODS, 'all' or 'none' (poisoned run)"
+        "--add-methods",
+        action="store_true",
+        help="band: add the --methods a finished poisoned run lacks (trains it again; it must reproduce exactly)",
+    )
+    parser.add_argument(
+        "--methods",
+        default="all",
+        help="band: ';'-separated names of band.METHODS or band.DEV_METHODS, 'all' or 'none' (poisoned run)",
     )
     parser.add_argument("--retrain-seeds", type=int, default=0, help="band: retraining runs (0 = band.RETRAIN_SEEDS)")
     args = parser.parse_args(argv)
