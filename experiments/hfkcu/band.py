@@ -145,7 +145,9 @@ DEV_METHODS: dict[str, dict] = {
 }
 """Candidates measured on the development settings only (with :data:`METHODS`' ``rollback`` and ``rollback + 5
 tuning rounds``). Rule, fixed before they ran: the recipe's tuning rounds are the fewest of 0, 5, 10, 20 whose
-rollback lands inside the band on every development setting; if none does, the one inside on most, then fewer."""
+rollback lands inside the band on every development setting; if none does, the one inside on most, then fewer.
+FedEraser's calibration (``rollback + calibration every 20``, measured beside them) stays in the recipe only if it
+lands inside on more development settings than the chosen plain rollback."""
 
 DEFAULT_METHOD = "rollback + calibration every 20"
 """The default recipe when the run stored its history (its ``default`` column is true), declared before the
