@@ -57,3 +57,11 @@ def test_the_validated_config_records_the_resolved_recipe():
     assert (stored.unlearning, stored.unlearning_post_check) == ("rollback", "off")
     nobody = make_run_config(unlearning="auto", unlearning_post_check="auto")
     assert (nobody.unlearning, nobody.unlearning_post_check) == ("none", "off")
+
+
+def test_the_rollback_keys_are_inert_for_another_method():
+    # the recipe's rollback keys have non-zero defaults; a run that forgets with HF-KCU must not trip on them
+    config = make_run_config(
+        unlearning="hfkcu", forget_users="3", rollback_calibration_every=20, rollback_tuning_rounds=5
+    )
+    assert config.unlearning == "hfkcu"

@@ -225,7 +225,6 @@ def test_the_dominated_radius_rule_and_its_masked_step(tmp_path):
     ("overrides", "message"),
     [
         ({"unlearning": "rollback", "unlearning_history": "off"}, "'unlearning' = 'rollback' replays"),
-        ({"unlearning": "hfkcu", "rollback_tuning_rounds": 2}, "apply to unlearning = 'rollback'"),
         ({"unlearning": "hfkcu", "krylov_masked_step": True}, "needs krylov-radius-rule = 'dominated'"),
         ({"unlearning": "hfkcu", "unlearning_post_check": "on"}, "set 'holdout-validation' = true"),
         (

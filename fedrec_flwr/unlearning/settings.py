@@ -187,7 +187,7 @@ class UnlearningSection:
         ``holdout-validation`` and ``adversary`` of :class:`fedrec_flwr.config.RunConfig`).
 
         Raises:
-            ConfigError: ``rollback`` without a history, tuning rounds without ``rollback``, the history with
+            ConfigError: ``rollback`` without a history, the history with
                 FedAU²'s adversary (its replies carry gradients), the masked step without the dominated rule, or the
                 post-check without the validation item or an approximate method (naming the keys).
         """
@@ -201,11 +201,6 @@ class UnlearningSection:
             raise ConfigError(
                 f"run-config key 'unlearning-history' = {self.unlearning_history!r} stores parameter updates, but "
                 f"adversary = {self.adversary!r} uploads gradients of h_w; set unlearning-history = 'off'"
-            )
-        if self.unlearning != "rollback" and self.rollback_tuning_rounds:  # calibration-every is inert there
-            raise ConfigError(
-                f"run-config key 'rollback-tuning-rounds' = {self.rollback_tuning_rounds} trains after a rollback: "
-                f"the rollback keys apply to unlearning = 'rollback', got unlearning = {self.unlearning!r}; set it to 0"
             )
         if self.krylov_masked_step and self.krylov_radius_rule != "dominated":
             raise ConfigError(
