@@ -292,3 +292,17 @@ def test_forget_rows_add_kl_to_the_reference_and_judge_it_one_sided(tmp_path):
 
 def asdict_setting(setting):
     return {"dataset": setting.dataset, "model": setting.model, "attack": setting.attack, "seed": setting.seed}
+
+
+def test_adding_methods_runs_only_the_missing_ones_and_needs_an_exact_reproduction(tmp_path):
+    done = tmp_path / "poisoned.json"
+    assert B._pending(done, {"a": {}}, add=True) == (None, {"a": {}})
+    record = {"original": {"HR@10": 0.5, "mia-auc": float("nan")}, "methods": {"a": {"metrics": 1}}, "wall": 3}
+    done.write_text(__import__("json").dumps(record))
+    previous, todo = B._pending(done, {"a": {}, "b": {"x": 1}}, add=True)
+    assert todo == {"b": {"x": 1}} and B._pending(done, {"a": {}, "b": {}}, add=False)[1] == {}
+    B._check_reproduced(done, {"HR@10": 0.5, "mia-auc": float("nan")}, previous)  # NaN equals NaN
+    with pytest.raises(RuntimeError, match="did not reproduce"):
+        B._check_reproduced(done, {"HR@10": 0.5000001, "mia-auc": float("nan")}, previous)
+    merged = B._merged({"methods": {"b": {"metrics": 2}}, "wall": 9}, previous)
+    assert merged["methods"] == {"a": {"metrics": 1}, "b": {"metrics": 2}} and merged["wall"] == 3

@@ -495,6 +495,35 @@ def apply_methods(view, methods: Mapping[str, dict], forget: np.ndarray, num_use
     return out
 
 
+def _pending(done: Path, methods: Mapping[str, dict], add: bool) -> tuple[dict | None, dict]:
+    """``(the existing record or None, the methods still to run)`` of a trained run whose record is ``done``: none
+    when it exists (all of those it lacks with ``add``)."""
+    previous = json.loads(done.read_text()) if done.is_file() else None
+    if previous is None:
+        return None, dict(methods)
+    return previous, ({k: v for k, v in methods.items() if k not in previous["methods"]} if add else {})
+
+
+def _check_reproduced(done: Path, got: Mapping[str, float], previous: dict | None) -> None:
+    """Raise ``RuntimeError`` when a trained run retrained to add methods measures other than its record (NaN equals
+    NaN: a membership attack with no score)."""
+    if previous is None:
+        return
+    want = previous["original"]
+    same = set(got) == set(want) and all(got[k] == want[k] or (math.isnan(got[k]) and math.isnan(want[k])) for k in got)
+    if not same:
+        raise RuntimeError(
+            f"{done}: the retrained model measures {dict(got)}, the record {want}; the run did not reproduce, "
+            "so no method is added"
+        )
+
+
+def _merged(result: dict, previous: dict | None) -> dict:
+    """The record to write: ``result``, or ``previous`` with ``result``'s methods added (it keeps its own training
+    cost and time)."""
+    return result if previous is None else {**previous, "methods": {**previous["methods"], **result["methods"]}}
+
+
 def run_poisoned(
     setting: Setting,
     *,
@@ -511,13 +540,10 @@ def run_poisoned(
     from experiments.hfkcu.analysis import private_records
 
     done = out / setting.folder / "poisoned.json"
-    methods = METHODS if methods is None else methods
-    previous = json.loads(done.read_text()) if done.is_file() else None
-    if previous is not None:
-        methods = {k: v for k, v in methods.items() if k not in previous["methods"]} if add else {}
-        if not methods:
-            print(f"skip (done): {done}", flush=True)
-            return {}
+    previous, methods = _pending(done, METHODS if methods is None else methods, add)
+    if not methods:
+        print(f"skip (done): {done}", flush=True)
+        return {}
     config, reference, fake_users, target = _poisoned(
         setting, data_dir, cache, setting.seed, "poisoned", cache / "band", **HISTORY
     )
@@ -530,11 +556,7 @@ def run_poisoned(
         records = private_records(view.grid, range(reference.split.num_users))
         result["original"] = measure(reference, records, view.arrays, genuine, target)
         print(f"  original {result['original']}", flush=True)
-        if previous is not None and result["original"] != previous["original"]:
-            raise RuntimeError(
-                f"{done}: the retrained poisoned model measures {result['original']}, the record "
-                f"{previous['original']}; the run did not reproduce, so no method is added"
-            )
+        _check_reproduced(done, result["original"], previous)
 
         def score(user_records, arrays, name):
             return measure(reference, user_records, arrays, genuine, target)
@@ -544,8 +566,7 @@ def run_poisoned(
     started = time.perf_counter()
     _train(config, meter, {ROUNDS: at_end})
     result["wall-seconds"] = time.perf_counter() - started
-    if previous is not None:  # the record keeps its own training cost and time
-        result = {**previous, "methods": {**previous["methods"], **result["methods"]}}
+    result = _merged(result, previous)
     atomic_write_json(done, result)
     return result
 
@@ -890,19 +911,25 @@ def _scores_path(cache: Path, setting: Setting, name: str) -> Path:
 
 
 def run_forget_trained(
-    setting: Setting, *, data_dir: str, cache: Path, out: Path, methods: Mapping[str, dict] | None = None
+    setting: Setting,
+    *,
+    data_dir: str,
+    cache: Path,
+    out: Path,
+    methods: Mapping[str, dict] | None = None,
+    add: bool = False,
 ) -> dict:
-    """Train a forget setting's federation and apply every method (as :func:`run_poisoned`); write
+    """Train a forget setting's federation and apply every method (as :func:`run_poisoned`, ``add`` included); write
     ``trained.json`` (metrics and costs), the forgotten users' trained records and every model's candidate scores
     (cache)."""
     from experiments.hfkcu.analysis import private_records
     from fedrec_flwr.io import atomic_save_npz
 
     done = out / setting.folder / "trained.json"
-    if done.is_file():
+    previous, methods = _pending(done, METHODS if methods is None else methods, add)
+    if not methods:
         print(f"skip (done): {done}", flush=True)
         return {}
-    methods = METHODS if methods is None else methods
     config, reference, forgotten, remaining = _forget(setting, data_dir, cache, setting.seed, "trained", **HISTORY)
     meter = Meter(config.local_epochs)
     result: dict = {"setting": asdict(setting), "forgotten": int(forgotten.size), "methods": {}}
@@ -919,6 +946,7 @@ def run_forget_trained(
         metrics, scores = measure_forget(reference, records, mine, view.arrays, forgotten, remaining, setting.seed)
         np.save(_scores_path(cache, setting, "original"), scores)
         result["original"] = metrics
+        _check_reproduced(done, metrics, previous)
 
         def score(user_records, arrays, name):
             got, scores = measure_forget(reference, user_records, mine, arrays, forgotten, remaining, setting.seed)
@@ -931,6 +959,7 @@ def run_forget_trained(
     _scores_path(cache, setting, "x").parent.mkdir(parents=True, exist_ok=True)
     _train(config, meter, {ROUNDS: at_end})
     result["wall-seconds"] = time.perf_counter() - started
+    result = _merged(result, previous)
     atomic_write_json(done, result)
     return result
 

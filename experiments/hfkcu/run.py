@@ -342,7 +342,7 @@ def _band(args) -> None:
         forget = setting.attack.startswith("forget-")  # a random forget set ("forget-1%"), not an attack
         if seed is None:
             if forget:
-                band.run_forget_trained(setting, methods=methods, **common)
+                band.run_forget_trained(setting, methods=methods, add=args.add_methods, **common)
             else:
                 band.run_poisoned(setting, methods=methods, add=args.add_methods, **common)
         else:
