@@ -317,8 +317,7 @@ def _band(args) -> None:
     if args.methods == "all":
         methods = band.METHODS
     else:
-        known = {**band.METHODS, **band.DEV_METHODS}
-        methods = {k: known[k] for k in args.methods.split(";") if k and k != "none"}
+        methods = {k: band.METHODS[k] for k in args.methods.split(";") if k and k != "none"}
     settings = [
         band.Setting(d, m, a, int(s))
         for d in args.datasets.split(",")
@@ -406,7 +405,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--methods",
         default="all",
-        help="band: ';'-separated names of band.METHODS or band.DEV_METHODS, 'all' or 'none' (poisoned run)",
+        help="band: ';'-separated names of band.METHODS, 'all' or 'none' (poisoned run)",
     )
     parser.add_argument("--retrain-seeds", type=int, default=0, help="band: retraining runs (0 = band.RETRAIN_SEEDS)")
     args = parser.parse_args(argv)
