@@ -10,7 +10,7 @@ not have fit the forgotten data better (ours: an in-run proxy; the target exposu
 user's scores of every item, which no query returns).
 
 **The fallback.** A failed check undoes the step (the model before it is restored); then, with the stored
-contributions (``unlearning-history``), the phase runs ``rollback`` (:mod:`.unlearning_rollback`, plain) from the
+contributions (``unlearning-history``), the phase runs ``rollback`` (:mod:`.unlearning_rollback`, with the run's rollback keys) from the
 model before the step; without them the model stays as it was before the step and the report records that a
 retraining run is needed (``unlearning = "retrain"``: the forgotten users never train, from round 1, which a run
 cannot do after the fact). ``unlearning.json``'s ``post-check`` says what was measured, which method's result the
