@@ -161,11 +161,6 @@ setting; if none does, the one inside on most, then fewer. FedEraser's calibrati
 Outcome: none lands inside on all four (FilmTrust FedNCF defeats each); 10 tuning rounds on 3 of 4, 0 and 20 on 2,
 5 on 1, the calibrated rollback on 2; so the recipe is plain rollback with 10 tuning rounds."""
 
-DECLARED_METHOD = "rollback + calibration every 20"
-"""The default recipe as declared before any run of the benchmark (FedEraser's calibrated rollback, every 20th stored
-round calibrated: its client cost is a tenth of a 50-round retraining); kept as a named arm beside the recipe the
-development rule chose."""
-
 DEFAULT_METHOD = "rollback + 10 tuning rounds"
 """The default recipe when the run stored its history (its ``default`` column is true): the package's
 ``unlearning = "auto"`` with ``rollback-tuning-rounds = 10``, chosen on the development settings by the rule of
@@ -174,7 +169,9 @@ forgotten users exactly, but the remaining users' stored updates were computed o
 had shaped, and FedNCF's shared MLP replayed that way can lose the ranking (FilmTrust FedNCF, development seed:
 HR@10 0.06 after the replay, 0.93 after 10 tuning rounds); calibration rescales the updates' lengths, which does not
 repair their directions, while training rounds of the remaining users do. Cost: 10 rounds of the sampled users,
-a tenth of the 100-round retraining that is the cheapest landing in the band in most settings."""
+a tenth of the 100-round retraining that is the cheapest landing in the band in most settings. The recipe declared
+before any run of the benchmark, FedEraser's calibrated rollback every 20th stored round, stays the arm
+``rollback + calibration every 20``."""
 
 RETRAIN_METHOD = "retrain {rounds} rounds"
 """Name of a retraining budget's rows (the poisoned run's own training seed, the fakes never sampled)."""
@@ -475,12 +472,14 @@ def apply_methods(view, methods: Mapping[str, dict], forget: np.ndarray, num_use
     from fedrec_flwr.strategies.unlearning import ClientUnlearning
 
     grid, strategy = view.grid, view.strategy
-    records = private_records(grid, range(num_users))
     out: dict = {}
     for name, changes in methods.items():
         settings = _settings(view.config, forget, changes, num_users)
         states = {n: copy.deepcopy(c.state) for n, c in grid.contexts.items()}
-        log = copy.deepcopy(strategy.contribution_log)
+        # only a rollback (run directly or as the post-check's fallback) deletes stored contributions; the store is
+        # the largest thing the server holds (up to 1.7 GB here), so it is copied only then
+        rolls_back = settings.method == "rollback" or settings.unlearning_post_check == "on"
+        log = copy.deepcopy(strategy.contribution_log) if rolls_back else strategy.contribution_log
         before = meter.now()
         new, report = ClientUnlearning(strategy, settings, timeout=view.config.round_timeout).run(
             grid, view.arrays, view.server_round
@@ -505,7 +504,6 @@ def apply_methods(view, methods: Mapping[str, dict], forget: np.ndarray, num_use
         for node, context in grid.contexts.items():
             context.state = states[node]
         strategy.contribution_log = log
-    del records
     return out
 
 
